@@ -1,0 +1,182 @@
+//! Leases, the watchdog, `max_hold` and `extend`.
+
+use std::time::Duration;
+
+use lockkit_core::{Error, LostReason};
+use tokio::time::Instant;
+
+use super::{CountingBackend, LONG_TTL, assert_busy, assert_free, generous_wait};
+use crate::{Check, Harness, Outcome, Space, support::expect_err};
+
+/// Without renewal a lease runs out: a rival gets the key after the TTL, never before, and
+/// the holder's guard reports the loss.
+pub async fn unrenewed_lease_expires<H: Harness>(h: &H) -> Outcome {
+    let space = Space::new("unrenewed_lease_expires");
+    let key = space.key("k");
+    let ttl = h.short_ttl();
+    let (a, b) = (h.client().await, h.client().await);
+    let requested = Instant::now();
+    let held = a.try_acquire(&key).ttl(ttl).no_watchdog().await.check("acquire").check("free key");
+    assert_busy(&b, &key, "before the lease ran out").await;
+    let rival = b.acquire(&key).wait(generous_wait(h)).await.check("rival waits for expiry");
+    let granted_after = requested.elapsed();
+    assert!(
+        granted_after >= ttl.mul_f64(0.95),
+        "rival granted after {granted_after:?}, before the {ttl:?} lease could have run out"
+    );
+    assert!(rival.token() > held.token());
+    assert!(!held.is_valid(), "the holder must know its lease ran out");
+    assert_eq!(
+        tokio::time::timeout(Duration::from_secs(5), held.lost()).await.check("lost must have fired"),
+        LostReason::LeaseExpired
+    );
+    rival.release().await.check("release rival");
+    Outcome::Passed
+}
+
+/// The watchdog keeps a lease alive for five TTLs while the guard lives.
+pub async fn watchdog_keeps_lease_alive<H: Harness>(h: &H) -> Outcome {
+    let space = Space::new("watchdog_keeps_lease_alive");
+    let key = space.key("k");
+    let ttl = h.short_ttl();
+    let (a, b) = (h.client().await, h.client().await);
+    let held = a.try_acquire(&key).ttl(ttl).await.check("acquire").check("free key");
+    let lost = held.lost();
+    tokio::select! {
+        reason = lost => panic!("the watchdog let the lease go: {reason:?}"),
+        _ = tokio::time::sleep(ttl * 5) => {}
+    }
+    assert!(held.is_valid());
+    assert_busy(&b, &key, "after 5 TTLs with the watchdog running").await;
+    held.release().await.check("release");
+    Outcome::Passed
+}
+
+/// Once released, a guard's watchdog renews no more.
+pub async fn renewal_stops_on_release<H: Harness>(h: &H) -> Outcome {
+    let space = Space::new("renewal_stops_on_release");
+    let key = space.key("k");
+    let ttl = h.short_ttl();
+    let (client, counter) = CountingBackend::wrap(&h.client().await);
+    let held = client.try_acquire(&key).ttl(ttl).await.check("acquire").check("free key");
+    tokio::time::sleep(ttl).await;
+    assert!(counter.renewals() >= 1, "the watchdog never renewed within one TTL");
+    held.release().await.check("release");
+    let after_release = counter.renewals();
+    tokio::time::sleep(ttl * 2).await;
+    assert_eq!(counter.renewals(), after_release, "renewals went on after release");
+    assert_free(&h.client().await, &key, "after release").await;
+    Outcome::Passed
+}
+
+/// Once dropped, a guard's watchdog renews no more and the lock is given back.
+pub async fn renewal_stops_on_drop<H: Harness>(h: &H) -> Outcome {
+    let space = Space::new("renewal_stops_on_drop");
+    let key = space.key("k");
+    let ttl = h.short_ttl();
+    let (client, counter) = CountingBackend::wrap(&h.client().await);
+    let held = client.try_acquire(&key).ttl(LONG_TTL).renew_every(ttl / 3).await.check("acquire").check("free key");
+    tokio::time::sleep(ttl).await;
+    assert!(counter.renewals() >= 1, "the watchdog never renewed");
+    drop(held);
+    // The background release frees the key long before the 60 s lease would.
+    let other = h.client().await;
+    let guard = other.acquire(&key).wait(Duration::from_secs(10)).await.check("key freed by the dropped guard");
+    let after_drop = counter.renewals();
+    tokio::time::sleep(ttl * 2).await;
+    assert_eq!(counter.renewals(), after_drop, "renewals went on after drop");
+    guard.release().await.check("release");
+    Outcome::Passed
+}
+
+/// `max_hold` caps renewal: the lease runs out after about `max_hold` and the guard
+/// reports the loss.
+pub async fn max_hold_caps_renewal<H: Harness>(h: &H) -> Outcome {
+    let space = Space::new("max_hold_caps_renewal");
+    let key = space.key("k");
+    let ttl = h.short_ttl();
+    let max_hold = ttl * 2;
+    let (a, b) = (h.client().await, h.client().await);
+    let started = Instant::now();
+    let held = a.try_acquire(&key).ttl(ttl).max_hold(max_hold).await.check("acquire").check("free key");
+    let rival = b.acquire(&key).wait(generous_wait(h)).await.check("rival after max_hold");
+    let waited = started.elapsed();
+    assert!(
+        waited >= max_hold.mul_f64(0.95),
+        "granted to a rival after {waited:?}, before max_hold {max_hold:?}"
+    );
+    assert_eq!(
+        tokio::time::timeout(Duration::from_secs(5), held.lost()).await.check("lost after max_hold"),
+        LostReason::LeaseExpired
+    );
+    rival.release().await.check("release");
+    Outcome::Passed
+}
+
+/// `extend` moves the expiry: the lease outlives its original TTL.
+pub async fn extend_moves_expiry<H: Harness>(h: &H) -> Outcome {
+    let space = Space::new("extend_moves_expiry");
+    let key = space.key("k");
+    let ttl = h.short_ttl();
+    let (a, b) = (h.client().await, h.client().await);
+    let held = a.try_acquire(&key).ttl(ttl).no_watchdog().await.check("acquire").check("free key");
+    let before = held.valid_until().check("valid after acquire");
+    held.extend(LONG_TTL).await.check("extend");
+    let after = held.valid_until().check("valid after extend");
+    assert!(after > before + ttl, "valid_until did not move: {before:?} -> {after:?}");
+    tokio::time::sleep(ttl * 2 + h.expiry_slack()).await;
+    assert!(held.is_valid());
+    assert_busy(&b, &key, "past the original TTL after extend").await;
+    held.release().await.check("release");
+    Outcome::Passed
+}
+
+/// `extend` after the lease ran out is `Lost`.
+pub async fn extend_after_expiry_is_lost<H: Harness>(h: &H) -> Outcome {
+    let space = Space::new("extend_after_expiry_is_lost");
+    let key = space.key("k");
+    let ttl = h.short_ttl();
+    let a = h.client().await;
+    let held = a.try_acquire(&key).ttl(ttl).no_watchdog().await.check("acquire").check("free key");
+    tokio::time::sleep(ttl + h.expiry_slack()).await;
+    expect_err(held.extend(LONG_TTL).await, "extend after expiry", |e| {
+        matches!(e, Error::Lost { .. })
+    });
+    Outcome::Passed
+}
+
+/// After release the backend refuses to renew the old grant: `NotHeld`. (A released
+/// `LockGuard` is consumed, so through the user API this cannot even be written.)
+pub async fn renew_after_release_is_not_held<H: Harness>(h: &H) -> Outcome {
+    let space = Space::new("renew_after_release_is_not_held");
+    let key = space.key("k");
+    let a = h.client().await;
+    let held = a.try_acquire(&key).ttl(LONG_TTL).await.check("acquire").check("free key");
+    let grant = held.grant().clone();
+    held.release().await.check("release");
+    expect_err(
+        a.backend().renew(&grant, LONG_TTL).await,
+        "renew after release",
+        |e| matches!(e, Error::NotHeld { .. }),
+    );
+    assert_free(&h.client().await, &key, "renew after release must not resurrect it").await;
+    Outcome::Passed
+}
+
+/// `is_valid` and `valid_until` follow the lease on the local monotonic clock.
+pub async fn validity_tracks_the_lease<H: Harness>(h: &H) -> Outcome {
+    let space = Space::new("validity_tracks_the_lease");
+    let key = space.key("k");
+    let ttl = h.short_ttl();
+    let a = h.client().await;
+    let requested = Instant::now();
+    let held = a.try_acquire(&key).ttl(ttl).no_watchdog().await.check("acquire").check("free key");
+    let until = held.valid_until().check("valid after acquire");
+    assert!(held.is_valid());
+    assert!(until <= requested + ttl + Duration::from_millis(1), "valid_until past the lease");
+    assert!(until > Instant::now(), "valid_until already passed");
+    tokio::time::sleep_until(until + Duration::from_millis(20)).await;
+    assert!(!held.is_valid(), "still valid after valid_until");
+    assert_eq!(held.valid_until(), None);
+    Outcome::Passed
+}

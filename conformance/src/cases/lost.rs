@@ -1,0 +1,81 @@
+//! The lost signal.
+
+use std::time::Duration;
+
+use lockkit_core::{Error, LostReason};
+
+use super::{LONG_TTL, hook};
+use crate::{Check, Harness, Outcome, Space, support::expect_err};
+
+/// Taking the lock away behind the holder's back fires `lost` (found by the watchdog).
+pub async fn lost_fires_when_taken_away<H: Harness>(h: &H) -> Outcome {
+    let space = Space::new("lost_fires_when_taken_away");
+    let key = space.key("k");
+    let ttl = h.short_ttl();
+    let a = h.client().await;
+    let held = a.try_acquire(&key).ttl(ttl).await.check("acquire").check("free key");
+    hook!(h.take_away(&key).await);
+    let reason = tokio::time::timeout(ttl * 4 + h.expiry_slack() + Duration::from_secs(5), held.lost())
+        .await
+        .check("lost never fired after the lock was taken away");
+    assert_ne!(reason, LostReason::LeaseExpired, "the watchdog should have been told, not timed out");
+    assert!(!held.is_valid());
+    Outcome::Passed
+}
+
+/// Once fired, `lost()` resolves at once for a late subscriber.
+pub async fn late_subscriber_sees_loss_at_once<H: Harness>(h: &H) -> Outcome {
+    let space = Space::new("late_subscriber_sees_loss_at_once");
+    let key = space.key("k");
+    let ttl = h.short_ttl();
+    let a = h.client().await;
+    let held = a.try_acquire(&key).ttl(ttl).no_watchdog().await.check("acquire").check("free key");
+    let first = tokio::time::timeout(ttl * 4 + Duration::from_secs(5), held.lost()).await.check("lost after expiry");
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let late = tokio::time::timeout(Duration::from_secs(1), held.lost()).await.check("a late subscriber must see the loss at once");
+    assert_eq!(first, late);
+    Outcome::Passed
+}
+
+/// An idle holder with a live watchdog gets no false alarm over five TTLs.
+pub async fn no_false_alarm_for_idle_holder<H: Harness>(h: &H) -> Outcome {
+    let space = Space::new("no_false_alarm_for_idle_holder");
+    let key = space.key("k");
+    let ttl = h.short_ttl();
+    let a = h.client().await;
+    let held = a.try_acquire(&key).ttl(ttl).await.check("acquire").check("free key");
+    tokio::select! {
+        reason = held.lost() => panic!("false alarm: lost fired ({reason:?}) for a live holder"),
+        _ = tokio::time::sleep(ttl * 5) => {}
+    }
+    assert!(held.is_valid());
+    held.release().await.check("release");
+    Outcome::Passed
+}
+
+/// Killing the holder's connection or session fires `lost`.
+pub async fn lost_fires_when_connection_killed<H: Harness>(h: &H) -> Outcome {
+    let space = Space::new("lost_fires_when_connection_killed");
+    let key = space.key("k");
+    let ttl = h.short_ttl();
+    let a = h.client().await;
+    let held = a.try_acquire(&key).ttl(ttl).await.check("acquire").check("free key");
+    hook!(h.kill_connection(&a).await);
+    tokio::time::timeout(ttl * 4 + h.expiry_slack() + Duration::from_secs(10), held.lost())
+        .await
+        .check("lost never fired after the connection was killed");
+    assert!(!held.is_valid());
+    Outcome::Passed
+}
+
+/// Releasing a lost guard reports `Lost`, not success.
+pub async fn lost_guard_release_returns_lost<H: Harness>(h: &H) -> Outcome {
+    let space = Space::new("lost_guard_release_returns_lost");
+    let key = space.key("k");
+    let a = h.client().await;
+    let held = a.try_acquire(&key).ttl(h.short_ttl()).no_watchdog().await.check("acquire").check("free key");
+    tokio::time::timeout(LONG_TTL, held.lost()).await.check("lost after expiry");
+    let err = expect_err(held.release().await, "release after loss", |e| matches!(e, Error::Lost { .. }));
+    assert!(!err.is_retryable());
+    Outcome::Passed
+}

@@ -1,0 +1,116 @@
+//! The cases, one module per behaviour. Each is a plain `pub async fn` taking the harness;
+//! it panics on a violated expectation and returns [`crate::Outcome::Skipped`] when the
+//! harness lacks what it needs.
+
+use std::{
+    sync::{
+        Arc,
+        atomic::{AtomicU64, Ordering},
+    },
+    time::Duration,
+};
+
+use lockkit_core::{
+    AcquireRequest, BackendInfo, Grant, HolderInfo, LockBackend, LockKey, Locker, Released,
+    Result, async_trait,
+};
+
+use crate::Harness;
+
+pub mod bad_input;
+pub mod crash;
+pub mod exclusion;
+pub mod fencing;
+pub mod lease;
+pub mod lost;
+pub mod ownership;
+pub mod reentrancy;
+pub mod waiting;
+
+/// Runs a fault hook; returns `Skipped` from the case when the harness lacks it.
+macro_rules! hook {
+    ($call:expr) => {
+        match $call {
+            Ok(value) => value,
+            Err($crate::HookError::Unsupported(why)) => return $crate::Outcome::Skipped(why),
+            Err($crate::HookError::Failed(why)) => panic!("fault hook failed: {why}"),
+        }
+    };
+}
+pub(crate) use hook;
+
+/// A lease long enough that it never runs out during a case.
+pub(crate) const LONG_TTL: Duration = Duration::from_secs(60);
+
+/// A wait long enough that only a broken backend reaches it.
+pub(crate) fn generous_wait<H: Harness>(h: &H) -> Duration {
+    h.short_ttl() * 10 + h.expiry_slack() + Duration::from_secs(5)
+}
+
+/// Wraps a client's backend and counts renewals, to see when the watchdog stops.
+#[derive(Debug)]
+pub(crate) struct CountingBackend {
+    inner: Arc<dyn LockBackend>,
+    pub(crate) renewals: AtomicU64,
+}
+
+impl CountingBackend {
+    /// A locker over `client`'s backend that counts renewals.
+    pub(crate) fn wrap(client: &Locker) -> (Locker, Arc<CountingBackend>) {
+        let counting = Arc::new(CountingBackend {
+            inner: client.backend().clone(),
+            renewals: AtomicU64::new(0),
+        });
+        (Locker::from_arc(counting.clone()), counting)
+    }
+
+    pub(crate) fn renewals(&self) -> u64 {
+        self.renewals.load(Ordering::SeqCst)
+    }
+}
+
+#[async_trait]
+impl LockBackend for CountingBackend {
+    fn info(&self) -> BackendInfo {
+        self.inner.info()
+    }
+    async fn try_acquire(&self, req: &AcquireRequest) -> Result<Option<Grant>> {
+        self.inner.try_acquire(req).await
+    }
+    async fn acquire(&self, req: &AcquireRequest, wait: Duration) -> Result<Grant> {
+        self.inner.acquire(req, wait).await
+    }
+    async fn renew(&self, grant: &Grant, ttl: Duration) -> Result<()> {
+        self.renewals.fetch_add(1, Ordering::SeqCst);
+        self.inner.renew(grant, ttl).await
+    }
+    async fn release(&self, grant: &Grant) -> Result<Released> {
+        self.inner.release(grant).await
+    }
+    async fn inspect(&self, key: &LockKey) -> Result<Option<HolderInfo>> {
+        self.inner.inspect(key).await
+    }
+}
+
+/// Fails unless `client` currently cannot take `key`.
+pub(crate) async fn assert_busy(client: &Locker, key: &LockKey, why: &str) {
+    let outcome = client.try_acquire(key).await;
+    match outcome {
+        Ok(None) => {}
+        Ok(Some(g)) => panic!("{why}: `{key}` was free (granted token {})", g.token()),
+        Err(e) => panic!("{why}: try_acquire on `{key}` failed: {e}"),
+    }
+}
+
+/// Fails unless `client` can take `key` at once; gives it back.
+pub(crate) async fn assert_free(client: &Locker, key: &LockKey, why: &str) {
+    match client.try_acquire(key).await {
+        Ok(Some(g)) => {
+            if let Err(e) = g.release().await {
+                panic!("{why}: releasing the probe hold on `{key}` failed: {e}");
+            }
+        }
+        Ok(None) => panic!("{why}: `{key}` is still held"),
+        Err(e) => panic!("{why}: try_acquire on `{key}` failed: {e}"),
+    }
+}

@@ -1,0 +1,321 @@
+//! # lockkit-conformance
+//!
+//! The one behaviour suite every lockkit backend passes. Each case is a plain
+//! `pub async fn case<H: Harness>(h: &H) -> Outcome` in [`cases`]; the [`suite!`] macro
+//! instantiates one `#[test]` per case of the [`CATALOGUE`] for a backend, and
+//! [`run_all`] runs them all for backend authors outside this workspace.
+//!
+//! ```ignore
+//! // tests/conformance.rs of a backend crate
+//! lockkit_conformance::suite!(Some(my_backend::TestHarness::new().await));
+//! ```
+//!
+//! Besides the cases it ships the tools they use: a [`History`] checker (valid holds never
+//! overlap; tokens strictly grow), a [`FaultProxy`] (cut, reset, delay, heal a TCP link),
+//! a child-process lock holder ([`holder`]), and fenced/unfenced toy stores.
+#![cfg_attr(not(test), deny(clippy::unwrap_used))]
+
+pub mod cases;
+pub mod env;
+pub mod fenced;
+pub mod harness;
+pub mod history;
+pub mod holder;
+mod memory_harness;
+pub mod proxy;
+mod support;
+
+use std::{future::Future, io::Write, sync::Arc, time::Duration};
+
+pub use fenced::{FencedStore, StaleToken, UnfencedStore};
+pub use harness::{Harness, HookError, HookResult};
+pub use history::{History, Violation};
+pub use lockkit_core;
+pub use memory_harness::MemoryHarness;
+pub use proxy::{FaultProxy, LinkState};
+pub use support::{Check, Space};
+
+/// How one case ended, when it did not fail (failing cases panic).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Outcome {
+    /// Every assertion held.
+    Passed,
+    /// The case could not run on this harness (a hook or capability is missing).
+    Skipped(String),
+}
+
+/// The longest a single case may run before it fails.
+pub const CASE_LIMIT: Duration = Duration::from_secs(120);
+
+/// The list of every case, as `module::case`, in one place. Everything else is generated
+/// from it: [`CATALOGUE`], [`run_all`] and the tests of [`suite!`].
+#[doc(hidden)]
+#[macro_export]
+macro_rules! __with_catalogue {
+    ($callback:ident { $($args:tt)* }) => {
+        $crate::$callback! { { $($args)* }
+            exclusion::acquire_release_reacquire,
+            exclusion::contended_try_acquire_is_none,
+            exclusion::independent_keys_do_not_contend,
+            exclusion::counter_is_exact_under_contention,
+            exclusion::release_relock_loop,
+            exclusion::child_process_hold_blocks_parent,
+            lease::unrenewed_lease_expires,
+            lease::watchdog_keeps_lease_alive,
+            lease::renewal_stops_on_release,
+            lease::renewal_stops_on_drop,
+            lease::max_hold_caps_renewal,
+            lease::extend_moves_expiry,
+            lease::extend_after_expiry_is_lost,
+            lease::renew_after_release_is_not_held,
+            lease::validity_tracks_the_lease,
+            ownership::foreign_release_is_refused,
+            ownership::foreign_renew_is_refused,
+            ownership::late_release_spares_next_holder,
+            ownership::double_release_is_harmless,
+            ownership::inspect_reports_holder,
+            ownership::inspect_free_key_is_none,
+            fencing::tokens_strictly_increase,
+            fencing::tokens_increase_under_concurrency,
+            fencing::paused_holder_fenced_write_is_rejected,
+            fencing::tokens_grow_after_holder_crash,
+            reentrancy::same_owner_needs_as_many_releases,
+            reentrancy::nested_holds_keep_token,
+            reentrancy::other_owner_on_same_connection_is_excluded,
+            reentrancy::loss_invalidates_every_depth,
+            reentrancy::plain_acquire_is_not_reentrant,
+            reentrancy::reenter_from_guard,
+            waiting::zero_wait_returns_at_once,
+            waiting::wait_times_out_near_deadline,
+            waiting::waiter_is_woken_promptly_by_release,
+            waiting::waiter_acquires_after_holder_expires,
+            waiting::cancelled_waiter_leaves_no_residue,
+            waiting::cancelled_acquire_leaves_no_orphan,
+            waiting::many_waiters_all_acquire,
+            lost::lost_fires_when_taken_away,
+            lost::late_subscriber_sees_loss_at_once,
+            lost::no_false_alarm_for_idle_holder,
+            lost::lost_fires_when_connection_killed,
+            lost::lost_guard_release_returns_lost,
+            crash::killed_holder_frees_key_within_ttl,
+            crash::stopped_holder_loses_key_and_reports_lost,
+            bad_input::empty_key_is_refused,
+            bad_input::oversized_key_is_refused,
+            bad_input::odd_keys_are_distinct_or_refused,
+            bad_input::zero_ttl_is_refused,
+            bad_input::ttl_outside_backend_range_is_refused,
+            bad_input::invalid_options_are_refused,
+            bad_input::bad_url_is_refused,
+        }
+    };
+}
+
+#[doc(hidden)]
+#[macro_export]
+macro_rules! __catalogue_names {
+    ({} $($module:ident :: $case:ident),* $(,)?) => {
+        /// Every case, as `module::case`.
+        pub const CATALOGUE: &[&str] = &[$(concat!(stringify!($module), "::", stringify!($case))),*];
+    };
+}
+
+__with_catalogue!(__catalogue_names {});
+
+#[doc(hidden)]
+#[macro_export]
+macro_rules! __run_all {
+    ({} $($module:ident :: $case:ident),* $(,)?) => {
+        /// Runs every case against `harness`, one after another, and reports each outcome;
+        /// a failed case is reported with its panic message instead of aborting the run.
+        pub async fn run_all<H: Harness>(harness: Arc<H>) -> Report {
+            let mut report = Report::default();
+            $(
+                let h = harness.clone();
+                let name = concat!(stringify!($module), "::", stringify!($case));
+                let run = tokio::spawn(async move {
+                    tokio::time::timeout(CASE_LIMIT, $crate::cases::$module::$case(&*h)).await
+                });
+                report.record(name, run.await);
+            )*
+            report
+        }
+    };
+}
+
+__with_catalogue!(__run_all {});
+
+/// The outcome of [`run_all`].
+#[derive(Debug, Default)]
+pub struct Report {
+    /// Cases that passed.
+    pub passed: Vec<&'static str>,
+    /// Cases skipped, with the reason.
+    pub skipped: Vec<(&'static str, String)>,
+    /// Cases that failed, with the message.
+    pub failed: Vec<(&'static str, String)>,
+}
+
+impl Report {
+    fn record(
+        &mut self,
+        name: &'static str,
+        run: Result<Result<Outcome, tokio::time::error::Elapsed>, tokio::task::JoinError>,
+    ) {
+        match run {
+            Ok(Ok(Outcome::Passed)) => self.passed.push(name),
+            Ok(Ok(Outcome::Skipped(why))) => self.skipped.push((name, why)),
+            Ok(Err(_)) => self
+                .failed
+                .push((name, format!("did not finish within {CASE_LIMIT:?}"))),
+            Err(e) => self.failed.push((name, panic_message(e))),
+        }
+    }
+
+    /// True when no case failed.
+    pub fn is_success(&self) -> bool {
+        self.failed.is_empty()
+    }
+}
+
+fn panic_message(e: tokio::task::JoinError) -> String {
+    match e.try_into_panic() {
+        Ok(payload) => payload
+            .downcast_ref::<String>()
+            .cloned()
+            .or_else(|| payload.downcast_ref::<&str>().map(|s| (*s).to_owned()))
+            .unwrap_or_else(|| "panicked".into()),
+        Err(e) => e.to_string(),
+    }
+}
+
+/// Runs one case on a fresh multi-threaded runtime; used by [`suite!`].
+///
+/// `make` builds the harness (`None`: the servers are not configured; the case is
+/// skipped loudly, or fails in CI through [`env::service_url`]).
+pub fn run_case<H, M, C, F>(name: &str, suite_module: &str, make: M, case: C)
+where
+    H: Harness,
+    M: Future<Output = Option<H>>,
+    C: FnOnce(Arc<H>) -> F,
+    F: Future<Output = Outcome>,
+{
+    holder::set_entry(suite_module);
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap_or_else(|e| panic!("cannot start a Tokio runtime: {e}"));
+    runtime.block_on(async {
+        let Some(harness) = make.await else {
+            report_skip(name, "the harness is not configured (see the SKIPPED line above)");
+            return;
+        };
+        let harness = Arc::new(harness);
+        let label = harness.name();
+        match tokio::time::timeout(CASE_LIMIT, case(harness)).await {
+            Ok(Outcome::Passed) => {}
+            Ok(Outcome::Skipped(why)) => report_skip(&format!("{name} on {label}"), &why),
+            Err(_) => panic!("{name} on {label} did not finish within {CASE_LIMIT:?}"),
+        }
+    });
+    runtime.shutdown_timeout(Duration::from_secs(5));
+}
+
+/// Prints a skip to the real stderr, so the test harness's capture cannot hide it.
+fn report_skip(what: &str, why: &str) {
+    let _ = writeln!(std::io::stderr(), "lockkit-conformance: SKIPPED {what}: {why}");
+}
+
+/// Runs the child-process helper if this process was started as one; used by [`suite!`].
+pub fn run_holder_child<H, M>(suite_module: &str, make: M)
+where
+    H: Harness,
+    M: Future<Output = Option<H>>,
+{
+    holder::set_entry(suite_module);
+    let Ok(runtime) = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+    else {
+        return;
+    };
+    runtime.block_on(async {
+        if let Some(harness) = make.await {
+            holder::child_main(&harness).await;
+        }
+    });
+}
+
+/// Fails unless every case of the [`CATALOGUE`] is a test of this test binary under
+/// `suite_module` (give it `module_path!()`). [`suite!`] calls it; call it yourself if you
+/// instantiate cases by hand.
+pub fn assert_catalogue_instantiated(suite_module: &str) {
+    let exe = std::env::current_exe().unwrap_or_else(|e| panic!("no test binary: {e}"));
+    let listing = std::process::Command::new(exe)
+        .args(["--list", "--format", "terse"])
+        .output()
+        .unwrap_or_else(|e| panic!("cannot list the tests of this binary: {e}"));
+    let listing = String::from_utf8_lossy(&listing.stdout);
+    let prefix = suite_module
+        .split_once("::")
+        .map_or(String::new(), |(_, rest)| format!("{rest}::"));
+    let missing: Vec<&str> = CATALOGUE
+        .iter()
+        .filter(|entry| {
+            let case = entry.rsplit("::").next().unwrap_or(entry);
+            !listing
+                .lines()
+                .any(|line| line == format!("{prefix}{case}: test"))
+        })
+        .copied()
+        .collect();
+    assert!(
+        missing.is_empty(),
+        "this backend's suite omits {} conformance case(s): {missing:?}",
+        missing.len()
+    );
+}
+
+#[doc(hidden)]
+#[macro_export]
+macro_rules! __suite_tests {
+    ({ $harness:expr } $($module:ident :: $case:ident),* $(,)?) => {
+        $(
+            #[test]
+            fn $case() {
+                $crate::run_case(
+                    concat!(stringify!($module), "::", stringify!($case)),
+                    module_path!(),
+                    async { $harness },
+                    |h| async move { $crate::cases::$module::$case(&*h).await },
+                );
+            }
+        )*
+
+        #[test]
+        fn catalogue_is_complete() {
+            $crate::assert_catalogue_instantiated(module_path!());
+        }
+
+        #[test]
+        #[ignore = "entry point of the conformance suite's child-process lock holder"]
+        fn __lockkit_holder_child() {
+            $crate::run_holder_child(module_path!(), async { $harness });
+        }
+    };
+}
+
+/// Instantiates the whole conformance suite for a backend: one `#[test]` per case, a test
+/// that fails if any case of the catalogue is missing, and the child-process entry point.
+///
+/// The argument is an expression of type `Option<impl Harness>`, evaluated inside an async
+/// block (it may `.await`), once per test. `None` means the backend's servers are not
+/// configured: every case is skipped loudly, or fails in CI (use [`env::service_url`]).
+/// Invoke it inside its own module so that test names read `module::case`.
+#[macro_export]
+macro_rules! suite {
+    ($harness:expr) => {
+        $crate::__with_catalogue!(__suite_tests { $harness });
+    };
+}

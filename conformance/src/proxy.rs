@@ -1,0 +1,195 @@
+//! A small TCP fault proxy: put it between a client and a server, then cut, reset, delay
+//! and heal the link from a test.
+
+use std::{
+    io,
+    net::SocketAddr,
+    sync::{Arc, Mutex},
+    time::Duration,
+};
+
+use tokio::{
+    io::{AsyncReadExt, AsyncWriteExt},
+    net::{TcpListener, TcpStream},
+    sync::watch,
+    task::JoinHandle,
+};
+
+/// The state of the link.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LinkState {
+    /// Bytes flow (after the configured delay).
+    Open,
+    /// A partition: connections stay open but no byte passes until healed, as when
+    /// packets are dropped and TCP keeps retransmitting.
+    Cut,
+    /// Every connection is closed and new ones are closed at once, until healed.
+    Reset,
+}
+
+#[derive(Debug)]
+struct Control {
+    state: watch::Sender<LinkState>,
+    delay: Mutex<Duration>,
+    pumps: Mutex<Vec<JoinHandle<()>>>,
+}
+
+/// A TCP proxy on a loopback port, forwarding to one upstream address.
+///
+/// Dropping it stops the listener and closes every proxied connection.
+#[derive(Debug)]
+pub struct FaultProxy {
+    local: SocketAddr,
+    control: Arc<Control>,
+    acceptor: JoinHandle<()>,
+}
+
+impl Drop for FaultProxy {
+    fn drop(&mut self) {
+        self.acceptor.abort();
+        for pump in self.control.pumps.lock().unwrap_or_else(|e| e.into_inner()).drain(..) {
+            pump.abort();
+        }
+    }
+}
+
+impl FaultProxy {
+    /// Starts a proxy on `127.0.0.1:0` forwarding to `upstream`.
+    ///
+    /// # Errors
+    /// When no loopback port can be bound.
+    pub async fn start(upstream: SocketAddr) -> io::Result<Self> {
+        let listener = TcpListener::bind(("127.0.0.1", 0)).await?;
+        let local = listener.local_addr()?;
+        let (state, _) = watch::channel(LinkState::Open);
+        let control = Arc::new(Control {
+            state,
+            delay: Mutex::new(Duration::ZERO),
+            pumps: Mutex::new(Vec::new()),
+        });
+        let acceptor = tokio::spawn(accept_loop(listener, upstream, control.clone()));
+        Ok(FaultProxy {
+            local,
+            control,
+            acceptor,
+        })
+    }
+
+    /// Where clients should connect.
+    pub fn local_addr(&self) -> SocketAddr {
+        self.local
+    }
+
+    /// Stalls the link in both directions; connections stay open.
+    pub fn cut(&self) {
+        self.control.state.send_replace(LinkState::Cut);
+    }
+
+    /// Closes every connection now and refuses new ones until [`FaultProxy::heal`].
+    pub fn reset(&self) {
+        self.control.state.send_replace(LinkState::Reset);
+        for pump in self
+            .control
+            .pumps
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .drain(..)
+        {
+            pump.abort();
+        }
+    }
+
+    /// Lets bytes flow again.
+    pub fn heal(&self) {
+        self.control.state.send_replace(LinkState::Open);
+    }
+
+    /// Delays every chunk forwarded from now on by `delay`.
+    pub fn set_delay(&self, delay: Duration) {
+        *self.control.delay.lock().unwrap_or_else(|e| e.into_inner()) = delay;
+    }
+
+    /// The current state.
+    pub fn state(&self) -> LinkState {
+        *self.control.state.borrow()
+    }
+
+    /// Proxied connections currently open.
+    pub fn open_connections(&self) -> usize {
+        let mut pumps = self.control.pumps.lock().unwrap_or_else(|e| e.into_inner());
+        pumps.retain(|p| !p.is_finished());
+        pumps.len()
+    }
+}
+
+async fn accept_loop(listener: TcpListener, upstream: SocketAddr, control: Arc<Control>) {
+    loop {
+        let Ok((client, _)) = listener.accept().await else {
+            continue;
+        };
+        if *control.state.borrow() == LinkState::Reset {
+            drop(client);
+            continue;
+        }
+        let pump = tokio::spawn(proxy_connection(client, upstream, control.clone()));
+        let mut pumps = control.pumps.lock().unwrap_or_else(|e| e.into_inner());
+        pumps.retain(|p| !p.is_finished());
+        pumps.push(pump);
+    }
+}
+
+async fn proxy_connection(client: TcpStream, upstream: SocketAddr, control: Arc<Control>) {
+    let Ok(server) = TcpStream::connect(upstream).await else {
+        return;
+    };
+    let _ = client.set_nodelay(true);
+    let _ = server.set_nodelay(true);
+    let (client_read, client_write) = client.into_split();
+    let (server_read, server_write) = server.into_split();
+    tokio::select! {
+        _ = pump(client_read, server_write, &control) => {}
+        _ = pump(server_read, client_write, &control) => {}
+    }
+}
+
+/// Waits until the link is open; false if it was reset.
+async fn wait_open(state: &mut watch::Receiver<LinkState>) -> bool {
+    loop {
+        match *state.borrow_and_update() {
+            LinkState::Open => return true,
+            LinkState::Reset => return false,
+            LinkState::Cut => {}
+        }
+        if state.changed().await.is_err() {
+            return false;
+        }
+    }
+}
+
+async fn pump(
+    mut from: tokio::net::tcp::OwnedReadHalf,
+    mut to: tokio::net::tcp::OwnedWriteHalf,
+    control: &Control,
+) {
+    let mut state = control.state.subscribe();
+    let mut buf = vec![0u8; 16 * 1024];
+    loop {
+        let n = match from.read(&mut buf).await {
+            Ok(0) | Err(_) => return,
+            Ok(n) => n,
+        };
+        if !wait_open(&mut state).await {
+            return;
+        }
+        let delay = *control.delay.lock().unwrap_or_else(|e| e.into_inner());
+        if !delay.is_zero() {
+            tokio::time::sleep(delay).await;
+            if !wait_open(&mut state).await {
+                return;
+            }
+        }
+        if to.write_all(&buf[..n]).await.is_err() {
+            return;
+        }
+    }
+}

@@ -1,0 +1,249 @@
+//! The backend SPI: what a lock service must provide. Users call [`crate::Locker`] instead.
+
+use std::{any::Any, fmt::Debug, sync::Arc, time::Duration};
+
+use async_trait::async_trait;
+use tokio::time::Instant;
+
+use crate::{FencingToken, LockKey, OwnerId, Result, lost::LossSignal};
+
+/// Whether a backend favours consistency or availability when the network fails.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Consistency {
+    /// Consistent under partition: a lock is never granted twice, at the cost of being
+    /// unavailable (ZooKeeper, one MySQL server, the in-process backends).
+    Cp,
+    /// Available under partition: failover or a lost write may grant a lock twice; use
+    /// fencing tokens to stay safe (Redis, Redlock).
+    Ap,
+}
+
+/// What a backend can do. Tests and callers read it instead of guessing.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Capabilities {
+    /// The same owner may acquire again and must release as many times.
+    pub reentrant: bool,
+    /// Tokens strictly grow for every new holder of a key.
+    pub fencing: bool,
+    /// Waiters are woken by the backend (pub/sub, watches, a server queue), not by polling.
+    pub notified_wait: bool,
+    /// Shortest lease the backend accepts.
+    pub min_ttl: Duration,
+    /// Longest lease the backend accepts (`None`: no limit).
+    pub max_ttl: Option<Duration>,
+    /// The backend pushes loss (session expiry, connection death) to the holder instead
+    /// of only noticing it on the next renewal.
+    pub pushes_loss: bool,
+    /// Locks are shared between processes (false for the in-process memory backend).
+    pub cross_process: bool,
+}
+
+impl Default for Capabilities {
+    fn default() -> Self {
+        Capabilities {
+            reentrant: true,
+            fencing: true,
+            notified_wait: true,
+            min_ttl: Duration::from_millis(1),
+            max_ttl: None,
+            pushes_loss: false,
+            cross_process: true,
+        }
+    }
+}
+
+/// A backend's self-description.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct BackendInfo {
+    /// URL scheme, e.g. `redis`, `zk`, `memory`.
+    pub scheme: &'static str,
+    /// CP or AP.
+    pub consistency: Consistency,
+    /// What it can do.
+    pub capabilities: Capabilities,
+}
+
+impl BackendInfo {
+    /// Describes a backend.
+    pub fn new(scheme: &'static str, consistency: Consistency, capabilities: Capabilities) -> Self {
+        BackendInfo {
+            scheme,
+            consistency,
+            capabilities,
+        }
+    }
+}
+
+/// One request to take a lock, validated by [`crate::Locker`] before it reaches a backend.
+#[derive(Debug, Clone)]
+#[non_exhaustive]
+pub struct AcquireRequest {
+    /// The lock name.
+    pub key: LockKey,
+    /// Who asks. A backend that finds this owner already holding the key grants a
+    /// reentrant hold (depth + 1, same token).
+    pub owner: OwnerId,
+    /// The lease: the grant expires this long after it was made unless renewed.
+    pub ttl: Duration,
+    /// The hold's loss signal. A backend that learns of loss by itself (session expiry,
+    /// a dead connection) fires it; it also goes into the [`Grant`].
+    pub loss: LossSignal,
+}
+
+impl AcquireRequest {
+    /// Builds a request. Callers outside lockkit use this only to drive a backend directly.
+    pub fn new(key: LockKey, owner: OwnerId, ttl: Duration, loss: LossSignal) -> Self {
+        AcquireRequest {
+            key,
+            owner,
+            ttl,
+            loss,
+        }
+    }
+}
+
+/// What a backend hands back when a lock is granted.
+#[derive(Debug, Clone)]
+#[non_exhaustive]
+pub struct Grant {
+    /// The lock name.
+    pub key: LockKey,
+    /// The holder.
+    pub owner: OwnerId,
+    /// The holder's fencing token (unchanged by reentrant acquisitions).
+    pub token: FencingToken,
+    /// Hold count after this grant: 1 for a new holder, more when reentrant.
+    pub depth: u32,
+    /// The lease granted.
+    pub ttl: Duration,
+    /// A local instant taken *before* the granting request was sent: the lease is counted
+    /// from here, so local validity never outlasts the server's.
+    pub lease_start: Instant,
+    /// The hold's loss signal.
+    pub loss: LossSignal,
+    /// Backend-specific state (a ZooKeeper node path, a dedicated connection).
+    pub state: Option<Arc<dyn Any + Send + Sync>>,
+}
+
+impl Grant {
+    /// Builds a grant for `req`.
+    pub fn new(
+        req: &AcquireRequest,
+        token: FencingToken,
+        depth: u32,
+        lease_start: Instant,
+    ) -> Self {
+        Grant {
+            key: req.key.clone(),
+            owner: req.owner,
+            token,
+            depth,
+            ttl: req.ttl,
+            lease_start,
+            loss: req.loss.clone(),
+            state: None,
+        }
+    }
+
+    /// Attaches backend-specific state.
+    pub fn with_state(mut self, state: Arc<dyn Any + Send + Sync>) -> Self {
+        self.state = Some(state);
+        self
+    }
+}
+
+/// The outcome of one release.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Released {
+    /// The owner still holds the lock this many more times.
+    Partially {
+        /// Holds left.
+        remaining: u32,
+    },
+    /// The lock is free.
+    Fully,
+}
+
+/// Who holds a key, as the backend sees it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct HolderInfo {
+    /// The holder as stored, e.g. `<uuid>:<n>`; for a lock held in a foreign format, a
+    /// description of what was found.
+    pub owner: String,
+    /// Hold count (1 when unknown).
+    pub depth: u32,
+    /// The holder's fencing token, when the backend can tell.
+    pub token: Option<FencingToken>,
+    /// Lease left, when the backend can tell.
+    pub ttl_left: Option<Duration>,
+}
+
+impl HolderInfo {
+    /// Describes a holder.
+    pub fn new(
+        owner: impl Into<String>,
+        depth: u32,
+        token: Option<FencingToken>,
+        ttl_left: Option<Duration>,
+    ) -> Self {
+        HolderInfo {
+            owner: owner.into(),
+            depth,
+            token,
+            ttl_left,
+        }
+    }
+}
+
+/// The service a lock lives in. Object-safe: `Arc<dyn LockBackend>` is how configuration
+/// swaps backends.
+///
+/// Implementations are driven by [`crate::Locker`], which validates input, runs the
+/// watchdog and the lost signal, and handles drop. Each method documents what a backend
+/// must guarantee; the conformance suite checks it.
+#[async_trait]
+pub trait LockBackend: Send + Sync + Debug + 'static {
+    /// Scheme, consistency class and capabilities.
+    fn info(&self) -> BackendInfo;
+
+    /// Takes the lock if it is free (or already held by `req.owner`), without waiting.
+    ///
+    /// # Behavior
+    /// - free key: grant with depth 1 and a token greater than any earlier token of the key;
+    /// - held by `req.owner`: depth + 1, same token, lease reset to `req.ttl`;
+    /// - held by anyone else, in any format: `Ok(None)`.
+    ///
+    /// # Cancel safety
+    /// Dropping the future must not leave a lock nobody will release.
+    async fn try_acquire(&self, req: &AcquireRequest) -> Result<Option<Grant>>;
+
+    /// Like [`LockBackend::try_acquire`] but waits up to `wait` for the lock, woken by the
+    /// backend's notification; polling only as a bounded fallback.
+    ///
+    /// # Errors
+    /// [`crate::Error::Timeout`] when `wait` passes without a grant.
+    ///
+    /// # Cancel safety
+    /// Dropping the future leaves nothing behind: no lock, node, row or subscription.
+    async fn acquire(&self, req: &AcquireRequest, wait: Duration) -> Result<Grant>;
+
+    /// Resets the lease of `grant` to `ttl` from now, checking ownership on the server.
+    ///
+    /// # Errors
+    /// [`crate::Error::NotHeld`] when the key is not held by `grant.owner`.
+    async fn renew(&self, grant: &Grant, ttl: Duration) -> Result<()>;
+
+    /// Gives back one hold, checking ownership on the server. Publishes the release so
+    /// waiters wake.
+    ///
+    /// # Errors
+    /// [`crate::Error::NotHeld`] when the key is not held by `grant.owner` (expired,
+    /// released already, or taken over): nothing is changed then.
+    async fn release(&self, grant: &Grant) -> Result<Released>;
+
+    /// Reports who holds `key`, if anyone.
+    async fn inspect(&self, key: &LockKey) -> Result<Option<HolderInfo>>;
+}

@@ -1,0 +1,456 @@
+//! The lock guard, the hold it shares with nested guards, and the watchdog that keeps it.
+
+use std::{
+    fmt,
+    sync::{Arc, Mutex, MutexGuard},
+    time::Duration,
+};
+
+use tokio::{sync::Notify, time::Instant};
+use tokio_util::sync::CancellationToken;
+
+use crate::{
+    AcquireRequest, Error, FencingToken, Grant, LockBackend, LockKey, LockOptions, LostReason,
+    OwnerId, Released, Result,
+    lost::LossSignal,
+    options::validate_ttl,
+};
+
+/// How much of a lease is kept back locally for clock drift between client and server:
+/// 1% of the TTL plus 2 ms, as Redlock does. The guard counts itself valid only until
+/// `lease_start + ttl - drift`, so it gives up before the server can.
+pub fn local_validity(ttl: Duration) -> Duration {
+    let drift = ttl / 100 + Duration::from_millis(2);
+    ttl.saturating_sub(drift)
+}
+
+/// Pause between renewal attempts after a transient backend error.
+fn retry_delay(period: Duration) -> Duration {
+    (period / 4).clamp(Duration::from_millis(5), Duration::from_secs(1))
+}
+
+struct Lease {
+    /// The TTL used for renewals (changed by `extend`).
+    ttl: Duration,
+    /// Local deadline: past it, the hold counts as lost.
+    valid_until: Instant,
+    /// The backend reported the lock fully released.
+    released: bool,
+}
+
+/// What all guards of one owner's hold on one key share: the lease, the loss signal and
+/// the watchdog.
+pub(crate) struct HoldShared {
+    backend: Arc<dyn LockBackend>,
+    /// The grant that started the hold; renewals use it.
+    grant: Grant,
+    options: LockOptions,
+    loss: LossSignal,
+    /// Serialises renew, extend and release, so a renewal can never follow a release.
+    op: tokio::sync::Mutex<()>,
+    lease: Mutex<Lease>,
+    /// Tells the keeper task to stop.
+    stop: CancellationToken,
+    /// Wakes the keeper after `extend` moved the lease.
+    changed: Notify,
+}
+
+impl HoldShared {
+    fn lease(&self) -> MutexGuard<'_, Lease> {
+        // A poisoned lease only means another thread panicked mid-update of plain data.
+        self.lease.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn lost_error(&self, reason: LostReason) -> Error {
+        Error::Lost {
+            key: self.grant.key.clone(),
+            token: self.grant.token,
+            reason,
+        }
+    }
+
+    /// Fires `LeaseExpired` if the local deadline has passed; returns the loss reason.
+    fn check_lost(&self) -> Option<LostReason> {
+        if !self.loss.is_fired() {
+            let lease = self.lease();
+            if !lease.released && Instant::now() >= lease.valid_until {
+                drop(lease);
+                self.loss.fire(LostReason::LeaseExpired);
+            }
+        }
+        self.loss.reason()
+    }
+}
+
+/// A hold: owned by every guard on it; stops its keeper task when the last one goes.
+pub(crate) struct Hold {
+    shared: Arc<HoldShared>,
+}
+
+impl Drop for Hold {
+    fn drop(&mut self) {
+        self.shared.stop.cancel();
+    }
+}
+
+impl Hold {
+    /// Starts a hold from a fresh grant and spawns its keeper (watchdog + local expiry).
+    pub(crate) fn start(
+        backend: Arc<dyn LockBackend>,
+        grant: Grant,
+        options: LockOptions,
+        runtime: &tokio::runtime::Handle,
+    ) -> Arc<Hold> {
+        let lease = Lease {
+            ttl: grant.ttl,
+            valid_until: grant.lease_start + local_validity(grant.ttl),
+            released: false,
+        };
+        let shared = Arc::new(HoldShared {
+            backend,
+            loss: grant.loss.clone(),
+            grant,
+            options,
+            op: tokio::sync::Mutex::new(()),
+            lease: Mutex::new(lease),
+            stop: CancellationToken::new(),
+            changed: Notify::new(),
+        });
+        runtime.spawn(keep(shared.clone()));
+        Arc::new(Hold { shared })
+    }
+
+    /// Still usable for a reentrant acquisition.
+    pub(crate) fn is_live(&self) -> bool {
+        self.shared.check_lost().is_none() && !self.shared.lease().released
+    }
+
+    pub(crate) fn token(&self) -> FencingToken {
+        self.shared.grant.token
+    }
+
+    pub(crate) fn loss(&self) -> &LossSignal {
+        &self.shared.loss
+    }
+
+    /// Marks the hold lost because the backend no longer knows it.
+    pub(crate) fn fire_lost(&self, reason: LostReason) -> Error {
+        self.shared.loss.fire(reason);
+        self.shared.lost_error(reason)
+    }
+}
+
+/// The keeper: renews at the renewal period while the hold lives (watchdog), and fires
+/// the loss signal when the local lease deadline passes without a confirmed renewal.
+async fn keep(shared: Arc<HoldShared>) {
+    let period = shared.options.renew_period();
+    let hold_deadline = shared
+        .options
+        .max_hold
+        .map(|max| shared.grant.lease_start + max);
+    let mut next_renew = shared
+        .options
+        .watchdog
+        .then(|| shared.grant.lease_start + period);
+    loop {
+        let (valid_until, ttl, released) = {
+            let lease = shared.lease();
+            (lease.valid_until, lease.ttl, lease.released)
+        };
+        if released {
+            return;
+        }
+        let wake = next_renew.map_or(valid_until, |n| n.min(valid_until));
+        tokio::select! {
+            biased;
+            _ = shared.stop.cancelled() => return,
+            _ = shared.loss.fired() => return,
+            _ = shared.changed.notified() => {
+                // `extend` moved the lease: count the next renewal from now.
+                if next_renew.is_some() {
+                    next_renew = Some(Instant::now() + shared.options.renew_every.unwrap_or(ttl / 3));
+                }
+                continue;
+            }
+            _ = tokio::time::sleep_until(wake) => {}
+        }
+        let now = Instant::now();
+        if now >= shared.lease().valid_until {
+            shared.loss.fire(LostReason::LeaseExpired);
+            return;
+        }
+        let Some(due) = next_renew else { continue };
+        if now < due {
+            continue;
+        }
+        // `max_hold`: renew only up to the cap, then let the lease run out.
+        let renew_ttl = match hold_deadline {
+            Some(deadline) => {
+                let left = deadline.saturating_duration_since(now);
+                if left.is_zero() {
+                    next_renew = None;
+                    continue;
+                }
+                ttl.min(left)
+            }
+            None => ttl,
+        };
+        let _op = shared.op.lock().await;
+        if shared.stop.is_cancelled() || shared.loss.is_fired() || shared.lease().released {
+            return;
+        }
+        let start = Instant::now();
+        let budget = shared.lease().valid_until.saturating_duration_since(start);
+        match tokio::time::timeout(budget, shared.backend.renew(&shared.grant, renew_ttl)).await {
+            Ok(Ok(())) => {
+                let mut lease = shared.lease();
+                lease.valid_until = start + local_validity(renew_ttl);
+                next_renew = if renew_ttl < ttl {
+                    None // capped by max_hold: this was the last renewal
+                } else {
+                    Some(start + shared.options.renew_every.unwrap_or(lease.ttl / 3))
+                };
+            }
+            Ok(Err(Error::NotHeld { .. } | Error::Lost { .. })) => {
+                shared.loss.fire(LostReason::NotOurs);
+                return;
+            }
+            Ok(Err(error)) => {
+                tracing::warn!(key = %shared.grant.key, %error, "lease renewal failed; retrying");
+                next_renew = Some(Instant::now() + retry_delay(period));
+            }
+            Err(_elapsed) => {
+                shared.loss.fire(LostReason::LeaseExpired);
+                return;
+            }
+        }
+    }
+}
+
+/// Gives back one hold; shared by `release` and `Drop`.
+async fn release_one(hold: Arc<Hold>, grant: Grant) -> Result<Released> {
+    let shared = &hold.shared;
+    let _op = shared.op.lock().await;
+    let lost = shared.check_lost();
+    let outcome = shared.backend.release(&grant).await;
+    if matches!(outcome, Ok(Released::Fully)) {
+        shared.lease().released = true;
+        shared.stop.cancel();
+    }
+    match (lost, outcome) {
+        (Some(reason), _) => Err(shared.lost_error(reason)),
+        (None, Err(Error::NotHeld { .. })) => {
+            shared.loss.fire(LostReason::NotOurs);
+            Err(shared.lost_error(LostReason::NotOurs))
+        }
+        (None, outcome) => outcome,
+    }
+}
+
+/// A held lock. Release it with [`LockGuard::release`] to see errors; dropping it releases
+/// in the background.
+///
+/// The guard is the only handle on the hold: renewal (the watchdog), extension and release
+/// all go through it and are serialised, so a renewal can never follow a release.
+///
+/// # Drop
+/// Dropping a guard never blocks and never panics. Inside a Tokio runtime the release is
+/// spawned onto it; without one, the watchdog stops and the lease runs out on the server.
+///
+/// A released guard is gone, so it cannot be released or extended twice:
+/// ```compile_fail
+/// # async fn f(locker: lockkit_core::Locker) -> lockkit_core::Result<()> {
+/// let guard = locker.acquire("k").await?;
+/// guard.release().await?;
+/// guard.extend(std::time::Duration::from_secs(1)).await?; // error: use of moved value
+/// # Ok(()) }
+/// ```
+#[must_use = "dropping the guard releases the lock at once; hold it while you work"]
+pub struct LockGuard {
+    hold: Arc<Hold>,
+    grant: Grant,
+    done: bool,
+}
+
+impl fmt::Debug for LockGuard {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("LockGuard")
+            .field("key", &self.grant.key)
+            .field("owner", &self.grant.owner)
+            .field("token", &self.grant.token)
+            .field("depth", &self.grant.depth)
+            .field("valid", &self.is_valid())
+            .finish()
+    }
+}
+
+impl LockGuard {
+    pub(crate) fn new(hold: Arc<Hold>, grant: Grant) -> Self {
+        LockGuard {
+            hold,
+            grant,
+            done: false,
+        }
+    }
+
+    fn shared(&self) -> &HoldShared {
+        &self.hold.shared
+    }
+
+    /// The lock's name.
+    pub fn key(&self) -> &LockKey {
+        &self.grant.key
+    }
+
+    /// The owner holding it.
+    pub fn owner(&self) -> OwnerId {
+        self.grant.owner
+    }
+
+    /// The fencing token: pass it with every write made under this lock.
+    pub fn token(&self) -> FencingToken {
+        self.grant.token
+    }
+
+    /// The owner's hold count when this guard was granted (1 for the outermost guard).
+    pub fn depth(&self) -> u32 {
+        self.grant.depth
+    }
+
+    /// The backend's grant behind this guard, for driving the backend SPI directly.
+    pub fn grant(&self) -> &Grant {
+        &self.grant
+    }
+
+    /// Resolves when the hold is lost or can no longer be confirmed: renewal refused,
+    /// session ended, or the local lease deadline passed (a monotonic clock). Resolves at
+    /// once if that already happened. Never resolves for a hold that stays valid.
+    ///
+    /// # Cancel safety
+    /// Cancel safe; the returned future owns what it needs and may outlive the guard.
+    pub fn lost(&self) -> impl std::future::Future<Output = LostReason> + Send + 'static {
+        self.shared().loss.fired()
+    }
+
+    /// Whether the hold is still confirmed: not lost and before the local deadline.
+    pub fn is_valid(&self) -> bool {
+        self.shared().check_lost().is_none()
+    }
+
+    /// The local instant until which the hold is known valid, or `None` once lost.
+    pub fn valid_until(&self) -> Option<Instant> {
+        if self.is_valid() {
+            Some(self.shared().lease().valid_until)
+        } else {
+            None
+        }
+    }
+
+    /// Sets the lease to `ttl` from now (checked on the server), and makes it the TTL the
+    /// watchdog renews with from now on.
+    ///
+    /// # Errors
+    /// [`Error::Lost`] if the hold was lost (also when the server no longer knows it);
+    /// [`Error::InvalidTtl`] before any I/O; backend errors as they come.
+    ///
+    /// # Cancel safety
+    /// If dropped mid-way the extension may or may not have happened; the hold is intact.
+    pub async fn extend(&self, ttl: Duration) -> Result<()> {
+        let shared = self.shared();
+        validate_ttl(ttl, &shared.backend.info())?;
+        let _op = shared.op.lock().await;
+        if let Some(reason) = shared.check_lost() {
+            return Err(shared.lost_error(reason));
+        }
+        let start = Instant::now();
+        match shared.backend.renew(&shared.grant, ttl).await {
+            Ok(()) => {
+                let mut lease = shared.lease();
+                lease.ttl = ttl;
+                lease.valid_until = start + local_validity(ttl);
+                drop(lease);
+                shared.changed.notify_one();
+                Ok(())
+            }
+            Err(Error::NotHeld { .. } | Error::Lost { .. }) => {
+                Err(self.hold.fire_lost(LostReason::NotOurs))
+            }
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Takes the same lock again for the same owner, without waiting: depth + 1, same
+    /// token, same lease and watchdog. Release every guard to free the lock.
+    ///
+    /// # Errors
+    /// [`Error::Lost`] if the hold is lost.
+    pub async fn reenter(&self) -> Result<LockGuard> {
+        let shared = self.shared();
+        if let Some(reason) = shared.check_lost() {
+            return Err(shared.lost_error(reason));
+        }
+        let ttl = shared.lease().ttl;
+        let req = AcquireRequest::new(
+            self.grant.key.clone(),
+            self.grant.owner,
+            ttl,
+            shared.loss.clone(),
+        );
+        match shared.backend.try_acquire(&req).await? {
+            Some(grant) if grant.depth > 1 && grant.token == shared.grant.token => {
+                Ok(LockGuard::new(self.hold.clone(), grant))
+            }
+            Some(grant) => {
+                // The server had forgotten our hold: this is a new lock, not a re-entry.
+                spawn_or_forget(self.hold.clone(), grant);
+                Err(self.hold.fire_lost(LostReason::NotOurs))
+            }
+            None => Err(self.hold.fire_lost(LostReason::NotOurs)),
+        }
+    }
+
+    /// Gives back this hold (one level of a reentrant lock) and reports the outcome.
+    ///
+    /// # Errors
+    /// [`Error::Lost`] if the hold was lost before the release (the release is still tried,
+    /// owner-checked, so it can never free another owner's lock); backend errors otherwise,
+    /// in which case the lease runs out on the server.
+    ///
+    /// # Cancel safety
+    /// The release runs as its own task: dropping this future does not stop it.
+    pub async fn release(mut self) -> Result<Released> {
+        self.done = true;
+        let work = release_one(self.hold.clone(), self.grant.clone());
+        match tokio::runtime::Handle::try_current() {
+            Ok(rt) => rt.spawn(work).await.map_err(|e| {
+                Error::backend_with_source(
+                    self.shared().backend.info().scheme,
+                    false,
+                    "the release task panicked or was aborted; the lease will run out",
+                    e,
+                )
+            })?,
+            Err(_) => work.await,
+        }
+    }
+}
+
+/// Releases `grant` in the background if a runtime is there; otherwise leaves it to the lease.
+fn spawn_or_forget(hold: Arc<Hold>, grant: Grant) {
+    if let Ok(rt) = tokio::runtime::Handle::try_current() {
+        rt.spawn(async move {
+            if let Err(error) = release_one(hold, grant).await {
+                tracing::debug!(%error, "background release after drop did not complete");
+            }
+        });
+    }
+}
+
+impl Drop for LockGuard {
+    fn drop(&mut self) {
+        if !self.done {
+            self.done = true;
+            spawn_or_forget(self.hold.clone(), self.grant.clone());
+        }
+    }
+}

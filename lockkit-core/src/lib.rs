@@ -1,0 +1,40 @@
+//! # lockkit-core
+//!
+//! The contract every lockkit backend keeps, and the machinery shared by all of them.
+//!
+//! - [`Locker`] takes locks; [`LockGuard`] is a held lock: its [`FencingToken`], its
+//!   lease (renewed by a watchdog while the guard lives), and a [`LockGuard::lost`] signal.
+//! - [`Owner`] gives an explicit identity for reentrant locking (never a thread or task).
+//! - [`LockBackend`] is the small SPI a lock service implements; [`MemoryBackend`] is the
+//!   in-process reference implementation.
+//!
+//! Every failure is an [`Error`] that says what to do; nothing here panics on bad input.
+#![cfg_attr(not(test), deny(clippy::unwrap_used, clippy::expect_used, clippy::panic))]
+
+mod backend;
+mod error;
+mod fencing;
+mod guard;
+mod key;
+mod locker;
+mod lost;
+mod memory;
+mod options;
+mod owner;
+
+pub use backend::{
+    AcquireRequest, BackendInfo, Capabilities, Consistency, Grant, HolderInfo, LockBackend,
+    Released,
+};
+pub use error::{BoxError, Error, LostReason, Result};
+pub use fencing::FencingToken;
+pub use guard::{LockGuard, local_validity};
+pub use key::{IntoLockKey, LockKey};
+pub use locker::{Acquire, Locker, Owner, TryAcquire, WAIT_FOREVER, deadline_after};
+pub use lost::LossSignal;
+pub use memory::MemoryBackend;
+pub use options::{DEFAULT_TTL, LockOptions, validate_ttl};
+pub use owner::OwnerId;
+
+/// Re-exported so backends implement [`LockBackend`] with the same macro version.
+pub use async_trait::async_trait;

@@ -1,0 +1,350 @@
+//! The user API: `Locker`, `Owner` and the acquire builders.
+
+use std::{
+    collections::HashMap,
+    fmt,
+    future::{Future, IntoFuture},
+    pin::Pin,
+    sync::{
+        Arc, Mutex, Weak,
+        atomic::{AtomicU64, Ordering},
+    },
+    time::Duration,
+};
+
+use uuid::Uuid;
+
+use crate::{
+    AcquireRequest, BackendInfo, Error, HolderInfo, IntoLockKey, LockBackend, LockGuard, LockKey,
+    LockOptions, OwnerId, Result,
+    guard::{Hold, LockGuard as Guard},
+    lost::LossSignal,
+};
+
+/// The wait used for "until granted": long enough to never end in practice, short enough
+/// that `Instant + WAIT_FOREVER` cannot overflow. Backends must add it with `checked_add`
+/// or [`deadline_after`].
+pub const WAIT_FOREVER: Duration = Duration::from_secs(100 * 365 * 24 * 3600);
+
+/// `now + wait`, saturating at a far-away instant instead of overflowing.
+pub fn deadline_after(wait: Duration) -> tokio::time::Instant {
+    let now = tokio::time::Instant::now();
+    now.checked_add(wait.min(WAIT_FOREVER))
+        .unwrap_or_else(|| now + Duration::from_secs(365 * 24 * 3600))
+}
+
+type Holds = Arc<Mutex<HashMap<LockKey, Weak<Hold>>>>;
+
+/// The entry point: takes locks from one backend. Cheap to clone; clones share the
+/// backend and the client identity.
+///
+/// ```
+/// # #[tokio::main(flavor = "current_thread")] async fn main() -> lockkit_core::Result<()> {
+/// use std::time::Duration;
+/// use lockkit_core::{Locker, MemoryBackend};
+///
+/// let locker = Locker::new(MemoryBackend::new());
+/// let guard = locker.acquire("orders/42").ttl(Duration::from_secs(10)).await?;
+/// let token = guard.token(); // send it with every write made under the lock
+/// assert!(locker.try_acquire("orders/42").await?.is_none());
+/// guard.release().await?;
+/// # let _ = token; Ok(()) }
+/// ```
+#[derive(Clone)]
+pub struct Locker {
+    backend: Arc<dyn LockBackend>,
+    info: BackendInfo,
+    client: Uuid,
+    next_owner: Arc<AtomicU64>,
+    defaults: LockOptions,
+}
+
+impl fmt::Debug for Locker {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Locker")
+            .field("backend", &self.backend)
+            .field("client", &self.client)
+            .field("defaults", &self.defaults)
+            .finish()
+    }
+}
+
+impl Locker {
+    /// A locker over `backend` with default options (30 s lease, watchdog on, wait until
+    /// granted).
+    pub fn new(backend: impl LockBackend) -> Self {
+        Self::from_arc(Arc::new(backend))
+    }
+
+    /// A locker over a shared backend.
+    pub fn from_arc(backend: Arc<dyn LockBackend>) -> Self {
+        Locker {
+            info: backend.info(),
+            backend,
+            client: Uuid::new_v4(),
+            next_owner: Arc::new(AtomicU64::new(1)),
+            defaults: LockOptions::default(),
+        }
+    }
+
+    /// Replaces the default options for acquisitions made through this locker.
+    pub fn with_options(mut self, defaults: LockOptions) -> Self {
+        self.defaults = defaults;
+        self
+    }
+
+    /// The backend.
+    pub fn backend(&self) -> &Arc<dyn LockBackend> {
+        &self.backend
+    }
+
+    /// The backend's self-description.
+    pub fn info(&self) -> &BackendInfo {
+        &self.info
+    }
+
+    /// The default options.
+    pub fn options(&self) -> &LockOptions {
+        &self.defaults
+    }
+
+    fn fresh_owner_id(&self) -> OwnerId {
+        OwnerId::new(self.client, self.next_owner.fetch_add(1, Ordering::Relaxed))
+    }
+
+    /// A new owner identity for reentrant locking: the same owner may acquire a key again
+    /// and must release it as many times.
+    pub fn owner(&self) -> Owner {
+        Owner {
+            id: self.fresh_owner_id(),
+            locker: self.clone(),
+            holds: Holds::default(),
+        }
+    }
+
+    /// Starts building an acquisition of `key` for a fresh owner (not reentrant). Await the
+    /// builder to wait for the lock (forever unless `.wait(..)` is set).
+    pub fn acquire(&self, key: impl IntoLockKey) -> Acquire {
+        Acquire {
+            locker: self.clone(),
+            key: key.into_lock_key(),
+            options: self.defaults.clone(),
+            owner: None,
+        }
+    }
+
+    /// Like [`Locker::acquire`] but never waits: resolves to `Ok(None)` if the lock is busy.
+    pub fn try_acquire(&self, key: impl IntoLockKey) -> TryAcquire {
+        TryAcquire(self.acquire(key))
+    }
+
+    /// Who holds `key` now, as the backend sees it.
+    ///
+    /// # Errors
+    /// [`Error::InvalidKey`], or the backend's error.
+    pub async fn inspect(&self, key: impl IntoLockKey) -> Result<Option<HolderInfo>> {
+        let key = key.into_lock_key()?;
+        self.backend.inspect(&key).await
+    }
+}
+
+/// An owner identity: acquisitions through one `Owner` (and its clones) are reentrant.
+#[derive(Clone)]
+pub struct Owner {
+    id: OwnerId,
+    locker: Locker,
+    holds: Holds,
+}
+
+impl fmt::Debug for Owner {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Owner").field("id", &self.id).finish()
+    }
+}
+
+impl Owner {
+    /// The identity.
+    pub fn id(&self) -> OwnerId {
+        self.id
+    }
+
+    /// Builds an acquisition of `key` by this owner; reentrant if the owner holds it.
+    pub fn acquire(&self, key: impl IntoLockKey) -> Acquire {
+        self.locker.acquire(key).owner(self)
+    }
+
+    /// Like [`Owner::acquire`] but never waits.
+    pub fn try_acquire(&self, key: impl IntoLockKey) -> TryAcquire {
+        TryAcquire(self.acquire(key))
+    }
+}
+
+/// Builder for a waiting acquisition; `.await` it. Created by [`Locker::acquire`].
+#[must_use = "an acquisition does nothing until awaited"]
+#[derive(Debug)]
+pub struct Acquire {
+    locker: Locker,
+    key: Result<LockKey>,
+    options: LockOptions,
+    owner: Option<Owner>,
+}
+
+impl Acquire {
+    /// The lease (default 30 s). The watchdog renews it while the guard lives.
+    pub fn ttl(mut self, ttl: Duration) -> Self {
+        self.options.ttl = ttl;
+        self
+    }
+
+    /// Waits at most this long for a busy lock, then fails with [`Error::Timeout`].
+    /// Zero tries once.
+    pub fn wait(mut self, wait: Duration) -> Self {
+        self.options.wait = Some(wait);
+        self
+    }
+
+    /// Stops the watchdog from renewing after the lock has been held this long.
+    pub fn max_hold(mut self, max_hold: Duration) -> Self {
+        self.options.max_hold = Some(max_hold);
+        self
+    }
+
+    /// Renews this often instead of at a third of the TTL.
+    pub fn renew_every(mut self, period: Duration) -> Self {
+        self.options.renew_every = Some(period);
+        self
+    }
+
+    /// Turns the watchdog off: the lease runs out after the TTL unless
+    /// [`LockGuard::extend`] is called.
+    pub fn no_watchdog(mut self) -> Self {
+        self.options.watchdog = false;
+        self
+    }
+
+    /// Acquires as `owner`, reentrantly.
+    pub fn owner(mut self, owner: &Owner) -> Self {
+        self.owner = Some(owner.clone());
+        self
+    }
+
+    /// Replaces all options at once.
+    pub fn options(mut self, options: LockOptions) -> Self {
+        self.options = options;
+        self
+    }
+
+    async fn run(self, wait: Option<Duration>) -> Result<Option<LockGuard>> {
+        let key = self.key?;
+        let locker = self.locker;
+        self.options.validate(&locker.info)?;
+        let runtime = tokio::runtime::Handle::try_current().map_err(|_| {
+            Error::Config(
+                "lockkit needs a Tokio runtime for its watchdog; call it from within one".into(),
+            )
+        })?;
+        let owner_id = match &self.owner {
+            Some(owner) => owner.id,
+            None => locker.fresh_owner_id(),
+        };
+        let existing = self.owner.as_ref().and_then(|owner| {
+            let holds = owner.holds.lock().unwrap_or_else(|e| e.into_inner());
+            holds
+                .get(&key)
+                .and_then(Weak::upgrade)
+                .filter(|hold| hold.is_live())
+        });
+        let loss = existing
+            .as_ref()
+            .map_or_else(LossSignal::new, |hold| hold.loss().clone());
+        let request = AcquireRequest::new(key.clone(), owner_id, self.options.ttl, loss);
+        let backend = &locker.backend;
+        let grant = match wait {
+            Some(wait) if wait.is_zero() => backend.try_acquire(&request).await?,
+            Some(wait) => Some(backend.acquire(&request, wait).await?),
+            None => Some(backend.acquire(&request, WAIT_FOREVER).await?),
+        };
+        // From here on nothing awaits: a dropped future cannot orphan the grant.
+        let Some(grant) = grant else { return Ok(None) };
+        if let Some(hold) = existing {
+            if grant.depth > 1 && grant.token == hold.token() {
+                return Ok(Some(Guard::new(hold, grant)));
+            }
+            // Our hold was gone on the server although we thought it live: give the fresh
+            // grant back and report the outer hold lost.
+            let lost = hold.fire_lost(crate::LostReason::NotOurs);
+            let backend = locker.backend.clone();
+            runtime.spawn(async move {
+                if let Err(error) = backend.release(&grant).await {
+                    tracing::debug!(%error, "giving back an unexpected fresh grant failed");
+                }
+            });
+            return Err(lost);
+        }
+        let hold = Hold::start(locker.backend.clone(), grant.clone(), self.options, &runtime);
+        if let Some(owner) = &self.owner {
+            let mut holds = owner.holds.lock().unwrap_or_else(|e| e.into_inner());
+            holds.retain(|_, weak| weak.strong_count() > 0);
+            holds.insert(key, Arc::downgrade(&hold));
+        }
+        Ok(Some(Guard::new(hold, grant)))
+    }
+}
+
+impl IntoFuture for Acquire {
+    type Output = Result<LockGuard>;
+    type IntoFuture = Pin<Box<dyn Future<Output = Result<LockGuard>> + Send>>;
+
+    fn into_future(self) -> Self::IntoFuture {
+        let wait = self.options.wait;
+        Box::pin(async move {
+            let key = self.key.as_ref().ok().cloned();
+            match (self.run(wait).await?, key) {
+                (Some(guard), _) => Ok(guard),
+                // Only a zero wait comes back empty: the lock was busy.
+                (None, Some(key)) => Err(Error::Timeout {
+                    key,
+                    waited: Duration::ZERO,
+                }),
+                (None, None) => Err(Error::Config("no lock key was given".into())),
+            }
+        })
+    }
+}
+
+/// Builder for a non-waiting acquisition; `.await` it for `Ok(None)` when busy.
+#[must_use = "an acquisition does nothing until awaited"]
+#[derive(Debug)]
+pub struct TryAcquire(Acquire);
+
+impl TryAcquire {
+    /// The lease.
+    pub fn ttl(self, ttl: Duration) -> Self {
+        TryAcquire(self.0.ttl(ttl))
+    }
+    /// See [`Acquire::max_hold`].
+    pub fn max_hold(self, max_hold: Duration) -> Self {
+        TryAcquire(self.0.max_hold(max_hold))
+    }
+    /// See [`Acquire::renew_every`].
+    pub fn renew_every(self, period: Duration) -> Self {
+        TryAcquire(self.0.renew_every(period))
+    }
+    /// See [`Acquire::no_watchdog`].
+    pub fn no_watchdog(self) -> Self {
+        TryAcquire(self.0.no_watchdog())
+    }
+    /// See [`Acquire::owner`].
+    pub fn owner(self, owner: &Owner) -> Self {
+        TryAcquire(self.0.owner(owner))
+    }
+}
+
+impl IntoFuture for TryAcquire {
+    type Output = Result<Option<LockGuard>>;
+    type IntoFuture = Pin<Box<dyn Future<Output = Result<Option<LockGuard>>> + Send>>;
+
+    fn into_future(self) -> Self::IntoFuture {
+        Box::pin(self.0.run(Some(Duration::ZERO)))
+    }
+}

@@ -1,0 +1,335 @@
+//! `MemoryBackend`: the whole contract inside one process, for tests and examples.
+
+use std::{
+    collections::HashMap,
+    sync::{
+        Arc, Mutex, MutexGuard,
+        atomic::{AtomicU64, Ordering},
+    },
+    time::Duration,
+};
+
+use async_trait::async_trait;
+use tokio::{sync::Notify, time::Instant};
+
+use crate::{
+    AcquireRequest, BackendInfo, Capabilities, Consistency, Error, FencingToken, Grant,
+    HolderInfo, LockBackend, LockKey, LostReason, OwnerId, Released, Result, deadline_after,
+    lost::LossSignal,
+};
+
+const SCHEME: &str = "memory";
+
+#[derive(Debug)]
+struct Entry {
+    owner: OwnerId,
+    depth: u32,
+    token: u64,
+    expires: Instant,
+    session: u64,
+    loss: LossSignal,
+}
+
+/// Waiters on one key; removed when the last waiter leaves. `waiters` changes only
+/// under the state lock.
+#[derive(Debug, Default)]
+struct WaitSlot {
+    notify: Notify,
+    waiters: AtomicU64,
+}
+
+#[derive(Debug, Default)]
+struct State {
+    locks: HashMap<LockKey, Entry>,
+    waits: HashMap<LockKey, Arc<WaitSlot>>,
+    /// One counter for all keys: strictly growing per key as well.
+    last_token: u64,
+}
+
+impl State {
+    fn live(&self, key: &LockKey, now: Instant) -> Option<&Entry> {
+        self.locks.get(key).filter(|e| e.expires > now)
+    }
+
+    fn wake(&self, key: &LockKey) {
+        if let Some(slot) = self.waits.get(key) {
+            slot.notify.notify_waiters();
+        }
+    }
+}
+
+#[derive(Debug, Default)]
+struct Server {
+    state: Mutex<State>,
+    next_session: AtomicU64,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    // The state is plain data updated in single steps: a poisoned lock is still consistent.
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// An in-process lock service honouring the whole lockkit contract: leases expire on a
+/// monotonic clock, tokens strictly grow, waiters are woken by notification (and at the
+/// holder's expiry instant), and dropping a waiting future leaves nothing behind.
+///
+/// A `MemoryBackend` value is one *client session* on a shared in-process *server*.
+/// [`MemoryBackend::connect`] opens another session on the same server, so two clients
+/// contend as two processes would; clones share the session. Locks do not cross process
+/// boundaries ([`Capabilities::cross_process`] is false).
+#[derive(Debug, Clone)]
+pub struct MemoryBackend {
+    server: Arc<Server>,
+    session: Arc<AtomicU64>,
+}
+
+impl Default for MemoryBackend {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+/// Keeps a waiter registered on a key; unregisters (and frees the slot) when dropped, so a
+/// cancelled waiter leaves no residue.
+struct Registration<'a> {
+    server: &'a Server,
+    key: LockKey,
+    slot: Arc<WaitSlot>,
+}
+
+impl Drop for Registration<'_> {
+    fn drop(&mut self) {
+        let mut state = lock(&self.server.state);
+        if self.slot.waiters.fetch_sub(1, Ordering::Relaxed) == 1 {
+            state.waits.remove(&self.key);
+        }
+    }
+}
+
+impl MemoryBackend {
+    /// A new server with one session on it.
+    pub fn new() -> Self {
+        let server = Arc::new(Server::default());
+        let session = Arc::new(AtomicU64::new(server.next_session.fetch_add(1, Ordering::Relaxed)));
+        MemoryBackend { server, session }
+    }
+
+    /// A new server from a URL: `memory://` (nothing may follow; each call is a new server).
+    ///
+    /// # Errors
+    /// [`Error::Config`] for any other URL, saying what is accepted.
+    pub fn from_url(url: &str) -> Result<Self> {
+        let Some((scheme, rest)) = url.split_once(':') else {
+            return Err(Error::Config(format!(
+                "`{url}` is not a URL; the in-memory backend is `memory://`"
+            )));
+        };
+        if scheme != SCHEME {
+            return Err(Error::Config(format!(
+                "`{url}` has scheme `{scheme}`, not `{SCHEME}`; the in-memory backend is `memory://`"
+            )));
+        }
+        if !matches!(rest, "" | "//") {
+            return Err(Error::Config(format!(
+                "`{url}`: the in-memory backend takes no host, path or options; use `memory://`"
+            )));
+        }
+        Ok(Self::new())
+    }
+
+    /// Another client session on the same server.
+    pub fn connect(&self) -> Self {
+        MemoryBackend {
+            session: Arc::new(AtomicU64::new(
+                self.server.next_session.fetch_add(1, Ordering::Relaxed),
+            )),
+            server: self.server.clone(),
+        }
+    }
+
+    fn session(&self) -> u64 {
+        self.session.load(Ordering::Relaxed)
+    }
+
+    /// Fault hook: ends this client's session as a server would on session expiry. Every
+    /// lock it held is freed at once and its holders' loss signals fire; the client then
+    /// continues on a new session.
+    pub fn kill_session(&self) {
+        let old = self.session.swap(
+            self.server.next_session.fetch_add(1, Ordering::Relaxed),
+            Ordering::Relaxed,
+        );
+        let mut state = lock(&self.server.state);
+        let doomed: Vec<LockKey> = state
+            .locks
+            .iter()
+            .filter(|(_, e)| e.session == old)
+            .map(|(k, _)| k.clone())
+            .collect();
+        for key in doomed {
+            if let Some(entry) = state.locks.remove(&key) {
+                entry.loss.fire(LostReason::SessionLost);
+            }
+            state.wake(&key);
+        }
+    }
+
+    /// Fault hook: deletes `key` behind its holder's back, as an operator's `DEL` would.
+    /// The holder finds out at its next renewal. Returns whether a lock was there.
+    pub fn take_away(&self, key: &LockKey) -> bool {
+        let mut state = lock(&self.server.state);
+        let was = state.locks.remove(key).is_some();
+        state.wake(key);
+        was
+    }
+
+    /// Server state left for keys starting with `prefix`: live or expired lock entries
+    /// plus registered waiters. Zero means nothing leaked.
+    pub fn residue(&self, prefix: &str) -> usize {
+        let state = lock(&self.server.state);
+        let now = Instant::now();
+        let locks = state
+            .locks
+            .iter()
+            .filter(|(k, e)| k.as_str().starts_with(prefix) && e.expires > now)
+            .count();
+        let waits = state
+            .waits
+            .keys()
+            .filter(|k| k.as_str().starts_with(prefix))
+            .count();
+        locks + waits
+    }
+
+    /// One atomic grant attempt. `Err(expiry)` when held by another owner until `expiry`.
+    fn try_grant(&self, req: &AcquireRequest) -> std::result::Result<Grant, Instant> {
+        let now = Instant::now();
+        let mut state = lock(&self.server.state);
+        if let Some(entry) = state.locks.get_mut(&req.key).filter(|e| e.expires > now) {
+            if entry.owner != req.owner {
+                return Err(entry.expires);
+            }
+            entry.depth += 1;
+            entry.expires = now + req.ttl;
+            return Ok(Grant::new(req, FencingToken::new(entry.token), entry.depth, now));
+        }
+        state.last_token += 1;
+        let token = state.last_token;
+        let entry = Entry {
+            owner: req.owner,
+            depth: 1,
+            token,
+            expires: now + req.ttl,
+            session: self.session(),
+            loss: req.loss.clone(),
+        };
+        state.locks.insert(req.key.clone(), entry);
+        Ok(Grant::new(req, FencingToken::new(token), 1, now))
+    }
+
+    fn register(&self, key: &LockKey) -> Registration<'_> {
+        let mut state = lock(&self.server.state);
+        let slot = state.waits.entry(key.clone()).or_default().clone();
+        slot.waiters.fetch_add(1, Ordering::Relaxed);
+        Registration {
+            server: &self.server,
+            key: key.clone(),
+            slot,
+        }
+    }
+}
+
+#[async_trait]
+impl LockBackend for MemoryBackend {
+    fn info(&self) -> BackendInfo {
+        BackendInfo::new(
+            SCHEME,
+            Consistency::Cp,
+            Capabilities {
+                pushes_loss: true,
+                cross_process: false,
+                ..Capabilities::default()
+            },
+        )
+    }
+
+    async fn try_acquire(&self, req: &AcquireRequest) -> Result<Option<Grant>> {
+        Ok(self.try_grant(req).ok())
+    }
+
+    async fn acquire(&self, req: &AcquireRequest, wait: Duration) -> Result<Grant> {
+        let started = Instant::now();
+        let deadline = deadline_after(wait);
+        let registration = self.register(&req.key);
+        loop {
+            // Register interest before looking at the lock, so no release slips between.
+            let notified = registration.slot.notify.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            let holder_expires = match self.try_grant(req) {
+                Ok(grant) => return Ok(grant),
+                Err(expires) => expires,
+            };
+            if Instant::now() >= deadline {
+                return Err(Error::Timeout {
+                    key: req.key.clone(),
+                    waited: started.elapsed(),
+                });
+            }
+            // Woken by a release, or at the instant the holder's lease runs out.
+            tokio::select! {
+                _ = &mut notified => {}
+                _ = tokio::time::sleep_until(holder_expires.min(deadline)) => {}
+            }
+        }
+    }
+
+    async fn renew(&self, grant: &Grant, ttl: Duration) -> Result<()> {
+        let now = Instant::now();
+        let mut state = lock(&self.server.state);
+        match state.locks.get_mut(&grant.key) {
+            Some(e) if e.expires > now && e.owner == grant.owner => {
+                e.expires = now + ttl;
+                Ok(())
+            }
+            _ => Err(Error::NotHeld {
+                key: grant.key.clone(),
+            }),
+        }
+    }
+
+    async fn release(&self, grant: &Grant) -> Result<Released> {
+        let now = Instant::now();
+        let mut state = lock(&self.server.state);
+        let entry = match state.locks.get_mut(&grant.key) {
+            Some(e) if e.expires > now && e.owner == grant.owner => e,
+            _ => {
+                return Err(Error::NotHeld {
+                    key: grant.key.clone(),
+                });
+            }
+        };
+        entry.depth -= 1;
+        if entry.depth > 0 {
+            return Ok(Released::Partially {
+                remaining: entry.depth,
+            });
+        }
+        state.locks.remove(&grant.key);
+        state.wake(&grant.key);
+        Ok(Released::Fully)
+    }
+
+    async fn inspect(&self, key: &LockKey) -> Result<Option<HolderInfo>> {
+        let now = Instant::now();
+        let state = lock(&self.server.state);
+        Ok(state.live(key, now).map(|e| {
+            HolderInfo::new(
+                e.owner.to_string(),
+                e.depth,
+                Some(FencingToken::new(e.token)),
+                Some(e.expires.saturating_duration_since(now)),
+            )
+        }))
+    }
+}

@@ -1,0 +1,815 @@
+#!/usr/bin/env bash
+# Private test servers for lockkit's integration tests.
+#
+#   scripts/services.sh up [NAME...]      install what is missing (root), start servers, wait until they answer
+#   scripts/services.sh down [NAME...]    stop the servers this script started (by pidfile only)
+#   scripts/services.sh restart NAME...   stop then start the named instances (for fault tests)
+#   scripts/services.sh status            one line per instance; exit 0 only if all answer
+#   scripts/services.sh env               `export` lines to eval: eval "$(scripts/services.sh env)"
+#   scripts/services.sh pid NAME          print the pid of one instance (exit 1 if not running)
+#   scripts/services.sh clean             down, then delete all state under target/services
+#
+# Instances (all bound to 127.0.0.1, all state/logs/pids under <repo>/target/services/<name>/):
+#   redis-single        Redis                                  16379
+#   redlock-1..5        independent Redis masters (Redlock)   16380..16384
+#   cluster-1..3        3-master Redis Cluster, no replicas    16390..16392
+#   mariadb             MariaDB, db/user/password lockkit      13306
+#   zk-standalone       standalone ZooKeeper                   12181
+#   zk-1..3             3-node ZooKeeper ensemble              12191..12193 (quorum 12881.., election 13881..)
+#
+# Environment knobs:
+#   LOCKKIT_PORT_OFFSET       added to every port above (default 0), for a second checkout on the same machine
+#   LOCKKIT_SERVICES_TIMEOUT  seconds to wait for a server to answer (default 60)
+set -euo pipefail
+
+SCRIPT_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd -P)"
+REPO_ROOT="$(cd "$SCRIPT_DIR/.." && pwd -P)"
+SERVICES_DIR="$REPO_ROOT/target/services"
+HOST=127.0.0.1
+OFFSET="${LOCKKIT_PORT_OFFSET:-0}"
+TIMEOUT="${LOCKKIT_SERVICES_TIMEOUT:-60}"
+[[ "$OFFSET" =~ ^[0-9]+$ ]] || { echo "[services] LOCKKIT_PORT_OFFSET must be a number" >&2; exit 2; }
+[[ "$TIMEOUT" =~ ^[0-9]+$ ]] || { echo "[services] LOCKKIT_SERVICES_TIMEOUT must be a number" >&2; exit 2; }
+
+ALL_INSTANCES=(redis-single redlock-1 redlock-2 redlock-3 redlock-4 redlock-5
+               cluster-1 cluster-2 cluster-3 mariadb zk-standalone zk-1 zk-2 zk-3)
+CLUSTER_NODES=(cluster-1 cluster-2 cluster-3)
+ZK_NODES=(zk-1 zk-2 zk-3)
+
+ZK_HEAP="${LOCKKIT_ZK_HEAP:-256m}"
+MYSQL_DB=lockkit
+MYSQL_USER=lockkit
+MYSQL_PASSWORD=lockkit
+
+log() { printf '[services] %s\n' "$*"; }
+warn() { printf '[services] %s\n' "$*" >&2; }
+die() { printf '[services] ERROR: %s\n' "$*" >&2; exit 1; }
+
+usage() {
+  cat >&2 <<EOF
+usage: $0 up [NAME...] | down [NAME...] | restart NAME... | status | env | pid NAME | clean
+
+  up       install missing Debian packages (as root), start the private servers, wait until they answer
+  down     stop the servers this script started (pidfiles under target/services), TERM then KILL
+  restart  stop and start the named instances
+  status   one line per instance; exit status 0 if all answer, 1 otherwise
+  env      print export lines: eval "\$($0 env)"
+  pid      print the pid of one instance
+  clean    down, then remove target/services entirely
+
+instances: ${ALL_INSTANCES[*]}
+EOF
+}
+
+# ---------------------------------------------------------------------------
+# instance table
+# ---------------------------------------------------------------------------
+kind_of() {
+  case "$1" in
+    redis-single|redlock-[1-5]) echo redis ;;
+    cluster-[1-3]) echo cluster ;;
+    mariadb) echo mariadb ;;
+    zk-standalone) echo zk-standalone ;;
+    zk-[1-3]) echo zk-ensemble ;;
+    *) return 1 ;;
+  esac
+}
+
+port_of() {
+  local p
+  case "$1" in
+    redis-single) p=16379 ;;
+    redlock-[1-5]) p=$((16379 + ${1#redlock-})) ;;
+    cluster-[1-3]) p=$((16389 + ${1#cluster-})) ;;
+    mariadb) p=13306 ;;
+    zk-standalone) p=12181 ;;
+    zk-[1-3]) p=$((12190 + ${1#zk-})) ;;
+    *) return 1 ;;
+  esac
+  echo $((p + OFFSET))
+}
+
+zk_quorum_port() { echo $((12880 + $1 + OFFSET)); }
+zk_election_port() { echo $((13880 + $1 + OFFSET)); }
+
+dir_of() { echo "$SERVICES_DIR/$1"; }
+pidfile_of() { echo "$SERVICES_DIR/$1/pid"; }
+
+validate_names() {
+  local n
+  for n in "$@"; do
+    kind_of "$n" >/dev/null || { usage; die "unknown instance '$n'"; }
+  done
+}
+
+mariadb_socket() {
+  local sock
+  sock="$(dir_of mariadb)/mysqld.sock"
+  # unix socket paths are limited to ~107 bytes; fall back to /tmp for deep checkouts
+  if ((${#sock} > 100)); then
+    sock="/tmp/lockkit-mariadb-$(printf '%s' "$SERVICES_DIR" | cksum | cut -d' ' -f1).sock"
+  fi
+  echo "$sock"
+}
+
+# ---------------------------------------------------------------------------
+# process bookkeeping
+# ---------------------------------------------------------------------------
+# A string that must occur in /proc/<pid>/cmdline for the pid to count as "ours",
+# so that a stale pidfile can never make us signal an unrelated process.
+marker_of() {
+  case "$(kind_of "$1")" in
+    redis|cluster) echo ":$(port_of "$1")" ;;   # redis rewrites its title to "redis-server 127.0.0.1:PORT"
+    mariadb) echo "$(dir_of mariadb)/my.cnf" ;;
+    zk-*) echo "$(dir_of "$1")/zoo.cfg" ;;
+  esac
+}
+
+pid_alive() {
+  local pid=$1 state
+  [[ "$pid" =~ ^[0-9]+$ ]] || return 1
+  [[ -r /proc/$pid/stat ]] || return 1
+  state="$(sed -E 's/^.*\) ([A-Za-z]).*$/\1/' "/proc/$pid/stat" 2>/dev/null)" || return 1
+  [[ "$state" != Z && "$state" != X ]]
+}
+
+# prints the pid of a running instance started by this script, or fails
+owned_pid() {
+  local name=$1 pidfile pid cmdline
+  pidfile="$(pidfile_of "$name")"
+  [[ -s "$pidfile" ]] || return 1
+  pid="$(tr -dc '0-9' <"$pidfile")"
+  pid_alive "$pid" || return 1
+  cmdline="$(tr '\0' ' ' <"/proc/$pid/cmdline" 2>/dev/null)" || return 1
+  [[ "$cmdline" == *"$(marker_of "$name")"* ]] || return 1
+  echo "$pid"
+}
+
+# Start "$@" detached in its own session; the pid written is the server's own (exec).
+# fd 9 (the lock) is closed so servers do not keep holding it.
+launch() {
+  local name=$1 logfile=$2
+  shift 2
+  local pidfile
+  pidfile="$(pidfile_of "$name")"
+  rm -f "$pidfile"
+  # shellcheck disable=SC2016
+  setsid bash -c 'echo $$ >"$1"; shift; exec "$@"' lockkit-launch "$pidfile" "$@" \
+    </dev/null >>"$logfile" 2>&1 9>&- &
+}
+
+port_open() {
+  # shellcheck disable=SC2016
+  timeout 2 bash -c 'exec 3<>"/dev/tcp/$1/$2"' _ "$HOST" "$1" 2>/dev/null
+}
+
+# ---------------------------------------------------------------------------
+# health checks
+# ---------------------------------------------------------------------------
+redis_ping() {
+  # shellcheck disable=SC2016
+  timeout 3 bash -c 'exec 3<>"/dev/tcp/$1/$2" || exit 1
+    printf "PING\r\n" >&3
+    IFS= read -r line <&3 || exit 1
+    [[ "$line" == "+PONG"* ]]' _ "$HOST" "$1" 2>/dev/null
+}
+
+zk_4lw() {
+  # shellcheck disable=SC2016
+  timeout 3 bash -c 'exec 3<>"/dev/tcp/$1/$2" || exit 1
+    printf "%s" "$3" >&3
+    cat <&3' _ "$HOST" "$1" "$2" 2>/dev/null
+}
+
+zk_mode() {
+  local out
+  out="$(zk_4lw "$1" srvr)" || return 1
+  sed -n 's/^Mode: *//p' <<<"$out" | tr -d '\r'
+}
+
+mysql_client() {
+  if command -v mariadb >/dev/null 2>&1; then echo mariadb
+  elif command -v mysql >/dev/null 2>&1; then echo mysql
+  else return 1
+  fi
+}
+
+mysql_tcp_ok() {
+  local client
+  client="$(mysql_client)" || return 1
+  MYSQL_PWD="$MYSQL_PASSWORD" timeout 5 "$client" --no-defaults --protocol=tcp -h "$HOST" \
+    -P "$(port_of mariadb)" -u "$MYSQL_USER" --connect-timeout=2 -N -B \
+    -e 'SELECT 1' "$MYSQL_DB" >/dev/null 2>&1
+}
+
+mysql_root() {
+  local client
+  client="$(mysql_client)" || return 1
+  timeout 10 "$client" --no-defaults --protocol=socket -S "$(mariadb_socket)" \
+    -u "$(id -un)" --connect-timeout=2 -N -B "$@"
+}
+
+answering() {
+  local name=$1 port mode
+  port="$(port_of "$name")"
+  case "$(kind_of "$name")" in
+    redis|cluster) redis_ping "$port" ;;
+    mariadb) mysql_tcp_ok ;;
+    zk-standalone)
+      [[ "$(zk_4lw "$port" ruok)" == imok ]] || return 1
+      mode="$(zk_mode "$port")" || return 1
+      [[ "$mode" == standalone ]] ;;
+    zk-ensemble)
+      [[ "$(zk_4lw "$port" ruok)" == imok ]] || return 1
+      mode="$(zk_mode "$port")" || return 1
+      [[ "$mode" == leader || "$mode" == follower ]] ;;
+  esac
+}
+
+log_file_of() {
+  local d
+  d="$(dir_of "$1")"
+  case "$(kind_of "$1")" in
+    redis|cluster) echo "$d/redis.log" ;;
+    mariadb) echo "$d/mariadb.log" ;;
+    zk-*) echo "$d/zookeeper.log" ;;
+  esac
+}
+
+show_logs() {
+  local name=$1 f d
+  d="$(dir_of "$name")"
+  for f in "$(log_file_of "$name")" "$d/stdout.log" "$d/install.log"; do
+    if [[ -s "$f" ]]; then
+      warn "---- last lines of $f ----"
+      tail -n 30 "$f" >&2 || true
+    fi
+  done
+}
+
+# ---------------------------------------------------------------------------
+# packages
+# ---------------------------------------------------------------------------
+find_bin() {
+  local b
+  for b in "$@"; do
+    if command -v "$b" >/dev/null 2>&1; then command -v "$b"; return 0; fi
+    if [[ -x "/usr/sbin/$b" ]]; then echo "/usr/sbin/$b"; return 0; fi
+    if [[ -x "/usr/bin/$b" ]]; then echo "/usr/bin/$b"; return 0; fi
+  done
+  return 1
+}
+
+ZK_JAR=/usr/share/java/zookeeper.jar
+
+missing_packages() {
+  local missing=()
+  find_bin redis-server >/dev/null || missing+=(redis-server)
+  find_bin redis-cli >/dev/null || missing+=(redis-tools)
+  find_bin mariadbd mysqld >/dev/null && find_bin mariadb-install-db mysql_install_db >/dev/null \
+    || missing+=(mariadb-server)
+  mysql_client >/dev/null || missing+=(mariadb-client)
+  find_bin java >/dev/null || missing+=(default-jre-headless)
+  [[ -f "$ZK_JAR" ]] || missing+=(libzookeeper-java)
+  echo "${missing[*]}"
+}
+
+# pids of redis/mariadb server processes (used to spot daemons that package scripts might start)
+system_server_pids() {
+  local p comm
+  for p in /proc/[0-9]*; do
+    comm="$(cat "$p/comm" 2>/dev/null)" || continue
+    case "$comm" in
+      redis-server|mariadbd|mysqld) echo "${p#/proc/}" ;;
+    esac
+  done
+}
+
+ensure_packages() {
+  local missing
+  missing="$(missing_packages)"
+  [[ -z "$missing" ]] && return 0
+  if [[ "$(id -u)" != 0 ]]; then
+    die "missing packages: $missing
+  install them as root, e.g.:
+    sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends $missing
+  (or run this script as root, which installs them)"
+  fi
+  log "installing Debian packages: $missing"
+  mkdir -p "$SERVICES_DIR"
+  local aptlog="$SERVICES_DIR/apt.log" policy=/usr/sbin/policy-rc.d created_policy=0 rc=0
+  local before
+  before=" $(system_server_pids | tr '\n' ' ') "
+  # Forbid package maintainer scripts from starting the system services (redis-server, mariadb).
+  if [[ ! -e "$policy" ]]; then
+    printf '#!/bin/sh\n# temporary, written by lockkit scripts/services.sh\nexit 101\n' >"$policy"
+    chmod 755 "$policy"
+    created_policy=1
+  fi
+  # shellcheck disable=SC2086  # $missing is a word list on purpose
+  {
+    DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=300 update -q \
+      && DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=300 install -y -q \
+           --no-install-recommends $missing
+  } >"$aptlog" 2>&1 || rc=$?
+  if ((created_policy)); then rm -f "$policy"; fi
+  if ((rc != 0)); then
+    tail -n 40 "$aptlog" >&2 || true
+    die "apt-get failed (exit $rc); full log: $aptlog"
+  fi
+  # Belt and braces: stop any redis/mariadb server that appeared during the install
+  # (i.e. a system service started by a maintainer script despite policy-rc.d).
+  local p stopped=0
+  for p in $(system_server_pids); do
+    [[ "$before" == *" $p "* ]] && continue
+    warn "stopping system server pid $p ($(cat "/proc/$p/comm" 2>/dev/null)) started by the package install"
+    kill -TERM "$p" 2>/dev/null || true
+    stopped=1
+  done
+  if ((stopped)); then sleep 2; fi
+  missing="$(missing_packages)"
+  [[ -z "$missing" ]] || die "still missing after apt-get install: $missing (see $aptlog)"
+  log "packages installed"
+}
+
+# ---------------------------------------------------------------------------
+# starting instances
+# ---------------------------------------------------------------------------
+start_redis() {
+  local name=$1 d port
+  d="$(dir_of "$name")"
+  port="$(port_of "$name")"
+  mkdir -p "$d"
+  local args=(--port "$port" --bind "$HOST" --protected-mode yes --daemonize no
+              --dir "$d" --logfile "$d/redis.log" --save "" --appendonly no
+              --enable-debug-command local --loglevel notice)
+  if [[ "$(kind_of "$name")" == cluster ]]; then
+    args+=(--cluster-enabled yes --cluster-config-file nodes.conf --cluster-node-timeout 5000)
+  fi
+  launch "$name" "$d/stdout.log" "$(find_bin redis-server)" "${args[@]}"
+}
+
+zk_classpath() {
+  local cp="$1:$ZK_JAR" binding=/usr/share/java/slf4j-simple.jar
+  # zookeeper.jar's manifest lists slf4j-api but no binding: add slf4j-simple for logging
+  if [[ -f "$binding" ]]; then cp="$cp:$binding"; fi
+  echo "$cp"
+}
+
+start_zk() {
+  local name=$1 d port cfg
+  d="$(dir_of "$name")"
+  port="$(port_of "$name")"
+  cfg="$d/zoo.cfg"
+  mkdir -p "$d/data"
+  {
+    echo "# generated by scripts/services.sh"
+    echo "tickTime=500"
+    echo "initLimit=20"
+    echo "syncLimit=10"
+    echo "dataDir=$d/data"
+    echo "clientPort=$port"
+    echo "clientPortAddress=$HOST"
+    echo "maxClientCnxns=0"
+    echo "minSessionTimeout=1000"
+    echo "maxSessionTimeout=60000"
+    echo "admin.enableServer=false"
+    echo "4lw.commands.whitelist=*"
+    echo "autopurge.snapRetainCount=3"
+    echo "autopurge.purgeInterval=1"
+    if [[ "$(kind_of "$name")" == zk-ensemble ]]; then
+      local i
+      for i in 1 2 3; do
+        echo "server.$i=$HOST:$(zk_quorum_port "$i"):$(zk_election_port "$i")"
+      done
+    fi
+  } >"$cfg"
+  if [[ "$(kind_of "$name")" == zk-ensemble ]]; then
+    echo "${name#zk-}" >"$d/data/myid"
+  fi
+  # slf4j-simple logs to stderr, which goes (appended across restarts) to zookeeper.log
+  launch "$name" "$d/zookeeper.log" "$(find_bin java)" \
+    -Xms32m "-Xmx$ZK_HEAP" -XX:+UseSerialGC -Djava.net.preferIPv4Stack=true \
+    -Dzookeeper.admin.enableServer=false -Dzookeeper.jmx.log4j.disable=true \
+    -Dorg.slf4j.simpleLogger.defaultLogLevel=info \
+    -Dorg.slf4j.simpleLogger.log.org.apache.zookeeper.server.NIOServerCnxn=warn \
+    -Dorg.slf4j.simpleLogger.log.org.apache.zookeeper.server.command.FourLetterCommands=warn \
+    -Dorg.slf4j.simpleLogger.showDateTime=true \
+    "-Dorg.slf4j.simpleLogger.dateTimeFormat=yyyy-MM-dd HH:mm:ss.SSS" \
+    -cp "$(zk_classpath "$d")" \
+    org.apache.zookeeper.server.quorum.QuorumPeerMain "$cfg"
+}
+
+write_mariadb_cnf() {
+  local d sock
+  d="$(dir_of mariadb)"
+  sock="$(mariadb_socket)"
+  {
+    echo "# generated by scripts/services.sh"
+    echo "[mysqld]"
+    echo "datadir=$d/data"
+    echo "port=$(port_of mariadb)"
+    echo "bind-address=$HOST"
+    echo "socket=$sock"
+    echo "pid-file=$d/mariadbd.pid"
+    echo "log-error=$d/mariadb.log"
+    if [[ "$(id -u)" == 0 ]]; then echo "user=root"; fi
+    echo "skip-networking=0"
+    echo "skip-name-resolve=1"
+    echo "skip-external-locking"
+    echo "character-set-server=utf8mb4"
+    echo "collation-server=utf8mb4_general_ci"
+    echo "max_connections=500"
+    echo "innodb_buffer_pool_size=128M"
+    echo "innodb_log_file_size=64M"
+    echo "innodb_flush_log_at_trx_commit=2"
+    echo "[client]"
+    echo "socket=$sock"
+    echo "port=$(port_of mariadb)"
+  } >"$d/my.cnf"
+}
+
+start_mariadb() {
+  local d
+  d="$(dir_of mariadb)"
+  mkdir -p "$d"
+  write_mariadb_cnf
+  if [[ ! -f "$d/data/.lockkit-initialized" ]]; then
+    rm -rf "$d/data"
+    mkdir -p "$d/data"
+    log "mariadb: initialising datadir $d/data"
+    if ! "$(find_bin mariadb-install-db mysql_install_db)" --defaults-file="$d/my.cnf" \
+        --datadir="$d/data" --user="$(id -un)" --auth-root-authentication-method=socket \
+        --skip-test-db >"$d/install.log" 2>&1; then
+      show_logs mariadb
+      die "mariadb-install-db failed"
+    fi
+    touch "$d/data/.lockkit-initialized"
+  fi
+  rm -f "$(mariadb_socket)"
+  launch mariadb "$d/stdout.log" "$(find_bin mariadbd mysqld)" --defaults-file="$d/my.cnf"
+}
+
+mariadb_provision() {
+  local q="'"
+  local u1="${q}${MYSQL_USER}${q}@${q}127.0.0.1${q}" u2="${q}${MYSQL_USER}${q}@${q}localhost${q}"
+  local pw="${q}${MYSQL_PASSWORD}${q}"
+  mysql_root <<SQL
+CREATE DATABASE IF NOT EXISTS \`${MYSQL_DB}\`;
+CREATE USER IF NOT EXISTS ${u1} IDENTIFIED BY ${pw};
+CREATE USER IF NOT EXISTS ${u2} IDENTIFIED BY ${pw};
+ALTER USER ${u1} IDENTIFIED BY ${pw};
+ALTER USER ${u2} IDENTIFIED BY ${pw};
+GRANT ALL PRIVILEGES ON \`${MYSQL_DB}\`.* TO ${u1}, ${u2};
+GRANT PROCESS ON *.* TO ${u1}, ${u2};
+FLUSH PRIVILEGES;
+SQL
+  # CONNECTION ADMIN exists from MariaDB 10.5.2; older servers need SUPER to KILL others' connections.
+  if ! mysql_root -e "GRANT CONNECTION ADMIN ON *.* TO ${u1}, ${u2}" >/dev/null 2>&1; then
+    mysql_root -e "GRANT SUPER ON *.* TO ${u1}, ${u2}" >/dev/null
+  fi
+}
+
+start_instance() {
+  case "$(kind_of "$1")" in
+    redis|cluster) start_redis "$1" ;;
+    mariadb) start_mariadb ;;
+    zk-*) start_zk "$1" ;;
+  esac
+}
+
+# wait until NAME answers; fail loudly (with logs) on timeout or if the process dies
+wait_instance() {
+  local name=$1 deadline port pid
+  port="$(port_of "$name")"
+  deadline=$((SECONDS + TIMEOUT))
+  local provisioned=0 grace=0
+  while :; do
+    if [[ "$(kind_of "$name")" == mariadb ]] && ((!provisioned)); then
+      if mysql_root -e 'SELECT 1' >/dev/null 2>&1; then
+        if ! mariadb_provision >>"$(dir_of mariadb)/install.log" 2>&1; then
+          show_logs mariadb
+          die "mariadb: creating database/user failed"
+        fi
+        provisioned=1
+      fi
+    elif answering "$name"; then
+      break
+    fi
+    if ! pid="$(owned_pid "$name")"; then
+      # the wrapper writes the pidfile asynchronously; allow a short grace period
+      if ((++grace > 10)); then
+        show_logs "$name"
+        die "$name ($HOST:$port) exited during startup"
+      fi
+    fi
+    if ((SECONDS >= deadline)); then
+      show_logs "$name"
+      die "$name ($HOST:$port) did not answer within ${TIMEOUT}s"
+    fi
+    sleep 0.2
+  done
+  log "$name $HOST:$port ... up (pid $(owned_pid "$name" || echo '?'))"
+}
+
+cluster_field() { # port field
+  timeout 3 "$(find_bin redis-cli)" -h "$HOST" -p "$1" cluster info 2>/dev/null \
+    | tr -d '\r' | sed -n "s/^$2://p"
+}
+
+cluster_all_ok() {
+  local n port
+  for n in "${CLUSTER_NODES[@]}"; do
+    port="$(port_of "$n")"
+    [[ "$(cluster_field "$port" cluster_state)" == ok ]] || return 1
+    [[ "$(cluster_field "$port" cluster_known_nodes)" == 3 ]] || return 1
+    [[ "$(cluster_field "$port" cluster_slots_assigned)" == 16384 ]] || return 1
+  done
+}
+
+cluster_all_fresh() {
+  local n port
+  for n in "${CLUSTER_NODES[@]}"; do
+    port="$(port_of "$n")"
+    [[ "$(cluster_field "$port" cluster_known_nodes)" == 1 ]] || return 1
+    [[ "$(cluster_field "$port" cluster_slots_assigned)" == 0 ]] || return 1
+  done
+}
+
+wait_cluster_ok() { # seconds
+  local deadline=$((SECONDS + $1))
+  while ((SECONDS < deadline)); do
+    cluster_all_ok && return 0
+    sleep 0.3
+  done
+  return 1
+}
+
+ensure_cluster() {
+  local n addrs=() cli createlog="$SERVICES_DIR/cluster-create.log"
+  for n in "${CLUSTER_NODES[@]}"; do
+    if ! owned_pid "$n" >/dev/null || ! redis_ping "$(port_of "$n")"; then
+      warn "redis-cluster: $n is not running; not checking cluster formation"
+      return 0
+    fi
+    addrs+=("$HOST:$(port_of "$n")")
+  done
+  cli="$(find_bin redis-cli)"
+  if cluster_all_ok; then
+    log "redis-cluster ${addrs[*]} ... formed (cluster_state:ok)"
+    return 0
+  fi
+  if ! cluster_all_fresh; then
+    # nodes restarted from their nodes.conf re-join by themselves; give gossip a moment
+    if wait_cluster_ok 20; then
+      log "redis-cluster ${addrs[*]} ... formed (cluster_state:ok)"
+      return 0
+    fi
+    warn "redis-cluster: inconsistent state, resetting all three nodes and re-creating"
+    for n in "${CLUSTER_NODES[@]}"; do
+      "$cli" -h "$HOST" -p "$(port_of "$n")" flushall >/dev/null
+      "$cli" -h "$HOST" -p "$(port_of "$n")" cluster reset hard >/dev/null
+    done
+  fi
+  log "redis-cluster: creating cluster ${addrs[*]}"
+  if ! timeout 60 "$cli" --cluster create "${addrs[@]}" --cluster-replicas 0 --cluster-yes \
+      >"$createlog" 2>&1; then
+    tail -n 30 "$createlog" >&2 || true
+    die "redis-cli --cluster create failed (log: $createlog)"
+  fi
+  if ! wait_cluster_ok "$TIMEOUT"; then
+    for n in "${CLUSTER_NODES[@]}"; do
+      warn "---- cluster info $n ----"
+      timeout 3 "$cli" -h "$HOST" -p "$(port_of "$n")" cluster info >&2 || true
+    done
+    die "redis-cluster did not reach cluster_state:ok within ${TIMEOUT}s"
+  fi
+  log "redis-cluster ${addrs[*]} ... formed (cluster_state:ok)"
+}
+
+ensure_zk_ensemble() {
+  local n mode leaders=0 all=1 deadline=$((SECONDS + TIMEOUT)) modes
+  while :; do
+    leaders=0 all=1 modes=""
+    for n in "${ZK_NODES[@]}"; do
+      if ! owned_pid "$n" >/dev/null; then
+        warn "zk-ensemble: $n is not running; not checking the quorum"
+        return 0
+      fi
+      mode="$(zk_mode "$(port_of "$n")" || true)"
+      modes+=" $n=${mode:-none}"
+      case "$mode" in
+        leader) leaders=$((leaders + 1)) ;;
+        follower) ;;
+        *) all=0 ;;
+      esac
+    done
+    if ((all && leaders == 1)); then
+      log "zk-ensemble ... quorum ok:$modes"
+      return 0
+    fi
+    if ((SECONDS >= deadline)); then
+      for n in "${ZK_NODES[@]}"; do show_logs "$n"; done
+      die "zk-ensemble has no healthy quorum after ${TIMEOUT}s:$modes"
+    fi
+    sleep 0.3
+  done
+}
+
+lock_services() {
+  mkdir -p "$SERVICES_DIR"
+  exec 9>"$SERVICES_DIR/.lock"
+  if ! flock -w 300 9; then die "another services.sh is holding $SERVICES_DIR/.lock"; fi
+}
+
+cmd_up() {
+  local names=("$@") n pid port to_wait=() start_order=()
+  ((${#names[@]})) || names=("${ALL_INSTANCES[@]}")
+  validate_names "${names[@]}"
+  lock_services
+  ensure_packages
+  for n in "${names[@]}"; do
+    port="$(port_of "$n")"
+    if pid="$(owned_pid "$n")"; then
+      if answering "$n"; then
+        log "$n $HOST:$port ... already up (pid $pid)"
+      else
+        log "$n $HOST:$port ... running (pid $pid), waiting for it to answer"
+        to_wait+=("$n")
+      fi
+      continue
+    fi
+    rm -f "$(pidfile_of "$n")"
+    if port_open "$port"; then
+      die "$n: port $HOST:$port is already in use by a process this script did not start"
+    fi
+    start_order+=("$n")
+  done
+  # launch the fast-to-launch servers first, MariaDB (whose datadir init blocks) last
+  for n in "${start_order[@]}"; do
+    [[ "$n" == mariadb ]] && continue
+    log "$n $HOST:$(port_of "$n") ... starting"
+    start_instance "$n"
+    to_wait+=("$n")
+  done
+  for n in "${start_order[@]}"; do
+    [[ "$n" == mariadb ]] || continue
+    log "$n $HOST:$(port_of "$n") ... starting"
+    start_instance "$n"
+    to_wait+=("$n")
+  done
+  for n in "${to_wait[@]}"; do
+    wait_instance "$n"
+  done
+  local want_cluster=0 want_zk=0
+  for n in "${names[@]}"; do
+    case "$(kind_of "$n")" in
+      cluster) want_cluster=1 ;;
+      zk-ensemble) want_zk=1 ;;
+    esac
+  done
+  if ((want_cluster)); then ensure_cluster; fi
+  if ((want_zk)); then ensure_zk_ensemble; fi
+  # MariaDB that was already running: make sure the user/grants exist (idempotent, cheap)
+  for n in "${names[@]}"; do
+    if [[ "$n" == mariadb ]] && ! mysql_tcp_ok; then
+      mariadb_provision >/dev/null || die "mariadb: provisioning the lockkit user failed"
+    fi
+  done
+  log "all requested services are up"
+}
+
+cmd_down() {
+  local names=("$@") n pid pids=() stopping=() deadline
+  ((${#names[@]})) || names=("${ALL_INSTANCES[@]}")
+  validate_names "${names[@]}"
+  [[ -d "$SERVICES_DIR" ]] || { log "nothing to stop ($SERVICES_DIR does not exist)"; return 0; }
+  lock_services
+  for n in "${names[@]}"; do
+    if pid="$(owned_pid "$n")"; then
+      log "$n ... stopping (pid $pid)"
+      kill -TERM "$pid" 2>/dev/null || true
+      kill -CONT "$pid" 2>/dev/null || true   # a SIGSTOPped server (fault tests) must see the TERM
+      pids+=("$pid")
+      stopping+=("$n")
+    else
+      rm -f "$(pidfile_of "$n")"
+    fi
+  done
+  deadline=$((SECONDS + 10))
+  local i alive
+  while :; do
+    alive=0
+    for i in "${!pids[@]}"; do
+      if pid_alive "${pids[$i]}"; then alive=1; fi
+    done
+    ((alive)) || break
+    if ((SECONDS >= deadline)); then
+      for i in "${!pids[@]}"; do
+        if pid_alive "${pids[$i]}"; then
+          warn "${stopping[$i]} (pid ${pids[$i]}) did not stop after TERM, sending KILL"
+          kill -KILL "${pids[$i]}" 2>/dev/null || true
+        fi
+      done
+      sleep 0.5
+      break
+    fi
+    sleep 0.2
+  done
+  for n in "${stopping[@]}"; do
+    rm -f "$(pidfile_of "$n")"
+    log "$n ... down"
+  done
+  # Only when the whole cluster is down: forget its topology so the next `up` re-creates it.
+  local all_cluster=1
+  for n in "${CLUSTER_NODES[@]}"; do
+    if owned_pid "$n" >/dev/null; then all_cluster=0; fi
+  done
+  local requested_cluster=0
+  for n in "${names[@]}"; do
+    [[ "$(kind_of "$n")" == cluster ]] && requested_cluster=1
+  done
+  if ((all_cluster && requested_cluster)); then
+    for n in "${CLUSTER_NODES[@]}"; do rm -f "$(dir_of "$n")/nodes.conf"; done
+  fi
+  if [[ " ${names[*]} " == *" mariadb "* ]]; then rm -f "$(mariadb_socket)"; fi
+  return 0
+}
+
+cmd_restart() {
+  (($#)) || { usage; exit 2; }
+  validate_names "$@"
+  cmd_down "$@"
+  exec 9>&-
+  cmd_up "$@"
+}
+
+cmd_status() {
+  local n pid state rc=0 port
+  for n in "${ALL_INSTANCES[@]}"; do
+    port="$(port_of "$n")"
+    if pid="$(owned_pid "$n")"; then
+      if answering "$n"; then
+        state=up
+        case "$(kind_of "$n")" in
+          zk-*) state="up ($(zk_mode "$port"))" ;;
+          cluster) state="up (cluster_state:$(cluster_field "$port" cluster_state || true))" ;;
+        esac
+      else
+        state="running, NOT answering"; rc=1
+      fi
+    else
+      pid=-; state=down; rc=1
+    fi
+    printf '%-14s %-16s %-8s %s\n' "$n" "$HOST:$port" "$pid" "$state"
+  done
+  return "$rc"
+}
+
+cmd_env() {
+  local n addrs
+  printf 'export LOCKKIT_TEST_SERVICES_DIR=%q\n' "$SERVICES_DIR"
+  echo "export LOCKKIT_TEST_REDIS_URL=redis://$HOST:$(port_of redis-single)"
+  addrs=""
+  for n in redlock-1 redlock-2 redlock-3 redlock-4 redlock-5; do addrs+="${addrs:+,}$HOST:$(port_of "$n")"; done
+  echo "export LOCKKIT_TEST_REDLOCK_URL=redlock://$addrs"
+  addrs=""
+  for n in "${CLUSTER_NODES[@]}"; do addrs+="${addrs:+,}$HOST:$(port_of "$n")"; done
+  echo "export LOCKKIT_TEST_REDIS_CLUSTER_URL=redis+cluster://$addrs"
+  echo "export LOCKKIT_TEST_MYSQL_URL=mysql://$MYSQL_USER:$MYSQL_PASSWORD@$HOST:$(port_of mariadb)/$MYSQL_DB"
+  echo "export LOCKKIT_TEST_ZK_URL=zk://$HOST:$(port_of zk-standalone)"
+  addrs=""
+  for n in "${ZK_NODES[@]}"; do addrs+="${addrs:+,}$HOST:$(port_of "$n")"; done
+  echo "export LOCKKIT_TEST_ZK_ENSEMBLE_URL=zk://$addrs"
+}
+
+cmd_pid() {
+  (($# == 1)) || { usage; exit 2; }
+  validate_names "$1"
+  owned_pid "$1" || die "$1 is not running"
+}
+
+cmd_clean() {
+  cmd_down
+  exec 9>&-
+  rm -rf "$SERVICES_DIR"
+  log "removed $SERVICES_DIR"
+}
+
+main() {
+  local cmd="${1:-}"
+  (($#)) && shift
+  case "$cmd" in
+    up) cmd_up "$@" ;;
+    down|stop) cmd_down "$@" ;;
+    restart) cmd_restart "$@" ;;
+    status) (($# == 0)) || { usage; exit 2; }; cmd_status ;;
+    env) (($# == 0)) || { usage; exit 2; }; cmd_env ;;
+    pid) cmd_pid "$@" ;;
+    clean) (($# == 0)) || { usage; exit 2; }; cmd_clean ;;
+    -h|--help|help) usage ;;
+    *) usage; exit 2 ;;
+  esac
+}
+
+main "$@"
