@@ -45,7 +45,11 @@ impl FencedStore {
 
     /// Everything accepted, in order.
     pub fn values(&self) -> Vec<String> {
-        self.inner.lock().unwrap_or_else(|e| e.into_inner()).1.clone()
+        self.inner
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .1
+            .clone()
     }
 }
 
@@ -71,7 +75,10 @@ impl UnfencedStore {
 
     /// Everything written, in order.
     pub fn values(&self) -> Vec<String> {
-        self.values.lock().unwrap_or_else(|e| e.into_inner()).clone()
+        self.values
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
     }
 }
 

@@ -228,7 +228,10 @@ mod tests {
             rec("b", 4, t0 + Duration::from_millis(50), 10),
         ];
         let v = check(recs);
-        assert!(v.iter().any(|v| matches!(v, Violation::Overlap { .. })), "{v:?}");
+        assert!(
+            v.iter().any(|v| matches!(v, Violation::Overlap { .. })),
+            "{v:?}"
+        );
         assert!(
             v.iter()
                 .any(|v| matches!(v, Violation::TokenNotIncreasing { .. })),

@@ -6,12 +6,7 @@
 //! runs that binary again with only that test selected. The child builds a client from the
 //! same harness, so it talks to the same servers with the same code as the parent.
 
-use std::{
-    io::Write,
-    process::Stdio,
-    sync::OnceLock,
-    time::Duration,
-};
+use std::{io::Write, process::Stdio, sync::OnceLock, time::Duration};
 
 use lockkit_core::{FencingToken, LockKey};
 use tokio::{
@@ -75,7 +70,13 @@ impl HolderProcess {
         let exe = std::env::current_exe()
             .unwrap_or_else(|e| panic!("cannot find the test binary to re-run: {e}"));
         let mut child = Command::new(exe)
-            .args([entry.as_str(), "--exact", "--ignored", "--nocapture", "--test-threads=1"])
+            .args([
+                entry.as_str(),
+                "--exact",
+                "--ignored",
+                "--nocapture",
+                "--test-threads=1",
+            ])
             .env(KEY_VAR, spec.key.as_str())
             .env(TTL_VAR, spec.ttl.as_millis().to_string())
             .env(WATCHDOG_VAR, if spec.watchdog { "1" } else { "0" })
@@ -175,7 +176,10 @@ pub async fn child_main<H: Harness>(harness: &H) {
         .map_or(Duration::from_secs(30), Duration::from_millis);
     let watchdog = std::env::var(WATCHDOG_VAR).is_ok_and(|v| v == "1");
     let locker = harness.client().await;
-    let mut acquire = locker.acquire(key.as_str()).ttl(ttl).wait(Duration::from_secs(30));
+    let mut acquire = locker
+        .acquire(key.as_str())
+        .ttl(ttl)
+        .wait(Duration::from_secs(30));
     if !watchdog {
         acquire = acquire.no_watchdog();
     }

@@ -207,7 +207,10 @@ where
         .unwrap_or_else(|e| panic!("cannot start a Tokio runtime: {e}"));
     runtime.block_on(async {
         let Some(harness) = make.await else {
-            report_skip(name, "the harness is not configured (see the SKIPPED line above)");
+            report_skip(
+                name,
+                "the harness is not configured (see the SKIPPED line above)",
+            );
             return;
         };
         let harness = Arc::new(harness);
@@ -223,7 +226,10 @@ where
 
 /// Prints a skip to the real stderr, so the test harness's capture cannot hide it.
 fn report_skip(what: &str, why: &str) {
-    let _ = writeln!(std::io::stderr(), "lockkit-conformance: SKIPPED {what}: {why}");
+    let _ = writeln!(
+        std::io::stderr(),
+        "lockkit-conformance: SKIPPED {what}: {why}"
+    );
 }
 
 /// Runs the child-process helper if this process was started as one; used by [`suite!`].

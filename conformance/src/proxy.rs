@@ -47,7 +47,13 @@ pub struct FaultProxy {
 impl Drop for FaultProxy {
     fn drop(&mut self) {
         self.acceptor.abort();
-        for pump in self.control.pumps.lock().unwrap_or_else(|e| e.into_inner()).drain(..) {
+        for pump in self
+            .control
+            .pumps
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .drain(..)
+        {
             pump.abort();
         }
     }

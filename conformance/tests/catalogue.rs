@@ -27,8 +27,14 @@ fn every_case_function_is_in_the_catalogue() {
         .collect();
     let unlisted: Vec<_> = defined.difference(&listed).collect();
     let phantom: Vec<_> = listed.difference(&defined).collect();
-    assert!(unlisted.is_empty(), "cases missing from the catalogue: {unlisted:?}");
-    assert!(phantom.is_empty(), "catalogue entries without a case: {phantom:?}");
+    assert!(
+        unlisted.is_empty(),
+        "cases missing from the catalogue: {unlisted:?}"
+    );
+    assert!(
+        phantom.is_empty(),
+        "catalogue entries without a case: {phantom:?}"
+    );
     assert!(listed.len() >= 45, "only {} cases", listed.len());
 }
 

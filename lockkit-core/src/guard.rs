@@ -11,9 +11,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::{
     AcquireRequest, Error, FencingToken, Grant, LockBackend, LockKey, LockOptions, LostReason,
-    OwnerId, Released, Result,
-    lost::LossSignal,
-    options::validate_ttl,
+    OwnerId, Released, Result, lost::LossSignal, options::validate_ttl,
 };
 
 /// How much of a lease is kept back locally for clock drift between client and server:

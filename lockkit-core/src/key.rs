@@ -154,7 +154,15 @@ mod tests {
 
     #[test]
     fn accepts_odd_but_printable_keys() {
-        for k in ["a", "orders/42", "../etc", "with space", "ключ", "🔒", "%2F"] {
+        for k in [
+            "a",
+            "orders/42",
+            "../etc",
+            "with space",
+            "ключ",
+            "🔒",
+            "%2F",
+        ] {
             assert_eq!(LockKey::new(k).unwrap().as_str(), k);
         }
     }
@@ -165,7 +173,13 @@ mod tests {
         let long = "x".repeat(LockKey::MAX_BYTES + 1);
         assert!(matches!(LockKey::new(&long), Err(Error::InvalidKey { .. })));
         assert!(LockKey::new("x".repeat(LockKey::MAX_BYTES)).is_ok());
-        assert!(matches!(LockKey::new("a\0b"), Err(Error::InvalidKey { .. })));
-        assert!(matches!(LockKey::new("a\nb"), Err(Error::InvalidKey { .. })));
+        assert!(matches!(
+            LockKey::new("a\0b"),
+            Err(Error::InvalidKey { .. })
+        ));
+        assert!(matches!(
+            LockKey::new("a\nb"),
+            Err(Error::InvalidKey { .. })
+        ));
     }
 }

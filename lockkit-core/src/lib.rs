@@ -9,7 +9,10 @@
 //!   in-process reference implementation.
 //!
 //! Every failure is an [`Error`] that says what to do; nothing here panics on bad input.
-#![cfg_attr(not(test), deny(clippy::unwrap_used, clippy::expect_used, clippy::panic))]
+#![cfg_attr(
+    not(test),
+    deny(clippy::unwrap_used, clippy::expect_used, clippy::panic)
+)]
 
 mod backend;
 mod error;

@@ -281,7 +281,12 @@ impl Acquire {
             });
             return Err(lost);
         }
-        let hold = Hold::start(locker.backend.clone(), grant.clone(), self.options, &runtime);
+        let hold = Hold::start(
+            locker.backend.clone(),
+            grant.clone(),
+            self.options,
+            &runtime,
+        );
         if let Some(owner) = &self.owner {
             let mut holds = owner.holds.lock().unwrap_or_else(|e| e.into_inner());
             holds.retain(|_, weak| weak.strong_count() > 0);

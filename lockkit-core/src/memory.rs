@@ -13,9 +13,8 @@ use async_trait::async_trait;
 use tokio::{sync::Notify, time::Instant};
 
 use crate::{
-    AcquireRequest, BackendInfo, Capabilities, Consistency, Error, FencingToken, Grant,
-    HolderInfo, LockBackend, LockKey, LostReason, OwnerId, Released, Result, deadline_after,
-    lost::LossSignal,
+    AcquireRequest, BackendInfo, Capabilities, Consistency, Error, FencingToken, Grant, HolderInfo,
+    LockBackend, LockKey, LostReason, OwnerId, Released, Result, deadline_after, lost::LossSignal,
 };
 
 const SCHEME: &str = "memory";
@@ -110,7 +109,9 @@ impl MemoryBackend {
     /// A new server with one session on it.
     pub fn new() -> Self {
         let server = Arc::new(Server::default());
-        let session = Arc::new(AtomicU64::new(server.next_session.fetch_add(1, Ordering::Relaxed)));
+        let session = Arc::new(AtomicU64::new(
+            server.next_session.fetch_add(1, Ordering::Relaxed),
+        ));
         MemoryBackend { server, session }
     }
 
@@ -211,7 +212,12 @@ impl MemoryBackend {
             }
             entry.depth += 1;
             entry.expires = now + req.ttl;
-            return Ok(Grant::new(req, FencingToken::new(entry.token), entry.depth, now));
+            return Ok(Grant::new(
+                req,
+                FencingToken::new(entry.token),
+                entry.depth,
+                now,
+            ));
         }
         state.last_token += 1;
         let token = state.last_token;

@@ -52,7 +52,8 @@ impl fmt::Debug for OwnerId {
 impl std::str::FromStr for OwnerId {
     type Err = crate::Error;
     fn from_str(s: &str) -> crate::Result<Self> {
-        let bad = || crate::Error::Config(format!("`{s}` is not an owner id of the form <uuid>:<n>"));
+        let bad =
+            || crate::Error::Config(format!("`{s}` is not an owner id of the form <uuid>:<n>"));
         let (client, n) = s.rsplit_once(':').ok_or_else(bad)?;
         let client = Uuid::parse_str(client).map_err(|_| bad())?;
         let n = n.parse().map_err(|_| bad())?;

@@ -10,9 +10,15 @@ use crate::{Check, Harness, Outcome, Space, support::expect_err};
 /// An empty key is `InvalidKey`.
 pub async fn empty_key_is_refused<H: Harness>(h: &H) -> Outcome {
     let a = h.client().await;
-    expect_err(a.acquire("").await, "acquire ``", |e| matches!(e, Error::InvalidKey { .. }));
-    expect_err(a.try_acquire("").await, "try_acquire ``", |e| matches!(e, Error::InvalidKey { .. }));
-    expect_err(a.inspect("").await, "inspect ``", |e| matches!(e, Error::InvalidKey { .. }));
+    expect_err(a.acquire("").await, "acquire ``", |e| {
+        matches!(e, Error::InvalidKey { .. })
+    });
+    expect_err(a.try_acquire("").await, "try_acquire ``", |e| {
+        matches!(e, Error::InvalidKey { .. })
+    });
+    expect_err(a.inspect("").await, "inspect ``", |e| {
+        matches!(e, Error::InvalidKey { .. })
+    });
     Outcome::Passed
 }
 
@@ -20,12 +26,28 @@ pub async fn empty_key_is_refused<H: Harness>(h: &H) -> Outcome {
 pub async fn oversized_key_is_refused<H: Harness>(h: &H) -> Outcome {
     let space = Space::new("oversized_key_is_refused");
     let a = h.client().await;
-    let pad = |len: usize| format!("{}{}", space.prefix(), "x".repeat(len - space.prefix().len()));
+    let pad = |len: usize| {
+        format!(
+            "{}{}",
+            space.prefix(),
+            "x".repeat(len - space.prefix().len())
+        )
+    };
     let too_long = pad(LockKey::MAX_BYTES + 1);
-    let err = expect_err(a.acquire(too_long.as_str()).await, "oversized key", |e| matches!(e, Error::InvalidKey { .. }));
-    assert!(err.to_string().contains("bytes"), "the message should say what the limit is: {err}");
+    let err = expect_err(a.acquire(too_long.as_str()).await, "oversized key", |e| {
+        matches!(e, Error::InvalidKey { .. })
+    });
+    assert!(
+        err.to_string().contains("bytes"),
+        "the message should say what the limit is: {err}"
+    );
     let longest = pad(LockKey::MAX_BYTES);
-    let guard = a.try_acquire(longest.as_str()).ttl(LONG_TTL).await.check("a key at the limit").check("free key");
+    let guard = a
+        .try_acquire(longest.as_str())
+        .ttl(LONG_TTL)
+        .await
+        .check("a key at the limit")
+        .check("free key");
     guard.release().await.check("release");
     Outcome::Passed
 }
@@ -35,9 +57,37 @@ pub async fn oversized_key_is_refused<H: Harness>(h: &H) -> Outcome {
 pub async fn odd_keys_are_distinct_or_refused<H: Harness>(h: &H) -> Outcome {
     let space = Space::new("odd_keys_are_distinct_or_refused");
     let names = [
-        "a/b", "a%2Fb", "a_b", "a b", "a\u{a0}b", "a//b", "a/b/", "/a/b", "A/B", "../x", "./x",
-        "x/..", "..", ".", "a..b", "a.b", "ключ", "🔒", "e\u{301}", "\u{e9}", "a:b", "{a}b",
-        "a*b", "a?b", "a\0b", "a\nb", "tab\tkey", "a\\b", "'; DROP TABLE x; --", "%", "%%",
+        "a/b",
+        "a%2Fb",
+        "a_b",
+        "a b",
+        "a\u{a0}b",
+        "a//b",
+        "a/b/",
+        "/a/b",
+        "A/B",
+        "../x",
+        "./x",
+        "x/..",
+        "..",
+        ".",
+        "a..b",
+        "a.b",
+        "ключ",
+        "🔒",
+        "e\u{301}",
+        "\u{e9}",
+        "a:b",
+        "{a}b",
+        "a*b",
+        "a?b",
+        "a\0b",
+        "a\nb",
+        "tab\tkey",
+        "a\\b",
+        "'; DROP TABLE x; --",
+        "%",
+        "%%",
     ];
     let (a, b) = (h.client().await, h.client().await);
     let mut held = Vec::new();
@@ -47,13 +97,29 @@ pub async fn odd_keys_are_distinct_or_refused<H: Harness>(h: &H) -> Outcome {
             Ok(Some(guard)) => held.push((name, guard)),
             Ok(None) => panic!("`{}` collided with an earlier odd key", name.escape_debug()),
             Err(Error::InvalidKey { .. }) => {}
-            Err(e) => panic!("`{}` failed with a non-InvalidKey error: {e}", name.escape_debug()),
+            Err(e) => panic!(
+                "`{}` failed with a non-InvalidKey error: {e}",
+                name.escape_debug()
+            ),
         }
     }
-    assert!(held.len() >= 10, "most odd but printable keys should be usable; only {} were", held.len());
+    assert!(
+        held.len() >= 10,
+        "most odd but printable keys should be usable; only {} were",
+        held.len()
+    );
     for (name, guard) in &held {
-        assert_busy(&b, guard.key(), &format!("odd key `{}`", name.escape_debug())).await;
-        let info = b.inspect(guard.key()).await.check("inspect").check("an odd key's holder");
+        assert_busy(
+            &b,
+            guard.key(),
+            &format!("odd key `{}`", name.escape_debug()),
+        )
+        .await;
+        let info = b
+            .inspect(guard.key())
+            .await
+            .check("inspect")
+            .check("an odd key's holder");
         assert_eq!(info.owner, guard.owner().to_string());
     }
     for (_, guard) in held {
@@ -67,10 +133,23 @@ pub async fn zero_ttl_is_refused<H: Harness>(h: &H) -> Outcome {
     let space = Space::new("zero_ttl_is_refused");
     let key = space.key("k");
     let a = h.client().await;
-    expect_err(a.acquire(&key).ttl(Duration::ZERO).await, "zero ttl", |e| matches!(e, Error::InvalidTtl { .. }));
-    assert_eq!(a.inspect(&key).await.check("inspect"), None, "a refused acquire must not touch the server");
-    let guard = a.try_acquire(&key).ttl(LONG_TTL).await.check("acquire").check("free key");
-    expect_err(guard.extend(Duration::ZERO).await, "extend to zero", |e| matches!(e, Error::InvalidTtl { .. }));
+    expect_err(a.acquire(&key).ttl(Duration::ZERO).await, "zero ttl", |e| {
+        matches!(e, Error::InvalidTtl { .. })
+    });
+    assert_eq!(
+        a.inspect(&key).await.check("inspect"),
+        None,
+        "a refused acquire must not touch the server"
+    );
+    let guard = a
+        .try_acquire(&key)
+        .ttl(LONG_TTL)
+        .await
+        .check("acquire")
+        .check("free key");
+    expect_err(guard.extend(Duration::ZERO).await, "extend to zero", |e| {
+        matches!(e, Error::InvalidTtl { .. })
+    });
     assert!(guard.is_valid());
     guard.release().await.check("release");
     Outcome::Passed
@@ -84,12 +163,23 @@ pub async fn ttl_outside_backend_range_is_refused<H: Harness>(h: &H) -> Outcome 
     let caps = a.info().capabilities.clone();
     let mut checked = 0;
     if caps.min_ttl > Duration::from_nanos(1) {
-        let err = expect_err(a.acquire(&key).ttl(caps.min_ttl / 2).await, "ttl below the minimum", |e| matches!(e, Error::InvalidTtl { .. }));
-        assert!(err.to_string().contains(&format!("{:?}", caps.min_ttl)), "the message should name the range: {err}");
+        let err = expect_err(
+            a.acquire(&key).ttl(caps.min_ttl / 2).await,
+            "ttl below the minimum",
+            |e| matches!(e, Error::InvalidTtl { .. }),
+        );
+        assert!(
+            err.to_string().contains(&format!("{:?}", caps.min_ttl)),
+            "the message should name the range: {err}"
+        );
         checked += 1;
     }
     if let Some(max) = caps.max_ttl {
-        expect_err(a.acquire(&key).ttl(max + Duration::from_secs(1)).await, "ttl above the maximum", |e| matches!(e, Error::InvalidTtl { .. }));
+        expect_err(
+            a.acquire(&key).ttl(max + Duration::from_secs(1)).await,
+            "ttl above the maximum",
+            |e| matches!(e, Error::InvalidTtl { .. }),
+        );
         checked += 1;
     }
     assert!(checked > 0, "the backend declares no ttl limit to test");
@@ -102,9 +192,24 @@ pub async fn invalid_options_are_refused<H: Harness>(h: &H) -> Outcome {
     let space = Space::new("invalid_options_are_refused");
     let key = space.key("k");
     let a = h.client().await;
-    expect_err(a.acquire(&key).ttl(LONG_TTL).renew_every(LONG_TTL).await, "renewal period = ttl", |e| matches!(e, Error::Config(_)));
-    expect_err(a.acquire(&key).ttl(LONG_TTL).renew_every(Duration::ZERO).await, "zero renewal period", |e| matches!(e, Error::Config(_)));
-    expect_err(a.acquire(&key).max_hold(Duration::ZERO).await, "zero max_hold", |e| matches!(e, Error::Config(_)));
+    expect_err(
+        a.acquire(&key).ttl(LONG_TTL).renew_every(LONG_TTL).await,
+        "renewal period = ttl",
+        |e| matches!(e, Error::Config(_)),
+    );
+    expect_err(
+        a.acquire(&key)
+            .ttl(LONG_TTL)
+            .renew_every(Duration::ZERO)
+            .await,
+        "zero renewal period",
+        |e| matches!(e, Error::Config(_)),
+    );
+    expect_err(
+        a.acquire(&key).max_hold(Duration::ZERO).await,
+        "zero max_hold",
+        |e| matches!(e, Error::Config(_)),
+    );
     assert_eq!(a.inspect(&key).await.check("inspect"), None);
     Outcome::Passed
 }

@@ -22,12 +22,22 @@ pub async fn acquire_release_reacquire<H: Harness>(h: &H) -> Outcome {
     let space = Space::new("acquire_release_reacquire");
     let key = space.key("k");
     let (a, b) = (h.client().await, h.client().await);
-    let first = a.try_acquire(&key).ttl(LONG_TTL).await.check("first acquire").check("free key");
+    let first = a
+        .try_acquire(&key)
+        .ttl(LONG_TTL)
+        .await
+        .check("first acquire")
+        .check("free key");
     assert_eq!(first.depth(), 1);
     assert!(first.is_valid());
     let token = first.token();
     assert_eq!(first.release().await.check("release"), Released::Fully);
-    let second = b.try_acquire(&key).ttl(LONG_TTL).await.check("reacquire").check("key free after release");
+    let second = b
+        .try_acquire(&key)
+        .ttl(LONG_TTL)
+        .await
+        .check("reacquire")
+        .check("key free after release");
     assert!(second.token() > token, "token must grow for a new holder");
     second.release().await.check("second release");
     Outcome::Passed
@@ -39,7 +49,12 @@ pub async fn contended_try_acquire_is_none<H: Harness>(h: &H) -> Outcome {
     let space = Space::new("contended_try_acquire_is_none");
     let key = space.key("k");
     let (a, b) = (h.client().await, h.client().await);
-    let held = a.try_acquire(&key).ttl(LONG_TTL).await.check("acquire").check("free key");
+    let held = a
+        .try_acquire(&key)
+        .ttl(LONG_TTL)
+        .await
+        .check("acquire")
+        .check("free key");
     assert_busy(&b, &key, "a held key must not be granted to another client").await;
     expect_err(
         b.acquire(&key).wait(Duration::ZERO).await,
@@ -54,8 +69,18 @@ pub async fn contended_try_acquire_is_none<H: Harness>(h: &H) -> Outcome {
 pub async fn independent_keys_do_not_contend<H: Harness>(h: &H) -> Outcome {
     let space = Space::new("independent_keys_do_not_contend");
     let (a, b) = (h.client().await, h.client().await);
-    let one = a.try_acquire(space.key("one")).ttl(LONG_TTL).await.check("acquire one").check("one free");
-    let two = b.try_acquire(space.key("two")).ttl(LONG_TTL).await.check("acquire two").check("two must not contend with one");
+    let one = a
+        .try_acquire(space.key("one"))
+        .ttl(LONG_TTL)
+        .await
+        .check("acquire one")
+        .check("one free");
+    let two = b
+        .try_acquire(space.key("two"))
+        .ttl(LONG_TTL)
+        .await
+        .check("acquire two")
+        .check("two must not contend with one");
     one.release().await.check("release one");
     two.release().await.check("release two");
     Outcome::Passed
@@ -76,7 +101,12 @@ pub async fn counter_is_exact_under_contention<H: Harness>(h: &H) -> Outcome {
         let (key, counter, history) = (key.clone(), counter.clone(), history.clone());
         tasks.push(tokio::spawn(async move {
             for _ in 0..ROUNDS {
-                let guard = client.acquire(&key).ttl(LONG_TTL).wait(Duration::from_secs(60)).await.check("acquire counter lock");
+                let guard = client
+                    .acquire(&key)
+                    .ttl(LONG_TTL)
+                    .wait(Duration::from_secs(60))
+                    .await
+                    .check("acquire counter lock");
                 let open = history.begin(format!("client {c}"), &guard);
                 // A deliberately non-atomic read-modify-write with a yield in the middle.
                 let value = counter.load(Ordering::SeqCst);
@@ -90,7 +120,11 @@ pub async fn counter_is_exact_under_contention<H: Harness>(h: &H) -> Outcome {
     for task in tasks {
         task.await.check("worker");
     }
-    assert_eq!(counter.load(Ordering::SeqCst), CLIENTS * ROUNDS, "updates were lost");
+    assert_eq!(
+        counter.load(Ordering::SeqCst),
+        CLIENTS * ROUNDS,
+        "updates were lost"
+    );
     assert_eq!(history.records().len() as u64, CLIENTS * ROUNDS);
     history.assert_linear();
     Outcome::Passed
@@ -103,9 +137,17 @@ pub async fn release_relock_loop<H: Harness>(h: &H) -> Outcome {
     let client = h.client().await;
     let mut last = None;
     for round in 0..50 {
-        let guard = client.try_acquire(&key).ttl(LONG_TTL).await.check("relock").unwrap_or_else(|| panic!("round {round}: key still held after release"));
+        let guard = client
+            .try_acquire(&key)
+            .ttl(LONG_TTL)
+            .await
+            .check("relock")
+            .unwrap_or_else(|| panic!("round {round}: key still held after release"));
         if let Some(previous) = last {
-            assert!(guard.token() > previous, "round {round}: token did not grow");
+            assert!(
+                guard.token() > previous,
+                "round {round}: token did not grow"
+            );
         }
         last = Some(guard.token());
         guard.release().await.check("release");
@@ -134,7 +176,11 @@ pub async fn child_process_hold_blocks_parent<H: Harness>(h: &H) -> Outcome {
         |e| matches!(e, Error::Timeout { .. }),
     );
     child.kill().await;
-    let guard = parent.acquire(&key).wait(super::generous_wait(h)).await.check("acquire after the child died");
+    let guard = parent
+        .acquire(&key)
+        .wait(super::generous_wait(h))
+        .await
+        .check("acquire after the child died");
     assert!(guard.token() > child.token);
     guard.release().await.check("release");
     assert_free(&parent, &key, "after release").await;

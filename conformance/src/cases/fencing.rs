@@ -17,9 +17,18 @@ pub async fn tokens_strictly_increase<H: Harness>(h: &H) -> Outcome {
     let clients = [h.client().await, h.client().await];
     let mut last: Option<FencingToken> = None;
     for round in 0..10 {
-        let guard = clients[round % 2].try_acquire(&key).ttl(LONG_TTL).await.check("acquire").check("free key");
+        let guard = clients[round % 2]
+            .try_acquire(&key)
+            .ttl(LONG_TTL)
+            .await
+            .check("acquire")
+            .check("free key");
         if let Some(previous) = last {
-            assert!(guard.token() > previous, "round {round}: {} after {previous}", guard.token());
+            assert!(
+                guard.token() > previous,
+                "round {round}: {} after {previous}",
+                guard.token()
+            );
         }
         last = Some(guard.token());
         guard.release().await.check("release");
@@ -38,7 +47,12 @@ pub async fn tokens_increase_under_concurrency<H: Harness>(h: &H) -> Outcome {
         let (key, history) = (key.clone(), history.clone());
         tasks.push(tokio::spawn(async move {
             for _ in 0..20 {
-                let guard = client.acquire(&key).ttl(LONG_TTL).wait(Duration::from_secs(60)).await.check("acquire");
+                let guard = client
+                    .acquire(&key)
+                    .ttl(LONG_TTL)
+                    .wait(Duration::from_secs(60))
+                    .await
+                    .check("acquire");
                 let open = history.begin(format!("client {c}"), &guard);
                 tokio::task::yield_now().await;
                 history.end(open, &guard);
@@ -62,10 +76,22 @@ pub async fn paused_holder_fenced_write_is_rejected<H: Harness>(h: &H) -> Outcom
     let key = space.key("k");
     let (a, b) = (h.client().await, h.client().await);
     let (fenced, unfenced) = (FencedStore::new(), UnfencedStore::new());
-    let paused = a.try_acquire(&key).ttl(h.short_ttl()).no_watchdog().await.check("acquire").check("free key");
-    fenced.write(paused.token(), "paused: before the pause").check("first write");
+    let paused = a
+        .try_acquire(&key)
+        .ttl(h.short_ttl())
+        .no_watchdog()
+        .await
+        .check("acquire")
+        .check("free key");
+    fenced
+        .write(paused.token(), "paused: before the pause")
+        .check("first write");
     unfenced.write("paused: before the pause");
-    let rival = b.acquire(&key).wait(generous_wait(h)).await.check("rival after the lease ran out");
+    let rival = b
+        .acquire(&key)
+        .wait(generous_wait(h))
+        .await
+        .check("rival after the lease ran out");
     fenced.write(rival.token(), "rival").check("rival's write");
     unfenced.write("rival");
     // The paused holder wakes up and writes, unaware.
@@ -78,7 +104,10 @@ pub async fn paused_holder_fenced_write_is_rejected<H: Harness>(h: &H) -> Outcom
         Some("paused: stale"),
         "the unfenced control should show the corruption fencing prevents"
     );
-    assert!(!paused.is_valid(), "the paused holder's guard must report the loss");
+    assert!(
+        !paused.is_valid(),
+        "the paused holder's guard must report the loss"
+    );
     rival.release().await.check("release");
     Outcome::Passed
 }
@@ -99,13 +128,29 @@ pub async fn tokens_grow_after_holder_crash<H: Harness>(h: &H) -> Outcome {
     } else {
         // In one process, a crash is a holder that vanishes without releasing or renewing.
         let client = h.client().await;
-        let guard = client.try_acquire(&key).ttl(h.short_ttl()).no_watchdog().await.check("acquire").check("free key");
+        let guard = client
+            .try_acquire(&key)
+            .ttl(h.short_ttl())
+            .no_watchdog()
+            .await
+            .check("acquire")
+            .check("free key");
         let token = guard.token();
         std::mem::forget(guard);
         token
     };
-    let after = h.client().await.acquire(&key).wait(generous_wait(h)).await.check("acquire after the crash");
-    assert!(after.token() > crashed_token, "{} is not above the crashed holder's {crashed_token}", after.token());
+    let after = h
+        .client()
+        .await
+        .acquire(&key)
+        .wait(generous_wait(h))
+        .await
+        .check("acquire after the crash");
+    assert!(
+        after.token() > crashed_token,
+        "{} is not above the crashed holder's {crashed_token}",
+        after.token()
+    );
     after.release().await.check("release");
     Outcome::Passed
 }

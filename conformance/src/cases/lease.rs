@@ -16,9 +16,19 @@ pub async fn unrenewed_lease_expires<H: Harness>(h: &H) -> Outcome {
     let ttl = h.short_ttl();
     let (a, b) = (h.client().await, h.client().await);
     let requested = Instant::now();
-    let held = a.try_acquire(&key).ttl(ttl).no_watchdog().await.check("acquire").check("free key");
+    let held = a
+        .try_acquire(&key)
+        .ttl(ttl)
+        .no_watchdog()
+        .await
+        .check("acquire")
+        .check("free key");
     assert_busy(&b, &key, "before the lease ran out").await;
-    let rival = b.acquire(&key).wait(generous_wait(h)).await.check("rival waits for expiry");
+    let rival = b
+        .acquire(&key)
+        .wait(generous_wait(h))
+        .await
+        .check("rival waits for expiry");
     let granted_after = requested.elapsed();
     assert!(
         granted_after >= ttl.mul_f64(0.95),
@@ -27,7 +37,9 @@ pub async fn unrenewed_lease_expires<H: Harness>(h: &H) -> Outcome {
     assert!(rival.token() > held.token());
     assert!(!held.is_valid(), "the holder must know its lease ran out");
     assert_eq!(
-        tokio::time::timeout(Duration::from_secs(5), held.lost()).await.check("lost must have fired"),
+        tokio::time::timeout(Duration::from_secs(5), held.lost())
+            .await
+            .check("lost must have fired"),
         LostReason::LeaseExpired
     );
     rival.release().await.check("release rival");
@@ -40,7 +52,12 @@ pub async fn watchdog_keeps_lease_alive<H: Harness>(h: &H) -> Outcome {
     let key = space.key("k");
     let ttl = h.short_ttl();
     let (a, b) = (h.client().await, h.client().await);
-    let held = a.try_acquire(&key).ttl(ttl).await.check("acquire").check("free key");
+    let held = a
+        .try_acquire(&key)
+        .ttl(ttl)
+        .await
+        .check("acquire")
+        .check("free key");
     let lost = held.lost();
     tokio::select! {
         reason = lost => panic!("the watchdog let the lease go: {reason:?}"),
@@ -58,13 +75,25 @@ pub async fn renewal_stops_on_release<H: Harness>(h: &H) -> Outcome {
     let key = space.key("k");
     let ttl = h.short_ttl();
     let (client, counter) = CountingBackend::wrap(&h.client().await);
-    let held = client.try_acquire(&key).ttl(ttl).await.check("acquire").check("free key");
+    let held = client
+        .try_acquire(&key)
+        .ttl(ttl)
+        .await
+        .check("acquire")
+        .check("free key");
     tokio::time::sleep(ttl).await;
-    assert!(counter.renewals() >= 1, "the watchdog never renewed within one TTL");
+    assert!(
+        counter.renewals() >= 1,
+        "the watchdog never renewed within one TTL"
+    );
     held.release().await.check("release");
     let after_release = counter.renewals();
     tokio::time::sleep(ttl * 2).await;
-    assert_eq!(counter.renewals(), after_release, "renewals went on after release");
+    assert_eq!(
+        counter.renewals(),
+        after_release,
+        "renewals went on after release"
+    );
     assert_free(&h.client().await, &key, "after release").await;
     Outcome::Passed
 }
@@ -75,16 +104,30 @@ pub async fn renewal_stops_on_drop<H: Harness>(h: &H) -> Outcome {
     let key = space.key("k");
     let ttl = h.short_ttl();
     let (client, counter) = CountingBackend::wrap(&h.client().await);
-    let held = client.try_acquire(&key).ttl(LONG_TTL).renew_every(ttl / 3).await.check("acquire").check("free key");
+    let held = client
+        .try_acquire(&key)
+        .ttl(LONG_TTL)
+        .renew_every(ttl / 3)
+        .await
+        .check("acquire")
+        .check("free key");
     tokio::time::sleep(ttl).await;
     assert!(counter.renewals() >= 1, "the watchdog never renewed");
     drop(held);
     // The background release frees the key long before the 60 s lease would.
     let other = h.client().await;
-    let guard = other.acquire(&key).wait(Duration::from_secs(10)).await.check("key freed by the dropped guard");
+    let guard = other
+        .acquire(&key)
+        .wait(Duration::from_secs(10))
+        .await
+        .check("key freed by the dropped guard");
     let after_drop = counter.renewals();
     tokio::time::sleep(ttl * 2).await;
-    assert_eq!(counter.renewals(), after_drop, "renewals went on after drop");
+    assert_eq!(
+        counter.renewals(),
+        after_drop,
+        "renewals went on after drop"
+    );
     guard.release().await.check("release");
     Outcome::Passed
 }
@@ -98,15 +141,27 @@ pub async fn max_hold_caps_renewal<H: Harness>(h: &H) -> Outcome {
     let max_hold = ttl * 2;
     let (a, b) = (h.client().await, h.client().await);
     let started = Instant::now();
-    let held = a.try_acquire(&key).ttl(ttl).max_hold(max_hold).await.check("acquire").check("free key");
-    let rival = b.acquire(&key).wait(generous_wait(h)).await.check("rival after max_hold");
+    let held = a
+        .try_acquire(&key)
+        .ttl(ttl)
+        .max_hold(max_hold)
+        .await
+        .check("acquire")
+        .check("free key");
+    let rival = b
+        .acquire(&key)
+        .wait(generous_wait(h))
+        .await
+        .check("rival after max_hold");
     let waited = started.elapsed();
     assert!(
         waited >= max_hold.mul_f64(0.95),
         "granted to a rival after {waited:?}, before max_hold {max_hold:?}"
     );
     assert_eq!(
-        tokio::time::timeout(Duration::from_secs(5), held.lost()).await.check("lost after max_hold"),
+        tokio::time::timeout(Duration::from_secs(5), held.lost())
+            .await
+            .check("lost after max_hold"),
         LostReason::LeaseExpired
     );
     rival.release().await.check("release");
@@ -119,11 +174,20 @@ pub async fn extend_moves_expiry<H: Harness>(h: &H) -> Outcome {
     let key = space.key("k");
     let ttl = h.short_ttl();
     let (a, b) = (h.client().await, h.client().await);
-    let held = a.try_acquire(&key).ttl(ttl).no_watchdog().await.check("acquire").check("free key");
+    let held = a
+        .try_acquire(&key)
+        .ttl(ttl)
+        .no_watchdog()
+        .await
+        .check("acquire")
+        .check("free key");
     let before = held.valid_until().check("valid after acquire");
     held.extend(LONG_TTL).await.check("extend");
     let after = held.valid_until().check("valid after extend");
-    assert!(after > before + ttl, "valid_until did not move: {before:?} -> {after:?}");
+    assert!(
+        after > before + ttl,
+        "valid_until did not move: {before:?} -> {after:?}"
+    );
     tokio::time::sleep(ttl * 2 + h.expiry_slack()).await;
     assert!(held.is_valid());
     assert_busy(&b, &key, "past the original TTL after extend").await;
@@ -137,7 +201,13 @@ pub async fn extend_after_expiry_is_lost<H: Harness>(h: &H) -> Outcome {
     let key = space.key("k");
     let ttl = h.short_ttl();
     let a = h.client().await;
-    let held = a.try_acquire(&key).ttl(ttl).no_watchdog().await.check("acquire").check("free key");
+    let held = a
+        .try_acquire(&key)
+        .ttl(ttl)
+        .no_watchdog()
+        .await
+        .check("acquire")
+        .check("free key");
     tokio::time::sleep(ttl + h.expiry_slack()).await;
     expect_err(held.extend(LONG_TTL).await, "extend after expiry", |e| {
         matches!(e, Error::Lost { .. })
@@ -151,7 +221,12 @@ pub async fn renew_after_release_is_not_held<H: Harness>(h: &H) -> Outcome {
     let space = Space::new("renew_after_release_is_not_held");
     let key = space.key("k");
     let a = h.client().await;
-    let held = a.try_acquire(&key).ttl(LONG_TTL).await.check("acquire").check("free key");
+    let held = a
+        .try_acquire(&key)
+        .ttl(LONG_TTL)
+        .await
+        .check("acquire")
+        .check("free key");
     let grant = held.grant().clone();
     held.release().await.check("release");
     expect_err(
@@ -159,7 +234,12 @@ pub async fn renew_after_release_is_not_held<H: Harness>(h: &H) -> Outcome {
         "renew after release",
         |e| matches!(e, Error::NotHeld { .. }),
     );
-    assert_free(&h.client().await, &key, "renew after release must not resurrect it").await;
+    assert_free(
+        &h.client().await,
+        &key,
+        "renew after release must not resurrect it",
+    )
+    .await;
     Outcome::Passed
 }
 
@@ -170,10 +250,19 @@ pub async fn validity_tracks_the_lease<H: Harness>(h: &H) -> Outcome {
     let ttl = h.short_ttl();
     let a = h.client().await;
     let requested = Instant::now();
-    let held = a.try_acquire(&key).ttl(ttl).no_watchdog().await.check("acquire").check("free key");
+    let held = a
+        .try_acquire(&key)
+        .ttl(ttl)
+        .no_watchdog()
+        .await
+        .check("acquire")
+        .check("free key");
     let until = held.valid_until().check("valid after acquire");
     assert!(held.is_valid());
-    assert!(until <= requested + ttl + Duration::from_millis(1), "valid_until past the lease");
+    assert!(
+        until <= requested + ttl + Duration::from_millis(1),
+        "valid_until past the lease"
+    );
     assert!(until > Instant::now(), "valid_until already passed");
     tokio::time::sleep_until(until + Duration::from_millis(20)).await;
     assert!(!held.is_valid(), "still valid after valid_until");

@@ -13,12 +13,24 @@ pub async fn lost_fires_when_taken_away<H: Harness>(h: &H) -> Outcome {
     let key = space.key("k");
     let ttl = h.short_ttl();
     let a = h.client().await;
-    let held = a.try_acquire(&key).ttl(ttl).await.check("acquire").check("free key");
-    hook!(h.take_away(&key).await);
-    let reason = tokio::time::timeout(ttl * 4 + h.expiry_slack() + Duration::from_secs(5), held.lost())
+    let held = a
+        .try_acquire(&key)
+        .ttl(ttl)
         .await
-        .check("lost never fired after the lock was taken away");
-    assert_ne!(reason, LostReason::LeaseExpired, "the watchdog should have been told, not timed out");
+        .check("acquire")
+        .check("free key");
+    hook!(h.take_away(&key).await);
+    let reason = tokio::time::timeout(
+        ttl * 4 + h.expiry_slack() + Duration::from_secs(5),
+        held.lost(),
+    )
+    .await
+    .check("lost never fired after the lock was taken away");
+    assert_ne!(
+        reason,
+        LostReason::LeaseExpired,
+        "the watchdog should have been told, not timed out"
+    );
     assert!(!held.is_valid());
     Outcome::Passed
 }
@@ -29,10 +41,20 @@ pub async fn late_subscriber_sees_loss_at_once<H: Harness>(h: &H) -> Outcome {
     let key = space.key("k");
     let ttl = h.short_ttl();
     let a = h.client().await;
-    let held = a.try_acquire(&key).ttl(ttl).no_watchdog().await.check("acquire").check("free key");
-    let first = tokio::time::timeout(ttl * 4 + Duration::from_secs(5), held.lost()).await.check("lost after expiry");
+    let held = a
+        .try_acquire(&key)
+        .ttl(ttl)
+        .no_watchdog()
+        .await
+        .check("acquire")
+        .check("free key");
+    let first = tokio::time::timeout(ttl * 4 + Duration::from_secs(5), held.lost())
+        .await
+        .check("lost after expiry");
     tokio::time::sleep(Duration::from_millis(50)).await;
-    let late = tokio::time::timeout(Duration::from_secs(1), held.lost()).await.check("a late subscriber must see the loss at once");
+    let late = tokio::time::timeout(Duration::from_secs(1), held.lost())
+        .await
+        .check("a late subscriber must see the loss at once");
     assert_eq!(first, late);
     Outcome::Passed
 }
@@ -43,7 +65,12 @@ pub async fn no_false_alarm_for_idle_holder<H: Harness>(h: &H) -> Outcome {
     let key = space.key("k");
     let ttl = h.short_ttl();
     let a = h.client().await;
-    let held = a.try_acquire(&key).ttl(ttl).await.check("acquire").check("free key");
+    let held = a
+        .try_acquire(&key)
+        .ttl(ttl)
+        .await
+        .check("acquire")
+        .check("free key");
     tokio::select! {
         reason = held.lost() => panic!("false alarm: lost fired ({reason:?}) for a live holder"),
         _ = tokio::time::sleep(ttl * 5) => {}
@@ -59,11 +86,19 @@ pub async fn lost_fires_when_connection_killed<H: Harness>(h: &H) -> Outcome {
     let key = space.key("k");
     let ttl = h.short_ttl();
     let a = h.client().await;
-    let held = a.try_acquire(&key).ttl(ttl).await.check("acquire").check("free key");
-    hook!(h.kill_connection(&a).await);
-    tokio::time::timeout(ttl * 4 + h.expiry_slack() + Duration::from_secs(10), held.lost())
+    let held = a
+        .try_acquire(&key)
+        .ttl(ttl)
         .await
-        .check("lost never fired after the connection was killed");
+        .check("acquire")
+        .check("free key");
+    hook!(h.kill_connection(&a).await);
+    tokio::time::timeout(
+        ttl * 4 + h.expiry_slack() + Duration::from_secs(10),
+        held.lost(),
+    )
+    .await
+    .check("lost never fired after the connection was killed");
     assert!(!held.is_valid());
     Outcome::Passed
 }
@@ -73,9 +108,19 @@ pub async fn lost_guard_release_returns_lost<H: Harness>(h: &H) -> Outcome {
     let space = Space::new("lost_guard_release_returns_lost");
     let key = space.key("k");
     let a = h.client().await;
-    let held = a.try_acquire(&key).ttl(h.short_ttl()).no_watchdog().await.check("acquire").check("free key");
-    tokio::time::timeout(LONG_TTL, held.lost()).await.check("lost after expiry");
-    let err = expect_err(held.release().await, "release after loss", |e| matches!(e, Error::Lost { .. }));
+    let held = a
+        .try_acquire(&key)
+        .ttl(h.short_ttl())
+        .no_watchdog()
+        .await
+        .check("acquire")
+        .check("free key");
+    tokio::time::timeout(LONG_TTL, held.lost())
+        .await
+        .check("lost after expiry");
+    let err = expect_err(held.release().await, "release after loss", |e| {
+        matches!(e, Error::Lost { .. })
+    });
     assert!(!err.is_retryable());
     Outcome::Passed
 }

@@ -11,8 +11,8 @@ use std::{
 };
 
 use lockkit_core::{
-    AcquireRequest, BackendInfo, Grant, HolderInfo, LockBackend, LockKey, Locker, Released,
-    Result, async_trait,
+    AcquireRequest, BackendInfo, Grant, HolderInfo, LockBackend, LockKey, Locker, Released, Result,
+    async_trait,
 };
 
 use crate::Harness;

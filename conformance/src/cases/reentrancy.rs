@@ -23,7 +23,12 @@ pub async fn same_owner_needs_as_many_releases<H: Harness>(h: &H) -> Outcome {
     let owner = a.owner();
     let mut guards = Vec::new();
     for depth in 1..=3 {
-        let guard = owner.try_acquire(&key).ttl(LONG_TTL).await.check("reentrant acquire").check("the owner must get its own lock again");
+        let guard = owner
+            .try_acquire(&key)
+            .ttl(LONG_TTL)
+            .await
+            .check("reentrant acquire")
+            .check("the owner must get its own lock again");
         assert_eq!(guard.depth(), depth);
         guards.push(guard);
     }
@@ -50,8 +55,18 @@ pub async fn nested_holds_keep_token<H: Harness>(h: &H) -> Outcome {
         return skip;
     }
     let owner = a.owner();
-    let outer = owner.try_acquire(&key).ttl(LONG_TTL).await.check("outer").check("free key");
-    let inner = owner.try_acquire(&key).ttl(LONG_TTL).await.check("inner").check("reentrant");
+    let outer = owner
+        .try_acquire(&key)
+        .ttl(LONG_TTL)
+        .await
+        .check("outer")
+        .check("free key");
+    let inner = owner
+        .try_acquire(&key)
+        .ttl(LONG_TTL)
+        .await
+        .check("inner")
+        .check("reentrant");
     assert_eq!(inner.token(), outer.token());
     inner.release().await.check("release inner");
     assert!(outer.is_valid());
@@ -65,10 +80,28 @@ pub async fn other_owner_on_same_connection_is_excluded<H: Harness>(h: &H) -> Ou
     let key = space.key("k");
     let a = h.client().await;
     let (first, second) = (a.owner(), a.owner());
-    let held = first.try_acquire(&key).ttl(LONG_TTL).await.check("acquire").check("free key");
-    assert!(second.try_acquire(&key).await.check("other owner").is_none(), "another owner on the same connection got the lock");
+    let held = first
+        .try_acquire(&key)
+        .ttl(LONG_TTL)
+        .await
+        .check("acquire")
+        .check("free key");
+    assert!(
+        second
+            .try_acquire(&key)
+            .await
+            .check("other owner")
+            .is_none(),
+        "another owner on the same connection got the lock"
+    );
     held.release().await.check("release");
-    assert!(second.try_acquire(&key).await.check("after release").is_some());
+    assert!(
+        second
+            .try_acquire(&key)
+            .await
+            .check("after release")
+            .is_some()
+    );
     Outcome::Passed
 }
 
@@ -82,17 +115,36 @@ pub async fn loss_invalidates_every_depth<H: Harness>(h: &H) -> Outcome {
     }
     let owner = a.owner();
     let ttl = h.short_ttl();
-    let outer = owner.try_acquire(&key).ttl(ttl).await.check("outer").check("free key");
+    let outer = owner
+        .try_acquire(&key)
+        .ttl(ttl)
+        .await
+        .check("outer")
+        .check("free key");
     let inner = outer.reenter().await.check("reenter");
     hook!(h.take_away(&key).await);
     let wait = ttl * 4 + h.expiry_slack() + Duration::from_secs(5);
     for (name, guard) in [("outer", &outer), ("inner", &inner)] {
-        let reason = tokio::time::timeout(wait, guard.lost()).await.unwrap_or_else(|_| panic!("{name} guard never reported the loss"));
-        assert_ne!(reason, LostReason::LeaseExpired, "{name}: the loss should be detected, not timed out");
+        let reason = tokio::time::timeout(wait, guard.lost())
+            .await
+            .unwrap_or_else(|_| panic!("{name} guard never reported the loss"));
+        assert_ne!(
+            reason,
+            LostReason::LeaseExpired,
+            "{name}: the loss should be detected, not timed out"
+        );
         assert!(!guard.is_valid());
     }
-    expect_err(inner.release().await, "release of a lost inner guard", |e| matches!(e, Error::Lost { .. }));
-    expect_err(outer.release().await, "release of a lost outer guard", |e| matches!(e, Error::Lost { .. }));
+    expect_err(
+        inner.release().await,
+        "release of a lost inner guard",
+        |e| matches!(e, Error::Lost { .. }),
+    );
+    expect_err(
+        outer.release().await,
+        "release of a lost outer guard",
+        |e| matches!(e, Error::Lost { .. }),
+    );
     Outcome::Passed
 }
 
@@ -101,8 +153,19 @@ pub async fn plain_acquire_is_not_reentrant<H: Harness>(h: &H) -> Outcome {
     let space = Space::new("plain_acquire_is_not_reentrant");
     let key = space.key("k");
     let a = h.client().await;
-    let held = a.try_acquire(&key).ttl(LONG_TTL).await.check("acquire").check("free key");
-    assert!(a.try_acquire(&key).await.check("second plain acquire").is_none(), "a plain acquire re-entered");
+    let held = a
+        .try_acquire(&key)
+        .ttl(LONG_TTL)
+        .await
+        .check("acquire")
+        .check("free key");
+    assert!(
+        a.try_acquire(&key)
+            .await
+            .check("second plain acquire")
+            .is_none(),
+        "a plain acquire re-entered"
+    );
     held.release().await.check("release");
     Outcome::Passed
 }
@@ -115,13 +178,27 @@ pub async fn reenter_from_guard<H: Harness>(h: &H) -> Outcome {
     if let Some(skip) = needs_reentrancy(h, &a) {
         return skip;
     }
-    let outer = a.try_acquire(&key).ttl(LONG_TTL).await.check("acquire").check("free key");
+    let outer = a
+        .try_acquire(&key)
+        .ttl(LONG_TTL)
+        .await
+        .check("acquire")
+        .check("free key");
     let inner = outer.reenter().await.check("reenter");
     assert_eq!((inner.depth(), inner.token()), (2, outer.token()));
-    assert_eq!(outer.release().await.check("release outer first"), Released::Partially { remaining: 1 });
+    assert_eq!(
+        outer.release().await.check("release outer first"),
+        Released::Partially { remaining: 1 }
+    );
     assert_busy(&b, &key, "the inner hold remains").await;
-    assert!(inner.is_valid(), "releasing the outer guard must not end the inner hold");
-    assert_eq!(inner.release().await.check("release inner"), Released::Fully);
+    assert!(
+        inner.is_valid(),
+        "releasing the outer guard must not end the inner hold"
+    );
+    assert_eq!(
+        inner.release().await.check("release inner"),
+        Released::Fully
+    );
     assert_free(&b, &key, "after both releases").await;
     Outcome::Passed
 }

@@ -13,13 +13,24 @@ pub async fn zero_wait_returns_at_once<H: Harness>(h: &H) -> Outcome {
     let space = Space::new("zero_wait_returns_at_once");
     let key = space.key("k");
     let (a, b) = (h.client().await, h.client().await);
-    let held = a.try_acquire(&key).ttl(LONG_TTL).await.check("acquire").check("free key");
+    let held = a
+        .try_acquire(&key)
+        .ttl(LONG_TTL)
+        .await
+        .check("acquire")
+        .check("free key");
     let started = Instant::now();
-    let err = expect_err(b.acquire(&key).wait(Duration::ZERO).await, "zero wait", |e| {
-        matches!(e, Error::Timeout { .. })
-    });
+    let err = expect_err(
+        b.acquire(&key).wait(Duration::ZERO).await,
+        "zero wait",
+        |e| matches!(e, Error::Timeout { .. }),
+    );
     assert!(err.is_retryable());
-    assert!(started.elapsed() < Duration::from_secs(5), "a zero wait took {:?}", started.elapsed());
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "a zero wait took {:?}",
+        started.elapsed()
+    );
     held.release().await.check("release");
     Outcome::Passed
 }
@@ -30,15 +41,26 @@ pub async fn wait_times_out_near_deadline<H: Harness>(h: &H) -> Outcome {
     let space = Space::new("wait_times_out_near_deadline");
     let key = space.key("k");
     let (a, b) = (h.client().await, h.client().await);
-    let held = a.try_acquire(&key).ttl(LONG_TTL).await.check("acquire").check("free key");
+    let held = a
+        .try_acquire(&key)
+        .ttl(LONG_TTL)
+        .await
+        .check("acquire")
+        .check("free key");
     let wait = Duration::from_millis(500);
     let started = Instant::now();
     let err = expect_err(b.acquire(&key).wait(wait).await, "bounded wait", |e| {
         matches!(e, Error::Timeout { .. })
     });
     let took = started.elapsed();
-    assert!(took >= wait, "timed out after {took:?}, before the {wait:?} deadline");
-    assert!(took < wait + Duration::from_secs(5), "timed out only after {took:?}");
+    assert!(
+        took >= wait,
+        "timed out after {took:?}, before the {wait:?} deadline"
+    );
+    assert!(
+        took < wait + Duration::from_secs(5),
+        "timed out only after {took:?}"
+    );
     match err {
         Error::Timeout { key: k, waited } => {
             assert_eq!(k, key);
@@ -56,11 +78,20 @@ pub async fn waiter_is_woken_promptly_by_release<H: Harness>(h: &H) -> Outcome {
     let space = Space::new("waiter_is_woken_promptly_by_release");
     let key = space.key("k");
     let (a, b) = (h.client().await, h.client().await);
-    let held = a.try_acquire(&key).ttl(LONG_TTL).await.check("acquire").check("free key");
+    let held = a
+        .try_acquire(&key)
+        .ttl(LONG_TTL)
+        .await
+        .check("acquire")
+        .check("free key");
     let waiter = {
         let key = key.clone();
         tokio::spawn(async move {
-            let guard = b.acquire(&key).wait(Duration::from_secs(50)).await.check("waiter");
+            let guard = b
+                .acquire(&key)
+                .wait(Duration::from_secs(50))
+                .await
+                .check("waiter");
             (Instant::now(), guard)
         })
     };
@@ -69,7 +100,10 @@ pub async fn waiter_is_woken_promptly_by_release<H: Harness>(h: &H) -> Outcome {
     held.release().await.check("release");
     let (granted_at, guard) = waiter.await.check("waiter task");
     let handoff = granted_at.saturating_duration_since(released_at);
-    assert!(handoff < Duration::from_secs(5), "the waiter took {handoff:?} to notice a release");
+    assert!(
+        handoff < Duration::from_secs(5),
+        "the waiter took {handoff:?} to notice a release"
+    );
     guard.release().await.check("release waiter");
     Outcome::Passed
 }
@@ -79,8 +113,18 @@ pub async fn waiter_acquires_after_holder_expires<H: Harness>(h: &H) -> Outcome 
     let space = Space::new("waiter_acquires_after_holder_expires");
     let key = space.key("k");
     let (a, b) = (h.client().await, h.client().await);
-    let dead = a.try_acquire(&key).ttl(h.short_ttl()).no_watchdog().await.check("acquire").check("free key");
-    let guard = b.acquire(&key).wait(generous_wait(h)).await.check("waiter after expiry");
+    let dead = a
+        .try_acquire(&key)
+        .ttl(h.short_ttl())
+        .no_watchdog()
+        .await
+        .check("acquire")
+        .check("free key");
+    let guard = b
+        .acquire(&key)
+        .wait(generous_wait(h))
+        .await
+        .check("waiter after expiry");
     assert!(guard.token() > dead.token());
     guard.release().await.check("release");
     Outcome::Passed
@@ -91,10 +135,22 @@ pub async fn cancelled_waiter_leaves_no_residue<H: Harness>(h: &H) -> Outcome {
     let space = Space::new("cancelled_waiter_leaves_no_residue");
     let key = space.key("k");
     let (a, b) = (h.client().await, h.client().await);
-    let held = a.try_acquire(&key).ttl(LONG_TTL).await.check("acquire").check("free key");
+    let held = a
+        .try_acquire(&key)
+        .ttl(LONG_TTL)
+        .await
+        .check("acquire")
+        .check("free key");
     for _ in 0..5 {
-        let cancelled = tokio::time::timeout(Duration::from_millis(100), b.acquire(&key).wait(Duration::from_secs(30))).await;
-        assert!(cancelled.is_err(), "the waiter should still have been waiting");
+        let cancelled = tokio::time::timeout(
+            Duration::from_millis(100),
+            b.acquire(&key).wait(Duration::from_secs(30)),
+        )
+        .await;
+        assert!(
+            cancelled.is_err(),
+            "the waiter should still have been waiting"
+        );
     }
     held.release().await.check("release");
     assert_free(&b, &key, "after the cancelled waits").await;
@@ -105,7 +161,10 @@ pub async fn cancelled_waiter_leaves_no_residue<H: Harness>(h: &H) -> Outcome {
         if left == 0 {
             break;
         }
-        assert!(Instant::now() < deadline, "{left} server-side item(s) left behind by cancelled waiters");
+        assert!(
+            Instant::now() < deadline,
+            "{left} server-side item(s) left behind by cancelled waiters"
+        );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     Outcome::Passed
@@ -119,11 +178,9 @@ pub async fn cancelled_acquire_leaves_no_orphan<H: Harness>(h: &H) -> Outcome {
         let key = space.key(&format!("k{round}"));
         // Drop points from "before the first poll" to "after the grant".
         let budget = Duration::from_micros(round * round * 10);
-        match tokio::time::timeout(budget, a.acquire(&key).ttl(LONG_TTL).wait(Duration::from_secs(30))).await {
-            Ok(guard) => {
-                guard.check("acquire").release().await.check("release");
-            }
-            Err(_) => {}
+        let attempt = a.acquire(&key).ttl(LONG_TTL).wait(Duration::from_secs(30));
+        if let Ok(guard) = tokio::time::timeout(budget, attempt).await {
+            guard.check("acquire").release().await.check("release");
         }
         // A 60 s orphan would make this fail; a background clean-up gets a moment.
         let probe = b.acquire(&key).wait(Duration::from_secs(5)).await;
@@ -143,14 +200,24 @@ pub async fn many_waiters_all_acquire<H: Harness>(h: &H) -> Outcome {
     let space = Space::new("many_waiters_all_acquire");
     let key = space.key("k");
     let a = h.client().await;
-    let held = a.try_acquire(&key).ttl(LONG_TTL).await.check("acquire").check("free key");
+    let held = a
+        .try_acquire(&key)
+        .ttl(LONG_TTL)
+        .await
+        .check("acquire")
+        .check("free key");
     let history = History::new();
     let mut tasks = Vec::new();
     for w in 0..WAITERS {
         let client = h.client().await;
         let (key, history) = (key.clone(), history.clone());
         tasks.push(tokio::spawn(async move {
-            let guard = client.acquire(&key).ttl(LONG_TTL).wait(Duration::from_secs(60)).await.check("waiter");
+            let guard = client
+                .acquire(&key)
+                .ttl(LONG_TTL)
+                .wait(Duration::from_secs(60))
+                .await
+                .check("waiter");
             let open = history.begin(format!("waiter {w}"), &guard);
             tokio::time::sleep(Duration::from_millis(5)).await;
             history.end(open, &guard);
