@@ -150,8 +150,9 @@ async fn signal(pid: u32, name: &str) {
 
 async fn next_event(lines: &mut Lines<BufReader<ChildStdout>>) -> Option<String> {
     while let Ok(Some(line)) = lines.next_line().await {
-        if let Some(event) = line.strip_prefix(LINE_PREFIX) {
-            return Some(event.trim().to_owned());
+        // libtest may print `test name ... ` on the same line first.
+        if let Some(at) = line.find(LINE_PREFIX) {
+            return Some(line[at + LINE_PREFIX.len()..].trim().to_owned());
         }
     }
     None
@@ -159,7 +160,7 @@ async fn next_event(lines: &mut Lines<BufReader<ChildStdout>>) -> Option<String>
 
 fn say(line: &str) {
     let mut out = std::io::stdout().lock();
-    let _ = writeln!(out, "{LINE_PREFIX} {line}");
+    let _ = writeln!(out, "\n{LINE_PREFIX} {line}");
     let _ = out.flush();
 }
 

@@ -18,9 +18,9 @@ pub enum Consistency {
     Ap,
 }
 
-/// What a backend can do. Tests and callers read it instead of guessing.
+/// What a backend can do. Tests and callers read it instead of guessing. Build it with
+/// `Capabilities { field: value, ..Capabilities::default() }`.
 #[derive(Debug, Clone, PartialEq, Eq)]
-#[non_exhaustive]
 pub struct Capabilities {
     /// The same owner may acquire again and must release as many times.
     pub reentrant: bool,

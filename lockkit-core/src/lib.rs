@@ -15,6 +15,7 @@
 )]
 
 mod backend;
+pub mod config;
 mod error;
 mod fencing;
 mod guard;

@@ -1,0 +1,271 @@
+//! Redis URLs: `redis://`, `rediss://`, `redis+cluster://`, `redlock://`.
+
+use std::time::Duration;
+
+use lockkit_core::{
+    Error, Result,
+    config::{parse_count, parse_duration},
+};
+
+/// How the backend reaches Redis.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Topology {
+    /// One server (or a primary with replicas behind it).
+    Single(String),
+    /// A Redis Cluster, given by some of its nodes.
+    Cluster(Vec<String>),
+    /// Independent masters for Redlock.
+    Redlock(Vec<String>),
+}
+
+/// Everything a Redis URL says.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct RedisConfig {
+    /// Servers, as `redis://` connection URLs for the `redis` crate.
+    pub topology: Topology,
+    /// Prepended to every lock name (`?prefix=`); default empty, as Redisson.
+    pub prefix: String,
+    /// Lease suggested by the URL (`?ttl=`), for callers that build options from it.
+    pub ttl: Option<Duration>,
+    /// Connection timeout (`?connect_timeout=`, default 2 s).
+    pub connect_timeout: Duration,
+    /// Per-command response timeout (`?response_timeout=`, default 2 s).
+    pub response_timeout: Duration,
+    /// Replicas that must confirm a grant with `WAIT` (`?wait_replicas=`, default 0).
+    pub wait_replicas: u32,
+    /// How long `WAIT` may take (`?wait_replicas_timeout=`, default 1 s).
+    pub wait_replicas_timeout: Duration,
+    /// Redlock only: clock drift factor (`?drift_factor=`, default 0.01).
+    pub drift_factor_permille: u32,
+}
+
+const SCHEMES: &str = "redis://, rediss://, redis+cluster://, rediss+cluster://, redlock://";
+
+impl RedisConfig {
+    /// Parses a lockkit Redis URL.
+    ///
+    /// ```text
+    /// redis://[user:password@]host[:port][/db][?prefix=app:&ttl=30s&wait_replicas=1]
+    /// rediss://...                                        (TLS)
+    /// redis+cluster://h1:p1,h2:p2,h3:p3[?prefix=...]
+    /// redlock://h1:p1,h2:p2,h3:p3,h4:p4,h5:p5[?drift_factor=0.01]
+    /// ```
+    ///
+    /// # Errors
+    /// [`Error::Config`] naming what is wrong and the accepted form.
+    pub fn parse(url: &str) -> Result<Self> {
+        let (scheme, rest) = url.split_once("://").ok_or_else(|| {
+            Error::Config(format!("`{url}` is not a URL; expected one of {SCHEMES}"))
+        })?;
+        let (tls, kind) = match scheme {
+            "redis" => (false, "single"),
+            "rediss" => (true, "single"),
+            "redis+cluster" => (false, "cluster"),
+            "rediss+cluster" => (true, "cluster"),
+            "redlock" => (false, "redlock"),
+            "redlocks" => (true, "redlock"),
+            other => {
+                return Err(Error::Config(format!(
+                    "`{other}` is not a Redis scheme; expected one of {SCHEMES}"
+                )));
+            }
+        };
+        let (before_query, query) = rest.split_once('?').unwrap_or((rest, ""));
+        let (authority, path) = before_query.split_once('/').unwrap_or((before_query, ""));
+        let (userinfo, hosts) = match authority.rsplit_once('@') {
+            Some((user, hosts)) => (Some(user), hosts),
+            None => (None, authority),
+        };
+        let hosts: Vec<&str> = hosts.split(',').collect();
+        if hosts.iter().any(|h| h.is_empty()) {
+            return Err(Error::Config(format!(
+                "`{url}` names an empty host; write e.g. `{scheme}://127.0.0.1:6379`"
+            )));
+        }
+        let db = match path {
+            "" => None,
+            db => Some(db.parse::<u32>().map_err(|_| {
+                Error::Config(format!(
+                    "`/{db}` in `{url}` is not a database number; write e.g. `/0` or nothing"
+                ))
+            })?),
+        };
+        if kind != "single" && db.is_some_and(|db| db != 0) {
+            return Err(Error::Config(format!(
+                "`{url}`: {kind} mode has only database 0"
+            )));
+        }
+        if kind == "single" && hosts.len() != 1 {
+            return Err(Error::Config(format!(
+                "`{url}` names {} hosts; a single server takes one (use redis+cluster:// or redlock:// for several)",
+                hosts.len()
+            )));
+        }
+        let mut nodes = Vec::new();
+        for host in &hosts {
+            nodes.push(node_url(url, tls, userinfo, host, db.unwrap_or(0))?);
+        }
+        let mut config = RedisConfig {
+            topology: match kind {
+                "single" => Topology::Single(nodes.remove(0)),
+                "cluster" => Topology::Cluster(nodes),
+                _ => {
+                    if nodes.len() < 3 {
+                        return Err(Error::Config(format!(
+                            "`{url}` names {} masters; Redlock needs at least 3 independent masters (5 is usual)",
+                            nodes.len()
+                        )));
+                    }
+                    Topology::Redlock(nodes)
+                }
+            },
+            prefix: String::new(),
+            ttl: None,
+            connect_timeout: Duration::from_secs(2),
+            response_timeout: Duration::from_secs(2),
+            wait_replicas: 0,
+            wait_replicas_timeout: Duration::from_secs(1),
+            drift_factor_permille: 10,
+        };
+        for pair in query.split('&').filter(|p| !p.is_empty()) {
+            let (name, value) = pair.split_once('=').unwrap_or((pair, ""));
+            let value = percent_decode(value)?;
+            match name {
+                "prefix" => config.prefix = value,
+                "ttl" => config.ttl = Some(parse_duration(name, &value)?),
+                "connect_timeout" => config.connect_timeout = parse_duration(name, &value)?,
+                "response_timeout" => config.response_timeout = parse_duration(name, &value)?,
+                "wait_replicas" => config.wait_replicas = parse_count(name, &value)?,
+                "wait_replicas_timeout" => {
+                    config.wait_replicas_timeout = parse_duration(name, &value)?;
+                }
+                "drift_factor" => {
+                    let factor: f64 = value
+                        .parse()
+                        .ok()
+                        .filter(|f| (0.0..0.5).contains(f))
+                        .ok_or_else(|| {
+                            Error::Config(format!(
+                                "`drift_factor={value}` must be a number in 0..0.5, e.g. 0.01"
+                            ))
+                        })?;
+                    config.drift_factor_permille = (factor * 1000.0).round() as u32;
+                }
+                other => {
+                    return Err(Error::Config(format!(
+                        "unknown option `{other}` in `{url}`; known: prefix, ttl, connect_timeout, \
+                         response_timeout, wait_replicas, wait_replicas_timeout, drift_factor"
+                    )));
+                }
+            }
+        }
+        if config.wait_replicas > 0 && !matches!(config.topology, Topology::Single(_)) {
+            return Err(Error::Config(
+                "`wait_replicas` applies to a single primary with replicas (redis://)".into(),
+            ));
+        }
+        Ok(config)
+    }
+}
+
+fn node_url(url: &str, tls: bool, userinfo: Option<&str>, host: &str, db: u32) -> Result<String> {
+    let (name, port) = match host.rsplit_once(':') {
+        Some((name, port)) if !name.ends_with(']') || host.starts_with('[') => {
+            let port: u16 = port.parse().map_err(|_| {
+                Error::Config(format!(
+                    "`{host}` in `{url}` has a bad port; write host:port"
+                ))
+            })?;
+            (name, port)
+        }
+        _ => (host, 6379),
+    };
+    if name.is_empty() {
+        return Err(Error::Config(format!("`{url}` names an empty host")));
+    }
+    let scheme = if tls { "rediss" } else { "redis" };
+    let auth = userinfo.map(|u| format!("{u}@")).unwrap_or_default();
+    Ok(format!("{scheme}://{auth}{name}:{port}/{db}"))
+}
+
+fn percent_decode(text: &str) -> Result<String> {
+    let bytes = text.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        match bytes[i] {
+            b'%' => {
+                let hex = text
+                    .get(i + 1..i + 3)
+                    .and_then(|h| u8::from_str_radix(h, 16).ok());
+                let byte =
+                    hex.ok_or_else(|| Error::Config(format!("bad percent escape in `{text}`")))?;
+                out.push(byte);
+                i += 3;
+            }
+            b'+' => {
+                out.push(b' ');
+                i += 1;
+            }
+            b => {
+                out.push(b);
+                i += 1;
+            }
+        }
+    }
+    String::from_utf8(out).map_err(|_| Error::Config(format!("`{text}` is not UTF-8")))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_each_form() {
+        let c = RedisConfig::parse("redis://127.0.0.1:16379/2?prefix=app%3A&ttl=5s").unwrap();
+        assert_eq!(
+            c.topology,
+            Topology::Single("redis://127.0.0.1:16379/2".into())
+        );
+        assert_eq!(
+            (c.prefix.as_str(), c.ttl),
+            ("app:", Some(Duration::from_secs(5)))
+        );
+        let c = RedisConfig::parse("redis+cluster://a:1,b:2,c:3").unwrap();
+        assert_eq!(
+            c.topology,
+            Topology::Cluster(vec![
+                "redis://a:1/0".into(),
+                "redis://b:2/0".into(),
+                "redis://c:3/0".into()
+            ])
+        );
+        let c = RedisConfig::parse("redlock://u:p@a:1,b:2,c:3").unwrap();
+        assert!(matches!(c.topology, Topology::Redlock(ref n) if n[0] == "redis://u:p@a:1/0"));
+        assert!(RedisConfig::parse("redis://localhost").is_ok());
+    }
+
+    #[test]
+    fn refuses_bad_urls() {
+        for bad in [
+            "",
+            "localhost:6379",
+            "http://x",
+            "redis://",
+            "redis://a:1,b:2",
+            "redis://a:notaport",
+            "redis://a/x",
+            "redis://a?bogus=1",
+            "redis://a?ttl=5",
+            "redlock://a:1,b:2",
+            "redis+cluster://a:1/3",
+            "redis+cluster://a:1?wait_replicas=1",
+        ] {
+            assert!(
+                matches!(RedisConfig::parse(bad), Err(Error::Config(_))),
+                "{bad}"
+            );
+        }
+    }
+}

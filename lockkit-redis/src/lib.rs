@@ -1,0 +1,48 @@
+//! # lockkit-redis
+//!
+//! Redis locks for lockkit — the AP backend: fast, and honest about what it cannot
+//! promise.
+//!
+//! - [`RedisBackend`]: one server (`redis://`, `rediss://`) or a Redis Cluster
+//!   (`redis+cluster://`).
+//! - [`RedlockBackend`]: Redlock over independent masters (`redlock://h1,h2,h3,h4,h5`).
+//!
+//! The wire layout is Redisson's RLock (see [`naming`]), so Redisson and lockkit clients
+//! exclude each other on the same lock name.
+#![cfg_attr(
+    not(test),
+    deny(clippy::unwrap_used, clippy::expect_used, clippy::panic)
+)]
+
+mod config;
+mod conn;
+pub mod naming;
+mod redlock;
+pub mod scripts;
+mod single;
+mod wakeups;
+
+pub use config::{RedisConfig, Topology};
+pub use redlock::RedlockBackend;
+pub use single::RedisBackend;
+
+use lockkit_core::{LockBackend, Result};
+
+/// Connects to whatever a Redis URL names: a server, a cluster, or Redlock masters.
+///
+/// # Errors
+/// [`lockkit_core::Error::Config`] for a bad URL, a backend error if a server is down.
+pub async fn connect(url: &str) -> Result<std::sync::Arc<dyn LockBackend>> {
+    let config = RedisConfig::parse(url)?;
+    Ok(match config.topology {
+        Topology::Redlock(_) => {
+            let _ = RedlockBackend::from_config(config).await?;
+            unreachable_redlock()?
+        }
+        _ => std::sync::Arc::new(RedisBackend::from_config(config).await?),
+    })
+}
+
+fn unreachable_redlock() -> Result<std::sync::Arc<dyn LockBackend>> {
+    Err(lockkit_core::Error::Config("redlock pending".into()))
+}

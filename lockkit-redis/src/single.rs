@@ -1,0 +1,452 @@
+//! `RedisBackend`: one Redis server, or one Redis Cluster.
+
+use std::{sync::Arc, time::Duration};
+
+use async_trait::async_trait;
+use lockkit_core::{
+    AcquireRequest, BackendInfo, Capabilities, Consistency, Error, FencingToken, Grant, HolderInfo,
+    LockBackend, LockKey, Released, Result, deadline_after,
+};
+use redis::{
+    Value,
+    aio::{ConnectionManager, ConnectionManagerConfig},
+    cluster::ClusterClientBuilder,
+};
+use tokio::{sync::oneshot, time::Instant};
+
+use crate::{
+    RedisConfig, Topology,
+    conn::{Conn, backend_error},
+    naming::LockNames,
+    scripts,
+    wakeups::Wakeups,
+};
+
+/// How long a waiter without a live subscription sleeps between attempts at most.
+const POLL_FALLBACK: Duration = Duration::from_millis(250);
+
+/// The outcome of one acquire script run.
+#[derive(Debug)]
+pub(crate) enum Attempt {
+    Granted(Grant),
+    /// Held by someone else for this much longer (`None`: the key has no expiry).
+    Busy(Option<Duration>),
+}
+
+pub(crate) fn ttl_millis(ttl: Duration) -> u64 {
+    u64::try_from(ttl.as_millis()).unwrap_or(u64::MAX).max(1)
+}
+
+struct Inner {
+    conn: Conn,
+    wakeups: Arc<Wakeups>,
+    config: RedisConfig,
+    cluster: bool,
+    target: String,
+}
+
+/// A Redis lock service on one server or one Redis Cluster.
+///
+/// Locks use Redisson's RLock layout (a hash per lock, hold counts per owner, release
+/// messages on `redisson_lock__channel:{name}`) plus Redisson's fencing counter, so Java
+/// services on Redisson and Rust services on lockkit exclude each other on the same name.
+/// Acquire, renew and release are single Lua scripts run by SHA.
+///
+/// Redis is AP: a failover to a replica that had not yet received a grant can grant the
+/// lock twice. Use `?wait_replicas=N` to make a grant wait for replicas, and fencing tokens
+/// to make a stale holder harmless.
+#[derive(Clone)]
+pub struct RedisBackend {
+    inner: Arc<Inner>,
+}
+
+impl std::fmt::Debug for RedisBackend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RedisBackend")
+            .field("target", &self.inner.target)
+            .field("cluster", &self.inner.cluster)
+            .field("prefix", &self.inner.config.prefix)
+            .finish()
+    }
+}
+
+impl RedisBackend {
+    /// Connects to the server or cluster a `redis://`, `rediss://` or `redis+cluster://`
+    /// URL names (see [`RedisConfig::parse`]).
+    ///
+    /// # Errors
+    /// [`Error::Config`] for a bad URL; [`Error::Backend`] when the server cannot be reached.
+    pub async fn connect(url: &str) -> Result<Self> {
+        Self::from_config(RedisConfig::parse(url)?).await
+    }
+
+    /// Connects as `config` says.
+    ///
+    /// # Errors
+    /// As [`RedisBackend::connect`].
+    pub async fn from_config(config: RedisConfig) -> Result<Self> {
+        let bad_url = |e: redis::RedisError| Error::Config(format!("invalid Redis address: {e}"));
+        let (conn, subscriber, target, cluster) = match &config.topology {
+            Topology::Single(url) => {
+                let client = redis::Client::open(url.as_str()).map_err(bad_url)?;
+                let manager_config = ConnectionManagerConfig::new()
+                    .set_connection_timeout(Some(config.connect_timeout))
+                    .set_response_timeout(Some(config.response_timeout))
+                    .set_number_of_retries(2);
+                let manager = ConnectionManager::new_with_config(client.clone(), manager_config)
+                    .await
+                    .map_err(|e| backend_error("connecting", url, e))?;
+                (Conn::Single(manager), client, url.clone(), false)
+            }
+            Topology::Cluster(nodes) => {
+                let client = ClusterClientBuilder::new(nodes.clone())
+                    .connection_timeout(config.connect_timeout)
+                    .response_timeout(config.response_timeout)
+                    .build()
+                    .map_err(bad_url)?;
+                let target = nodes.join(",");
+                let conn = client
+                    .get_async_connection()
+                    .await
+                    .map_err(|e| backend_error("connecting to the cluster", &target, e))?;
+                // Classic PUBLISH reaches every node of a cluster: one subscriber will do.
+                let first = nodes
+                    .first()
+                    .ok_or_else(|| Error::Config("no cluster node".into()))?;
+                let subscriber = redis::Client::open(first.as_str()).map_err(bad_url)?;
+                (Conn::Cluster(conn), subscriber, target, true)
+            }
+            Topology::Redlock(_) => {
+                return Err(Error::Config(
+                    "redlock:// URLs are served by RedlockBackend, not RedisBackend".into(),
+                ));
+            }
+        };
+        Ok(RedisBackend {
+            inner: Arc::new(Inner {
+                conn,
+                wakeups: Wakeups::new(subscriber, target.clone()),
+                config,
+                cluster,
+                target,
+            }),
+        })
+    }
+
+    /// The configuration in force.
+    pub fn config(&self) -> &RedisConfig {
+        &self.inner.config
+    }
+
+    /// The Redis names of `key`'s lock, channel and fencing counter.
+    ///
+    /// # Errors
+    /// [`Error::InvalidKey`] for names a cluster cannot keep in one slot.
+    pub fn names(&self, key: &LockKey) -> Result<LockNames> {
+        LockNames::new(&self.inner.config.prefix, key, self.inner.cluster)
+    }
+
+    /// Channels this backend's shared subscriber is listening on (for leak checks).
+    pub fn subscribed_channels(&self) -> usize {
+        self.inner.wakeups.active_channels()
+    }
+
+    fn conn(&self) -> Conn {
+        self.inner.conn.clone()
+    }
+
+    fn fail(&self, doing: &str, e: redis::RedisError) -> Error {
+        backend_error(doing, &self.inner.target, e)
+    }
+
+    /// Runs the acquire script once. Not cancel safe by itself: see [`Self::attempt`].
+    async fn run_acquire(&self, req: &AcquireRequest) -> Result<Attempt> {
+        let names = self.names(&req.key)?;
+        let mut conn = self.conn();
+        let start = Instant::now();
+        let (granted, value, depth): (i64, i64, i64) = scripts::ACQUIRE
+            .key(&names.lock)
+            .key(&names.token)
+            .arg(ttl_millis(req.ttl))
+            .arg(req.owner.to_string())
+            .invoke_async(&mut conn)
+            .await
+            .map_err(|e| self.fail("running the acquire script", e))?;
+        if granted != 1 {
+            let left = u64::try_from(value).ok().map(Duration::from_millis);
+            return Ok(Attempt::Busy(if value == -2 {
+                Some(Duration::ZERO)
+            } else {
+                left
+            }));
+        }
+        let grant = Grant::new(
+            req,
+            FencingToken::new(u64::try_from(value).unwrap_or(0)),
+            u32::try_from(depth).unwrap_or(u32::MAX),
+            start,
+        );
+        self.wait_for_replicas(&grant).await?;
+        Ok(Attempt::Granted(grant))
+    }
+
+    /// With `wait_replicas=N`, waits for N replicas to confirm the grant, and gives the
+    /// grant back if they do not.
+    async fn wait_for_replicas(&self, grant: &Grant) -> Result<()> {
+        let wanted = self.inner.config.wait_replicas;
+        if wanted == 0 {
+            return Ok(());
+        }
+        let timeout = self.inner.config.wait_replicas_timeout;
+        let confirmed: Result<i64> = redis::cmd("WAIT")
+            .arg(wanted)
+            .arg(ttl_millis(timeout))
+            .query_async(&mut self.conn())
+            .await
+            .map_err(|e| self.fail("WAIT for replicas", e));
+        match confirmed {
+            Ok(n) if n >= i64::from(wanted) => Ok(()),
+            outcome => {
+                let _ = self.release(grant).await;
+                let seen = outcome.map_or_else(
+                    |e| format!("WAIT failed: {e}"),
+                    |n| format!("{n} confirmed"),
+                );
+                Err(Error::backend(
+                    crate::conn::BACKEND,
+                    true,
+                    format!(
+                        "the grant of `{}` was refused and given back: {wanted} replica(s) had to \
+                         confirm it within {timeout:?} but {seen}; check the replicas or lower \
+                         wait_replicas",
+                        grant.key
+                    ),
+                ))
+            }
+        }
+    }
+
+    /// One cancel-safe acquire attempt: the script runs in its own task, and if the caller
+    /// goes away before the answer arrives, a grant that arrives anyway is given back.
+    pub(crate) async fn attempt(&self, req: &AcquireRequest) -> Result<Attempt> {
+        let (answer, receive) = oneshot::channel();
+        let this = self.clone();
+        let request = req.clone();
+        tokio::spawn(async move {
+            let outcome = this.run_acquire(&request).await;
+            if let Err(Ok(Attempt::Granted(orphan))) = answer.send(outcome) {
+                if let Err(error) = this.release(&orphan).await {
+                    tracing::warn!(%error, key = %orphan.key, "could not give back a grant nobody waited for; its lease will run out");
+                }
+            }
+        });
+        receive.await.map_err(|_| {
+            Error::backend(
+                crate::conn::BACKEND,
+                true,
+                "the acquire task ended without an answer",
+            )
+        })?
+    }
+
+    /// Waits for `req`, woken by release messages, retrying transient errors until the
+    /// deadline.
+    async fn acquire_waiting(&self, req: &AcquireRequest, wait: Duration) -> Result<Grant> {
+        let started = Instant::now();
+        let deadline = deadline_after(wait);
+        let timeout = || Error::Timeout {
+            key: req.key.clone(),
+            waited: started.elapsed(),
+        };
+        if let Attempt::Granted(grant) = self.attempt(req).await? {
+            return Ok(grant);
+        }
+        if wait.is_zero() {
+            return Err(timeout());
+        }
+        let names = self.names(&req.key)?;
+        let subscription = match self.inner.wakeups.subscribe(&names.channel).await {
+            Ok(subscription) => Some(subscription),
+            Err(error) => {
+                tracing::warn!(%error, "no release notifications; falling back to timed retries");
+                None
+            }
+        };
+        let channel = subscription.as_ref().map(|s| s.channel.clone());
+        loop {
+            // Listening before the retry, so a release cannot slip in between.
+            let mut notified = channel.as_ref().map(|c| Box::pin(c.notify.notified()));
+            if let Some(n) = notified.as_mut() {
+                n.as_mut().enable();
+            }
+            let busy_for = match self.attempt(req).await {
+                Ok(Attempt::Granted(grant)) => return Ok(grant),
+                Ok(Attempt::Busy(left)) => left,
+                Err(e) if e.is_retryable() => {
+                    tracing::debug!(error = %e, "acquire attempt failed; retrying");
+                    Some(Duration::from_millis(50))
+                }
+                Err(e) => return Err(e),
+            };
+            let now = Instant::now();
+            if now >= deadline {
+                return Err(timeout());
+            }
+            let fallback = match (&subscription, busy_for) {
+                // Notified on release; the timer only covers expiry without a release.
+                (Some(_), Some(left)) => left + Duration::from_millis(1),
+                (Some(_), None) => POLL_FALLBACK * 4,
+                (None, left) => left.unwrap_or(POLL_FALLBACK).min(POLL_FALLBACK),
+            };
+            let jitter = Duration::from_micros(fastrand::u64(0..1000));
+            let woken = async {
+                match notified.as_mut() {
+                    Some(n) => n.await,
+                    None => std::future::pending().await,
+                }
+            };
+            tokio::select! {
+                _ = woken => {}
+                _ = tokio::time::sleep_until((now + fallback + jitter).min(deadline)) => {}
+            }
+            if subscription.is_some() {
+                if let Err(error) = self.inner.wakeups.ensure_connected().await {
+                    tracing::debug!(%error, "subscriber connection down; retrying on the timer");
+                }
+            }
+        }
+    }
+}
+
+#[async_trait]
+impl LockBackend for RedisBackend {
+    fn info(&self) -> BackendInfo {
+        BackendInfo::new(
+            if self.inner.cluster {
+                "redis+cluster"
+            } else {
+                "redis"
+            },
+            Consistency::Ap,
+            Capabilities {
+                min_ttl: Duration::from_millis(1),
+                ..Capabilities::default()
+            },
+        )
+    }
+
+    async fn try_acquire(&self, req: &AcquireRequest) -> Result<Option<Grant>> {
+        match self.attempt(req).await? {
+            Attempt::Granted(grant) => Ok(Some(grant)),
+            Attempt::Busy(_) => Ok(None),
+        }
+    }
+
+    async fn acquire(&self, req: &AcquireRequest, wait: Duration) -> Result<Grant> {
+        self.acquire_waiting(req, wait).await
+    }
+
+    async fn renew(&self, grant: &Grant, ttl: Duration) -> Result<()> {
+        let names = self.names(&grant.key)?;
+        let renewed: i64 = scripts::RENEW
+            .key(&names.lock)
+            .arg(ttl_millis(ttl))
+            .arg(grant.owner.to_string())
+            .invoke_async(&mut self.conn())
+            .await
+            .map_err(|e| self.fail("running the renew script", e))?;
+        if renewed == 1 {
+            Ok(())
+        } else {
+            Err(Error::NotHeld {
+                key: grant.key.clone(),
+            })
+        }
+    }
+
+    async fn release(&self, grant: &Grant) -> Result<Released> {
+        let names = self.names(&grant.key)?;
+        let left: i64 = scripts::RELEASE
+            .key(&names.lock)
+            .key(&names.channel)
+            .arg(grant.owner.to_string())
+            .arg(ttl_millis(grant.ttl))
+            .invoke_async(&mut self.conn())
+            .await
+            .map_err(|e| self.fail("running the release script", e))?;
+        match u32::try_from(left) {
+            Ok(0) => Ok(Released::Fully),
+            Ok(remaining) => Ok(Released::Partially { remaining }),
+            Err(_) => Err(Error::NotHeld {
+                key: grant.key.clone(),
+            }),
+        }
+    }
+
+    async fn inspect(&self, key: &LockKey) -> Result<Option<HolderInfo>> {
+        let names = self.names(key)?;
+        let reply: Vec<Value> = scripts::INSPECT
+            .key(&names.lock)
+            .key(&names.token)
+            .invoke_async(&mut self.conn())
+            .await
+            .map_err(|e| self.fail("running the inspect script", e))?;
+        Ok(parse_inspect(&reply))
+    }
+}
+
+fn text(value: &Value) -> Option<String> {
+    match value {
+        Value::BulkString(bytes) => Some(String::from_utf8_lossy(bytes).into_owned()),
+        Value::SimpleString(s) => Some(s.clone()),
+        Value::Int(n) => Some(n.to_string()),
+        _ => None,
+    }
+}
+
+fn number(value: &Value) -> Option<i64> {
+    match value {
+        Value::Int(n) => Some(*n),
+        other => text(other).and_then(|t| t.parse().ok()),
+    }
+}
+
+/// Reads the inspect script's reply: `{type, pttl, token, fields...}`.
+pub(crate) fn parse_inspect(reply: &[Value]) -> Option<HolderInfo> {
+    let kind = reply.first().and_then(text)?;
+    let ttl_left = reply
+        .get(1)
+        .and_then(number)
+        .and_then(|ms| u64::try_from(ms).ok())
+        .map(Duration::from_millis);
+    let token = reply
+        .get(2)
+        .and_then(number)
+        .and_then(|t| u64::try_from(t).ok())
+        .map(FencingToken::new);
+    let rest = reply.get(3..).unwrap_or_default();
+    match kind.as_str() {
+        "none" => None,
+        "hash" => {
+            let (owner, depth) = rest
+                .chunks(2)
+                .filter_map(|pair| Some((text(pair.first()?)?, number(pair.get(1)?)?)))
+                .max_by_key(|(_, depth)| *depth)?;
+            Some(HolderInfo::new(
+                owner,
+                u32::try_from(depth).unwrap_or(1),
+                token,
+                ttl_left,
+            ))
+        }
+        other => {
+            let value = rest.first().and_then(text).unwrap_or_default();
+            Some(HolderInfo::new(
+                format!("foreign {other} value {value:?} (not a lockkit or Redisson lock)"),
+                1,
+                None,
+                ttl_left,
+            ))
+        }
+    }
+}
