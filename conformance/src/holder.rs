@@ -6,7 +6,7 @@
 //! runs that binary again with only that test selected. The child builds a client from the
 //! same harness, so it talks to the same servers with the same code as the parent.
 
-use std::{io::Write, process::Stdio, sync::OnceLock, time::Duration};
+use std::{io::Write, process::Stdio, time::Duration};
 
 use lockkit_core::{FencingToken, LockKey};
 use tokio::{
@@ -23,18 +23,24 @@ const TTL_VAR: &str = "LOCKKIT_HOLDER_TTL_MS";
 const WATCHDOG_VAR: &str = "LOCKKIT_HOLDER_WATCHDOG";
 const LINE_PREFIX: &str = "LOCKKIT-HOLDER";
 
-static ENTRY: OnceLock<String> = OnceLock::new();
+tokio::task_local! {
+    /// The libtest name of the entry test of the suite the running case belongs to.
+    static ENTRY: String;
+}
 
-/// Records where the entry test lives; `module_path` is the suite module's
-/// `module_path!()`. Called by the generated tests.
-pub fn set_entry(module_path: &str) {
+/// The libtest name of the entry test for a suite module (`module_path!()` of the suite).
+pub fn entry_for(module_path: &str) -> String {
     let path = module_path.split_once("::").map_or("", |(_, rest)| rest);
-    let entry = if path.is_empty() {
+    if path.is_empty() {
         ENTRY_TEST.to_owned()
     } else {
         format!("{path}::{ENTRY_TEST}")
-    };
-    let _ = ENTRY.set(entry);
+    }
+}
+
+/// Runs `case` knowing which suite's entry test starts its child holders.
+pub async fn with_entry<F: std::future::Future>(module_path: &str, case: F) -> F::Output {
+    ENTRY.scope(entry_for(module_path), case).await
 }
 
 /// What the child should hold.
@@ -65,8 +71,8 @@ impl HolderProcess {
     /// [`crate::suite!`]) or the child fails to take the lock: the case fails.
     pub async fn spawn(spec: &HolderSpec) -> HolderProcess {
         let entry = ENTRY
-            .get()
-            .unwrap_or_else(|| panic!("the holder entry is unknown: run cases through suite!"));
+            .try_with(Clone::clone)
+            .unwrap_or_else(|_| panic!("the holder entry is unknown: run cases through suite!"));
         let exe = std::env::current_exe()
             .unwrap_or_else(|e| panic!("cannot find the test binary to re-run: {e}"));
         let mut child = Command::new(exe)

@@ -199,7 +199,6 @@ where
     C: FnOnce(Arc<H>) -> F,
     F: Future<Output = Outcome>,
 {
-    holder::set_entry(suite_module);
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -215,7 +214,8 @@ where
         };
         let harness = Arc::new(harness);
         let label = harness.name();
-        match tokio::time::timeout(CASE_LIMIT, case(harness)).await {
+        let run = holder::with_entry(suite_module, case(harness));
+        match tokio::time::timeout(CASE_LIMIT, run).await {
             Ok(Outcome::Passed) => {}
             Ok(Outcome::Skipped(why)) => report_skip(&format!("{name} on {label}"), &why),
             Err(_) => panic!("{name} on {label} did not finish within {CASE_LIMIT:?}"),
@@ -233,12 +233,11 @@ fn report_skip(what: &str, why: &str) {
 }
 
 /// Runs the child-process helper if this process was started as one; used by [`suite!`].
-pub fn run_holder_child<H, M>(suite_module: &str, make: M)
+pub fn run_holder_child<H, M>(make: M)
 where
     H: Harness,
     M: Future<Output = Option<H>>,
 {
-    holder::set_entry(suite_module);
     let Ok(runtime) = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -307,7 +306,7 @@ macro_rules! __suite_tests {
         #[test]
         #[ignore = "entry point of the conformance suite's child-process lock holder"]
         fn __lockkit_holder_child() {
-            $crate::run_holder_child(module_path!(), async { $harness });
+            $crate::run_holder_child(async { $harness });
         }
     };
 }

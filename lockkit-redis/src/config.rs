@@ -36,8 +36,9 @@ pub struct RedisConfig {
     pub wait_replicas: u32,
     /// How long `WAIT` may take (`?wait_replicas_timeout=`, default 1 s).
     pub wait_replicas_timeout: Duration,
-    /// Redlock only: clock drift factor (`?drift_factor=`, default 0.01).
-    pub drift_factor_permille: u32,
+    /// Redlock only: how long one master may take to answer one round
+    /// (`?node_timeout=`; default a twentieth of the lease, within 10..=100 ms).
+    pub node_timeout: Option<Duration>,
 }
 
 const SCHEMES: &str = "redis://, rediss://, redis+cluster://, rediss+cluster://, redlock://";
@@ -49,7 +50,7 @@ impl RedisConfig {
     /// redis://[user:password@]host[:port][/db][?prefix=app:&ttl=30s&wait_replicas=1]
     /// rediss://...                                        (TLS)
     /// redis+cluster://h1:p1,h2:p2,h3:p3[?prefix=...]
-    /// redlock://h1:p1,h2:p2,h3:p3,h4:p4,h5:p5[?drift_factor=0.01]
+    /// redlock://h1:p1,h2:p2,h3:p3,h4:p4,h5:p5[?node_timeout=50ms]
     /// ```
     ///
     /// # Errors
@@ -126,7 +127,7 @@ impl RedisConfig {
             response_timeout: Duration::from_secs(2),
             wait_replicas: 0,
             wait_replicas_timeout: Duration::from_secs(1),
-            drift_factor_permille: 10,
+            node_timeout: None,
         };
         for pair in query.split('&').filter(|p| !p.is_empty()) {
             let (name, value) = pair.split_once('=').unwrap_or((pair, ""));
@@ -140,22 +141,11 @@ impl RedisConfig {
                 "wait_replicas_timeout" => {
                     config.wait_replicas_timeout = parse_duration(name, &value)?;
                 }
-                "drift_factor" => {
-                    let factor: f64 = value
-                        .parse()
-                        .ok()
-                        .filter(|f| (0.0..0.5).contains(f))
-                        .ok_or_else(|| {
-                            Error::Config(format!(
-                                "`drift_factor={value}` must be a number in 0..0.5, e.g. 0.01"
-                            ))
-                        })?;
-                    config.drift_factor_permille = (factor * 1000.0).round() as u32;
-                }
+                "node_timeout" => config.node_timeout = Some(parse_duration(name, &value)?),
                 other => {
                     return Err(Error::Config(format!(
                         "unknown option `{other}` in `{url}`; known: prefix, ttl, connect_timeout, \
-                         response_timeout, wait_replicas, wait_replicas_timeout, drift_factor"
+                         response_timeout, wait_replicas, wait_replicas_timeout, node_timeout"
                     )));
                 }
             }

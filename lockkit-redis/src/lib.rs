@@ -35,14 +35,7 @@ use lockkit_core::{LockBackend, Result};
 pub async fn connect(url: &str) -> Result<std::sync::Arc<dyn LockBackend>> {
     let config = RedisConfig::parse(url)?;
     Ok(match config.topology {
-        Topology::Redlock(_) => {
-            let _ = RedlockBackend::from_config(config).await?;
-            unreachable_redlock()?
-        }
+        Topology::Redlock(_) => std::sync::Arc::new(RedlockBackend::from_config(config).await?),
         _ => std::sync::Arc::new(RedisBackend::from_config(config).await?),
     })
-}
-
-fn unreachable_redlock() -> Result<std::sync::Arc<dyn LockBackend>> {
-    Err(lockkit_core::Error::Config("redlock pending".into()))
 }

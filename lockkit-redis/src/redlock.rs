@@ -1,12 +1,513 @@
-//! Redlock (being written).
-use crate::RedisConfig;
-use lockkit_core::{Error, Result};
-/// Redlock (placeholder while being written).
-#[derive(Debug)]
-pub struct RedlockBackend;
+//! `RedlockBackend`: a lock over N independent Redis masters, granted by a majority.
+
+use std::{sync::Arc, time::Duration};
+
+use async_trait::async_trait;
+use futures_util::future::{join_all, select_all};
+use lockkit_core::{
+    AcquireRequest, BackendInfo, Capabilities, Consistency, Error, FencingToken, Grant, HolderInfo,
+    LockBackend, LockKey, Released, Result, deadline_after, local_validity,
+};
+use tokio::{sync::oneshot, time::Instant};
+
+use crate::{RedisBackend, RedisConfig, Topology, scripts, single::Attempt};
+
+const BACKEND: &str = "redlock";
+
+/// Redlock over independent masters: a lock is held when a majority (N/2+1) of masters
+/// granted it within its lease, and it is valid for `ttl − elapsed − drift`, where the
+/// drift allowance is 1% of the lease plus 2 ms (Redlock's suggested factor).
+///
+/// - A partial acquisition (no quorum, or slower than the lease) is given back on every
+///   master before retrying with jitter.
+/// - Fencing tokens stay monotonic across the quorum: the grant takes the highest counter
+///   among the granting masters and writes it back to them, so any later quorum, which
+///   shares at least one master with this one, counts past it.
+/// - Waiters are woken by release messages from any master.
+///
+/// Redlock's safety rests on clocks and on masters not losing writes: a master restarted
+/// without persistence forgets its grants (the documented hazard). Fencing tokens are the
+/// defence.
+#[derive(Clone)]
+pub struct RedlockBackend {
+    nodes: Arc<Vec<RedisBackend>>,
+    config: RedisConfig,
+}
+
+impl std::fmt::Debug for RedlockBackend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RedlockBackend")
+            .field("masters", &self.nodes.len())
+            .field("quorum", &self.quorum())
+            .finish()
+    }
+}
+
+/// What one master said to an acquire attempt.
+enum Vote {
+    Granted(Grant),
+    Busy(Option<Duration>),
+    Failed(Error),
+}
+
 impl RedlockBackend {
-    /// Connect.
-    pub async fn from_config(_c: RedisConfig) -> Result<Self> {
-        Err(Error::Config("redlock pending".into()))
+    /// Connects to the masters of a `redlock://h1,h2,h3,...` URL. Masters that are down
+    /// are retried on every operation; at least a quorum must answer for locks to be
+    /// granted, but not to connect.
+    ///
+    /// # Errors
+    /// [`Error::Config`] for a bad URL.
+    pub async fn connect(url: &str) -> Result<Self> {
+        Self::from_config(RedisConfig::parse(url)?).await
+    }
+
+    /// Connects as `config` says.
+    ///
+    /// # Errors
+    /// [`Error::Config`] unless `config` is a Redlock topology; [`Error::Backend`] when
+    /// fewer than a quorum of masters can be reached.
+    pub async fn from_config(config: RedisConfig) -> Result<Self> {
+        let Topology::Redlock(masters) = &config.topology else {
+            return Err(Error::Config(
+                "RedlockBackend needs a redlock://h1,h2,h3,... URL".into(),
+            ));
+        };
+        let quorum = masters.len() / 2 + 1;
+        let connecting = masters.iter().map(|url| {
+            let mut node = config.clone();
+            node.topology = Topology::Single(url.clone());
+            RedisBackend::from_config(node)
+        });
+        let mut nodes = Vec::new();
+        let mut down = Vec::new();
+        for (url, node) in masters.iter().zip(join_all(connecting).await) {
+            match node {
+                Ok(node) => nodes.push(node),
+                Err(e) => down.push(format!("{url}: {e}")),
+            }
+        }
+        if nodes.len() < quorum {
+            return Err(Error::backend(
+                BACKEND,
+                true,
+                format!(
+                    "only {} of {} masters answered; Redlock needs a quorum of {quorum}: {}",
+                    nodes.len(),
+                    masters.len(),
+                    down.join("; ")
+                ),
+            ));
+        }
+        if !down.is_empty() {
+            tracing::warn!(down = ?down, "some Redlock masters are down; continuing with a quorum");
+        }
+        Ok(RedlockBackend {
+            nodes: Arc::new(nodes),
+            config,
+        })
+    }
+
+    /// Masters needed for a grant.
+    pub fn quorum(&self) -> usize {
+        self.master_count() / 2 + 1
+    }
+
+    fn master_count(&self) -> usize {
+        match &self.config.topology {
+            Topology::Redlock(masters) => masters.len(),
+            _ => self.nodes.len(),
+        }
+    }
+
+    /// The per-master timeout of one round: small against the lease, as Redlock asks, so
+    /// a dead master costs little of it (a twentieth of the lease, 10..=100 ms).
+    fn node_timeout(&self, ttl: Duration) -> Duration {
+        self.config.node_timeout.unwrap_or_else(|| {
+            (ttl / 20).clamp(Duration::from_millis(10), Duration::from_millis(100))
+        })
+    }
+
+    /// Runs `op` on every master at once, each bounded by `timeout`.
+    async fn on_all<T, F, Fut>(&self, timeout: Duration, op: F) -> Vec<Result<T>>
+    where
+        F: Fn(RedisBackend) -> Fut,
+        Fut: std::future::Future<Output = Result<T>>,
+    {
+        let calls = self.nodes.iter().map(|node| {
+            let call = op(node.clone());
+            async move {
+                tokio::time::timeout(timeout, call)
+                    .await
+                    .unwrap_or_else(|_| {
+                        Err(Error::backend(
+                            BACKEND,
+                            true,
+                            format!("a master did not answer within {timeout:?}"),
+                        ))
+                    })
+            }
+        });
+        join_all(calls).await
+    }
+
+    /// One Redlock round: ask every master, then keep the grant only if a quorum agreed
+    /// within the lease; otherwise give back what was granted.
+    async fn run_acquire(&self, req: &AcquireRequest) -> Result<Attempt> {
+        let start = Instant::now();
+        let votes: Vec<Vote> = self
+            .on_all(self.node_timeout(req.ttl), |node| {
+                let req = req.clone();
+                async move { node.run_acquire(&req).await }
+            })
+            .await
+            .into_iter()
+            .map(|vote| match vote {
+                Ok(Attempt::Granted(grant)) => Vote::Granted(grant),
+                Ok(Attempt::Busy(left)) => Vote::Busy(left),
+                Err(e) => Vote::Failed(e),
+            })
+            .collect();
+        let granted: Vec<&Grant> = votes
+            .iter()
+            .filter_map(|v| match v {
+                Vote::Granted(g) => Some(g),
+                _ => None,
+            })
+            .collect();
+        let quorum = self.quorum();
+        let elapsed = start.elapsed();
+        let valid = local_validity(req.ttl).saturating_sub(elapsed);
+        if granted.len() >= quorum && !valid.is_zero() {
+            let token = granted
+                .iter()
+                .map(|g| g.token)
+                .max()
+                .unwrap_or(FencingToken::new(0));
+            let depth = granted.iter().map(|g| g.depth).max().unwrap_or(1);
+            if self.write_back(req, token, &votes).await >= quorum {
+                return Ok(Attempt::Granted(Grant::new(req, token, depth, start)));
+            }
+            self.give_back(req, &votes).await;
+            return Err(Error::backend(
+                BACKEND,
+                true,
+                format!(
+                    "the fencing token of `{}` could not be recorded on a quorum of {quorum}; the grant was given back",
+                    req.key
+                ),
+            ));
+        }
+        self.give_back(req, &votes).await;
+        if granted.len() >= quorum {
+            return Err(Error::backend(
+                BACKEND,
+                true,
+                format!(
+                    "acquiring `{}` took {elapsed:?}, past its {:?} lease less clock drift; the \
+                     grant was refused and given back on every master (masters slow? raise the ttl)",
+                    req.key, req.ttl
+                ),
+            ));
+        }
+        let busy: Vec<Option<Duration>> = votes
+            .iter()
+            .filter_map(|v| match v {
+                Vote::Busy(left) => Some(*left),
+                _ => None,
+            })
+            .collect();
+        let failed: Vec<String> = votes
+            .iter()
+            .filter_map(|v| match v {
+                Vote::Failed(e) => Some(e.to_string()),
+                _ => None,
+            })
+            .collect();
+        if self.master_count() - failed.len() < quorum {
+            return Err(Error::backend(
+                BACKEND,
+                true,
+                format!(
+                    "only {} of {} masters answered; Redlock needs a quorum of {quorum}: {}",
+                    self.master_count() - failed.len(),
+                    self.master_count(),
+                    failed.join("; ")
+                ),
+            ));
+        }
+        // Contended: wait at most as long as the longest lease we saw.
+        let left = busy.iter().copied().max().flatten();
+        Ok(Attempt::Busy(Some(
+            left.unwrap_or(Duration::from_millis(50)),
+        )))
+    }
+
+    /// Raises the token counter to `token` on every granting master; returns how many
+    /// recorded it.
+    async fn write_back(&self, req: &AcquireRequest, token: FencingToken, votes: &[Vote]) -> usize {
+        let Ok(names) = self.nodes[0].names(&req.key) else {
+            return 0;
+        };
+        let writes = self
+            .nodes
+            .iter()
+            .zip(votes)
+            .filter(|(_, v)| matches!(v, Vote::Granted(_)))
+            .map(|(node, _)| {
+                let name = names.token.clone();
+                let mut conn = node.conn_handle();
+                async move {
+                    let raised: std::result::Result<i64, _> = scripts::RAISE_TOKEN
+                        .key(&name)
+                        .arg(token.get())
+                        .invoke_async(&mut conn)
+                        .await;
+                    raised.is_ok_and(|now| u64::try_from(now).is_ok_and(|now| now >= token.get()))
+                }
+            });
+        let timeout = self.node_timeout(req.ttl);
+        join_all(writes.map(|w| tokio::time::timeout(timeout, w)))
+            .await
+            .into_iter()
+            .filter(|ok| matches!(ok, Ok(true)))
+            .count()
+    }
+
+    /// Gives back a failed round's grants on every master that granted or did not answer.
+    async fn give_back(&self, req: &AcquireRequest, votes: &[Vote]) {
+        let releases = self
+            .nodes
+            .iter()
+            .zip(votes)
+            .filter(|(_, v)| !matches!(v, Vote::Busy(_)))
+            .map(|(node, vote)| {
+                let grant = match vote {
+                    Vote::Granted(g) => g.clone(),
+                    _ => Grant::new(req, FencingToken::new(0), 1, Instant::now()),
+                };
+                let node = node.clone();
+                async move {
+                    let _ = node.release(&grant).await;
+                }
+            });
+        let _ = tokio::time::timeout(self.config.response_timeout, join_all(releases)).await;
+    }
+
+    /// A cancel-safe round: it runs in its own task, and a grant nobody waits for any more
+    /// is given back.
+    async fn attempt(&self, req: &AcquireRequest) -> Result<Attempt> {
+        let (answer, receive) = oneshot::channel();
+        let this = self.clone();
+        let request = req.clone();
+        tokio::spawn(async move {
+            let outcome = this.run_acquire(&request).await;
+            if let Err(Ok(Attempt::Granted(orphan))) = answer.send(outcome) {
+                let _ = this.release(&orphan).await;
+            }
+        });
+        receive.await.map_err(|_| {
+            Error::backend(BACKEND, true, "the acquire task ended without an answer")
+        })?
+    }
+}
+
+#[async_trait]
+impl LockBackend for RedlockBackend {
+    fn info(&self) -> BackendInfo {
+        BackendInfo::new(
+            BACKEND,
+            Consistency::Ap,
+            Capabilities {
+                min_ttl: Duration::from_millis(10),
+                ..Capabilities::default()
+            },
+        )
+    }
+
+    async fn try_acquire(&self, req: &AcquireRequest) -> Result<Option<Grant>> {
+        match self.attempt(req).await? {
+            Attempt::Granted(grant) => Ok(Some(grant)),
+            Attempt::Busy(_) => Ok(None),
+        }
+    }
+
+    async fn acquire(&self, req: &AcquireRequest, wait: Duration) -> Result<Grant> {
+        let started = Instant::now();
+        let deadline = deadline_after(wait);
+        let timeout = || Error::Timeout {
+            key: req.key.clone(),
+            waited: started.elapsed(),
+        };
+        match self.attempt(req).await {
+            Ok(Attempt::Granted(grant)) => return Ok(grant),
+            Ok(Attempt::Busy(_)) => {}
+            Err(e) if e.is_retryable() && !wait.is_zero() => {}
+            Err(e) => return Err(e),
+        }
+        if wait.is_zero() {
+            return Err(timeout());
+        }
+        // Subscribe on every master that lets us; the loop retries before it sleeps, so a
+        // release between the first round and the subscriptions is not missed.
+        let names = self.nodes[0].names(&req.key)?;
+        let mut subscriptions = Vec::new();
+        for node in self.nodes.iter() {
+            if let Ok(subscription) = node.subscribe(&names.channel).await {
+                subscriptions.push(subscription);
+            }
+        }
+        let channels: Vec<_> = subscriptions.iter().map(|s| s.channel.clone()).collect();
+        loop {
+            let mut notified: Vec<_> = channels
+                .iter()
+                .map(|c| Box::pin(c.notify.notified()))
+                .collect();
+            for n in &mut notified {
+                n.as_mut().enable();
+            }
+            let retry_in = match self.attempt(req).await {
+                Ok(Attempt::Granted(grant)) => return Ok(grant),
+                Ok(Attempt::Busy(left)) => left.unwrap_or(Duration::from_millis(50)),
+                Err(e) if e.is_retryable() => {
+                    tracing::debug!(error = %e, "Redlock round failed; retrying with jitter");
+                    Duration::from_millis(50)
+                }
+                Err(e) => return Err(e),
+            };
+            let now = Instant::now();
+            if now >= deadline {
+                return Err(timeout());
+            }
+            let jitter = Duration::from_micros(fastrand::u64(0..5_000));
+            let sleep = tokio::time::sleep_until((now + retry_in + jitter).min(deadline));
+            if notified.is_empty() {
+                sleep.await;
+            } else {
+                tokio::select! {
+                    _ = select_all(notified) => {
+                        // Masters publish one by one: give the others a moment, with jitter
+                        // so contenders do not split the masters between them.
+                        tokio::time::sleep(jitter / 5).await;
+                    }
+                    _ = sleep => {}
+                }
+            }
+        }
+    }
+
+    async fn renew(&self, grant: &Grant, ttl: Duration) -> Result<()> {
+        let results = self
+            .on_all(self.node_timeout(ttl), |node| {
+                let grant = grant.clone();
+                async move { node.renew(&grant, ttl).await }
+            })
+            .await;
+        let renewed = results.iter().filter(|r| r.is_ok()).count();
+        let refused = results
+            .iter()
+            .filter(|r| matches!(r, Err(Error::NotHeld { .. })))
+            .count();
+        if renewed >= self.quorum() {
+            Ok(())
+        } else if self.master_count() - refused < self.quorum() {
+            Err(Error::NotHeld {
+                key: grant.key.clone(),
+            })
+        } else {
+            Err(Error::backend(
+                BACKEND,
+                true,
+                format!(
+                    "only {renewed} masters renewed `{}`; a quorum of {} is needed",
+                    grant.key,
+                    self.quorum()
+                ),
+            ))
+        }
+    }
+
+    async fn release(&self, grant: &Grant) -> Result<Released> {
+        let results = self
+            .on_all(self.config.response_timeout, |node| {
+                let grant = grant.clone();
+                async move { node.release(&grant).await }
+            })
+            .await;
+        let released: Vec<Released> = results
+            .iter()
+            .filter_map(|r| r.as_ref().ok().copied())
+            .collect();
+        let refused = results
+            .iter()
+            .filter(|r| matches!(r, Err(Error::NotHeld { .. })))
+            .count();
+        if released.len() >= self.quorum() || (!released.is_empty() && refused == 0) {
+            // The hold count the masters report.
+            let remaining = released
+                .iter()
+                .map(|r| match r {
+                    Released::Fully => 0,
+                    Released::Partially { remaining } => *remaining,
+                })
+                .max()
+                .unwrap_or(0);
+            return Ok(match remaining {
+                0 => Released::Fully,
+                remaining => Released::Partially { remaining },
+            });
+        }
+        match results
+            .into_iter()
+            .find(|r| matches!(r, Err(Error::Backend { .. })))
+        {
+            Some(Err(e)) if released.is_empty() && refused < self.quorum() => Err(e),
+            _ => Err(Error::NotHeld {
+                key: grant.key.clone(),
+            }),
+        }
+    }
+
+    async fn inspect(&self, key: &LockKey) -> Result<Option<HolderInfo>> {
+        let results = self
+            .on_all(self.config.response_timeout, |node| {
+                let key = key.clone();
+                async move { node.inspect(&key).await }
+            })
+            .await;
+        let answered: Vec<Option<HolderInfo>> =
+            results.into_iter().filter_map(Result::ok).collect();
+        if answered.len() < self.quorum() {
+            return Err(Error::backend(
+                BACKEND,
+                true,
+                format!(
+                    "only {} masters answered; a quorum of {} is needed to tell who holds `{key}`",
+                    answered.len(),
+                    self.quorum()
+                ),
+            ));
+        }
+        let held: Vec<HolderInfo> = answered.into_iter().flatten().collect();
+        // The owner a quorum agrees on, with the highest token and shortest lease seen.
+        let mut owners: Vec<(&str, usize)> = Vec::new();
+        for info in &held {
+            match owners.iter_mut().find(|(o, _)| *o == info.owner) {
+                Some((_, n)) => *n += 1,
+                None => owners.push((&info.owner, 1)),
+            }
+        }
+        let Some((owner, _)) = owners.iter().max_by_key(|(_, n)| *n).copied() else {
+            return Ok(None);
+        };
+        let same: Vec<&HolderInfo> = held.iter().filter(|i| i.owner == owner).collect();
+        if same.len() < self.quorum() {
+            return Ok(None);
+        }
+        Ok(Some(HolderInfo::new(
+            owner,
+            same.iter().map(|i| i.depth).max().unwrap_or(1),
+            same.iter().filter_map(|i| i.token).max(),
+            same.iter().filter_map(|i| i.ttl_left).min(),
+        )))
     }
 }

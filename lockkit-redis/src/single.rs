@@ -155,12 +155,22 @@ impl RedisBackend {
         self.inner.conn.clone()
     }
 
+    /// The command connection (cheap clone).
+    pub(crate) fn conn_handle(&self) -> Conn {
+        self.conn()
+    }
+
+    /// Subscribes this backend's shared subscriber to `channel`.
+    pub(crate) async fn subscribe(&self, channel: &str) -> Result<crate::wakeups::Subscription> {
+        self.inner.wakeups.subscribe(channel).await
+    }
+
     fn fail(&self, doing: &str, e: redis::RedisError) -> Error {
         backend_error(doing, &self.inner.target, e)
     }
 
     /// Runs the acquire script once. Not cancel safe by itself: see [`Self::attempt`].
-    async fn run_acquire(&self, req: &AcquireRequest) -> Result<Attempt> {
+    pub(crate) async fn run_acquire(&self, req: &AcquireRequest) -> Result<Attempt> {
         let names = self.names(&req.key)?;
         let mut conn = self.conn();
         let start = Instant::now();
@@ -258,8 +268,14 @@ impl RedisBackend {
             key: req.key.clone(),
             waited: started.elapsed(),
         };
-        if let Attempt::Granted(grant) = self.attempt(req).await? {
-            return Ok(grant);
+        match self.attempt(req).await {
+            Ok(Attempt::Granted(grant)) => return Ok(grant),
+            Ok(Attempt::Busy(_)) => {}
+            // Transient failures are retried until the deadline, like contention.
+            Err(e) if e.is_retryable() && !wait.is_zero() => {
+                tracing::debug!(error = %e, "acquire attempt failed; retrying");
+            }
+            Err(e) => return Err(e),
         }
         if wait.is_zero() {
             return Err(timeout());

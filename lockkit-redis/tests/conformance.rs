@@ -9,12 +9,19 @@ use std::{
 
 use lockkit_conformance::{FaultProxy, Harness, HookError, HookResult, env};
 use lockkit_core::{LockBackend, LockKey, Locker, async_trait};
-use lockkit_redis::{RedisBackend, naming::LockNames};
+use lockkit_redis::naming::LockNames;
 use redis::AsyncCommands;
 
 struct Client {
     backend: Arc<dyn LockBackend>,
-    proxy: Option<FaultProxy>,
+    proxies: Vec<FaultProxy>,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    Single,
+    Cluster,
+    Redlock,
 }
 
 /// Clients on one Redis server or cluster; the admin connection plays the operator.
@@ -22,7 +29,7 @@ struct RedisHarness {
     name: &'static str,
     url: String,
     nodes: Vec<String>,
-    cluster: bool,
+    kind: Kind,
     clients: Mutex<Vec<Client>>,
 }
 
@@ -33,7 +40,7 @@ impl RedisHarness {
             name: "redis-single",
             nodes: env::host_ports(&url),
             url,
-            cluster: false,
+            kind: Kind::Single,
             clients: Mutex::new(Vec::new()),
         })
     }
@@ -44,7 +51,18 @@ impl RedisHarness {
             name: "redis-cluster",
             nodes: env::host_ports(&url),
             url,
-            cluster: true,
+            kind: Kind::Cluster,
+            clients: Mutex::new(Vec::new()),
+        })
+    }
+
+    async fn redlock() -> Option<Self> {
+        let url = env::service_url("LOCKKIT_TEST_REDLOCK_URL")?;
+        Some(RedisHarness {
+            name: "redlock",
+            nodes: env::host_ports(&url),
+            url,
+            kind: Kind::Redlock,
             clients: Mutex::new(Vec::new()),
         })
     }
@@ -58,7 +76,7 @@ impl RedisHarness {
     }
 
     async fn node_of(&self, key: &str) -> String {
-        if !self.cluster {
+        if self.kind != Kind::Cluster {
             return self.nodes[0].clone();
         }
         // Ask any node which one serves the key's slot.
@@ -109,17 +127,31 @@ impl Harness for RedisHarness {
     }
 
     async fn client(&self) -> Locker {
-        let (url, proxy) = if self.cluster {
-            (self.url.clone(), None)
-        } else {
-            let upstream: SocketAddr = self.nodes[0].parse().unwrap();
-            let proxy = FaultProxy::start(upstream).await.unwrap();
-            (format!("redis://{}", proxy.local_addr()), Some(proxy))
+        // Single and Redlock clients reach each server through their own fault proxy.
+        let mut proxies = Vec::new();
+        let url = match self.kind {
+            Kind::Cluster => self.url.clone(),
+            Kind::Single | Kind::Redlock => {
+                let mut hosts = Vec::new();
+                for node in &self.nodes {
+                    let proxy = FaultProxy::start(node.parse::<SocketAddr>().unwrap())
+                        .await
+                        .unwrap();
+                    hosts.push(proxy.local_addr().to_string());
+                    proxies.push(proxy);
+                }
+                let scheme = if self.kind == Kind::Single {
+                    "redis"
+                } else {
+                    "redlock"
+                };
+                format!("{scheme}://{}", hosts.join(","))
+            }
         };
-        let backend: Arc<dyn LockBackend> = Arc::new(RedisBackend::connect(&url).await.unwrap());
+        let backend = lockkit_redis::connect(&url).await.unwrap();
         self.clients.lock().unwrap().push(Client {
             backend: backend.clone(),
-            proxy,
+            proxies,
         });
         Locker::from_arc(backend)
     }
@@ -150,13 +182,24 @@ impl Harness for RedisHarness {
     }
 
     async fn take_away(&self, key: &LockKey) -> HookResult {
-        let name = LockNames::new("", key, self.cluster).unwrap().lock;
-        let mut admin = self.admin(&self.node_of(&name).await).await;
-        let deleted: i64 = admin
-            .del(&name)
-            .await
-            .map_err(|e| HookError::Failed(e.to_string()))?;
-        if deleted == 1 {
+        let name = LockNames::new("", key, self.kind == Kind::Cluster)
+            .unwrap()
+            .lock;
+        let nodes = match self.kind {
+            Kind::Redlock => self.nodes.clone(),
+            _ => vec![self.node_of(&name).await],
+        };
+        let mut deleted = 0;
+        for node in nodes {
+            let n: i64 = self
+                .admin(&node)
+                .await
+                .del(&name)
+                .await
+                .map_err(|e| HookError::Failed(e.to_string()))?;
+            deleted += n;
+        }
+        if deleted > 0 {
             Ok(())
         } else {
             Err(HookError::Failed(format!("`{name}` was not there")))
@@ -169,16 +212,16 @@ impl Harness for RedisHarness {
             .iter()
             .find(|c| std::ptr::addr_eq(Arc::as_ptr(&c.backend), Arc::as_ptr(client.backend())))
             .ok_or_else(|| HookError::Failed("unknown client".into()))?;
-        match &found.proxy {
-            // Close its connections and refuse new ones: the client is cut off for good.
-            Some(proxy) => {
-                proxy.reset();
-                Ok(())
-            }
-            None => Err(HookError::Unsupported(
+        if found.proxies.is_empty() {
+            return Err(HookError::Unsupported(
                 "cluster clients connect to the nodes directly".into(),
-            )),
+            ));
         }
+        // Close its connections and refuse new ones: the client is cut off for good.
+        for proxy in &found.proxies {
+            proxy.reset();
+        }
+        Ok(())
     }
 
     async fn residue(&self, prefix: &str) -> HookResult<usize> {
@@ -207,4 +250,8 @@ mod single {
 
 mod cluster {
     lockkit_conformance::suite!(super::RedisHarness::cluster().await);
+}
+
+mod redlock {
+    lockkit_conformance::suite!(super::RedisHarness::redlock().await);
 }

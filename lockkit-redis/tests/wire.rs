@@ -1,0 +1,188 @@
+//! Pins the wire layout shared with Redisson's RLock by reading Redis directly after each
+//! operation, so Java services on Redisson and Rust services on lockkit can share locks.
+
+use std::time::Duration;
+
+use futures_util::StreamExt;
+use lockkit_conformance::env;
+use lockkit_core::{Locker, Released};
+use lockkit_redis::RedisBackend;
+use redis::AsyncCommands;
+use uuid::Uuid;
+
+struct Setup {
+    locker: Locker,
+    admin: redis::aio::MultiplexedConnection,
+    client: redis::Client,
+    name: String,
+}
+
+async fn setup(prefix: &str) -> Option<Setup> {
+    let url = env::service_url("LOCKKIT_TEST_REDIS_URL")?;
+    let backend = RedisBackend::connect(&format!("{url}?prefix={prefix}"))
+        .await
+        .unwrap();
+    let client = redis::Client::open(url.as_str()).unwrap();
+    let admin = client.get_multiplexed_async_connection().await.unwrap();
+    Some(Setup {
+        locker: Locker::new(backend),
+        admin,
+        client,
+        name: format!("wire/{}", Uuid::new_v4().simple()),
+    })
+}
+
+#[tokio::test]
+async fn layout_matches_redisson_rlock_at_every_step() {
+    let Some(mut s) = setup("app%3A").await else {
+        return;
+    };
+    let hash = format!("app:{}", s.name);
+    let channel = format!("redisson_lock__channel:{{{hash}}}");
+    let counter = format!("redisson_lock_token:{{{hash}}}");
+
+    let mut listener = s.client.get_async_pubsub().await.unwrap();
+    listener.subscribe(&channel).await.unwrap();
+
+    let owner = s.locker.owner();
+    let field = owner.id().to_string();
+    assert!(field.contains(':'), "owner field is <uuid>:<n>");
+
+    let outer = owner
+        .acquire(s.name.as_str())
+        .ttl(Duration::from_secs(30))
+        .await
+        .unwrap();
+    let fields: Vec<(String, String)> = s.admin.hgetall(&hash).await.unwrap();
+    assert_eq!(fields, vec![(field.clone(), "1".to_owned())]);
+    let pttl: i64 = s.admin.pttl(&hash).await.unwrap();
+    assert!(
+        (1..=30_000).contains(&pttl),
+        "PEXPIRE lease, got pttl {pttl}"
+    );
+    let token: u64 = s.admin.get(&counter).await.unwrap();
+    assert_eq!(token, outer.token().get());
+
+    let inner = owner
+        .acquire(s.name.as_str())
+        .ttl(Duration::from_secs(30))
+        .await
+        .unwrap();
+    let count: String = s.admin.hget(&hash, &field).await.unwrap();
+    assert_eq!(count, "2", "reentry increments the hold count");
+    let token_after: u64 = s.admin.get(&counter).await.unwrap();
+    assert_eq!(
+        token_after, token,
+        "reentry does not increment the fencing counter"
+    );
+
+    assert_eq!(
+        inner.release().await.unwrap(),
+        Released::Partially { remaining: 1 }
+    );
+    let count: String = s.admin.hget(&hash, &field).await.unwrap();
+    assert_eq!(count, "1");
+
+    assert_eq!(outer.release().await.unwrap(), Released::Fully);
+    let exists: bool = s.admin.exists(&hash).await.unwrap();
+    assert!(!exists, "the last release deletes the hash");
+    let message = tokio::time::timeout(Duration::from_secs(5), listener.on_message().next())
+        .await
+        .expect("no unlock message published")
+        .unwrap();
+    assert_eq!(message.get_channel_name(), channel);
+    assert_eq!(
+        message.get_payload::<String>().unwrap(),
+        "0",
+        "Redisson's UNLOCK_MESSAGE"
+    );
+
+    let next = s.locker.acquire(s.name.as_str()).await.unwrap();
+    assert_eq!(
+        next.token().get(),
+        token + 1,
+        "a new holder increments the counter once"
+    );
+    next.release().await.unwrap();
+}
+
+#[tokio::test]
+async fn a_redisson_style_hold_excludes_lockkit_and_is_reported() {
+    let Some(mut s) = setup("").await else { return };
+    // What Redisson writes for a thread of another JVM.
+    let redisson_field = format!("{}:42", Uuid::new_v4());
+    let _: () = s.admin.hset(&s.name, &redisson_field, 1).await.unwrap();
+    let _: () = s.admin.pexpire(&s.name, 30_000).await.unwrap();
+    assert!(
+        s.locker
+            .try_acquire(s.name.as_str())
+            .await
+            .unwrap()
+            .is_none()
+    );
+    let info = s.locker.inspect(s.name.as_str()).await.unwrap().unwrap();
+    assert_eq!(info.owner, redisson_field);
+    // Redisson's unlock: delete and publish 0; a lockkit waiter wakes at once.
+    let waiter = {
+        let locker = s.locker.clone();
+        let name = s.name.clone();
+        tokio::spawn(async move {
+            locker
+                .acquire(name.as_str())
+                .wait(Duration::from_secs(20))
+                .await
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let _: () = s.admin.del(&s.name).await.unwrap();
+    let _: () = s
+        .admin
+        .publish(format!("redisson_lock__channel:{{{}}}", s.name), 0)
+        .await
+        .unwrap();
+    let guard = tokio::time::timeout(Duration::from_secs(5), waiter)
+        .await
+        .expect("waiter not woken by the unlock message")
+        .unwrap()
+        .unwrap();
+    guard.release().await.unwrap();
+}
+
+#[tokio::test]
+async fn a_plain_string_from_another_client_counts_as_held() {
+    let Some(mut s) = setup("").await else { return };
+    let _: () = s.admin.set_ex(&s.name, "someone-else", 30).await.unwrap();
+    assert!(
+        s.locker
+            .try_acquire(s.name.as_str())
+            .await
+            .unwrap()
+            .is_none(),
+        "held, not an error"
+    );
+    let info = s.locker.inspect(s.name.as_str()).await.unwrap().unwrap();
+    assert!(info.owner.contains("someone-else"), "{}", info.owner);
+    let err = s
+        .locker
+        .acquire(s.name.as_str())
+        .wait(Duration::from_millis(300))
+        .await
+        .unwrap_err();
+    assert!(matches!(err, lockkit_core::Error::Timeout { .. }), "{err}");
+    let value: String = s.admin.get(&s.name).await.unwrap();
+    assert_eq!(value, "someone-else", "the foreign value is untouched");
+    let _: () = s.admin.del(&s.name).await.unwrap();
+}
+
+#[tokio::test]
+async fn a_server_that_is_down_is_a_typed_retryable_error() {
+    // Port 1 on loopback: nothing listens there.
+    let err = RedisBackend::connect("redis://127.0.0.1:1?connect_timeout=500ms")
+        .await
+        .unwrap_err();
+    assert!(err.is_retryable(), "{err}");
+    assert!(
+        err.to_string().contains("127.0.0.1:1"),
+        "names the server: {err}"
+    );
+}
