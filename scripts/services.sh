@@ -12,6 +12,8 @@
 # Instances (all bound to 127.0.0.1, all state/logs/pids under <repo>/target/services/<name>/):
 #   redis-single        Redis                                  16379
 #   redlock-1..5        independent Redis masters (Redlock)   16380..16384
+#   redis-primary       Redis primary with one replica         16385
+#   redis-replica       replica of redis-primary               16386
 #   cluster-1..3        3-master Redis Cluster, no replicas    16390..16392
 #   mariadb             MariaDB, db/user/password lockkit      13306
 #   zk-standalone       standalone ZooKeeper                   12181
@@ -31,7 +33,7 @@ TIMEOUT="${LOCKKIT_SERVICES_TIMEOUT:-60}"
 [[ "$OFFSET" =~ ^[0-9]+$ ]] || { echo "[services] LOCKKIT_PORT_OFFSET must be a number" >&2; exit 2; }
 [[ "$TIMEOUT" =~ ^[0-9]+$ ]] || { echo "[services] LOCKKIT_SERVICES_TIMEOUT must be a number" >&2; exit 2; }
 
-ALL_INSTANCES=(redis-single redlock-1 redlock-2 redlock-3 redlock-4 redlock-5
+ALL_INSTANCES=(redis-single redlock-1 redlock-2 redlock-3 redlock-4 redlock-5 redis-primary redis-replica
                cluster-1 cluster-2 cluster-3 mariadb zk-standalone zk-1 zk-2 zk-3)
 CLUSTER_NODES=(cluster-1 cluster-2 cluster-3)
 ZK_NODES=(zk-1 zk-2 zk-3)
@@ -66,7 +68,7 @@ EOF
 # ---------------------------------------------------------------------------
 kind_of() {
   case "$1" in
-    redis-single|redlock-[1-5]) echo redis ;;
+    redis-single|redlock-[1-5]|redis-primary|redis-replica) echo redis ;;
     cluster-[1-3]) echo cluster ;;
     mariadb) echo mariadb ;;
     zk-standalone) echo zk-standalone ;;
@@ -80,6 +82,8 @@ port_of() {
   case "$1" in
     redis-single) p=16379 ;;
     redlock-[1-5]) p=$((16379 + ${1#redlock-})) ;;
+    redis-primary) p=16385 ;;
+    redis-replica) p=16386 ;;
     cluster-[1-3]) p=$((16389 + ${1#cluster-})) ;;
     mariadb) p=13306 ;;
     zk-standalone) p=12181 ;;
@@ -345,6 +349,9 @@ start_redis() {
               --enable-debug-command local --loglevel notice)
   if [[ "$(kind_of "$name")" == cluster ]]; then
     args+=(--cluster-enabled yes --cluster-config-file nodes.conf --cluster-node-timeout 5000)
+  fi
+  if [[ "$name" == redis-replica ]]; then
+    args+=(--replicaof "$HOST" "$(port_of redis-primary)")
   fi
   launch "$name" "$d/stdout.log" "$(find_bin redis-server)" "${args[@]}"
 }
@@ -776,6 +783,8 @@ cmd_env() {
   addrs=""
   for n in "${CLUSTER_NODES[@]}"; do addrs+="${addrs:+,}$HOST:$(port_of "$n")"; done
   echo "export LOCKKIT_TEST_REDIS_CLUSTER_URL=redis+cluster://$addrs"
+  echo "export LOCKKIT_TEST_REDIS_PRIMARY_URL=redis://$HOST:$(port_of redis-primary)"
+  echo "export LOCKKIT_TEST_REDIS_REPLICA_URL=redis://$HOST:$(port_of redis-replica)"
   echo "export LOCKKIT_TEST_MYSQL_URL=mysql://$MYSQL_USER:$MYSQL_PASSWORD@$HOST:$(port_of mariadb)/$MYSQL_DB"
   echo "export LOCKKIT_TEST_ZK_URL=zk://$HOST:$(port_of zk-standalone)"
   addrs=""

@@ -16,6 +16,7 @@
 
 mod backend;
 pub mod config;
+mod detach;
 mod error;
 mod fencing;
 mod guard;
@@ -30,6 +31,7 @@ pub use backend::{
     AcquireRequest, BackendInfo, Capabilities, Consistency, Grant, HolderInfo, LockBackend,
     Released,
 };
+pub use detach::detached;
 pub use error::{BoxError, Error, LostReason, Result};
 pub use fencing::FencingToken;
 pub use guard::{LockGuard, local_validity};

@@ -8,7 +8,7 @@ use lockkit_core::{
     AcquireRequest, BackendInfo, Capabilities, Consistency, Error, FencingToken, Grant, HolderInfo,
     LockBackend, LockKey, Released, Result, deadline_after, local_validity,
 };
-use tokio::{sync::oneshot, time::Instant};
+use tokio::time::Instant;
 
 use crate::{RedisBackend, RedisConfig, Topology, scripts, single::Attempt};
 
@@ -296,18 +296,31 @@ impl RedlockBackend {
     /// A cancel-safe round: it runs in its own task, and a grant nobody waits for any more
     /// is given back.
     async fn attempt(&self, req: &AcquireRequest) -> Result<Attempt> {
-        let (answer, receive) = oneshot::channel();
         let this = self.clone();
         let request = req.clone();
-        tokio::spawn(async move {
-            let outcome = this.run_acquire(&request).await;
-            if let Err(Ok(Attempt::Granted(orphan))) = answer.send(outcome) {
-                let _ = this.release(&orphan).await;
-            }
-        });
-        receive.await.map_err(|_| {
-            Error::backend(BACKEND, true, "the acquire task ended without an answer")
-        })?
+        let giver = self.clone();
+        let outcome = lockkit_core::detached(
+            async move { this.run_acquire(&request).await },
+            move |orphan| {
+                if let (Ok(Attempt::Granted(grant)), Ok(runtime)) =
+                    (orphan, tokio::runtime::Handle::try_current())
+                {
+                    runtime.spawn(async move {
+                        if let Err(error) = giver.release(&grant).await {
+                            tracing::warn!(%error, key = %grant.key, "could not give back a grant nobody waited for; its lease will run out");
+                        }
+                    });
+                }
+            },
+        )
+        .await;
+        outcome.unwrap_or_else(|| {
+            Err(Error::backend(
+                BACKEND,
+                true,
+                "the acquire task ended without an answer",
+            ))
+        })
     }
 }
 

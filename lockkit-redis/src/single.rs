@@ -12,7 +12,7 @@ use redis::{
     aio::{ConnectionManager, ConnectionManagerConfig},
     cluster::ClusterClientBuilder,
 };
-use tokio::{sync::oneshot, time::Instant};
+use tokio::time::Instant;
 
 use crate::{
     RedisConfig, Topology,
@@ -239,24 +239,31 @@ impl RedisBackend {
     /// One cancel-safe acquire attempt: the script runs in its own task, and if the caller
     /// goes away before the answer arrives, a grant that arrives anyway is given back.
     pub(crate) async fn attempt(&self, req: &AcquireRequest) -> Result<Attempt> {
-        let (answer, receive) = oneshot::channel();
         let this = self.clone();
         let request = req.clone();
-        tokio::spawn(async move {
-            let outcome = this.run_acquire(&request).await;
-            if let Err(Ok(Attempt::Granted(orphan))) = answer.send(outcome) {
-                if let Err(error) = this.release(&orphan).await {
-                    tracing::warn!(%error, key = %orphan.key, "could not give back a grant nobody waited for; its lease will run out");
+        let giver = self.clone();
+        let outcome = lockkit_core::detached(
+            async move { this.run_acquire(&request).await },
+            move |orphan| {
+                if let (Ok(Attempt::Granted(grant)), Ok(runtime)) =
+                    (orphan, tokio::runtime::Handle::try_current())
+                {
+                    runtime.spawn(async move {
+                        if let Err(error) = giver.release(&grant).await {
+                            tracing::warn!(%error, key = %grant.key, "could not give back a grant nobody waited for; its lease will run out");
+                        }
+                    });
                 }
-            }
-        });
-        receive.await.map_err(|_| {
-            Error::backend(
+            },
+        )
+        .await;
+        outcome.unwrap_or_else(|| {
+            Err(Error::backend(
                 crate::conn::BACKEND,
                 true,
                 "the acquire task ended without an answer",
-            )
-        })?
+            ))
+        })
     }
 
     /// Waits for `req`, woken by release messages, retrying transient errors until the

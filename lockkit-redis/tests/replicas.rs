@@ -1,0 +1,81 @@
+//! `wait_replicas=N`: a grant must be confirmed by N replicas (Redis `WAIT`), or it is
+//! refused with a clear error and given back.
+
+use std::time::Duration;
+
+use lockkit_conformance::env;
+use lockkit_core::{LockKey, Locker};
+use lockkit_redis::RedisBackend;
+use redis::AsyncCommands;
+use uuid::Uuid;
+
+async fn primary() -> Option<(String, redis::aio::MultiplexedConnection)> {
+    let url = env::service_url("LOCKKIT_TEST_REDIS_PRIMARY_URL")?;
+    let mut admin = redis::Client::open(url.as_str())
+        .unwrap()
+        .get_multiplexed_async_connection()
+        .await
+        .unwrap();
+    // The replica must be attached and in sync before WAIT can count it.
+    for _ in 0..100 {
+        let info: String = redis::cmd("INFO")
+            .arg("replication")
+            .query_async(&mut admin)
+            .await
+            .unwrap();
+        if info.contains("connected_slaves:1") && info.contains("state=online") {
+            return Some((url, admin));
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    panic!("the replica of {url} never came online");
+}
+
+#[tokio::test]
+async fn a_grant_confirmed_by_the_replica_is_kept() {
+    let Some((url, _)) = primary().await else {
+        return;
+    };
+    let locker = Locker::new(
+        RedisBackend::connect(&format!("{url}?wait_replicas=1"))
+            .await
+            .unwrap(),
+    );
+    let key = LockKey::new(format!("replicas/{}", Uuid::new_v4().simple())).unwrap();
+    let guard = locker.try_acquire(&key).await.unwrap().expect("free key");
+    // The replica has the lock too.
+    let replica = env::service_url("LOCKKIT_TEST_REDIS_REPLICA_URL").unwrap();
+    let mut replica = redis::Client::open(replica.as_str())
+        .unwrap()
+        .get_multiplexed_async_connection()
+        .await
+        .unwrap();
+    let on_replica: bool = replica.exists(key.as_str()).await.unwrap();
+    assert!(on_replica, "WAIT returned but the replica lacks the lock");
+    guard.release().await.unwrap();
+}
+
+#[tokio::test]
+async fn too_few_replicas_refuse_the_grant_and_give_it_back() {
+    let Some((url, mut admin)) = primary().await else {
+        return;
+    };
+    // Only one replica exists: asking for two can never be confirmed.
+    let locker = Locker::new(
+        RedisBackend::connect(&format!(
+            "{url}?wait_replicas=2&wait_replicas_timeout=200ms"
+        ))
+        .await
+        .unwrap(),
+    );
+    let key = LockKey::new(format!("replicas/{}", Uuid::new_v4().simple())).unwrap();
+    let err = locker.try_acquire(&key).await.unwrap_err();
+    let message = err.to_string();
+    assert!(
+        message.contains("2 replica(s)") && message.contains("given back"),
+        "{message}"
+    );
+    assert!(err.is_retryable());
+    let exists: bool = admin.exists(key.as_str()).await.unwrap();
+    assert!(!exists, "a refused grant must not stay on the primary");
+}
