@@ -1,0 +1,238 @@
+//! Redis lock benchmark: lockkit next to the server's own round trip, from one run.
+//!
+//! ```text
+//! eval "$(scripts/services.sh env)"
+//! cargo bench -p lockkit-redis --bench redis            # LOCKKIT_TEST_REDIS_URL
+//! LOCKKIT_BENCH_URL=redlock://... cargo bench -p lockkit-redis --bench redis
+//! ```
+//!
+//! Prints, and writes as one JSON line:
+//! - uncontended acquire+release median and p99 on one connection, next to `PING`;
+//! - hot-key handoff with 16 waiters: release-to-next-grant median and p99;
+//! - throughput over 1,000 keys with 32 tasks, next to the server's `SET` rate.
+
+use std::{
+    sync::{Arc, Mutex},
+    time::{Duration, Instant},
+};
+
+use lockkit_core::Locker;
+
+fn percentile(sorted: &[Duration], p: f64) -> Duration {
+    if sorted.is_empty() {
+        return Duration::ZERO;
+    }
+    let rank = ((sorted.len() - 1) as f64 * p).round() as usize;
+    sorted[rank]
+}
+
+fn micros(d: Duration) -> f64 {
+    d.as_secs_f64() * 1e6
+}
+
+async fn ping_samples(url: &str, n: usize) -> Vec<Duration> {
+    let mut conn = redis::Client::open(url)
+        .expect("redis url")
+        .get_multiplexed_async_connection()
+        .await
+        .expect("connect");
+    let mut samples = Vec::with_capacity(n);
+    for _ in 0..n {
+        let start = Instant::now();
+        let _: String = redis::cmd("PING")
+            .query_async(&mut conn)
+            .await
+            .expect("ping");
+        samples.push(start.elapsed());
+    }
+    samples.sort();
+    samples
+}
+
+async fn lock_samples(locker: &Locker, n: usize) -> Vec<Duration> {
+    let mut samples = Vec::with_capacity(n);
+    for i in 0..n {
+        let key = format!("bench/uncontended/{}", i % 100);
+        let start = Instant::now();
+        let guard = locker.acquire(key.as_str()).await.expect("acquire");
+        guard.release().await.expect("release");
+        samples.push(start.elapsed());
+    }
+    samples.sort();
+    samples
+}
+
+async fn handoff_samples(url: &str, waiters: usize, rounds: usize) -> Vec<Duration> {
+    let last_release: Arc<Mutex<Option<Instant>>> = Arc::default();
+    let samples: Arc<Mutex<Vec<Duration>>> = Arc::default();
+    let mut tasks = Vec::new();
+    for _ in 0..waiters {
+        let locker = Locker::from_arc(lockkit_redis::connect(url).await.expect("connect"));
+        let (last_release, samples) = (last_release.clone(), samples.clone());
+        tasks.push(tokio::spawn(async move {
+            for _ in 0..rounds {
+                let guard = locker
+                    .acquire("bench/hot")
+                    .wait(Duration::from_secs(60))
+                    .await
+                    .expect("acquire hot key");
+                let granted = Instant::now();
+                if let Some(released) = last_release.lock().unwrap().take() {
+                    samples.lock().unwrap().push(granted - released);
+                }
+                *last_release.lock().unwrap() = Some(Instant::now());
+                guard.release().await.expect("release hot key");
+            }
+        }));
+    }
+    for task in tasks {
+        task.await.expect("waiter");
+    }
+    let mut samples = samples.lock().unwrap().clone();
+    samples.sort();
+    samples
+}
+
+async fn lock_throughput(url: &str, tasks: usize, keys: usize, run: Duration) -> f64 {
+    let locker = Locker::from_arc(lockkit_redis::connect(url).await.expect("connect"));
+    let deadline = Instant::now() + run;
+    let mut handles = Vec::new();
+    for t in 0..tasks {
+        let locker = locker.clone();
+        handles.push(tokio::spawn(async move {
+            let mut done = 0u64;
+            let mut i = t;
+            while Instant::now() < deadline {
+                let key = format!("bench/throughput/{}", i % keys);
+                if let Some(guard) = locker.try_acquire(key.as_str()).await.expect("try_acquire") {
+                    guard.release().await.expect("release");
+                    done += 1;
+                }
+                i += tasks;
+            }
+            done
+        }));
+    }
+    let mut total = 0;
+    for h in handles {
+        total += h.await.expect("task");
+    }
+    total as f64 / run.as_secs_f64()
+}
+
+async fn set_throughput(url: &str, tasks: usize, keys: usize, run: Duration) -> f64 {
+    let nodes = lockkit_conformance::env::host_ports(url);
+    if url.starts_with("redis+cluster://") {
+        let client = redis::cluster::ClusterClient::new(
+            nodes
+                .iter()
+                .map(|n| format!("redis://{n}"))
+                .collect::<Vec<_>>(),
+        )
+        .expect("cluster url");
+        let conn = client.get_async_connection().await.expect("connect");
+        sets_on(conn, tasks, keys, run).await
+    } else {
+        let conn = redis::Client::open(format!("redis://{}", nodes[0]))
+            .expect("url")
+            .get_multiplexed_async_connection()
+            .await
+            .expect("connect");
+        sets_on(conn, tasks, keys, run).await
+    }
+}
+
+async fn sets_on<C>(conn: C, tasks: usize, keys: usize, run: Duration) -> f64
+where
+    C: redis::aio::ConnectionLike + Clone + Send + 'static,
+{
+    let deadline = Instant::now() + run;
+    let mut handles = Vec::new();
+    for t in 0..tasks {
+        let mut conn = conn.clone();
+        handles.push(tokio::spawn(async move {
+            let mut done = 0u64;
+            let mut i = t;
+            while Instant::now() < deadline {
+                let _: () = redis::cmd("SET")
+                    .arg(format!("bench/set/{}", i % keys))
+                    .arg("x")
+                    .query_async(&mut conn)
+                    .await
+                    .expect("set");
+                done += 1;
+                i += tasks;
+            }
+            done
+        }));
+    }
+    let mut total = 0;
+    for h in handles {
+        total += h.await.expect("task");
+    }
+    total as f64 / run.as_secs_f64()
+}
+
+#[tokio::main(flavor = "multi_thread", worker_threads = 2)]
+async fn main() {
+    let Some(url) = std::env::var("LOCKKIT_BENCH_URL")
+        .ok()
+        .or_else(|| std::env::var("LOCKKIT_TEST_REDIS_URL").ok())
+    else {
+        eprintln!(
+            "set LOCKKIT_TEST_REDIS_URL (eval \"$(scripts/services.sh env)\") or LOCKKIT_BENCH_URL"
+        );
+        return;
+    };
+    let first_node = format!("redis://{}", lockkit_conformance::env::host_ports(&url)[0]);
+    let locker = Locker::from_arc(lockkit_redis::connect(&url).await.expect("connect"));
+
+    // Warm up connections and script caches.
+    let _ = ping_samples(&first_node, 200).await;
+    let _ = lock_samples(&locker, 200).await;
+
+    let ping = ping_samples(&first_node, 3000).await;
+    let lock = lock_samples(&locker, 3000).await;
+    let handoff = handoff_samples(&url, 16, 40).await;
+    let run = Duration::from_secs(3);
+    let locks_per_sec = lock_throughput(&url, 32, 1000, run).await;
+    let sets_per_sec = set_throughput(&url, 32, 1000, run).await;
+
+    let (ping50, lock50, lock99) = (
+        percentile(&ping, 0.5),
+        percentile(&lock, 0.5),
+        percentile(&lock, 0.99),
+    );
+    let (hand50, hand99) = (percentile(&handoff, 0.5), percentile(&handoff, 0.99));
+    println!("backend                      {url}");
+    println!("PING median                  {:>9.1} us", micros(ping50));
+    println!(
+        "acquire+release median       {:>9.1} us  ({:.2}x PING)   p99 {:.1} us",
+        micros(lock50),
+        micros(lock50) / micros(ping50),
+        micros(lock99)
+    );
+    println!(
+        "handoff (16 waiters) median  {:>9.1} us  p99 {:.1} us  ({} handoffs)",
+        micros(hand50),
+        micros(hand99),
+        handoff.len()
+    );
+    println!(
+        "throughput (1000 keys, 32)   {:>9.0} acquire+release/s   vs SET {:.0}/s ({:.2}x)",
+        locks_per_sec,
+        sets_per_sec,
+        locks_per_sec / sets_per_sec
+    );
+    println!(
+        "{{\"backend\":\"{url}\",\"ping_p50_us\":{:.1},\"lock_p50_us\":{:.1},\"lock_p99_us\":{:.1},\"ratio_to_ping\":{:.2},\"handoff_p50_us\":{:.1},\"handoff_p99_us\":{:.1},\"locks_per_s\":{:.0},\"sets_per_s\":{:.0}}}",
+        micros(ping50),
+        micros(lock50),
+        micros(lock99),
+        micros(lock50) / micros(ping50),
+        micros(hand50),
+        micros(hand99),
+        locks_per_sec,
+        sets_per_sec
+    );
+}
