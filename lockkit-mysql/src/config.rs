@@ -1,0 +1,185 @@
+//! MySQL URLs: `mysql://user:pw@host:port/db?mode=row|for-update&table=...`.
+
+use std::{str::FromStr, time::Duration};
+
+use lockkit_core::{
+    Error, Result,
+    config::{parse_count, parse_duration},
+};
+use sqlx::mysql::MySqlConnectOptions;
+
+/// How locks are kept in the database.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Mode {
+    /// A lease table: one row per key with owner, hold count, fence and expiry, changed by
+    /// short transactions on the server's clock. Survives client and server restarts.
+    Row,
+    /// A dedicated connection holds a transaction with `SELECT ... FOR UPDATE` on the key's
+    /// row; waiters queue inside the server. Ends when that connection ends.
+    ForUpdate,
+}
+
+/// Everything a MySQL URL says.
+#[derive(Debug, Clone)]
+#[non_exhaustive]
+pub struct MysqlConfig {
+    /// Where and as whom to connect.
+    pub connect: MySqlConnectOptions,
+    /// `?mode=` (default `row`).
+    pub mode: Mode,
+    /// `?table=` (default `lockkit_locks`); for-update mode also uses `<table>_mutex`.
+    pub table: String,
+    /// `?create_schema=false` refuses to create tables and reports the DDL to run instead.
+    pub create_schema: bool,
+    /// `?pool_size=` connections for short statements (default 8).
+    pub pool_size: u32,
+    /// `?max_holds=` (for-update): dedicated connections for held and waiting locks
+    /// (default 32). Each hold and each waiter uses one; past that, acquisitions fail with
+    /// an error saying so.
+    pub max_holds: u32,
+    /// `?connect_timeout=` (default 5 s).
+    pub connect_timeout: Duration,
+    /// `?ttl=`: a lease suggested by the URL, for callers that build options from it.
+    pub ttl: Option<Duration>,
+}
+
+const OPTIONS: &str = "mode, table, create_schema, pool_size, max_holds, connect_timeout, ttl";
+
+impl MysqlConfig {
+    /// Parses a lockkit MySQL URL; other query options go to the driver.
+    ///
+    /// # Errors
+    /// [`Error::Config`] saying what is wrong and what is accepted.
+    pub fn parse(url: &str) -> Result<Self> {
+        let Some(rest) = url
+            .strip_prefix("mysql://")
+            .or_else(|| url.strip_prefix("mariadb://"))
+        else {
+            return Err(Error::Config(format!(
+                "`{url}` is not a MySQL URL; write mysql://user:password@host:port/database?mode=row"
+            )));
+        };
+        let (base, query) = rest.split_once('?').unwrap_or((rest, ""));
+        if base.split('/').nth(1).is_none_or(str::is_empty) {
+            return Err(Error::Config(format!(
+                "`{url}` names no database; write mysql://user:password@host:port/database"
+            )));
+        }
+        let mut config = MysqlConfig {
+            connect: MySqlConnectOptions::new(),
+            mode: Mode::Row,
+            table: "lockkit_locks".into(),
+            create_schema: true,
+            pool_size: 8,
+            max_holds: 32,
+            connect_timeout: Duration::from_secs(5),
+            ttl: None,
+        };
+        let mut driver = Vec::new();
+        for pair in query.split('&').filter(|p| !p.is_empty()) {
+            let (name, value) = pair.split_once('=').unwrap_or((pair, ""));
+            match name {
+                "mode" => {
+                    config.mode = match value {
+                        "row" => Mode::Row,
+                        "for-update" | "for_update" => Mode::ForUpdate,
+                        other => {
+                            return Err(Error::Config(format!(
+                                "`mode={other}` is unknown; use mode=row or mode=for-update"
+                            )));
+                        }
+                    }
+                }
+                "table" => {
+                    let ok = !value.is_empty()
+                        && value.len() <= 56
+                        && value.chars().all(|c| c.is_ascii_alphanumeric() || c == '_');
+                    if !ok {
+                        return Err(Error::Config(format!(
+                            "`table={value}` must be 1 to 56 letters, digits or underscores"
+                        )));
+                    }
+                    config.table = value.to_owned();
+                }
+                "create_schema" => {
+                    config.create_schema = match value {
+                        "true" | "1" => true,
+                        "false" | "0" => false,
+                        other => {
+                            return Err(Error::Config(format!(
+                                "`create_schema={other}` must be true or false"
+                            )));
+                        }
+                    }
+                }
+                "pool_size" => config.pool_size = parse_count(name, value)?.max(1),
+                "max_holds" => config.max_holds = parse_count(name, value)?.max(1),
+                "connect_timeout" => config.connect_timeout = parse_duration(name, value)?,
+                "ttl" => config.ttl = Some(parse_duration(name, value)?),
+                "ssl-mode"
+                | "ssl-ca"
+                | "charset"
+                | "collation"
+                | "statement-cache-capacity"
+                | "socket"
+                | "timezone" => driver.push(pair),
+                other => {
+                    return Err(Error::Config(format!(
+                        "unknown option `{other}` in `{url}`; known: {OPTIONS} (and the driver's ssl-mode, ssl-ca, charset, socket)"
+                    )));
+                }
+            }
+        }
+        let driver_url = if driver.is_empty() {
+            format!("mysql://{base}")
+        } else {
+            format!("mysql://{base}?{}", driver.join("&"))
+        };
+        config.connect = MySqlConnectOptions::from_str(&driver_url)
+            .map_err(|e| Error::Config(format!("`{url}` is not a valid MySQL URL: {e}")))?;
+        Ok(config)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses() {
+        let c = MysqlConfig::parse(
+            "mysql://u:p@127.0.0.1:13306/db?mode=for-update&table=t1&max_holds=4",
+        )
+        .unwrap();
+        assert_eq!(
+            (c.mode, c.table.as_str(), c.max_holds),
+            (Mode::ForUpdate, "t1", 4)
+        );
+        assert_eq!(c.connect.get_port(), 13306);
+        assert_eq!(
+            MysqlConfig::parse("mysql://u@h/db").unwrap().mode,
+            Mode::Row
+        );
+    }
+
+    #[test]
+    fn refuses() {
+        for bad in [
+            "",
+            "postgres://u@h/db",
+            "mysql://u@h",
+            "mysql://u@h/",
+            "mysql://u@h/db?mode=lease",
+            "mysql://u@h/db?table=a-b",
+            "mysql://u@h/db?table=",
+            "mysql://u@h/db?bogus=1",
+            "mysql://u@h/db?ttl=5",
+            "mysql://u@h:notaport/db",
+        ] {
+            assert!(
+                matches!(MysqlConfig::parse(bad), Err(Error::Config(_))),
+                "{bad}"
+            );
+        }
+    }
+}

@@ -1,0 +1,455 @@
+//! mode=for-update: a dedicated connection holds `SELECT ... FOR UPDATE` in an open
+//! transaction; waiters queue in the server's lock manager.
+
+use std::{
+    sync::{
+        Arc,
+        atomic::{AtomicBool, AtomicU32, Ordering},
+    },
+    time::Duration,
+};
+
+use lockkit_core::{
+    AcquireRequest, Error, FencingToken, Grant, HolderInfo, LockKey, OwnerId, Released, Result,
+    detached,
+};
+use sqlx::{AssertSqlSafe, MySql, Row, pool::PoolConnection};
+use tokio::{sync::Notify, time::Instant};
+
+use crate::backend::{BACKEND, MysqlBackend, db_error, error_number, query, row_text};
+
+/// Errors that mean the lock could not be taken in time (not failures).
+const LOCK_WAIT_TIMEOUT: u16 = 1205;
+const LOCK_NOWAIT: u16 = 3572;
+const QUERY_INTERRUPTED: u16 = 1317;
+
+/// One for-update hold: its connection (inside the lock transaction) and local depth.
+pub(crate) struct Held {
+    conn: tokio::sync::Mutex<Option<PoolConnection<MySql>>>,
+    /// The server's id of that connection (for `KILL`).
+    pub(crate) connection_id: u64,
+    key: LockKey,
+    owner: OwnerId,
+    token: FencingToken,
+    depth: AtomicU32,
+    /// The connection died: the server has rolled the transaction back.
+    broken: AtomicBool,
+}
+
+impl std::fmt::Debug for Held {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Held")
+            .field("key", &self.key)
+            .field("token", &self.token)
+            .finish()
+    }
+}
+
+/// Whole seconds, at least one, rounded up: the server counts these timeouts in seconds.
+fn whole_seconds(d: Duration) -> u64 {
+    d.as_secs() + u64::from(d.subsec_nanos() > 0)
+}
+
+/// Errors after which the connection, and so the transaction and the lock, are gone.
+fn connection_gone(e: &sqlx::Error) -> bool {
+    matches!(e, sqlx::Error::Io(_) | sqlx::Error::Protocol(_))
+        || matches!(error_number(e), Some(1927 | 1053 | 2006 | 2013 | 4031))
+}
+
+/// The hold behind `grant`, if it is a live hold of this client for that owner and key:
+/// ownership is checked here, since the server only knows which connection holds the row.
+fn held_of(backend: &MysqlBackend, grant: &Grant) -> Result<Arc<Held>> {
+    let not_held = || Error::NotHeld {
+        key: grant.key.clone(),
+    };
+    let held = grant
+        .state
+        .clone()
+        .and_then(|state| state.downcast::<Held>().ok())
+        .ok_or_else(not_held)?;
+    let map = backend.inner.held.lock().unwrap_or_else(|e| e.into_inner());
+    match map.get(&(grant.owner, grant.key.clone())) {
+        Some(current) if Arc::ptr_eq(current, &held) => Ok(held),
+        _ => Err(not_held()),
+    }
+}
+
+fn grant_for(req: &AcquireRequest, held: &Arc<Held>, depth: u32, start: Instant) -> Grant {
+    Grant::new(req, held.token, depth, start).with_state(held.clone())
+}
+
+/// Takes the lock, waiting up to `wait` in the server's queue. `Ok(None)`: not granted in
+/// time.
+pub(crate) async fn acquire(
+    backend: &MysqlBackend,
+    req: &AcquireRequest,
+    wait: Duration,
+) -> Result<Option<Grant>> {
+    let start = Instant::now();
+    let existing = backend
+        .inner
+        .held
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .get(&(req.owner, req.key.clone()))
+        .cloned();
+    if let Some(held) = existing.filter(|h| !h.broken.load(Ordering::SeqCst)) {
+        let depth = held.depth.fetch_add(1, Ordering::SeqCst) + 1;
+        record_depth(backend, &held, depth).await;
+        return Ok(Some(grant_for(req, &held, depth, start)));
+    }
+    // Cancelling the caller interrupts the server-side wait at once.
+    let interrupt = Arc::new(Notify::new());
+    let on_drop = InterruptOnDrop(Some(interrupt.clone()));
+    let (this, request, giver) = (backend.clone(), req.clone(), backend.clone());
+    let outcome = detached(
+        async move { lock(&this, &request, wait, interrupt).await },
+        move |orphan| {
+            if let (Ok(Some(grant)), Ok(runtime)) = (orphan, tokio::runtime::Handle::try_current())
+            {
+                runtime.spawn(async move {
+                    if let Err(error) = release(&giver, &grant).await {
+                        tracing::warn!(%error, "could not give back an orphaned grant");
+                    }
+                });
+            }
+        },
+    )
+    .await;
+    on_drop.disarm();
+    outcome.unwrap_or_else(|| {
+        Err(Error::backend(
+            BACKEND,
+            true,
+            "the acquire task ended without an answer",
+        ))
+    })
+}
+
+struct InterruptOnDrop(Option<Arc<Notify>>);
+
+impl InterruptOnDrop {
+    fn disarm(mut self) {
+        self.0 = None;
+    }
+}
+
+impl Drop for InterruptOnDrop {
+    fn drop(&mut self) {
+        if let Some(interrupt) = self.0.take() {
+            interrupt.notify_one();
+        }
+    }
+}
+
+async fn lock(
+    backend: &MysqlBackend,
+    req: &AcquireRequest,
+    wait: Duration,
+    interrupt: Arc<Notify>,
+) -> Result<Option<Grant>> {
+    let inner = &backend.inner;
+    let name = req.key.as_str().as_bytes();
+    let start = Instant::now();
+    let mut conn = inner.holds_pool.acquire().await.map_err(|e| match e {
+        sqlx::Error::PoolTimedOut => Error::backend(
+            BACKEND,
+            true,
+            format!(
+                "all {} dedicated connections are in use by held or waiting for-update locks; \
+                 raise max_holds (each hold and each waiter uses one server connection) or hold fewer locks",
+                inner.config.max_holds
+            ),
+        ),
+        e => db_error("opening a dedicated connection", e),
+    })?;
+    let fail = |e| db_error("taking the row lock", e);
+    let (id,): (u64,) = sqlx::query_as("SELECT CONNECTION_ID()")
+        .fetch_one(&mut *conn)
+        .await
+        .map_err(fail)?;
+    let session = format!(
+        "SET SESSION wait_timeout = {}, innodb_lock_wait_timeout = {}",
+        whole_seconds(req.ttl).max(1),
+        whole_seconds(wait).max(1)
+    );
+    sqlx::raw_sql(AssertSqlSafe(session))
+        .execute(&mut *conn)
+        .await
+        .map_err(fail)?;
+    // The server waits in whole seconds; the deadline and cancellation interrupt it sooner.
+    let killer = {
+        let pool = inner.pool.clone();
+        tokio::spawn(async move {
+            if !wait.is_zero() {
+                tokio::select! {
+                    _ = tokio::time::sleep(wait) => {}
+                    _ = interrupt.notified() => {}
+                }
+            } else {
+                interrupt.notified().await;
+            }
+            if let Err(error) = sqlx::raw_sql(AssertSqlSafe(format!("KILL QUERY {id}")))
+                .execute(&pool)
+                .await
+            {
+                tracing::debug!(%error, "KILL QUERY of a waiter failed");
+            }
+        })
+    };
+    let statement = if wait.is_zero() {
+        &inner.sql.mutex_lock_nowait
+    } else {
+        &inner.sql.mutex_lock
+    };
+    let mut locked = Ok(None);
+    for _ in 0..2 {
+        locked = match sqlx::raw_sql("START TRANSACTION").execute(&mut *conn).await {
+            Ok(_) => query(statement).bind(name).fetch_optional(&mut *conn).await,
+            Err(e) => Err(e),
+        };
+        if !matches!(locked, Ok(None)) {
+            break;
+        }
+        // First use of this key: create its row outside any transaction, then lock it.
+        let _ = sqlx::raw_sql("ROLLBACK").execute(&mut *conn).await;
+        locked = query(&inner.sql.mutex_insert)
+            .bind(name)
+            .execute(&mut *conn)
+            .await
+            .map(|_| None);
+        if locked.is_err() {
+            break;
+        }
+    }
+    killer.abort();
+    match locked {
+        Ok(Some(_)) => {}
+        Ok(None) => {
+            let _ = sqlx::raw_sql("ROLLBACK").execute(&mut *conn).await;
+            return Err(Error::backend(
+                BACKEND,
+                true,
+                format!("the lock row of `{}` could not be created", req.key),
+            ));
+        }
+        Err(e)
+            if matches!(
+                error_number(&e),
+                Some(LOCK_WAIT_TIMEOUT | LOCK_NOWAIT | QUERY_INTERRUPTED)
+            ) =>
+        {
+            let _ = sqlx::raw_sql("ROLLBACK").execute(&mut *conn).await;
+            return Ok(None);
+        }
+        Err(e) => {
+            if connection_gone(&e) {
+                conn.close_on_drop();
+            }
+            return Err(fail(e));
+        }
+    }
+    // The fence is committed on another connection, outside the lock transaction: if this
+    // holder's transaction rolls back, its token stays used.
+    let bump = query(&inner.sql.fence_bump_upsert)
+        .bind(name)
+        .bind(req.owner.to_string())
+        .execute(&inner.pool)
+        .await;
+    let token = match bump {
+        Ok(done) => done.last_insert_id(),
+        Err(e) => {
+            let _ = sqlx::raw_sql("ROLLBACK").execute(&mut *conn).await;
+            return Err(db_error("recording the fencing token", e));
+        }
+    };
+    let held = Arc::new(Held {
+        conn: tokio::sync::Mutex::new(Some(conn)),
+        connection_id: id,
+        key: req.key.clone(),
+        owner: req.owner,
+        token: FencingToken::new(token),
+        depth: AtomicU32::new(1),
+        broken: AtomicBool::new(false),
+    });
+    inner
+        .held
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .insert((req.owner, req.key.clone()), held.clone());
+    Ok(Some(grant_for(req, &held, 1, start)))
+}
+
+/// Best effort: shows the depth to `inspect`.
+async fn record_depth(backend: &MysqlBackend, held: &Held, depth: u32) {
+    let inner = &backend.inner;
+    let _ = query(&inner.sql.holder_depth)
+        .bind(depth)
+        .bind(held.key.as_str().as_bytes())
+        .bind(held.owner.to_string())
+        .execute(&inner.pool)
+        .await;
+}
+
+fn forget(backend: &MysqlBackend, held: &Held) {
+    let mut map = backend.inner.held.lock().unwrap_or_else(|e| e.into_inner());
+    let key = (held.owner, held.key.clone());
+    if map
+        .get(&key)
+        .is_some_and(|h| std::ptr::eq(Arc::as_ptr(h), held))
+    {
+        map.remove(&key);
+    }
+}
+
+/// Keeps the dedicated connection busy (so `wait_timeout` does not end it) and sets the
+/// lease to `ttl`. A dead connection means the server already rolled back: `NotHeld`.
+pub(crate) async fn renew(backend: &MysqlBackend, grant: &Grant, ttl: Duration) -> Result<()> {
+    let held = held_of(backend, grant)?;
+    let mut conn = held.conn.lock().await;
+    let Some(c) = conn
+        .as_mut()
+        .filter(|_| !held.broken.load(Ordering::SeqCst))
+    else {
+        return Err(Error::NotHeld {
+            key: grant.key.clone(),
+        });
+    };
+    let statement = format!("SET SESSION wait_timeout = {}", whole_seconds(ttl).max(1));
+    match sqlx::raw_sql(AssertSqlSafe(statement))
+        .execute(&mut **c)
+        .await
+    {
+        Ok(_) => Ok(()),
+        Err(e) if connection_gone(&e) => {
+            held.broken.store(true, Ordering::SeqCst);
+            if let Some(mut dead) = conn.take() {
+                dead.close_on_drop();
+            }
+            forget(backend, &held);
+            Err(Error::NotHeld {
+                key: grant.key.clone(),
+            })
+        }
+        Err(e) => Err(db_error("keeping the lock connection alive", e)),
+    }
+}
+
+pub(crate) async fn release(backend: &MysqlBackend, grant: &Grant) -> Result<Released> {
+    let held = held_of(backend, grant)?;
+    if held.broken.load(Ordering::SeqCst) {
+        forget(backend, &held);
+        return Err(Error::NotHeld {
+            key: grant.key.clone(),
+        });
+    }
+    let mut depth = held.depth.load(Ordering::SeqCst);
+    loop {
+        if depth == 0 {
+            return Err(Error::NotHeld {
+                key: grant.key.clone(),
+            });
+        }
+        match held
+            .depth
+            .compare_exchange(depth, depth - 1, Ordering::SeqCst, Ordering::SeqCst)
+        {
+            Ok(_) => break,
+            Err(now) => depth = now,
+        }
+    }
+    if depth > 1 {
+        record_depth(backend, &held, depth - 1).await;
+        return Ok(Released::Partially {
+            remaining: depth - 1,
+        });
+    }
+    forget(backend, &held);
+    let inner = &backend.inner;
+    // Clear the holder record while the row lock still keeps the next holder out.
+    let _ = query(&inner.sql.holder_clear)
+        .bind(held.key.as_str().as_bytes())
+        .bind(held.owner.to_string())
+        .execute(&inner.pool)
+        .await;
+    let mut conn = held.conn.lock().await;
+    let Some(mut c) = conn.take() else {
+        return Err(Error::NotHeld {
+            key: grant.key.clone(),
+        });
+    };
+    match sqlx::raw_sql("ROLLBACK").execute(&mut *c).await {
+        Ok(_) => Ok(Released::Fully),
+        Err(e) => {
+            c.close_on_drop();
+            if connection_gone(&e) {
+                // The server ended the transaction when the connection died: the lock was
+                // already gone.
+                Err(Error::NotHeld {
+                    key: grant.key.clone(),
+                })
+            } else {
+                Err(db_error("ending the lock transaction", e))
+            }
+        }
+    }
+}
+
+/// Whether `key`'s row is locked now, probed without waiting.
+async fn is_locked(backend: &MysqlBackend, key: &[u8]) -> Result<bool> {
+    let inner = &backend.inner;
+    let fail = |e| db_error("probing the row lock", e);
+    let mut tx = inner.pool.begin().await.map_err(fail)?;
+    let probe = query(&inner.sql.mutex_lock_nowait)
+        .bind(key)
+        .fetch_optional(&mut *tx)
+        .await;
+    let _ = tx.rollback().await;
+    match probe {
+        Ok(_) => Ok(false),
+        Err(e) if matches!(error_number(&e), Some(LOCK_WAIT_TIMEOUT | LOCK_NOWAIT)) => Ok(true),
+        Err(e) => Err(fail(e)),
+    }
+}
+
+pub(crate) async fn inspect(backend: &MysqlBackend, key: &LockKey) -> Result<Option<HolderInfo>> {
+    let name = key.as_str().as_bytes();
+    if !is_locked(backend, name).await? {
+        return Ok(None);
+    }
+    let inner = &backend.inner;
+    let row = query(&inner.sql.holder_read)
+        .bind(name)
+        .fetch_optional(&inner.pool)
+        .await
+        .map_err(|e| db_error("reading the holder record", e))?;
+    Ok(Some(match row {
+        Some(row) => HolderInfo::new(
+            row_text(&row, "owner").unwrap_or_else(|| "an unknown holder".into()),
+            row.try_get("holds").unwrap_or(1),
+            row.try_get::<u64, _>("fence").ok().map(FencingToken::new),
+            None,
+        ),
+        None => HolderInfo::new("an unknown holder", 1, None, None),
+    }))
+}
+
+/// Rows under `prefix` that are locked now.
+pub(crate) async fn locked_under(backend: &MysqlBackend, prefix: &str) -> Result<u64> {
+    let inner = &backend.inner;
+    let rows = query(&inner.sql.mutex_rows_under_prefix)
+        .bind(prefix.as_bytes())
+        .fetch_all(&inner.pool)
+        .await
+        .map_err(|e| db_error("listing lock rows", e))?;
+    let mut locked = 0;
+    for row in rows {
+        let name: Vec<u8> = row
+            .try_get("name")
+            .map_err(|e| db_error("reading a lock row", e))?;
+        if is_locked(backend, &name).await? {
+            locked += 1;
+        }
+    }
+    Ok(locked)
+}

@@ -1,0 +1,33 @@
+//! # lockkit-mysql
+//!
+//! MySQL 8 / MariaDB 10.6+ locks for lockkit, for teams whose one dependable server is the
+//! database. Two modes, chosen by URL (`?mode=row|for-update`):
+//!
+//! - **row** ([`Mode::Row`]): a lease table, one row per key (owner, hold count, fence,
+//!   expiry). Acquire, renew and release are short transactions on the **server's** clock
+//!   (`NOW(6)`), so client clocks do not matter. Rows are never deleted, so the fence only
+//!   grows. Leases survive client and server restarts. Waiters poll with capped
+//!   exponential backoff and jitter.
+//! - **for-update** ([`Mode::ForUpdate`]): a dedicated connection holds a transaction with
+//!   `SELECT ... FOR UPDATE` on the key's row in `<table>_mutex`; waiters queue inside the
+//!   server and wake the instant it commits. The session's `wait_timeout` (the lease,
+//!   rounded up to whole seconds) bounds a dead or paused holder; the watchdog's renewals
+//!   keep a live one's connection busy. The fence is committed outside the lock
+//!   transaction, so a rolled-back holder's token is never handed out again.
+//!
+//! Keys are stored as `VARBINARY(512)`: compared byte for byte, so no two keys collide
+//! under a collation.
+#![cfg_attr(
+    not(test),
+    deny(clippy::unwrap_used, clippy::expect_used, clippy::panic)
+)]
+
+mod backend;
+mod config;
+mod for_update;
+mod row;
+mod schema;
+
+pub use backend::MysqlBackend;
+pub use config::{Mode, MysqlConfig};
+pub use schema::ddl;

@@ -1,0 +1,273 @@
+//! mode=row: the lease table.
+
+use std::time::Duration;
+
+use lockkit_core::{
+    AcquireRequest, Error, FencingToken, Grant, HolderInfo, LockKey, Released, Result,
+    deadline_after, detached,
+};
+use sqlx::Row;
+use tokio::time::Instant;
+
+use crate::backend::{MysqlBackend, db_error, error_number, micros, query, row_text};
+
+/// The outcome of one acquire transaction.
+enum Attempt {
+    Granted(Grant),
+    /// Held by someone else for about this much longer.
+    Busy(Duration),
+}
+
+/// One acquire transaction: lock the key's row, decide, write, commit.
+async fn run_acquire(backend: &MysqlBackend, req: &AcquireRequest) -> Result<Attempt> {
+    let inner = &backend.inner;
+    let sql = &inner.sql;
+    let name = req.key.as_str().as_bytes();
+    let owner = req.owner.to_string();
+    let ttl = micros(req.ttl);
+    let start = Instant::now();
+    let fail = |e| db_error("the acquire transaction", e);
+    let mut tx = inner.pool.begin().await.map_err(fail)?;
+    let row = query(&sql.row_select_for_update)
+        .bind(name)
+        .fetch_optional(&mut *tx)
+        .await
+        .map_err(fail)?;
+    let Some(row) = row else {
+        // First use of this key: create its row, already held.
+        return match query(&sql.row_insert)
+            .bind(name)
+            .bind(&owner)
+            .bind(ttl)
+            .execute(&mut *tx)
+            .await
+        {
+            Ok(_) => {
+                tx.commit().await.map_err(fail)?;
+                Ok(Attempt::Granted(Grant::new(
+                    req,
+                    FencingToken::new(1),
+                    1,
+                    start,
+                )))
+            }
+            // Another client created it first: try again at once.
+            Err(e) if error_number(&e) == Some(1062) => Ok(Attempt::Busy(Duration::ZERO)),
+            Err(e) => Err(fail(e)),
+        };
+    };
+    let live = row.try_get::<Option<i64>, _>("live").ok().flatten() == Some(1);
+    let fence: u64 = row.try_get("fence").map_err(fail)?;
+    let holds: u32 = row.try_get("holds").map_err(fail)?;
+    let holder = row_text(&row, "owner");
+    if live && holder.as_deref() == Some(owner.as_str()) {
+        query(&sql.row_reenter)
+            .bind(ttl)
+            .bind(name)
+            .execute(&mut *tx)
+            .await
+            .map_err(fail)?;
+        tx.commit().await.map_err(fail)?;
+        return Ok(Attempt::Granted(Grant::new(
+            req,
+            FencingToken::new(fence),
+            holds + 1,
+            start,
+        )));
+    }
+    if live {
+        let left = row
+            .try_get::<Option<i64>, _>("left_us")
+            .ok()
+            .flatten()
+            .unwrap_or(0);
+        tx.rollback().await.map_err(fail)?;
+        return Ok(Attempt::Busy(Duration::from_micros(
+            u64::try_from(left).unwrap_or(0),
+        )));
+    }
+    query(&sql.row_take)
+        .bind(&owner)
+        .bind(ttl)
+        .bind(name)
+        .execute(&mut *tx)
+        .await
+        .map_err(fail)?;
+    tx.commit().await.map_err(fail)?;
+    Ok(Attempt::Granted(Grant::new(
+        req,
+        FencingToken::new(fence + 1),
+        1,
+        start,
+    )))
+}
+
+/// Deadlocks are InnoDB's way of asking for a retry.
+const DEADLOCK: u16 = 1213;
+
+/// A cancel-safe attempt: a grant whose caller has gone is given back.
+async fn attempt(backend: &MysqlBackend, req: &AcquireRequest) -> Result<Attempt> {
+    let (this, request, giver) = (backend.clone(), req.clone(), backend.clone());
+    detached(
+        async move {
+            match run_acquire(&this, &request).await {
+                Err(Error::Backend { source: Some(source), .. })
+                    if source
+                        .downcast_ref::<sqlx::Error>()
+                        .and_then(error_number)
+                        == Some(DEADLOCK) =>
+                {
+                    Ok(Attempt::Busy(Duration::ZERO))
+                }
+                outcome => outcome,
+            }
+        },
+        move |orphan| {
+            if let (Ok(Attempt::Granted(grant)), Ok(runtime)) =
+                (orphan, tokio::runtime::Handle::try_current())
+            {
+                runtime.spawn(async move {
+                    if let Err(error) = release(&giver, &grant).await {
+                        tracing::warn!(%error, "could not give back an orphaned grant; its lease will run out");
+                    }
+                });
+            }
+        },
+    )
+    .await
+    .unwrap_or_else(|| Err(Error::backend(crate::backend::BACKEND, true, "the acquire task ended without an answer")))
+}
+
+pub(crate) async fn try_acquire(
+    backend: &MysqlBackend,
+    req: &AcquireRequest,
+) -> Result<Option<Grant>> {
+    // A row created by a racing client is not contention: retry that once.
+    for _ in 0..2 {
+        match attempt(backend, req).await? {
+            Attempt::Granted(grant) => return Ok(Some(grant)),
+            Attempt::Busy(left) if left.is_zero() => continue,
+            Attempt::Busy(_) => return Ok(None),
+        }
+    }
+    Ok(None)
+}
+
+/// First poll delay, and the cap of the exponential backoff.
+const FIRST_POLL: Duration = Duration::from_millis(2);
+const MAX_POLL: Duration = Duration::from_millis(100);
+
+/// Waits by polling with capped exponential backoff and jitter, never sleeping past the
+/// holder's remaining lease or the deadline.
+pub(crate) async fn acquire(
+    backend: &MysqlBackend,
+    req: &AcquireRequest,
+    wait: Duration,
+) -> Result<Grant> {
+    let started = Instant::now();
+    let deadline = deadline_after(wait);
+    let mut delay = FIRST_POLL;
+    loop {
+        let left = match attempt(backend, req).await {
+            Ok(Attempt::Granted(grant)) => return Ok(grant),
+            Ok(Attempt::Busy(left)) => left,
+            Err(e) if e.is_retryable() && !wait.is_zero() => {
+                tracing::debug!(error = %e, "acquire attempt failed; retrying");
+                MAX_POLL
+            }
+            Err(e) => return Err(e),
+        };
+        let now = Instant::now();
+        if now >= deadline {
+            return Err(Error::Timeout {
+                key: req.key.clone(),
+                waited: started.elapsed(),
+            });
+        }
+        let jitter = delay.mul_f64(fastrand::f64() * 0.5);
+        let sleep = (delay + jitter).min(left + Duration::from_millis(1));
+        tokio::time::sleep_until((now + sleep).min(deadline)).await;
+        delay = (delay * 2).min(MAX_POLL);
+    }
+}
+
+pub(crate) async fn renew(backend: &MysqlBackend, grant: &Grant, ttl: Duration) -> Result<()> {
+    let inner = &backend.inner;
+    let done = query(&inner.sql.row_renew)
+        .bind(micros(ttl))
+        .bind(grant.key.as_str().as_bytes())
+        .bind(grant.owner.to_string())
+        .execute(&inner.pool)
+        .await
+        .map_err(|e| db_error("renewing the lease", e))?;
+    if done.rows_affected() == 1 {
+        Ok(())
+    } else {
+        Err(Error::NotHeld {
+            key: grant.key.clone(),
+        })
+    }
+}
+
+pub(crate) async fn release(backend: &MysqlBackend, grant: &Grant) -> Result<Released> {
+    let inner = &backend.inner;
+    let sql = &inner.sql;
+    let name = grant.key.as_str().as_bytes();
+    let fail = |e| db_error("the release transaction", e);
+    let mut tx = inner.pool.begin().await.map_err(fail)?;
+    let row = query(&sql.row_select_for_update)
+        .bind(name)
+        .fetch_optional(&mut *tx)
+        .await
+        .map_err(fail)?;
+    let ours = row.as_ref().is_some_and(|row| {
+        row.try_get::<Option<i64>, _>("live").ok().flatten() == Some(1)
+            && row_text(row, "owner").as_deref() == Some(grant.owner.to_string().as_str())
+    });
+    let holds: u32 = match (&row, ours) {
+        (Some(row), true) => row.try_get("holds").map_err(fail)?,
+        _ => {
+            tx.rollback().await.map_err(fail)?;
+            return Err(Error::NotHeld {
+                key: grant.key.clone(),
+            });
+        }
+    };
+    let outcome = if holds > 1 {
+        query(&sql.row_release_one)
+            .bind(name)
+            .execute(&mut *tx)
+            .await
+            .map_err(fail)?;
+        Released::Partially {
+            remaining: holds - 1,
+        }
+    } else {
+        query(&sql.row_release_all)
+            .bind(name)
+            .execute(&mut *tx)
+            .await
+            .map_err(fail)?;
+        Released::Fully
+    };
+    tx.commit().await.map_err(fail)?;
+    Ok(outcome)
+}
+
+pub(crate) async fn inspect(backend: &MysqlBackend, key: &LockKey) -> Result<Option<HolderInfo>> {
+    let inner = &backend.inner;
+    let row = query(&inner.sql.inspect)
+        .bind(key.as_str().as_bytes())
+        .fetch_optional(&inner.pool)
+        .await
+        .map_err(|e| db_error("inspecting the lease", e))?;
+    let Some(row) = row else { return Ok(None) };
+    let left = row.try_get::<Option<i64>, _>("left_us").ok().flatten();
+    Ok(Some(HolderInfo::new(
+        row_text(&row, "owner").unwrap_or_default(),
+        row.try_get("holds").unwrap_or(1),
+        row.try_get::<u64, _>("fence").ok().map(FencingToken::new),
+        left.and_then(|us| u64::try_from(us).ok())
+            .map(Duration::from_micros),
+    )))
+}

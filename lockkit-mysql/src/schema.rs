@@ -1,0 +1,115 @@
+//! The tables, and the SQL that uses them (with the validated table name filled in).
+
+use std::sync::Arc;
+
+/// The DDL for `table` (and `<table>_mutex`, used by for-update mode).
+pub fn ddl(table: &str) -> String {
+    format!(
+        "CREATE TABLE IF NOT EXISTS `{table}` (\n  \
+           name VARBINARY(512) NOT NULL,\n  \
+           owner VARCHAR(80) NULL,\n  \
+           holds INT UNSIGNED NOT NULL DEFAULT 0,\n  \
+           fence BIGINT UNSIGNED NOT NULL DEFAULT 0,\n  \
+           expires_at DATETIME(6) NULL,\n  \
+           PRIMARY KEY (name)\n\
+         ) ENGINE=InnoDB;\n\
+         CREATE TABLE IF NOT EXISTS `{table}_mutex` (\n  \
+           name VARBINARY(512) NOT NULL,\n  \
+           PRIMARY KEY (name)\n\
+         ) ENGINE=InnoDB;"
+    )
+}
+
+/// Every statement, prepared once per connection by the driver's statement cache.
+#[derive(Debug)]
+pub(crate) struct Sql {
+    pub(crate) table_exists: Arc<str>,
+    pub(crate) row_select_for_update: Arc<str>,
+    pub(crate) row_insert: Arc<str>,
+    pub(crate) row_take: Arc<str>,
+    pub(crate) row_reenter: Arc<str>,
+    pub(crate) row_renew: Arc<str>,
+    pub(crate) row_release_one: Arc<str>,
+    pub(crate) row_release_all: Arc<str>,
+    pub(crate) row_clear_live: Arc<str>,
+    pub(crate) inspect: Arc<str>,
+    pub(crate) mutex_insert: Arc<str>,
+    pub(crate) mutex_lock: Arc<str>,
+    pub(crate) mutex_lock_nowait: Arc<str>,
+    pub(crate) fence_bump_upsert: Arc<str>,
+    pub(crate) holder_read: Arc<str>,
+    pub(crate) holder_depth: Arc<str>,
+    pub(crate) holder_clear: Arc<str>,
+    pub(crate) live_under_prefix: Arc<str>,
+    pub(crate) mutex_rows_under_prefix: Arc<str>,
+}
+
+impl Sql {
+    pub(crate) fn new(t: &str) -> Self {
+        let s = |text: String| Arc::<str>::from(text);
+        Sql {
+            table_exists: s(format!("SELECT 1 FROM `{t}` JOIN `{t}_mutex` LIMIT 0")),
+            row_select_for_update: s(format!(
+                "SELECT owner, holds, fence, expires_at > NOW(6) AS live, \
+                 TIMESTAMPDIFF(MICROSECOND, NOW(6), expires_at) AS left_us \
+                 FROM `{t}` WHERE name = ? FOR UPDATE"
+            )),
+            row_insert: s(format!(
+                "INSERT INTO `{t}` (name, owner, holds, fence, expires_at) \
+                 VALUES (?, ?, 1, 1, NOW(6) + INTERVAL ? MICROSECOND)"
+            )),
+            row_take: s(format!(
+                "UPDATE `{t}` SET owner = ?, holds = 1, fence = fence + 1, \
+                 expires_at = NOW(6) + INTERVAL ? MICROSECOND WHERE name = ?"
+            )),
+            row_reenter: s(format!(
+                "UPDATE `{t}` SET holds = holds + 1, expires_at = NOW(6) + INTERVAL ? MICROSECOND \
+                 WHERE name = ?"
+            )),
+            row_renew: s(format!(
+                "UPDATE `{t}` SET expires_at = NOW(6) + INTERVAL ? MICROSECOND \
+                 WHERE name = ? AND owner = ? AND expires_at > NOW(6)"
+            )),
+            row_release_one: s(format!("UPDATE `{t}` SET holds = holds - 1 WHERE name = ?")),
+            row_release_all: s(format!(
+                "UPDATE `{t}` SET owner = NULL, holds = 0, expires_at = NULL WHERE name = ?"
+            )),
+            row_clear_live: s(format!(
+                "UPDATE `{t}` SET owner = NULL, holds = 0, expires_at = NULL \
+                 WHERE name = ? AND expires_at > NOW(6)"
+            )),
+            inspect: s(format!(
+                "SELECT owner, holds, fence, TIMESTAMPDIFF(MICROSECOND, NOW(6), expires_at) AS left_us \
+                 FROM `{t}` WHERE name = ? AND owner IS NOT NULL \
+                 AND (expires_at IS NULL OR expires_at > NOW(6))"
+            )),
+            mutex_insert: s(format!("INSERT IGNORE INTO `{t}_mutex` (name) VALUES (?)")),
+            mutex_lock: s(format!(
+                "SELECT name FROM `{t}_mutex` WHERE name = ? FOR UPDATE"
+            )),
+            mutex_lock_nowait: s(format!(
+                "SELECT name FROM `{t}_mutex` WHERE name = ? FOR UPDATE NOWAIT"
+            )),
+            fence_bump_upsert: s(format!(
+                "INSERT INTO `{t}` (name, owner, holds, fence) VALUES (?, ?, 1, LAST_INSERT_ID(1)) \
+                 ON DUPLICATE KEY UPDATE fence = LAST_INSERT_ID(fence + 1), owner = VALUES(owner), \
+                 holds = 1, expires_at = NULL"
+            )),
+            holder_read: s(format!(
+                "SELECT owner, holds, fence FROM `{t}` WHERE name = ?"
+            )),
+            holder_depth: s(format!(
+                "UPDATE `{t}` SET holds = ? WHERE name = ? AND owner = ?"
+            )),
+            holder_clear: s(format!(
+                "UPDATE `{t}` SET owner = NULL, holds = 0 WHERE name = ? AND owner = ?"
+            )),
+            live_under_prefix: s(format!(
+                "SELECT COUNT(*) FROM `{t}` WHERE name LIKE CONCAT(?, '%') AND expires_at > NOW(6)"
+            )),
+            mutex_rows_under_prefix: s(format!(
+                "SELECT name FROM `{t}_mutex` WHERE name LIKE CONCAT(?, '%')"
+            )),
+        }
+    }
+}
