@@ -115,12 +115,17 @@ impl History {
         }
     }
 
-    /// Records that the holder stops relying on the lock now (call before releasing).
+    /// Records that the holder stops relying on the lock now (call before releasing). A
+    /// hold found lost ended when the loss was noticed (its local lease deadline at the
+    /// latest).
     pub fn end(&self, open: OpenHold, guard: &LockGuard) {
         let mut record = open.record;
         if guard.is_valid() {
             record.end = Some(Instant::now());
             record.valid_until = guard.valid_until();
+        } else if let Some(lost_at) = guard.lost_at() {
+            record.end = Some(lost_at);
+            record.valid_until = None;
         }
         self.push(record);
     }

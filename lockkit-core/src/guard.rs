@@ -335,6 +335,13 @@ impl LockGuard {
         self.shared().check_lost().is_none()
     }
 
+    /// When the hold was found lost (on the local monotonic clock): from then on its
+    /// holder no longer believes it holds the lock. `None` while it is not lost.
+    pub fn lost_at(&self) -> Option<Instant> {
+        self.shared().check_lost()?;
+        self.shared().loss.fired_at()
+    }
+
     /// The local instant until which the hold is known valid, or `None` once lost.
     pub fn valid_until(&self) -> Option<Instant> {
         if self.is_valid() {

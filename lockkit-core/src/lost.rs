@@ -2,6 +2,7 @@
 
 use std::sync::{Arc, OnceLock};
 
+use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use crate::LostReason;
@@ -14,6 +15,7 @@ use crate::LostReason;
 pub struct LossSignal {
     fired: CancellationToken,
     reason: Arc<OnceLock<LostReason>>,
+    at: Arc<OnceLock<Instant>>,
 }
 
 impl LossSignal {
@@ -25,6 +27,7 @@ impl LossSignal {
     /// Fires the signal. The first reason given wins; later calls change nothing.
     pub fn fire(&self, reason: LostReason) {
         let first = self.reason.set(reason).is_ok();
+        let _ = self.at.set(Instant::now());
         self.fired.cancel();
         if first {
             tracing::debug!(%reason, "lock lost");
@@ -43,6 +46,11 @@ impl LossSignal {
         } else {
             None
         }
+    }
+
+    /// When the signal fired (on the local monotonic clock), once it has.
+    pub fn fired_at(&self) -> Option<Instant> {
+        self.at.get().copied()
     }
 
     /// Resolves when the signal fires (at once if it already has).

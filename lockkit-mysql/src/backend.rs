@@ -146,6 +146,12 @@ impl MysqlBackend {
         &self.inner.config
     }
 
+    /// Closes every connection of this client. Holds still open end with their connections.
+    pub async fn close(&self) {
+        self.inner.holds_pool.close().await;
+        self.inner.pool.close().await;
+    }
+
     /// Dedicated for-update connections open now (held or waiting locks, and idle ones).
     pub fn dedicated_connections(&self) -> u32 {
         self.inner.holds_pool.size()
@@ -261,6 +267,7 @@ impl LockBackend for MysqlBackend {
                 ..Capabilities::default()
             },
             Mode::ForUpdate => Capabilities {
+                pushes_loss: true,
                 min_ttl: Duration::from_secs(1),
                 max_ttl: Some(Duration::from_secs(365 * 24 * 3600)),
                 ..Capabilities::default()

@@ -41,9 +41,14 @@ pub struct MysqlConfig {
     pub connect_timeout: Duration,
     /// `?ttl=`: a lease suggested by the URL, for callers that build options from it.
     pub ttl: Option<Duration>,
+    /// `?liveness=` (for-update, default 250 ms): how often a hold's connection is checked,
+    /// so that its holder learns the lock is gone (connection killed, server down) before
+    /// a restarted server can grant it to someone else.
+    pub liveness: Duration,
 }
 
-const OPTIONS: &str = "mode, table, create_schema, pool_size, max_holds, connect_timeout, ttl";
+const OPTIONS: &str =
+    "mode, table, create_schema, pool_size, max_holds, connect_timeout, ttl, liveness";
 
 impl MysqlConfig {
     /// Parses a lockkit MySQL URL; other query options go to the driver.
@@ -74,6 +79,7 @@ impl MysqlConfig {
             max_holds: 32,
             connect_timeout: Duration::from_secs(5),
             ttl: None,
+            liveness: Duration::from_millis(250),
         };
         let mut driver = Vec::new();
         for pair in query.split('&').filter(|p| !p.is_empty()) {
@@ -116,6 +122,9 @@ impl MysqlConfig {
                 "max_holds" => config.max_holds = parse_count(name, value)?.max(1),
                 "connect_timeout" => config.connect_timeout = parse_duration(name, value)?,
                 "ttl" => config.ttl = Some(parse_duration(name, value)?),
+                "liveness" => {
+                    config.liveness = parse_duration(name, value)?.max(Duration::from_millis(10))
+                }
                 "ssl-mode"
                 | "ssl-ca"
                 | "charset"

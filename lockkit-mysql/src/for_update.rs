@@ -34,6 +34,18 @@ pub(crate) struct Held {
     depth: AtomicU32,
     /// The connection died: the server has rolled the transaction back.
     broken: AtomicBool,
+    /// The lease: the session may idle out this long after it (whole seconds, rounded up).
+    lease_until: std::sync::Mutex<Instant>,
+}
+
+impl Held {
+    fn lease_until(&self) -> Instant {
+        *self.lease_until.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn set_lease_until(&self, until: Instant) {
+        *self.lease_until.lock().unwrap_or_else(|e| e.into_inner()) = until;
+    }
 }
 
 impl std::fmt::Debug for Held {
@@ -271,13 +283,52 @@ async fn lock(
         token: FencingToken::new(token),
         depth: AtomicU32::new(1),
         broken: AtomicBool::new(false),
+        lease_until: std::sync::Mutex::new(start + req.ttl),
     });
     inner
         .held
         .lock()
         .unwrap_or_else(|e| e.into_inner())
         .insert((req.owner, req.key.clone()), held.clone());
+    tokio::spawn(watch(
+        backend.clone(),
+        Arc::downgrade(&held),
+        req.loss.clone(),
+    ));
     Ok(Some(grant_for(req, &held, 1, start)))
+}
+
+/// Checks the hold's connection every `liveness` and fires the loss signal the moment it
+/// is gone: the server has then rolled the lock transaction back. Each check also sets the
+/// session's `wait_timeout` to what is left of the lease, so the checks never keep a lease
+/// alive that its holder stopped renewing: the server ends the session when it runs out.
+async fn watch(backend: MysqlBackend, held: std::sync::Weak<Held>, loss: lockkit_core::LossSignal) {
+    let every = backend.inner.config.liveness;
+    loop {
+        tokio::time::sleep(every).await;
+        let Some(held) = held.upgrade() else { return };
+        let left = held.lease_until().saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            continue;
+        }
+        let mut conn = held.conn.lock().await;
+        let Some(c) = conn.as_mut() else { return };
+        let check = format!("SET SESSION wait_timeout = {}", whole_seconds(left).max(1));
+        match sqlx::raw_sql(AssertSqlSafe(check)).execute(&mut **c).await {
+            Ok(_) => {}
+            Err(e) if connection_gone(&e) => {
+                held.broken.store(true, Ordering::SeqCst);
+                if let Some(mut dead) = conn.take() {
+                    dead.close_on_drop();
+                }
+                drop(conn);
+                forget(&backend, &held);
+                loss.fire(lockkit_core::LostReason::SessionLost);
+                return;
+            }
+            Err(error) => tracing::debug!(%error, "liveness check failed; retrying"),
+        }
+    }
 }
 
 /// Best effort: shows the depth to `inspect`.
@@ -315,12 +366,16 @@ pub(crate) async fn renew(backend: &MysqlBackend, grant: &Grant, ttl: Duration) 
             key: grant.key.clone(),
         });
     };
+    let start = Instant::now();
     let statement = format!("SET SESSION wait_timeout = {}", whole_seconds(ttl).max(1));
     match sqlx::raw_sql(AssertSqlSafe(statement))
         .execute(&mut **c)
         .await
     {
-        Ok(_) => Ok(()),
+        Ok(_) => {
+            held.set_lease_until(start + ttl);
+            Ok(())
+        }
         Err(e) if connection_gone(&e) => {
             held.broken.store(true, Ordering::SeqCst);
             if let Some(mut dead) = conn.take() {
