@@ -21,7 +21,10 @@ fn median(samples: &mut [Duration]) -> Duration {
 
 fn p99(samples: &mut [Duration]) -> Duration {
     samples.sort();
-    samples.get(samples.len() * 99 / 100).copied().unwrap_or_default()
+    samples
+        .get(samples.len() * 99 / 100)
+        .copied()
+        .unwrap_or_default()
 }
 
 fn us(d: Duration) -> f64 {
@@ -33,7 +36,10 @@ async fn select_one(url: &str, n: usize) -> Vec<Duration> {
     let mut samples = Vec::with_capacity(n);
     for _ in 0..n {
         let start = Instant::now();
-        let _: (i32,) = sqlx::query_as("SELECT 1").fetch_one(&mut conn).await.expect("select");
+        let _: (i32,) = sqlx::query_as("SELECT 1")
+            .fetch_one(&mut conn)
+            .await
+            .expect("select");
         samples.push(start.elapsed());
     }
     samples
@@ -44,7 +50,11 @@ async fn uncontended(locker: &Locker, n: usize) -> Vec<Duration> {
     for i in 0..n {
         let key = format!("bench/uncontended/{}", i % 50);
         let start = Instant::now();
-        let guard = locker.acquire(key.as_str()).ttl(Duration::from_secs(30)).await.expect("acquire");
+        let guard = locker
+            .acquire(key.as_str())
+            .ttl(Duration::from_secs(30))
+            .await
+            .expect("acquire");
         guard.release().await.expect("release");
         samples.push(start.elapsed());
     }
@@ -93,16 +103,28 @@ async fn main() {
     let select50 = median(&mut select);
     println!("SELECT 1 median               {:>8.1} us", us(select50));
     let mut json = vec![format!("\"select1_p50_us\":{:.1}", us(select50))];
-    for (mode, table) in [("row", "lockkit_bench_row"), ("for-update", "lockkit_bench_fu")] {
+    for (mode, table) in [
+        ("row", "lockkit_bench_row"),
+        ("for-update", "lockkit_bench_fu"),
+    ] {
         let mode_url = format!("{url}?mode={mode}&table={table}&max_holds=40");
         let locker = Locker::new(MysqlBackend::connect(&mode_url).await.expect("connect"));
         let _ = uncontended(&locker, 100).await;
         let mut lock = uncontended(&locker, 1000).await;
         let mut hand = handoff(&mode_url, 16, 15).await;
-        let (l50, l99, h50, h99) = (median(&mut lock), p99(&mut lock), median(&mut hand), p99(&mut hand));
+        let (l50, l99, h50, h99) = (
+            median(&mut lock),
+            p99(&mut lock),
+            median(&mut hand),
+            p99(&mut hand),
+        );
         println!(
             "{mode:<10} acquire+release  {:>8.1} us ({:.1}x SELECT 1), p99 {:.1} us; handoff (16 waiters) median {:.1} us, p99 {:.1} us",
-            us(l50), us(l50) / us(select50), us(l99), us(h50), us(h99)
+            us(l50),
+            us(l50) / us(select50),
+            us(l99),
+            us(h50),
+            us(h99)
         );
         let m = mode.replace('-', "_");
         json.push(format!(

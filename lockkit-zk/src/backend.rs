@@ -1,0 +1,640 @@
+//! `ZkBackend`: sessions, contenders, predecessor watches, leases and loss.
+
+use std::{
+    collections::HashMap,
+    sync::{
+        Arc, Mutex, Weak,
+        atomic::{AtomicBool, AtomicU32, Ordering},
+    },
+    time::Duration,
+};
+
+use async_trait::async_trait;
+use lockkit_core::{
+    AcquireRequest, BackendInfo, Capabilities, Consistency, Error, FencingToken, Grant, HolderInfo,
+    LockBackend, LockKey, LossSignal, LostReason, OwnerId, Released, Result, deadline_after,
+    detached,
+};
+use tokio::{sync::Notify, time::Instant};
+use uuid::Uuid;
+use zookeeper_client::{Acls, Client, CreateMode, SessionState};
+
+use crate::{ZkConfig, path::encode};
+
+const BACKEND: &str = "zk";
+/// Apache Curator's InterProcessMutex lock name.
+const LOCK_NAME: &str = "-lock-";
+
+fn zk_error(doing: &str, e: zookeeper_client::Error) -> Error {
+    let retryable = matches!(
+        e,
+        zookeeper_client::Error::ConnectionLoss
+            | zookeeper_client::Error::Timeout
+            | zookeeper_client::Error::SessionExpired
+    );
+    Error::backend_with_source(BACKEND, retryable, format!("{doing} failed: {e}"), e)
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// One hold: a contender node that reached the head of its queue.
+pub(crate) struct Held {
+    node: String,
+    key: LockKey,
+    owner: OwnerId,
+    token: FencingToken,
+    depth: AtomicU32,
+    lease_until: Mutex<Instant>,
+    loss: LossSignal,
+    session: Arc<Session>,
+    released: AtomicBool,
+}
+
+impl std::fmt::Debug for Held {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Held").field("node", &self.node).finish()
+    }
+}
+
+/// One ZooKeeper session and the holds that live and die with it.
+pub(crate) struct Session {
+    client: Client,
+    /// When the last request that the server answered was sent (monotonic clock).
+    last_contact: Mutex<Instant>,
+    holds: Mutex<Vec<Weak<Held>>>,
+    dead: AtomicBool,
+}
+
+impl Session {
+    fn touch(&self, sent: Instant) {
+        let mut last = lock(&self.last_contact);
+        if sent > *last {
+            *last = sent;
+        }
+    }
+
+    /// Fires every hold's loss signal; their nodes go with the session (or are deleted
+    /// once the client reconnects, if the session survives).
+    fn lose_all(&self, reason: LostReason) {
+        for held in lock(&self.holds).drain(..).filter_map(|w| w.upgrade()) {
+            held.loss.fire(reason);
+        }
+    }
+}
+
+pub(crate) struct Inner {
+    config: ZkConfig,
+    session: tokio::sync::Mutex<Arc<Session>>,
+    held: Mutex<HashMap<(OwnerId, LockKey), Arc<Held>>>,
+}
+
+/// A ZooKeeper lock service: the CP backend.
+///
+/// Each contender is an `EPHEMERAL_SEQUENTIAL` node `<root>/<key>/_c_<uuid>-lock-<seq>`
+/// under a container node per key, named as Apache Curator's InterProcessMutex names them,
+/// so Curator and lockkit exclude each other on the same path. Each waiter watches only
+/// its predecessor. The fencing token is the holder node's `czxid`.
+///
+/// A hold ends when its lease runs out unrenewed (its node is deleted), when its session
+/// expires, or when the client stays disconnected for two thirds of the session timeout,
+/// counted on the local monotonic clock from the last request the server answered: the
+/// holder hears of the loss before the server can expire the session and grant the lock
+/// to anyone else.
+#[derive(Clone)]
+pub struct ZkBackend {
+    inner: Arc<Inner>,
+}
+
+impl std::fmt::Debug for ZkBackend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ZkBackend")
+            .field("connect", &self.inner.config.connect)
+            .field("root", &self.inner.config.root)
+            .finish()
+    }
+}
+
+impl ZkBackend {
+    /// Connects as a `zk://h1:p1,h2:p2/chroot?session_timeout=10s&root=/lockkit` URL says.
+    ///
+    /// # Errors
+    /// [`Error::Config`] for a bad URL or a session timeout the servers will not grant;
+    /// [`Error::Backend`] when no server answers.
+    pub async fn connect(url: &str) -> Result<Self> {
+        Self::from_config(ZkConfig::parse(url)?).await
+    }
+
+    /// Connects as `config` says.
+    ///
+    /// # Errors
+    /// As [`ZkBackend::connect`].
+    pub async fn from_config(config: ZkConfig) -> Result<Self> {
+        let session = open_session(&config).await?;
+        Ok(ZkBackend {
+            inner: Arc::new(Inner {
+                config,
+                session: tokio::sync::Mutex::new(session),
+                held: Mutex::new(HashMap::new()),
+            }),
+        })
+    }
+
+    /// The configuration in force.
+    pub fn config(&self) -> &ZkConfig {
+        &self.inner.config
+    }
+
+    /// The container node under which `key`'s contenders queue.
+    pub fn lock_dir(&self, key: &LockKey) -> String {
+        format!("{}/{}", self.inner.config.root, encode(key))
+    }
+
+    /// The client of the current session (for operators and tests).
+    pub async fn client(&self) -> Result<Client> {
+        Ok(self.session().await?.client.clone())
+    }
+
+    /// The current session, reopened if it expired.
+    async fn session(&self) -> Result<Arc<Session>> {
+        let mut current = self.inner.session.lock().await;
+        if current.dead.load(Ordering::SeqCst) {
+            *current = open_session(&self.inner.config).await?;
+        }
+        Ok(current.clone())
+    }
+
+    fn forget(&self, held: &Held) {
+        let mut map = lock(&self.inner.held);
+        let key = (held.owner, held.key.clone());
+        if map
+            .get(&key)
+            .is_some_and(|h| std::ptr::eq(Arc::as_ptr(h), held))
+        {
+            map.remove(&key);
+        }
+    }
+
+    /// The live hold behind `grant`, checking it belongs to this client, owner and key.
+    fn held_of(&self, grant: &Grant) -> Result<Arc<Held>> {
+        let not_held = || Error::NotHeld {
+            key: grant.key.clone(),
+        };
+        let held = grant
+            .state
+            .clone()
+            .and_then(|s| s.downcast::<Held>().ok())
+            .ok_or_else(not_held)?;
+        match lock(&self.inner.held).get(&(grant.owner, grant.key.clone())) {
+            Some(current) if Arc::ptr_eq(current, &held) => Ok(held),
+            _ => Err(not_held()),
+        }
+    }
+
+    /// Creates this attempt's contender node, finding it after a connection loss instead
+    /// of creating a second one.
+    async fn create_contender(
+        &self,
+        session: &Session,
+        dir: &str,
+        req: &AcquireRequest,
+    ) -> Result<(String, u64)> {
+        let client = &session.client;
+        let prefix = format!("{dir}/_c_{}{LOCK_NAME}", Uuid::new_v4());
+        let data = req.owner.to_string();
+        let acls = Acls::anyone_all();
+        let ephemeral = CreateMode::EphemeralSequential.with_acls(acls);
+        for _ in 0..5 {
+            let sent = Instant::now();
+            match client.create(&prefix, data.as_bytes(), &ephemeral).await {
+                Ok((stat, sequence)) => {
+                    session.touch(sent);
+                    return Ok((
+                        format!("{prefix}{sequence}"),
+                        u64::try_from(stat.czxid).unwrap_or(0),
+                    ));
+                }
+                Err(zookeeper_client::Error::NoNode) => {
+                    // The root is persistent; each key's directory a container, removed by
+                    // the server once empty.
+                    let persistent = CreateMode::Persistent.with_acls(acls);
+                    client
+                        .mkdir(&self.inner.config.root, &persistent)
+                        .await
+                        .map_err(|e| zk_error("creating the root node", e))?;
+                    let container = CreateMode::Container.with_acls(acls);
+                    match client.create(dir, &[], &container).await {
+                        Ok(_) | Err(zookeeper_client::Error::NodeExists) => {}
+                        Err(e) => return Err(zk_error("creating the lock's container node", e)),
+                    }
+                }
+                Err(zookeeper_client::Error::ConnectionLoss) => {
+                    // The create may have happened: look for our uuid before trying again.
+                    let unique = &prefix[dir.len() + 1..];
+                    if let Ok(children) = client.list_children(dir).await {
+                        if let Some(name) = children.iter().find(|c| c.starts_with(unique)) {
+                            let node = format!("{dir}/{name}");
+                            if let Ok(Some(stat)) = client.check_stat(&node).await {
+                                return Ok((node, u64::try_from(stat.czxid).unwrap_or(0)));
+                            }
+                        }
+                    }
+                }
+                Err(e) => return Err(zk_error("creating the contender node", e)),
+            }
+        }
+        Err(Error::backend(
+            BACKEND,
+            true,
+            format!("could not create a contender for `{}`", req.key),
+        ))
+    }
+
+    /// Queues for the lock and waits at the head; `None` when `wait` ran out or the caller
+    /// went away (the node is deleted then).
+    async fn contend(
+        &self,
+        req: &AcquireRequest,
+        wait: Duration,
+        interrupt: Arc<Notify>,
+    ) -> Result<Option<Grant>> {
+        let start = Instant::now();
+        let deadline = deadline_after(wait);
+        let session = self.session().await?;
+        let client = session.client.clone();
+        let dir = self.lock_dir(&req.key);
+        let (node, czxid) = self.create_contender(&session, &dir, req).await?;
+        let name = node[dir.len() + 1..].to_owned();
+        let give_up = |client: Client, node: String| async move {
+            if let Err(e) = client.delete(&node, None).await {
+                if e != zookeeper_client::Error::NoNode {
+                    tracing::warn!(error = %e, node, "could not delete a contender node; it goes with the session");
+                }
+            }
+        };
+        loop {
+            let sent = Instant::now();
+            let children = match client.list_children(&dir).await {
+                Ok(children) => children,
+                Err(e) => {
+                    give_up(client.clone(), node.clone()).await;
+                    return Err(zk_error("listing contenders", e));
+                }
+            };
+            session.touch(sent);
+            let mut queue: Vec<&String> =
+                children.iter().filter(|c| c.contains(LOCK_NAME)).collect();
+            queue.sort_by_key(|c| sequence_of(c));
+            let Some(position) = queue.iter().position(|c| **c == name) else {
+                // Our node vanished: the session expired while we waited.
+                return Err(Error::backend(
+                    BACKEND,
+                    true,
+                    "the contender node vanished (session expired?)",
+                ));
+            };
+            if position == 0 {
+                break;
+            }
+            if wait.is_zero() || Instant::now() >= deadline {
+                give_up(client, node).await;
+                return Ok(None);
+            }
+            let predecessor = format!("{dir}/{}", queue[position - 1]);
+            let watcher = match client.check_and_watch_stat(&predecessor).await {
+                Ok((Some(_), watcher)) => watcher,
+                Ok((None, _)) => continue,
+                Err(e) => {
+                    give_up(client.clone(), node.clone()).await;
+                    return Err(zk_error("watching the predecessor", e));
+                }
+            };
+            tokio::select! {
+                _ = watcher.changed() => {}
+                _ = tokio::time::sleep_until(deadline) => {
+                    give_up(client, node).await;
+                    return Ok(None);
+                }
+                _ = interrupt.notified() => {
+                    give_up(client, node).await;
+                    return Ok(None);
+                }
+            }
+        }
+        let held = Arc::new(Held {
+            node,
+            key: req.key.clone(),
+            owner: req.owner,
+            token: FencingToken::new(czxid),
+            depth: AtomicU32::new(1),
+            lease_until: Mutex::new(start + req.ttl),
+            loss: req.loss.clone(),
+            session: session.clone(),
+            released: AtomicBool::new(false),
+        });
+        lock(&session.holds).push(Arc::downgrade(&held));
+        lock(&self.inner.held).insert((req.owner, req.key.clone()), held.clone());
+        if session.dead.load(Ordering::SeqCst) {
+            held.loss.fire(LostReason::SessionLost);
+        }
+        tokio::spawn(enforce_lease(self.clone(), Arc::downgrade(&held)));
+        Ok(Some(Grant::new(req, held.token, 1, start).with_state(held)))
+    }
+
+    async fn acquire_within(&self, req: &AcquireRequest, wait: Duration) -> Result<Option<Grant>> {
+        let existing = lock(&self.inner.held)
+            .get(&(req.owner, req.key.clone()))
+            .cloned();
+        if let Some(held) = existing.filter(|h| !h.loss.is_fired()) {
+            let depth = held.depth.fetch_add(1, Ordering::SeqCst) + 1;
+            record_depth(&held, depth).await;
+            return Ok(Some(
+                Grant::new(req, held.token, depth, Instant::now()).with_state(held),
+            ));
+        }
+        let interrupt = Arc::new(Notify::new());
+        let on_drop = Interrupt(Some(interrupt.clone()));
+        let (this, request, giver) = (self.clone(), req.clone(), self.clone());
+        let outcome = detached(
+            async move { this.contend(&request, wait, interrupt).await },
+            move |orphan| {
+                if let (Ok(Some(grant)), Ok(runtime)) =
+                    (orphan, tokio::runtime::Handle::try_current())
+                {
+                    runtime.spawn(async move {
+                        let _ = giver.release(&grant).await;
+                    });
+                }
+            },
+        )
+        .await;
+        on_drop.disarm();
+        outcome.unwrap_or_else(|| {
+            Err(Error::backend(
+                BACKEND,
+                true,
+                "the acquire task ended without an answer",
+            ))
+        })
+    }
+}
+
+/// Interrupts a waiting contender when the caller's future is dropped.
+struct Interrupt(Option<Arc<Notify>>);
+
+impl Interrupt {
+    fn disarm(mut self) {
+        self.0 = None;
+    }
+}
+
+impl Drop for Interrupt {
+    fn drop(&mut self) {
+        if let Some(n) = self.0.take() {
+            n.notify_one();
+        }
+    }
+}
+
+/// Node data: the owner, and after a space the hold count when above one (best effort,
+/// for `inspect`).
+async fn record_depth(held: &Held, depth: u32) {
+    let data = format!("{} {depth}", held.owner);
+    let _ = held
+        .session
+        .client
+        .set_data(&held.node, data.as_bytes(), None)
+        .await;
+}
+
+fn sequence_of(name: &str) -> u64 {
+    name.rsplit(LOCK_NAME)
+        .next()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(u64::MAX)
+}
+
+async fn open_session(config: &ZkConfig) -> Result<Arc<Session>> {
+    let sent = Instant::now();
+    let client = Client::connector()
+        .with_session_timeout(config.session_timeout)
+        .with_connection_timeout(config.connect_timeout)
+        .connect(&config.connect)
+        .await
+        .map_err(|e| match e {
+            zookeeper_client::Error::NoHosts | zookeeper_client::Error::Timeout => {
+                Error::backend_with_source(
+                    BACKEND,
+                    true,
+                    format!(
+                        "no ZooKeeper server of `{}` answered; are they running?",
+                        config.connect
+                    ),
+                    e,
+                )
+            }
+            e => zk_error(&format!("connecting to `{}`", config.connect), e),
+        })?;
+    let negotiated = client.session_timeout();
+    if negotiated != config.session_timeout {
+        return Err(Error::Config(format!(
+            "the servers granted a {negotiated:?} session for the {:?} asked: they accept only \
+             timeouts within their minSessionTimeout..maxSessionTimeout; choose a \
+             session_timeout in that range",
+            config.session_timeout
+        )));
+    }
+    let session = Arc::new(Session {
+        client,
+        last_contact: Mutex::new(sent),
+        holds: Mutex::new(Vec::new()),
+        dead: AtomicBool::new(false),
+    });
+    tokio::spawn(monitor(Arc::downgrade(&session), config.session_timeout));
+    Ok(session)
+}
+
+/// Watches one session: expiry loses every hold at once; a disconnect loses them once two
+/// thirds of the session timeout have passed since the server last answered; in between,
+/// a cheap request every quarter of the timeout keeps `last_contact` fresh.
+async fn monitor(session: Weak<Session>, timeout: Duration) {
+    let Some(mut watcher) = session.upgrade().map(|s| s.client.state_watcher()) else {
+        return;
+    };
+    let ping_every = timeout / 4;
+    let mut connected = true;
+    loop {
+        let deadline = match session.upgrade() {
+            Some(s) => *lock(&s.last_contact) + timeout * 2 / 3,
+            None => return,
+        };
+        tokio::select! {
+            state = watcher.changed() => match state {
+                SessionState::Expired | SessionState::Closed | SessionState::AuthFailed => {
+                    if let Some(s) = session.upgrade() {
+                        s.dead.store(true, Ordering::SeqCst);
+                        s.lose_all(LostReason::SessionLost);
+                    }
+                    return;
+                }
+                SessionState::Disconnected => connected = false,
+                SessionState::SyncConnected | SessionState::ConnectedReadOnly => connected = true,
+            },
+            _ = tokio::time::sleep(ping_every), if connected => {
+                let Some(s) = session.upgrade() else { return };
+                let sent = Instant::now();
+                if let Ok(Ok(_)) = tokio::time::timeout(ping_every, s.client.check_stat("/")).await {
+                    s.touch(sent);
+                }
+            }
+            _ = tokio::time::sleep_until(deadline), if !connected => {
+                if let Some(s) = session.upgrade() {
+                    // The server may expire the session any moment now: holders must stop.
+                    s.lose_all(LostReason::SessionLost);
+                }
+            }
+        }
+    }
+}
+
+/// Deletes a hold's node when its lease runs out unrenewed: a live holder that stops
+/// renewing loses the lock just as a dead one does.
+async fn enforce_lease(backend: ZkBackend, held: Weak<Held>) {
+    loop {
+        let Some(until) = held.upgrade().map(|h| *lock(&h.lease_until)) else {
+            return;
+        };
+        tokio::time::sleep_until(until).await;
+        let Some(h) = held.upgrade() else { return };
+        if h.released.load(Ordering::SeqCst) {
+            return;
+        }
+        if Instant::now() >= *lock(&h.lease_until) {
+            backend.forget(&h);
+            h.loss.fire(LostReason::LeaseExpired);
+            let _ = h.session.client.delete(&h.node, None).await;
+            return;
+        }
+    }
+}
+
+#[async_trait]
+impl LockBackend for ZkBackend {
+    fn info(&self) -> BackendInfo {
+        BackendInfo::new(
+            BACKEND,
+            Consistency::Cp,
+            Capabilities {
+                pushes_loss: true,
+                // A crashed holder keeps the lock until its session expires.
+                min_ttl: self.inner.config.session_timeout,
+                ..Capabilities::default()
+            },
+        )
+    }
+
+    async fn try_acquire(&self, req: &AcquireRequest) -> Result<Option<Grant>> {
+        self.acquire_within(req, Duration::ZERO).await
+    }
+
+    async fn acquire(&self, req: &AcquireRequest, wait: Duration) -> Result<Grant> {
+        let started = Instant::now();
+        self.acquire_within(req, wait)
+            .await?
+            .ok_or_else(|| Error::Timeout {
+                key: req.key.clone(),
+                waited: started.elapsed(),
+            })
+    }
+
+    async fn renew(&self, grant: &Grant, ttl: Duration) -> Result<()> {
+        let held = self.held_of(grant)?;
+        let sent = Instant::now();
+        match held.session.client.check_stat(&held.node).await {
+            Ok(Some(_)) if !held.loss.is_fired() => {
+                held.session.touch(sent);
+                *lock(&held.lease_until) = sent + ttl;
+                Ok(())
+            }
+            Ok(_) | Err(zookeeper_client::Error::SessionExpired) => {
+                self.forget(&held);
+                Err(Error::NotHeld {
+                    key: grant.key.clone(),
+                })
+            }
+            Err(e) => Err(zk_error("checking the lock node", e)),
+        }
+    }
+
+    async fn release(&self, grant: &Grant) -> Result<Released> {
+        let held = self.held_of(grant)?;
+        let mut depth = held.depth.load(Ordering::SeqCst);
+        loop {
+            if depth == 0 {
+                return Err(Error::NotHeld {
+                    key: grant.key.clone(),
+                });
+            }
+            match held
+                .depth
+                .compare_exchange(depth, depth - 1, Ordering::SeqCst, Ordering::SeqCst)
+            {
+                Ok(_) => break,
+                Err(now) => depth = now,
+            }
+        }
+        if depth > 1 {
+            record_depth(&held, depth - 1).await;
+            return Ok(Released::Partially {
+                remaining: depth - 1,
+            });
+        }
+        held.released.store(true, Ordering::SeqCst);
+        self.forget(&held);
+        let lost = held.loss.is_fired();
+        match held.session.client.delete(&held.node, None).await {
+            Ok(()) if !lost => Ok(Released::Fully),
+            Ok(())
+            | Err(zookeeper_client::Error::NoNode | zookeeper_client::Error::SessionExpired) => {
+                Err(Error::NotHeld {
+                    key: grant.key.clone(),
+                })
+            }
+            Err(e) => Err(zk_error("deleting the lock node", e)),
+        }
+    }
+
+    async fn inspect(&self, key: &LockKey) -> Result<Option<HolderInfo>> {
+        let session = self.session().await?;
+        let client = &session.client;
+        let dir = self.lock_dir(key);
+        let children = match client.list_children(&dir).await {
+            Ok(children) => children,
+            Err(zookeeper_client::Error::NoNode) => return Ok(None),
+            Err(e) => return Err(zk_error("listing contenders", e)),
+        };
+        let mut queue: Vec<&String> = children.iter().filter(|c| c.contains(LOCK_NAME)).collect();
+        queue.sort_by_key(|c| sequence_of(c));
+        for head in queue {
+            match client.get_data(&format!("{dir}/{head}")).await {
+                Ok((data, stat)) => {
+                    let text = String::from_utf8_lossy(&data).into_owned();
+                    let (owner, depth) = match text.split_once(' ') {
+                        Some((owner, depth)) => (owner.to_owned(), depth.parse().unwrap_or(1)),
+                        None => (text, 1),
+                    };
+                    return Ok(Some(HolderInfo::new(
+                        owner,
+                        depth,
+                        Some(FencingToken::new(u64::try_from(stat.czxid).unwrap_or(0))),
+                        None,
+                    )));
+                }
+                Err(zookeeper_client::Error::NoNode) => continue,
+                Err(e) => return Err(zk_error("reading the holder node", e)),
+            }
+        }
+        Ok(None)
+    }
+}

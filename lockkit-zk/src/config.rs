@@ -1,0 +1,121 @@
+//! ZooKeeper URLs: `zk://h1:p1,h2:p2,h3:p3/chroot?session_timeout=10s&root=/lockkit`.
+
+use std::time::Duration;
+
+use lockkit_core::{Error, Result, config::parse_duration};
+
+/// Everything a ZooKeeper URL says.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct ZkConfig {
+    /// The connect string for the client: `h1:p1,h2:p2/chroot`.
+    pub connect: String,
+    /// `?session_timeout=` (default 10 s): a dead or cut-off holder's locks are freed when
+    /// its session expires, so it is also the shortest lease accepted.
+    pub session_timeout: Duration,
+    /// `?root=` (default `/lockkit`): the parent of every lock's container node.
+    pub root: String,
+    /// `?connect_timeout=` (default 5 s).
+    pub connect_timeout: Duration,
+}
+
+impl ZkConfig {
+    /// Parses a lockkit ZooKeeper URL.
+    ///
+    /// # Errors
+    /// [`Error::Config`] saying what is wrong and what is accepted.
+    pub fn parse(url: &str) -> Result<Self> {
+        let Some(rest) = url
+            .strip_prefix("zk://")
+            .or_else(|| url.strip_prefix("zookeeper://"))
+        else {
+            return Err(Error::Config(format!(
+                "`{url}` is not a ZooKeeper URL; write zk://host:port[,host:port...][/chroot]"
+            )));
+        };
+        let (base, query) = rest.split_once('?').unwrap_or((rest, ""));
+        let (hosts, chroot) = match base.find('/') {
+            Some(i) => (&base[..i], &base[i..]),
+            None => (base, ""),
+        };
+        if hosts.is_empty() || hosts.split(',').any(|h| h.is_empty()) {
+            return Err(Error::Config(format!("`{url}` names an empty host")));
+        }
+        for host in hosts.split(',') {
+            let port = host.rsplit_once(':').map(|(_, p)| p);
+            if port.is_some_and(|p| p.parse::<u16>().is_err()) {
+                return Err(Error::Config(format!("`{host}` in `{url}` has a bad port")));
+            }
+        }
+        if chroot == "/" || chroot.ends_with('/') || chroot.contains("//") {
+            return Err(Error::Config(format!(
+                "chroot `{chroot}` in `{url}` must be an absolute path without a trailing slash"
+            )));
+        }
+        let mut config = ZkConfig {
+            connect: format!("{hosts}{chroot}"),
+            session_timeout: Duration::from_secs(10),
+            root: "/lockkit".into(),
+            connect_timeout: Duration::from_secs(5),
+        };
+        for pair in query.split('&').filter(|p| !p.is_empty()) {
+            let (name, value) = pair.split_once('=').unwrap_or((pair, ""));
+            match name {
+                "session_timeout" => config.session_timeout = parse_duration(name, value)?,
+                "connect_timeout" => config.connect_timeout = parse_duration(name, value)?,
+                "root" => {
+                    if !value.starts_with('/')
+                        || value.len() < 2
+                        || value.ends_with('/')
+                        || value.contains("//")
+                    {
+                        return Err(Error::Config(format!(
+                            "`root={value}` must be an absolute path like /lockkit"
+                        )));
+                    }
+                    config.root = value.to_owned();
+                }
+                other => {
+                    return Err(Error::Config(format!(
+                        "unknown option `{other}` in `{url}`; known: session_timeout, connect_timeout, root"
+                    )));
+                }
+            }
+        }
+        Ok(config)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses() {
+        let c = ZkConfig::parse("zk://a:1,b:2/app?session_timeout=3s&root=/locks").unwrap();
+        assert_eq!(c.connect, "a:1,b:2/app");
+        assert_eq!(
+            (c.session_timeout, c.root.as_str()),
+            (Duration::from_secs(3), "/locks")
+        );
+    }
+
+    #[test]
+    fn refuses() {
+        for bad in [
+            "",
+            "zk://",
+            "zk://a:x",
+            "zk://a:1,",
+            "zk://a:1/",
+            "zk://a:1?root=x",
+            "zk://a:1?x=1",
+            "redis://a",
+        ] {
+            assert!(
+                matches!(ZkConfig::parse(bad), Err(Error::Config(_))),
+                "{bad}"
+            );
+        }
+    }
+}

@@ -1,0 +1,25 @@
+//! # lockkit-zk
+//!
+//! ZooKeeper locks for lockkit — the CP backend: it stays safe through failures and tells
+//! its holder the moment it can no longer be sure.
+//!
+//! - Contenders are `EPHEMERAL_SEQUENTIAL` nodes named as Apache Curator's
+//!   InterProcessMutex names them (`<root>/<key>/_c_<uuid>-lock-<seq>`), under a container
+//!   node per key; each waiter watches only its predecessor (no herd).
+//! - The fencing token is the holder node's `czxid`.
+//! - Leases: a hold whose lease runs out unrenewed is given up (its node deleted); a dead,
+//!   paused or cut-off holder's node goes with its session, so leases are at least the
+//!   session timeout (`?session_timeout=`, default 10 s).
+//! - Loss is pushed: session expiry, or a disconnect lasting two thirds of the session
+//!   timeout on the local monotonic clock.
+#![cfg_attr(
+    not(test),
+    deny(clippy::unwrap_used, clippy::expect_used, clippy::panic)
+)]
+
+mod backend;
+mod config;
+pub mod path;
+
+pub use backend::ZkBackend;
+pub use config::ZkConfig;
