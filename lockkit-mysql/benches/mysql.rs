@@ -88,8 +88,8 @@ async fn handoff(url: &str, waiters: usize, rounds: usize) -> Vec<Duration> {
     for task in tasks {
         task.await.expect("waiter");
     }
-    let samples = samples.lock().unwrap().clone();
-    samples
+    let mut collected = samples.lock().unwrap();
+    std::mem::take(&mut *collected)
 }
 
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]

@@ -10,10 +10,13 @@ use lockkit_conformance::{FaultProxy, Harness, HookError, HookResult, env};
 use lockkit_core::{LockBackend, LockKey, Locker, async_trait};
 use lockkit_zk::{ZkBackend, path::encode_str};
 
+/// A client's backend and its proxies, one per server.
+type Client = (Arc<dyn LockBackend>, Vec<FaultProxy>);
+
 struct ZkHarness {
     name: &'static str,
     url: String,
-    clients: Mutex<Vec<(Arc<dyn LockBackend>, Vec<FaultProxy>)>>,
+    clients: Mutex<Vec<Client>>,
 }
 
 const SESSION: Duration = Duration::from_secs(2);
