@@ -88,6 +88,8 @@ pub(crate) struct Inner {
     config: ZkConfig,
     session: tokio::sync::Mutex<Arc<Session>>,
     held: Mutex<HashMap<(OwnerId, LockKey), Arc<Held>>>,
+    /// Predecessor watches that fired, for herd checks.
+    wakeups: std::sync::atomic::AtomicU64,
 }
 
 /// A ZooKeeper lock service: the CP backend.
@@ -137,6 +139,7 @@ impl ZkBackend {
                 config,
                 session: tokio::sync::Mutex::new(session),
                 held: Mutex::new(HashMap::new()),
+                wakeups: std::sync::atomic::AtomicU64::new(0),
             }),
         })
     }
@@ -144,6 +147,12 @@ impl ZkBackend {
     /// The configuration in force.
     pub fn config(&self) -> &ZkConfig {
         &self.inner.config
+    }
+
+    /// How many times a waiter of this client was woken by its predecessor's watch. With
+    /// predecessor watches, one release wakes exactly one waiter (no herd).
+    pub fn watch_wakeups(&self) -> u64 {
+        self.inner.wakeups.load(Ordering::SeqCst)
     }
 
     /// The container node under which `key`'s contenders queue.
@@ -311,7 +320,9 @@ impl ZkBackend {
                 }
             };
             tokio::select! {
-                _ = watcher.changed() => {}
+                _ = watcher.changed() => {
+                    self.inner.wakeups.fetch_add(1, Ordering::SeqCst);
+                }
                 _ = tokio::time::sleep_until(deadline) => {
                     give_up(client, node).await;
                     return Ok(None);

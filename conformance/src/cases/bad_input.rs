@@ -229,3 +229,23 @@ pub async fn bad_url_is_refused<H: Harness>(h: &H) -> Outcome {
     }
     Outcome::Passed
 }
+
+/// Control characters (`U+0000..=U+001F`, `U+007F`) are refused alike by every backend,
+/// before any I/O, for acquire and inspect.
+pub async fn control_chars_are_refused<H: Harness>(h: &H) -> Outcome {
+    let space = Space::new("control_chars_are_refused");
+    let a = h.client().await;
+    for name in ["a\0b", "a\nb", "tab\tkey", "a\rb", "esc\u{1b}", "del\u{7f}"] {
+        let key = format!("{}{name}", space.prefix());
+        let doing = format!("key with a control character `{}`", name.escape_debug());
+        expect_err(
+            a.try_acquire(key.as_str()).ttl(LONG_TTL).await,
+            &doing,
+            |e| matches!(e, Error::InvalidKey { .. }),
+        );
+        expect_err(a.inspect(key.as_str()).await, &doing, |e| {
+            matches!(e, Error::InvalidKey { .. })
+        });
+    }
+    Outcome::Passed
+}

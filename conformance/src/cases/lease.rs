@@ -264,8 +264,89 @@ pub async fn validity_tracks_the_lease<H: Harness>(h: &H) -> Outcome {
         "valid_until past the lease"
     );
     assert!(until > Instant::now(), "valid_until already passed");
+    assert!(
+        until < held.grant().lease_start + ttl,
+        "valid_until {until:?} is not before lease_start + ttl: no margin for clock drift"
+    );
     tokio::time::sleep_until(until + Duration::from_millis(20)).await;
     assert!(!held.is_valid(), "still valid after valid_until");
     assert_eq!(held.valid_until(), None);
+    Outcome::Passed
+}
+
+/// Once a lease has run out, the key is free for everyone: `inspect` reports nobody, and
+/// the backend refuses the old grant's release and renewal (`NotHeld`) without
+/// resurrecting it.
+pub async fn expired_lease_is_gone<H: Harness>(h: &H) -> Outcome {
+    let space = Space::new("expired_lease_is_gone");
+    let key = space.key("k");
+    let ttl = h.short_ttl();
+    let (a, b) = (h.client().await, h.client().await);
+    let held = a
+        .try_acquire(&key)
+        .ttl(ttl)
+        .no_watchdog()
+        .await
+        .check("acquire")
+        .check("free key");
+    let grant = held.grant().clone();
+    tokio::time::sleep(ttl + h.expiry_slack()).await;
+    assert_eq!(
+        b.inspect(&key).await.check("inspect after expiry"),
+        None,
+        "inspect reports a holder whose lease ran out"
+    );
+    expect_err(
+        a.backend().release(&grant).await,
+        "release after expiry",
+        |e| matches!(e, Error::NotHeld { .. }),
+    );
+    expect_err(
+        a.backend().renew(&grant, LONG_TTL).await,
+        "renew after expiry",
+        |e| matches!(e, Error::NotHeld { .. }),
+    );
+    assert_free(&b, &key, "a refused renewal must not resurrect the lease").await;
+    drop(held);
+    Outcome::Passed
+}
+
+/// After `extend`, the watchdog renews with the extended TTL, not the original one.
+pub async fn extend_sets_the_watchdog_ttl<H: Harness>(h: &H) -> Outcome {
+    let space = Space::new("extend_sets_the_watchdog_ttl");
+    let key = space.key("k");
+    let ttl = h.short_ttl();
+    let (a, b) = (h.client().await, h.client().await);
+    let held = a
+        .try_acquire(&key)
+        .ttl(ttl)
+        .renew_every(ttl / 3)
+        .await
+        .check("acquire")
+        .check("free key");
+    held.extend(LONG_TTL).await.check("extend");
+    // Several renewals at the fixed period happen meanwhile.
+    tokio::time::sleep(ttl * 2).await;
+    let left = held
+        .valid_until()
+        .check("valid after extend")
+        .saturating_duration_since(Instant::now());
+    assert!(
+        left > ttl * 2,
+        "the watchdog renewed with the old {ttl:?} TTL: only {left:?} of validity left"
+    );
+    if let Some(server_left) = b
+        .inspect(&key)
+        .await
+        .check("inspect")
+        .check("held")
+        .ttl_left
+    {
+        assert!(
+            server_left > ttl * 2,
+            "the server lease is {server_left:?}: renewed with the old TTL"
+        );
+    }
+    held.release().await.check("release");
     Outcome::Passed
 }

@@ -124,3 +124,28 @@ pub async fn lost_guard_release_returns_lost<H: Harness>(h: &H) -> Outcome {
     assert!(!err.is_retryable());
     Outcome::Passed
 }
+
+/// A backend that declares `pushes_loss` fires `lost` when the session ends, without
+/// waiting for a renewal (no watchdog here, and a lease far longer than the wait).
+pub async fn session_loss_is_pushed<H: Harness>(h: &H) -> Outcome {
+    let space = Space::new("session_loss_is_pushed");
+    let key = space.key("k");
+    let a = h.client().await;
+    if !a.info().capabilities.pushes_loss {
+        return Outcome::Skipped("the backend does not push loss".into());
+    }
+    let held = a
+        .try_acquire(&key)
+        .ttl(LONG_TTL)
+        .no_watchdog()
+        .await
+        .check("acquire")
+        .check("free key");
+    hook!(h.kill_connection(&a).await);
+    let reason = tokio::time::timeout(Duration::from_secs(5) + h.expiry_slack(), held.lost())
+        .await
+        .check("a backend that pushes loss must fire lost without a renewal");
+    assert_eq!(reason, LostReason::SessionLost);
+    assert!(!held.is_valid());
+    Outcome::Passed
+}

@@ -202,3 +202,44 @@ pub async fn reenter_from_guard<H: Harness>(h: &H) -> Outcome {
     assert_free(&b, &key, "after both releases").await;
     Outcome::Passed
 }
+
+/// A reentrant acquisition resets the lease to the new request's TTL on the server.
+pub async fn reentry_resets_lease<H: Harness>(h: &H) -> Outcome {
+    let space = Space::new("reentry_resets_lease");
+    let key = space.key("k");
+    let (a, b) = (h.client().await, h.client().await);
+    if let Some(skip) = needs_reentrancy(h, &a) {
+        return skip;
+    }
+    let ttl = h.short_ttl();
+    let owner = a.owner();
+    let outer = owner
+        .try_acquire(&key)
+        .ttl(ttl)
+        .no_watchdog()
+        .await
+        .check("outer")
+        .check("free key");
+    let inner = owner
+        .try_acquire(&key)
+        .ttl(LONG_TTL)
+        .await
+        .check("inner")
+        .check("reentrant");
+    let left = b
+        .inspect(&key)
+        .await
+        .check("inspect")
+        .check("held")
+        .ttl_left;
+    inner.release().await.check("release inner");
+    outer.release().await.check("release outer");
+    let Some(left) = left else {
+        return Outcome::Skipped("the backend does not report the lease left".into());
+    };
+    assert!(
+        left > ttl * 2,
+        "re-entry asked for {LONG_TTL:?} but the lease left is {left:?}: not reset"
+    );
+    Outcome::Passed
+}

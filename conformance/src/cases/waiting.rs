@@ -113,6 +113,7 @@ pub async fn waiter_acquires_after_holder_expires<H: Harness>(h: &H) -> Outcome 
     let space = Space::new("waiter_acquires_after_holder_expires");
     let key = space.key("k");
     let (a, b) = (h.client().await, h.client().await);
+    let started = Instant::now();
     let dead = a
         .try_acquire(&key)
         .ttl(h.short_ttl())
@@ -125,6 +126,14 @@ pub async fn waiter_acquires_after_holder_expires<H: Harness>(h: &H) -> Outcome 
         .wait(generous_wait(h))
         .await
         .check("waiter after expiry");
+    let took = started.elapsed();
+    let bound = h.short_ttl() + h.expiry_slack() + Duration::from_secs(2);
+    assert!(
+        took < bound,
+        "the waiter got the key {took:?} after a {:?} lease began (bound {bound:?}): \
+         it was not woken when the lease ran out",
+        h.short_ttl()
+    );
     assert!(guard.token() > dead.token());
     guard.release().await.check("release");
     Outcome::Passed
@@ -231,5 +240,45 @@ pub async fn many_waiters_all_acquire<H: Harness>(h: &H) -> Outcome {
     }
     assert_eq!(history.records().len(), WAITERS);
     history.assert_linear();
+    Outcome::Passed
+}
+
+/// When the holder's session ends, a waiter is woken at once (not at the lease's end).
+/// Skipped for backends that keep a lock past its holder's session.
+pub async fn waiter_is_woken_when_holder_session_ends<H: Harness>(h: &H) -> Outcome {
+    let space = Space::new("waiter_is_woken_when_holder_session_ends");
+    let key = space.key("k");
+    let (a, b, c) = (h.client().await, h.client().await, h.client().await);
+    let held = a
+        .try_acquire(&key)
+        .ttl(LONG_TTL)
+        .no_watchdog()
+        .await
+        .check("acquire")
+        .check("free key");
+    let waiter = {
+        let key = key.clone();
+        tokio::spawn(async move { b.acquire(&key).wait(Duration::from_secs(50)).await })
+    };
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    hook!(h.kill_connection(&a).await);
+    // Does this backend free the lock with the session at all?
+    let deadline = Instant::now() + h.expiry_slack();
+    while c.inspect(&key).await.check("inspect").is_some() {
+        if Instant::now() >= deadline {
+            waiter.abort();
+            return Outcome::Skipped(
+                "the backend keeps a lock after its holder's session ends".into(),
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let guard = tokio::time::timeout(Duration::from_secs(5), waiter)
+        .await
+        .unwrap_or_else(|_| panic!("the waiter was not woken when the holder's session ended"))
+        .check("waiter task")
+        .check("waiter");
+    guard.release().await.check("release waiter");
+    drop(held);
     Outcome::Passed
 }

@@ -1,0 +1,171 @@
+//! ZooKeeper-specific behaviour: no herd, no orphan contenders, and a cut-off holder that
+//! knows it lost the lock before anyone else can be granted it.
+
+use std::{sync::Arc, time::Duration};
+
+use lockkit_conformance::{FaultProxy, History, env};
+use lockkit_core::{LockKey, Locker};
+use lockkit_zk::ZkBackend;
+use tokio::sync::{mpsc, watch};
+use uuid::Uuid;
+
+fn key(case: &str) -> LockKey {
+    LockKey::new(format!("zk-test/{case}/{}", Uuid::new_v4().simple())).unwrap()
+}
+
+async fn contenders(backend: &ZkBackend, key: &LockKey) -> usize {
+    let client = backend.client().await.unwrap();
+    match client.list_children(&backend.lock_dir(key)).await {
+        Ok(children) => children.len(),
+        Err(zookeeper_client::Error::NoNode) => 0,
+        Err(e) => panic!("{e}"),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_release_wakes_exactly_one_of_fifty_waiters() {
+    let Some(url) = env::service_url("LOCKKIT_TEST_ZK_URL") else {
+        return;
+    };
+    let url = format!("{url}?session_timeout=10s");
+    let key = key("herd");
+    let holder = Locker::new(ZkBackend::connect(&url).await.unwrap());
+    let waiters_backend = ZkBackend::connect(&url).await.unwrap();
+    let waiters = Locker::new(waiters_backend.clone());
+    let held = holder
+        .acquire(&key)
+        .ttl(Duration::from_secs(30))
+        .await
+        .unwrap();
+
+    let (granted_tx, mut granted) = mpsc::unbounded_channel();
+    let (go_tx, go) = watch::channel(false);
+    for _ in 0..50 {
+        let (waiters, key, granted_tx, mut go) =
+            (waiters.clone(), key.clone(), granted_tx.clone(), go.clone());
+        tokio::spawn(async move {
+            let guard = waiters
+                .acquire(&key)
+                .ttl(Duration::from_secs(30))
+                .wait(Duration::from_secs(60))
+                .await
+                .unwrap();
+            granted_tx.send(guard.token()).unwrap();
+            while !*go.borrow_and_update() {
+                go.changed().await.unwrap();
+            }
+            guard.release().await.unwrap();
+        });
+    }
+    // All 50 are queued behind the holder.
+    for _ in 0..200 {
+        if contenders(&waiters_backend, &key).await == 51 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(contenders(&waiters_backend, &key).await, 51);
+    let before = waiters_backend.watch_wakeups();
+    held.release().await.unwrap();
+    tokio::time::timeout(Duration::from_secs(10), granted.recv())
+        .await
+        .unwrap()
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(
+        waiters_backend.watch_wakeups() - before,
+        1,
+        "one release woke more than one waiter"
+    );
+
+    go_tx.send(true).unwrap();
+    for _ in 1..50 {
+        tokio::time::timeout(Duration::from_secs(20), granted.recv())
+            .await
+            .unwrap()
+            .unwrap();
+    }
+    assert_eq!(
+        waiters_backend.watch_wakeups() - before,
+        50,
+        "each release must wake exactly its successor"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cancelled_waiters_leave_no_contender_nodes() {
+    let Some(url) = env::service_url("LOCKKIT_TEST_ZK_URL") else {
+        return;
+    };
+    let url = format!("{url}?session_timeout=10s");
+    let key = key("cancel");
+    let backend = ZkBackend::connect(&url).await.unwrap();
+    let holder = Locker::new(ZkBackend::connect(&url).await.unwrap());
+    let waiters = Locker::new(backend.clone());
+    let held = holder.acquire(&key).await.unwrap();
+    for i in 0..40u64 {
+        let attempt = waiters.acquire(&key).wait(Duration::from_secs(30));
+        let budget = Duration::from_micros(i * 500);
+        assert!(tokio::time::timeout(budget, attempt).await.is_err());
+    }
+    held.release().await.unwrap();
+    let mut left = usize::MAX;
+    for _ in 0..100 {
+        left = contenders(&backend, &key).await;
+        if left == 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(left, 0, "cancelled waiters left contender nodes behind");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cut_off_holder_knows_before_anyone_else_is_granted() {
+    let Some(url) = env::service_url("LOCKKIT_TEST_ZK_ENSEMBLE_URL") else {
+        return;
+    };
+    let mut proxies = Vec::new();
+    for server in env::host_ports(&url) {
+        proxies.push(FaultProxy::start(server.parse().unwrap()).await.unwrap());
+    }
+    let hosts: Vec<String> = proxies.iter().map(|p| p.local_addr().to_string()).collect();
+    let session = "?session_timeout=3s";
+    let holder = Locker::new(
+        ZkBackend::connect(&format!("zk://{}{session}", hosts.join(",")))
+            .await
+            .unwrap(),
+    );
+    let rival = Locker::new(
+        ZkBackend::connect(&format!("{url}{session}"))
+            .await
+            .unwrap(),
+    );
+    let key = key("cut");
+    let history = History::new();
+    let guard = holder
+        .acquire(&key)
+        .ttl(Duration::from_secs(3))
+        .await
+        .unwrap();
+    let open = history.begin("cut-off holder", &guard);
+    // A partition: packets stop, connections stay open.
+    for proxy in &proxies {
+        proxy.cut();
+    }
+    let next = rival
+        .acquire(&key)
+        .wait(Duration::from_secs(30))
+        .await
+        .unwrap();
+    let rival_open = history.begin("rival", &next);
+    tokio::time::timeout(Duration::from_secs(5), guard.lost())
+        .await
+        .expect("the cut-off holder never noticed");
+    history.end(open, &guard);
+    history.end(rival_open, &next);
+    history.assert_linear();
+    assert!(next.token() > guard.token());
+    next.release().await.unwrap();
+    drop(Arc::new(proxies));
+}
