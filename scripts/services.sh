@@ -275,6 +275,9 @@ missing_packages() {
   mysql_client >/dev/null || missing+=(mariadb-client)
   find_bin java >/dev/null || missing+=(default-jre-headless)
   [[ -f "$ZK_JAR" ]] || missing+=(libzookeeper-java)
+  # Apache Curator, a peer client for the ZooKeeper interoperability test (it needs javac too)
+  [[ -f /usr/share/java/curator-recipes.jar ]] || missing+=(libcurator-recipes-java)
+  find_bin javac >/dev/null || missing+=(default-jdk-headless)
   echo "${missing[*]}"
 }
 
