@@ -5,5 +5,4 @@ set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 scripts/services.sh up
 eval "$(scripts/services.sh env)"
-cargo test --workspace --all-targets
-cargo test --workspace --doc
+cargo test --workspace
