@@ -18,6 +18,7 @@
 pub mod cases;
 pub mod env;
 pub mod fenced;
+mod file_harness;
 pub mod harness;
 pub mod history;
 pub mod holder;
@@ -28,6 +29,7 @@ mod support;
 use std::{future::Future, io::Write, sync::Arc, time::Duration};
 
 pub use fenced::{FencedStore, StaleToken, UnfencedStore};
+pub use file_harness::FileHarness;
 pub use harness::{Harness, HookError, HookResult};
 pub use history::{History, Violation};
 pub use lockkit_core;

@@ -6,7 +6,9 @@ use std::{
     sync::{Arc, Mutex},
 };
 
-use tokio::sync::oneshot;
+use tokio::sync::{Notify, oneshot};
+
+use crate::{Error, Grant, Result};
 
 type Orphan<T> = Arc<Mutex<Option<Box<dyn FnOnce(T) + Send>>>>;
 
@@ -71,6 +73,72 @@ where
     };
     waiting.answer = None;
     value
+}
+
+/// Lets a detached acquisition learn that its caller has gone, so it can stop waiting
+/// (and clean up) instead of waiting out its whole deadline.
+#[derive(Debug, Clone, Default)]
+pub struct Interrupt(Arc<Notify>);
+
+impl Interrupt {
+    /// Resolves once the caller of [`detached_acquire`] has dropped its future.
+    ///
+    /// # Cancel safety
+    /// Cancel safe; a wake-up that arrives while nobody waits is kept for the next call.
+    pub async fn interrupted(&self) {
+        self.0.notified().await;
+    }
+}
+
+/// Fires the interrupt when the caller's future is dropped before the end.
+struct InterruptOnDrop(Option<Interrupt>);
+
+impl Drop for InterruptOnDrop {
+    fn drop(&mut self) {
+        if let Some(interrupt) = self.0.take() {
+            interrupt.0.notify_one();
+        }
+    }
+}
+
+/// The cancel-safe shape of a backend's acquisition: runs `attempt` as its own task (see
+/// [`detached`]); if the caller goes away, the attempt is told through its [`Interrupt`],
+/// and a grant it still produces (`grant_of` finds it in the output) is handed to
+/// `give_back` on the runtime, so no lock is left behind.
+///
+/// # Errors
+/// The attempt's own error, or a retryable [`Error::Backend`] naming `backend` if the task
+/// died.
+pub async fn detached_acquire<T, A, W, G, F>(
+    backend: &'static str,
+    attempt: A,
+    grant_of: fn(T) -> Option<Grant>,
+    give_back: G,
+) -> Result<T>
+where
+    T: Send + 'static,
+    A: FnOnce(Interrupt) -> W,
+    W: Future<Output = Result<T>> + Send + 'static,
+    G: FnOnce(Grant) -> F + Send + 'static,
+    F: Future<Output = ()> + Send + 'static,
+{
+    let interrupt = Interrupt::default();
+    let mut on_drop = InterruptOnDrop(Some(interrupt.clone()));
+    let outcome = detached(attempt(interrupt), move |orphan: Result<T>| {
+        let grant = orphan.ok().and_then(grant_of);
+        if let (Some(grant), Ok(runtime)) = (grant, tokio::runtime::Handle::try_current()) {
+            runtime.spawn(give_back(grant));
+        }
+    })
+    .await;
+    on_drop.0 = None;
+    outcome.unwrap_or_else(|| {
+        Err(Error::backend(
+            backend,
+            true,
+            "the acquisition task ended without an answer (runtime shutting down?)",
+        ))
+    })
 }
 
 #[cfg(test)]

@@ -19,6 +19,7 @@ pub mod config;
 mod detach;
 mod error;
 mod fencing;
+mod file;
 mod guard;
 mod key;
 mod locker;
@@ -31,9 +32,10 @@ pub use backend::{
     AcquireRequest, BackendInfo, Capabilities, Consistency, Grant, HolderInfo, LockBackend,
     Released,
 };
-pub use detach::detached;
+pub use detach::{Interrupt, detached, detached_acquire};
 pub use error::{BoxError, Error, LostReason, Result};
 pub use fencing::FencingToken;
+pub use file::{FileBackend, file_name};
 pub use guard::{LockGuard, local_validity};
 pub use key::{IntoLockKey, LockKey};
 pub use locker::{Acquire, Locker, Owner, TryAcquire, WAIT_FOREVER, deadline_after};

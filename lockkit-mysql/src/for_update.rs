@@ -10,11 +10,11 @@ use std::{
 };
 
 use lockkit_core::{
-    AcquireRequest, Error, FencingToken, Grant, HolderInfo, LockKey, OwnerId, Released, Result,
-    detached,
+    AcquireRequest, Error, FencingToken, Grant, HolderInfo, Interrupt, LockKey, OwnerId, Released,
+    Result, detached_acquire,
 };
 use sqlx::{AssertSqlSafe, MySql, Row, pool::PoolConnection};
-use tokio::{sync::Notify, time::Instant};
+use tokio::time::Instant;
 
 use crate::backend::{BACKEND, MysqlBackend, db_error, error_number, query, row_text};
 
@@ -111,54 +111,25 @@ pub(crate) async fn acquire(
         return Ok(Some(grant_for(req, &held, depth, start)));
     }
     // Cancelling the caller interrupts the server-side wait at once.
-    let interrupt = Arc::new(Notify::new());
-    let on_drop = InterruptOnDrop(Some(interrupt.clone()));
     let (this, request, giver) = (backend.clone(), req.clone(), backend.clone());
-    let outcome = detached(
-        async move { lock(&this, &request, wait, interrupt).await },
-        move |orphan| {
-            if let (Ok(Some(grant)), Ok(runtime)) = (orphan, tokio::runtime::Handle::try_current())
-            {
-                runtime.spawn(async move {
-                    if let Err(error) = release(&giver, &grant).await {
-                        tracing::warn!(%error, "could not give back an orphaned grant");
-                    }
-                });
+    detached_acquire(
+        BACKEND,
+        move |interrupt| async move { lock(&this, &request, wait, interrupt).await },
+        std::convert::identity,
+        move |grant| async move {
+            if let Err(error) = release(&giver, &grant).await {
+                tracing::warn!(%error, "could not give back an orphaned grant");
             }
         },
     )
-    .await;
-    on_drop.disarm();
-    outcome.unwrap_or_else(|| {
-        Err(Error::backend(
-            BACKEND,
-            true,
-            "the acquire task ended without an answer",
-        ))
-    })
-}
-
-struct InterruptOnDrop(Option<Arc<Notify>>);
-
-impl InterruptOnDrop {
-    fn disarm(mut self) {
-        self.0 = None;
-    }
-}
-
-impl Drop for InterruptOnDrop {
-    fn drop(&mut self) {
-        if let Some(interrupt) = self.0.take() {
-            interrupt.notify_one();
-        }
-    }
+    .await
 }
 
 async fn lock(
     backend: &MysqlBackend,
     req: &AcquireRequest,
     wait: Duration,
-    interrupt: Arc<Notify>,
+    interrupt: Interrupt,
 ) -> Result<Option<Grant>> {
     let inner = &backend.inner;
     let name = req.key.as_str().as_bytes();
@@ -196,10 +167,10 @@ async fn lock(
             if !wait.is_zero() {
                 tokio::select! {
                     _ = tokio::time::sleep(wait) => {}
-                    _ = interrupt.notified() => {}
+                    _ = interrupt.interrupted() => {}
                 }
             } else {
-                interrupt.notified().await;
+                interrupt.interrupted().await;
             }
             if let Err(error) = sqlx::raw_sql(AssertSqlSafe(format!("KILL QUERY {id}")))
                 .execute(&pool)

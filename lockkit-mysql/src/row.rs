@@ -4,7 +4,7 @@ use std::time::Duration;
 
 use lockkit_core::{
     AcquireRequest, Error, FencingToken, Grant, HolderInfo, LockKey, Released, Result,
-    deadline_after, detached,
+    deadline_after, detached_acquire,
 };
 use sqlx::Row;
 use tokio::time::Instant;
@@ -16,6 +16,15 @@ enum Attempt {
     Granted(Grant),
     /// Held by someone else for about this much longer.
     Busy(Duration),
+}
+
+impl Attempt {
+    fn into_grant(self) -> Option<Grant> {
+        match self {
+            Attempt::Granted(grant) => Some(grant),
+            Attempt::Busy(_) => None,
+        }
+    }
 }
 
 /// One acquire transaction: lock the key's row, decide, write, commit.
@@ -108,34 +117,27 @@ const DEADLOCK: u16 = 1213;
 /// A cancel-safe attempt: a grant whose caller has gone is given back.
 async fn attempt(backend: &MysqlBackend, req: &AcquireRequest) -> Result<Attempt> {
     let (this, request, giver) = (backend.clone(), req.clone(), backend.clone());
-    detached(
-        async move {
+    detached_acquire(
+        crate::backend::BACKEND,
+        move |_| async move {
             match run_acquire(&this, &request).await {
-                Err(Error::Backend { source: Some(source), .. })
-                    if source
-                        .downcast_ref::<sqlx::Error>()
-                        .and_then(error_number)
-                        == Some(DEADLOCK) =>
-                {
+                Err(Error::Backend {
+                    source: Some(source),
+                    ..
+                }) if source.downcast_ref::<sqlx::Error>().and_then(error_number) == Some(DEADLOCK) => {
                     Ok(Attempt::Busy(Duration::ZERO))
                 }
                 outcome => outcome,
             }
         },
-        move |orphan| {
-            if let (Ok(Attempt::Granted(grant)), Ok(runtime)) =
-                (orphan, tokio::runtime::Handle::try_current())
-            {
-                runtime.spawn(async move {
-                    if let Err(error) = release(&giver, &grant).await {
-                        tracing::warn!(%error, "could not give back an orphaned grant; its lease will run out");
-                    }
-                });
+        Attempt::into_grant,
+        move |grant| async move {
+            if let Err(error) = release(&giver, &grant).await {
+                tracing::warn!(%error, "could not give back an orphaned grant; its lease will run out");
             }
         },
     )
     .await
-    .unwrap_or_else(|| Err(Error::backend(crate::backend::BACKEND, true, "the acquire task ended without an answer")))
 }
 
 pub(crate) async fn try_acquire(

@@ -296,31 +296,16 @@ impl RedlockBackend {
     /// A cancel-safe round: it runs in its own task, and a grant nobody waits for any more
     /// is given back.
     async fn attempt(&self, req: &AcquireRequest) -> Result<Attempt> {
-        let this = self.clone();
-        let request = req.clone();
-        let giver = self.clone();
-        let outcome = lockkit_core::detached(
-            async move { this.run_acquire(&request).await },
-            move |orphan| {
-                if let (Ok(Attempt::Granted(grant)), Ok(runtime)) =
-                    (orphan, tokio::runtime::Handle::try_current())
-                {
-                    runtime.spawn(async move {
-                        if let Err(error) = giver.release(&grant).await {
-                            tracing::warn!(%error, key = %grant.key, "could not give back a grant nobody waited for; its lease will run out");
-                        }
-                    });
-                }
+        let (this, request, giver) = (self.clone(), req.clone(), self.clone());
+        lockkit_core::detached_acquire(
+            BACKEND,
+            move |_| async move { this.run_acquire(&request).await },
+            Attempt::into_grant,
+            move |grant| async move {
+                let _ = giver.release(&grant).await;
             },
         )
-        .await;
-        outcome.unwrap_or_else(|| {
-            Err(Error::backend(
-                BACKEND,
-                true,
-                "the acquire task ended without an answer",
-            ))
-        })
+        .await
     }
 }
 

@@ -33,6 +33,15 @@ pub(crate) enum Attempt {
     Busy(Option<Duration>),
 }
 
+impl Attempt {
+    pub(crate) fn into_grant(self) -> Option<Grant> {
+        match self {
+            Attempt::Granted(grant) => Some(grant),
+            Attempt::Busy(_) => None,
+        }
+    }
+}
+
 pub(crate) fn ttl_millis(ttl: Duration) -> u64 {
     u64::try_from(ttl.as_millis()).unwrap_or(u64::MAX).max(1)
 }
@@ -239,31 +248,18 @@ impl RedisBackend {
     /// One cancel-safe acquire attempt: the script runs in its own task, and if the caller
     /// goes away before the answer arrives, a grant that arrives anyway is given back.
     pub(crate) async fn attempt(&self, req: &AcquireRequest) -> Result<Attempt> {
-        let this = self.clone();
-        let request = req.clone();
-        let giver = self.clone();
-        let outcome = lockkit_core::detached(
-            async move { this.run_acquire(&request).await },
-            move |orphan| {
-                if let (Ok(Attempt::Granted(grant)), Ok(runtime)) =
-                    (orphan, tokio::runtime::Handle::try_current())
-                {
-                    runtime.spawn(async move {
-                        if let Err(error) = giver.release(&grant).await {
-                            tracing::warn!(%error, key = %grant.key, "could not give back a grant nobody waited for; its lease will run out");
-                        }
-                    });
+        let (this, request, giver) = (self.clone(), req.clone(), self.clone());
+        lockkit_core::detached_acquire(
+            crate::conn::BACKEND,
+            move |_| async move { this.run_acquire(&request).await },
+            Attempt::into_grant,
+            move |grant| async move {
+                if let Err(error) = giver.release(&grant).await {
+                    tracing::warn!(%error, key = %grant.key, "could not give back a grant nobody waited for; its lease will run out");
                 }
             },
         )
-        .await;
-        outcome.unwrap_or_else(|| {
-            Err(Error::backend(
-                crate::conn::BACKEND,
-                true,
-                "the acquire task ended without an answer",
-            ))
-        })
+        .await
     }
 
     /// Waits for `req`, woken by release messages, retrying transient errors until the

@@ -12,10 +12,10 @@ use std::{
 use async_trait::async_trait;
 use lockkit_core::{
     AcquireRequest, BackendInfo, Capabilities, Consistency, Error, FencingToken, Grant, HolderInfo,
-    LockBackend, LockKey, LossSignal, LostReason, OwnerId, Released, Result, deadline_after,
-    detached,
+    Interrupt, LockBackend, LockKey, LossSignal, LostReason, OwnerId, Released, Result,
+    deadline_after, detached_acquire,
 };
-use tokio::{sync::Notify, time::Instant};
+use tokio::time::Instant;
 use uuid::Uuid;
 use zookeeper_client::{Acls, Client, CreateMode, SessionState};
 
@@ -266,7 +266,7 @@ impl ZkBackend {
         &self,
         req: &AcquireRequest,
         wait: Duration,
-        interrupt: Arc<Notify>,
+        interrupt: Interrupt,
     ) -> Result<Option<Grant>> {
         let start = Instant::now();
         let deadline = deadline_after(wait);
@@ -327,7 +327,7 @@ impl ZkBackend {
                     give_up(client, node).await;
                     return Ok(None);
                 }
-                _ = interrupt.notified() => {
+                _ = interrupt.interrupted() => {
                     give_up(client, node).await;
                     return Ok(None);
                 }
@@ -364,47 +364,16 @@ impl ZkBackend {
                 Grant::new(req, held.token, depth, Instant::now()).with_state(held),
             ));
         }
-        let interrupt = Arc::new(Notify::new());
-        let on_drop = Interrupt(Some(interrupt.clone()));
         let (this, request, giver) = (self.clone(), req.clone(), self.clone());
-        let outcome = detached(
-            async move { this.contend(&request, wait, interrupt).await },
-            move |orphan| {
-                if let (Ok(Some(grant)), Ok(runtime)) =
-                    (orphan, tokio::runtime::Handle::try_current())
-                {
-                    runtime.spawn(async move {
-                        let _ = giver.release(&grant).await;
-                    });
-                }
+        detached_acquire(
+            BACKEND,
+            move |interrupt| async move { this.contend(&request, wait, interrupt).await },
+            std::convert::identity,
+            move |grant| async move {
+                let _ = giver.release(&grant).await;
             },
         )
-        .await;
-        on_drop.disarm();
-        outcome.unwrap_or_else(|| {
-            Err(Error::backend(
-                BACKEND,
-                true,
-                "the acquire task ended without an answer",
-            ))
-        })
-    }
-}
-
-/// Interrupts a waiting contender when the caller's future is dropped.
-struct Interrupt(Option<Arc<Notify>>);
-
-impl Interrupt {
-    fn disarm(mut self) {
-        self.0 = None;
-    }
-}
-
-impl Drop for Interrupt {
-    fn drop(&mut self) {
-        if let Some(n) = self.0.take() {
-            n.notify_one();
-        }
+        .await
     }
 }
 
