@@ -28,10 +28,10 @@ impl<T> Drop for Waiting<T> {
             // Either the task has not answered yet (then its send fails and it calls the
             // handler itself) or the answer is waiting here unread.
             answer.close();
-            if let Ok(value) = answer.try_recv() {
-                if let Some(handle) = take(&self.orphan) {
-                    handle(value);
-                }
+            if let Ok(value) = answer.try_recv()
+                && let Some(handle) = take(&self.orphan)
+            {
+                handle(value);
             }
         }
     }
@@ -57,10 +57,10 @@ where
     let task_orphan = orphan.clone();
     tokio::spawn(async move {
         let value = work.await;
-        if let Err(value) = deliver.send(value) {
-            if let Some(handle) = take(&task_orphan) {
-                handle(value);
-            }
+        if let Err(value) = deliver.send(value)
+            && let Some(handle) = take(&task_orphan)
+        {
+            handle(value);
         }
     });
     let mut waiting = Waiting {

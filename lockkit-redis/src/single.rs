@@ -328,10 +328,10 @@ impl RedisBackend {
                 _ = woken => {}
                 _ = tokio::time::sleep_until((now + fallback + jitter).min(deadline)) => {}
             }
-            if subscription.is_some() {
-                if let Err(error) = self.inner.wakeups.ensure_connected().await {
-                    tracing::debug!(%error, "subscriber connection down; retrying on the timer");
-                }
+            if subscription.is_some()
+                && let Err(error) = self.inner.wakeups.ensure_connected().await
+            {
+                tracing::debug!(%error, "subscriber connection down; retrying on the timer");
             }
         }
     }

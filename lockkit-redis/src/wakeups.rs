@@ -202,11 +202,11 @@ impl Wakeups {
         if !self.release_ref(name) {
             return;
         }
-        if let Some(sink) = link.sink.as_mut() {
-            if let Err(error) = sink.unsubscribe(name).await {
-                tracing::debug!(%error, "UNSUBSCRIBE failed; dropping the subscriber connection");
-                link.sink = None;
-            }
+        if let Some(sink) = link.sink.as_mut()
+            && let Err(error) = sink.unsubscribe(name).await
+        {
+            tracing::debug!(%error, "UNSUBSCRIBE failed; dropping the subscriber connection");
+            link.sink = None;
         }
     }
 

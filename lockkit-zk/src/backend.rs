@@ -241,12 +241,12 @@ impl ZkBackend {
                 Err(zookeeper_client::Error::ConnectionLoss) => {
                     // The create may have happened: look for our uuid before trying again.
                     let unique = &prefix[dir.len() + 1..];
-                    if let Ok(children) = client.list_children(dir).await {
-                        if let Some(name) = children.iter().find(|c| c.starts_with(unique)) {
-                            let node = format!("{dir}/{name}");
-                            if let Ok(Some(stat)) = client.check_stat(&node).await {
-                                return Ok((node, u64::try_from(stat.czxid).unwrap_or(0)));
-                            }
+                    if let Ok(children) = client.list_children(dir).await
+                        && let Some(name) = children.iter().find(|c| c.starts_with(unique))
+                    {
+                        let node = format!("{dir}/{name}");
+                        if let Ok(Some(stat)) = client.check_stat(&node).await {
+                            return Ok((node, u64::try_from(stat.czxid).unwrap_or(0)));
                         }
                     }
                 }
@@ -276,10 +276,10 @@ impl ZkBackend {
         let (node, czxid) = self.create_contender(&session, &dir, req).await?;
         let name = node[dir.len() + 1..].to_owned();
         let give_up = |client: Client, node: String| async move {
-            if let Err(e) = client.delete(&node, None).await {
-                if e != zookeeper_client::Error::NoNode {
-                    tracing::warn!(error = %e, node, "could not delete a contender node; it goes with the session");
-                }
+            if let Err(e) = client.delete(&node, None).await
+                && e != zookeeper_client::Error::NoNode
+            {
+                tracing::warn!(error = %e, node, "could not delete a contender node; it goes with the session");
             }
         };
         loop {
