@@ -123,12 +123,9 @@ fn scheme_of(url: &str) -> Result<&'static str> {
 }
 
 fn enabled(feature: &str) -> bool {
-    match feature {
-        "redis" => cfg!(feature = "redis"),
-        "zk" => cfg!(feature = "zk"),
-        "mysql" => cfg!(feature = "mysql"),
-        _ => false,
-    }
+    (feature == "redis" && cfg!(feature = "redis"))
+        || (feature == "zk" && cfg!(feature = "zk"))
+        || (feature == "mysql" && cfg!(feature = "mysql"))
 }
 
 /// The backend `url` names, shared so it can be wrapped or inspected.
