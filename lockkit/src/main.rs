@@ -1,0 +1,272 @@
+//! `lockkit`: run a command under a distributed lock, or inspect one.
+
+use std::{process::ExitCode, time::Duration};
+
+use clap::{Parser, Subcommand};
+use lockkit::{Error, LockGuard, Locker, config::parse_duration};
+use nix::{sys::signal::Signal, unistd::Pid};
+use tokio::{process::Command, signal::unix::SignalKind};
+
+/// Exit code when the lock was lost while the command ran (EX_TEMPFAIL).
+const LOST_EXIT: u8 = 75;
+
+#[derive(Parser, Debug)]
+#[command(
+    name = "lockkit",
+    version,
+    about = "Distributed locks from the command line: flock(1) across machines",
+    long_about = "Distributed locks from the command line.\n\nThe backend comes from --url or \
+                  $LOCKKIT_URL (memory://, file:///dir, redis://, redis+cluster://, redlock://, \
+                  zk://, mysql://); without either, a lock directory under the system's \
+                  temporary directory is used."
+)]
+struct Cli {
+    /// Backend URL (default: $LOCKKIT_URL, else a lock directory in the temp directory).
+    #[arg(long, global = true, env = "LOCKKIT_URL")]
+    url: Option<String>,
+    #[command(subcommand)]
+    command: Commands,
+}
+
+#[derive(Subcommand, Debug)]
+enum Commands {
+    /// Run CMD only while holding KEY; the lease is renewed while CMD runs.
+    ///
+    /// CMD gets LOCKKIT_KEY and LOCKKIT_TOKEN (the fencing token). If the lock is lost, CMD
+    /// gets SIGTERM, then SIGKILL after --grace, and lockkit exits 75. A wait that times out
+    /// exits 1 (see --conflict-exit-code). Otherwise lockkit exits with CMD's code. SIGINT
+    /// and SIGTERM are passed on to CMD. The lock is released on every exit path.
+    Run {
+        /// The lock's name.
+        #[arg(long)]
+        key: String,
+        /// Lease (renewed while CMD runs), e.g. 30s.
+        #[arg(long, default_value = "30s", value_parser = duration)]
+        ttl: Duration,
+        /// How long to wait for the lock (default: until granted); 0 tries once.
+        #[arg(long, value_parser = duration)]
+        wait: Option<Duration>,
+        /// Stop renewing after this long; the lock then runs out and CMD is stopped.
+        #[arg(long, value_parser = duration)]
+        max_hold: Option<Duration>,
+        /// Time between SIGTERM and SIGKILL when the lock is lost.
+        #[arg(long, default_value = "5s", value_parser = duration)]
+        grace: Duration,
+        /// Exit code when the lock could not be taken in time.
+        #[arg(long, default_value_t = 1)]
+        conflict_exit_code: u8,
+        /// The command and its arguments.
+        #[arg(required = true, trailing_var_arg = true, allow_hyphen_values = true)]
+        command: Vec<String>,
+    },
+    /// Show who holds KEY: holder, depth, token, lease left.
+    Status {
+        /// The lock's name.
+        #[arg(long)]
+        key: String,
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+fn duration(text: &str) -> Result<Duration, String> {
+    if text == "0" {
+        return Ok(Duration::ZERO);
+    }
+    parse_duration("duration", text).map_err(|e| e.to_string())
+}
+
+#[tokio::main]
+async fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let url = cli
+        .url
+        .filter(|u| !u.is_empty())
+        .unwrap_or_else(lockkit::default_url);
+    let locker = match lockkit::connect(&url).await {
+        Ok(locker) => locker,
+        Err(e) => {
+            eprintln!("lockkit: cannot use `{url}`: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    match cli.command {
+        Commands::Run {
+            key,
+            ttl,
+            wait,
+            max_hold,
+            grace,
+            conflict_exit_code,
+            command,
+        } => {
+            run(
+                &locker,
+                &key,
+                ttl,
+                wait,
+                max_hold,
+                grace,
+                conflict_exit_code,
+                &command,
+            )
+            .await
+        }
+        Commands::Status { key, json } => status(&locker, &key, json).await,
+    }
+}
+
+async fn status(locker: &Locker, key: &str, json: bool) -> ExitCode {
+    match locker.inspect(key).await {
+        Ok(None) if json => {
+            println!("{{\"key\":{key:?},\"held\":false}}");
+            ExitCode::SUCCESS
+        }
+        Ok(None) => {
+            println!("{key}: free");
+            ExitCode::SUCCESS
+        }
+        Ok(Some(info)) => {
+            let token = info.token.map_or_else(|| "null".into(), |t| t.to_string());
+            let left = info
+                .ttl_left
+                .map_or_else(|| "null".into(), |d| d.as_millis().to_string());
+            if json {
+                println!(
+                    "{{\"key\":{key:?},\"held\":true,\"holder\":{:?},\"depth\":{},\"token\":{token},\"lease_left_ms\":{left}}}",
+                    info.owner, info.depth
+                );
+            } else {
+                println!(
+                    "{key}: held by {} (depth {}, token {token}, lease left {left} ms)",
+                    info.owner, info.depth
+                );
+            }
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("lockkit: {e}");
+            ExitCode::from(2)
+        }
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+async fn run(
+    locker: &Locker,
+    key: &str,
+    ttl: Duration,
+    wait: Option<Duration>,
+    max_hold: Option<Duration>,
+    grace: Duration,
+    conflict_exit_code: u8,
+    command: &[String],
+) -> ExitCode {
+    let mut acquire = locker.acquire(key).ttl(ttl);
+    if let Some(wait) = wait {
+        acquire = acquire.wait(wait);
+    }
+    if let Some(max_hold) = max_hold {
+        acquire = acquire.max_hold(max_hold);
+    }
+    // Listen before anything can be signalled: a signal during the wait gives up the wait,
+    // one while CMD runs is passed on to it.
+    let (Ok(mut interrupts), Ok(mut terms)) = (
+        tokio::signal::unix::signal(SignalKind::interrupt()),
+        tokio::signal::unix::signal(SignalKind::terminate()),
+    ) else {
+        eprintln!("lockkit: cannot listen for signals");
+        return ExitCode::from(2);
+    };
+    let acquired = tokio::select! {
+        acquired = acquire => acquired,
+        _ = interrupts.recv() => return ExitCode::from(128 + 2),
+        _ = terms.recv() => return ExitCode::from(128 + 15),
+    };
+    let guard = match acquired {
+        Ok(guard) => guard,
+        Err(Error::Timeout { waited, .. }) => {
+            let holder = locker
+                .inspect(key)
+                .await
+                .ok()
+                .flatten()
+                .map(|h| h.owner)
+                .unwrap_or_default();
+            eprintln!("lockkit: `{key}` is held by {holder}; gave up after {waited:?}");
+            return ExitCode::from(conflict_exit_code);
+        }
+        Err(e) => {
+            eprintln!("lockkit: cannot lock `{key}`: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    let code = supervise(&guard, key, grace, command, &mut interrupts, &mut terms).await;
+    match guard.release().await {
+        Ok(_) | Err(Error::Lost { .. }) => {}
+        Err(e) => eprintln!("lockkit: releasing `{key}` failed (its lease will run out): {e}"),
+    }
+    code
+}
+
+/// Runs the command while the guard holds; stops it if the lock is lost.
+async fn supervise(
+    guard: &LockGuard,
+    key: &str,
+    grace: Duration,
+    command: &[String],
+    interrupts: &mut tokio::signal::unix::Signal,
+    terms: &mut tokio::signal::unix::Signal,
+) -> ExitCode {
+    let Some((program, args)) = command.split_first() else {
+        return ExitCode::from(2);
+    };
+    let mut child = match Command::new(program)
+        .args(args)
+        .env("LOCKKIT_KEY", key)
+        .env("LOCKKIT_TOKEN", guard.token().to_string())
+        .spawn()
+    {
+        Ok(child) => child,
+        Err(e) => {
+            eprintln!("lockkit: cannot run `{program}`: {e}");
+            return ExitCode::from(127);
+        }
+    };
+    let pid = child
+        .id()
+        .and_then(|id| i32::try_from(id).ok())
+        .map(Pid::from_raw);
+    let send = |signal: Signal| {
+        if let Some(pid) = pid {
+            let _ = nix::sys::signal::kill(pid, signal);
+        }
+    };
+    let lost = guard.lost();
+    tokio::pin!(lost);
+    loop {
+        tokio::select! {
+            status = child.wait() => {
+                return match status {
+                    Ok(status) => ExitCode::from(status.code().map_or(128 + 15, |c| u8::try_from(c).unwrap_or(1))),
+                    Err(e) => {
+                        eprintln!("lockkit: waiting for `{program}` failed: {e}");
+                        ExitCode::from(2)
+                    }
+                };
+            }
+            reason = &mut lost => {
+                eprintln!("lockkit: lost `{key}` ({reason}); stopping `{program}`");
+                send(Signal::SIGTERM);
+                if tokio::time::timeout(grace, child.wait()).await.is_err() {
+                    send(Signal::SIGKILL);
+                    let _ = child.wait().await;
+                }
+                return ExitCode::from(LOST_EXIT);
+            }
+            _ = interrupts.recv() => send(Signal::SIGINT),
+            _ = terms.recv() => send(Signal::SIGTERM),
+        }
+    }
+}

@@ -1,0 +1,239 @@
+//! `lockkit run` and `lockkit status`: exit codes, the child's environment, loss,
+//! signals, and exclusion across concurrent shell loops.
+
+use std::{
+    process::{Command, Stdio},
+    time::{Duration, Instant},
+};
+
+use lockkit::{FileBackend, LockKey, Locker};
+
+const BIN: &str = env!("CARGO_BIN_EXE_lockkit");
+
+fn dir(test: &str) -> String {
+    let dir = format!("{}/cli/{test}", env!("CARGO_TARGET_TMPDIR"));
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+fn lockkit(url: &str, args: &[&str]) -> Command {
+    let mut cmd = Command::new(BIN);
+    cmd.env("LOCKKIT_URL", url).args(args);
+    cmd
+}
+
+#[test]
+fn run_passes_the_exit_code_and_the_token() {
+    let url = format!("file://{}", dir("exit"));
+    let out = lockkit(
+        &url,
+        &[
+            "run",
+            "--key",
+            "k",
+            "--",
+            "sh",
+            "-c",
+            "echo $LOCKKIT_KEY $LOCKKIT_TOKEN; exit 7",
+        ],
+    )
+    .output()
+    .unwrap();
+    assert_eq!(out.status.code(), Some(7));
+    let text = String::from_utf8_lossy(&out.stdout);
+    let mut words = text.split_whitespace();
+    assert_eq!(words.next(), Some("k"));
+    assert!(words.next().unwrap().parse::<u64>().unwrap() > 0, "{text}");
+    // Released on exit: the key is free again.
+    let status = lockkit(&url, &["status", "--key", "k"]).output().unwrap();
+    assert_eq!(String::from_utf8_lossy(&status.stdout).trim(), "k: free");
+}
+
+#[tokio::test]
+async fn a_wait_that_times_out_exits_1_or_the_conflict_code() {
+    let dir = dir("conflict");
+    let holder = Locker::new(FileBackend::open(&dir).unwrap());
+    let held = holder.acquire("k").await.unwrap();
+    let url = format!("file://{dir}");
+    let out = lockkit(
+        &url,
+        &["run", "--key", "k", "--wait", "200ms", "--", "true"],
+    )
+    .output()
+    .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("held by"),
+        "says who holds it"
+    );
+    let out = lockkit(
+        &url,
+        &[
+            "run",
+            "--key",
+            "k",
+            "--wait",
+            "0",
+            "--conflict-exit-code",
+            "9",
+            "--",
+            "true",
+        ],
+    )
+    .output()
+    .unwrap();
+    assert_eq!(out.status.code(), Some(9));
+    let status = lockkit(&url, &["status", "--key", "k", "--json"])
+        .output()
+        .unwrap();
+    let json = String::from_utf8_lossy(&status.stdout);
+    assert!(
+        json.contains("\"held\":true") && json.contains(&held.owner().to_string()),
+        "{json}"
+    );
+    held.release().await.unwrap();
+}
+
+#[tokio::test]
+async fn a_lost_lock_stops_the_command_and_exits_75() {
+    let dir = dir("lost");
+    let url = format!("file://{dir}");
+    let mut child = lockkit(
+        &url,
+        &[
+            "run", "--key", "k", "--ttl", "600ms", "--grace", "1s", "--", "sleep", "30",
+        ],
+    )
+    .stderr(Stdio::piped())
+    .spawn()
+    .unwrap();
+    let backend = FileBackend::open(&dir).unwrap();
+    let key = LockKey::new("k").unwrap();
+    let started = Instant::now();
+    while Locker::new(backend.clone())
+        .inspect(&key)
+        .await
+        .unwrap()
+        .is_none()
+    {
+        assert!(
+            started.elapsed() < Duration::from_secs(20),
+            "lockkit never took the lock"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // An operator takes the lock away; the watchdog notices within a renewal.
+    assert!(backend.clear(&key).await.unwrap());
+    let status = child.wait().unwrap();
+    assert_eq!(status.code(), Some(75));
+    assert!(
+        started.elapsed() < Duration::from_secs(20),
+        "the command was not stopped"
+    );
+}
+
+#[test]
+fn sigterm_is_passed_on_and_the_lock_released() {
+    let url = format!("file://{}", dir("signal"));
+    let mut child = lockkit(
+        &url,
+        &[
+            "run",
+            "--key",
+            "k",
+            "--",
+            "sh",
+            "-c",
+            "trap 'exit 3' TERM; echo ready; while :; do sleep 0.05; done",
+        ],
+    )
+    .stdout(Stdio::piped())
+    .spawn()
+    .unwrap();
+    let mut ready = String::new();
+    std::io::BufRead::read_line(
+        &mut std::io::BufReader::new(child.stdout.take().unwrap()),
+        &mut ready,
+    )
+    .unwrap();
+    assert_eq!(ready.trim(), "ready");
+    let pid = nix::unistd::Pid::from_raw(i32::try_from(child.id()).unwrap());
+    nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM).unwrap();
+    assert_eq!(
+        child.wait().unwrap().code(),
+        Some(3),
+        "the command's own exit code after SIGTERM"
+    );
+    let status = lockkit(&url, &["status", "--key", "k"]).output().unwrap();
+    assert_eq!(String::from_utf8_lossy(&status.stdout).trim(), "k: free");
+}
+
+/// 8 concurrent shell loops x 25 runs of a read-decrement-write on a counter file, each
+/// under `lockkit run`: the counter ends exact.
+fn counter_loops(url: &str, dir: &str) {
+    let counter = format!("{dir}/counter");
+    std::fs::write(&counter, "200").unwrap();
+    let script = format!(
+        "for i in $(seq 25); do {BIN} run --key counter --wait 60s -- sh -c 'v=$(cat {counter}); sleep 0.001; echo $((v - 1)) > {counter}' || exit 1; done"
+    );
+    let loops: Vec<_> = (0..8)
+        .map(|_| {
+            Command::new("sh")
+                .arg("-c")
+                .arg(&script)
+                .env("LOCKKIT_URL", url)
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    for mut shell in loops {
+        assert!(shell.wait().unwrap().success(), "a loop failed under {url}");
+    }
+    assert_eq!(
+        std::fs::read_to_string(&counter).unwrap().trim(),
+        "0",
+        "lost updates under {url}"
+    );
+}
+
+#[test]
+fn shell_loops_end_exact_on_every_backend() {
+    let dir = dir("loops");
+    counter_loops(&format!("file://{dir}/locks"), &dir);
+    for (var, options) in [
+        ("LOCKKIT_TEST_REDIS_URL", ""),
+        ("LOCKKIT_TEST_REDLOCK_URL", ""),
+        ("LOCKKIT_TEST_ZK_URL", "?session_timeout=5s"),
+        ("LOCKKIT_TEST_MYSQL_URL", "?mode=row&table=lockkit_cli_row"),
+        (
+            "LOCKKIT_TEST_MYSQL_URL",
+            "?mode=for-update&table=lockkit_cli_fu",
+        ),
+    ] {
+        if let Some(url) = lockkit_conformance::env::service_url(var) {
+            counter_loops(&format!("{url}{options}"), &dir);
+        }
+    }
+}
+
+#[tokio::test]
+async fn sigterm_while_waiting_gives_up_without_taking_the_lock() {
+    let dir = dir("signal-wait");
+    let holder = Locker::new(FileBackend::open(&dir).unwrap());
+    let held = holder.acquire("k").await.unwrap();
+    let url = format!("file://{dir}");
+    let mut child = lockkit(&url, &["run", "--key", "k", "--", "true"])
+        .spawn()
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let pid = nix::unistd::Pid::from_raw(i32::try_from(child.id()).unwrap());
+    nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM).unwrap();
+    assert_eq!(child.wait().unwrap().code(), Some(143));
+    let info = holder.inspect("k").await.unwrap().unwrap();
+    assert_eq!(
+        info.owner,
+        held.owner().to_string(),
+        "the waiter must not have taken the lock"
+    );
+    held.release().await.unwrap();
+}
