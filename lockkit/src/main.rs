@@ -7,6 +7,8 @@ use lockkit::{Error, LockGuard, Locker, config::parse_duration};
 use nix::{sys::signal::Signal, unistd::Pid};
 use tokio::{process::Command, signal::unix::SignalKind};
 
+mod demo;
+
 /// Exit code when the lock was lost while the command ran (EX_TEMPFAIL).
 const LOST_EXIT: u8 = 75;
 
@@ -59,6 +61,11 @@ enum Commands {
         #[arg(required = true, trailing_var_arg = true, allow_hyphen_values = true)]
         command: Vec<String>,
     },
+    /// Tell, by running it, why stock deductions need a lock and a fencing token.
+    Demo {
+        #[command(subcommand)]
+        story: Story,
+    },
     /// Show who holds KEY: holder, depth, token, lease left.
     Status {
         /// The lock's name.
@@ -67,6 +74,20 @@ enum Commands {
         /// Print JSON.
         #[arg(long)]
         json: bool,
+    },
+}
+
+#[derive(Subcommand, Debug)]
+enum Story {
+    /// WORKERS concurrent workers each sell 3 items of a stock of STOCK: first without a
+    /// lock, then under the lock, then with a worker paused past its lease.
+    Stock {
+        /// Concurrent workers.
+        #[arg(long, default_value_t = 30)]
+        workers: u32,
+        /// Items in stock at the start.
+        #[arg(long, default_value_t = 100)]
+        stock: i64,
     },
 }
 
@@ -114,6 +135,15 @@ async fn main() -> ExitCode {
             .await
         }
         Commands::Status { key, json } => status(&locker, &key, json).await,
+        Commands::Demo {
+            story: Story::Stock { workers, stock },
+        } => match demo::stock(&url, workers, stock).await {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("lockkit: the demo failed: {e}");
+                ExitCode::from(2)
+            }
+        },
     }
 }
 

@@ -237,3 +237,19 @@ async fn sigterm_while_waiting_gives_up_without_taking_the_lock() {
     );
     held.release().await.unwrap();
 }
+
+#[test]
+fn the_stock_demo_tells_the_story() {
+    let url = format!("file://{}", dir("demo"));
+    let out = lockkit(&url, &["demo", "stock", "--workers", "10", "--stock", "50"])
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        text.contains("under the lock:  20 left, expected 20: exact"),
+        "{text}"
+    );
+    assert!(text.contains("refused: token older"), "{text}");
+    assert!(text.contains("items left: 49"), "{text}");
+}
