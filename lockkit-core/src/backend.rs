@@ -246,4 +246,13 @@ pub trait LockBackend: Send + Sync + Debug + 'static {
 
     /// Reports who holds `key`, if anyone.
     async fn inspect(&self, key: &LockKey) -> Result<Option<HolderInfo>>;
+
+    /// One plain round trip to the service (`PING`, `SELECT 1`, ...), for health checks and
+    /// for benchmarks that compare a lock with the service's own latency.
+    async fn ping(&self) -> Result<()> {
+        Err(crate::Error::Unsupported {
+            backend: self.info().scheme,
+            what: "ping".into(),
+        })
+    }
 }

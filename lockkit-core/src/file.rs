@@ -438,6 +438,17 @@ impl LockBackend for FileBackend {
         outcome
     }
 
+    async fn ping(&self) -> Result<()> {
+        let dir = self.dir.clone();
+        tokio::task::spawn_blocking(move || {
+            std::fs::metadata(&*dir)
+                .map(|_| ())
+                .map_err(|e| io_error("reading", &dir, e))
+        })
+        .await
+        .map_err(|e| Error::backend_with_source(SCHEME, true, "a file operation panicked", e))?
+    }
+
     async fn inspect(&self, key: &LockKey) -> Result<Option<HolderInfo>> {
         let path = self.path(key);
         if !path.exists() {

@@ -326,6 +326,10 @@ impl LockBackend for MemoryBackend {
         Ok(Released::Fully)
     }
 
+    async fn ping(&self) -> Result<()> {
+        Ok(())
+    }
+
     async fn inspect(&self, key: &LockKey) -> Result<Option<HolderInfo>> {
         let now = Instant::now();
         let state = lock(&self.server.state);

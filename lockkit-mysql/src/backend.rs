@@ -312,6 +312,14 @@ impl LockBackend for MysqlBackend {
         }
     }
 
+    async fn ping(&self) -> Result<()> {
+        let _: (i32,) = sqlx::query_as("SELECT 1")
+            .fetch_one(&self.inner.pool)
+            .await
+            .map_err(|e| db_error("SELECT 1", e))?;
+        Ok(())
+    }
+
     async fn inspect(&self, key: &LockKey) -> Result<Option<HolderInfo>> {
         match self.inner.config.mode {
             Mode::Row => crate::row::inspect(self, key).await,

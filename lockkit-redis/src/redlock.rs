@@ -465,6 +465,28 @@ impl LockBackend for RedlockBackend {
         }
     }
 
+    /// One round to every master, as a lock round is.
+    async fn ping(&self) -> Result<()> {
+        let results = self
+            .on_all(self.config.response_timeout, |node| async move {
+                node.ping().await
+            })
+            .await;
+        let answered = results.iter().filter(|r| r.is_ok()).count();
+        if answered >= self.quorum() {
+            Ok(())
+        } else {
+            Err(Error::backend(
+                BACKEND,
+                true,
+                format!(
+                    "only {answered} masters answered PING; a quorum of {} is needed",
+                    self.quorum()
+                ),
+            ))
+        }
+    }
+
     async fn inspect(&self, key: &LockKey) -> Result<Option<HolderInfo>> {
         let results = self
             .on_all(self.config.response_timeout, |node| {

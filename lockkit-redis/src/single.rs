@@ -402,6 +402,14 @@ impl LockBackend for RedisBackend {
         }
     }
 
+    async fn ping(&self) -> Result<()> {
+        let _: String = redis::cmd("PING")
+            .query_async(&mut self.conn())
+            .await
+            .map_err(|e| self.fail("PING", e))?;
+        Ok(())
+    }
+
     async fn inspect(&self, key: &LockKey) -> Result<Option<HolderInfo>> {
         let names = self.names(key)?;
         let reply: Vec<Value> = scripts::INSPECT

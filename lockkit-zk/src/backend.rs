@@ -585,6 +585,16 @@ impl LockBackend for ZkBackend {
         }
     }
 
+    async fn ping(&self) -> Result<()> {
+        let session = self.session().await?;
+        session
+            .client
+            .check_stat("/")
+            .await
+            .map_err(|e| zk_error("exists /", e))?;
+        Ok(())
+    }
+
     async fn inspect(&self, key: &LockKey) -> Result<Option<HolderInfo>> {
         let session = self.session().await?;
         let client = &session.client;

@@ -7,6 +7,7 @@ use lockkit::{Error, LockGuard, Locker, config::parse_duration};
 use nix::{sys::signal::Signal, unistd::Pid};
 use tokio::{process::Command, signal::unix::SignalKind};
 
+mod bench;
 mod demo;
 
 /// Exit code when the lock was lost while the command ran (EX_TEMPFAIL).
@@ -60,6 +61,22 @@ enum Commands {
         /// The command and its arguments.
         #[arg(required = true, trailing_var_arg = true, allow_hyphen_values = true)]
         command: Vec<String>,
+    },
+    /// Measure the backend: its own round trip, uncontended acquire+release latency
+    /// (p50/p99/p99.9), throughput, and hot-key handoff, printed as ratios.
+    Bench {
+        /// Concurrent clients (throughput) and waiters (handoff).
+        #[arg(long, default_value_t = 16)]
+        clients: u32,
+        /// Distinct keys for the throughput run.
+        #[arg(long, default_value_t = 1000)]
+        keys: u32,
+        /// Length of the throughput run.
+        #[arg(long, default_value = "3s", value_parser = duration)]
+        duration: Duration,
+        /// Print one JSON object.
+        #[arg(long)]
+        json: bool,
     },
     /// Tell, by running it, why stock deductions need a lock and a fencing token.
     Demo {
@@ -135,6 +152,21 @@ async fn main() -> ExitCode {
             .await
         }
         Commands::Status { key, json } => status(&locker, &key, json).await,
+        Commands::Bench {
+            clients,
+            keys,
+            duration,
+            json,
+        } => match bench::run(&url, clients, keys, duration).await {
+            Ok(figures) => {
+                println!("{}", if json { figures.json() } else { figures.text() });
+                ExitCode::SUCCESS
+            }
+            Err(e) => {
+                eprintln!("lockkit: the benchmark failed: {e}");
+                ExitCode::from(2)
+            }
+        },
         Commands::Demo {
             story: Story::Stock { workers, stock },
         } => match demo::stock(&url, workers, stock).await {

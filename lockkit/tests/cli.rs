@@ -253,3 +253,42 @@ fn the_stock_demo_tells_the_story() {
     assert!(text.contains("refused: token older"), "{text}");
     assert!(text.contains("items left: 49"), "{text}");
 }
+
+#[test]
+fn bench_prints_json_with_ratios() {
+    let url = format!("file://{}", dir("bench"));
+    let out = lockkit(
+        &url,
+        &[
+            "bench",
+            "--json",
+            "--duration",
+            "300ms",
+            "--clients",
+            "2",
+            "--keys",
+            "10",
+        ],
+    )
+    .output()
+    .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let json = String::from_utf8_lossy(&out.stdout);
+    for field in [
+        "round_trip_p50_us",
+        "lock_p50_us",
+        "lock_p999_us",
+        "lock_to_round_trip",
+        "acquire_release_per_s",
+        "handoff_p50_us",
+    ] {
+        assert!(
+            json.contains(&format!("\"{field}\":")),
+            "{field} missing in {json}"
+        );
+    }
+}

@@ -1,0 +1,189 @@
+//! `lockkit bench`: the backend's own round trip, uncontended latency, throughput and
+//! hot-key handoff, measured in one run and printed as ratios.
+
+use std::{
+    sync::{Arc, Mutex},
+    time::{Duration, Instant},
+};
+
+use lockkit::{Locker, Result};
+
+fn percentile(sorted: &[Duration], p: f64) -> Duration {
+    if sorted.is_empty() {
+        return Duration::ZERO;
+    }
+    let rank = ((sorted.len() - 1) as f64 * p).round() as usize;
+    sorted[rank.min(sorted.len() - 1)]
+}
+
+fn us(d: Duration) -> f64 {
+    d.as_secs_f64() * 1e6
+}
+
+/// What one run measured.
+#[derive(Debug)]
+pub struct Figures {
+    backend: String,
+    ping: Duration,
+    lock_p50: Duration,
+    lock_p99: Duration,
+    lock_p999: Duration,
+    per_second: f64,
+    handoff_p50: Duration,
+    handoff_p99: Duration,
+}
+
+impl Figures {
+    fn ratio(&self) -> f64 {
+        if self.ping.is_zero() {
+            0.0
+        } else {
+            us(self.lock_p50) / us(self.ping)
+        }
+    }
+
+    /// One JSON object.
+    pub fn json(&self) -> String {
+        format!(
+            "{{\"backend\":{:?},\"round_trip_p50_us\":{:.1},\"lock_p50_us\":{:.1},\"lock_p99_us\":{:.1},\"lock_p999_us\":{:.1},\"lock_to_round_trip\":{:.2},\"acquire_release_per_s\":{:.0},\"handoff_p50_us\":{:.1},\"handoff_p99_us\":{:.1}}}",
+            self.backend,
+            us(self.ping),
+            us(self.lock_p50),
+            us(self.lock_p99),
+            us(self.lock_p999),
+            self.ratio(),
+            self.per_second,
+            us(self.handoff_p50),
+            us(self.handoff_p99)
+        )
+    }
+
+    /// A readable table.
+    pub fn text(&self) -> String {
+        format!(
+            "backend                         {}\n\
+             backend round trip (p50)        {:>10.1} us\n\
+             acquire+release p50/p99/p99.9   {:>10.1} / {:.1} / {:.1} us  ({:.2}x the round trip)\n\
+             throughput                      {:>10.0} acquire+release/s\n\
+             hot-key handoff p50/p99         {:>10.1} / {:.1} us",
+            self.backend,
+            us(self.ping),
+            us(self.lock_p50),
+            us(self.lock_p99),
+            us(self.lock_p999),
+            self.ratio(),
+            self.per_second,
+            us(self.handoff_p50),
+            us(self.handoff_p99)
+        )
+    }
+}
+
+/// Runs every measurement against `url`.
+pub async fn run(url: &str, clients: u32, keys: u32, duration: Duration) -> Result<Figures> {
+    let locker = lockkit::connect(url).await?;
+    let prefix = format!("bench/{}", std::process::id());
+    let keys = keys.max(1);
+
+    // The backend's own round trip.
+    let mut pings = Vec::new();
+    for i in 0..600 {
+        let start = Instant::now();
+        locker.backend().ping().await?;
+        if i >= 100 {
+            pings.push(start.elapsed());
+        }
+    }
+    pings.sort();
+
+    // Uncontended acquire+release on one client.
+    let mut locks = Vec::new();
+    for i in 0..1100u32 {
+        let key = format!("{prefix}/u/{}", i % keys);
+        let start = Instant::now();
+        let guard = locker.acquire(key.as_str()).await?;
+        guard.release().await?;
+        if i >= 100 {
+            locks.push(start.elapsed());
+        }
+    }
+    locks.sort();
+
+    // Throughput: `clients` clients over `keys` keys for `duration`.
+    let deadline = Instant::now() + duration;
+    let mut tasks = Vec::new();
+    for c in 0..clients.max(1) {
+        let locker = lockkit::connect(url).await?;
+        let prefix = prefix.clone();
+        tasks.push(tokio::spawn(async move {
+            let mut done = 0u64;
+            let mut i = c;
+            while Instant::now() < deadline {
+                let key = format!("{prefix}/t/{}", i % keys);
+                if let Some(guard) = locker.try_acquire(key.as_str()).await? {
+                    guard.release().await?;
+                    done += 1;
+                }
+                i = i.wrapping_add(clients);
+            }
+            Result::Ok(done)
+        }));
+    }
+    let mut done = 0;
+    for task in tasks {
+        if let Ok(count) = task.await {
+            done += count?;
+        }
+    }
+    let per_second = done as f64 / duration.as_secs_f64();
+
+    // Handoff: `clients` waiters on one hot key.
+    let last_release: Arc<Mutex<Option<Instant>>> = Arc::default();
+    let samples: Arc<Mutex<Vec<Duration>>> = Arc::default();
+    let hot = format!("{prefix}/hot");
+    let mut tasks = Vec::new();
+    for _ in 0..clients.max(1) {
+        let locker: Locker = lockkit::connect(url).await?;
+        let (last_release, samples, hot) = (last_release.clone(), samples.clone(), hot.clone());
+        tasks.push(tokio::spawn(async move {
+            for _ in 0..10 {
+                let guard = locker
+                    .acquire(hot.as_str())
+                    .wait(Duration::from_secs(120))
+                    .await?;
+                let granted = Instant::now();
+                let previous = last_release
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .take();
+                if let Some(released) = previous {
+                    samples
+                        .lock()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .push(granted - released);
+                }
+                *last_release.lock().unwrap_or_else(|e| e.into_inner()) = Some(Instant::now());
+                guard.release().await?;
+            }
+            Result::Ok(())
+        }));
+    }
+    for task in tasks {
+        if let Ok(outcome) = task.await {
+            outcome?;
+        }
+    }
+    let mut handoffs = std::mem::take(&mut *samples.lock().unwrap_or_else(|e| e.into_inner()));
+    handoffs.sort();
+
+    Ok(Figures {
+        backend: url.to_owned(),
+        ping: percentile(&pings, 0.5),
+        lock_p50: percentile(&locks, 0.5),
+        lock_p99: percentile(&locks, 0.99),
+        lock_p999: percentile(&locks, 0.999),
+        per_second,
+        handoff_p50: percentile(&handoffs, 0.5),
+        handoff_p99: percentile(&handoffs, 0.99),
+    })
+}
