@@ -1,6 +1,6 @@
 //! `lockkit`: run a command under a distributed lock, or inspect one.
 
-use std::{process::ExitCode, time::Duration};
+use std::{io::IsTerminal, process::ExitCode, time::Duration};
 
 use clap::{Parser, Subcommand};
 use lockkit::{Error, LockGuard, Locker, config::parse_duration};
@@ -241,11 +241,16 @@ async fn run(
         eprintln!("lockkit: cannot listen for signals");
         return ExitCode::from(2);
     };
+    let spinner = spin(locker.clone(), key.to_owned());
     let acquired = tokio::select! {
         acquired = acquire => acquired,
         _ = interrupts.recv() => return ExitCode::from(128 + 2),
         _ = terms.recv() => return ExitCode::from(128 + 15),
     };
+    spinner.abort();
+    if std::io::stderr().is_terminal() {
+        eprint!("\r\x1b[2K");
+    }
     let guard = match acquired {
         Ok(guard) => guard,
         Err(Error::Timeout { waited, .. }) => {
@@ -270,6 +275,33 @@ async fn run(
         Err(e) => eprintln!("lockkit: releasing `{key}` failed (its lease will run out): {e}"),
     }
     code
+}
+
+/// While waiting on a terminal, shows who holds the lock; silent otherwise.
+fn spin(locker: Locker, key: String) -> tokio::task::JoinHandle<()> {
+    tokio::spawn(async move {
+        if !std::io::stderr().is_terminal() {
+            return;
+        }
+        let frames = ['|', '/', '-', '\\'];
+        let started = std::time::Instant::now();
+        for frame in frames.iter().cycle() {
+            tokio::time::sleep(Duration::from_millis(150)).await;
+            let holder = match locker.inspect(key.as_str()).await {
+                Ok(Some(info)) => format!(
+                    "held by {} (token {})",
+                    info.owner,
+                    info.token.map_or_else(|| "?".into(), |t| t.to_string())
+                ),
+                Ok(None) => "free".into(),
+                Err(e) => e.to_string(),
+            };
+            eprint!(
+                "\r\x1b[2K{frame} waiting {:.0?} for `{key}`: {holder}",
+                started.elapsed()
+            );
+        }
+    })
 }
 
 /// Runs the command while the guard holds; stops it if the lock is lost.

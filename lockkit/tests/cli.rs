@@ -292,3 +292,49 @@ fn bench_prints_json_with_ratios() {
         );
     }
 }
+
+#[tokio::test]
+async fn a_command_that_ignores_sigterm_is_killed_after_the_grace() {
+    let dir = dir("grace");
+    let url = format!("file://{dir}");
+    let mut child = lockkit(
+        &url,
+        &[
+            "run",
+            "--key",
+            "k",
+            "--ttl",
+            "600ms",
+            "--grace",
+            "500ms",
+            "--",
+            "sh",
+            "-c",
+            "trap '' TERM; while :; do sleep 0.05; done",
+        ],
+    )
+    .spawn()
+    .unwrap();
+    let backend = FileBackend::open(&dir).unwrap();
+    let key = LockKey::new("k").unwrap();
+    let started = Instant::now();
+    while Locker::new(backend.clone())
+        .inspect(&key)
+        .await
+        .unwrap()
+        .is_none()
+    {
+        assert!(
+            started.elapsed() < Duration::from_secs(20),
+            "lockkit never took the lock"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(backend.clear(&key).await.unwrap());
+    assert_eq!(
+        child.wait().unwrap().code(),
+        Some(75),
+        "SIGKILL after the grace, then 75"
+    );
+    assert!(started.elapsed() < Duration::from_secs(20));
+}
