@@ -22,6 +22,29 @@ fn lockkit(url: &str, args: &[&str]) -> Command {
     cmd
 }
 
+/// Waits until `lockkit run` holds `k` in `dir`, then takes the lock away as an operator
+/// would; returns when the wait began.
+async fn take_away_when_held(dir: &str) -> Instant {
+    let backend = FileBackend::open(dir).unwrap();
+    let key = LockKey::new("k").unwrap();
+    let started = Instant::now();
+    while Locker::new(backend.clone())
+        .inspect(&key)
+        .await
+        .unwrap()
+        .is_none()
+    {
+        assert!(
+            started.elapsed() < Duration::from_secs(20),
+            "lockkit never took the lock"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // The watchdog notices within a renewal.
+    assert!(backend.clear(&key).await.unwrap());
+    started
+}
+
 #[test]
 fn run_passes_the_exit_code_and_the_token() {
     let url = format!("file://{}", dir("exit"));
@@ -107,23 +130,7 @@ async fn a_lost_lock_stops_the_command_and_exits_75() {
     .stderr(Stdio::piped())
     .spawn()
     .unwrap();
-    let backend = FileBackend::open(&dir).unwrap();
-    let key = LockKey::new("k").unwrap();
-    let started = Instant::now();
-    while Locker::new(backend.clone())
-        .inspect(&key)
-        .await
-        .unwrap()
-        .is_none()
-    {
-        assert!(
-            started.elapsed() < Duration::from_secs(20),
-            "lockkit never took the lock"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    // An operator takes the lock away; the watchdog notices within a renewal.
-    assert!(backend.clear(&key).await.unwrap());
+    let started = take_away_when_held(&dir).await;
     let status = child.wait().unwrap();
     assert_eq!(status.code(), Some(75));
     assert!(
@@ -315,22 +322,7 @@ async fn a_command_that_ignores_sigterm_is_killed_after_the_grace() {
     )
     .spawn()
     .unwrap();
-    let backend = FileBackend::open(&dir).unwrap();
-    let key = LockKey::new("k").unwrap();
-    let started = Instant::now();
-    while Locker::new(backend.clone())
-        .inspect(&key)
-        .await
-        .unwrap()
-        .is_none()
-    {
-        assert!(
-            started.elapsed() < Duration::from_secs(20),
-            "lockkit never took the lock"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    assert!(backend.clear(&key).await.unwrap());
+    let started = take_away_when_held(&dir).await;
     assert_eq!(
         child.wait().unwrap().code(),
         Some(75),
