@@ -15,6 +15,7 @@
 //! a child-process lock holder ([`holder`]), and fenced/unfenced toy stores.
 #![cfg_attr(not(test), deny(clippy::unwrap_used))]
 
+pub mod bench;
 pub mod cases;
 pub mod env;
 pub mod fenced;

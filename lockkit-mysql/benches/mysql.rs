@@ -5,31 +5,12 @@
 //! cargo bench -p lockkit-mysql --bench mysql
 //! ```
 
-use std::{
-    sync::{Arc, Mutex},
-    time::{Duration, Instant},
-};
+use std::time::{Duration, Instant};
 
+use lockkit_conformance::bench::{handoff, micros as us, percentile};
 use lockkit_core::Locker;
 use lockkit_mysql::MysqlBackend;
 use sqlx::{Connection, MySqlConnection};
-
-fn median(samples: &mut [Duration]) -> Duration {
-    samples.sort();
-    samples.get(samples.len() / 2).copied().unwrap_or_default()
-}
-
-fn p99(samples: &mut [Duration]) -> Duration {
-    samples.sort();
-    samples
-        .get(samples.len() * 99 / 100)
-        .copied()
-        .unwrap_or_default()
-}
-
-fn us(d: Duration) -> f64 {
-    d.as_secs_f64() * 1e6
-}
 
 async fn select_one(url: &str, n: usize) -> Vec<Duration> {
     let mut conn = MySqlConnection::connect(url).await.expect("connect");
@@ -61,35 +42,9 @@ async fn uncontended(locker: &Locker, n: usize) -> Vec<Duration> {
     samples
 }
 
-async fn handoff(url: &str, waiters: usize, rounds: usize) -> Vec<Duration> {
-    let last_release: Arc<Mutex<Option<Instant>>> = Arc::default();
-    let samples: Arc<Mutex<Vec<Duration>>> = Arc::default();
-    let mut tasks = Vec::new();
-    for _ in 0..waiters {
-        let locker = Locker::new(MysqlBackend::connect(url).await.expect("connect"));
-        let (last_release, samples) = (last_release.clone(), samples.clone());
-        tasks.push(tokio::spawn(async move {
-            for _ in 0..rounds {
-                let guard = locker
-                    .acquire("bench/hot")
-                    .ttl(Duration::from_secs(30))
-                    .wait(Duration::from_secs(120))
-                    .await
-                    .expect("acquire hot key");
-                let granted = Instant::now();
-                if let Some(released) = last_release.lock().unwrap().take() {
-                    samples.lock().unwrap().push(granted - released);
-                }
-                *last_release.lock().unwrap() = Some(Instant::now());
-                guard.release().await.expect("release hot key");
-            }
-        }));
-    }
-    for task in tasks {
-        task.await.expect("waiter");
-    }
-    let mut collected = samples.lock().unwrap();
-    std::mem::take(&mut *collected)
+async fn handoffs(url: &str, waiters: usize, rounds: usize) -> Vec<Duration> {
+    let connect = || async { Locker::new(MysqlBackend::connect(url).await.expect("connect")) };
+    handoff(connect, "bench/hot", waiters, rounds).await
 }
 
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
@@ -100,7 +55,7 @@ async fn main() {
     };
     let _ = select_one(&url, 200).await;
     let mut select = select_one(&url, 2000).await;
-    let select50 = median(&mut select);
+    let select50 = percentile(&mut select, 0.5);
     println!("SELECT 1 median               {:>8.1} us", us(select50));
     let mut json = vec![format!("\"select1_p50_us\":{:.1}", us(select50))];
     for (mode, table) in [
@@ -111,12 +66,12 @@ async fn main() {
         let locker = Locker::new(MysqlBackend::connect(&mode_url).await.expect("connect"));
         let _ = uncontended(&locker, 100).await;
         let mut lock = uncontended(&locker, 1000).await;
-        let mut hand = handoff(&mode_url, 16, 15).await;
+        let mut hand = handoffs(&mode_url, 16, 15).await;
         let (l50, l99, h50, h99) = (
-            median(&mut lock),
-            p99(&mut lock),
-            median(&mut hand),
-            p99(&mut hand),
+            percentile(&mut lock, 0.5),
+            percentile(&mut lock, 0.99),
+            percentile(&mut hand, 0.5),
+            percentile(&mut hand, 0.99),
         );
         println!(
             "{mode:<10} acquire+release  {:>8.1} us ({:.1}x SELECT 1), p99 {:.1} us; handoff (16 waiters) median {:.1} us, p99 {:.1} us",

@@ -11,24 +11,10 @@
 //! - hot-key handoff with 16 waiters: release-to-next-grant median and p99;
 //! - throughput over 1,000 keys with 32 tasks, next to the server's `SET` rate.
 
-use std::{
-    sync::{Arc, Mutex},
-    time::{Duration, Instant},
-};
+use std::time::{Duration, Instant};
 
+use lockkit_conformance::bench::{handoff, micros, percentile};
 use lockkit_core::Locker;
-
-fn percentile(sorted: &[Duration], p: f64) -> Duration {
-    if sorted.is_empty() {
-        return Duration::ZERO;
-    }
-    let rank = ((sorted.len() - 1) as f64 * p).round() as usize;
-    sorted[rank]
-}
-
-fn micros(d: Duration) -> f64 {
-    d.as_secs_f64() * 1e6
-}
 
 async fn ping_samples(url: &str, n: usize) -> Vec<Duration> {
     let mut conn = redis::Client::open(url)
@@ -63,34 +49,9 @@ async fn lock_samples(locker: &Locker, n: usize) -> Vec<Duration> {
 }
 
 async fn handoff_samples(url: &str, waiters: usize, rounds: usize) -> Vec<Duration> {
-    let last_release: Arc<Mutex<Option<Instant>>> = Arc::default();
-    let samples: Arc<Mutex<Vec<Duration>>> = Arc::default();
-    let mut tasks = Vec::new();
-    for _ in 0..waiters {
-        let locker = Locker::from_arc(lockkit_redis::connect(url).await.expect("connect"));
-        let (last_release, samples) = (last_release.clone(), samples.clone());
-        tasks.push(tokio::spawn(async move {
-            for _ in 0..rounds {
-                let guard = locker
-                    .acquire("bench/hot")
-                    .wait(Duration::from_secs(60))
-                    .await
-                    .expect("acquire hot key");
-                let granted = Instant::now();
-                if let Some(released) = last_release.lock().unwrap().take() {
-                    samples.lock().unwrap().push(granted - released);
-                }
-                *last_release.lock().unwrap() = Some(Instant::now());
-                guard.release().await.expect("release hot key");
-            }
-        }));
-    }
-    for task in tasks {
-        task.await.expect("waiter");
-    }
-    let mut samples = samples.lock().unwrap().clone();
-    samples.sort();
-    samples
+    let connect =
+        || async { Locker::from_arc(lockkit_redis::connect(url).await.expect("connect")) };
+    handoff(connect, "bench/hot", waiters, rounds).await
 }
 
 async fn lock_throughput(url: &str, tasks: usize, keys: usize, run: Duration) -> f64 {
@@ -191,19 +152,22 @@ async fn main() {
     let _ = ping_samples(&first_node, 200).await;
     let _ = lock_samples(&locker, 200).await;
 
-    let ping = ping_samples(&first_node, 3000).await;
-    let lock = lock_samples(&locker, 3000).await;
-    let handoff = handoff_samples(&url, 16, 40).await;
+    let mut ping = ping_samples(&first_node, 3000).await;
+    let mut lock = lock_samples(&locker, 3000).await;
+    let mut handoff = handoff_samples(&url, 16, 40).await;
     let run = Duration::from_secs(3);
     let locks_per_sec = lock_throughput(&url, 32, 1000, run).await;
     let sets_per_sec = set_throughput(&url, 32, 1000, run).await;
 
     let (ping50, lock50, lock99) = (
-        percentile(&ping, 0.5),
-        percentile(&lock, 0.5),
-        percentile(&lock, 0.99),
+        percentile(&mut ping, 0.5),
+        percentile(&mut lock, 0.5),
+        percentile(&mut lock, 0.99),
     );
-    let (hand50, hand99) = (percentile(&handoff, 0.5), percentile(&handoff, 0.99));
+    let (hand50, hand99) = (
+        percentile(&mut handoff, 0.5),
+        percentile(&mut handoff, 0.99),
+    );
     println!("backend                      {url}");
     println!("PING median                  {:>9.1} us", micros(ping50));
     println!(

@@ -5,31 +5,12 @@
 //! cargo bench -p lockkit-zk --bench zk          # LOCKKIT_TEST_ZK_URL, or LOCKKIT_BENCH_URL
 //! ```
 
-use std::{
-    sync::{Arc, Mutex},
-    time::{Duration, Instant},
-};
+use std::time::{Duration, Instant};
 
+use lockkit_conformance::bench::{handoff, micros as us, percentile};
 use lockkit_core::Locker;
 use lockkit_zk::ZkBackend;
 use zookeeper_client::{Acls, CreateMode};
-
-fn median(samples: &mut [Duration]) -> Duration {
-    samples.sort();
-    samples.get(samples.len() / 2).copied().unwrap_or_default()
-}
-
-fn p99(samples: &mut [Duration]) -> Duration {
-    samples.sort();
-    samples
-        .get(samples.len() * 99 / 100)
-        .copied()
-        .unwrap_or_default()
-}
-
-fn us(d: Duration) -> f64 {
-    d.as_secs_f64() * 1e6
-}
 
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() {
@@ -77,39 +58,14 @@ async fn main() {
         }
     }
 
-    let last_release: Arc<Mutex<Option<Instant>>> = Arc::default();
-    let samples: Arc<Mutex<Vec<Duration>>> = Arc::default();
-    let mut tasks = Vec::new();
-    for _ in 0..16 {
-        let locker = Locker::new(ZkBackend::connect(&url).await.expect("connect"));
-        let (last_release, samples) = (last_release.clone(), samples.clone());
-        tasks.push(tokio::spawn(async move {
-            for _ in 0..20 {
-                let guard = locker
-                    .acquire("bench/hot")
-                    .ttl(Duration::from_secs(30))
-                    .wait(Duration::from_secs(120))
-                    .await
-                    .expect("acquire hot");
-                let granted = Instant::now();
-                if let Some(released) = last_release.lock().unwrap().take() {
-                    samples.lock().unwrap().push(granted - released);
-                }
-                *last_release.lock().unwrap() = Some(Instant::now());
-                guard.release().await.expect("release hot");
-            }
-        }));
-    }
-    for task in tasks {
-        task.await.expect("waiter");
-    }
-    let mut hand = std::mem::take(&mut *samples.lock().unwrap());
+    let connect = || async { Locker::new(ZkBackend::connect(&url).await.expect("connect")) };
+    let mut hand = handoff(connect, "bench/hot", 16, 20).await;
     let (r50, l50, l99, h50, h99) = (
-        median(&mut raw),
-        median(&mut lock),
-        p99(&mut lock),
-        median(&mut hand),
-        p99(&mut hand),
+        percentile(&mut raw, 0.5),
+        percentile(&mut lock, 0.5),
+        percentile(&mut lock, 0.99),
+        percentile(&mut hand, 0.5),
+        percentile(&mut hand, 0.99),
     );
     println!("ephemeral create+delete median  {:>8.1} us", us(r50));
     println!(
