@@ -369,21 +369,14 @@ pub(crate) async fn release(backend: &MysqlBackend, grant: &Grant) -> Result<Rel
             key: grant.key.clone(),
         });
     }
-    let mut depth = held.depth.load(Ordering::SeqCst);
-    loop {
-        if depth == 0 {
-            return Err(Error::NotHeld {
-                key: grant.key.clone(),
-            });
-        }
-        match held
-            .depth
-            .compare_exchange(depth, depth - 1, Ordering::SeqCst, Ordering::SeqCst)
-        {
-            Ok(_) => break,
-            Err(now) => depth = now,
-        }
-    }
+    let Ok(depth) = held
+        .depth
+        .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |d| d.checked_sub(1))
+    else {
+        return Err(Error::NotHeld {
+            key: grant.key.clone(),
+        });
+    };
     if depth > 1 {
         record_depth(backend, &held, depth - 1).await;
         return Ok(Released::Partially {

@@ -549,21 +549,14 @@ impl LockBackend for ZkBackend {
 
     async fn release(&self, grant: &Grant) -> Result<Released> {
         let held = self.held_of(grant)?;
-        let mut depth = held.depth.load(Ordering::SeqCst);
-        loop {
-            if depth == 0 {
-                return Err(Error::NotHeld {
-                    key: grant.key.clone(),
-                });
-            }
-            match held
-                .depth
-                .compare_exchange(depth, depth - 1, Ordering::SeqCst, Ordering::SeqCst)
-            {
-                Ok(_) => break,
-                Err(now) => depth = now,
-            }
-        }
+        let Ok(depth) = held
+            .depth
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |d| d.checked_sub(1))
+        else {
+            return Err(Error::NotHeld {
+                key: grant.key.clone(),
+            });
+        };
         if depth > 1 {
             record_depth(&held, depth - 1).await;
             return Ok(Released::Partially {
