@@ -7,6 +7,9 @@
 #   scripts/services.sh status            one line per instance; exit 0 only if all answer
 #   scripts/services.sh env               `export` lines to eval: eval "$(scripts/services.sh env)"
 #   scripts/services.sh pid NAME          print the pid of one instance (exit 1 if not running)
+#   scripts/services.sh pause NAME...     SIGSTOP the named instances (fault lab: a frozen server)
+#   scripts/services.sh resume NAME...    SIGCONT them
+#   scripts/services.sh kill NAME...      SIGKILL them, keeping their data (`up` starts them again)
 #   scripts/services.sh clean             down, then delete all state under target/services
 #
 # Instances (all bound to 127.0.0.1, all state/logs/pids under <repo>/target/services/<name>/):
@@ -14,6 +17,7 @@
 #   redlock-1..5        independent Redis masters (Redlock)   16380..16384
 #   redis-primary       Redis primary with one replica         16385
 #   redis-replica       replica of redis-primary               16386
+#   redis-aof           Redis with appendonly yes, appendfsync always  16387
 #   cluster-1..3        3-master Redis Cluster, no replicas    16390..16392
 #   mariadb             MariaDB, db/user/password lockkit      13306
 #   zk-standalone       standalone ZooKeeper                   12181
@@ -33,7 +37,7 @@ TIMEOUT="${LOCKKIT_SERVICES_TIMEOUT:-60}"
 [[ "$OFFSET" =~ ^[0-9]+$ ]] || { echo "[services] LOCKKIT_PORT_OFFSET must be a number" >&2; exit 2; }
 [[ "$TIMEOUT" =~ ^[0-9]+$ ]] || { echo "[services] LOCKKIT_SERVICES_TIMEOUT must be a number" >&2; exit 2; }
 
-ALL_INSTANCES=(redis-single redlock-1 redlock-2 redlock-3 redlock-4 redlock-5 redis-primary redis-replica
+ALL_INSTANCES=(redis-single redlock-1 redlock-2 redlock-3 redlock-4 redlock-5 redis-primary redis-replica redis-aof
                cluster-1 cluster-2 cluster-3 mariadb zk-standalone zk-1 zk-2 zk-3)
 CLUSTER_NODES=(cluster-1 cluster-2 cluster-3)
 ZK_NODES=(zk-1 zk-2 zk-3)
@@ -50,6 +54,7 @@ die() { printf '[services] ERROR: %s\n' "$*" >&2; exit 1; }
 usage() {
   cat >&2 <<EOF
 usage: $0 up [NAME...] | down [NAME...] | restart NAME... | status | env | pid NAME | clean
+       $0 pause NAME... | resume NAME... | kill NAME...
 
   up       install missing Debian packages (as root), start the private servers, wait until they answer
   down     stop the servers this script started (pidfiles under target/services), TERM then KILL
@@ -57,6 +62,9 @@ usage: $0 up [NAME...] | down [NAME...] | restart NAME... | status | env | pid N
   status   one line per instance; exit status 0 if all answer, 1 otherwise
   env      print export lines: eval "\$($0 env)"
   pid      print the pid of one instance
+  pause    SIGSTOP the named instances (the process stays, answers nothing)
+  resume   SIGCONT the named instances
+  kill     SIGKILL the named instances (no shutdown, data dir kept: persistence is tested)
   clean    down, then remove target/services entirely
 
 instances: ${ALL_INSTANCES[*]}
@@ -68,7 +76,7 @@ EOF
 # ---------------------------------------------------------------------------
 kind_of() {
   case "$1" in
-    redis-single|redlock-[1-5]|redis-primary|redis-replica) echo redis ;;
+    redis-single|redlock-[1-5]|redis-primary|redis-replica|redis-aof) echo redis ;;
     cluster-[1-3]) echo cluster ;;
     mariadb) echo mariadb ;;
     zk-standalone) echo zk-standalone ;;
@@ -84,6 +92,7 @@ port_of() {
     redlock-[1-5]) p=$((16379 + ${1#redlock-})) ;;
     redis-primary) p=16385 ;;
     redis-replica) p=16386 ;;
+    redis-aof) p=16387 ;;
     cluster-[1-3]) p=$((16389 + ${1#cluster-})) ;;
     mariadb) p=13306 ;;
     zk-standalone) p=12181 ;;
@@ -349,12 +358,15 @@ start_redis() {
   mkdir -p "$d"
   local args=(--port "$port" --bind "$HOST" --protected-mode yes --daemonize no
               --dir "$d" --logfile "$d/redis.log" --save "" --appendonly no
-              --enable-debug-command local --loglevel notice)
+              --enable-debug-command local --loglevel notice --repl-diskless-sync-delay 0)
   if [[ "$(kind_of "$name")" == cluster ]]; then
     args+=(--cluster-enabled yes --cluster-config-file nodes.conf --cluster-node-timeout 5000)
   fi
   if [[ "$name" == redis-replica ]]; then
     args+=(--replicaof "$HOST" "$(port_of redis-primary)")
+  fi
+  if [[ "$name" == redis-aof ]]; then
+    args+=(--appendonly yes --appendfsync always)
   fi
   launch "$name" "$d/stdout.log" "$(find_bin redis-server)" "${args[@]}"
 }
@@ -641,6 +653,7 @@ cmd_up() {
   for n in "${names[@]}"; do
     port="$(port_of "$n")"
     if pid="$(owned_pid "$n")"; then
+      kill -CONT "$pid" 2>/dev/null || true   # left paused by an interrupted fault test
       if answering "$n"; then
         log "$n $HOST:$port ... already up (pid $pid)"
       else
@@ -788,11 +801,37 @@ cmd_env() {
   echo "export LOCKKIT_TEST_REDIS_CLUSTER_URL=redis+cluster://$addrs"
   echo "export LOCKKIT_TEST_REDIS_PRIMARY_URL=redis://$HOST:$(port_of redis-primary)"
   echo "export LOCKKIT_TEST_REDIS_REPLICA_URL=redis://$HOST:$(port_of redis-replica)"
+  echo "export LOCKKIT_TEST_REDIS_AOF_URL=redis://$HOST:$(port_of redis-aof)"
   echo "export LOCKKIT_TEST_MYSQL_URL=mysql://$MYSQL_USER:$MYSQL_PASSWORD@$HOST:$(port_of mariadb)/$MYSQL_DB"
   echo "export LOCKKIT_TEST_ZK_URL=zk://$HOST:$(port_of zk-standalone)"
   addrs=""
   for n in "${ZK_NODES[@]}"; do addrs+="${addrs:+,}$HOST:$(port_of "$n")"; done
   echo "export LOCKKIT_TEST_ZK_ENSEMBLE_URL=zk://$addrs"
+}
+
+# pause | resume | kill: one signal to each named instance started by this script
+cmd_signal() {
+  local action=$1 sig n pid
+  shift
+  (($#)) || { usage; exit 2; }
+  validate_names "$@"
+  case "$action" in
+    pause) sig=STOP ;;
+    resume) sig=CONT ;;
+    kill) sig=KILL ;;
+  esac
+  for n in "$@"; do
+    pid="$(owned_pid "$n")" || die "$n is not running"
+    kill "-$sig" "$pid" || die "$n: kill -$sig $pid failed"
+    if [[ "$action" == kill ]]; then
+      local waited=0
+      while pid_alive "$pid" && ((waited++ < 50)); do sleep 0.1; done
+      if pid_alive "$pid"; then die "$n (pid $pid) survived SIGKILL"; fi
+      rm -f "$(pidfile_of "$n")"
+      if [[ "$n" == mariadb ]]; then rm -f "$(mariadb_socket)"; fi
+    fi
+    log "$n ... $action (pid $pid)"
+  done
 }
 
 cmd_pid() {
@@ -818,6 +857,7 @@ main() {
     status) (($# == 0)) || { usage; exit 2; }; cmd_status ;;
     env) (($# == 0)) || { usage; exit 2; }; cmd_env ;;
     pid) cmd_pid "$@" ;;
+    pause|resume|kill) cmd_signal "$cmd" "$@" ;;
     clean) (($# == 0)) || { usage; exit 2; }; cmd_clean ;;
     -h|--help|help) usage ;;
     *) usage; exit 2 ;;

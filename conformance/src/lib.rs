@@ -23,6 +23,7 @@ mod file_harness;
 pub mod harness;
 pub mod history;
 pub mod holder;
+pub mod lab;
 mod memory_harness;
 pub mod proxy;
 mod support;

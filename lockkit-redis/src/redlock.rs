@@ -26,12 +26,42 @@ const BACKEND: &str = "redlock";
 /// - Waiters are woken by release messages from any master.
 ///
 /// Redlock's safety rests on clocks and on masters not losing writes: a master restarted
-/// without persistence forgets its grants (the documented hazard). Fencing tokens are the
-/// defence.
+/// without persistence forgets its grants (the documented hazard, shown by `lockkit lab
+/// redlock-restart`). Fencing tokens are the defence: a master that lost its counter seeds
+/// it from its clock, so the next quorum still counts past every earlier token.
 #[derive(Clone)]
 pub struct RedlockBackend {
-    nodes: Arc<Vec<RedisBackend>>,
+    nodes: Arc<Vec<Master>>,
     config: RedisConfig,
+}
+
+/// One master: its configuration and, once it answered, its client. A master that was
+/// down when the backend connected is tried again by every operation.
+struct Master {
+    config: RedisConfig,
+    node: tokio::sync::OnceCell<RedisBackend>,
+}
+
+impl Master {
+    fn new(config: RedisConfig) -> Self {
+        Master {
+            config,
+            node: tokio::sync::OnceCell::new(),
+        }
+    }
+
+    /// The client, if this master has answered once.
+    fn connected(&self) -> Option<&RedisBackend> {
+        self.node.get()
+    }
+
+    /// The client, connecting first if this master has never answered.
+    async fn get(&self) -> Result<RedisBackend> {
+        self.node
+            .get_or_try_init(|| RedisBackend::from_config(self.config.clone()))
+            .await
+            .cloned()
+    }
 }
 
 impl std::fmt::Debug for RedlockBackend {
@@ -51,12 +81,13 @@ enum Vote {
 }
 
 impl RedlockBackend {
-    /// Connects to the masters of a `redlock://h1,h2,h3,...` URL. Masters that are down
-    /// are retried on every operation; at least a quorum must answer for locks to be
-    /// granted, but not to connect.
+    /// Connects to the masters of a `redlock://h1,h2,h3,...` URL. A quorum must answer;
+    /// masters that are down are tried again by every operation (within the per-master
+    /// timeout), so one that comes back counts again.
     ///
     /// # Errors
-    /// [`Error::Config`] for a bad URL.
+    /// [`Error::Config`] for a bad URL; [`Error::Backend`] when fewer than a quorum of
+    /// masters answer.
     pub async fn connect(url: &str) -> Result<Self> {
         Self::from_config(RedisConfig::parse(url)?).await
     }
@@ -73,26 +104,29 @@ impl RedlockBackend {
             ));
         };
         let quorum = masters.len() / 2 + 1;
-        let connecting = masters.iter().map(|url| {
-            let mut node = config.clone();
-            node.topology = Topology::Single(url.clone());
-            RedisBackend::from_config(node)
-        });
-        let mut nodes = Vec::new();
+        let nodes: Vec<Master> = masters
+            .iter()
+            .map(|url| {
+                let mut node = config.clone();
+                node.topology = Topology::Single(url.clone());
+                Master::new(node)
+            })
+            .collect();
+        let connecting = nodes.iter().map(Master::get);
+        let mut up = 0;
         let mut down = Vec::new();
         for (url, node) in masters.iter().zip(join_all(connecting).await) {
             match node {
-                Ok(node) => nodes.push(node),
+                Ok(_) => up += 1,
                 Err(e) => down.push(format!("{url}: {e}")),
             }
         }
-        if nodes.len() < quorum {
+        if up < quorum {
             return Err(Error::backend(
                 BACKEND,
                 true,
                 format!(
-                    "only {} of {} masters answered; Redlock needs a quorum of {quorum}: {}",
-                    nodes.len(),
+                    "only {up} of {} masters answered; Redlock needs a quorum of {quorum}: {}",
                     masters.len(),
                     down.join("; ")
                 ),
@@ -105,6 +139,11 @@ impl RedlockBackend {
             nodes: Arc::new(nodes),
             config,
         })
+    }
+
+    /// The Redis names of `key` on every master.
+    fn names(&self, key: &LockKey) -> Result<crate::naming::LockNames> {
+        crate::naming::LockNames::new(&self.config.prefix, key, false)
     }
 
     /// Masters needed for a grant.
@@ -133,8 +172,9 @@ impl RedlockBackend {
         F: Fn(RedisBackend) -> Fut,
         Fut: std::future::Future<Output = Result<T>>,
     {
-        let calls = self.nodes.iter().map(|node| {
-            let call = op(node.clone());
+        let op = &op;
+        let calls = self.nodes.iter().map(|master| {
+            let call = async move { op(master.get().await?).await };
             async move {
                 tokio::time::timeout(timeout, call)
                     .await
@@ -245,7 +285,7 @@ impl RedlockBackend {
     /// Raises the token counter to `token` on every granting master; returns how many
     /// recorded it.
     async fn write_back(&self, req: &AcquireRequest, token: FencingToken, votes: &[Vote]) -> usize {
-        let Ok(names) = self.nodes[0].names(&req.key) else {
+        let Ok(names) = self.names(&req.key) else {
             return 0;
         };
         let writes = self
@@ -253,7 +293,8 @@ impl RedlockBackend {
             .iter()
             .zip(votes)
             .filter(|(_, v)| matches!(v, Vote::Granted(_)))
-            .map(|(node, _)| {
+            .filter_map(|(master, _)| master.connected())
+            .map(|node| {
                 let name = names.token.clone();
                 let mut conn = node.conn_handle();
                 async move {
@@ -280,6 +321,7 @@ impl RedlockBackend {
             .iter()
             .zip(votes)
             .filter(|(_, v)| !matches!(v, Vote::Busy(_)))
+            .filter_map(|(master, vote)| master.connected().map(|node| (node, vote)))
             .map(|(node, vote)| {
                 let grant = match vote {
                     Vote::Granted(g) => g.clone(),
@@ -347,9 +389,9 @@ impl LockBackend for RedlockBackend {
         }
         // Subscribe on every master that lets us; the loop retries before it sleeps, so a
         // release between the first round and the subscriptions is not missed.
-        let names = self.nodes[0].names(&req.key)?;
+        let names = self.names(&req.key)?;
         let mut subscriptions = Vec::new();
-        for node in self.nodes.iter() {
+        for node in self.nodes.iter().filter_map(Master::connected) {
             if let Ok(subscription) = node.subscribe(&names.channel).await {
                 subscriptions.push(subscription);
             }

@@ -10,6 +10,13 @@ use redis::Script;
 
 /// KEYS: lock, token. ARGV: ttl ms, owner field.
 /// Returns `{1, token, depth}` when granted, `{0, pttl, 0}` when held by someone else.
+///
+/// A missing token counter is seeded with the server's clock in microseconds since the
+/// epoch before it is incremented, so a server that lost its data (restarted without
+/// persistence, or a replica promoted before the counter reached it) still hands out
+/// tokens greater than any it gave before, unless its clock stepped back or it granted
+/// more than one lock per microsecond on average. Seeded values stay below 2^53, so the
+/// Lua arithmetic on them is exact.
 pub static ACQUIRE: LazyLock<Script> = LazyLock::new(|| {
     Script::new(
         r"
@@ -17,6 +24,10 @@ local t = redis.call('type', KEYS[1]).ok
 if t == 'none' then
   redis.call('hincrby', KEYS[1], ARGV[2], 1)
   redis.call('pexpire', KEYS[1], ARGV[1])
+  if redis.call('exists', KEYS[2]) == 0 then
+    local now = redis.call('time')
+    redis.call('set', KEYS[2], now[1] .. string.format('%06d', tonumber(now[2])))
+  end
   return {1, redis.call('incr', KEYS[2]), 1}
 end
 if t == 'hash' and redis.call('hexists', KEYS[1], ARGV[2]) == 1 then
@@ -87,7 +98,7 @@ pub static RAISE_TOKEN: LazyLock<Script> = LazyLock::new(|| {
 local current = tonumber(redis.call('get', KEYS[1]) or '0')
 local wanted = tonumber(ARGV[1])
 if wanted > current then
-  redis.call('set', KEYS[1], wanted)
+  redis.call('set', KEYS[1], ARGV[1])
   return wanted
 end
 return current

@@ -1,0 +1,205 @@
+//! The private servers, driven through `scripts/services.sh`, and the two raw protocol
+//! calls the lab needs (Redis `REPLICAOF NO ONE`, ZooKeeper `srvr`).
+
+use std::{
+    collections::BTreeMap,
+    fs::File,
+    path::{Path, PathBuf},
+    time::Duration,
+};
+
+use tokio::{
+    io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader},
+    net::TcpStream,
+    process::Command,
+};
+
+use super::{Context, LabError};
+
+/// `scripts/services.sh` and the directory it keeps its state in.
+#[derive(Debug, Clone)]
+pub struct Services {
+    script: PathBuf,
+    state_dir: PathBuf,
+}
+
+/// Held while a scenario runs: one scenario at a time per checkout, across processes.
+#[derive(Debug)]
+pub struct LabLock {
+    _file: File,
+}
+
+impl Services {
+    /// The script of this checkout (`LOCKKIT_SERVICES_SCRIPT` overrides it), keeping state
+    /// in `LOCKKIT_TEST_SERVICES_DIR` or `<repo>/target/services`.
+    pub fn locate() -> Services {
+        let repo = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+        let script = std::env::var_os("LOCKKIT_SERVICES_SCRIPT")
+            .map_or_else(|| repo.join("scripts/services.sh"), PathBuf::from);
+        let state_dir = std::env::var_os("LOCKKIT_TEST_SERVICES_DIR")
+            .map_or_else(|| repo.join("target/services"), PathBuf::from);
+        Services { script, state_dir }
+    }
+
+    /// The script.
+    pub fn script(&self) -> &Path {
+        &self.script
+    }
+
+    /// Its state directory.
+    pub fn state_dir(&self) -> &Path {
+        &self.state_dir
+    }
+
+    /// Runs the script with `args`; fails with the script's own words.
+    ///
+    /// # Errors
+    /// When it cannot be started or exits non-zero.
+    pub async fn call(&self, args: &[&str]) -> Result<String, LabError> {
+        let out = Command::new("bash")
+            .arg(&self.script)
+            .args(args)
+            .kill_on_drop(true)
+            .output()
+            .await
+            .context(format!("cannot run {}", self.script.display()))?;
+        if !out.status.success() {
+            let stderr = String::from_utf8_lossy(&out.stderr);
+            let tail: Vec<&str> = stderr.lines().rev().take(15).collect();
+            return Err(LabError::new(format!(
+                "`services.sh {}` failed ({}):\n{}",
+                args.join(" "),
+                out.status,
+                tail.into_iter().rev().collect::<Vec<_>>().join("\n")
+            )));
+        }
+        Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+    }
+
+    /// Starts (or resumes, or leaves alone) the named instances and waits until they answer.
+    ///
+    /// # Errors
+    /// As [`Services::call`].
+    pub async fn up(&self, names: &[&str]) -> Result<(), LabError> {
+        let mut args = vec!["up"];
+        args.extend_from_slice(names);
+        self.call(&args).await.map(drop)
+    }
+
+    /// One of `pause`, `resume`, `kill`, `restart`, `down` on the named instances.
+    ///
+    /// # Errors
+    /// As [`Services::call`].
+    pub async fn act(&self, action: &str, names: &[&str]) -> Result<(), LabError> {
+        let mut args = vec![action];
+        args.extend_from_slice(names);
+        self.call(&args).await.map(drop)
+    }
+
+    /// The `LOCKKIT_TEST_*` URLs from `services.sh env`.
+    ///
+    /// # Errors
+    /// As [`Services::call`].
+    pub async fn urls(&self) -> Result<BTreeMap<String, String>, LabError> {
+        let text = self.call(&["env"]).await?;
+        Ok(text
+            .lines()
+            .filter_map(|l| l.strip_prefix("export "))
+            .filter_map(|l| l.split_once('='))
+            .filter(|(k, _)| k.ends_with("_URL"))
+            .map(|(k, v)| (k.to_owned(), v.to_owned()))
+            .collect())
+    }
+
+    /// Takes the lab lock (waiting up to 10 minutes for another lab run to finish).
+    ///
+    /// # Errors
+    /// When the lock file cannot be opened or the wait times out.
+    pub async fn lock(&self) -> Result<LabLock, LabError> {
+        let path = self.state_dir.join("lab.lock");
+        std::fs::create_dir_all(&self.state_dir)
+            .context(format!("cannot create {}", self.state_dir.display()))?;
+        let file = File::create(&path).context(format!("cannot open {}", path.display()))?;
+        let locked = tokio::time::timeout(
+            Duration::from_secs(600),
+            tokio::task::spawn_blocking(move || file.lock().map(|()| file)),
+        )
+        .await
+        .map_err(|_| {
+            LabError::new(format!(
+                "another lab run has held {} for 10 minutes",
+                path.display()
+            ))
+        })?
+        .context("lab lock task")?
+        .context("locking the lab")?;
+        Ok(LabLock { _file: locked })
+    }
+}
+
+/// Sends one Redis command (RESP) to `addr` and returns the reply: a status or integer
+/// line, or the text of a bulk string.
+///
+/// # Errors
+/// On connection failure, a timeout (5 s) or an error reply.
+pub async fn redis_command(addr: &str, args: &[&str]) -> Result<String, LabError> {
+    let talk = async {
+        let mut stream = TcpStream::connect(addr)
+            .await
+            .context(format!("connecting to {addr}"))?;
+        let mut request = format!("*{}\r\n", args.len());
+        for a in args {
+            request.push_str(&format!("${}\r\n{a}\r\n", a.len()));
+        }
+        stream
+            .write_all(request.as_bytes())
+            .await
+            .context(format!("writing to {addr}"))?;
+        let mut reader = BufReader::new(stream);
+        let mut line = String::new();
+        reader
+            .read_line(&mut line)
+            .await
+            .context(format!("reading from {addr}"))?;
+        let line = line.trim_end().to_owned();
+        if let Some(err) = line.strip_prefix('-') {
+            return Err(LabError::new(format!(
+                "{addr} refused `{}`: {err}",
+                args.join(" ")
+            )));
+        }
+        if let Some(len) = line.strip_prefix('$') {
+            let Ok(len) = usize::try_from(len.parse::<i64>().unwrap_or(-1)) else {
+                return Ok(String::new());
+            };
+            let mut body = vec![0u8; len + 2];
+            reader
+                .read_exact(&mut body)
+                .await
+                .context(format!("reading from {addr}"))?;
+            body.truncate(len);
+            return Ok(String::from_utf8_lossy(&body).into_owned());
+        }
+        Ok(line)
+    };
+    tokio::time::timeout(Duration::from_secs(5), talk)
+        .await
+        .map_err(|_| LabError::new(format!("{addr} did not answer `{}` in 5 s", args.join(" "))))?
+}
+
+/// The mode (`leader`, `follower`, `standalone`) a ZooKeeper server reports via `srvr`.
+pub async fn zk_mode(addr: &str) -> Option<String> {
+    let talk = async {
+        let mut stream = TcpStream::connect(addr).await.ok()?;
+        stream.write_all(b"srvr").await.ok()?;
+        let mut text = String::new();
+        stream.read_to_string(&mut text).await.ok()?;
+        text.lines()
+            .find_map(|l| l.strip_prefix("Mode: "))
+            .map(|m| m.trim().to_owned())
+    };
+    tokio::time::timeout(Duration::from_secs(3), talk)
+        .await
+        .ok()
+        .flatten()
+}
