@@ -1,6 +1,6 @@
 //! `lockkit`: run a command under a distributed lock, or inspect one.
 
-use std::{io::IsTerminal, process::ExitCode, time::Duration};
+use std::{io::IsTerminal, path::PathBuf, process::ExitCode, time::Duration};
 
 use clap::{Parser, Subcommand};
 use lockkit::{Error, LockGuard, Locker, config::parse_duration};
@@ -9,6 +9,7 @@ use tokio::{process::Command, signal::unix::SignalKind};
 
 mod bench;
 mod demo;
+mod lab;
 
 /// Exit code when the lock was lost while the command ran (EX_TEMPFAIL).
 const LOST_EXIT: u8 = 75;
@@ -83,6 +84,27 @@ enum Commands {
         #[command(subcommand)]
         story: Story,
     },
+    /// Break something real and watch what a backend does: a frozen holder, a frozen or
+    /// killed server, a cut link, a failover, a Redlock master that forgot (docs/cap.md).
+    ///
+    /// Runs against the private servers of scripts/services.sh (pausing, killing and
+    /// restarting them; it restores them afterwards) and prints each scenario's timeline
+    /// and the history check. Exits 1 if any run differs from what it expects.
+    Lab {
+        /// A scenario id (see --list), or `all`.
+        #[arg(default_value = "all")]
+        scenario: String,
+        /// Only this backend (e.g. redis, zk, mysql-row).
+        #[arg(long)]
+        backend: Option<String>,
+        /// List the scenarios and backends.
+        #[arg(long)]
+        list: bool,
+        /// Write the table of results into this Markdown file, between its lab markers
+        /// (scripts/cap.sh uses it for docs/cap.md); needs a run of every scenario.
+        #[arg(long)]
+        update: Option<PathBuf>,
+    },
     /// Show who holds KEY: holder, depth, token, lease left.
     Status {
         /// The lock's name.
@@ -117,7 +139,21 @@ fn duration(text: &str) -> Result<Duration, String> {
 
 #[tokio::main]
 async fn main() -> ExitCode {
+    if lockkit_conformance::lab::child_requested() {
+        // The lab's child holder (started by `lockkit lab` itself).
+        let code = lockkit_conformance::lab::child_main(lab::connector()).await;
+        return ExitCode::from(u8::try_from(code).unwrap_or(1));
+    }
     let cli = Cli::parse();
+    if let Commands::Lab {
+        scenario,
+        backend,
+        list,
+        update,
+    } = &cli.command
+    {
+        return lab::main(scenario, backend.as_deref(), *list, update.as_deref()).await;
+    }
     let url = cli
         .url
         .filter(|u| !u.is_empty())
@@ -152,6 +188,7 @@ async fn main() -> ExitCode {
             .await
         }
         Commands::Status { key, json } => status(&locker, &key, json).await,
+        Commands::Lab { .. } => ExitCode::from(2),
         Commands::Bench {
             clients,
             keys,

@@ -197,3 +197,84 @@ impl fmt::Display for Report {
 pub(crate) fn yes_no(b: bool) -> &'static str {
     if b { "yes" } else { "no" }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn seen(double_grant: bool, lost: LostSignal, stale: Stale) -> Observed {
+        Observed {
+            double_grant,
+            lost,
+            stale,
+            violations: Vec::new(),
+        }
+    }
+
+    const HAZARD: Expect = Expect {
+        double_grant: true,
+        lost: LostSignal::AfterRival,
+        stale: Stale::Refused,
+    };
+    const SAFE: Expect = Expect {
+        double_grant: false,
+        lost: LostSignal::BeforeRival,
+        stale: Stale::Refused,
+    };
+
+    #[test]
+    fn a_run_that_matches_passes() {
+        assert!(judge(&HAZARD, &seen(true, LostSignal::AfterRival, Stale::Refused)).is_empty());
+        assert!(judge(&SAFE, &seen(false, LostSignal::BeforeRival, Stale::Refused)).is_empty());
+    }
+
+    #[test]
+    fn a_missing_expected_double_grant_fails_loudly() {
+        let problems = judge(
+            &HAZARD,
+            &seen(false, LostSignal::AfterRival, Stale::Refused),
+        );
+        assert_eq!(problems.len(), 1, "{problems:?}");
+        assert!(problems[0].starts_with("EXPECTED A DOUBLE GRANT AND SAW NONE"));
+    }
+
+    #[test]
+    fn an_unexpected_double_grant_fails_loudly() {
+        let mut observed = seen(true, LostSignal::BeforeRival, Stale::Refused);
+        observed.violations.push(Violation::Overlap {
+            key: "k".into(),
+            first: ("a".into(), 1),
+            second: ("b".into(), 2),
+        });
+        let problems = judge(&SAFE, &observed);
+        assert_eq!(problems.len(), 1, "{problems:?}");
+        assert!(problems[0].starts_with("UNEXPECTED DOUBLE GRANT: double grant on `k`"));
+    }
+
+    #[test]
+    fn an_accepted_stale_write_and_a_shrinking_token_always_fail() {
+        let mut observed = seen(true, LostSignal::AfterRival, Stale::Accepted);
+        observed.violations.push(Violation::TokenNotIncreasing {
+            key: "k".into(),
+            earlier: 5,
+            later: 1,
+        });
+        let problems = judge(&HAZARD, &observed);
+        assert!(
+            problems
+                .iter()
+                .any(|p| p.starts_with("A STALE WRITE WAS ACCEPTED"))
+        );
+        assert!(
+            problems
+                .iter()
+                .any(|p| p.starts_with("FENCING TOKEN DID NOT GROW"))
+        );
+    }
+
+    #[test]
+    fn a_wrong_lost_signal_fails() {
+        let problems = judge(&SAFE, &seen(false, LostSignal::Never, Stale::NoStaleHolder));
+        assert_eq!(problems.len(), 2, "{problems:?}");
+    }
+}

@@ -796,12 +796,13 @@ async fn zk_leader_outage(ctx: &mut Ctx<'_>, url: &str, action: &str) -> Result<
     let (leader, addr) = zk_leader(url).await?;
     ctx.lab.services.act(action, &[leader.as_str()]).await?;
     let during = if action == "pause" {
+        let resume_at = Instant::now() + Duration::from_secs(8);
         ctx.note(format!("leader {leader} ({addr}) SIGSTOPped"));
         tokio::time::sleep(Duration::from_secs(4)).await;
         let during = ctx
-            .attempt(&rival, ttl, Duration::from_secs(3), Duration::from_secs(6))
+            .attempt(&rival, ttl, Duration::from_secs(3), Duration::from_secs(4))
             .await;
-        tokio::time::sleep(Duration::from_secs(1)).await;
+        tokio::time::sleep_until(resume_at).await;
         ctx.lab.services.act("resume", &[leader.as_str()]).await?;
         ctx.note(format!("{leader} SIGCONTed"));
         during

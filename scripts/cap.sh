@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# Regenerates the scenario x backend table of docs/cap.md from a real run of every fault
+# lab scenario against the private servers (the prose around the table is hand-written).
+#
+#   scripts/cap.sh
+#
+# The lab test (cargo test -p lockkit-conformance --test lab, part of scripts/test.sh)
+# fails when the committed table differs from what a run produces.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+scripts/services.sh up >/dev/null
+cargo run -q -p lockkit -- lab all --update docs/cap.md
