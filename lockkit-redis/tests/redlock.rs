@@ -204,3 +204,39 @@ async fn contenders_on_different_master_subsets_never_overlap() {
     assert_eq!(history.records().len(), 20);
     history.assert_linear();
 }
+
+#[tokio::test]
+async fn a_master_down_at_connect_counts_once_it_is_back() {
+    let Some(masters) = masters() else { return };
+    let mut proxies = Vec::new();
+    for master in &masters {
+        proxies.push(
+            FaultProxy::start(master.parse::<SocketAddr>().unwrap())
+                .await
+                .unwrap(),
+        );
+    }
+    // Masters 0 and 1 are down while the client connects (3 of 5: enough to start).
+    proxies[0].reset();
+    proxies[1].reset();
+    let hosts: Vec<String> = proxies.iter().map(|p| p.local_addr().to_string()).collect();
+    let locker = Locker::new(
+        RedlockBackend::connect(&format!("redlock://{}", hosts.join(",")))
+            .await
+            .unwrap(),
+    );
+    // They come back, and two others go down: only the returned ones make a quorum.
+    proxies[0].heal();
+    proxies[1].heal();
+    proxies[3].reset();
+    proxies[4].reset();
+    let key = key();
+    let guard = locker
+        .acquire(&key)
+        .wait(Duration::from_secs(10))
+        .await
+        .expect("masters 0, 1, 2 are a quorum once 0 and 1 are back");
+    assert_eq!(holders(&masters[..3], &key).await, 3);
+    guard.release().await.unwrap();
+    assert_eq!(holders(&masters, &key).await, 0);
+}

@@ -186,3 +186,32 @@ async fn a_server_that_is_down_is_a_typed_retryable_error() {
         "names the server: {err}"
     );
 }
+
+#[tokio::test]
+async fn a_missing_token_counter_starts_from_the_server_clock() {
+    let Some(mut s) = setup("").await else {
+        return;
+    };
+    let counter = format!("redisson_lock_token:{{{}}}", s.name);
+    let (secs, micros): (u64, u64) = redis::cmd("TIME").query_async(&mut s.admin).await.unwrap();
+    let before = secs * 1_000_000 + micros;
+    let first = s.locker.acquire(s.name.as_str()).await.unwrap();
+    assert!(
+        first.token().get() > before,
+        "a new counter starts from the server clock: token {} vs TIME {before}",
+        first.token()
+    );
+    let first_token = first.token();
+    first.release().await.unwrap();
+    // The server forgets the counter (a restart without persistence, a failover to a
+    // replica that never saw it): the next holder must still get a greater token.
+    let _: () = s.admin.del(&counter).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(2)).await;
+    let second = s.locker.acquire(s.name.as_str()).await.unwrap();
+    assert!(
+        second.token() > first_token,
+        "token {} after the counter was lost is not greater than {first_token}",
+        second.token()
+    );
+    second.release().await.unwrap();
+}
