@@ -3,10 +3,9 @@
 
 use std::{process::Command, time::Duration};
 
-use lockkit_conformance::env;
+use lockkit_conformance::{env, lab::zk_mode};
 use lockkit_core::{LockKey, Locker};
 use lockkit_zk::ZkBackend;
-use tokio::{io::AsyncReadExt, io::AsyncWriteExt, net::TcpStream};
 use uuid::Uuid;
 
 fn services(args: &[&str]) {
@@ -19,23 +18,13 @@ fn services(args: &[&str]) {
     assert!(status.success(), "services.sh {args:?} failed");
 }
 
-async fn mode(addr: &str) -> Option<String> {
-    let mut stream = TcpStream::connect(addr).await.ok()?;
-    stream.write_all(b"srvr").await.ok()?;
-    let mut text = String::new();
-    stream.read_to_string(&mut text).await.ok()?;
-    text.lines()
-        .find_map(|l| l.strip_prefix("Mode: "))
-        .map(str::to_owned)
-}
-
 /// (instance name, address) of the leader and of one follower.
 async fn roles(nodes: &[String]) -> (String, String) {
     for _ in 0..100 {
         let mut leader = None;
         let mut follower = None;
         for (i, node) in nodes.iter().enumerate() {
-            match mode(node).await.as_deref() {
+            match zk_mode(node).await.as_deref() {
                 Some("leader") => leader = Some(format!("zk-{}", i + 1)),
                 Some("follower") => follower = Some(format!("zk-{}", i + 1)),
                 _ => {}

@@ -43,7 +43,7 @@ pub use child::{CHILD_VAR, child_main, child_requested};
 pub use markdown::{DOC_BEGIN, DOC_END, render_table, splice_table};
 pub use report::{Expect, LostSignal, Observed, Report, Stale};
 pub use scenarios::{CATALOGUE, ScenarioDef};
-pub use servers::Services;
+pub use servers::{Services, redis_command, zk_mode};
 pub use store::{FileFencedStore, StaleWrite};
 
 /// Builds a backend from a URL (the facade's `lockkit::backend`).

@@ -14,7 +14,11 @@ use super::{
     servers::{redis_command, zk_mode},
     store::FileFencedStore,
 };
-use crate::{FaultProxy, History, env::host_ports, history::HoldRecord};
+use crate::{
+    FaultProxy, History,
+    env::host_ports,
+    history::{HoldRecord, OpenHold},
+};
 
 /// What a scenario does to the system.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -313,6 +317,12 @@ impl Ctx<'_> {
         Ok(())
     }
 
+    /// Opens the history record of `guard`, held by `who`.
+    fn open(&mut self, who: &str, guard: LockGuard) -> Hold {
+        let open = self.history.begin(who, &guard);
+        (guard, open)
+    }
+
     /// A rival was granted: record it.
     fn rival_granted(&mut self, guard: &LockGuard) {
         let now = Instant::now();
@@ -565,12 +575,58 @@ async fn expect_busy(ctx: &mut Ctx<'_>, rival: &Locker) -> Result<Option<LockGua
     }
 }
 
-/// Closes both holds in the history and releases them.
-async fn finish(
+/// A hold and its open history record.
+type Hold = (LockGuard, OpenHold);
+
+/// The holder takes the key, says so, and writes with its token.
+async fn take(
     ctx: &mut Ctx<'_>,
-    holder: Option<(LockGuard, crate::history::OpenHold)>,
-    rival: Option<(LockGuard, crate::history::OpenHold)>,
-) {
+    locker: &Locker,
+    ttl: Duration,
+    watchdog: bool,
+    what: &str,
+    describe: impl FnOnce(FencingToken) -> String,
+) -> Result<Hold, LabError> {
+    let mut acquire = locker.acquire(&ctx.key).ttl(ttl);
+    if !watchdog {
+        acquire = acquire.no_watchdog();
+    }
+    let guard = acquire.await.context(what)?;
+    ctx.note(describe(guard.token()));
+    let hold = ctx.open("holder", guard);
+    ctx.write("holder", hold.0.token())?;
+    Ok(hold)
+}
+
+/// The lock was kept through the fault: the rival finds it busy, the holder renews and
+/// writes, then releases, and the rival gets it with a greater token.
+async fn kept(
+    ctx: &mut Ctx<'_>,
+    holder: Hold,
+    rival: &Locker,
+    ttl: Duration,
+    during: Option<Hold>,
+) -> Result<(), LabError> {
+    let busy = expect_busy(ctx, rival).await?;
+    let busy = busy.map(|g| ctx.open("rival", g));
+    if holder.0.is_valid() {
+        if renew_through(ctx, &holder.0, ttl).await {
+            ctx.write("holder", holder.0.token())?;
+        }
+    } else {
+        let reason = holder.0.lost().await;
+        ctx.holder_lost(&holder.0, reason);
+    }
+    let token = holder.0.token();
+    finish(ctx, Some(holder), during.or(busy)).await;
+    ctx.note("holder released");
+    let next = handoff(ctx, rival, ttl, token).await?;
+    finish(ctx, None, Some(next)).await;
+    Ok(())
+}
+
+/// Closes both holds in the history and releases them.
+async fn finish(ctx: &mut Ctx<'_>, holder: Option<Hold>, rival: Option<Hold>) {
     for (guard, open) in [holder, rival].into_iter().flatten() {
         ctx.history.end(open, &guard);
         let _ = tokio::time::timeout(Duration::from_secs(5), guard.release()).await;
@@ -583,7 +639,7 @@ async fn handoff(
     rival: &Locker,
     ttl: Duration,
     after: FencingToken,
-) -> Result<(LockGuard, crate::history::OpenHold), LabError> {
+) -> Result<Hold, LabError> {
     let guard = rival
         .acquire(&ctx.key)
         .ttl(ttl)
@@ -687,28 +743,21 @@ async fn redis_paused(ctx: &mut Ctx<'_>, url: &str) -> Result<(), LabError> {
     let key = ctx.key.clone();
     let holder_locker = ctx.locker(url).await?;
     let rival = ctx.lab.locker(url).await?;
-    let holder = holder_locker
-        .acquire(&key)
-        .ttl(ttl)
-        .await
-        .context("holder")?;
-    ctx.note(format!(
-        "holder granted token {} with a {} s lease, watchdog on",
-        holder.token(),
-        ttl.as_secs()
-    ));
-    let holder_open = ctx.history.begin("holder", &holder);
-    ctx.write("holder", holder.token())?;
+    let (holder, holder_open) = take(ctx, &holder_locker, ttl, true, "holder", |token| {
+        format!(
+            "holder granted token {} with a {} s lease, watchdog on",
+            token,
+            ttl.as_secs()
+        )
+    })
+    .await?;
     ctx.lab.services.act("pause", &["redis-single"]).await?;
     let paused = Instant::now();
     ctx.note("Redis server SIGSTOPped");
     let during = ctx
         .attempt(&rival, ttl, Duration::from_secs(2), Duration::from_secs(5))
         .await;
-    let during = during.map(|g| {
-        let open = ctx.history.begin("rival (during the pause)", &g);
-        (g, open)
-    });
+    let during = during.map(|g| ctx.open("rival (during the pause)", g));
     await_lost(ctx, &holder, ttl + Duration::from_secs(5)).await;
     let resume_at = paused + ttl + Duration::from_secs(1);
     tokio::time::sleep_until(resume_at).await;
@@ -777,22 +826,17 @@ async fn zk_leader_outage(ctx: &mut Ctx<'_>, url: &str, action: &str) -> Result<
     } else {
         Duration::from_secs(10)
     };
-    let key = ctx.key.clone();
     zk_settled(url).await?;
     let holder_locker = ctx.locker(url).await?;
     let rival = ctx.lab.locker(url).await?;
-    let holder = holder_locker
-        .acquire(&key)
-        .ttl(ttl)
-        .await
-        .context("holder")?;
-    ctx.note(format!(
-        "holder granted token {} ({} s session and lease)",
-        holder.token(),
-        ttl.as_secs()
-    ));
-    let holder_open = ctx.history.begin("holder", &holder);
-    ctx.write("holder", holder.token())?;
+    let (holder, holder_open) = take(ctx, &holder_locker, ttl, true, "holder", |token| {
+        format!(
+            "holder granted token {} ({} s session and lease)",
+            token,
+            ttl.as_secs()
+        )
+    })
+    .await?;
     let (leader, addr) = zk_leader(url).await?;
     ctx.lab.services.act(action, &[leader.as_str()]).await?;
     let during = if action == "pause" {
@@ -817,30 +861,8 @@ async fn zk_leader_outage(ctx: &mut Ctx<'_>, url: &str, action: &str) -> Result<
     };
     let modes = zk_settled(url).await?;
     ctx.note(format!("ensemble settled: {modes}"));
-    let during = during.map(|g| {
-        let open = ctx.history.begin("rival (during the outage)", &g);
-        (g, open)
-    });
-    if holder.is_valid() {
-        renew_through(ctx, &holder, ttl).await;
-    } else {
-        let reason = holder.lost().await;
-        ctx.holder_lost(&holder, reason);
-    }
-    let busy = expect_busy(ctx, &rival).await?;
-    let busy = busy.map(|g| {
-        let open = ctx.history.begin("rival", &g);
-        (g, open)
-    });
-    if holder.is_valid() {
-        ctx.write("holder", holder.token())?;
-    }
-    let token = holder.token();
-    finish(ctx, Some((holder, holder_open)), during.or(busy)).await;
-    ctx.note("holder released");
-    let next = handoff(ctx, &rival, ttl, token).await?;
-    finish(ctx, None, Some(next)).await;
-    Ok(())
+    let during = during.map(|g| ctx.open("rival (during the outage)", g));
+    kept(ctx, (holder, holder_open), &rival, ttl, during).await
 }
 
 async fn cut_off(ctx: &mut Ctx<'_>, url: &str) -> Result<(), LabError> {
@@ -860,18 +882,14 @@ async fn cut_off(ctx: &mut Ctx<'_>, url: &str) -> Result<(), LabError> {
     let proxied = format!("{scheme}://{}{query}", proxy.local_addr());
     let holder_locker = ctx.locker(&proxied).await?;
     let rival = ctx.lab.locker(url).await?;
-    let holder = holder_locker
-        .acquire(&key)
-        .ttl(ttl)
-        .await
-        .context("holder")?;
-    ctx.note(format!(
-        "holder (through the proxy) granted token {}; {} s lease, watchdog on",
-        holder.token(),
-        ttl.as_secs()
-    ));
-    let holder_open = ctx.history.begin("holder", &holder);
-    ctx.write("holder", holder.token())?;
+    let (holder, holder_open) = take(ctx, &holder_locker, ttl, true, "holder", |token| {
+        format!(
+            "holder (through the proxy) granted token {}; {} s lease, watchdog on",
+            token,
+            ttl.as_secs()
+        )
+    })
+    .await?;
     tokio::time::sleep(Duration::from_millis(500)).await;
     proxy.cut();
     ctx.note("link cut: the holder's packets stall, the server hears nothing");
@@ -918,18 +936,13 @@ async fn redis_restarted(ctx: &mut Ctx<'_>, url: &str) -> Result<(), LabError> {
     let ttl = Duration::from_secs(30);
     let key = ctx.key.clone();
     let holder_locker = ctx.locker(url).await?;
-    let holder = holder_locker
-        .acquire(&key)
-        .ttl(ttl)
-        .no_watchdog()
-        .await
-        .context("holder")?;
-    ctx.note(format!(
-        "holder granted token {} with a 30 s lease (between renewals for the rest of the run)",
-        holder.token()
-    ));
-    let holder_open = ctx.history.begin("holder", &holder);
-    ctx.write("holder", holder.token())?;
+    let (holder, holder_open) = take(ctx, &holder_locker, ttl, false, "holder", |token| {
+        format!(
+            "holder granted token {} with a 30 s lease (between renewals for the rest of the run)",
+            token
+        )
+    })
+    .await?;
     ctx.lab.services.act("kill", &["redis-single"]).await?;
     ctx.note("Redis SIGKILLed (no RDB, no AOF: the lock lived only in memory)");
     ctx.lab.services.up(&["redis-single"]).await?;
@@ -952,38 +965,20 @@ async fn redis_restarted(ctx: &mut Ctx<'_>, url: &str) -> Result<(), LabError> {
 
 async fn redis_aof_restarted(ctx: &mut Ctx<'_>, url: &str) -> Result<(), LabError> {
     let ttl = Duration::from_secs(10);
-    let key = ctx.key.clone();
     let holder_locker = ctx.locker(url).await?;
-    let holder = holder_locker
-        .acquire(&key)
-        .ttl(ttl)
-        .await
-        .context("holder")?;
-    ctx.note(format!(
-        "holder granted token {} with a 10 s lease, watchdog on",
-        holder.token()
-    ));
-    let holder_open = ctx.history.begin("holder", &holder);
-    ctx.write("holder", holder.token())?;
+    let (holder, holder_open) = take(ctx, &holder_locker, ttl, true, "holder", |token| {
+        format!(
+            "holder granted token {} with a 10 s lease, watchdog on",
+            token
+        )
+    })
+    .await?;
     ctx.lab.services.act("kill", &["redis-aof"]).await?;
     ctx.note("Redis (appendfsync always) SIGKILLed");
     ctx.lab.services.up(&["redis-aof"]).await?;
     ctx.note("Redis restarted from its append-only file");
     let rival = ctx.lab.locker(url).await?;
-    let busy = expect_busy(ctx, &rival).await?;
-    let busy = busy.map(|g| {
-        let open = ctx.history.begin("rival", &g);
-        (g, open)
-    });
-    if renew_through(ctx, &holder, ttl).await {
-        ctx.write("holder", holder.token())?;
-    }
-    let token = holder.token();
-    finish(ctx, Some((holder, holder_open)), busy).await;
-    ctx.note("holder released");
-    let next = handoff(ctx, &rival, ttl, token).await?;
-    finish(ctx, None, Some(next)).await;
-    Ok(())
+    kept(ctx, (holder, holder_open), &rival, ttl, None).await
 }
 
 async fn mysql_restarted(ctx: &mut Ctx<'_>, url: &str, expect: LostSignal) -> Result<(), LabError> {
@@ -995,18 +990,14 @@ async fn mysql_restarted(ctx: &mut Ctx<'_>, url: &str, expect: LostSignal) -> Re
     };
     let key = ctx.key.clone();
     let holder_locker = ctx.locker(url).await?;
-    let holder = holder_locker
-        .acquire(&key)
-        .ttl(ttl)
-        .await
-        .context("holder")?;
-    ctx.note(format!(
-        "holder granted token {} with a {} s lease, watchdog on",
-        holder.token(),
-        ttl.as_secs()
-    ));
-    let holder_open = ctx.history.begin("holder", &holder);
-    ctx.write("holder", holder.token())?;
+    let (holder, holder_open) = take(ctx, &holder_locker, ttl, true, "holder", |token| {
+        format!(
+            "holder granted token {} with a {} s lease, watchdog on",
+            token,
+            ttl.as_secs()
+        )
+    })
+    .await?;
     ctx.lab.services.act("restart", &["mariadb"]).await?;
     ctx.note("MariaDB restarted");
     let rival = ctx.lab.locker(url).await?;
@@ -1025,20 +1016,7 @@ async fn mysql_restarted(ctx: &mut Ctx<'_>, url: &str, expect: LostSignal) -> Re
         finish(ctx, Some((holder, holder_open)), Some((guard, rival_open))).await;
         return Ok(());
     }
-    let busy = expect_busy(ctx, &rival).await?;
-    let busy = busy.map(|g| {
-        let open = ctx.history.begin("rival", &g);
-        (g, open)
-    });
-    if renew_through(ctx, &holder, ttl).await {
-        ctx.write("holder", holder.token())?;
-    }
-    let token = holder.token();
-    finish(ctx, Some((holder, holder_open)), busy).await;
-    ctx.note("holder released");
-    let next = handoff(ctx, &rival, ttl, token).await?;
-    finish(ctx, None, Some(next)).await;
-    Ok(())
+    kept(ctx, (holder, holder_open), &rival, ttl, None).await
 }
 
 async fn failover(ctx: &mut Ctx<'_>, url: &str, lagging: bool) -> Result<(), LabError> {
@@ -1079,23 +1057,26 @@ async fn failover(ctx: &mut Ctx<'_>, url: &str, lagging: bool) -> Result<(), Lab
         link.cut();
         ctx.note("replication link stalls: the replica receives nothing more (lag, partition)");
     }
-    let holder = holder_locker
-        .acquire(&key)
-        .ttl(ttl)
-        .await
-        .context("holder on the primary")?;
-    ctx.note(format!(
-        "holder granted token {} by the primary ({} s lease, watchdog on){}",
-        holder.token(),
-        ttl.as_secs(),
-        if lagging {
-            ""
-        } else {
-            "; the replica confirmed the grant (WAIT 1)"
-        }
-    ));
-    let holder_open = ctx.history.begin("holder", &holder);
-    ctx.write("holder", holder.token())?;
+    let (holder, holder_open) = take(
+        ctx,
+        &holder_locker,
+        ttl,
+        true,
+        "holder on the primary",
+        |token| {
+            format!(
+                "holder granted token {} by the primary ({} s lease, watchdog on){}",
+                token,
+                ttl.as_secs(),
+                if lagging {
+                    ""
+                } else {
+                    "; the replica confirmed the grant (WAIT 1)"
+                }
+            )
+        },
+    )
+    .await?;
     ctx.lab.services.act("kill", &["redis-primary"]).await?;
     ctx.note("primary SIGKILLed");
     redis_command(&replica_addr, &["REPLICAOF", "NO", "ONE"]).await?;
@@ -1116,10 +1097,7 @@ async fn failover(ctx: &mut Ctx<'_>, url: &str, lagging: bool) -> Result<(), Lab
         (guard, open)
     } else {
         let busy = expect_busy(ctx, &rival).await?;
-        let busy = busy.map(|g| {
-            let open = ctx.history.begin("rival (early)", &g);
-            (g, open)
-        });
+        let busy = busy.map(|g| ctx.open("rival (early)", g));
         await_lost(ctx, &holder, ttl + Duration::from_secs(5)).await;
         match busy {
             Some(hold) => hold,
@@ -1144,21 +1122,16 @@ async fn failover(ctx: &mut Ctx<'_>, url: &str, lagging: bool) -> Result<(), Lab
 
 async fn redlock_two_down(ctx: &mut Ctx<'_>, url: &str) -> Result<(), LabError> {
     let ttl = Duration::from_secs(5);
-    let key = ctx.key.clone();
     let holder_locker = ctx.locker(url).await?;
     let rival = ctx.lab.locker(url).await?;
-    let holder = holder_locker
-        .acquire(&key)
-        .ttl(ttl)
-        .await
-        .context("holder")?;
-    ctx.note(format!(
-        "holder granted token {} by the 5 masters ({} s lease, watchdog on)",
-        holder.token(),
-        ttl.as_secs()
-    ));
-    let holder_open = ctx.history.begin("holder", &holder);
-    ctx.write("holder", holder.token())?;
+    let (holder, holder_open) = take(ctx, &holder_locker, ttl, true, "holder", |token| {
+        format!(
+            "holder granted token {} by the 5 masters ({} s lease, watchdog on)",
+            token,
+            ttl.as_secs()
+        )
+    })
+    .await?;
     ctx.lab
         .services
         .act("kill", &["redlock-4", "redlock-5"])
@@ -1167,20 +1140,8 @@ async fn redlock_two_down(ctx: &mut Ctx<'_>, url: &str) -> Result<(), LabError> 
     let during = ctx
         .attempt(&rival, ttl, Duration::from_secs(2), Duration::from_secs(6))
         .await;
-    let during = during.map(|g| {
-        let open = ctx.history.begin("rival", &g);
-        (g, open)
-    });
-    renew_through(ctx, &holder, ttl).await;
-    if holder.is_valid() {
-        ctx.write("holder", holder.token())?;
-    }
-    let token = holder.token();
-    finish(ctx, Some((holder, holder_open)), during).await;
-    ctx.note("holder released");
-    let next = handoff(ctx, &rival, ttl, token).await?;
-    finish(ctx, None, Some(next)).await;
-    Ok(())
+    let during = during.map(|g| ctx.open("rival", g));
+    kept(ctx, (holder, holder_open), &rival, ttl, during).await
 }
 
 async fn redlock_restarted_empty(ctx: &mut Ctx<'_>, url: &str) -> Result<(), LabError> {
@@ -1192,18 +1153,20 @@ async fn redlock_restarted_empty(ctx: &mut Ctx<'_>, url: &str) -> Result<(), Lab
         .await?;
     ctx.note("masters 4 and 5 SIGKILLed");
     let holder_locker = ctx.locker(url).await?;
-    let holder = holder_locker
-        .acquire(&key)
-        .ttl(ttl)
-        .no_watchdog()
-        .await
-        .context("holder on masters 1-3")?;
-    ctx.note(format!(
-        "holder granted token {} by masters 1, 2, 3 (a quorum of 5); 30 s lease",
-        holder.token()
-    ));
-    let holder_open = ctx.history.begin("holder", &holder);
-    ctx.write("holder", holder.token())?;
+    let (holder, holder_open) = take(
+        ctx,
+        &holder_locker,
+        ttl,
+        false,
+        "holder on masters 1-3",
+        |token| {
+            format!(
+                "holder granted token {} by masters 1, 2, 3 (a quorum of 5); 30 s lease",
+                token
+            )
+        },
+    )
+    .await?;
     ctx.lab.services.up(&["redlock-4", "redlock-5"]).await?;
     ctx.note("masters 4 and 5 back, empty");
     ctx.lab.services.act("kill", &["redlock-3"]).await?;
