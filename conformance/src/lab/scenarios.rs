@@ -625,6 +625,24 @@ async fn kept(
     Ok(())
 }
 
+/// The rival waits up to `wait` for the key and is granted it.
+async fn rival_takes(
+    ctx: &mut Ctx<'_>,
+    rival: &Locker,
+    ttl: Duration,
+    wait: Duration,
+    what: &str,
+) -> Result<Hold, LabError> {
+    let guard = rival
+        .acquire(&ctx.key)
+        .ttl(ttl)
+        .wait(wait)
+        .await
+        .context(what)?;
+    ctx.rival_granted(&guard);
+    Ok(ctx.open("rival", guard))
+}
+
 /// Closes both holds in the history and releases them.
 async fn finish(ctx: &mut Ctx<'_>, holder: Option<Hold>, rival: Option<Hold>) {
     for (guard, open) in [holder, rival].into_iter().flatten() {
@@ -740,7 +758,6 @@ async fn holder_paused(ctx: &mut Ctx<'_>, url: &str) -> Result<(), LabError> {
 
 async fn redis_paused(ctx: &mut Ctx<'_>, url: &str) -> Result<(), LabError> {
     let ttl = Duration::from_secs(3);
-    let key = ctx.key.clone();
     let holder_locker = ctx.locker(url).await?;
     let rival = ctx.lab.locker(url).await?;
     let (holder, holder_open) = take(ctx, &holder_locker, ttl, true, "holder", |token| {
@@ -766,14 +783,14 @@ async fn redis_paused(ctx: &mut Ctx<'_>, url: &str) -> Result<(), LabError> {
     let rival_hold = match during {
         Some(hold) => hold,
         None => {
-            let guard = rival
-                .acquire(&key)
-                .ttl(ttl)
-                .wait(Duration::from_secs(15))
-                .await
-                .context("the rival after the resume")?;
-            ctx.rival_granted(&guard);
-            let open = ctx.history.begin("rival", &guard);
+            let (guard, open) = rival_takes(
+                ctx,
+                &rival,
+                ttl,
+                Duration::from_secs(15),
+                "the rival after the resume",
+            )
+            .await?;
             (guard, open)
         }
     };
@@ -934,7 +951,6 @@ async fn cut_off(ctx: &mut Ctx<'_>, url: &str) -> Result<(), LabError> {
 
 async fn redis_restarted(ctx: &mut Ctx<'_>, url: &str) -> Result<(), LabError> {
     let ttl = Duration::from_secs(30);
-    let key = ctx.key.clone();
     let holder_locker = ctx.locker(url).await?;
     let (holder, holder_open) = take(ctx, &holder_locker, ttl, false, "holder", |token| {
         format!(
@@ -948,14 +964,14 @@ async fn redis_restarted(ctx: &mut Ctx<'_>, url: &str) -> Result<(), LabError> {
     ctx.lab.services.up(&["redis-single"]).await?;
     ctx.note("Redis restarted, empty");
     let rival = ctx.lab.locker(url).await?;
-    let guard = rival
-        .acquire(&key)
-        .ttl(ttl)
-        .wait(Duration::from_secs(10))
-        .await
-        .context("the rival after the restart")?;
-    ctx.rival_granted(&guard);
-    let rival_open = ctx.history.begin("rival", &guard);
+    let (guard, rival_open) = rival_takes(
+        ctx,
+        &rival,
+        ttl,
+        Duration::from_secs(10),
+        "the rival after the restart",
+    )
+    .await?;
     ctx.write("rival", guard.token())?;
     renew_through(ctx, &holder, ttl).await;
     ctx.stale_write("holder", holder.token())?;
@@ -988,7 +1004,6 @@ async fn mysql_restarted(ctx: &mut Ctx<'_>, url: &str, expect: LostSignal) -> Re
     } else {
         Duration::from_secs(20)
     };
-    let key = ctx.key.clone();
     let holder_locker = ctx.locker(url).await?;
     let (holder, holder_open) = take(ctx, &holder_locker, ttl, true, "holder", |token| {
         format!(
@@ -1003,14 +1018,14 @@ async fn mysql_restarted(ctx: &mut Ctx<'_>, url: &str, expect: LostSignal) -> Re
     let rival = ctx.lab.locker(url).await?;
     if for_update {
         await_lost(ctx, &holder, Duration::from_secs(10)).await;
-        let guard = rival
-            .acquire(&key)
-            .ttl(ttl)
-            .wait(Duration::from_secs(20))
-            .await
-            .context("the rival after the restart")?;
-        ctx.rival_granted(&guard);
-        let rival_open = ctx.history.begin("rival", &guard);
+        let (guard, rival_open) = rival_takes(
+            ctx,
+            &rival,
+            ttl,
+            Duration::from_secs(20),
+            "the rival after the restart",
+        )
+        .await?;
         ctx.write("rival", guard.token())?;
         ctx.stale_write("holder", holder.token())?;
         finish(ctx, Some((holder, holder_open)), Some((guard, rival_open))).await;
@@ -1021,7 +1036,6 @@ async fn mysql_restarted(ctx: &mut Ctx<'_>, url: &str, expect: LostSignal) -> Re
 
 async fn failover(ctx: &mut Ctx<'_>, url: &str, lagging: bool) -> Result<(), LabError> {
     let ttl = Duration::from_secs(5);
-    let key = ctx.key.clone();
     let replica_url = ctx.lab.url("LOCKKIT_TEST_REDIS_REPLICA_URL")?.to_owned();
     let replica_addr = host_ports(&replica_url)
         .first()
@@ -1084,14 +1098,14 @@ async fn failover(ctx: &mut Ctx<'_>, url: &str, lagging: bool) -> Result<(), Lab
     ctx.note("replica promoted (REPLICAOF NO ONE); clients move to it");
     let rival = ctx.lab.locker(&replica_url).await?;
     let rival_hold = if lagging {
-        let guard = rival
-            .acquire(&key)
-            .ttl(ttl)
-            .wait(Duration::from_secs(10))
-            .await
-            .context("the rival on the promoted replica")?;
-        ctx.rival_granted(&guard);
-        let open = ctx.history.begin("rival", &guard);
+        let (guard, open) = rival_takes(
+            ctx,
+            &rival,
+            ttl,
+            Duration::from_secs(10),
+            "the rival on the promoted replica",
+        )
+        .await?;
         ctx.write("rival", guard.token())?;
         await_lost(ctx, &holder, ttl + Duration::from_secs(5)).await;
         (guard, open)
@@ -1102,14 +1116,14 @@ async fn failover(ctx: &mut Ctx<'_>, url: &str, lagging: bool) -> Result<(), Lab
         match busy {
             Some(hold) => hold,
             None => {
-                let guard = rival
-                    .acquire(&key)
-                    .ttl(ttl)
-                    .wait(Duration::from_secs(15))
-                    .await
-                    .context("the rival after the replicated lease ran out")?;
-                ctx.rival_granted(&guard);
-                let open = ctx.history.begin("rival", &guard);
+                let (guard, open) = rival_takes(
+                    ctx,
+                    &rival,
+                    ttl,
+                    Duration::from_secs(15),
+                    "the rival after the replicated lease ran out",
+                )
+                .await?;
                 ctx.write("rival", guard.token())?;
                 (guard, open)
             }
@@ -1146,7 +1160,6 @@ async fn redlock_two_down(ctx: &mut Ctx<'_>, url: &str) -> Result<(), LabError> 
 
 async fn redlock_restarted_empty(ctx: &mut Ctx<'_>, url: &str) -> Result<(), LabError> {
     let ttl = Duration::from_secs(30);
-    let key = ctx.key.clone();
     ctx.lab
         .services
         .act("kill", &["redlock-4", "redlock-5"])
@@ -1173,14 +1186,14 @@ async fn redlock_restarted_empty(ctx: &mut Ctx<'_>, url: &str) -> Result<(), Lab
     ctx.lab.services.up(&["redlock-3"]).await?;
     ctx.note("master 3 SIGKILLed and restarted without persistence: it forgot the grant");
     let rival = ctx.lab.locker(url).await?;
-    let guard = rival
-        .acquire(&key)
-        .ttl(ttl)
-        .wait(Duration::from_secs(10))
-        .await
-        .context("the rival on masters 3, 4, 5")?;
-    ctx.rival_granted(&guard);
-    let rival_open = ctx.history.begin("rival", &guard);
+    let (guard, rival_open) = rival_takes(
+        ctx,
+        &rival,
+        ttl,
+        Duration::from_secs(10),
+        "the rival on masters 3, 4, 5",
+    )
+    .await?;
     ctx.write("rival", guard.token())?;
     renew_through(ctx, &holder, ttl).await;
     ctx.stale_write("holder", holder.token())?;
