@@ -330,3 +330,49 @@ async fn a_command_that_ignores_sigterm_is_killed_after_the_grace() {
     );
     assert!(started.elapsed() < Duration::from_secs(20));
 }
+
+#[test]
+fn lab_lists_scenarios_and_refuses_unknown_ones() {
+    let out = Command::new(BIN).args(["lab", "--list"]).output().unwrap();
+    assert!(out.status.success());
+    let list = String::from_utf8_lossy(&out.stdout);
+    for scenario in [
+        "holder-paused",
+        "server-paused",
+        "failover",
+        "redlock-restart",
+    ] {
+        assert!(list.contains(scenario), "{list}");
+    }
+    let out = Command::new(BIN).args(["lab", "no-such"]).output().unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("holder-paused"),
+        "the error lists the scenarios"
+    );
+}
+
+/// The CLI runs a scenario with itself as the frozen child holder.
+#[test]
+fn lab_runs_a_scenario_and_prints_its_timeline() {
+    // The lab reads every server URL; without them (outside scripts/test.sh) skip loudly.
+    if lockkit_conformance::env::service_url("LOCKKIT_TEST_REDIS_URL").is_none() {
+        return;
+    }
+    let out = Command::new(BIN)
+        .args(["lab", "holder-paused", "--backend", "file"])
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{text}");
+    for line in [
+        "holder SIGSTOPped",
+        "rival granted",
+        "holder's guard fired lost on resume",
+        "refused",
+        "verdict: as expected",
+        "| `holder-paused` | `file` | CP |",
+    ] {
+        assert!(text.contains(line), "`{line}` missing from:\n{text}");
+    }
+}
