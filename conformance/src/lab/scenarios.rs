@@ -643,6 +643,38 @@ async fn rival_takes(
     Ok(ctx.open("rival", guard))
 }
 
+/// The rival waits up to `wait` for the key while the holder's guard may fire lost (up
+/// to `lost_within`); both are recorded at the instants they happened.
+async fn race(
+    ctx: &mut Ctx<'_>,
+    holder: &LockGuard,
+    rival: &Locker,
+    ttl: Duration,
+    lost_within: Duration,
+    why: &str,
+) -> Result<Hold, LabError> {
+    let rival_wait = rival
+        .acquire(ctx.key.clone())
+        .ttl(ttl)
+        .wait(Duration::from_secs(30));
+    let (granted, lost) = tokio::join!(
+        async {
+            let granted = rival_wait.await;
+            (granted, Instant::now())
+        },
+        tokio::time::timeout(lost_within, holder.lost())
+    );
+    match lost {
+        Ok(reason) => ctx.holder_lost(holder, reason),
+        Err(_) => ctx.note("holder's guard did not fire lost"),
+    }
+    let (guard, at) = granted;
+    let guard = guard.context(format!("the rival ({why})"))?;
+    ctx.rival_at.get_or_insert(at);
+    ctx.note_at(at, format!("rival granted token {} ({why})", guard.token()));
+    Ok(ctx.open("rival", guard))
+}
+
 /// Closes both holds in the history and releases them.
 async fn finish(ctx: &mut Ctx<'_>, holder: Option<Hold>, rival: Option<Hold>) {
     for (guard, open) in [holder, rival].into_iter().flatten() {
@@ -918,30 +950,15 @@ async fn cut_off(ctx: &mut Ctx<'_>, url: &str) -> Result<(), LabError> {
             "the holder's lease runs out on the server (its TTL as read after the cut)",
         );
     }
-    let rival_wait = rival.acquire(&key).ttl(ttl).wait(Duration::from_secs(30));
-    let lost = tokio::time::timeout(ttl * 3, holder.lost());
-    let (granted, lost) = tokio::join!(
-        async {
-            let r = rival_wait.await;
-            (r, Instant::now())
-        },
-        lost
-    );
-    match lost {
-        Ok(reason) => ctx.holder_lost(&holder, reason),
-        Err(_) => ctx.note("holder's guard did not fire lost"),
-    }
-    let (guard, at) = granted;
-    let guard = guard.context("the rival")?;
-    ctx.rival_at.get_or_insert(at);
-    ctx.note_at(
-        at,
-        format!(
-            "rival granted token {} (the server let the lease run out)",
-            guard.token()
-        ),
-    );
-    let rival_open = ctx.history.begin("rival", &guard);
+    let (guard, rival_open) = race(
+        ctx,
+        &holder,
+        &rival,
+        ttl,
+        ttl * 3,
+        "the server let the lease run out",
+    )
+    .await?;
     ctx.write("rival", guard.token())?;
     ctx.stale_write("holder", holder.token())?;
     proxy.heal();
@@ -1017,13 +1034,14 @@ async fn mysql_restarted(ctx: &mut Ctx<'_>, url: &str, expect: LostSignal) -> Re
     ctx.note("MariaDB restarted");
     let rival = ctx.lab.locker(url).await?;
     if for_update {
-        await_lost(ctx, &holder, Duration::from_secs(10)).await;
-        let (guard, rival_open) = rival_takes(
+        // The rival asks at once; the holder's guard races it.
+        let (guard, rival_open) = race(
             ctx,
+            &holder,
             &rival,
             ttl,
             Duration::from_secs(20),
-            "the rival after the restart",
+            "the restart ended the holder's transaction",
         )
         .await?;
         ctx.write("rival", guard.token())?;
@@ -1112,16 +1130,16 @@ async fn failover(ctx: &mut Ctx<'_>, url: &str, lagging: bool) -> Result<(), Lab
     } else {
         let busy = expect_busy(ctx, &rival).await?;
         let busy = busy.map(|g| ctx.open("rival (early)", g));
-        await_lost(ctx, &holder, ttl + Duration::from_secs(5)).await;
         match busy {
             Some(hold) => hold,
             None => {
-                let (guard, open) = rival_takes(
+                let (guard, open) = race(
                     ctx,
+                    &holder,
                     &rival,
                     ttl,
-                    Duration::from_secs(15),
-                    "the rival after the replicated lease ran out",
+                    ttl * 3,
+                    "the replicated lease ran out on the new primary",
                 )
                 .await?;
                 ctx.write("rival", guard.token())?;
