@@ -21,7 +21,7 @@
 #   cluster-1..3        3-master Redis Cluster, no replicas    16390..16392
 #   mariadb             MariaDB, db/user/password lockkit      13306
 #   zk-standalone       standalone ZooKeeper                   12181
-#   zk-1..3             3-node ZooKeeper ensemble              12191..12193 (quorum 12881.., election 13881..)
+#   zk-1..3             3-node ZooKeeper ensemble              12191..12193 (quorum 12881..3, election 12884..6)
 #
 # Environment knobs:
 #   LOCKKIT_PORT_OFFSET       added to every port above (default 0), for a second checkout on the same machine
@@ -103,7 +103,9 @@ port_of() {
 }
 
 zk_quorum_port() { echo $((12880 + $1 + OFFSET)); }
-zk_election_port() { echo $((13880 + $1 + OFFSET)); }
+# election ports sit next to the quorum ports, so that checkouts whose LOCKKIT_PORT_OFFSET
+# differ by 1000 (or any amount above 6) never share a port
+zk_election_port() { echo $((12883 + $1 + OFFSET)); }
 
 dir_of() { echo "$SERVICES_DIR/$1"; }
 pidfile_of() { echo "$SERVICES_DIR/$1/pid"; }
