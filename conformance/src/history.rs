@@ -103,12 +103,23 @@ impl History {
 
     /// Records that `holder` was just granted `guard`.
     pub fn begin(&self, holder: impl Into<String>, guard: &LockGuard) -> OpenHold {
+        self.begin_at(holder, guard, Instant::now())
+    }
+
+    /// Records that `holder` was granted `guard` at `granted` (when the grant was observed
+    /// earlier than the record is made).
+    pub fn begin_at(
+        &self,
+        holder: impl Into<String>,
+        guard: &LockGuard,
+        granted: Instant,
+    ) -> OpenHold {
         OpenHold {
             record: HoldRecord {
                 holder: holder.into(),
                 key: guard.key().clone(),
                 token: guard.token(),
-                start: Instant::now(),
+                start: granted,
                 end: None,
                 valid_until: guard.valid_until(),
             },

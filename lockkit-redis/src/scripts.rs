@@ -11,12 +11,12 @@ use redis::Script;
 /// KEYS: lock, token. ARGV: ttl ms, owner field.
 /// Returns `{1, token, depth}` when granted, `{0, pttl, 0}` when held by someone else.
 ///
-/// A missing token counter is seeded with the server's clock in microseconds since the
-/// epoch before it is incremented, so a server that lost its data (restarted without
-/// persistence, or a replica promoted before the counter reached it) still hands out
-/// tokens greater than any it gave before, unless its clock stepped back or it granted
-/// more than one lock per microsecond on average. Seeded values stay below 2^53, so the
-/// Lua arithmetic on them is exact.
+/// A new holder's token is the incremented counter, raised to the server's clock in
+/// microseconds since the epoch when the counter is behind it. So a server that lost the
+/// counter or holds an old copy of it (restarted without persistence, a replica promoted
+/// before the last increments reached it) still hands out tokens greater than any given
+/// before, unless clocks stepped back by more than the time since those grants; and the
+/// counter still only grows. Values stay below 2^53, so the Lua arithmetic is exact.
 pub static ACQUIRE: LazyLock<Script> = LazyLock::new(|| {
     Script::new(
         r"
@@ -24,11 +24,14 @@ local t = redis.call('type', KEYS[1]).ok
 if t == 'none' then
   redis.call('hincrby', KEYS[1], ARGV[2], 1)
   redis.call('pexpire', KEYS[1], ARGV[1])
-  if redis.call('exists', KEYS[2]) == 0 then
-    local now = redis.call('time')
-    redis.call('set', KEYS[2], now[1] .. string.format('%06d', tonumber(now[2])))
+  local now = redis.call('time')
+  local floor = now[1] .. string.format('%06d', tonumber(now[2]))
+  local token = redis.call('incr', KEYS[2])
+  if token < tonumber(floor) then
+    redis.call('set', KEYS[2], floor)
+    token = tonumber(floor)
   end
-  return {1, redis.call('incr', KEYS[2]), 1}
+  return {1, token, 1}
 end
 if t == 'hash' and redis.call('hexists', KEYS[1], ARGV[2]) == 1 then
   local depth = redis.call('hincrby', KEYS[1], ARGV[2], 1)

@@ -206,6 +206,8 @@ impl ChildHolder {
     }
 
     /// The child's pid.
+    /// The child's pid, or 0 once it has been reaped (never signalled: pid 0 would be
+    /// the lab's own process group).
     pub fn pid(&self) -> i32 {
         self.child
             .id()
@@ -215,7 +217,13 @@ impl ChildHolder {
 
     /// Sends `signal` to the child.
     pub fn signal(&self, signal: Signal) -> Result<(), LabError> {
-        kill(Pid::from_raw(self.pid()), signal).context(format!("kill -{signal} {}", self.pid()))
+        let pid = self.pid();
+        if pid <= 0 {
+            return Err(LabError::new(format!(
+                "cannot send {signal}: the child holder has exited"
+            )));
+        }
+        kill(Pid::from_raw(pid), signal).context(format!("kill -{signal} {pid}"))
     }
 
     /// Asks the child to write with its token (it does so as soon as it runs).

@@ -122,7 +122,7 @@ pub const CATALOGUE: &[ScenarioDef] = &[
     ScenarioDef {
         scenario: "server-paused",
         backend: "redis",
-        what: "the Redis server SIGSTOPped for its 3 s lease + 1 s; a rival tries during and after",
+        what: "the Redis server SIGSTOPped for about 5 s, past the holder's 3 s lease; a rival tries during and after",
         expect: LOST_FIRST,
         plan: Plan::RedisPaused,
         url: ("LOCKKIT_TEST_REDIS_URL", ""),
@@ -131,7 +131,7 @@ pub const CATALOGUE: &[ScenarioDef] = &[
     ScenarioDef {
         scenario: "server-paused",
         backend: "zk-ensemble",
-        what: "the ensemble's leader SIGSTOPped for 8 s (the others elect a new one); 20 s sessions",
+        what: "the ensemble's leader SIGSTOPped for 8 s (past the followers' 5 s leader timeout); 20 s sessions",
         expect: KEPT,
         plan: Plan::ZkLeaderPaused,
         url: ("LOCKKIT_TEST_ZK_ENSEMBLE_URL", "?session_timeout=20s"),
@@ -185,7 +185,7 @@ pub const CATALOGUE: &[ScenarioDef] = &[
     ScenarioDef {
         scenario: "server-restarted",
         backend: "mysql-for-update",
-        what: "MariaDB restarted mid-hold (the hold is an open transaction)",
+        what: "MariaDB restarted (TERM, then start) mid-hold: the hold is an open transaction",
         expect: LOST_FIRST,
         plan: Plan::MysqlRestarted,
         url: (
@@ -197,7 +197,7 @@ pub const CATALOGUE: &[ScenarioDef] = &[
     ScenarioDef {
         scenario: "server-restarted",
         backend: "mysql-row",
-        what: "MariaDB restarted mid-hold (the hold is a committed lease row)",
+        what: "MariaDB restarted (TERM, then start) mid-hold: the hold is a committed lease row",
         expect: KEPT,
         plan: Plan::MysqlRestarted,
         url: ("LOCKKIT_TEST_MYSQL_URL", "?mode=row&table=lockkit_lab_row"),
@@ -491,9 +491,11 @@ pub(crate) async fn run(lab: &Lab, def: &ScenarioDef) -> Report {
 /// Brings back what the scenario broke.
 async fn restore(lab: &Lab, def: &ScenarioDef) -> Result<(), LabError> {
     if def.plan == Plan::Failover {
-        // The promoted replica must follow the (restarted, empty) primary again.
-        lab.services.up(&["redis-primary"]).await?;
-        return lab.services.act("restart", &["redis-replica"]).await;
+        // The promoted replica must follow the (restarted, empty) primary again; try both
+        // steps whatever the first one says.
+        let primary = lab.services.up(&["redis-primary"]).await;
+        let replica = lab.services.act("restart", &["redis-replica"]).await;
+        return primary.and(replica);
     }
     if def.touches.is_empty() {
         return Ok(());
@@ -672,7 +674,9 @@ async fn race(
     let guard = guard.context(format!("the rival ({why})"))?;
     ctx.rival_at.get_or_insert(at);
     ctx.note_at(at, format!("rival granted token {} ({why})", guard.token()));
-    Ok(ctx.open("rival", guard))
+    // The record starts when the grant came back, not after the holder's side settled.
+    let open = ctx.history.begin_at("rival", &guard, at);
+    Ok((guard, open))
 }
 
 /// Closes both holds in the history and releases them.
@@ -720,11 +724,21 @@ async fn holder_paused(ctx: &mut Ctx<'_>, url: &str) -> Result<(), LabError> {
     ));
     let rival = ctx.locker(url).await?;
     tokio::time::sleep(ttl / 2).await;
-    child.drain(Duration::from_millis(50)).await;
+    let early = child.drain(Duration::from_millis(50)).await;
+    if !early.is_empty() {
+        return Err(LabError::new(format!(
+            "the holder reported {early:?} before it was frozen"
+        )));
+    }
     child.signal(Signal::SIGSTOP)?;
     let paused = Instant::now();
     ctx.note("holder SIGSTOPped: no watchdog, no I/O (a GC pause, a swapped-out VM)");
-    child.drain(Duration::from_millis(100)).await;
+    let early = child.drain(Duration::from_millis(100)).await;
+    if !early.is_empty() {
+        return Err(LabError::new(format!(
+            "the holder reported {early:?} before it was frozen"
+        )));
+    }
     if let Some(until) = child.valid_until {
         ctx.note_at(
             until,
@@ -760,8 +774,10 @@ async fn holder_paused(ctx: &mut Ctx<'_>, url: &str) -> Result<(), LabError> {
             wrote = true;
             ctx.stale = if rest.starts_with("refused") {
                 Stale::Refused
-            } else {
+            } else if rest.starts_with("accepted") {
                 Stale::Accepted
+            } else {
+                return Err(LabError::new(format!("the holder could not write: {rest}")));
             };
             ctx.note(format!("holder's write: {rest}"));
         } else if let Some(reason) = event.strip_prefix("LOST ") {
@@ -924,11 +940,14 @@ async fn cut_off(ctx: &mut Ctx<'_>, url: &str) -> Result<(), LabError> {
     let proxy = FaultProxy::start(upstream)
         .await
         .context("starting the proxy")?;
-    let (scheme, rest) = url.split_once("://").unwrap_or(("", url));
-    let query = rest
-        .split_once('?')
-        .map_or(String::new(), |(_, q)| format!("?{q}"));
-    let proxied = format!("{scheme}://{}{query}", proxy.local_addr());
+    // Only host:port changes: credentials, path (database, chroot) and query stay.
+    let upstream_text = upstream.to_string();
+    if !url.contains(&upstream_text) {
+        return Err(LabError::new(format!(
+            "cannot route {url} through the proxy: `{upstream_text}` is not spelled in it"
+        )));
+    }
+    let proxied = url.replacen(&upstream_text, &proxy.local_addr().to_string(), 1);
     let holder_locker = ctx.locker(&proxied).await?;
     let rival = ctx.lab.locker(url).await?;
     let (holder, holder_open) = take(ctx, &holder_locker, ttl, true, "holder", |token| {
@@ -1085,6 +1104,32 @@ async fn failover(ctx: &mut Ctx<'_>, url: &str, lagging: bool) -> Result<(), Lab
     }
     ctx.note("the replica follows the primary through a TCP proxy, in sync");
     let holder_locker = ctx.locker(url).await?;
+    // An earlier holder's grant reaches the replica, fencing counter included, so the
+    // promoted replica starts from an old counter rather than none.
+    let (earlier, earlier_open) = take(
+        ctx,
+        &holder_locker,
+        ttl,
+        true,
+        "the earlier holder",
+        |token| format!("an earlier holder takes the key (token {token})"),
+    )
+    .await?;
+    finish(ctx, Some((earlier, earlier_open)), None).await;
+    let counter = format!("redisson_lock_token:{{{}}}", ctx.key);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while redis_command(&replica_addr, &["GET", &counter])
+        .await?
+        .is_empty()
+    {
+        if Instant::now() > deadline {
+            return Err(LabError::new(
+                "the fencing counter never reached the replica",
+            ));
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    ctx.note("it released; the replica has its lock's fencing counter");
     if lagging {
         link.cut();
         ctx.note("replication link stalls: the replica receives nothing more (lag, partition)");
