@@ -56,7 +56,7 @@ async fn run(filters: Vec<String>) -> ExitCode {
     let selected: Vec<_> = CATALOGUE
         .iter()
         .filter(|d| {
-            let name = format!("{}/{}", d.scenario, d.backend);
+            let name = d.name();
             filters.is_empty() || filters.iter().any(|f| name.contains(f.as_str()))
         })
         .collect();
@@ -64,7 +64,7 @@ async fn run(filters: Vec<String>) -> ExitCode {
     let mut reports = Vec::new();
     let mut failed = Vec::new();
     for def in &selected {
-        let name = format!("{}/{}", def.scenario, def.backend);
+        let name = def.name();
         print!("lab {name} ... ");
         let _ = std::io::stdout().flush();
         let report = lab::run(&lab, def).await;

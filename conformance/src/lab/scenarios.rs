@@ -241,10 +241,16 @@ pub const CATALOGUE: &[ScenarioDef] = &[
     },
 ];
 
+impl ScenarioDef {
+    /// `scenario/backend`, as reports and the test runner name it.
+    pub fn name(&self) -> String {
+        format!("{}/{}", self.scenario, self.backend)
+    }
+}
+
 /// One run's state: its timeline, history, fenced store and observations.
 struct Ctx<'a> {
     lab: &'a Lab,
-    name: String,
     t0: Instant,
     timeline: Vec<(Duration, String)>,
     history: History,
@@ -390,7 +396,6 @@ impl Ctx<'_> {
 pub(crate) async fn run(lab: &Lab, def: &ScenarioDef) -> Report {
     let started = Instant::now();
     let run_id = Uuid::new_v4().simple().to_string();
-    let name = format!("{}/{}", def.scenario, def.backend);
     let mut report = Report {
         scenario: def.scenario,
         backend: def.backend,
@@ -422,7 +427,6 @@ pub(crate) async fn run(lab: &Lab, def: &ScenarioDef) -> Report {
     };
     let mut ctx = Ctx {
         lab,
-        name,
         t0: Instant::now(),
         timeline: Vec::new(),
         history: History::new(),
@@ -434,7 +438,7 @@ pub(crate) async fn run(lab: &Lab, def: &ScenarioDef) -> Report {
         consistency: None,
     };
     if lab.live {
-        println!("== {} ==", ctx.name);
+        println!("== {} ==", def.name());
     }
     let mut needed: Vec<&str> = def.touches.to_vec();
     if def.plan == Plan::Failover {
