@@ -646,12 +646,28 @@ lock_services() {
   if ! flock -w 300 9; then die "another services.sh is holding $SERVICES_DIR/.lock"; fi
 }
 
+# Peer Python clients for the mixed-fleet tests (kazoo's Lock on ZooKeeper, redis-py's Lock
+# on Redis), in a private virtualenv under target/services/py, from PyPI.
+PY_VENV="$SERVICES_DIR/py"
+PY_PEERS=(kazoo==2.11.0 redis==5.2.1)
+ensure_python_peers() {
+  local py="$PY_VENV/bin/python"
+  if [[ -x "$py" ]] && "$py" -c 'import kazoo, redis' 2>/dev/null; then return 0; fi
+  log "installing peer Python clients into $PY_VENV: ${PY_PEERS[*]}"
+  mkdir -p "$SERVICES_DIR"
+  python3 -m venv "$PY_VENV" >"$SERVICES_DIR/pip.log" 2>&1 \
+    || { tail -n 20 "$SERVICES_DIR/pip.log" >&2; die "python3 -m venv failed (install python3-venv)"; }
+  "$PY_VENV/bin/pip" install -q --disable-pip-version-check "${PY_PEERS[@]}" >>"$SERVICES_DIR/pip.log" 2>&1 \
+    || { tail -n 20 "$SERVICES_DIR/pip.log" >&2; die "pip install ${PY_PEERS[*]} failed; full log: $SERVICES_DIR/pip.log"; }
+}
+
 cmd_up() {
   local names=("$@") n pid port to_wait=() start_order=()
   ((${#names[@]})) || names=("${ALL_INSTANCES[@]}")
   validate_names "${names[@]}"
   lock_services
   ensure_packages
+  ensure_python_peers
   for n in "${names[@]}"; do
     port="$(port_of "$n")"
     if pid="$(owned_pid "$n")"; then
@@ -809,6 +825,7 @@ cmd_env() {
   addrs=""
   for n in "${ZK_NODES[@]}"; do addrs+="${addrs:+,}$HOST:$(port_of "$n")"; done
   echo "export LOCKKIT_TEST_ZK_ENSEMBLE_URL=zk://$addrs"
+  printf 'export LOCKKIT_TEST_PYTHON=%q\n' "$PY_VENV/bin/python"
 }
 
 # pause | resume | kill: one signal to each named instance started by this script

@@ -93,6 +93,29 @@ pub trait Harness: Send + Sync + 'static {
 
     /// Whether clients in other processes share locks with this one (false for the
     /// in-process memory backend). Cross-process cases run the suite's helper as a child.
+    /// How many requests `client` (made by [`Harness::client`]) has sent to its servers so
+    /// far, counted by the fault proxy in front of it ([`crate::FaultProxy::requests_seen`],
+    /// summed over its proxies). Cases use it to tell a notified waiter from a polling one
+    /// and a queued hand-off from a herd.
+    async fn requests_sent(&self, client: &Locker) -> HookResult<u64> {
+        let _ = client;
+        unsupported("requests_sent")
+    }
+
+    /// Delays every chunk on `client`'s links by `delay` (zero heals), through its proxies.
+    /// The randomized history test uses it to make replies late and operations time out.
+    async fn delay_link(&self, client: &Locker, delay: Duration) -> HookResult {
+        let _ = (client, delay);
+        unsupported("delay_link")
+    }
+
+    /// Stalls (`cut = true`) or reopens (`cut = false`) `client`'s links: bytes are held,
+    /// not dropped, so a reopened link goes on where it stopped.
+    async fn cut_link(&self, client: &Locker, cut: bool) -> HookResult {
+        let _ = (client, cut);
+        unsupported("cut_link")
+    }
+
     fn cross_process(&self) -> bool {
         true
     }

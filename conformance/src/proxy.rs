@@ -32,6 +32,8 @@ struct Control {
     state: watch::Sender<LinkState>,
     delay: Mutex<Duration>,
     pumps: Mutex<Vec<JoinHandle<()>>>,
+    /// Reads from clients (each a request or a batch of pipelined ones).
+    requests: std::sync::atomic::AtomicU64,
 }
 
 /// A TCP proxy on a loopback port, forwarding to one upstream address.
@@ -72,6 +74,7 @@ impl FaultProxy {
             state,
             delay: Mutex::new(Duration::ZERO),
             pumps: Mutex::new(Vec::new()),
+            requests: std::sync::atomic::AtomicU64::new(0),
         });
         let acceptor = tokio::spawn(accept_loop(listener, upstream, control.clone()));
         Ok(FaultProxy {
@@ -116,6 +119,15 @@ impl FaultProxy {
     }
 
     /// The current state.
+    /// How many times a client's bytes reached the proxy so far: one per request, or per
+    /// batch of pipelined requests. A waiter that polls shows up here; one woken by a
+    /// notification sends a handful.
+    pub fn requests_seen(&self) -> u64 {
+        self.control
+            .requests
+            .load(std::sync::atomic::Ordering::Relaxed)
+    }
+
     pub fn state(&self) -> LinkState {
         *self.control.state.borrow()
     }
@@ -153,8 +165,8 @@ async fn proxy_connection(client: TcpStream, upstream: SocketAddr, control: Arc<
     let (client_read, client_write) = client.into_split();
     let (server_read, server_write) = server.into_split();
     tokio::select! {
-        _ = pump(client_read, server_write, &control) => {}
-        _ = pump(server_read, client_write, &control) => {}
+        _ = pump(client_read, server_write, &control, true) => {}
+        _ = pump(server_read, client_write, &control, false) => {}
     }
 }
 
@@ -176,6 +188,7 @@ async fn pump(
     mut from: tokio::net::tcp::OwnedReadHalf,
     mut to: tokio::net::tcp::OwnedWriteHalf,
     control: &Control,
+    from_client: bool,
 ) {
     let mut state = control.state.subscribe();
     let mut buf = vec![0u8; 16 * 1024];
@@ -184,6 +197,11 @@ async fn pump(
             Ok(0) | Err(_) => return,
             Ok(n) => n,
         };
+        if from_client {
+            control
+                .requests
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        }
         if !wait_open(&mut state).await {
             return;
         }

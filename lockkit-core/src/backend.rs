@@ -4,6 +4,7 @@ use std::{any::Any, fmt::Debug, sync::Arc, time::Duration};
 
 use async_trait::async_trait;
 use tokio::time::Instant;
+use uuid::Uuid;
 
 use crate::{FencingToken, LockKey, OwnerId, Result, lost::LossSignal};
 
@@ -90,6 +91,11 @@ pub struct AcquireRequest {
     /// The hold's loss signal. A backend that learns of loss by itself (session expiry,
     /// a dead connection) fires it; it also goes into the [`Grant`].
     pub loss: LossSignal,
+    /// A random id for this request, unique per [`AcquireRequest::new`]. Backends use it
+    /// to make a retried attempt (after a lost reply, a timeout, a client library's own
+    /// retry) take effect once: the same attempt id never adds a second hold. The
+    /// [`Grant`] carries it on, so a release can be made idempotent the same way.
+    pub attempt: Uuid,
 }
 
 impl AcquireRequest {
@@ -100,6 +106,7 @@ impl AcquireRequest {
             owner,
             ttl,
             loss,
+            attempt: Uuid::new_v4(),
         }
     }
 }
@@ -118,13 +125,17 @@ pub struct Grant {
     pub depth: u32,
     /// The lease granted.
     pub ttl: Duration,
-    /// A local instant taken *before* the granting request was sent: the lease is counted
-    /// from here, so local validity never outlasts the server's.
+    /// A local instant taken *before* the granting request was sent (the request that
+    /// was answered with the grant, not the start of a wait): the lease is counted from
+    /// here, so local validity never outlasts the server's.
     pub lease_start: Instant,
     /// The hold's loss signal.
     pub loss: LossSignal,
     /// Backend-specific state (a ZooKeeper node path, a dedicated connection).
     pub state: Option<Arc<dyn Any + Send + Sync>>,
+    /// The [`AcquireRequest::attempt`] that produced this grant: a release of this grant
+    /// that is retried must take effect once.
+    pub attempt: Uuid,
 }
 
 impl Grant {
@@ -144,6 +155,7 @@ impl Grant {
             lease_start,
             loss: req.loss.clone(),
             state: None,
+            attempt: req.attempt,
         }
     }
 
@@ -213,7 +225,11 @@ pub trait LockBackend: Send + Sync + Debug + 'static {
     ///
     /// # Behavior
     /// - free key: grant with depth 1 and a token greater than any earlier token of the key;
-    /// - held by `req.owner`: depth + 1, same token, lease reset to `req.ttl`;
+    /// - held by `req.owner`: depth + 1, same token, and the server-side lease becomes
+    ///   `max(lease left, req.ttl)`: a reentrant acquisition never shortens the lease an
+    ///   outer guard relies on;
+    /// - retried with the same `req.attempt` after it already took effect: the same
+    ///   grant again, never one more hold;
     /// - held by anyone else, in any format: `Ok(None)`.
     ///
     /// # Cancel safety
@@ -230,14 +246,17 @@ pub trait LockBackend: Send + Sync + Debug + 'static {
     /// Dropping the future leaves nothing behind: no lock, node, row or subscription.
     async fn acquire(&self, req: &AcquireRequest, wait: Duration) -> Result<Grant>;
 
-    /// Resets the lease of `grant` to `ttl` from now, checking ownership on the server.
+    /// Extends the lease of `grant` to at least `ttl` from now, checking ownership on the
+    /// server. Never shortens it: the server-side lease becomes `max(lease left, ttl)`,
+    /// because other guards of the same reentrant hold may rely on the longer one.
     ///
     /// # Errors
     /// [`crate::Error::NotHeld`] when the key is not held by `grant.owner`.
     async fn renew(&self, grant: &Grant, ttl: Duration) -> Result<()>;
 
     /// Gives back one hold, checking ownership on the server. Publishes the release so
-    /// waiters wake.
+    /// waiters wake. A partial release leaves the lease as it is (never shortens it); a
+    /// release retried for the same grant takes effect once.
     ///
     /// # Errors
     /// [`crate::Error::NotHeld`] when the key is not held by `grant.owner` (expired,
