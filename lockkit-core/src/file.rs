@@ -29,6 +29,20 @@ fn host_now() -> Result<u64> {
     Ok(u64::try_from(nanos).unwrap_or(0))
 }
 
+/// This boot of the host (`/proc/sys/kernel/random/boot_id`), stored beside each expiry:
+/// `CLOCK_MONOTONIC` starts again after a reboot, so an expiry written before it means
+/// nothing after it (the lease counts as over). `-` where the host does not tell.
+fn boot_id() -> &'static str {
+    static BOOT: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    BOOT.get_or_init(|| {
+        std::fs::read_to_string("/proc/sys/kernel/random/boot_id")
+            .ok()
+            .map(|id| id.trim().to_owned())
+            .filter(|id| !id.is_empty() && !id.contains(char::is_whitespace))
+            .unwrap_or_else(|| "-".to_owned())
+    })
+}
+
 fn nanos(d: Duration) -> u64 {
     u64::try_from(d.as_nanos()).unwrap_or(u64::MAX)
 }
@@ -74,8 +88,9 @@ fn encoded_name(key: &LockKey) -> String {
     out
 }
 
-/// The state of one lock as stored in its file: `token owner depth expires`. The token
-/// stays when the lock is free, so it keeps growing.
+/// The state of one lock as stored in its file: `token owner depth expires boot`. The
+/// token stays when the lock is free, so it keeps growing. Files written before the boot id
+/// was stored have four fields and are read as written in this boot.
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
 struct State {
     token: u64,
@@ -83,6 +98,16 @@ struct State {
     depth: u32,
     /// Host monotonic nanoseconds.
     expires: u64,
+}
+
+/// Reads a lock file's text as of this boot: an expiry written in another boot is over.
+fn load(text: &str) -> State {
+    let mut state = State::parse(text);
+    let boot = text.split_whitespace().nth(4);
+    if boot.is_some_and(|b| b != boot_id()) {
+        state.expires = 0;
+    }
+    state
 }
 
 impl State {
@@ -105,7 +130,13 @@ impl State {
 
     fn render(&self) -> String {
         let owner = self.owner.map_or_else(|| "-".to_owned(), |o| o.to_string());
-        format!("{} {owner} {} {}\n", self.token, self.depth, self.expires)
+        format!(
+            "{} {owner} {} {} {}\n",
+            self.token,
+            self.depth,
+            self.expires,
+            boot_id()
+        )
     }
 
     fn holder(&self, now: u64) -> Option<OwnerId> {
@@ -131,17 +162,41 @@ impl Locked {
         let mut text = String::new();
         file.read_to_string(&mut text)?;
         Ok(Locked {
-            state: State::parse(&text),
+            state: load(&text),
             file,
         })
     }
 
-    fn write(&mut self) -> std::io::Result<()> {
+    /// Writes the state back. `durable`: also wait for the disk (`fdatasync`). Only a new
+    /// token needs that (it must never be handed out twice, even after a power loss); a
+    /// renewal or release changes only the lease, which a crash ends anyway, and syncing
+    /// it made renewals miss short leases under load.
+    fn write(&mut self, durable: bool) -> std::io::Result<()> {
         let text = self.state.render();
         self.file.seek(SeekFrom::Start(0))?;
         self.file.write_all(text.as_bytes())?;
         self.file.set_len(text.len() as u64)?;
-        self.file.sync_data()
+        if durable {
+            self.file.sync_data()?;
+        }
+        Ok(())
+    }
+}
+
+/// A waiter's registration in [`FileBackend::wakers`].
+struct Waker<'a> {
+    backend: &'a FileBackend,
+    key: LockKey,
+    notify: Arc<Notify>,
+}
+
+impl Drop for Waker<'_> {
+    fn drop(&mut self) {
+        let mut wakers = self.backend.wakers();
+        // The map's reference and ours: no other waiter of this process is left.
+        if Arc::strong_count(&self.notify) == 2 {
+            wakers.remove(&self.key);
+        }
     }
 }
 
@@ -268,7 +323,7 @@ impl FileBackend {
                 continue;
             }
             let text = std::fs::read_to_string(entry.path()).unwrap_or_default();
-            held += usize::from(State::parse(&text).holder(now).is_some());
+            held += usize::from(load(&text).holder(now).is_some());
         }
         Ok(held)
     }
@@ -282,9 +337,26 @@ impl FileBackend {
         self.dir.join(file_name(key))
     }
 
-    fn waker(&self, key: &LockKey) -> Arc<Notify> {
-        let mut wakers = self.wakers.lock().unwrap_or_else(|e| e.into_inner());
-        wakers.entry(key.clone()).or_default().clone()
+    fn wakers(&self) -> std::sync::MutexGuard<'_, HashMap<LockKey, Arc<Notify>>> {
+        self.wakers.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Registers a waiter of this process on `key`; the entry goes when its last waiter
+    /// does, so the map holds only keys being waited on.
+    fn waker(&self, key: &LockKey) -> Waker<'_> {
+        let notify = self.wakers().entry(key.clone()).or_default().clone();
+        Waker {
+            backend: self,
+            key: key.clone(),
+            notify,
+        }
+    }
+
+    /// Wakes this process's waiters on `key`, if there are any.
+    fn wake(&self, key: &LockKey) {
+        if let Some(notify) = self.wakers().get(key) {
+            notify.notify_waiters();
+        }
     }
 
     /// Runs `op` on the locked file of `key` on a blocking thread, to completion even if
@@ -300,7 +372,10 @@ impl FileBackend {
             let before = locked.state.clone();
             let outcome = op(&mut locked, host_now()?);
             if outcome.is_ok() && locked.state != before {
-                locked.write().map_err(|e| io_error(doing, &path, e))?;
+                let durable = locked.state.token != before.token;
+                locked
+                    .write(durable)
+                    .map_err(|e| io_error(doing, &path, e))?;
             }
             outcome
         });
@@ -320,7 +395,8 @@ impl FileBackend {
                     match state.holder(now) {
                         Some(owner) if owner == req.owner => {
                             state.depth += 1;
-                            state.expires = now + nanos(req.ttl);
+                            // Never shorten the lease an outer guard relies on.
+                            state.expires = state.expires.max(now.saturating_add(nanos(req.ttl)));
                             Ok(Attempt::Granted(Grant::new(
                                 &req,
                                 FencingToken::new(state.token),
@@ -333,7 +409,7 @@ impl FileBackend {
                             state.token += 1;
                             state.owner = Some(req.owner);
                             state.depth = 1;
-                            state.expires = now + nanos(req.ttl);
+                            state.expires = now.saturating_add(nanos(req.ttl));
                             Ok(Attempt::Granted(Grant::new(
                                 &req,
                                 FencingToken::new(state.token),
@@ -377,7 +453,7 @@ impl LockBackend for FileBackend {
         let waker = self.waker(&req.key);
         let mut delay = Duration::from_millis(1);
         loop {
-            let notified = waker.notified();
+            let notified = waker.notify.notified();
             tokio::pin!(notified);
             notified.as_mut().enable();
             let left = match self.attempt(req).await? {
@@ -407,7 +483,7 @@ impl LockBackend for FileBackend {
             if state.holder(now) != Some(owner) {
                 return Err(Error::NotHeld { key });
             }
-            state.expires = now + nanos(ttl);
+            state.expires = state.expires.max(now.saturating_add(nanos(ttl)));
             Ok(())
         })
         .await
@@ -433,7 +509,7 @@ impl LockBackend for FileBackend {
             })
             .await;
         if matches!(outcome, Ok(Released::Fully)) {
-            self.waker(&grant.key).notify_waiters();
+            self.wake(&grant.key);
         }
         outcome
     }
@@ -483,6 +559,89 @@ mod tests {
         };
         assert_eq!(State::parse(&state.render()), state);
         assert_eq!(State::parse(""), State::default());
+    }
+
+    fn temp_dir(name: &str) -> PathBuf {
+        std::env::temp_dir().join(format!("lockkit-file-unit-{name}-{}", uuid::Uuid::new_v4()))
+    }
+
+    fn request(key: &LockKey, ttl: Duration) -> AcquireRequest {
+        AcquireRequest::new(
+            key.clone(),
+            OwnerId::random(),
+            ttl,
+            crate::lost::LossSignal::new(),
+        )
+    }
+
+    #[tokio::test]
+    async fn a_lease_written_before_a_reboot_is_over() {
+        let backend = FileBackend::open(temp_dir("boot")).unwrap();
+        let key = LockKey::new("k").unwrap();
+        let far = host_now().unwrap() + nanos(Duration::from_secs(3600));
+        let owner = OwnerId::random();
+        // Held for another hour, but by the clock of another boot: the lease is over.
+        std::fs::write(
+            backend.path(&key),
+            format!("5 {owner} 1 {far} 00000000-0000-0000-0000-000000000000\n"),
+        )
+        .unwrap();
+        let grant = backend
+            .try_acquire(&request(&key, Duration::from_secs(5)))
+            .await
+            .unwrap()
+            .expect("a lease of an earlier boot must not hold the key");
+        assert_eq!(grant.token.get(), 6);
+        // The same lease written in this boot (or by a version that stored no boot id) holds.
+        for boot in [boot_id(), ""] {
+            std::fs::write(backend.path(&key), format!("9 {owner} 1 {far} {boot}\n")).unwrap();
+            let busy = backend
+                .try_acquire(&request(&key, Duration::from_secs(5)))
+                .await
+                .unwrap();
+            assert!(
+                busy.is_none(),
+                "a live lease of this boot was ignored ({boot:?})"
+            );
+        }
+    }
+
+    #[tokio::test]
+    async fn waiters_leave_no_entry_behind() {
+        let backend = FileBackend::open(temp_dir("wakers")).unwrap();
+        for i in 0..20 {
+            let key = LockKey::new(format!("k{i}")).unwrap();
+            let held = backend
+                .try_acquire(&request(&key, Duration::from_secs(5)))
+                .await
+                .unwrap()
+                .unwrap();
+            // A waiter that times out, and one that is granted after the release.
+            let timed_out = backend
+                .acquire(
+                    &request(&key, Duration::from_secs(5)),
+                    Duration::from_millis(5),
+                )
+                .await;
+            assert!(matches!(timed_out, Err(Error::Timeout { .. })));
+            let waiter = {
+                let backend = backend.clone();
+                let key = key.clone();
+                tokio::spawn(async move {
+                    backend
+                        .acquire(
+                            &request(&key, Duration::from_secs(5)),
+                            Duration::from_secs(5),
+                        )
+                        .await
+                })
+            };
+            tokio::time::sleep(Duration::from_millis(5)).await;
+            backend.release(&held).await.unwrap();
+            let grant = waiter.await.unwrap().unwrap();
+            backend.release(&grant).await.unwrap();
+        }
+        assert_eq!(backend.wakers().len(), 0, "the wakers map only grows");
     }
 
     #[test]

@@ -131,6 +131,17 @@ impl Hold {
         &self.shared.loss
     }
 
+    /// Takes in a reentrant grant on this hold. The backend never shortens the lease on a
+    /// reentrant acquisition (it becomes the longer of what was left and the new TTL), so
+    /// the local deadline becomes the later of the two; it never moves earlier.
+    pub(crate) fn absorb(&self, grant: &Grant) {
+        let mut lease = self.shared.lease();
+        let reentrant_until = grant.lease_start + local_validity(grant.ttl);
+        if reentrant_until > lease.valid_until {
+            lease.valid_until = reentrant_until;
+        }
+    }
+
     /// Marks the hold lost because the backend no longer knows it.
     pub(crate) fn fire_lost(&self, reason: LostReason) -> Error {
         self.shared.loss.fire(reason);
@@ -164,8 +175,11 @@ async fn keep(shared: Arc<HoldShared>) {
             _ = shared.stop.cancelled() => return,
             _ = shared.loss.fired() => return,
             _ = shared.changed.notified() => {
-                // `extend` moved the lease: count the next renewal from now.
+                // `extend` moved the lease and may have changed its TTL: count the next
+                // renewal from now, at the period of the TTL it set (not the old one, or a
+                // shorter lease would lapse before its first renewal).
                 if next_renew.is_some() {
+                    let ttl = shared.lease().ttl;
                     next_renew = Some(Instant::now() + shared.options.renew_every.unwrap_or(ttl / 3));
                 }
                 continue;
@@ -339,7 +353,15 @@ impl LockGuard {
     /// holder no longer believes it holds the lock. `None` while it is not lost.
     pub fn lost_at(&self) -> Option<Instant> {
         self.shared().check_lost()?;
-        self.shared().loss.fired_at()
+        let fired_at = self.shared().loss.fired_at()?;
+        // `is_valid` turned false at the local lease deadline even if the keeper noticed
+        // the expiry later: the belief ended at the earlier of the two.
+        let lease = self.shared().lease();
+        Some(if lease.released {
+            fired_at
+        } else {
+            fired_at.min(lease.valid_until)
+        })
     }
 
     /// The local instant until which the hold is known valid, or `None` once lost.
@@ -351,8 +373,10 @@ impl LockGuard {
         }
     }
 
-    /// Sets the lease to `ttl` from now (checked on the server), and makes it the TTL the
-    /// watchdog renews with from now on.
+    /// Extends the lease to at least `ttl` from now (checked on the server), and makes
+    /// `ttl` the TTL the watchdog renews with from now on. The server never shortens a
+    /// lease (other guards of a reentrant hold may rely on it): extending to a shorter TTL
+    /// only makes this guard count itself valid for less and renew more often.
     ///
     /// # Errors
     /// [`Error::Lost`] if the hold was lost (also when the server no longer knows it);
@@ -403,6 +427,7 @@ impl LockGuard {
         );
         match shared.backend.try_acquire(&req).await? {
             Some(grant) if grant.depth > 1 && grant.token == shared.grant.token => {
+                self.hold.absorb(&grant);
                 Ok(LockGuard::new(self.hold.clone(), grant))
             }
             Some(grant) => {

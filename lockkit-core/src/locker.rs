@@ -268,6 +268,7 @@ impl Acquire {
         let Some(grant) = grant else { return Ok(None) };
         if let Some(hold) = existing {
             if grant.depth > 1 && grant.token == hold.token() {
+                hold.absorb(&grant);
                 return Ok(Some(Guard::new(hold, grant)));
             }
             // Our hold was gone on the server although we thought it live: give the fresh

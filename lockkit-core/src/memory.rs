@@ -211,7 +211,8 @@ impl MemoryBackend {
                 return Err(entry.expires);
             }
             entry.depth += 1;
-            entry.expires = now + req.ttl;
+            // Never shorten the lease an outer guard of this hold relies on.
+            entry.expires = entry.expires.max(now + req.ttl);
             return Ok(Grant::new(
                 req,
                 FencingToken::new(entry.token),
@@ -295,7 +296,7 @@ impl LockBackend for MemoryBackend {
         let mut state = lock(&self.server.state);
         match state.locks.get_mut(&grant.key) {
             Some(e) if e.expires > now && e.owner == grant.owner => {
-                e.expires = now + ttl;
+                e.expires = e.expires.max(now + ttl);
                 Ok(())
             }
             _ => Err(Error::NotHeld {

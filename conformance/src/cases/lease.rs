@@ -350,3 +350,31 @@ pub async fn extend_sets_the_watchdog_ttl<H: Harness>(h: &H) -> Outcome {
     held.release().await.check("release");
     Outcome::Passed
 }
+
+/// `extend` to a shorter TTL makes the watchdog renew at the shorter TTL's period, so the
+/// lease never lapses between renewals (and the guard raises no false alarm).
+pub async fn extend_to_a_shorter_ttl_keeps_renewing<H: Harness>(h: &H) -> Outcome {
+    let space = Space::new("extend_to_a_shorter_ttl_keeps_renewing");
+    let key = space.key("k");
+    let short = h.short_ttl();
+    let long = short * 12;
+    let (a, b) = (h.client().await, h.client().await);
+    let held = a
+        .try_acquire(&key)
+        .ttl(long)
+        .await
+        .check("acquire")
+        .check("free key");
+    held.extend(short).await.check("extend to a shorter TTL");
+    // Past several short leases, but well before the old renewal period (long / 3).
+    tokio::time::sleep(short * 3).await;
+    assert!(
+        held.is_valid(),
+        "after extend({short:?}) the watchdog kept the old period ({:?}): the lease lapsed ({:?})",
+        long / 3,
+        held.lost_at().map(|_| "lost")
+    );
+    assert_busy(&b, &key, "while the extended hold is renewed").await;
+    held.release().await.check("release");
+    Outcome::Passed
+}

@@ -149,3 +149,48 @@ pub async fn session_loss_is_pushed<H: Harness>(h: &H) -> Outcome {
     assert!(!held.is_valid());
     Outcome::Passed
 }
+
+/// A holder cut off from its servers stops believing it holds the lock before any rival
+/// is granted: its lost signal (or its local lease deadline, whichever comes first) comes
+/// before the rival's grant. A session-based backend must give up at what the session can
+/// still guarantee, not at the full session timeout.
+pub async fn cut_off_holder_gives_up_before_a_rival_is_granted<H: Harness>(h: &H) -> Outcome {
+    let space = Space::new("cut_off_holder_gives_up_before_a_rival_is_granted");
+    let key = space.key("k");
+    let ttl = h.short_ttl();
+    let (a, b) = (h.client().await, h.client().await);
+    let held = a
+        .try_acquire(&key)
+        .ttl(ttl)
+        .await
+        .check("acquire")
+        .check("free key");
+    hook!(h.cut_link(&a, true).await);
+    // The last deadline the holder believed, as of the cut; nothing can renew it now.
+    let believed = held.valid_until();
+    let rival = b
+        .acquire(&key)
+        .ttl(LONG_TTL)
+        .wait(super::generous_wait(h) + Duration::from_secs(30))
+        .await
+        .check("the rival must be granted once the cut-off holder's lease is over");
+    let granted = tokio::time::Instant::now();
+    let gave_up = match (held.lost_at(), believed) {
+        (Some(lost), Some(valid)) => lost.min(valid),
+        (Some(lost), None) => lost,
+        (None, Some(valid)) => valid,
+        (None, None) => panic!("the holder was neither lost nor valid"),
+    };
+    assert!(
+        gave_up <= granted,
+        "the cut-off holder still believed it held the lock {:?} after a rival was granted",
+        gave_up - granted
+    );
+    hook!(h.cut_link(&a, false).await);
+    tokio::time::timeout(LONG_TTL, held.lost())
+        .await
+        .check("lost must fire for the cut-off holder");
+    let _ = held.release().await;
+    rival.release().await.check("release rival");
+    Outcome::Passed
+}

@@ -243,3 +243,73 @@ pub async fn reentry_resets_lease<H: Harness>(h: &H) -> Outcome {
     );
     Outcome::Passed
 }
+
+/// A reentrant acquisition with a shorter TTL, and its release, never cut the lease an
+/// outer guard relies on: the server keeps the longer lease, so no other owner is granted
+/// while the outer guard counts itself valid.
+pub async fn shorter_reentry_never_cuts_the_outer_lease<H: Harness>(h: &H) -> Outcome {
+    let space = Space::new("shorter_reentry_never_cuts_the_outer_lease");
+    let key = space.key("k");
+    let (a, b) = (h.client().await, h.client().await);
+    if let Some(skip) = needs_reentrancy(h, &a) {
+        return skip;
+    }
+    let short = h.short_ttl();
+    let past_short = short + h.expiry_slack();
+    // Long enough to outlast both waits below several times over, with no watchdog: only
+    // the outer acquisition's own lease keeps the key.
+    let long = past_short * 8;
+    let owner = a.owner();
+    let outer = owner
+        .try_acquire(&key)
+        .ttl(long)
+        .no_watchdog()
+        .await
+        .check("outer")
+        .check("free key");
+    let inner = owner
+        .try_acquire(&key)
+        .ttl(short)
+        .no_watchdog()
+        .await
+        .check("inner")
+        .check("reentrant");
+    tokio::time::sleep(past_short).await;
+    assert!(outer.is_valid(), "the outer guard must still be valid");
+    assert_busy(
+        &b,
+        &key,
+        "a shorter reentrant TTL cut the outer lease on the server",
+    )
+    .await;
+    // The inner hold's own lease is over, but the hold is the owner's: releasing it is a
+    // partial release that must not shorten what is left either.
+    let _ = inner.release().await;
+    tokio::time::sleep(past_short).await;
+    assert!(outer.is_valid(), "the outer guard must still be valid");
+    assert_busy(
+        &b,
+        &key,
+        "a partial release cut the outer lease on the server while its guard was valid",
+    )
+    .await;
+    if let Some(left) = b
+        .inspect(&key)
+        .await
+        .check("inspect")
+        .check("held")
+        .ttl_left
+    {
+        let believed = outer
+            .valid_until()
+            .check("outer valid")
+            .saturating_duration_since(tokio::time::Instant::now());
+        assert!(
+            left + Duration::from_millis(50) >= believed,
+            "the server lease ({left:?} left) is shorter than the outer guard believes ({believed:?})"
+        );
+    }
+    outer.release().await.check("release outer");
+    assert_free(&b, &key, "after the outer release").await;
+    Outcome::Passed
+}

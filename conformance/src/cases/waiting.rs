@@ -282,3 +282,41 @@ pub async fn waiter_is_woken_when_holder_session_ends<H: Harness>(h: &H) -> Outc
     drop(held);
     Outcome::Passed
 }
+
+/// A waiter behind a long-held lock is woken by the backend, not by asking the server
+/// over and over: its requests during a 3 s wait are counted by the fault proxy in front
+/// of its client. A notified waiter sends a handful (subscribe, one try, keep-alives); a
+/// backend that polls by design must back off (a 1 ms poller sends thousands).
+pub async fn waiter_does_not_poll_the_server<H: Harness>(h: &H) -> Outcome {
+    let space = Space::new("waiter_does_not_poll_the_server");
+    let key = space.key("k");
+    let (a, b) = (h.client().await, h.client().await);
+    let held = a
+        .try_acquire(&key)
+        .ttl(LONG_TTL)
+        .await
+        .check("acquire")
+        .check("free key");
+    // Warm the waiter's connections up, so connecting is not counted.
+    let _ = b.inspect(&key).await.check("inspect");
+    let before = hook!(h.requests_sent(&b).await);
+    let wait = Duration::from_secs(3);
+    let result = b.acquire(&key).wait(wait).await;
+    let sent = hook!(h.requests_sent(&b).await) - before;
+    expect_err(result, "waiting behind a long hold", |e| {
+        matches!(e, Error::Timeout { .. })
+    });
+    held.release().await.check("release");
+    let notified = b.info().capabilities.notified_wait;
+    let limit = if notified { 40 } else { 400 };
+    eprintln!(
+        "lockkit-conformance: waiter_does_not_poll_the_server on {}: {sent} requests in {wait:?} (limit {limit})",
+        h.name()
+    );
+    assert!(
+        sent <= limit,
+        "a waiter sent {sent} requests in a {wait:?} wait behind a long-held lock \
+         (limit {limit}, notified_wait = {notified}): it polls the server"
+    );
+    Outcome::Passed
+}
