@@ -94,6 +94,7 @@ macro_rules! __with_catalogue {
             reentrancy::reenter_from_guard,
             reentrancy::reentry_resets_lease,
             reentrancy::shorter_reentry_never_cuts_the_outer_lease,
+            reentrancy::stale_guard_spares_the_owners_newer_hold,
             waiting::zero_wait_returns_at_once,
             waiting::wait_times_out_near_deadline,
             waiting::waiter_is_woken_promptly_by_release,
@@ -120,6 +121,7 @@ macro_rules! __with_catalogue {
             bad_input::ttl_outside_backend_range_is_refused,
             bad_input::invalid_options_are_refused,
             bad_input::bad_url_is_refused,
+            randomized::histories_stay_linear,
         }
     };
 }

@@ -243,19 +243,23 @@ async fn keep(shared: Arc<HoldShared>) {
 async fn release_one(hold: Arc<Hold>, grant: Grant) -> Result<Released> {
     let shared = &hold.shared;
     let _op = shared.op.lock().await;
-    let lost = shared.check_lost();
+    if let Some(reason) = shared.check_lost() {
+        // A lost hold is not released on the server: what the server holds for this
+        // owner may by now be a newer hold of the same owner (taken after this one ran
+        // out), which an owner-checked release cannot tell apart. Its lease runs out.
+        return Err(shared.lost_error(reason));
+    }
     let outcome = shared.backend.release(&grant).await;
     if matches!(outcome, Ok(Released::Fully)) {
         shared.lease().released = true;
         shared.stop.cancel();
     }
-    match (lost, outcome) {
-        (Some(reason), _) => Err(shared.lost_error(reason)),
-        (None, Err(Error::NotHeld { .. })) => {
+    match outcome {
+        Err(Error::NotHeld { .. }) => {
             shared.loss.fire(LostReason::NotOurs);
             Err(shared.lost_error(LostReason::NotOurs))
         }
-        (None, outcome) => outcome,
+        outcome => outcome,
     }
 }
 
@@ -442,9 +446,10 @@ impl LockGuard {
     /// Gives back this hold (one level of a reentrant lock) and reports the outcome.
     ///
     /// # Errors
-    /// [`Error::Lost`] if the hold was lost before the release (the release is still tried,
-    /// owner-checked, so it can never free another owner's lock); backend errors otherwise,
-    /// in which case the lease runs out on the server.
+    /// [`Error::Lost`] if the hold was lost before the release: nothing is sent then, since
+    /// what the server holds for this owner may be a newer hold of the same owner, and the
+    /// lease runs out by itself; backend errors otherwise, in which case the lease runs out
+    /// on the server.
     ///
     /// # Cancel safety
     /// The release runs as its own task: dropping this future does not stop it.

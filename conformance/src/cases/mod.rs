@@ -24,6 +24,7 @@ pub mod fencing;
 pub mod lease;
 pub mod lost;
 pub mod ownership;
+pub mod randomized;
 pub mod reentrancy;
 pub mod waiting;
 

@@ -313,3 +313,47 @@ pub async fn shorter_reentry_never_cuts_the_outer_lease<H: Harness>(h: &H) -> Ou
     assert_free(&b, &key, "after the outer release").await;
     Outcome::Passed
 }
+
+/// A guard whose hold was lost never releases a newer hold of the same owner: after the
+/// first hold ran out, the owner took the key again; giving back the stale guard reports
+/// `Lost` and leaves the new hold in place (an owner-checked release alone cannot tell the
+/// two holds apart), and one release of the new hold frees the key (no stale depth left).
+pub async fn stale_guard_spares_the_owners_newer_hold<H: Harness>(h: &H) -> Outcome {
+    let space = Space::new("stale_guard_spares_the_owners_newer_hold");
+    let key = space.key("k");
+    let (a, b) = (h.client().await, h.client().await);
+    let owner = a.owner();
+    let stale = owner
+        .try_acquire(&key)
+        .ttl(h.short_ttl())
+        .no_watchdog()
+        .await
+        .check("first hold")
+        .check("free key");
+    tokio::time::timeout(super::generous_wait(h), stale.lost())
+        .await
+        .check("the unrenewed first hold must be lost");
+    let fresh = owner
+        .acquire(&key)
+        .ttl(LONG_TTL)
+        .wait(super::generous_wait(h))
+        .await
+        .check("the owner takes the key again");
+    // The server may have let the first hold run out (a new token) or still counted it
+    // when the owner asked again (the same hold going on, the same token): either way,
+    // never an older token.
+    assert!(fresh.token() >= stale.token(), "a token went backwards");
+    expect_err(stale.release().await, "releasing the stale guard", |e| {
+        matches!(e, Error::Lost { .. })
+    });
+    assert!(fresh.is_valid(), "the new hold must still be valid");
+    assert_busy(
+        &b,
+        &key,
+        "releasing a stale guard freed the owner's newer hold",
+    )
+    .await;
+    fresh.release().await.check("release the new hold");
+    assert_free(&b, &key, "after the new hold's release").await;
+    Outcome::Passed
+}
