@@ -104,6 +104,7 @@ macro_rules! __with_catalogue {
             waiting::many_waiters_all_acquire,
             waiting::waiter_is_woken_when_holder_session_ends,
             waiting::waiter_does_not_poll_the_server,
+            waiting::release_wakes_only_the_next_waiter,
             lost::lost_fires_when_taken_away,
             lost::late_subscriber_sees_loss_at_once,
             lost::no_false_alarm_for_idle_holder,

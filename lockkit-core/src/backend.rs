@@ -38,6 +38,9 @@ pub struct Capabilities {
     pub pushes_loss: bool,
     /// Locks are shared between processes (false for the in-process memory backend).
     pub cross_process: bool,
+    /// Waiters queue: a release wakes only the next waiter (ZooKeeper's predecessor watch,
+    /// a server's lock queue), not every waiter at once (pub/sub, polling).
+    pub queued_wait: bool,
 }
 
 impl Default for Capabilities {
@@ -50,6 +53,7 @@ impl Default for Capabilities {
             max_ttl: None,
             pushes_loss: false,
             cross_process: true,
+            queued_wait: false,
         }
     }
 }

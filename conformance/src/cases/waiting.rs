@@ -320,3 +320,81 @@ pub async fn waiter_does_not_poll_the_server<H: Harness>(h: &H) -> Outcome {
     );
     Outcome::Passed
 }
+
+/// On a backend whose waiters queue (`queued_wait`), a release wakes only the next waiter:
+/// the other waiters send (almost) nothing while the next one takes over. Watching the
+/// head of the queue, or any node but one's predecessor, wakes them all (a herd), and
+/// each of them then asks the server again: counted by the proxies in front of them.
+pub async fn release_wakes_only_the_next_waiter<H: Harness>(h: &H) -> Outcome {
+    const WAITERS: usize = 12;
+    let space = Space::new("release_wakes_only_the_next_waiter");
+    let key = space.key("k");
+    let holder = h.client().await;
+    if !holder.info().capabilities.queued_wait {
+        return Outcome::Skipped("the backend's waiters do not queue (queued_wait)".into());
+    }
+    let held = holder
+        .try_acquire(&key)
+        .ttl(LONG_TTL)
+        .await
+        .check("acquire")
+        .check("free key");
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    let (granted_tx, mut granted_rx) = tokio::sync::mpsc::unbounded_channel();
+    let mut waiters = Vec::new();
+    let mut tasks = Vec::new();
+    for i in 0..WAITERS {
+        let client = h.client().await;
+        let _ = client.inspect(&key).await.check("warm up");
+        let (key, granted_tx, mut stop_rx) = (key.clone(), granted_tx.clone(), stop_rx.clone());
+        let wait = generous_wait(h) + Duration::from_secs(30);
+        let waiter = client.clone();
+        tasks.push(tokio::spawn(async move {
+            let guard = waiter
+                .acquire(&key)
+                .ttl(LONG_TTL)
+                .wait(wait)
+                .await
+                .check("a queued waiter must be granted in turn");
+            let _ = granted_tx.send(i);
+            let _ = stop_rx.wait_for(|stop| *stop).await;
+            guard.release().await.check("release in turn");
+        }));
+        waiters.push(client);
+    }
+    // Let every waiter settle into the queue.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let mut before = Vec::new();
+    for client in &waiters {
+        before.push(hook!(h.requests_sent(client).await));
+    }
+    held.release().await.check("release");
+    let next = tokio::time::timeout(generous_wait(h), granted_rx.recv())
+        .await
+        .check("no waiter was granted after the release")
+        .check("waiter channel");
+    // Long enough for a woken herd to ask the server again; short enough that keep-alives
+    // add little.
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let mut others = 0;
+    for (i, client) in waiters.iter().enumerate() {
+        if i != next {
+            others += hook!(h.requests_sent(client).await) - before[i];
+        }
+    }
+    let _ = stop_tx.send(true);
+    for task in tasks {
+        task.await.check("waiter task");
+    }
+    eprintln!(
+        "lockkit-conformance: release_wakes_only_the_next_waiter on {}: {others} requests from the {} waiters left in the queue",
+        h.name(),
+        WAITERS - 1
+    );
+    assert!(
+        others < (WAITERS as u64 - 1) / 2,
+        "one release made the {} waiters still queued send {others} requests: a herd",
+        WAITERS - 1
+    );
+    Outcome::Passed
+}
