@@ -275,7 +275,8 @@ impl Acquire {
             // give the stale depth back so that one release frees the key again.
             for _ in 1..grant.depth {
                 let mut stale = grant.clone();
-                stale.attempt = uuid::Uuid::new_v4();
+                // Not tied to one acquisition: release one hold, whichever made it.
+                stale.attempt = uuid::Uuid::nil();
                 let backend = locker.backend.clone();
                 runtime.spawn(async move {
                     if let Err(error) = backend.release(&stale).await {

@@ -359,6 +359,7 @@ impl LockBackend for RedlockBackend {
             Consistency::Ap,
             Capabilities {
                 min_ttl: Duration::from_millis(10),
+                max_ttl: Some(Duration::from_millis(crate::scripts::MAX_TTL_MS)),
                 ..Capabilities::default()
             },
         )

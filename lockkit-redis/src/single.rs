@@ -42,6 +42,16 @@ impl Attempt {
     }
 }
 
+/// The hash field that marks one acquisition (see [`scripts::ATTEMPT_FIELD_PREFIX`]); empty
+/// for the nil attempt, which releases one hold whatever acquired it.
+pub(crate) fn attempt_field(attempt: uuid::Uuid) -> String {
+    if attempt.is_nil() {
+        String::new()
+    } else {
+        format!("{}{attempt}", scripts::ATTEMPT_FIELD_PREFIX)
+    }
+}
+
 pub(crate) fn ttl_millis(ttl: Duration) -> u64 {
     u64::try_from(ttl.as_millis()).unwrap_or(u64::MAX).max(1)
 }
@@ -188,6 +198,7 @@ impl RedisBackend {
             .key(&names.token)
             .arg(ttl_millis(req.ttl))
             .arg(req.owner.to_string())
+            .arg(attempt_field(req.attempt))
             .invoke_async(&mut conn)
             .await
             .map_err(|e| self.fail("running the acquire script", e))?;
@@ -349,6 +360,7 @@ impl LockBackend for RedisBackend {
             Consistency::Ap,
             Capabilities {
                 min_ttl: Duration::from_millis(1),
+                max_ttl: Some(Duration::from_millis(crate::scripts::MAX_TTL_MS)),
                 ..Capabilities::default()
             },
         )
@@ -389,7 +401,7 @@ impl LockBackend for RedisBackend {
             .key(&names.lock)
             .key(&names.channel)
             .arg(grant.owner.to_string())
-            .arg(ttl_millis(grant.ttl))
+            .arg(attempt_field(grant.attempt))
             .invoke_async(&mut self.conn())
             .await
             .map_err(|e| self.fail("running the release script", e))?;
@@ -458,6 +470,7 @@ pub(crate) fn parse_inspect(reply: &[Value]) -> Option<HolderInfo> {
             let (owner, depth) = rest
                 .chunks(2)
                 .filter_map(|pair| Some((text(pair.first()?)?, number(pair.get(1)?)?)))
+                .filter(|(field, _)| !field.starts_with(scripts::ATTEMPT_FIELD_PREFIX))
                 .max_by_key(|(_, depth)| *depth)?;
             Some(HolderInfo::new(
                 owner,

@@ -120,6 +120,27 @@ impl RedisHarness {
     }
 }
 
+impl RedisHarness {
+    /// Runs `f` on the fault proxies in front of `client` (cluster clients have none).
+    fn with_proxies<T>(
+        &self,
+        client: &Locker,
+        f: impl FnOnce(&[FaultProxy]) -> T,
+    ) -> HookResult<T> {
+        let clients = self.clients.lock().unwrap();
+        let found = clients
+            .iter()
+            .find(|c| std::ptr::addr_eq(Arc::as_ptr(&c.backend), Arc::as_ptr(client.backend())))
+            .ok_or_else(|| HookError::Failed("unknown client".into()))?;
+        if found.proxies.is_empty() {
+            return Err(HookError::Unsupported(
+                "cluster clients connect to the nodes directly".into(),
+            ));
+        }
+        Ok(f(&found.proxies))
+    }
+}
+
 #[async_trait]
 impl Harness for RedisHarness {
     fn name(&self) -> String {
@@ -204,6 +225,26 @@ impl Harness for RedisHarness {
         } else {
             Err(HookError::Failed(format!("`{name}` was not there")))
         }
+    }
+
+    async fn requests_sent(&self, client: &Locker) -> HookResult<u64> {
+        self.with_proxies(client, |proxies| {
+            proxies.iter().map(FaultProxy::requests_seen).sum()
+        })
+    }
+
+    async fn delay_link(&self, client: &Locker, delay: Duration) -> HookResult {
+        self.with_proxies(client, |proxies| {
+            proxies.iter().for_each(|p| p.set_delay(delay));
+        })
+    }
+
+    async fn cut_link(&self, client: &Locker, cut: bool) -> HookResult {
+        self.with_proxies(client, |proxies| {
+            for proxy in proxies {
+                if cut { proxy.cut() } else { proxy.heal() }
+            }
+        })
     }
 
     async fn kill_connection(&self, client: &Locker) -> HookResult {

@@ -54,7 +54,17 @@ async fn layout_matches_redisson_rlock_at_every_step() {
         .await
         .unwrap();
     let fields: Vec<(String, String)> = s.admin.hgetall(&hash).await.unwrap();
-    assert_eq!(fields, vec![(field.clone(), "1".to_owned())]);
+    // The owner's hold count (Redisson's field), plus one marker per acquisition that
+    // makes a retried request take effect once (Redisson ignores other fields).
+    assert_eq!(
+        fields
+            .iter()
+            .filter(|(f, _)| !f.starts_with("lockkit-attempt:"))
+            .cloned()
+            .collect::<Vec<_>>(),
+        vec![(field.clone(), "1".to_owned())]
+    );
+    assert_eq!(fields.len(), 2, "one attempt marker: {fields:?}");
     let pttl: i64 = s.admin.pttl(&hash).await.unwrap();
     assert!(
         (1..=30_000).contains(&pttl),
@@ -214,4 +224,118 @@ async fn tokens_never_fall_behind_the_server_clock_even_after_the_counter_is_los
         second.token()
     );
     second.release().await.unwrap();
+}
+
+/// Drives the backend SPI directly, as a client library's retry would.
+fn request(
+    name: &str,
+    owner: lockkit_core::OwnerId,
+    ttl: Duration,
+) -> lockkit_core::AcquireRequest {
+    lockkit_core::AcquireRequest::new(
+        lockkit_core::LockKey::new(name).unwrap(),
+        owner,
+        ttl,
+        lockkit_core::LossSignal::new(),
+    )
+}
+
+#[tokio::test]
+async fn a_retried_acquire_or_release_takes_effect_once() {
+    use lockkit_core::LockBackend;
+    let Some(url) = env::service_url("LOCKKIT_TEST_REDIS_URL") else {
+        return;
+    };
+    let backend = RedisBackend::connect(&url).await.unwrap();
+    let mut admin = redis::Client::open(url.as_str())
+        .unwrap()
+        .get_multiplexed_async_connection()
+        .await
+        .unwrap();
+    let name = format!("wire/retry/{}", Uuid::new_v4().simple());
+    let owner = lockkit_core::OwnerId::random();
+    let field = owner.to_string();
+
+    // A fresh owner's acquire sent twice (the first reply lost): one hold, not two.
+    let req = request(&name, owner, Duration::from_secs(30));
+    let first = backend.try_acquire(&req).await.unwrap().unwrap();
+    let again = backend.try_acquire(&req).await.unwrap().unwrap();
+    assert_eq!((first.depth, again.depth), (1, 1), "a retry added a hold");
+    assert_eq!(again.token, first.token);
+    let count: String = admin.hget(&name, &field).await.unwrap();
+    assert_eq!(count, "1");
+
+    // A reentrant hold released twice (the first reply lost): the outer hold survives.
+    let inner = backend
+        .try_acquire(&request(&name, owner, Duration::from_secs(30)))
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(inner.depth, 2);
+    assert_eq!(
+        backend.release(&inner).await.unwrap(),
+        Released::Partially { remaining: 1 }
+    );
+    assert_eq!(
+        backend.release(&inner).await.unwrap(),
+        Released::Partially { remaining: 1 },
+        "a retried release dropped the outer hold"
+    );
+    let count: String = admin.hget(&name, &field).await.unwrap();
+    assert_eq!(count, "1", "the outer hold must still be counted");
+
+    // A give-back for an attempt that never took effect here (a Redlock master whose vote
+    // failed) changes nothing.
+    let never = request(&name, owner, Duration::from_secs(30));
+    let phantom = lockkit_core::Grant::new(&never, first.token, 1, tokio::time::Instant::now());
+    assert_eq!(
+        backend.release(&phantom).await.unwrap(),
+        Released::Partially { remaining: 1 }
+    );
+    let count: String = admin.hget(&name, &field).await.unwrap();
+    assert_eq!(
+        count, "1",
+        "a give-back for a failed vote took the owner's hold"
+    );
+
+    assert_eq!(backend.release(&first).await.unwrap(), Released::Fully);
+    let exists: bool = admin.exists(&name).await.unwrap();
+    assert!(!exists);
+}
+
+#[tokio::test]
+async fn a_lease_out_of_range_changes_nothing() {
+    use lockkit_core::LockBackend;
+    let Some(url) = env::service_url("LOCKKIT_TEST_REDIS_URL") else {
+        return;
+    };
+    let backend = RedisBackend::connect(&url).await.unwrap();
+    let mut admin = redis::Client::open(url.as_str())
+        .unwrap()
+        .get_multiplexed_async_connection()
+        .await
+        .unwrap();
+    let name = format!("wire/absurd/{}", Uuid::new_v4().simple());
+    // Past what PEXPIRE accepts: the script must refuse before writing anything.
+    let absurd = request(
+        &name,
+        lockkit_core::OwnerId::random(),
+        Duration::from_secs(u64::MAX / 2000),
+    );
+    assert!(backend.try_acquire(&absurd).await.is_err());
+    let exists: bool = admin.exists(&name).await.unwrap();
+    assert!(
+        !exists,
+        "a refused acquire left a lock behind (with no expiry)"
+    );
+    // The facade refuses it before any I/O, naming the limit.
+    let locker = Locker::new(backend);
+    let refused = locker
+        .acquire(name.as_str())
+        .ttl(Duration::from_secs(u64::MAX / 2000))
+        .await;
+    assert!(
+        matches!(refused, Err(lockkit_core::Error::InvalidTtl { .. })),
+        "{refused:?}"
+    );
 }
