@@ -38,7 +38,22 @@ pub(crate) struct Held {
     lease_until: std::sync::Mutex<Instant>,
 }
 
+/// Forgets a hold that is over and closes its connection (the server rolls back).
+async fn end_stale(backend: &MysqlBackend, held: &Held) {
+    held.broken.store(true, Ordering::SeqCst);
+    forget(backend, held);
+    if let Some(mut conn) = held.conn.lock().await.take() {
+        conn.close_on_drop();
+    }
+}
+
 impl Held {
+    /// Still a hold its owner may re-enter: the connection is alive and the lease is not
+    /// over.
+    fn is_live(&self) -> bool {
+        !self.broken.load(Ordering::SeqCst) && Instant::now() < self.lease_until()
+    }
+
     fn lease_until(&self) -> Instant {
         *self.lease_until.lock().unwrap_or_else(|e| e.into_inner())
     }
@@ -105,10 +120,18 @@ pub(crate) async fn acquire(
         .unwrap_or_else(|e| e.into_inner())
         .get(&(req.owner, req.key.clone()))
         .cloned();
-    if let Some(held) = existing.filter(|h| !h.broken.load(Ordering::SeqCst)) {
-        let depth = held.depth.fetch_add(1, Ordering::SeqCst) + 1;
-        record_depth(backend, &held, depth).await;
-        return Ok(Some(grant_for(req, &held, depth, start)));
+    if let Some(held) = existing {
+        if held.is_live() {
+            // Nothing awaits between the count and the grant: a dropped future cannot
+            // leave a depth nobody releases. The depth shown to `inspect` follows.
+            let depth = held.depth.fetch_add(1, Ordering::SeqCst) + 1;
+            let (recorder, shown) = (backend.clone(), held.clone());
+            tokio::spawn(async move { record_depth(&recorder, &shown, depth).await });
+            return Ok(Some(grant_for(req, &held, depth, start)));
+        }
+        // A hold that is over (its lease ran out, or its connection died): never re-enter
+        // it, the server may have let someone else in. Drop it and ask afresh.
+        end_stale(backend, &held).await;
     }
     // Cancelling the caller interrupts the server-side wait at once.
     let (this, request, giver) = (backend.clone(), req.clone(), backend.clone());
@@ -133,7 +156,6 @@ async fn lock(
 ) -> Result<Option<Grant>> {
     let inner = &backend.inner;
     let name = req.key.as_str().as_bytes();
-    let start = Instant::now();
     let mut conn = inner.holds_pool.acquire().await.map_err(|e| match e {
         sqlx::Error::PoolTimedOut => Error::backend(
             BACKEND,
@@ -206,6 +228,9 @@ async fn lock(
         }
     }
     killer.abort();
+    // The lease starts when the row lock is granted, not when the wait began: the server
+    // counts `wait_timeout` from when the connection goes idle after this reply.
+    let granted_at = Instant::now();
     match locked {
         Ok(Some(_)) => {}
         Ok(None) => {
@@ -254,7 +279,7 @@ async fn lock(
         token: FencingToken::new(token),
         depth: AtomicU32::new(1),
         broken: AtomicBool::new(false),
-        lease_until: std::sync::Mutex::new(start + req.ttl),
+        lease_until: std::sync::Mutex::new(granted_at + req.ttl),
     });
     inner
         .held
@@ -266,7 +291,7 @@ async fn lock(
         Arc::downgrade(&held),
         req.loss.clone(),
     ));
-    Ok(Some(grant_for(req, &held, 1, start)))
+    Ok(Some(grant_for(req, &held, 1, granted_at)))
 }
 
 /// Checks the hold's connection every `liveness` and fires the loss signal the moment it
@@ -280,7 +305,11 @@ async fn watch(backend: MysqlBackend, held: std::sync::Weak<Held>, loss: lockkit
         let Some(held) = held.upgrade() else { return };
         let left = held.lease_until().saturating_duration_since(Instant::now());
         if left.is_zero() {
-            continue;
+            // Not renewed in time: the hold is over. Close its connection now (the server
+            // would only end it at wait_timeout), free its slot and map entry, and say so.
+            end_stale(&backend, &held).await;
+            loss.fire(lockkit_core::LostReason::LeaseExpired);
+            return;
         }
         let mut conn = held.conn.lock().await;
         let Some(c) = conn.as_mut() else { return };

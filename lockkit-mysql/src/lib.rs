@@ -5,7 +5,7 @@
 //!
 //! - **row** ([`Mode::Row`]): a lease table, one row per key (owner, hold count, fence,
 //!   expiry). Acquire, renew and release are short transactions on the **server's** clock
-//!   (`NOW(6)`), so client clocks do not matter. Rows are never deleted, so the fence only
+//!   (`UTC_TIMESTAMP(6)`, whatever the session time zone), so client clocks do not matter. Rows are never deleted, so the fence only
 //!   grows. Leases survive client and server restarts. Waiters poll with capped
 //!   exponential backoff and jitter.
 //! - **for-update** ([`Mode::ForUpdate`]): a dedicated connection holds a transaction with

@@ -50,25 +50,25 @@ impl Sql {
         Sql {
             table_exists: s(format!("SELECT 1 FROM `{t}` JOIN `{t}_mutex` LIMIT 0")),
             row_select_for_update: s(format!(
-                "SELECT owner, holds, fence, expires_at > NOW(6) AS live, \
-                 TIMESTAMPDIFF(MICROSECOND, NOW(6), expires_at) AS left_us \
+                "SELECT owner, holds, fence, expires_at > UTC_TIMESTAMP(6) AS live, \
+                 TIMESTAMPDIFF(MICROSECOND, UTC_TIMESTAMP(6), expires_at) AS left_us \
                  FROM `{t}` WHERE name = ? FOR UPDATE"
             )),
             row_insert: s(format!(
                 "INSERT INTO `{t}` (name, owner, holds, fence, expires_at) \
-                 VALUES (?, ?, 1, 1, NOW(6) + INTERVAL ? MICROSECOND)"
+                 VALUES (?, ?, 1, 1, UTC_TIMESTAMP(6) + INTERVAL ? MICROSECOND)"
             )),
             row_take: s(format!(
                 "UPDATE `{t}` SET owner = ?, holds = 1, fence = fence + 1, \
-                 expires_at = NOW(6) + INTERVAL ? MICROSECOND WHERE name = ?"
+                 expires_at = UTC_TIMESTAMP(6) + INTERVAL ? MICROSECOND WHERE name = ?"
             )),
             row_reenter: s(format!(
-                "UPDATE `{t}` SET holds = holds + 1, expires_at = NOW(6) + INTERVAL ? MICROSECOND \
-                 WHERE name = ?"
+                "UPDATE `{t}` SET holds = holds + 1, \
+                 expires_at = GREATEST(expires_at, UTC_TIMESTAMP(6) + INTERVAL ? MICROSECOND) WHERE name = ?"
             )),
             row_renew: s(format!(
-                "UPDATE `{t}` SET expires_at = NOW(6) + INTERVAL ? MICROSECOND \
-                 WHERE name = ? AND owner = ? AND expires_at > NOW(6)"
+                "UPDATE `{t}` SET expires_at = GREATEST(expires_at, UTC_TIMESTAMP(6) + INTERVAL ? MICROSECOND) \
+                 WHERE name = ? AND owner = ? AND expires_at > UTC_TIMESTAMP(6)"
             )),
             row_release_one: s(format!("UPDATE `{t}` SET holds = holds - 1 WHERE name = ?")),
             row_release_all: s(format!(
@@ -76,12 +76,12 @@ impl Sql {
             )),
             row_clear_live: s(format!(
                 "UPDATE `{t}` SET owner = NULL, holds = 0, expires_at = NULL \
-                 WHERE name = ? AND expires_at > NOW(6)"
+                 WHERE name = ? AND expires_at > UTC_TIMESTAMP(6)"
             )),
             inspect: s(format!(
-                "SELECT owner, holds, fence, TIMESTAMPDIFF(MICROSECOND, NOW(6), expires_at) AS left_us \
+                "SELECT owner, holds, fence, TIMESTAMPDIFF(MICROSECOND, UTC_TIMESTAMP(6), expires_at) AS left_us \
                  FROM `{t}` WHERE name = ? AND owner IS NOT NULL \
-                 AND (expires_at IS NULL OR expires_at > NOW(6))"
+                 AND (expires_at IS NULL OR expires_at > UTC_TIMESTAMP(6))"
             )),
             mutex_insert: s(format!("INSERT IGNORE INTO `{t}_mutex` (name) VALUES (?)")),
             mutex_lock: s(format!(
@@ -105,7 +105,7 @@ impl Sql {
                 "UPDATE `{t}` SET owner = NULL, holds = 0 WHERE name = ? AND owner = ?"
             )),
             live_under_prefix: s(format!(
-                "SELECT COUNT(*) FROM `{t}` WHERE name LIKE CONCAT(?, '%') AND expires_at > NOW(6)"
+                "SELECT COUNT(*) FROM `{t}` WHERE name LIKE CONCAT(?, '%') AND expires_at > UTC_TIMESTAMP(6)"
             )),
             mutex_rows_under_prefix: s(format!(
                 "SELECT name FROM `{t}_mutex` WHERE name LIKE CONCAT(?, '%')"

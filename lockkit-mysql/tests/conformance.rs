@@ -61,6 +61,18 @@ impl MysqlHarness {
     }
 }
 
+impl MysqlHarness {
+    /// Runs `f` on the fault proxy in front of `client`.
+    fn with_proxy<T>(&self, client: &Locker, f: impl FnOnce(&FaultProxy) -> T) -> HookResult<T> {
+        let clients = self.clients.lock().unwrap();
+        let found = clients
+            .iter()
+            .find(|c| std::ptr::addr_eq(Arc::as_ptr(&c.dyn_backend), Arc::as_ptr(client.backend())))
+            .ok_or_else(|| HookError::Failed("unknown client".into()))?;
+        Ok(f(&found.proxy))
+    }
+}
+
 #[async_trait]
 impl Harness for MysqlHarness {
     fn name(&self) -> String {
@@ -145,13 +157,19 @@ impl Harness for MysqlHarness {
     }
 
     async fn kill_connection(&self, client: &Locker) -> HookResult {
-        let clients = self.clients.lock().unwrap();
-        let found = clients
-            .iter()
-            .find(|c| std::ptr::addr_eq(Arc::as_ptr(&c.dyn_backend), Arc::as_ptr(client.backend())))
-            .ok_or_else(|| HookError::Failed("unknown client".into()))?;
-        found.proxy.reset();
-        Ok(())
+        self.with_proxy(client, FaultProxy::reset)
+    }
+
+    async fn requests_sent(&self, client: &Locker) -> HookResult<u64> {
+        self.with_proxy(client, FaultProxy::requests_seen)
+    }
+
+    async fn delay_link(&self, client: &Locker, delay: Duration) -> HookResult {
+        self.with_proxy(client, |proxy| proxy.set_delay(delay))
+    }
+
+    async fn cut_link(&self, client: &Locker, cut: bool) -> HookResult {
+        self.with_proxy(client, |proxy| if cut { proxy.cut() } else { proxy.heal() })
     }
 
     async fn residue(&self, prefix: &str) -> HookResult<usize> {

@@ -357,3 +357,46 @@ pub async fn stale_guard_spares_the_owners_newer_hold<H: Harness>(h: &H) -> Outc
     assert_free(&b, &key, "after the new hold's release").await;
     Outcome::Passed
 }
+
+/// An owner whose hold was lost is excluded like anyone else while another owner holds
+/// the key: asking again must not re-enter the lost hold (a backend that keeps the lost
+/// hold's state locally would grant it at depth 2, a double grant).
+pub async fn lost_owner_is_excluded_while_another_holds<H: Harness>(h: &H) -> Outcome {
+    let space = Space::new("lost_owner_is_excluded_while_another_holds");
+    let key = space.key("k");
+    let (a, b) = (h.client().await, h.client().await);
+    let owner = a.owner();
+    let lost = owner
+        .try_acquire(&key)
+        .ttl(h.short_ttl())
+        .no_watchdog()
+        .await
+        .check("first hold")
+        .check("free key");
+    tokio::time::timeout(super::generous_wait(h), lost.lost())
+        .await
+        .check("the unrenewed hold must be lost");
+    let rival = b
+        .acquire(&key)
+        .ttl(LONG_TTL)
+        .wait(super::generous_wait(h))
+        .await
+        .check("another owner takes the key once the lease is over");
+    let again = owner
+        .try_acquire(&key)
+        .await
+        .check("the lost owner asks again");
+    if let Some(guard) = again {
+        panic!(
+            "the owner of a lost hold was granted `{key}` (depth {}, token {}) while another \
+             owner holds it (token {})",
+            guard.depth(),
+            guard.token(),
+            rival.token()
+        );
+    }
+    drop(lost);
+    assert!(rival.is_valid());
+    rival.release().await.check("release rival");
+    Outcome::Passed
+}
