@@ -268,6 +268,8 @@ impl LockBackend for MysqlBackend {
             },
             Mode::ForUpdate => Capabilities {
                 pushes_loss: true,
+                // Waiters queue in the server's lock manager.
+                queued_wait: true,
                 min_ttl: Duration::from_secs(1),
                 max_ttl: Some(Duration::from_secs(365 * 24 * 3600)),
                 ..Capabilities::default()

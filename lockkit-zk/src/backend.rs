@@ -509,6 +509,8 @@ impl LockBackend for ZkBackend {
                 pushes_loss: true,
                 // A crashed holder keeps the lock until its session expires.
                 min_ttl: self.inner.config.session_timeout,
+                // Each waiter watches only its predecessor.
+                queued_wait: true,
                 ..Capabilities::default()
             },
         )

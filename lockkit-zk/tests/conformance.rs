@@ -40,6 +40,24 @@ fn hook_error(e: impl std::fmt::Display) -> HookError {
     HookError::Failed(e.to_string())
 }
 
+impl ZkHarness {
+    /// Runs `f` on the fault proxies in front of `client` (one per server).
+    fn with_proxies<T>(
+        &self,
+        client: &Locker,
+        f: impl FnOnce(&[FaultProxy]) -> T,
+    ) -> HookResult<T> {
+        let clients = self.clients.lock().unwrap();
+        let (_, proxies) = clients
+            .iter()
+            .find(|(shared, _)| {
+                std::ptr::addr_eq(Arc::as_ptr(shared), Arc::as_ptr(client.backend()))
+            })
+            .ok_or_else(|| HookError::Failed("unknown client".into()))?;
+        Ok(f(proxies))
+    }
+}
+
 #[async_trait]
 impl Harness for ZkHarness {
     fn name(&self) -> String {
@@ -104,17 +122,27 @@ impl Harness for ZkHarness {
     async fn kill_connection(&self, client: &Locker) -> HookResult {
         // Cut the client off from every server for good: its session expires on the
         // servers, and the client must notice first.
-        let clients = self.clients.lock().unwrap();
-        let (_, proxies) = clients
-            .iter()
-            .find(|(shared, _)| {
-                std::ptr::addr_eq(Arc::as_ptr(shared), Arc::as_ptr(client.backend()))
-            })
-            .ok_or_else(|| HookError::Failed("unknown client".into()))?;
-        for proxy in proxies {
-            proxy.reset();
-        }
-        Ok(())
+        self.with_proxies(client, |proxies| proxies.iter().for_each(FaultProxy::reset))
+    }
+
+    async fn requests_sent(&self, client: &Locker) -> HookResult<u64> {
+        self.with_proxies(client, |proxies| {
+            proxies.iter().map(FaultProxy::requests_seen).sum()
+        })
+    }
+
+    async fn delay_link(&self, client: &Locker, delay: Duration) -> HookResult {
+        self.with_proxies(client, |proxies| {
+            proxies.iter().for_each(|p| p.set_delay(delay));
+        })
+    }
+
+    async fn cut_link(&self, client: &Locker, cut: bool) -> HookResult {
+        self.with_proxies(client, |proxies| {
+            for proxy in proxies {
+                if cut { proxy.cut() } else { proxy.heal() }
+            }
+        })
     }
 
     async fn residue(&self, prefix: &str) -> HookResult<usize> {
