@@ -4,12 +4,13 @@ use std::{io::IsTerminal, path::PathBuf, process::ExitCode, time::Duration};
 
 use clap::{Parser, Subcommand};
 use lockkit::{Error, LockGuard, Locker, config::parse_duration};
-use nix::{sys::signal::Signal, unistd::Pid};
-use tokio::{process::Command, signal::unix::SignalKind};
+use nix::sys::signal::Signal;
+use tokio::signal::unix::SignalKind;
 
 mod bench;
 mod demo;
 mod lab;
+mod supervisor;
 
 /// Exit code when the lock was lost while the command ran (EX_TEMPFAIL).
 const LOST_EXIT: u8 = 75;
@@ -34,6 +35,14 @@ struct Cli {
 
 #[derive(Subcommand, Debug)]
 enum Commands {
+    /// Internal: the supervisor `run` starts between itself and CMD.
+    #[command(name = "__supervise", hide = true)]
+    Supervise {
+        #[arg(long)]
+        grace_ms: u64,
+        #[arg(required = true, trailing_var_arg = true, allow_hyphen_values = true)]
+        command: Vec<String>,
+    },
     /// Run CMD only while holding KEY; the lease is renewed while CMD runs.
     ///
     /// CMD gets LOCKKIT_KEY and LOCKKIT_TOKEN (the fencing token). If the lock is lost, CMD
@@ -145,6 +154,9 @@ async fn main() -> ExitCode {
         return ExitCode::from(u8::try_from(code).unwrap_or(1));
     }
     let cli = Cli::parse();
+    if let Commands::Supervise { grace_ms, command } = &cli.command {
+        return supervisor::main(Duration::from_millis(*grace_ms), command).await;
+    }
     if let Commands::Lab {
         scenario,
         backend,
@@ -188,7 +200,7 @@ async fn main() -> ExitCode {
             .await
         }
         Commands::Status { key, json } => status(&locker, &key, json).await,
-        Commands::Lab { .. } => ExitCode::from(2),
+        Commands::Lab { .. } | Commands::Supervise { .. } => ExitCode::from(2),
         Commands::Bench {
             clients,
             keys,
@@ -341,7 +353,10 @@ fn spin(locker: Locker, key: String) -> tokio::task::JoinHandle<()> {
     })
 }
 
-/// Runs the command while the guard holds; stops it if the lock is lost.
+/// Runs the command while the guard holds. Stops it, with everything it started, if the
+/// lock is lost, and already `grace` before the lease could run out unconfirmed (so that
+/// SIGKILL, if it comes to that, lands before the lease ends), capped at a third of the
+/// lease so a healthy watchdog never triggers it.
 async fn supervise(
     guard: &LockGuard,
     key: &str,
@@ -350,54 +365,48 @@ async fn supervise(
     interrupts: &mut tokio::signal::unix::Signal,
     terms: &mut tokio::signal::unix::Signal,
 ) -> ExitCode {
-    let Some((program, args)) = command.split_first() else {
-        return ExitCode::from(2);
-    };
-    let mut child = match Command::new(program)
-        .args(args)
-        .env("LOCKKIT_KEY", key)
-        .env("LOCKKIT_TOKEN", guard.token().to_string())
-        .spawn()
-    {
-        Ok(child) => child,
+    let program = command.first().map_or("", String::as_str);
+    let env = [
+        ("LOCKKIT_KEY", key.to_owned()),
+        ("LOCKKIT_TOKEN", guard.token().to_string()),
+    ];
+    let mut cmd = match supervisor::Supervised::start(command, grace, &env) {
+        Ok(cmd) => cmd,
         Err(e) => {
             eprintln!("lockkit: cannot run `{program}`: {e}");
             return ExitCode::from(127);
         }
     };
-    let pid = child
-        .id()
-        .and_then(|id| i32::try_from(id).ok())
-        .map(Pid::from_raw);
-    let send = |signal: Signal| {
-        if let Some(pid) = pid {
-            let _ = nix::sys::signal::kill(pid, signal);
-        }
-    };
+    let margin = grace.min(guard.grant().ttl / 3);
     let lost = guard.lost();
     tokio::pin!(lost);
     loop {
-        tokio::select! {
-            status = child.wait() => {
-                return match status {
-                    Ok(status) => ExitCode::from(status.code().map_or(128 + 15, |c| u8::try_from(c).unwrap_or(1))),
-                    Err(e) => {
-                        eprintln!("lockkit: waiting for `{program}` failed: {e}");
-                        ExitCode::from(2)
-                    }
-                };
-            }
-            reason = &mut lost => {
-                eprintln!("lockkit: lost `{key}` ({reason}); stopping `{program}`");
-                send(Signal::SIGTERM);
-                if tokio::time::timeout(grace, child.wait()).await.is_err() {
-                    send(Signal::SIGKILL);
-                    let _ = child.wait().await;
+        // Re-read every turn: each renewal moves the deadline.
+        let stop_at = guard
+            .valid_until()
+            .map_or_else(tokio::time::Instant::now, |until| {
+                until.checked_sub(margin).unwrap_or(until)
+            });
+        let why = tokio::select! {
+            code = cmd.wait() => return ExitCode::from(code),
+            reason = &mut lost => format!("lost `{key}` ({reason})"),
+            () = tokio::time::sleep_until(stop_at) => {
+                match guard.valid_until() {
+                    Some(until) if until.checked_sub(margin).is_some_and(|s| s > tokio::time::Instant::now()) => continue,
+                    _ => format!("the lease of `{key}` ends within {margin:?} unconfirmed"),
                 }
-                return ExitCode::from(LOST_EXIT);
             }
-            _ = interrupts.recv() => send(Signal::SIGINT),
-            _ = terms.recv() => send(Signal::SIGTERM),
-        }
+            _ = interrupts.recv() => {
+                cmd.signal(Signal::SIGINT);
+                continue;
+            }
+            _ = terms.recv() => {
+                cmd.signal(Signal::SIGTERM);
+                continue;
+            }
+        };
+        eprintln!("lockkit: {why}; stopping `{program}` and everything it started");
+        cmd.stop(grace).await;
+        return ExitCode::from(LOST_EXIT);
     }
 }

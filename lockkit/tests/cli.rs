@@ -376,3 +376,98 @@ fn lab_runs_a_scenario_and_prints_its_timeline() {
         assert!(text.contains(line), "`{line}` missing from:\n{text}");
     }
 }
+
+/// Whether `pid` is a running process (a zombie waiting to be reaped is not).
+fn alive(pid: i32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .ok()
+        .and_then(|stat| {
+            let state = stat
+                .rsplit_once(')')?
+                .1
+                .split_whitespace()
+                .next()?
+                .to_owned();
+            Some(state != "Z" && state != "X")
+        })
+        .unwrap_or(false)
+}
+
+/// Starts `lockkit run` on a command that leaves a grandchild (`sleep 37` in the
+/// background) and returns lockkit's process and the grandchild's pid.
+fn run_with_grandchild(dir: &str, extra: &[&str]) -> (std::process::Child, i32) {
+    let pidfile = format!("{dir}/grandchild.pid");
+    let _ = std::fs::remove_file(&pidfile);
+    let script = format!("sleep 37 & echo $! > {pidfile}.tmp; mv {pidfile}.tmp {pidfile}; wait");
+    let url = format!("file://{dir}");
+    let mut args = vec!["run", "--key", "k", "--ttl", "3s", "--grace", "1s"];
+    args.extend_from_slice(extra);
+    args.extend_from_slice(&["--", "sh", "-c", &script]);
+    let child = lockkit(&url, &args).spawn().unwrap();
+    let started = Instant::now();
+    let pid = loop {
+        if let Ok(text) = std::fs::read_to_string(&pidfile) {
+            break text.trim().parse::<i32>().unwrap();
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(20),
+            "the command never started"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    assert!(alive(pid), "the grandchild must be running");
+    (child, pid)
+}
+
+fn assert_gone_soon(pid: i32, what: &str) {
+    let started = Instant::now();
+    while alive(pid) {
+        assert!(
+            started.elapsed() < Duration::from_secs(15),
+            "{what}: the grandchild {pid} outlived the lock"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+#[tokio::test]
+async fn a_lost_lock_stops_the_grandchildren_too() {
+    let dir = dir("lost-grandchild");
+    let (mut child, grandchild) = run_with_grandchild(&dir, &[]);
+    take_away_when_held(&dir).await;
+    assert_eq!(child.wait().unwrap().code(), Some(75));
+    assert_gone_soon(grandchild, "after the lock was lost");
+}
+
+#[test]
+fn sigterm_to_lockkit_stops_the_grandchildren_too() {
+    let dir = dir("term-grandchild");
+    let (mut child, grandchild) = run_with_grandchild(&dir, &[]);
+    let pid = nix::unistd::Pid::from_raw(i32::try_from(child.id()).unwrap());
+    nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM).unwrap();
+    let code = child.wait().unwrap().code();
+    assert_eq!(
+        code,
+        Some(128 + 15),
+        "sh killed by SIGTERM is reported as 143"
+    );
+    assert_gone_soon(grandchild, "after SIGTERM to lockkit");
+}
+
+#[test]
+fn a_sigkilled_lockkit_leaves_no_command_running() {
+    let dir = dir("kill-grandchild");
+    let (mut child, grandchild) = run_with_grandchild(&dir, &[]);
+    child.kill().unwrap();
+    let _ = child.wait();
+    assert_gone_soon(grandchild, "after lockkit was SIGKILLed");
+}
+
+#[test]
+fn a_command_killed_by_a_signal_exits_128_plus_n() {
+    let url = format!("file://{}", dir("signal-code"));
+    let status = lockkit(&url, &["run", "--key", "k", "--", "sh", "-c", "kill -9 $$"])
+        .status()
+        .unwrap();
+    assert_eq!(status.code(), Some(128 + 9));
+}

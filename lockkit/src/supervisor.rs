@@ -1,0 +1,188 @@
+//! The process tree of `lockkit run`: CMD in a process group of its own, watched by a
+//! small supervisor process (this binary, `lockkit __supervise`) that outlives lockkit.
+//!
+//! ```text
+//! lockkit run ──signals──> lockkit __supervise ──> CMD (leader of its own group)
+//!                                                     └─ grandchildren (same group)
+//! ```
+//!
+//! - Signals for CMD go to its whole group, so grandchildren get them too, and a terminal's
+//!   Ctrl-C reaches CMD once (through lockkit), not twice.
+//! - When CMD exits, whatever it left running in its group is stopped: nothing of it runs on
+//!   once the lock is released.
+//! - If lockkit dies, even by SIGKILL, the supervisor (re-parented) stops the group within
+//!   100 ms (SIGTERM, then SIGKILL after the grace): no command outlives its lock.
+//! - CMD is not in the terminal's foreground group: a CMD that reads the terminal is
+//!   stopped by SIGTTIN; give it input through a pipe or a file.
+//!
+//! What no supervisor can contain: a process that leaves the group on purpose (`setsid`,
+//! a double fork into a new session) and side effects already made. Pass `LOCKKIT_TOKEN`
+//! with every write, so that storage refuses a writer whose lock is gone.
+
+use std::{
+    os::unix::process::ExitStatusExt,
+    process::{ExitCode, ExitStatus},
+    time::Duration,
+};
+
+use nix::{
+    sys::signal::{Signal, killpg},
+    unistd::Pid,
+};
+use tokio::{
+    process::{Child, Command},
+    signal::unix::SignalKind,
+};
+
+/// The hidden subcommand that runs the supervisor.
+pub const SUBCOMMAND: &str = "__supervise";
+
+/// A process's exit as a shell reports it: its code, or 128 + the signal that ended it.
+pub fn exit_code(status: ExitStatus) -> u8 {
+    match (status.code(), status.signal()) {
+        (Some(code), _) => u8::try_from(code).unwrap_or(1),
+        (None, Some(signal)) => u8::try_from(128 + signal).unwrap_or(255),
+        (None, None) => 1,
+    }
+}
+
+/// Sends `signal` to process group `group`; false once the group is empty.
+pub fn signal_group(group: Pid, signal: Option<Signal>) -> bool {
+    killpg(group, signal).is_ok()
+}
+
+/// Stops what is left of `group`: SIGTERM, then SIGKILL if anything is still there after
+/// `grace`.
+pub async fn stop_group(group: Pid, grace: Duration) {
+    if !signal_group(group, Some(Signal::SIGTERM)) {
+        return;
+    }
+    let deadline = tokio::time::Instant::now() + grace;
+    while tokio::time::Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        if !signal_group(group, None) {
+            return;
+        }
+    }
+    signal_group(group, Some(Signal::SIGKILL));
+}
+
+/// The supervisor: starts CMD in a new process group, passes lockkit's signals on to the
+/// whole group (SIGUSR1 means SIGKILL), and stops the group when CMD exits or when lockkit
+/// goes away (the supervisor is re-parented). Exits with CMD's exit code (128 + n for a
+/// signal).
+pub async fn main(grace: Duration, command: &[String]) -> ExitCode {
+    let lockkit = std::os::unix::process::parent_id();
+    // Handlers replace the default actions, so these never end the supervisor itself.
+    let listen = |kind: SignalKind| tokio::signal::unix::signal(kind);
+    let (Ok(mut ints), Ok(mut terms), Ok(mut hups), Ok(mut kills)) = (
+        listen(SignalKind::interrupt()),
+        listen(SignalKind::terminate()),
+        listen(SignalKind::hangup()),
+        listen(SignalKind::user_defined1()),
+    ) else {
+        eprintln!("lockkit: the supervisor cannot handle signals");
+        return ExitCode::from(2);
+    };
+    let Some((program, args)) = command.split_first() else {
+        return ExitCode::from(2);
+    };
+    let mut child = match Command::new(program).args(args).process_group(0).spawn() {
+        Ok(child) => child,
+        Err(e) => {
+            eprintln!("lockkit: cannot run `{program}`: {e}");
+            return ExitCode::from(127);
+        }
+    };
+    let Some(group) = child
+        .id()
+        .and_then(|id| i32::try_from(id).ok())
+        .map(Pid::from_raw)
+    else {
+        return ExitCode::from(2);
+    };
+    let mut orphaned = tokio::time::interval(Duration::from_millis(100));
+    loop {
+        tokio::select! {
+            status = child.wait() => {
+                // CMD is done: nothing it started may run on after the lock is released.
+                stop_group(group, grace).await;
+                return ExitCode::from(status.map_or(2, exit_code));
+            }
+            _ = orphaned.tick() => {
+                if std::os::unix::process::parent_id() != lockkit {
+                    // lockkit is gone (even by SIGKILL): so is the lock.
+                    stop_group(group, grace).await;
+                    let status = child.wait().await;
+                    return ExitCode::from(status.map_or(2, exit_code));
+                }
+            }
+            _ = ints.recv() => { signal_group(group, Some(Signal::SIGINT)); }
+            _ = terms.recv() => { signal_group(group, Some(Signal::SIGTERM)); }
+            _ = hups.recv() => { signal_group(group, Some(Signal::SIGHUP)); }
+            _ = kills.recv() => { signal_group(group, Some(Signal::SIGKILL)); }
+        }
+    }
+}
+
+/// CMD running under a supervisor, as lockkit sees it.
+pub struct Supervised {
+    supervisor: Child,
+    pid: Pid,
+}
+
+impl Supervised {
+    /// Starts the supervisor (this binary again) for `command` with `env`. The supervisor
+    /// runs in a process group of its own, so a terminal's signals reach CMD only through
+    /// lockkit: once.
+    ///
+    /// # Errors
+    /// A message saying what could not be started.
+    pub fn start(
+        command: &[String],
+        grace: Duration,
+        env: &[(&str, String)],
+    ) -> Result<Supervised, String> {
+        let exe = std::env::current_exe()
+            .map_err(|e| format!("cannot find the lockkit binary to supervise the command: {e}"))?;
+        let supervisor = Command::new(exe)
+            .arg(SUBCOMMAND)
+            .arg("--grace-ms")
+            .arg(grace.as_millis().to_string())
+            .arg("--")
+            .args(command)
+            .envs(env.iter().map(|(k, v)| (*k, v.as_str())))
+            .process_group(0)
+            .spawn()
+            .map_err(|e| format!("cannot start the supervisor: {e}"))?;
+        let pid = supervisor
+            .id()
+            .and_then(|id| i32::try_from(id).ok())
+            .map(Pid::from_raw)
+            .ok_or("the supervisor has no pid")?;
+        Ok(Supervised { supervisor, pid })
+    }
+
+    /// Passes `signal` on to CMD's whole group.
+    pub fn signal(&self, signal: Signal) {
+        let _ = nix::sys::signal::kill(self.pid, signal);
+    }
+
+    /// Waits for CMD's exit code (as the supervisor reports it).
+    pub async fn wait(&mut self) -> u8 {
+        self.supervisor.wait().await.map_or(2, exit_code)
+    }
+
+    /// Stops CMD's whole group: SIGTERM, SIGKILL after `grace`; returns when the supervisor
+    /// has exited.
+    pub async fn stop(&mut self, grace: Duration) {
+        self.signal(Signal::SIGTERM);
+        if tokio::time::timeout(grace, self.supervisor.wait())
+            .await
+            .is_err()
+        {
+            self.signal(Signal::SIGUSR1);
+            let _ = self.supervisor.wait().await;
+        }
+    }
+}
