@@ -272,6 +272,16 @@ pub trait LockBackend: Send + Sync + Debug + 'static {
     /// Reports who holds `key`, if anyone.
     async fn inspect(&self, key: &LockKey) -> Result<Option<HolderInfo>>;
 
+    /// The latest instant `grant` can be trusted on what the backend last heard from the
+    /// server, whatever its lease (ZooKeeper: the last answered request plus 2/3 of the
+    /// session timeout), or `None` when the lease alone decides. Checked without I/O every
+    /// time a guard says whether it is valid, so a holder that was paused past it never
+    /// wakes up believing in a hold its session may have taken with it. Default: `None`.
+    fn validity_bound(&self, grant: &Grant) -> Option<Instant> {
+        let _ = grant;
+        None
+    }
+
     /// One plain round trip to the service (`PING`, `SELECT 1`, ...), for health checks and
     /// for benchmarks that compare a lock with the service's own latency.
     async fn ping(&self) -> Result<()> {

@@ -67,11 +67,20 @@ impl HoldShared {
         }
     }
 
+    /// Until when the hold is believed: the local lease deadline, capped by what the
+    /// backend last heard from the server ([`LockBackend::validity_bound`]).
+    fn believed_until(&self, lease: &Lease) -> Instant {
+        match self.backend.validity_bound(&self.grant) {
+            Some(bound) => lease.valid_until.min(bound),
+            None => lease.valid_until,
+        }
+    }
+
     /// Fires `LeaseExpired` if the local deadline has passed; returns the loss reason.
     fn check_lost(&self) -> Option<LostReason> {
         if !self.loss.is_fired() {
             let lease = self.lease();
-            if !lease.released && Instant::now() >= lease.valid_until {
+            if !lease.released && Instant::now() >= self.believed_until(&lease) {
                 drop(lease);
                 self.loss.fire(LostReason::LeaseExpired);
             }
@@ -364,11 +373,14 @@ impl LockGuard {
         Some(if lease.released {
             fired_at
         } else {
-            fired_at.min(lease.valid_until)
+            fired_at.min(self.shared().believed_until(&lease))
         })
     }
 
-    /// The local instant until which the hold is known valid, or `None` once lost.
+    /// The local lease deadline (the hold is not valid past it), or `None` once lost.
+    /// [`LockGuard::is_valid`] can turn false before it, when the backend can no longer
+    /// vouch for the hold ([`LockBackend::validity_bound`]: a ZooKeeper session silent for
+    /// 2/3 of its timeout).
     pub fn valid_until(&self) -> Option<Instant> {
         if self.is_valid() {
             Some(self.shared().lease().valid_until)

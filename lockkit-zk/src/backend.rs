@@ -67,6 +67,35 @@ pub(crate) struct Session {
     dead: AtomicBool,
 }
 
+/// Deletes `node` until it is gone: tried at once, then retried in the background with
+/// backoff after a connection loss, for as long as the session lives (the node goes with
+/// the session anyway). A node nobody deletes would wedge its key while the session lives.
+/// Returns whether the first try already deleted it (or found it gone).
+async fn delete_until_gone(session: Arc<Session>, node: String) -> bool {
+    let gone = |r: &std::result::Result<(), zookeeper_client::Error>| {
+        matches!(
+            r,
+            Ok(()) | Err(zookeeper_client::Error::NoNode | zookeeper_client::Error::SessionExpired)
+        )
+    };
+    if gone(&session.client.delete(&node, None).await) {
+        return true;
+    }
+    tokio::spawn(async move {
+        let mut backoff = Duration::from_millis(20);
+        while !session.dead.load(Ordering::SeqCst) {
+            tokio::time::sleep(backoff).await;
+            let result = session.client.delete(&node, None).await;
+            if gone(&result) {
+                return;
+            }
+            tracing::debug!(node, ?result, "deleting a lock node failed; retrying");
+            backoff = (backoff * 2).min(Duration::from_secs(1));
+        }
+    });
+    false
+}
+
 impl Session {
     fn touch(&self, sent: Instant) {
         let mut last = lock(&self.last_contact);
@@ -205,12 +234,34 @@ impl ZkBackend {
     /// of creating a second one.
     async fn create_contender(
         &self,
-        session: &Session,
+        session: &Arc<Session>,
         dir: &str,
         req: &AcquireRequest,
     ) -> Result<(String, u64)> {
         let client = &session.client;
-        let prefix = format!("{dir}/_c_{}{LOCK_NAME}", Uuid::new_v4());
+        let unique = format!("_c_{}{LOCK_NAME}", Uuid::new_v4());
+        // After a lost reply a create may have happened without our knowing: any node of
+        // ours but the one we use must go, or it would hold the key while the session lives.
+        let mut uncertain = false;
+        let sweep = |keep: Option<String>| {
+            let (session, dir, unique) = (session.clone(), dir.to_owned(), unique.clone());
+            tokio::spawn(async move {
+                let mut backoff = Duration::from_millis(20);
+                while !session.dead.load(Ordering::SeqCst) {
+                    if let Ok(children) = session.client.list_children(&dir).await {
+                        for name in children.iter().filter(|c| c.starts_with(&unique)) {
+                            if keep.as_deref() != Some(name.as_str()) {
+                                delete_until_gone(session.clone(), format!("{dir}/{name}")).await;
+                            }
+                        }
+                        return;
+                    }
+                    tokio::time::sleep(backoff).await;
+                    backoff = (backoff * 2).min(Duration::from_secs(1));
+                }
+            });
+        };
+        let prefix = format!("{dir}/{unique}");
         let data = req.owner.to_string();
         let acls = Acls::anyone_all();
         let ephemeral = CreateMode::EphemeralSequential.with_acls(acls);
@@ -219,6 +270,9 @@ impl ZkBackend {
             match client.create(&prefix, data.as_bytes(), &ephemeral).await {
                 Ok((stat, sequence)) => {
                     session.touch(sent);
+                    if uncertain {
+                        sweep(Some(format!("{unique}{sequence}")));
+                    }
                     return Ok((
                         format!("{prefix}{sequence}"),
                         u64::try_from(stat.czxid).unwrap_or(0),
@@ -240,18 +294,26 @@ impl ZkBackend {
                 }
                 Err(zookeeper_client::Error::ConnectionLoss) => {
                     // The create may have happened: look for our uuid before trying again.
-                    let unique = &prefix[dir.len() + 1..];
+                    uncertain = true;
                     if let Ok(children) = client.list_children(dir).await
-                        && let Some(name) = children.iter().find(|c| c.starts_with(unique))
+                        && let Some(name) = children.iter().find(|c| c.starts_with(&unique))
                     {
                         let node = format!("{dir}/{name}");
                         if let Ok(Some(stat)) = client.check_stat(&node).await {
+                            sweep(Some(name.clone()));
                             return Ok((node, u64::try_from(stat.czxid).unwrap_or(0)));
                         }
                     }
                 }
-                Err(e) => return Err(zk_error("creating the contender node", e)),
+                Err(e) => {
+                    // A timeout or any other failure may also hide a create that happened.
+                    sweep(None);
+                    return Err(zk_error("creating the contender node", e));
+                }
             }
+        }
+        if uncertain {
+            sweep(None);
         }
         Err(Error::backend(
             BACKEND,
@@ -275,11 +337,15 @@ impl ZkBackend {
         let dir = self.lock_dir(&req.key);
         let (node, czxid) = self.create_contender(&session, &dir, req).await?;
         let name = node[dir.len() + 1..].to_owned();
-        let give_up = |client: Client, node: String| async move {
-            if let Err(e) = client.delete(&node, None).await
-                && e != zookeeper_client::Error::NoNode
-            {
-                tracing::warn!(error = %e, node, "could not delete a contender node; it goes with the session");
+        let give_up = |_: Client, node: String| {
+            let session = session.clone();
+            async move {
+                if !delete_until_gone(session, node.clone()).await {
+                    tracing::warn!(
+                        node,
+                        "could not delete a contender node yet; retrying in the background"
+                    );
+                }
             }
         };
         loop {
@@ -292,9 +358,7 @@ impl ZkBackend {
                 }
             };
             session.touch(sent);
-            let mut queue: Vec<&String> =
-                children.iter().filter(|c| c.contains(LOCK_NAME)).collect();
-            queue.sort_by_key(|c| sequence_of(c));
+            let queue = contenders_in_order(&children);
             let Some(position) = queue.iter().position(|c| **c == name) else {
                 // Our node vanished: the session expired while we waited.
                 return Err(Error::backend(
@@ -388,11 +452,29 @@ async fn record_depth(held: &Held, depth: u32) {
         .await;
 }
 
-fn sequence_of(name: &str) -> u64 {
-    name.rsplit(LOCK_NAME)
-        .next()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(u64::MAX)
+/// The sequence number ZooKeeper appended to a sequential node's name: its last 10 digits
+/// (one counter per parent, so it orders every contender in a lock's directory), or `None`
+/// for a node that is not sequential.
+fn sequence_of(name: &str) -> Option<u64> {
+    let digits = name.get(name.len().checked_sub(10)?..)?;
+    if digits.bytes().all(|b| b.is_ascii_digit()) {
+        digits.parse().ok()
+    } else {
+        None
+    }
+}
+
+/// The contenders in a lock's directory, in queue order: every sequential child, whoever
+/// made it (lockkit's and Curator's `_c_<uuid>-lock-N`, kazoo's `<uuid>__lock__N`, read
+/// locks of read-write recipes such as `__rlock__` or `__READ__`, which exclude a mutex
+/// too, the ZooKeeper recipe's `x-<session>-N`), so mixed fleets exclude each other.
+fn contenders_in_order(children: &[String]) -> Vec<&String> {
+    let mut queue: Vec<(u64, &String)> = children
+        .iter()
+        .filter_map(|c| Some((sequence_of(c)?, c)))
+        .collect();
+    queue.sort();
+    queue.into_iter().map(|(_, c)| c).collect()
 }
 
 async fn open_session(config: &ZkConfig) -> Result<Arc<Session>> {
@@ -493,7 +575,7 @@ async fn enforce_lease(backend: ZkBackend, held: Weak<Held>) {
         if Instant::now() >= *lock(&h.lease_until) {
             backend.forget(&h);
             h.loss.fire(LostReason::LeaseExpired);
-            let _ = h.session.client.delete(&h.node, None).await;
+            delete_until_gone(h.session.clone(), h.node.clone()).await;
             return;
         }
     }
@@ -530,13 +612,23 @@ impl LockBackend for ZkBackend {
             })
     }
 
+    /// After 2/3 of the session timeout without an answer the session may be gone on the
+    /// servers, and the node with it: no hold is believed past that, whatever its TTL.
+    fn validity_bound(&self, grant: &Grant) -> Option<Instant> {
+        let held = self.held_of(grant).ok()?;
+        let heard = *lock(&held.session.last_contact);
+        Some(heard + self.inner.config.session_timeout * 2 / 3)
+    }
+
     async fn renew(&self, grant: &Grant, ttl: Duration) -> Result<()> {
         let held = self.held_of(grant)?;
         let sent = Instant::now();
         match held.session.client.check_stat(&held.node).await {
             Ok(Some(_)) if !held.loss.is_fired() => {
                 held.session.touch(sent);
-                *lock(&held.lease_until) = sent + ttl;
+                // Never shorten the lease: another guard of this hold may rely on it.
+                let mut until = lock(&held.lease_until);
+                *until = (*until).max(sent + ttl);
                 Ok(())
             }
             Ok(_) | Err(zookeeper_client::Error::SessionExpired) => {
@@ -576,7 +668,14 @@ impl LockBackend for ZkBackend {
                     key: grant.key.clone(),
                 })
             }
-            Err(e) => Err(zk_error("deleting the lock node", e)),
+            Err(e) => {
+                // The hold is over for us either way; never leave its node behind.
+                delete_until_gone(held.session.clone(), held.node.clone()).await;
+                Err(zk_error(
+                    "deleting the lock node (retried in the background)",
+                    e,
+                ))
+            }
         }
     }
 
@@ -599,14 +698,14 @@ impl LockBackend for ZkBackend {
             Err(zookeeper_client::Error::NoNode) => return Ok(None),
             Err(e) => return Err(zk_error("listing contenders", e)),
         };
-        let mut queue: Vec<&String> = children.iter().filter(|c| c.contains(LOCK_NAME)).collect();
-        queue.sort_by_key(|c| sequence_of(c));
+        let queue = contenders_in_order(&children);
         for head in queue {
             match client.get_data(&format!("{dir}/{head}")).await {
                 Ok((data, stat)) => {
                     let text = String::from_utf8_lossy(&data).into_owned();
                     let (owner, depth) = match text.split_once(' ') {
                         Some((owner, depth)) => (owner.to_owned(), depth.parse().unwrap_or(1)),
+                        None if text.is_empty() => (format!("another client's node {head}"), 1),
                         None => (text, 1),
                     };
                     return Ok(Some(HolderInfo::new(
@@ -621,5 +720,38 @@ impl LockBackend for ZkBackend {
             }
         }
         Ok(None)
+    }
+}
+
+#[cfg(test)]
+mod queue_tests {
+    use super::*;
+
+    #[test]
+    fn every_sequential_child_is_a_contender_in_sequence_order() {
+        let children: Vec<String> = [
+            "_c_0b5e-lock-0000000007",
+            "f00d__lock__0000000003",
+            "beef__rlock__0000000009",
+            "x-1234-0000000005",
+            "not-a-contender",
+            "_c_aa-lock-0000000001",
+        ]
+        .map(String::from)
+        .to_vec();
+        let order: Vec<&str> = contenders_in_order(&children)
+            .into_iter()
+            .map(String::as_str)
+            .collect();
+        assert_eq!(
+            order,
+            [
+                "_c_aa-lock-0000000001",
+                "f00d__lock__0000000003",
+                "x-1234-0000000005",
+                "_c_0b5e-lock-0000000007",
+                "beef__rlock__0000000009",
+            ]
+        );
     }
 }

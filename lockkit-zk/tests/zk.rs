@@ -169,3 +169,43 @@ async fn a_cut_off_holder_knows_before_anyone_else_is_granted() {
     next.release().await.unwrap();
     drop(Arc::new(proxies));
 }
+
+/// A guard never believes in its hold longer than the session can vouch for: with a 30 s
+/// lease on a 2 s session, validity reaches at most 2/3 of the session past the last
+/// confirmed renewal (a holder paused for longer wakes up invalid, not trusting a node its
+/// expired session took with it), and the watchdog renews often enough to keep it valid.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn validity_is_capped_by_what_the_session_can_guarantee() {
+    let Some(url) = env::service_url("LOCKKIT_TEST_ZK_URL") else {
+        return;
+    };
+    let session = Duration::from_secs(2);
+    let locker = Locker::new(
+        ZkBackend::connect(&format!("{url}?session_timeout=2s"))
+            .await
+            .unwrap(),
+    );
+    let key = key("validity-cap");
+    let guard = locker
+        .acquire(&key)
+        .ttl(Duration::from_secs(30))
+        .await
+        .unwrap();
+    let backend = locker.backend().clone();
+    for _ in 0..20 {
+        let bound = backend
+            .validity_bound(guard.grant())
+            .expect("a held ZooKeeper lock is bounded by its session");
+        let left = bound.saturating_duration_since(tokio::time::Instant::now());
+        assert!(
+            left <= session * 2 / 3,
+            "validity of {left:?} promised on a {session:?} session"
+        );
+        assert!(
+            guard.is_valid(),
+            "the session's pings must keep the hold valid"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    guard.release().await.unwrap();
+}

@@ -182,7 +182,9 @@ impl Actor {
                     }
                     Err(Error::Timeout { .. }) => {}
                     Err(Error::Lost { .. }) => self.close(world, key, "lost on re-entry"),
-                    Err(e) if e.is_retryable() => {
+                    // Injected faults make backend errors expected (a session that expired
+                    // during a stall, a connection reset); contract errors are not.
+                    Err(e @ Error::Backend { .. }) => {
                         world.note(format!("{} acquire key{key}: {e}", self.name));
                     }
                     Err(e) => panic!("{} acquire key{key}: unexpected error: {e}", self.name),
@@ -196,7 +198,7 @@ impl Actor {
                 match held.guards[i].extend(ttl).await {
                     Ok(()) => world.note(format!("{} extended key{key} to {ttl:?}", self.name)),
                     Err(Error::Lost { .. }) => self.close(world, key, "lost on extend"),
-                    Err(e) if e.is_retryable() => {}
+                    Err(Error::Backend { .. }) => {}
                     Err(e) => panic!("{} extend key{key}: unexpected error: {e}", self.name),
                 }
             }
@@ -379,7 +381,10 @@ pub async fn histories_stay_linear<H: Harness>(h: &H) -> Outcome {
             tokio::time::sleep(short / 10).await;
         }
         if !free {
-            failure(format!("`{key}` was still held after every owner let go"));
+            let holder = probe.inspect(key).await;
+            failure(format!(
+                "`{key}` was still held after every owner let go, by {holder:?}"
+            ));
         }
         assert_free(&probe, key, "after the run").await;
     }
