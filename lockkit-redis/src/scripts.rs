@@ -19,8 +19,10 @@ pub const ATTEMPT_FIELD_PREFIX: &str = "lockkit-attempt:";
 pub const MAX_TTL_MS: u64 = 1_000_000_000_000;
 
 /// KEYS: lock, token. ARGV: ttl ms, owner field, attempt field (`''`: none).
-/// Returns `{1, token, depth}` when granted, `{0, pttl, 0}` when held by someone else, or an
-/// error (before any write) for a TTL out of range.
+/// Returns `{1, token, depth}` when granted, `{0, pttl, 0}` when held by someone else in
+/// Redisson's layout (who publishes on release), `{0, pttl, 1}` when held in another format
+/// (a plain `SET NX PX` string: nobody publishes its release), or an error (before any
+/// write) for a TTL out of range.
 ///
 /// A new holder's token is the incremented counter, raised to the server's clock in
 /// microseconds since the epoch when the counter is behind it. So a server that lost the
@@ -64,7 +66,10 @@ if t == 'hash' and redis.call('hexists', KEYS[1], ARGV[2]) == 1 then
   if redis.call('pttl', KEYS[1]) < ttl then redis.call('pexpire', KEYS[1], ttl) end
   return {1, tonumber(redis.call('get', KEYS[2]) or '0'), depth}
 end
-return {0, redis.call('pttl', KEYS[1]), 0}
+if t == 'hash' then
+  return {0, redis.call('pttl', KEYS[1]), 0}
+end
+return {0, redis.call('pttl', KEYS[1]), 1}
 ",
     )
 });

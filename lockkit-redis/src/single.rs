@@ -22,6 +22,10 @@ use crate::{
     wakeups::Wakeups,
 };
 
+/// How long a waiter behind a holder in a foreign format (no release notification) sleeps
+/// between attempts at most.
+const FOREIGN_HOLDER_POLL: Duration = Duration::from_millis(100);
+
 /// How long a waiter without a live subscription sleeps between attempts at most.
 const POLL_FALLBACK: Duration = Duration::from_millis(250);
 
@@ -203,7 +207,12 @@ impl RedisBackend {
             .await
             .map_err(|e| self.fail("running the acquire script", e))?;
         if granted != 1 {
-            let left = u64::try_from(value).ok().map(Duration::from_millis);
+            let mut left = u64::try_from(value).ok().map(Duration::from_millis);
+            if depth == 1 {
+                // A holder in another format (redis-py, redsync: a plain string) publishes
+                // nothing when it lets go: look again soon instead of sleeping out its TTL.
+                left = Some(left.map_or(FOREIGN_HOLDER_POLL, |l| l.min(FOREIGN_HOLDER_POLL)));
+            }
             return Ok(Attempt::Busy(if value == -2 {
                 Some(Duration::ZERO)
             } else {
