@@ -526,11 +526,15 @@ async fn monitor(session: Weak<Session>, timeout: Duration) {
     };
     let ping_every = timeout / 4;
     let mut connected = true;
+    // The deadline the holds were already given up for: not armed again until the server
+    // answers and the deadline moves (re-arming a past deadline spun a core at 100%).
+    let mut given_up: Option<Instant> = None;
     loop {
         let deadline = match session.upgrade() {
             Some(s) => *lock(&s.last_contact) + timeout * 2 / 3,
             None => return,
         };
+        let armed = !connected && given_up != Some(deadline);
         tokio::select! {
             state = watcher.changed() => match state {
                 SessionState::Expired | SessionState::Closed | SessionState::AuthFailed => {
@@ -550,11 +554,12 @@ async fn monitor(session: Weak<Session>, timeout: Duration) {
                     s.touch(sent);
                 }
             }
-            _ = tokio::time::sleep_until(deadline), if !connected => {
+            _ = tokio::time::sleep_until(deadline), if armed => {
                 if let Some(s) = session.upgrade() {
                     // The server may expire the session any moment now: holders must stop.
                     s.lose_all(LostReason::SessionLost);
                 }
+                given_up = Some(deadline);
             }
         }
     }
