@@ -44,10 +44,13 @@ impl LockNames {
     /// [`Error::InvalidKey`] in cluster mode for names with unbalanced or empty braces.
     pub fn new(prefix: &str, key: &LockKey, cluster: bool) -> Result<Self> {
         let lock = format!("{prefix}{key}");
-        if cluster && lock.contains('{') && hash_tag(&lock).is_none() {
+        // A name with braces but no hash tag is hashed whole, while the counter and
+        // channel (`prefix:{name}`) would take the text up to its first `}` as their tag:
+        // another slot.
+        if cluster && lock.contains(['{', '}']) && hash_tag(&lock).is_none() {
             return Err(Error::InvalidKey {
                 reason: format!(
-                    "in Redis Cluster mode `{lock}` has a `{{` without a non-empty `{{tag}}`, so its \
+                    "in Redis Cluster mode `{lock}` has braces but no non-empty `{{tag}}`, so its \
                      counter and channel could land in another slot; balance the braces or drop them"
                 ),
             });
@@ -83,6 +86,11 @@ mod tests {
     fn cluster_refuses_braces_without_a_tag() {
         assert!(names("a{", true).is_err());
         assert!(names("a{}b", true).is_err());
+        assert!(
+            names("a}b", true).is_err(),
+            "a `}}` alone moves the counter's slot"
+        );
+        assert!(names("a}b", false).is_ok());
         assert!(names("a{", false).is_ok());
     }
 }
