@@ -42,9 +42,54 @@ pub fn parse_count(option: &str, text: &str) -> Result<u32> {
     })
 }
 
+/// `text` with the password of every URL in it replaced by `***`
+/// (`redis://user:secret@h:1,redis://:pw@h:2` becomes `redis://user:***@h:1,redis://:***@h:2`),
+/// for errors, logs and `Debug` output: credentials never leave through them.
+pub fn redact_url(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    let mut rest = text;
+    while let Some(at) = rest.find("://") {
+        let (head, tail) = rest.split_at(at + 3);
+        out.push_str(head);
+        let end = tail.find(['/', '?', '#', ',', ' ']).unwrap_or(tail.len());
+        let authority = &tail[..end];
+        match authority.rfind('@') {
+            Some(user_end) => {
+                let userinfo = &authority[..user_end];
+                match userinfo.find(':') {
+                    Some(colon) => {
+                        out.push_str(&userinfo[..colon]);
+                        out.push_str(":***");
+                    }
+                    None => out.push_str(userinfo),
+                }
+                out.push_str(&authority[user_end..]);
+            }
+            None => out.push_str(authority),
+        }
+        rest = &tail[end..];
+    }
+    out.push_str(rest);
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn passwords_are_redacted() {
+        assert_eq!(
+            redact_url("mysql://lockkit:s3cret@127.0.0.1:3306/db?mode=row"),
+            "mysql://lockkit:***@127.0.0.1:3306/db?mode=row"
+        );
+        assert_eq!(
+            redact_url("redis://u:a@b@h:1,redis://:pw@h:2 and zk://h:3/x"),
+            "redis://u:***@h:1,redis://:***@h:2 and zk://h:3/x"
+        );
+        assert_eq!(redact_url("redis://h:1/0"), "redis://h:1/0");
+        assert_eq!(redact_url("not a url"), "not a url");
+    }
 
     #[test]
     fn durations() {

@@ -19,8 +19,8 @@ pub enum Mode {
     ForUpdate,
 }
 
-/// Everything a MySQL URL says.
-#[derive(Debug, Clone)]
+/// Everything a MySQL URL says. Its `Debug` output leaves the password out.
+#[derive(Clone)]
 #[non_exhaustive]
 pub struct MysqlConfig {
     /// Where and as whom to connect.
@@ -47,6 +47,25 @@ pub struct MysqlConfig {
     pub liveness: Duration,
 }
 
+impl std::fmt::Debug for MysqlConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MysqlConfig")
+            .field("host", &self.connect.get_host())
+            .field("port", &self.connect.get_port())
+            .field("user", &self.connect.get_username())
+            .field("database", &self.connect.get_database())
+            .field("mode", &self.mode)
+            .field("table", &self.table)
+            .field("create_schema", &self.create_schema)
+            .field("pool_size", &self.pool_size)
+            .field("max_holds", &self.max_holds)
+            .field("connect_timeout", &self.connect_timeout)
+            .field("ttl", &self.ttl)
+            .field("liveness", &self.liveness)
+            .finish_non_exhaustive()
+    }
+}
+
 const OPTIONS: &str =
     "mode, table, create_schema, pool_size, max_holds, connect_timeout, ttl, liveness";
 
@@ -56,18 +75,20 @@ impl MysqlConfig {
     /// # Errors
     /// [`Error::Config`] saying what is wrong and what is accepted.
     pub fn parse(url: &str) -> Result<Self> {
+        // Messages show the URL without its password.
+        let shown = lockkit_core::config::redact_url(url);
         let Some(rest) = url
             .strip_prefix("mysql://")
             .or_else(|| url.strip_prefix("mariadb://"))
         else {
             return Err(Error::Config(format!(
-                "`{url}` is not a MySQL URL; write mysql://user:password@host:port/database?mode=row"
+                "`{shown}` is not a MySQL URL; write mysql://user:password@host:port/database?mode=row"
             )));
         };
         let (base, query) = rest.split_once('?').unwrap_or((rest, ""));
         if base.split('/').nth(1).is_none_or(str::is_empty) {
             return Err(Error::Config(format!(
-                "`{url}` names no database; write mysql://user:password@host:port/database"
+                "`{shown}` names no database; write mysql://user:password@host:port/database"
             )));
         }
         let mut config = MysqlConfig {
@@ -134,7 +155,7 @@ impl MysqlConfig {
                 | "timezone" => driver.push(pair),
                 other => {
                     return Err(Error::Config(format!(
-                        "unknown option `{other}` in `{url}`; known: {OPTIONS} (and the driver's ssl-mode, ssl-ca, charset, socket)"
+                        "unknown option `{other}` in `{shown}`; known: {OPTIONS} (and the driver's ssl-mode, ssl-ca, charset, socket)"
                     )));
                 }
             }
@@ -145,7 +166,7 @@ impl MysqlConfig {
             format!("mysql://{base}?{}", driver.join("&"))
         };
         config.connect = MySqlConnectOptions::from_str(&driver_url)
-            .map_err(|e| Error::Config(format!("`{url}` is not a valid MySQL URL: {e}")))?;
+            .map_err(|e| Error::Config(format!("`{shown}` is not a valid MySQL URL: {e}")))?;
         Ok(config)
     }
 }

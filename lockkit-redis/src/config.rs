@@ -7,8 +7,8 @@ use lockkit_core::{
     config::{parse_count, parse_duration},
 };
 
-/// How the backend reaches Redis.
-#[derive(Debug, Clone, PartialEq, Eq)]
+/// How the backend reaches Redis. Its `Debug` output hides passwords.
+#[derive(Clone, PartialEq, Eq)]
 pub enum Topology {
     /// One server (or a primary with replicas behind it).
     Single(String),
@@ -16,6 +16,24 @@ pub enum Topology {
     Cluster(Vec<String>),
     /// Independent masters for Redlock.
     Redlock(Vec<String>),
+}
+
+impl std::fmt::Debug for Topology {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let redact = |urls: &[String]| -> Vec<String> {
+            urls.iter()
+                .map(|u| lockkit_core::config::redact_url(u))
+                .collect()
+        };
+        match self {
+            Topology::Single(url) => f
+                .debug_tuple("Single")
+                .field(&lockkit_core::config::redact_url(url))
+                .finish(),
+            Topology::Cluster(urls) => f.debug_tuple("Cluster").field(&redact(urls)).finish(),
+            Topology::Redlock(urls) => f.debug_tuple("Redlock").field(&redact(urls)).finish(),
+        }
+    }
 }
 
 /// Everything a Redis URL says.
@@ -56,8 +74,10 @@ impl RedisConfig {
     /// # Errors
     /// [`Error::Config`] naming what is wrong and the accepted form.
     pub fn parse(url: &str) -> Result<Self> {
+        // Messages show the URL without its password.
+        let shown = lockkit_core::config::redact_url(url);
         let (scheme, rest) = url.split_once("://").ok_or_else(|| {
-            Error::Config(format!("`{url}` is not a URL; expected one of {SCHEMES}"))
+            Error::Config(format!("`{shown}` is not a URL; expected one of {SCHEMES}"))
         })?;
         let (tls, kind) = match scheme {
             "redis" => (false, "single"),
@@ -81,31 +101,31 @@ impl RedisConfig {
         let hosts: Vec<&str> = hosts.split(',').collect();
         if hosts.iter().any(|h| h.is_empty()) {
             return Err(Error::Config(format!(
-                "`{url}` names an empty host; write e.g. `{scheme}://127.0.0.1:6379`"
+                "`{shown}` names an empty host; write e.g. `{scheme}://127.0.0.1:6379`"
             )));
         }
         let db = match path {
             "" => None,
             db => Some(db.parse::<u32>().map_err(|_| {
                 Error::Config(format!(
-                    "`/{db}` in `{url}` is not a database number; write e.g. `/0` or nothing"
+                    "`/{db}` in `{shown}` is not a database number; write e.g. `/0` or nothing"
                 ))
             })?),
         };
         if kind != "single" && db.is_some_and(|db| db != 0) {
             return Err(Error::Config(format!(
-                "`{url}`: {kind} mode has only database 0"
+                "`{shown}`: {kind} mode has only database 0"
             )));
         }
         if kind == "single" && hosts.len() != 1 {
             return Err(Error::Config(format!(
-                "`{url}` names {} hosts; a single server takes one (use redis+cluster:// or redlock:// for several)",
+                "`{shown}` names {} hosts; a single server takes one (use redis+cluster:// or redlock:// for several)",
                 hosts.len()
             )));
         }
         let mut nodes = Vec::new();
         for host in &hosts {
-            nodes.push(node_url(url, tls, userinfo, host, db.unwrap_or(0))?);
+            nodes.push(node_url(&shown, tls, userinfo, host, db.unwrap_or(0))?);
         }
         let mut config = RedisConfig {
             topology: match kind {
@@ -114,7 +134,7 @@ impl RedisConfig {
                 _ => {
                     if nodes.len() < 3 {
                         return Err(Error::Config(format!(
-                            "`{url}` names {} masters; Redlock needs at least 3 independent masters (5 is usual)",
+                            "`{shown}` names {} masters; Redlock needs at least 3 independent masters (5 is usual)",
                             nodes.len()
                         )));
                     }
@@ -144,7 +164,7 @@ impl RedisConfig {
                 "node_timeout" => config.node_timeout = Some(parse_duration(name, &value)?),
                 other => {
                     return Err(Error::Config(format!(
-                        "unknown option `{other}` in `{url}`; known: prefix, ttl, connect_timeout, \
+                        "unknown option `{other}` in `{shown}`; known: prefix, ttl, connect_timeout, \
                          response_timeout, wait_replicas, wait_replicas_timeout, node_timeout"
                     )));
                 }
@@ -159,12 +179,12 @@ impl RedisConfig {
     }
 }
 
-fn node_url(url: &str, tls: bool, userinfo: Option<&str>, host: &str, db: u32) -> Result<String> {
+fn node_url(shown: &str, tls: bool, userinfo: Option<&str>, host: &str, db: u32) -> Result<String> {
     let (name, port) = match host.rsplit_once(':') {
         Some((name, port)) if !name.ends_with(']') || host.starts_with('[') => {
             let port: u16 = port.parse().map_err(|_| {
                 Error::Config(format!(
-                    "`{host}` in `{url}` has a bad port; write host:port"
+                    "`{host}` in `{shown}` has a bad port; write host:port"
                 ))
             })?;
             (name, port)
@@ -172,7 +192,7 @@ fn node_url(url: &str, tls: bool, userinfo: Option<&str>, host: &str, db: u32) -
         _ => (host, 6379),
     };
     if name.is_empty() {
-        return Err(Error::Config(format!("`{url}` names an empty host")));
+        return Err(Error::Config(format!("`{shown}` names an empty host")));
     }
     let scheme = if tls { "rediss" } else { "redis" };
     let auth = userinfo.map(|u| format!("{u}@")).unwrap_or_default();

@@ -46,6 +46,8 @@ impl ConnectionLike for Conn {
 
 /// Maps a client error to lockkit's, saying what was being done.
 pub(crate) fn backend_error(doing: &str, target: &str, e: RedisError) -> Error {
+    // The target may be a URL with a password: never show it.
+    let target = &lockkit_core::config::redact_url(target);
     let retryable = e.is_io_error()
         || e.is_timeout()
         || e.is_connection_dropped()

@@ -119,7 +119,8 @@ impl RedisBackend {
                 let manager = ConnectionManager::new_with_config(client.clone(), manager_config)
                     .await
                     .map_err(|e| backend_error("connecting", url, e))?;
-                (Conn::Single(manager), client, url.clone(), false)
+                let target = lockkit_core::config::redact_url(url);
+                (Conn::Single(manager), client, target, false)
             }
             Topology::Cluster(nodes) => {
                 let client = ClusterClientBuilder::new(nodes.clone())
@@ -127,7 +128,7 @@ impl RedisBackend {
                     .response_timeout(config.response_timeout)
                     .build()
                     .map_err(bad_url)?;
-                let target = nodes.join(",");
+                let target = lockkit_core::config::redact_url(&nodes.join(","));
                 let conn = client
                     .get_async_connection()
                     .await

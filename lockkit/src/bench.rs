@@ -177,7 +177,7 @@ pub async fn run(url: &str, clients: u32, keys: u32, duration: Duration) -> Resu
     handoffs.sort();
 
     Ok(Figures {
-        backend: url.to_owned(),
+        backend: lockkit::config::redact_url(url),
         ping: percentile(&pings, 0.5),
         lock_p50: percentile(&locks, 0.5),
         lock_p99: percentile(&locks, 0.99),

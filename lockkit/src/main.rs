@@ -173,7 +173,8 @@ async fn main() -> ExitCode {
     let locker = match lockkit::connect(&url).await {
         Ok(locker) => locker,
         Err(e) => {
-            eprintln!("lockkit: cannot use `{url}`: {e}");
+            let shown = lockkit::config::redact_url(&url);
+            eprintln!("lockkit: cannot use `{shown}`: {e}");
             return ExitCode::from(2);
         }
     };

@@ -471,3 +471,61 @@ fn a_command_killed_by_a_signal_exits_128_plus_n() {
         .unwrap();
     assert_eq!(status.code(), Some(128 + 9));
 }
+
+/// A password in a URL never shows: not in the CLI's errors (a wrong password, a bad
+/// port), not in `bench --json`, not in the library's errors or `Debug` output.
+#[tokio::test]
+async fn passwords_never_show() {
+    const SECRET: &str = "wrongpw-S3CR3T";
+    let mut urls = vec![format!("redis://u:{SECRET}@127.0.0.1:notaport")];
+    if let Some(redis) = lockkit_conformance::env::service_url("LOCKKIT_TEST_REDIS_URL") {
+        let host = redis.trim_start_matches("redis://");
+        urls.push(format!("redis://default:{SECRET}@{host}"));
+        urls.push(format!("redlock://default:{SECRET}@{host},{host},{host}"));
+    }
+    if let Some(mysql) = lockkit_conformance::env::service_url("LOCKKIT_TEST_MYSQL_URL") {
+        let rest = mysql.trim_start_matches("mysql://");
+        let (_, at_host) = rest.split_once('@').unwrap();
+        urls.push(format!("mysql://lockkit:{SECRET}@{at_host}"));
+        urls.push(format!(
+            "mysql://lockkit:{SECRET}@{at_host}?mode=for-update&bogus=1"
+        ));
+    }
+    for url in &urls {
+        for args in [
+            &["status", "--key", "k"][..],
+            &["status", "--key", "k", "--json"][..],
+            &["bench", "--json", "--duration", "1s"][..],
+        ] {
+            let out = lockkit(url, args).output().unwrap();
+            let shown = format!(
+                "{}{}",
+                String::from_utf8_lossy(&out.stdout),
+                String::from_utf8_lossy(&out.stderr)
+            );
+            assert!(
+                !shown.contains(SECRET),
+                "`lockkit {args:?}` on {url} printed the password:\n{shown}"
+            );
+        }
+        match lockkit::connect(url).await {
+            Ok(locker) => {
+                let debug = format!("{locker:?}");
+                assert!(
+                    !debug.contains(SECRET),
+                    "Debug of the locker shows the password: {debug}"
+                );
+                if let Err(e) = locker.inspect("k").await {
+                    assert!(!format!("{e} {e:?}").contains(SECRET), "{e:?}");
+                }
+            }
+            Err(e) => {
+                let shown = format!("{e} {e:?}");
+                assert!(
+                    !shown.contains(SECRET),
+                    "connect error shows the password: {shown}"
+                );
+            }
+        }
+    }
+}
