@@ -231,30 +231,38 @@ async fn main() -> ExitCode {
 
 async fn status(locker: &Locker, key: &str, json: bool) -> ExitCode {
     match locker.inspect(key).await {
-        Ok(None) if json => {
-            println!("{{\"key\":{key:?},\"held\":false}}");
+        Ok(holder) if json => {
+            let value = match holder {
+                None => serde_json::json!({ "key": key, "held": false }),
+                Some(info) => serde_json::json!({
+                    "key": key,
+                    "held": true,
+                    "holder": info.owner,
+                    "depth": info.depth,
+                    "token": info.token.map(|t| t.get()),
+                    "lease_left_ms": info.ttl_left.map(|d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX)),
+                }),
+            };
+            println!("{value}");
             ExitCode::SUCCESS
         }
         Ok(None) => {
-            println!("{key}: free");
+            println!("{}: free", key.escape_debug());
             ExitCode::SUCCESS
         }
         Ok(Some(info)) => {
-            let token = info.token.map_or_else(|| "null".into(), |t| t.to_string());
+            let token = info.token.map_or_else(|| "?".into(), |t| t.to_string());
             let left = info
                 .ttl_left
-                .map_or_else(|| "null".into(), |d| d.as_millis().to_string());
-            if json {
-                println!(
-                    "{{\"key\":{key:?},\"held\":true,\"holder\":{:?},\"depth\":{},\"token\":{token},\"lease_left_ms\":{left}}}",
-                    info.owner, info.depth
-                );
-            } else {
-                println!(
-                    "{key}: held by {} (depth {}, token {token}, lease left {left} ms)",
-                    info.owner, info.depth
-                );
-            }
+                .map_or_else(|| "?".into(), |d| d.as_millis().to_string());
+            // Keys and holders may carry any printable text (a foreign client's value):
+            // escape what a terminal would otherwise interpret.
+            println!(
+                "{}: held by {} (depth {}, token {token}, lease left {left} ms)",
+                key.escape_debug(),
+                info.owner.escape_debug(),
+                info.depth
+            );
             ExitCode::SUCCESS
         }
         Err(e) => {

@@ -529,3 +529,31 @@ async fn passwords_never_show() {
         }
     }
 }
+
+#[test]
+fn status_json_is_valid_json_for_any_key() {
+    let url = format!("file://{}", dir("json"));
+    for key in [
+        "plain",
+        "quo\"te",
+        "back\\slash",
+        "ünïcödé/κλειδί",
+        "e\u{301}\u{200d}",
+        "tab\there",
+    ] {
+        let out = lockkit(&url, &["status", "--key", key, "--json"])
+            .output()
+            .unwrap();
+        if key.contains('\t') {
+            // Control characters are refused as keys, with an error, not bad JSON.
+            assert!(!out.status.success());
+            continue;
+        }
+        let text = String::from_utf8_lossy(&out.stdout);
+        let value: serde_json::Value = serde_json::from_str(text.trim()).unwrap_or_else(|e| {
+            panic!("`status --json` for {key:?} printed invalid JSON ({e}): {text}")
+        });
+        assert_eq!(value["key"], key);
+        assert_eq!(value["held"], false);
+    }
+}
