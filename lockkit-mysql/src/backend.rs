@@ -124,7 +124,21 @@ impl MysqlBackend {
             .max_connections(config.max_holds)
             .min_connections(0)
             .acquire_timeout(Duration::from_millis(250))
-            .test_before_acquire(false)
+            // A hold sets its connection's wait_timeout to its lease: put the server's
+            // default back when the connection returns (or drop it), and test a pooled
+            // connection before use, so an idle spell or a server restart never fails the
+            // next acquisition.
+            .test_before_acquire(true)
+            .after_release(|conn, _| {
+                Box::pin(async move {
+                    Ok(
+                        sqlx::raw_sql("SET SESSION wait_timeout = @@GLOBAL.wait_timeout")
+                            .execute(&mut *conn)
+                            .await
+                            .is_ok(),
+                    )
+                })
+            })
             .after_connect(|conn, _| Box::pin(read_committed(conn)))
             .connect_lazy_with(config.connect.clone());
         let backend = MysqlBackend {

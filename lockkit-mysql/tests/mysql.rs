@@ -118,3 +118,30 @@ async fn row_leases_use_the_server_clock_and_keep_growing_fences() {
         guard.release().await.unwrap();
     }
 }
+
+/// A for-update connection goes back to the pool after a hold with the hold's short
+/// `wait_timeout`; the next acquisition after an idle spell must still work (the pool
+/// resets the session on release and tests connections before use).
+#[tokio::test]
+async fn for_update_works_after_an_idle_spell() {
+    let Some(url) = url("mode=for-update&table=lockkit_test_fu_idle&max_holds=1") else {
+        return;
+    };
+    let locker = Locker::new(MysqlBackend::connect(&url).await.unwrap());
+    let key = key();
+    let held = locker
+        .acquire(&key)
+        .ttl(Duration::from_secs(1))
+        .await
+        .unwrap();
+    held.release().await.unwrap();
+    // Longer than the 1 s wait_timeout the hold set on its connection.
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    let again = locker
+        .acquire(&key)
+        .ttl(Duration::from_secs(1))
+        .wait(Duration::from_secs(5))
+        .await
+        .expect("the first acquisition after an idle spell must work");
+    again.release().await.unwrap();
+}
