@@ -91,8 +91,6 @@ pub trait Harness: Send + Sync + 'static {
         unsupported("residue")
     }
 
-    /// Whether clients in other processes share locks with this one (false for the
-    /// in-process memory backend). Cross-process cases run the suite's helper as a child.
     /// How many requests `client` (made by [`Harness::client`]) has sent to its servers so
     /// far, counted by the fault proxy in front of it ([`crate::FaultProxy::requests_seen`],
     /// summed over its proxies). Cases use it to tell a notified waiter from a polling one
@@ -116,6 +114,8 @@ pub trait Harness: Send + Sync + 'static {
         unsupported("cut_link")
     }
 
+    /// Whether clients in other processes share locks with this one (false for the
+    /// in-process memory backend). Cross-process cases run the suite's helper as a child.
     fn cross_process(&self) -> bool {
         true
     }

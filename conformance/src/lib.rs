@@ -96,6 +96,7 @@ macro_rules! __with_catalogue {
             reentrancy::shorter_reentry_never_cuts_the_outer_lease,
             reentrancy::stale_guard_spares_the_owners_newer_hold,
             reentrancy::lost_owner_is_excluded_while_another_holds,
+            reentrancy::concurrent_acquisitions_of_one_owner_keep_the_key,
             waiting::zero_wait_returns_at_once,
             waiting::wait_times_out_near_deadline,
             waiting::waiter_is_woken_promptly_by_release,

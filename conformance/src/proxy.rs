@@ -118,7 +118,6 @@ impl FaultProxy {
         *self.control.delay.lock().unwrap_or_else(|e| e.into_inner()) = delay;
     }
 
-    /// The current state.
     /// How many times a client's bytes reached the proxy so far: one per request, or per
     /// batch of pipelined requests. A waiter that polls shows up here; one woken by a
     /// notification sends a handful.
@@ -128,6 +127,7 @@ impl FaultProxy {
             .load(std::sync::atomic::Ordering::Relaxed)
     }
 
+    /// The current state.
     pub fn state(&self) -> LinkState {
         *self.control.state.borrow()
     }

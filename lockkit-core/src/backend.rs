@@ -139,8 +139,7 @@ pub struct Grant {
     pub state: Option<Arc<dyn Any + Send + Sync>>,
     /// The [`AcquireRequest::attempt`] that produced this grant: a release of this grant
     /// that is retried must take effect once, and gives back only a hold this attempt
-    /// added. The nil uuid asks to give back one hold of the owner whatever acquired it
-    /// (the core uses it for holds of the owner that are over locally).
+    /// added. The nil uuid asks to give back one hold of the owner whatever acquired it.
     pub attempt: Uuid,
 }
 

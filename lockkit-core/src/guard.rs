@@ -442,7 +442,9 @@ impl LockGuard {
             shared.loss.clone(),
         );
         match shared.backend.try_acquire(&req).await? {
-            Some(grant) if grant.depth > 1 && grant.token == shared.grant.token => {
+            Some(grant)
+                if grant.depth > 1 && grant.token == shared.grant.token && self.hold.is_live() =>
+            {
                 self.hold.absorb(&grant);
                 Ok(LockGuard::new(self.hold.clone(), grant))
             }

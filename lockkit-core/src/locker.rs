@@ -265,29 +265,19 @@ impl Acquire {
             None => Some(backend.acquire(&request, WAIT_FOREVER).await?),
         };
         // From here on nothing awaits: a dropped future cannot orphan the grant.
-        let Some(mut grant) = grant else {
+        // With no live hold here, a grant at depth > 1 means the server still counts holds
+        // of this owner that are over locally (lost a moment before their server lease
+        // ended; a lost guard sends no release). The server never let go, so this is the
+        // same hold going on (same token). The stale depth is left to run out with the
+        // lease after this hold's release: giving it back blindly could take holds this
+        // acquisition just added (on Redlock, depths differ from master to master).
+        let Some(grant) = grant else {
             return Ok(None);
         };
-        if existing.is_none() && grant.depth > 1 {
-            // The server still counts holds of this owner that are over here: lost a
-            // moment before their server lease ended (a lost guard sends no release).
-            // The server never let go, so this is the same hold going on (same token);
-            // give the stale depth back so that one release frees the key again.
-            for _ in 1..grant.depth {
-                let mut stale = grant.clone();
-                // Not tied to one acquisition: release one hold, whichever made it.
-                stale.attempt = uuid::Uuid::nil();
-                let backend = locker.backend.clone();
-                runtime.spawn(async move {
-                    if let Err(error) = backend.release(&stale).await {
-                        tracing::debug!(%error, "giving back a stale hold failed; its lease ends it");
-                    }
-                });
-            }
-            grant.depth = 1;
-        }
         if let Some(hold) = existing {
-            if grant.depth > 1 && grant.token == hold.token() {
+            // The hold may have been lost while the request was out (its deadline passed):
+            // then this depth belongs to a hold nobody believes in any more. Give it back.
+            if grant.depth > 1 && grant.token == hold.token() && hold.is_live() {
                 hold.absorb(&grant);
                 return Ok(Some(Guard::new(hold, grant)));
             }
