@@ -314,6 +314,26 @@ pub async fn shorter_reentry_never_cuts_the_outer_lease<H: Harness>(h: &H) -> Ou
     Outcome::Passed
 }
 
+/// Takes `key` for `owner` without a watchdog and waits until the hold is lost (its short
+/// lease ran out unrenewed).
+async fn hold_until_lost<H: Harness>(
+    h: &H,
+    owner: &lockkit_core::Owner,
+    key: &lockkit_core::LockKey,
+) -> lockkit_core::LockGuard {
+    let guard = owner
+        .try_acquire(key)
+        .ttl(h.short_ttl())
+        .no_watchdog()
+        .await
+        .check("first hold")
+        .check("free key");
+    tokio::time::timeout(super::generous_wait(h), guard.lost())
+        .await
+        .check("the unrenewed hold must be lost");
+    guard
+}
+
 /// A guard whose hold was lost never releases a newer hold of the same owner: after the
 /// first hold ran out, the owner took the key again; giving back the stale guard reports
 /// `Lost` and leaves the new hold in place (an owner-checked release alone cannot tell the
@@ -324,16 +344,7 @@ pub async fn stale_guard_spares_the_owners_newer_hold<H: Harness>(h: &H) -> Outc
     let key = space.key("k");
     let (a, b) = (h.client().await, h.client().await);
     let owner = a.owner();
-    let stale = owner
-        .try_acquire(&key)
-        .ttl(h.short_ttl())
-        .no_watchdog()
-        .await
-        .check("first hold")
-        .check("free key");
-    tokio::time::timeout(super::generous_wait(h), stale.lost())
-        .await
-        .check("the unrenewed first hold must be lost");
+    let stale = hold_until_lost(h, &owner, &key).await;
     let fresh = owner
         .acquire(&key)
         .ttl(h.short_ttl() * 4)
@@ -376,16 +387,7 @@ pub async fn lost_owner_is_excluded_while_another_holds<H: Harness>(h: &H) -> Ou
     let key = space.key("k");
     let (a, b) = (h.client().await, h.client().await);
     let owner = a.owner();
-    let lost = owner
-        .try_acquire(&key)
-        .ttl(h.short_ttl())
-        .no_watchdog()
-        .await
-        .check("first hold")
-        .check("free key");
-    tokio::time::timeout(super::generous_wait(h), lost.lost())
-        .await
-        .check("the unrenewed hold must be lost");
+    let lost = hold_until_lost(h, &owner, &key).await;
     let rival = b
         .acquire(&key)
         .ttl(LONG_TTL)
