@@ -11,7 +11,7 @@ use std::{
 
 use lockkit_core::{
     AcquireRequest, Error, FencingToken, Grant, HolderInfo, Interrupt, LockKey, OwnerId, Released,
-    Result, detached_acquire,
+    Result, deadline_after, detached_acquire,
 };
 use sqlx::{AssertSqlSafe, MySql, Row, pool::PoolConnection};
 use tokio::time::Instant;
@@ -19,8 +19,8 @@ use tokio::time::Instant;
 use crate::backend::{BACKEND, MysqlBackend, db_error, error_number, query, row_text};
 
 /// Errors that mean the lock could not be taken in time (not failures).
-const LOCK_WAIT_TIMEOUT: u16 = 1205;
-const LOCK_NOWAIT: u16 = 3572;
+pub(crate) const LOCK_WAIT_TIMEOUT: u16 = 1205;
+pub(crate) const LOCK_NOWAIT: u16 = 3572;
 const QUERY_INTERRUPTED: u16 = 1317;
 
 /// One for-update hold: its connection (inside the lock transaction) and local depth.
@@ -155,7 +155,6 @@ async fn lock(
     interrupt: Interrupt,
 ) -> Result<Option<Grant>> {
     let inner = &backend.inner;
-    let name = req.key.as_str().as_bytes();
     let mut conn = inner.holds_pool.acquire().await.map_err(|e| match e {
         sqlx::Error::PoolTimedOut => Error::backend(
             BACKEND,
@@ -182,93 +181,62 @@ async fn lock(
         .execute(&mut *conn)
         .await
         .map_err(fail)?;
-    // The server waits in whole seconds; the deadline and cancellation interrupt it sooner.
+    // The server waits in whole seconds; the deadline and cancellation interrupt it sooner,
+    // through `KILL QUERY` on this connection. The killer is stopped and *awaited* before
+    // the connection is used for anything else: a `KILL QUERY` still in flight must never
+    // land on a later statement, or on another user of this pooled connection.
+    let deadline = deadline_after(wait);
+    let (stop_killer, stopped) = tokio::sync::oneshot::channel::<()>();
+    let fired = Arc::new(tokio::sync::Notify::new());
     let killer = {
-        let pool = inner.pool.clone();
+        let (pool, fired) = (inner.pool.clone(), fired.clone());
         tokio::spawn(async move {
-            if !wait.is_zero() {
-                tokio::select! {
-                    _ = tokio::time::sleep(wait) => {}
-                    _ = interrupt.interrupted() => {}
+            let deadline_passes = async {
+                if wait.is_zero() {
+                    std::future::pending::<()>().await;
                 }
-            } else {
-                interrupt.interrupted().await;
+                tokio::time::sleep_until(deadline).await;
+            };
+            tokio::select! {
+                _ = deadline_passes => {}
+                _ = interrupt.interrupted() => {}
+                _ = stopped => return false,
             }
+            fired.notify_one();
             if let Err(error) = sqlx::raw_sql(AssertSqlSafe(format!("KILL QUERY {id}")))
                 .execute(&pool)
                 .await
             {
                 tracing::debug!(%error, "KILL QUERY of a waiter failed");
             }
+            true
         })
     };
-    let statement = if wait.is_zero() {
-        &inner.sql.mutex_lock_nowait
-    } else {
-        &inner.sql.mutex_lock
-    };
-    let mut locked = Ok(None);
-    for _ in 0..2 {
-        locked = match sqlx::raw_sql("START TRANSACTION").execute(&mut *conn).await {
-            Ok(_) => query(statement).bind(name).fetch_optional(&mut *conn).await,
-            Err(e) => Err(e),
-        };
-        if !matches!(locked, Ok(None)) {
-            break;
-        }
-        // First use of this key: create its row outside any transaction, then lock it.
-        let _ = sqlx::raw_sql("ROLLBACK").execute(&mut *conn).await;
-        locked = query(&inner.sql.mutex_insert)
-            .bind(name)
-            .execute(&mut *conn)
-            .await
-            .map(|_| None);
-        if locked.is_err() {
-            break;
-        }
-    }
-    killer.abort();
-    // The lease starts when the row lock is granted, not when the wait began: the server
-    // counts `wait_timeout` from when the connection goes idle after this reply.
+    let outcome = lock_and_record(backend, req, &mut conn, wait, deadline, &fired).await;
+    let _ = stop_killer.send(());
+    let killed = killer.await.unwrap_or(true);
+    // The lease starts when the grant is observed, not when the wait began: the server
+    // counts `wait_timeout` from when the connection goes idle after the last reply.
     let granted_at = Instant::now();
-    match locked {
-        Ok(Some(_)) => {}
-        Ok(None) => {
-            let _ = sqlx::raw_sql("ROLLBACK").execute(&mut *conn).await;
-            return Err(Error::backend(
-                BACKEND,
-                true,
-                format!("the lock row of `{}` could not be created", req.key),
-            ));
+    let token = match outcome {
+        _ if killed => {
+            // Past the deadline or abandoned by the caller: whatever the outcome, the
+            // connection may carry a pending kill. Closing it ends any lock it took.
+            conn.close_on_drop();
+            return Ok(None);
         }
-        Err(e)
-            if matches!(
-                error_number(&e),
-                Some(LOCK_WAIT_TIMEOUT | LOCK_NOWAIT | QUERY_INTERRUPTED)
-            ) =>
-        {
+        Ok(Some(token)) => token,
+        Ok(None) => {
             let _ = sqlx::raw_sql("ROLLBACK").execute(&mut *conn).await;
             return Ok(None);
         }
         Err(e) => {
-            if connection_gone(&e) {
+            if e.connection_gone {
                 conn.close_on_drop();
+            } else {
+                let _ = sqlx::raw_sql("ROLLBACK").execute(&mut *conn).await;
             }
-            return Err(fail(e));
-        }
-    }
-    // The fence is committed on another connection, outside the lock transaction: if this
-    // holder's transaction rolls back, its token stays used.
-    let bump = query(&inner.sql.fence_bump_upsert)
-        .bind(name)
-        .bind(req.owner.to_string())
-        .execute(&inner.pool)
-        .await;
-    let token = match bump {
-        Ok(done) => done.last_insert_id(),
-        Err(e) => {
-            let _ = sqlx::raw_sql("ROLLBACK").execute(&mut *conn).await;
-            return Err(db_error("recording the fencing token", e));
+            return Err(e.error);
         }
     };
     let held = Arc::new(Held {
@@ -293,6 +261,154 @@ async fn lock(
     ));
     Ok(Some(grant_for(req, &held, 1, granted_at)))
 }
+
+/// Why [`lock_and_record`] failed, and whether the connection went with it.
+struct LockFailure {
+    error: Error,
+    connection_gone: bool,
+}
+
+impl LockFailure {
+    fn new(doing: &str, e: sqlx::Error) -> Self {
+        LockFailure {
+            connection_gone: connection_gone(&e),
+            error: db_error(doing, e),
+        }
+    }
+}
+
+/// How long a for-update waiter sleeps between looks at a row-mode lease on its key (that
+/// holder is not in the server's lock queue).
+const ROW_LEASE_POLL: Duration = Duration::from_millis(100);
+
+/// Takes the key's mutex row lock on `conn` (waiting in the server's queue) and records
+/// this holder and its new fencing token. `Ok(None)`: not granted by the deadline (or
+/// `fired` says the killer interrupted the wait). The caller ends the transaction on
+/// every path but a grant.
+async fn lock_and_record(
+    backend: &MysqlBackend,
+    req: &AcquireRequest,
+    conn: &mut PoolConnection<MySql>,
+    wait: Duration,
+    deadline: Instant,
+    fired: &tokio::sync::Notify,
+) -> std::result::Result<Option<u64>, LockFailure> {
+    let inner = &backend.inner;
+    let name = req.key.as_str().as_bytes();
+    let statement = if wait.is_zero() {
+        &inner.sql.mutex_lock_nowait
+    } else {
+        &inner.sql.mutex_lock
+    };
+    loop {
+        let mut locked = Ok(None);
+        for _ in 0..2 {
+            locked = match sqlx::raw_sql("START TRANSACTION")
+                .execute(&mut **conn)
+                .await
+            {
+                Ok(_) => {
+                    query(statement)
+                        .bind(name)
+                        .fetch_optional(&mut **conn)
+                        .await
+                }
+                Err(e) => Err(e),
+            };
+            if !matches!(locked, Ok(None)) {
+                break;
+            }
+            // First use of this key: create its row outside any transaction, then lock it.
+            let _ = sqlx::raw_sql("ROLLBACK").execute(&mut **conn).await;
+            locked = query(&inner.sql.mutex_insert)
+                .bind(name)
+                .execute(&mut **conn)
+                .await
+                .map(|_| None);
+            if locked.is_err() {
+                break;
+            }
+        }
+        match locked {
+            Ok(Some(_)) => {}
+            Ok(None) => {
+                return Err(LockFailure {
+                    error: Error::backend(
+                        BACKEND,
+                        true,
+                        format!("the lock row of `{}` could not be created", req.key),
+                    ),
+                    connection_gone: false,
+                });
+            }
+            Err(e)
+                if matches!(
+                    error_number(&e),
+                    Some(LOCK_WAIT_TIMEOUT | LOCK_NOWAIT | QUERY_INTERRUPTED)
+                ) =>
+            {
+                return Ok(None);
+            }
+            Err(e) => return Err(LockFailure::new("taking the row lock", e)),
+        }
+        if let Some(token) = record_holder(backend, req)
+            .await
+            .map_err(|e| LockFailure::new("recording the holder and its fencing token", e))?
+        {
+            // The token was committed on another connection: make sure this one (and so
+            // the lock) was still there afterwards. Had it died in between, the next holder
+            // could already hold a smaller token than ours.
+            sqlx::raw_sql("DO 0")
+                .execute(&mut **conn)
+                .await
+                .map_err(|e| LockFailure::new("confirming the row lock", e))?;
+            return Ok(Some(token));
+        }
+        // A row-mode lease (mode=row shares the table) holds the key: wait it out.
+        let _ = sqlx::raw_sql("ROLLBACK").execute(&mut **conn).await;
+        let now = Instant::now();
+        if wait.is_zero() || now >= deadline {
+            return Ok(None);
+        }
+        tokio::select! {
+            _ = tokio::time::sleep_until((now + ROW_LEASE_POLL).min(deadline)) => {}
+            _ = fired.notified() => return Ok(None),
+        }
+    }
+}
+
+/// Records `req`'s owner as the holder with a new fencing token, committed at once on a
+/// pooled connection, outside the lock transaction: if this holder's transaction rolls
+/// back, its token stays used. `Ok(None)`: a live row-mode lease holds the key; nothing
+/// was changed.
+async fn record_holder(
+    backend: &MysqlBackend,
+    req: &AcquireRequest,
+) -> std::result::Result<Option<u64>, sqlx::Error> {
+    let inner = &backend.inner;
+    let (name, owner) = (req.key.as_str().as_bytes(), req.owner.to_string());
+    let taken = query(&inner.sql.holder_take)
+        .bind(&owner)
+        .bind(name)
+        .execute(&inner.pool)
+        .await?;
+    if taken.rows_affected() == 1 {
+        return Ok(Some(taken.last_insert_id()));
+    }
+    // No row yet, or a live lease.
+    match query(&inner.sql.holder_insert)
+        .bind(name)
+        .bind(&owner)
+        .execute(&inner.pool)
+        .await
+    {
+        Ok(_) => Ok(Some(1)),
+        Err(e) if error_number(&e) == Some(DUPLICATE_KEY) => Ok(None),
+        Err(e) => Err(e),
+    }
+}
+
+const DUPLICATE_KEY: u16 = 1062;
 
 /// Checks the hold's connection every `liveness` and fires the loss signal the moment it
 /// is gone: the server has then rolled the lock transaction back. Each check also sets the
@@ -444,7 +560,7 @@ pub(crate) async fn release(backend: &MysqlBackend, grant: &Grant) -> Result<Rel
 }
 
 /// Whether `key`'s row is locked now, probed without waiting.
-async fn is_locked(backend: &MysqlBackend, key: &[u8]) -> Result<bool> {
+pub(crate) async fn is_locked(backend: &MysqlBackend, key: &[u8]) -> Result<bool> {
     let inner = &backend.inner;
     let fail = |e| db_error("probing the row lock", e);
     let mut tx = inner.pool.begin().await.map_err(fail)?;
@@ -463,7 +579,8 @@ async fn is_locked(backend: &MysqlBackend, key: &[u8]) -> Result<bool> {
 pub(crate) async fn inspect(backend: &MysqlBackend, key: &LockKey) -> Result<Option<HolderInfo>> {
     let name = key.as_str().as_bytes();
     if !is_locked(backend, name).await? {
-        return Ok(None);
+        // A row-mode lease on the key (mode=row shares the table) holds it too.
+        return crate::row::inspect(backend, key).await;
     }
     let inner = &backend.inner;
     let row = query(&inner.sql.holder_read)

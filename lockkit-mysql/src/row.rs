@@ -9,7 +9,10 @@ use lockkit_core::{
 use sqlx::Row;
 use tokio::time::Instant;
 
-use crate::backend::{MysqlBackend, db_error, error_number, micros, query, row_text};
+use crate::{
+    backend::{MysqlBackend, db_error, error_number, micros, query, row_text},
+    for_update::{LOCK_NOWAIT, LOCK_WAIT_TIMEOUT},
+};
 
 /// The outcome of one acquire transaction.
 enum Attempt {
@@ -95,6 +98,30 @@ async fn run_acquire(backend: &MysqlBackend, req: &AcquireRequest) -> Result<Att
             u64::try_from(left).unwrap_or(0),
         )));
     }
+    // A holder with no expiry is a for-update holder (mode=for-update shares this table):
+    // it holds the key for as long as its transaction keeps the mutex row locked. Probe
+    // that lock without waiting; taking it here also keeps a for-update client from being
+    // granted until this transaction commits the lease (it then finds the lease live).
+    let for_update_holder = holder.is_some()
+        && row
+            .try_get::<Option<i64>, _>("live")
+            .ok()
+            .flatten()
+            .is_none();
+    if for_update_holder {
+        match query(&sql.mutex_lock_nowait)
+            .bind(name)
+            .fetch_optional(&mut *tx)
+            .await
+        {
+            Ok(_) => {}
+            Err(e) if matches!(error_number(&e), Some(LOCK_WAIT_TIMEOUT | LOCK_NOWAIT)) => {
+                tx.rollback().await.map_err(fail)?;
+                return Ok(Attempt::Busy(FOR_UPDATE_HOLDER_POLL));
+            }
+            Err(e) => return Err(fail(e)),
+        }
+    }
     query(&sql.row_take)
         .bind(&owner)
         .bind(ttl)
@@ -110,6 +137,10 @@ async fn run_acquire(backend: &MysqlBackend, req: &AcquireRequest) -> Result<Att
         start,
     )))
 }
+
+/// How long a waiter behind a for-update holder sleeps between polls at most (that holder
+/// has no lease in the table to wait out).
+const FOR_UPDATE_HOLDER_POLL: Duration = Duration::from_millis(100);
 
 /// Deadlocks are InnoDB's way of asking for a retry.
 const DEADLOCK: u16 = 1213;
@@ -265,6 +296,10 @@ pub(crate) async fn inspect(backend: &MysqlBackend, key: &LockKey) -> Result<Opt
         .map_err(|e| db_error("inspecting the lease", e))?;
     let Some(row) = row else { return Ok(None) };
     let left = row.try_get::<Option<i64>, _>("left_us").ok().flatten();
+    if left.is_none() && !crate::for_update::is_locked(backend, key.as_str().as_bytes()).await? {
+        // The record of a for-update holder whose transaction has ended.
+        return Ok(None);
+    }
     Ok(Some(HolderInfo::new(
         row_text(&row, "owner").unwrap_or_default(),
         row.try_get("holds").unwrap_or(1),

@@ -36,7 +36,8 @@ pub(crate) struct Sql {
     pub(crate) mutex_insert: Arc<str>,
     pub(crate) mutex_lock: Arc<str>,
     pub(crate) mutex_lock_nowait: Arc<str>,
-    pub(crate) fence_bump_upsert: Arc<str>,
+    pub(crate) holder_take: Arc<str>,
+    pub(crate) holder_insert: Arc<str>,
     pub(crate) holder_read: Arc<str>,
     pub(crate) holder_depth: Arc<str>,
     pub(crate) holder_clear: Arc<str>,
@@ -90,10 +91,14 @@ impl Sql {
             mutex_lock_nowait: s(format!(
                 "SELECT name FROM `{t}_mutex` WHERE name = ? FOR UPDATE NOWAIT"
             )),
-            fence_bump_upsert: s(format!(
-                "INSERT INTO `{t}` (name, owner, holds, fence) VALUES (?, ?, 1, LAST_INSERT_ID(1)) \
-                 ON DUPLICATE KEY UPDATE fence = LAST_INSERT_ID(fence + 1), owner = VALUES(owner), \
-                 holds = 1, expires_at = NULL"
+            // A for-update holder: a new token and no expiry, unless a row-mode lease is
+            // live on the key (both modes share the table).
+            holder_take: s(format!(
+                "UPDATE `{t}` SET fence = LAST_INSERT_ID(fence + 1), owner = ?, holds = 1, \
+                 expires_at = NULL WHERE name = ? AND NOT COALESCE(expires_at > UTC_TIMESTAMP(6), FALSE)"
+            )),
+            holder_insert: s(format!(
+                "INSERT INTO `{t}` (name, owner, holds, fence) VALUES (?, ?, 1, 1)"
             )),
             holder_read: s(format!(
                 "SELECT owner, holds, fence FROM `{t}` WHERE name = ?"

@@ -145,3 +145,128 @@ async fn for_update_works_after_an_idle_spell() {
         .expect("the first acquisition after an idle spell must work");
     again.release().await.unwrap();
 }
+
+/// Row mode and for-update mode share the default table: a client in one mode must not be
+/// granted a key a client in the other mode holds (finding 22), and a for-update
+/// acquisition must not overwrite a row-mode holder's record.
+#[tokio::test]
+async fn row_and_for_update_modes_exclude_each_other() {
+    let table = "lockkit_test_mixed_modes";
+    let (Some(row_url), Some(fu_url)) = (
+        url(&format!("mode=row&table={table}")),
+        url(&format!("mode=for-update&table={table}")),
+    ) else {
+        return;
+    };
+    let row = Locker::new(MysqlBackend::connect(&row_url).await.unwrap());
+    let for_update = Locker::new(MysqlBackend::connect(&fu_url).await.unwrap());
+    let ttl = Duration::from_secs(30);
+
+    // A for-update holder keeps row-mode clients out, and is not mistaken for a free row.
+    let key = key();
+    let held = for_update.acquire(&key).ttl(ttl).await.unwrap();
+    let fu_token = held.token();
+    assert!(
+        row.try_acquire(&key).await.unwrap().is_none(),
+        "row mode was granted a key held in for-update mode"
+    );
+    let shown = row
+        .inspect(&key)
+        .await
+        .unwrap()
+        .expect("row mode sees the for-update holder");
+    assert_eq!(shown.owner, held.owner().to_string());
+    held.release().await.unwrap();
+    assert!(row.inspect(&key).await.unwrap().is_none());
+    let after = row
+        .acquire(&key)
+        .ttl(ttl)
+        .wait(Duration::from_secs(10))
+        .await
+        .expect("row mode gets the key once the for-update holder released it");
+    assert!(after.token() > fu_token);
+
+    // A row-mode lease keeps for-update clients out and its record intact.
+    assert!(
+        for_update.try_acquire(&key).await.unwrap().is_none(),
+        "for-update mode was granted a key held by a row-mode lease"
+    );
+    let info = row
+        .inspect(&key)
+        .await
+        .unwrap()
+        .expect("the lease is still there");
+    let seen = for_update.inspect(&key).await.unwrap();
+    assert_eq!(seen.map(|i| i.owner), Some(after.owner().to_string()));
+    assert_eq!(info.owner, after.owner().to_string());
+    assert_eq!(info.token, Some(after.token()));
+    let row_token = after.token();
+
+    // A for-update waiter behind a row-mode lease gets the key once it is released, with a
+    // larger token.
+    let waiter = {
+        let (for_update, key) = (for_update.clone(), key.clone());
+        tokio::spawn(async move {
+            for_update
+                .acquire(&key)
+                .ttl(ttl)
+                .wait(Duration::from_secs(20))
+                .await
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(!waiter.is_finished(), "the for-update waiter did not wait");
+    after.release().await.unwrap();
+    let next = tokio::time::timeout(Duration::from_secs(15), waiter)
+        .await
+        .expect("the for-update waiter was never woken")
+        .unwrap()
+        .unwrap();
+    assert!(next.token() > row_token);
+    next.release().await.unwrap();
+}
+
+/// A for-update wait interrupted at its deadline sends `KILL QUERY` to its connection; that
+/// kill must never land on a later statement of the same pooled connection (finding 20).
+/// With one dedicated connection, every acquisition reuses the connection of the waiter
+/// whose deadline passed just as its holder released.
+#[tokio::test]
+async fn a_deadline_kill_never_hits_the_next_user_of_the_connection() {
+    let table = "lockkit_test_fu_kill";
+    let (Some(holder_url), Some(waiter_url)) = (
+        url(&format!("mode=for-update&table={table}")),
+        url(&format!("mode=for-update&table={table}&max_holds=1")),
+    ) else {
+        return;
+    };
+    let holder = Locker::new(MysqlBackend::connect(&holder_url).await.unwrap());
+    let waiter = Locker::new(MysqlBackend::connect(&waiter_url).await.unwrap());
+    let ttl = Duration::from_secs(30);
+    for round in 0..16u64 {
+        let contended = key();
+        let held = holder.acquire(&contended).ttl(ttl).await.unwrap();
+        let wait = Duration::from_millis(200);
+        let contender = {
+            let (waiter, key) = (waiter.clone(), contended.clone());
+            tokio::spawn(async move { waiter.acquire(&key).ttl(ttl).wait(wait).await })
+        };
+        // Release around the waiter's deadline: sometimes before, sometimes after.
+        tokio::time::sleep(Duration::from_micros(196_000 + (round % 8) * 1_000)).await;
+        held.release().await.unwrap();
+        match contender.await.unwrap() {
+            Ok(guard) => {
+                guard.release().await.unwrap();
+            }
+            Err(Error::Timeout { .. }) => {}
+            Err(e) => panic!("round {round}: the waiter failed: {e}"),
+        }
+        // The next user of the waiter's only connection.
+        let next = waiter
+            .acquire(key())
+            .ttl(ttl)
+            .wait(Duration::from_secs(5))
+            .await
+            .unwrap_or_else(|e| panic!("round {round}: the next acquisition failed: {e}"));
+        next.release().await.unwrap();
+    }
+}
