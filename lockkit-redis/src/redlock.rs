@@ -391,12 +391,18 @@ impl LockBackend for RedlockBackend {
         // Subscribe on every master that lets us; the loop retries before it sleeps, so a
         // release between the first round and the subscriptions is not missed.
         let names = self.names(&req.key)?;
-        let mut subscriptions = Vec::new();
-        for node in self.nodes.iter().filter_map(Master::connected) {
-            if let Ok(subscription) = node.subscribe(&names.channel).await {
-                subscriptions.push(subscription);
-            }
-        }
+        // On every master at once, each bounded by the deadline: a frozen master must not
+        // hold the waiter (or the subscriptions on the others) up.
+        let subscribing = self
+            .nodes
+            .iter()
+            .filter_map(Master::connected)
+            .map(|node| tokio::time::timeout_at(deadline, node.subscribe(&names.channel)));
+        let subscriptions: Vec<_> = join_all(subscribing)
+            .await
+            .into_iter()
+            .filter_map(|outcome| outcome.ok()?.ok())
+            .collect();
         let channels: Vec<_> = subscriptions.iter().map(|s| s.channel.clone()).collect();
         loop {
             let mut notified: Vec<_> = channels

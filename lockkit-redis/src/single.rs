@@ -62,6 +62,10 @@ pub(crate) fn ttl_millis(ttl: Duration) -> u64 {
 
 struct Inner {
     conn: Conn,
+    /// Where acquisitions run: `conn` itself, or with `wait_replicas` a connection of their
+    /// own, since `WAIT` blocks the connection it is sent on (renewals on `conn` must not
+    /// queue behind it) and must follow the grant's write on the same connection.
+    grant_conn: Conn,
     wakeups: Arc<Wakeups>,
     config: RedisConfig,
     cluster: bool,
@@ -109,36 +113,72 @@ impl RedisBackend {
     /// As [`RedisBackend::connect`].
     pub async fn from_config(config: RedisConfig) -> Result<Self> {
         let bad_url = |e: redis::RedisError| Error::Config(format!("invalid Redis address: {e}"));
-        let (conn, subscriber, target, cluster) = match &config.topology {
+        // A grant confirmed by `WAIT` needs the two on one connection, never retried on a
+        // new one (a fresh connection's `WAIT` confirms nothing).
+        let grant_timeout = config.response_timeout + config.wait_replicas_timeout;
+        let (conn, grant_conn, subscriber, target, cluster) = match &config.topology {
             Topology::Single(url) => {
                 let client = redis::Client::open(url.as_str()).map_err(bad_url)?;
-                let manager_config = ConnectionManagerConfig::new()
-                    .set_connection_timeout(Some(config.connect_timeout))
-                    .set_response_timeout(Some(config.response_timeout))
-                    .set_number_of_retries(2);
-                let manager = ConnectionManager::new_with_config(client.clone(), manager_config)
+                let target = lockkit_core::config::redact_url(url);
+                let manager = |response_timeout, retries| {
+                    let manager_config = ConnectionManagerConfig::new()
+                        .set_connection_timeout(Some(config.connect_timeout))
+                        .set_response_timeout(Some(response_timeout))
+                        .set_number_of_retries(retries);
+                    ConnectionManager::new_with_config(client.clone(), manager_config)
+                };
+                let conn = manager(config.response_timeout, 2)
                     .await
                     .map_err(|e| backend_error("connecting", url, e))?;
-                let target = lockkit_core::config::redact_url(url);
-                (Conn::Single(manager), client, target, false)
+                let grant_conn = if config.wait_replicas > 0 {
+                    manager(grant_timeout, 0)
+                        .await
+                        .map_err(|e| backend_error("connecting", url, e))?
+                } else {
+                    conn.clone()
+                };
+                (
+                    Conn::Single(conn),
+                    Conn::Single(grant_conn),
+                    client,
+                    target,
+                    false,
+                )
             }
             Topology::Cluster(nodes) => {
-                let client = ClusterClientBuilder::new(nodes.clone())
-                    .connection_timeout(config.connect_timeout)
-                    .response_timeout(config.response_timeout)
-                    .build()
-                    .map_err(bad_url)?;
+                let builder = |response_timeout| {
+                    ClusterClientBuilder::new(nodes.clone())
+                        .connection_timeout(config.connect_timeout)
+                        .response_timeout(response_timeout)
+                        .build()
+                };
+                let client = builder(config.response_timeout).map_err(bad_url)?;
                 let target = lockkit_core::config::redact_url(&nodes.join(","));
                 let conn = client
                     .get_async_connection()
                     .await
                     .map_err(|e| backend_error("connecting to the cluster", &target, e))?;
+                let grant_conn = if config.wait_replicas > 0 {
+                    builder(grant_timeout)
+                        .map_err(bad_url)?
+                        .get_async_connection()
+                        .await
+                        .map_err(|e| backend_error("connecting to the cluster", &target, e))?
+                } else {
+                    conn.clone()
+                };
                 // Classic PUBLISH reaches every node of a cluster: one subscriber will do.
                 let first = nodes
                     .first()
                     .ok_or_else(|| Error::Config("no cluster node".into()))?;
                 let subscriber = redis::Client::open(first.as_str()).map_err(bad_url)?;
-                (Conn::Cluster(conn), subscriber, target, true)
+                (
+                    Conn::Cluster(conn),
+                    Conn::Cluster(grant_conn),
+                    subscriber,
+                    target,
+                    true,
+                )
             }
             Topology::Redlock(_) => {
                 return Err(Error::Config(
@@ -149,7 +189,12 @@ impl RedisBackend {
         Ok(RedisBackend {
             inner: Arc::new(Inner {
                 conn,
-                wakeups: Wakeups::new(subscriber, target.clone()),
+                grant_conn,
+                wakeups: Wakeups::new(
+                    subscriber,
+                    target.clone(),
+                    config.connect_timeout.max(config.response_timeout),
+                ),
                 config,
                 cluster,
                 target,
@@ -196,7 +241,7 @@ impl RedisBackend {
     /// Runs the acquire script once. Not cancel safe by itself: see [`Self::attempt`].
     pub(crate) async fn run_acquire(&self, req: &AcquireRequest) -> Result<Attempt> {
         let names = self.names(&req.key)?;
-        let mut conn = self.conn();
+        let mut conn = self.inner.grant_conn.clone();
         let start = Instant::now();
         let (granted, value, depth): (i64, i64, i64) = scripts::ACQUIRE
             .key(&names.lock)
@@ -226,13 +271,13 @@ impl RedisBackend {
             u32::try_from(depth).unwrap_or(u32::MAX),
             start,
         );
-        self.wait_for_replicas(&grant).await?;
+        self.wait_for_replicas(&grant, &mut conn).await?;
         Ok(Attempt::Granted(grant))
     }
 
     /// With `wait_replicas=N`, waits for N replicas to confirm the grant, and gives the
     /// grant back if they do not.
-    async fn wait_for_replicas(&self, grant: &Grant) -> Result<()> {
+    async fn wait_for_replicas(&self, grant: &Grant, conn: &mut Conn) -> Result<()> {
         let wanted = self.inner.config.wait_replicas;
         if wanted == 0 {
             return Ok(());
@@ -241,7 +286,7 @@ impl RedisBackend {
         let confirmed: Result<i64> = redis::cmd("WAIT")
             .arg(wanted)
             .arg(ttl_millis(timeout))
-            .query_async(&mut self.conn())
+            .query_async(conn)
             .await
             .map_err(|e| self.fail("WAIT for replicas", e));
         match confirmed {
@@ -305,12 +350,16 @@ impl RedisBackend {
             return Err(timeout());
         }
         let names = self.names(&req.key)?;
-        let subscription = match self.inner.wakeups.subscribe(&names.channel).await {
-            Ok(subscription) => Some(subscription),
-            Err(error) => {
+        // Bounded by the deadline too: the subscriber may be busy reconnecting to a server
+        // that stopped answering.
+        let subscribing = self.inner.wakeups.subscribe(&names.channel);
+        let subscription = match tokio::time::timeout_at(deadline, subscribing).await {
+            Ok(Ok(subscription)) => Some(subscription),
+            Ok(Err(error)) => {
                 tracing::warn!(%error, "no release notifications; falling back to timed retries");
                 None
             }
+            Err(_) => return Err(timeout()),
         };
         let channel = subscription.as_ref().map(|s| s.channel.clone());
         loop {
@@ -349,10 +398,15 @@ impl RedisBackend {
                 _ = woken => {}
                 _ = tokio::time::sleep_until((now + fallback + jitter).min(deadline)) => {}
             }
-            if subscription.is_some()
-                && let Err(error) = self.inner.wakeups.ensure_connected().await
-            {
-                tracing::debug!(%error, "subscriber connection down; retrying on the timer");
+            if subscription.is_some() {
+                let reconnecting = self.inner.wakeups.ensure_connected();
+                match tokio::time::timeout_at(deadline, reconnecting).await {
+                    Ok(Ok(())) => {}
+                    Ok(Err(error)) => {
+                        tracing::debug!(%error, "subscriber connection down; retrying on the timer");
+                    }
+                    Err(_) => return Err(timeout()),
+                }
             }
         }
     }

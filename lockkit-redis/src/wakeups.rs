@@ -7,6 +7,7 @@ use std::{
         Arc, Mutex, MutexGuard,
         atomic::{AtomicU64, Ordering},
     },
+    time::Duration,
 };
 
 use futures_util::StreamExt;
@@ -49,12 +50,23 @@ impl Shared {
 struct Link {
     generation: u64,
     sink: Option<PubSubSink>,
+    /// When the last attempt to open the connection failed: new attempts wait
+    /// [`RECONNECT_PAUSE`] after it, so waiters behind a dead server fail fast instead of
+    /// each spending a timeout under the lock.
+    failed_at: Option<tokio::time::Instant>,
 }
+
+/// The pause between attempts to reopen a subscriber connection that failed to open.
+const RECONNECT_PAUSE: Duration = Duration::from_millis(500);
 
 /// The shared subscriber of one backend.
 pub(crate) struct Wakeups {
     client: redis::Client,
     target: String,
+    /// Bounds every exchange with the server made under `link` (opening the connection,
+    /// SUBSCRIBE, UNSUBSCRIBE): a frozen server must not hold the lock, and with it every
+    /// other waiter, for longer.
+    timeout: Duration,
     shared: Arc<Shared>,
     /// Serialises SUBSCRIBE/UNSUBSCRIBE so their order on the wire matches the refcounts.
     link: tokio::sync::Mutex<Link>,
@@ -87,14 +99,17 @@ impl Drop for Subscription {
 }
 
 impl Wakeups {
-    pub(crate) fn new(client: redis::Client, target: String) -> Arc<Self> {
+    /// A subscriber for `client`; each exchange with the server may take up to `timeout`.
+    pub(crate) fn new(client: redis::Client, target: String, timeout: Duration) -> Arc<Self> {
         Arc::new(Wakeups {
             client,
             target,
+            timeout,
             shared: Arc::default(),
             link: tokio::sync::Mutex::new(Link {
                 generation: 0,
                 sink: None,
+                failed_at: None,
             }),
         })
     }
@@ -127,9 +142,16 @@ impl Wakeups {
             self.connect(&mut link).await?;
         } else if first {
             let sink = link.sink.as_mut().ok_or_else(|| self.gone())?;
-            if let Err(e) = sink.subscribe(name).await {
-                link.sink = None;
-                return Err(backend_error("SUBSCRIBE", &self.target, e));
+            match tokio::time::timeout(self.timeout, sink.subscribe(name)).await {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => {
+                    link.sink = None;
+                    return Err(backend_error("SUBSCRIBE", &self.target, e));
+                }
+                Err(_) => {
+                    link.sink = None;
+                    return Err(self.timed_out("SUBSCRIBE"));
+                }
             }
         }
         Ok(subscription)
@@ -143,14 +165,57 @@ impl Wakeups {
         )
     }
 
-    /// Opens the subscriber connection and subscribes every channel with waiters.
+    fn timed_out(&self, doing: &str) -> lockkit_core::Error {
+        lockkit_core::Error::backend(
+            crate::conn::BACKEND,
+            true,
+            format!(
+                "{doing} on the subscriber connection to {} got no answer within {:?}; is the \
+                 server overloaded or partitioned away?",
+                self.target, self.timeout
+            ),
+        )
+    }
+
+    /// Opens the subscriber connection and subscribes every channel with waiters, within
+    /// the timeout; after a failure, fails at once for [`RECONNECT_PAUSE`].
     async fn connect(&self, link: &mut Link) -> Result<()> {
+        link.sink = None;
+        if link
+            .failed_at
+            .is_some_and(|at| at.elapsed() < RECONNECT_PAUSE)
+        {
+            return Err(self.gone());
+        }
+        let opened = tokio::time::timeout(self.timeout, self.open()).await;
+        let outcome = match opened {
+            Ok(Ok(sink)) => Ok(sink),
+            Ok(Err(e)) => Err(e),
+            Err(_) => Err(self.timed_out("opening and subscribing")),
+        };
+        match outcome {
+            Ok(sink) => {
+                link.failed_at = None;
+                link.generation += 1;
+                link.sink = Some(sink.0);
+                self.spawn_reader(sink.1, link.generation);
+                Ok(())
+            }
+            Err(e) => {
+                link.failed_at = Some(tokio::time::Instant::now());
+                Err(e)
+            }
+        }
+    }
+
+    /// A new subscriber connection, subscribed to every channel with waiters.
+    async fn open(&self) -> Result<(PubSubSink, redis::aio::PubSubStream)> {
         let pubsub = self
             .client
             .get_async_pubsub()
             .await
             .map_err(|e| backend_error("opening the subscriber connection", &self.target, e))?;
-        let (mut sink, mut stream) = pubsub.split();
+        let (mut sink, stream) = pubsub.split();
         let wanted: Vec<String> = self
             .shared
             .channels()
@@ -163,10 +228,12 @@ impl Wakeups {
                 .await
                 .map_err(|e| backend_error("SUBSCRIBE", &self.target, e))?;
         }
-        link.generation += 1;
-        link.sink = Some(sink);
+        Ok((sink, stream))
+    }
+
+    /// Fans the messages of connection `generation` out to the local waiters.
+    fn spawn_reader(&self, mut stream: redis::aio::PubSubStream, generation: u64) {
         let shared = self.shared.clone();
-        let generation = link.generation;
         tokio::spawn(async move {
             while let Some(message) = stream.next().await {
                 let channel = shared.channels().get(message.get_channel_name()).cloned();
@@ -178,7 +245,6 @@ impl Wakeups {
             shared.dead_generation.store(generation, Ordering::SeqCst);
             shared.wake_all();
         });
-        Ok(())
     }
 
     /// Drops one reference; true when it was the last, and the channel is forgotten.
@@ -202,11 +268,20 @@ impl Wakeups {
         if !self.release_ref(name) {
             return;
         }
-        if let Some(sink) = link.sink.as_mut()
-            && let Err(error) = sink.unsubscribe(name).await
-        {
-            tracing::debug!(%error, "UNSUBSCRIBE failed; dropping the subscriber connection");
-            link.sink = None;
+        if let Some(sink) = link.sink.as_mut() {
+            match tokio::time::timeout(self.timeout, sink.unsubscribe(name)).await {
+                Ok(Ok(())) => {}
+                Ok(Err(error)) => {
+                    tracing::debug!(%error, "UNSUBSCRIBE failed; dropping the subscriber connection");
+                    link.sink = None;
+                }
+                Err(_) => {
+                    tracing::debug!(
+                        "UNSUBSCRIBE got no answer; dropping the subscriber connection"
+                    );
+                    link.sink = None;
+                }
+            }
         }
     }
 
@@ -222,7 +297,6 @@ impl Wakeups {
     pub(crate) async fn ensure_connected(&self) -> Result<()> {
         let mut link = self.link.lock().await;
         if self.is_dead(&link) {
-            link.sink = None;
             self.connect(&mut link).await?;
         }
         Ok(())

@@ -79,3 +79,37 @@ async fn too_few_replicas_refuse_the_grant_and_give_it_back() {
     let exists: bool = admin.exists(key.as_str()).await.unwrap();
     assert!(!exists, "a refused grant must not stay on the primary");
 }
+
+/// `WAIT` blocks the connection it is sent on: it must not run on the shared command
+/// connection, where every renewal, release and inspection of this client would queue
+/// behind it (finding 16).
+#[tokio::test]
+async fn a_grant_waiting_for_replicas_does_not_stall_other_commands() {
+    let Some((url, _)) = primary().await else {
+        return;
+    };
+    // Two replicas never confirm (there is one): every WAIT runs its full timeout.
+    let locker = Locker::new(
+        RedisBackend::connect(&format!("{url}?wait_replicas=2&wait_replicas_timeout=4s"))
+            .await
+            .unwrap(),
+    );
+    let waiting = {
+        let locker = locker.clone();
+        tokio::spawn(async move {
+            let key = LockKey::new(format!("replicas/{}", Uuid::new_v4().simple())).unwrap();
+            locker.try_acquire(&key).await
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let other = LockKey::new(format!("replicas/{}", Uuid::new_v4().simple())).unwrap();
+    locker.inspect(&other).await.unwrap();
+    assert!(
+        !waiting.is_finished(),
+        "an inspection had to wait for another acquisition's WAIT to time out"
+    );
+    assert!(
+        waiting.await.unwrap().is_err(),
+        "two replicas cannot confirm"
+    );
+}
