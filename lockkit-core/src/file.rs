@@ -13,8 +13,9 @@ use async_trait::async_trait;
 use tokio::{sync::Notify, time::Instant};
 
 use crate::{
-    AcquireRequest, BackendInfo, Capabilities, Consistency, Error, FencingToken, Grant, HolderInfo,
-    LockBackend, LockKey, OwnerId, Released, Result, deadline_after, detached_acquire,
+    AcquireRequest, AttemptLedger, BackendInfo, Capabilities, Consistency, Error, FencingToken,
+    Grant, HolderInfo, LockBackend, LockKey, OwnerId, Released, Result, deadline_after,
+    detached_acquire,
 };
 
 const SCHEME: &str = "file";
@@ -88,9 +89,12 @@ fn encoded_name(key: &LockKey) -> String {
     out
 }
 
-/// The state of one lock as stored in its file: `token owner depth expires boot`. The
-/// token stays when the lock is free, so it keeps growing. Files written before the boot id
-/// was stored have four fields and are read as written in this boot.
+/// The state of one lock as stored in its file: `token owner depth expires boot attempts`.
+/// The token stays when the lock is free, so it keeps growing. A file without a boot id
+/// (written before it was stored) is read as written in this boot: a holder of an older
+/// version may still be running, and a double grant is worse than a key that stays held
+/// until that expiry. A file without attempts has an empty ledger: its holds are released
+/// unconditionally.
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
 struct State {
     token: u64,
@@ -98,6 +102,8 @@ struct State {
     depth: u32,
     /// Host monotonic nanoseconds.
     expires: u64,
+    /// The acquisitions behind `depth`.
+    attempts: AttemptLedger,
 }
 
 /// Reads a lock file's text as of this boot: an expiry written in another boot is over.
@@ -122,22 +128,25 @@ impl State {
             .and_then(|o| o.parse().ok());
         let depth = parts.next().and_then(|d| d.parse().ok()).unwrap_or(0);
         let expires = parts.next().and_then(|e| e.parse().ok()).unwrap_or(0);
+        let attempts = parts.nth(1).map(AttemptLedger::parse).unwrap_or_default();
         State {
             token,
             owner,
             depth,
             expires,
+            attempts,
         }
     }
 
     fn render(&self) -> String {
         let owner = self.owner.map_or_else(|| "-".to_owned(), |o| o.to_string());
         format!(
-            "{} {owner} {} {} {}\n",
+            "{} {owner} {} {} {} {}\n",
             self.token,
             self.depth,
             self.expires,
-            boot_id()
+            boot_id(),
+            self.attempts.render()
         )
     }
 
@@ -301,6 +310,7 @@ impl FileBackend {
             file.state.owner = None;
             file.state.depth = 0;
             file.state.expires = 0;
+            file.state.attempts.clear();
             Ok(held)
         })
         .await
@@ -395,8 +405,18 @@ impl FileBackend {
                 this.with_file(&request.key, "acquiring", move |file, now| {
                     let state = &mut file.state;
                     match state.holder(now) {
+                        Some(owner) if owner == req.owner && state.attempts.has(req.attempt) => {
+                            // A retry of an acquisition that took effect: the same grant.
+                            Ok(Attempt::Granted(Grant::new(
+                                &req,
+                                FencingToken::new(state.token),
+                                state.depth,
+                                start,
+                            )))
+                        }
                         Some(owner) if owner == req.owner => {
                             state.depth += 1;
+                            state.attempts.add(req.attempt);
                             // Never shorten the lease an outer guard relies on.
                             state.expires = state.expires.max(now.saturating_add(nanos(req.ttl)));
                             Ok(Attempt::Granted(Grant::new(
@@ -411,6 +431,8 @@ impl FileBackend {
                             state.token += 1;
                             state.owner = Some(req.owner);
                             state.depth = 1;
+                            state.attempts.clear();
+                            state.attempts.add(req.attempt);
                             state.expires = now.saturating_add(nanos(req.ttl));
                             Ok(Attempt::Granted(Grant::new(
                                 &req,
@@ -492,12 +514,18 @@ impl LockBackend for FileBackend {
     }
 
     async fn release(&self, grant: &Grant) -> Result<Released> {
-        let (key, owner) = (grant.key.clone(), grant.owner);
+        let (key, owner, attempt) = (grant.key.clone(), grant.owner, grant.attempt);
         let outcome = self
             .with_file(&grant.key, "releasing", move |file, now| {
                 let state = &mut file.state;
                 if state.holder(now) != Some(owner) {
                     return Err(Error::NotHeld { key });
+                }
+                if !state.attempts.take(attempt, state.depth) {
+                    // A retried release: it took effect already.
+                    return Ok(Released::Partially {
+                        remaining: state.depth,
+                    });
                 }
                 state.depth -= 1;
                 if state.depth > 0 {
@@ -507,6 +535,7 @@ impl LockBackend for FileBackend {
                 }
                 state.owner = None;
                 state.expires = 0;
+                state.attempts.clear();
                 Ok(Released::Fully)
             })
             .await;
@@ -558,8 +587,18 @@ mod tests {
             owner: Some(OwnerId::random()),
             depth: 2,
             expires: 99,
+            attempts: AttemptLedger::parse(&format!(
+                "{},{}",
+                uuid::Uuid::new_v4(),
+                uuid::Uuid::new_v4()
+            )),
         };
         assert_eq!(State::parse(&state.render()), state);
+        // A file from before attempts were stored: released unconditionally.
+        let owner = OwnerId::random();
+        let mut legacy = load(&format!("7 {owner} 2 99 -"));
+        assert_eq!((legacy.token, legacy.depth), (7, 2));
+        assert!(legacy.attempts.take(uuid::Uuid::new_v4(), legacy.depth));
         assert_eq!(State::parse(""), State::default());
     }
 

@@ -14,6 +14,7 @@
     deny(clippy::unwrap_used, clippy::expect_used, clippy::panic)
 )]
 
+mod attempts;
 mod backend;
 pub mod config;
 mod detach;
@@ -28,6 +29,7 @@ mod memory;
 mod options;
 mod owner;
 
+pub use attempts::AttemptLedger;
 pub use backend::{
     AcquireRequest, BackendInfo, Capabilities, Consistency, Grant, HolderInfo, LockBackend,
     Released,

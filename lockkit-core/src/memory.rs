@@ -13,8 +13,9 @@ use async_trait::async_trait;
 use tokio::{sync::Notify, time::Instant};
 
 use crate::{
-    AcquireRequest, BackendInfo, Capabilities, Consistency, Error, FencingToken, Grant, HolderInfo,
-    LockBackend, LockKey, LostReason, OwnerId, Released, Result, deadline_after, lost::LossSignal,
+    AcquireRequest, AttemptLedger, BackendInfo, Capabilities, Consistency, Error, FencingToken,
+    Grant, HolderInfo, LockBackend, LockKey, LostReason, OwnerId, Released, Result, deadline_after,
+    lost::LossSignal,
 };
 
 const SCHEME: &str = "memory";
@@ -27,6 +28,8 @@ struct Entry {
     expires: Instant,
     session: u64,
     loss: LossSignal,
+    /// The acquisitions behind `depth`, so retries take effect once.
+    attempts: AttemptLedger,
 }
 
 /// Waiters on one key; removed when the last waiter leaves. `waiters` changes only
@@ -210,7 +213,17 @@ impl MemoryBackend {
             if entry.owner != req.owner {
                 return Err(entry.expires);
             }
+            if entry.attempts.has(req.attempt) {
+                // A retry of an acquisition that took effect: the same grant again.
+                return Ok(Grant::new(
+                    req,
+                    FencingToken::new(entry.token),
+                    entry.depth,
+                    now,
+                ));
+            }
             entry.depth += 1;
+            entry.attempts.add(req.attempt);
             // Never shorten the lease an outer guard of this hold relies on.
             entry.expires = entry.expires.max(now + req.ttl);
             return Ok(Grant::new(
@@ -229,6 +242,11 @@ impl MemoryBackend {
             expires: now + req.ttl,
             session: self.session(),
             loss: req.loss.clone(),
+            attempts: {
+                let mut attempts = AttemptLedger::new();
+                attempts.add(req.attempt);
+                attempts
+            },
         };
         state.locks.insert(req.key.clone(), entry);
         Ok(Grant::new(req, FencingToken::new(token), 1, now))
@@ -316,6 +334,12 @@ impl LockBackend for MemoryBackend {
                 });
             }
         };
+        if !entry.attempts.take(grant.attempt, entry.depth) {
+            // A retried release: it took effect already.
+            return Ok(Released::Partially {
+                remaining: entry.depth,
+            });
+        }
         entry.depth -= 1;
         if entry.depth > 0 {
             return Ok(Released::Partially {

@@ -221,19 +221,56 @@ impl MysqlBackend {
                             .await
                             .map_err(|e| db_error(&format!("creating table `{table}`"), e))?;
                     }
-                    return Ok(());
+                } else {
+                    match query(&inner.sql.table_exists).fetch_optional(&inner.pool).await {
+                        Ok(_) => {}
+                        Err(e) if error_number(&e) == Some(1146) => {
+                            return Err(Error::Config(format!(
+                                "table `{table}` does not exist and create_schema=false; create it with:\n{}",
+                                ddl(table)
+                            )));
+                        }
+                        Err(e) => return Err(db_error(&format!("checking table `{table}`"), e)),
+                    }
                 }
-                match query(&inner.sql.table_exists).fetch_optional(&inner.pool).await {
-                    Ok(_) => Ok(()),
-                    Err(e) if error_number(&e) == Some(1146) => Err(Error::Config(format!(
-                        "table `{table}` does not exist and create_schema=false; create it with:\n{}",
-                        ddl(table)
-                    ))),
-                    Err(e) => Err(db_error(&format!("checking table `{table}`"), e)),
-                }
+                self.ensure_attempts_column().await
             })
             .await
             .map(|_| ())
+    }
+
+    /// Tables made before the `attempts` column existed get it (or, with
+    /// create_schema=false, an error with the statement to run).
+    async fn ensure_attempts_column(&self) -> Result<()> {
+        let inner = &self.inner;
+        let table = &inner.config.table;
+        let (present,): (i64,) =
+            sqlx::query_as(AssertSqlSafe(inner.sql.attempts_column_exists.clone()))
+                .bind(table)
+                .fetch_one(&inner.pool)
+                .await
+                .map_err(|e| db_error(&format!("checking the columns of `{table}`"), e))?;
+        if present > 0 {
+            return Ok(());
+        }
+        if !inner.config.create_schema {
+            return Err(Error::Config(format!(
+                "table `{table}` lacks the `attempts` column and create_schema=false; add it with:\n{};",
+                inner.sql.add_attempts_column
+            )));
+        }
+        match query(&inner.sql.add_attempts_column)
+            .execute(&inner.pool)
+            .await
+        {
+            // 1060: another client added it first.
+            Ok(_) => Ok(()),
+            Err(e) if error_number(&e) == Some(1060) => Ok(()),
+            Err(e) => Err(db_error(
+                &format!("adding the attempts column to `{table}`"),
+                e,
+            )),
+        }
     }
 
     /// Keys under `prefix` that are held now: live leases (row) or locked rows

@@ -10,8 +10,8 @@ use std::{
 };
 
 use lockkit_core::{
-    AcquireRequest, Error, FencingToken, Grant, HolderInfo, Interrupt, LockKey, OwnerId, Released,
-    Result, deadline_after, detached_acquire,
+    AcquireRequest, AttemptLedger, Error, FencingToken, Grant, HolderInfo, Interrupt, LockKey,
+    OwnerId, Released, Result, deadline_after, detached_acquire,
 };
 use sqlx::{AssertSqlSafe, MySql, Row, pool::PoolConnection};
 use tokio::time::Instant;
@@ -32,6 +32,9 @@ pub(crate) struct Held {
     owner: OwnerId,
     token: FencingToken,
     depth: AtomicU32,
+    /// The acquisitions behind `depth` (changed with it, under this lock), so a retried
+    /// acquisition or release takes effect once.
+    attempts: std::sync::Mutex<AttemptLedger>,
     /// The connection died: the server has rolled the transaction back.
     broken: AtomicBool,
     /// The lease: the session may idle out this long after it (whole seconds, rounded up).
@@ -124,7 +127,15 @@ pub(crate) async fn acquire(
         if held.is_live() {
             // Nothing awaits between the count and the grant: a dropped future cannot
             // leave a depth nobody releases. The depth shown to `inspect` follows.
-            let depth = held.depth.fetch_add(1, Ordering::SeqCst) + 1;
+            let depth = {
+                let mut attempts = held.attempts.lock().unwrap_or_else(|e| e.into_inner());
+                if attempts.has(req.attempt) {
+                    held.depth.load(Ordering::SeqCst)
+                } else {
+                    attempts.add(req.attempt);
+                    held.depth.fetch_add(1, Ordering::SeqCst) + 1
+                }
+            };
             let (recorder, shown) = (backend.clone(), held.clone());
             tokio::spawn(async move { record_depth(&recorder, &shown, depth).await });
             return Ok(Some(grant_for(req, &held, depth, start)));
@@ -246,6 +257,11 @@ async fn lock(
         owner: req.owner,
         token: FencingToken::new(token),
         depth: AtomicU32::new(1),
+        attempts: std::sync::Mutex::new({
+            let mut attempts = AttemptLedger::new();
+            attempts.add(req.attempt);
+            attempts
+        }),
         broken: AtomicBool::new(false),
         lease_until: std::sync::Mutex::new(granted_at + req.ttl),
     });
@@ -514,10 +530,17 @@ pub(crate) async fn release(backend: &MysqlBackend, grant: &Grant) -> Result<Rel
             key: grant.key.clone(),
         });
     }
-    let Ok(depth) = held
-        .depth
-        .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |d| d.checked_sub(1))
-    else {
+    let depth = {
+        let mut attempts = held.attempts.lock().unwrap_or_else(|e| e.into_inner());
+        let depth = held.depth.load(Ordering::SeqCst);
+        if depth > 0 && !attempts.take(grant.attempt, depth) {
+            // A retried release: it took effect already.
+            return Ok(Released::Partially { remaining: depth });
+        }
+        held.depth
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |d| d.checked_sub(1))
+    };
+    let Ok(depth) = depth else {
         return Err(Error::NotHeld {
             key: grant.key.clone(),
         });

@@ -3,8 +3,8 @@
 use std::time::Duration;
 
 use lockkit_core::{
-    AcquireRequest, Error, FencingToken, Grant, HolderInfo, LockKey, Released, Result,
-    deadline_after, detached_acquire,
+    AcquireRequest, AttemptLedger, Error, FencingToken, Grant, HolderInfo, LockKey, Released,
+    Result, deadline_after, detached_acquire,
 };
 use sqlx::Row;
 use tokio::time::Instant;
@@ -30,6 +30,13 @@ impl Attempt {
     }
 }
 
+/// The ledger of a new holder: just this attempt.
+fn first_attempt(req: &AcquireRequest) -> String {
+    let mut attempts = AttemptLedger::new();
+    attempts.add(req.attempt);
+    attempts.render()
+}
+
 /// One acquire transaction: lock the key's row, decide, write, commit.
 async fn run_acquire(backend: &MysqlBackend, req: &AcquireRequest) -> Result<Attempt> {
     let inner = &backend.inner;
@@ -51,6 +58,7 @@ async fn run_acquire(backend: &MysqlBackend, req: &AcquireRequest) -> Result<Att
             .bind(name)
             .bind(&owner)
             .bind(ttl)
+            .bind(first_attempt(req))
             .execute(&mut *tx)
             .await
         {
@@ -73,7 +81,21 @@ async fn run_acquire(backend: &MysqlBackend, req: &AcquireRequest) -> Result<Att
     let holds: u32 = row.try_get("holds").map_err(fail)?;
     let holder = row_text(&row, "owner");
     if live && holder.as_deref() == Some(owner.as_str()) {
+        let mut attempts = AttemptLedger::parse(&row_text(&row, "attempts").unwrap_or_default());
+        if attempts.has(req.attempt) {
+            // A retry of an acquisition that took effect (its COMMIT's reply was lost): the
+            // same grant again, not a second hold.
+            tx.rollback().await.map_err(fail)?;
+            return Ok(Attempt::Granted(Grant::new(
+                req,
+                FencingToken::new(fence),
+                holds,
+                start,
+            )));
+        }
+        attempts.add(req.attempt);
         query(&sql.row_reenter)
+            .bind(attempts.render())
             .bind(ttl)
             .bind(name)
             .execute(&mut *tx)
@@ -125,6 +147,7 @@ async fn run_acquire(backend: &MysqlBackend, req: &AcquireRequest) -> Result<Att
     query(&sql.row_take)
         .bind(&owner)
         .bind(ttl)
+        .bind(first_attempt(req))
         .bind(name)
         .execute(&mut *tx)
         .await
@@ -257,8 +280,11 @@ pub(crate) async fn release(backend: &MysqlBackend, grant: &Grant) -> Result<Rel
         row.try_get::<Option<i64>, _>("live").ok().flatten() == Some(1)
             && row_text(row, "owner").as_deref() == Some(grant.owner.to_string().as_str())
     });
-    let holds: u32 = match (&row, ours) {
-        (Some(row), true) => row.try_get("holds").map_err(fail)?,
+    let (holds, mut attempts): (u32, AttemptLedger) = match (&row, ours) {
+        (Some(row), true) => (
+            row.try_get("holds").map_err(fail)?,
+            AttemptLedger::parse(&row_text(row, "attempts").unwrap_or_default()),
+        ),
         _ => {
             tx.rollback().await.map_err(fail)?;
             return Err(Error::NotHeld {
@@ -266,8 +292,14 @@ pub(crate) async fn release(backend: &MysqlBackend, grant: &Grant) -> Result<Rel
             });
         }
     };
+    if !attempts.take(grant.attempt, holds) {
+        // A retried release: it took effect already.
+        tx.rollback().await.map_err(fail)?;
+        return Ok(Released::Partially { remaining: holds });
+    }
     let outcome = if holds > 1 {
         query(&sql.row_release_one)
+            .bind(attempts.render())
             .bind(name)
             .execute(&mut *tx)
             .await

@@ -11,6 +11,7 @@ pub fn ddl(table: &str) -> String {
            holds INT UNSIGNED NOT NULL DEFAULT 0,\n  \
            fence BIGINT UNSIGNED NOT NULL DEFAULT 0,\n  \
            expires_at DATETIME(6) NULL,\n  \
+           attempts TEXT NULL,\n  \
            PRIMARY KEY (name)\n\
          ) ENGINE=InnoDB;\n\
          CREATE TABLE IF NOT EXISTS `{table}_mutex` (\n  \
@@ -20,10 +21,17 @@ pub fn ddl(table: &str) -> String {
     )
 }
 
+/// The change that brings a table made before the `attempts` column existed up to date.
+pub(crate) fn add_attempts_column(table: &str) -> String {
+    format!("ALTER TABLE `{table}` ADD COLUMN attempts TEXT NULL AFTER expires_at")
+}
+
 /// Every statement, prepared once per connection by the driver's statement cache.
 #[derive(Debug)]
 pub(crate) struct Sql {
     pub(crate) table_exists: Arc<str>,
+    pub(crate) attempts_column_exists: Arc<str>,
+    pub(crate) add_attempts_column: Arc<str>,
     pub(crate) row_select_for_update: Arc<str>,
     pub(crate) row_insert: Arc<str>,
     pub(crate) row_take: Arc<str>,
@@ -50,33 +58,39 @@ impl Sql {
         let s = |text: String| Arc::<str>::from(text);
         Sql {
             table_exists: s(format!("SELECT 1 FROM `{t}` JOIN `{t}_mutex` LIMIT 0")),
+            attempts_column_exists: s("SELECT COUNT(*) FROM information_schema.COLUMNS \
+                 WHERE TABLE_SCHEMA = DATABASE() AND TABLE_NAME = ? AND COLUMN_NAME = 'attempts'"
+                .to_owned()),
+            add_attempts_column: s(add_attempts_column(t)),
             row_select_for_update: s(format!(
-                "SELECT owner, holds, fence, expires_at > UTC_TIMESTAMP(6) AS live, \
+                "SELECT owner, holds, fence, attempts, expires_at > UTC_TIMESTAMP(6) AS live, \
                  TIMESTAMPDIFF(MICROSECOND, UTC_TIMESTAMP(6), expires_at) AS left_us \
                  FROM `{t}` WHERE name = ? FOR UPDATE"
             )),
             row_insert: s(format!(
-                "INSERT INTO `{t}` (name, owner, holds, fence, expires_at) \
-                 VALUES (?, ?, 1, 1, UTC_TIMESTAMP(6) + INTERVAL ? MICROSECOND)"
+                "INSERT INTO `{t}` (name, owner, holds, fence, expires_at, attempts) \
+                 VALUES (?, ?, 1, 1, UTC_TIMESTAMP(6) + INTERVAL ? MICROSECOND, ?)"
             )),
             row_take: s(format!(
                 "UPDATE `{t}` SET owner = ?, holds = 1, fence = fence + 1, \
-                 expires_at = UTC_TIMESTAMP(6) + INTERVAL ? MICROSECOND WHERE name = ?"
+                 expires_at = UTC_TIMESTAMP(6) + INTERVAL ? MICROSECOND, attempts = ? WHERE name = ?"
             )),
             row_reenter: s(format!(
-                "UPDATE `{t}` SET holds = holds + 1, \
+                "UPDATE `{t}` SET holds = holds + 1, attempts = ?, \
                  expires_at = GREATEST(expires_at, UTC_TIMESTAMP(6) + INTERVAL ? MICROSECOND) WHERE name = ?"
             )),
             row_renew: s(format!(
                 "UPDATE `{t}` SET expires_at = GREATEST(expires_at, UTC_TIMESTAMP(6) + INTERVAL ? MICROSECOND) \
                  WHERE name = ? AND owner = ? AND expires_at > UTC_TIMESTAMP(6)"
             )),
-            row_release_one: s(format!("UPDATE `{t}` SET holds = holds - 1 WHERE name = ?")),
+            row_release_one: s(format!(
+                "UPDATE `{t}` SET holds = holds - 1, attempts = ? WHERE name = ?"
+            )),
             row_release_all: s(format!(
-                "UPDATE `{t}` SET owner = NULL, holds = 0, expires_at = NULL WHERE name = ?"
+                "UPDATE `{t}` SET owner = NULL, holds = 0, expires_at = NULL, attempts = NULL WHERE name = ?"
             )),
             row_clear_live: s(format!(
-                "UPDATE `{t}` SET owner = NULL, holds = 0, expires_at = NULL \
+                "UPDATE `{t}` SET owner = NULL, holds = 0, expires_at = NULL, attempts = NULL \
                  WHERE name = ? AND expires_at > UTC_TIMESTAMP(6)"
             )),
             inspect: s(format!(
@@ -95,7 +109,7 @@ impl Sql {
             // live on the key (both modes share the table).
             holder_take: s(format!(
                 "UPDATE `{t}` SET fence = LAST_INSERT_ID(fence + 1), owner = ?, holds = 1, \
-                 expires_at = NULL WHERE name = ? AND NOT COALESCE(expires_at > UTC_TIMESTAMP(6), FALSE)"
+                 expires_at = NULL, attempts = NULL WHERE name = ? AND NOT COALESCE(expires_at > UTC_TIMESTAMP(6), FALSE)"
             )),
             holder_insert: s(format!(
                 "INSERT INTO `{t}` (name, owner, holds, fence) VALUES (?, ?, 1, 1)"

@@ -11,9 +11,9 @@ use std::{
 
 use async_trait::async_trait;
 use lockkit_core::{
-    AcquireRequest, BackendInfo, Capabilities, Consistency, Error, FencingToken, Grant, HolderInfo,
-    Interrupt, LockBackend, LockKey, LossSignal, LostReason, OwnerId, Released, Result,
-    deadline_after, detached_acquire,
+    AcquireRequest, AttemptLedger, BackendInfo, Capabilities, Consistency, Error, FencingToken,
+    Grant, HolderInfo, Interrupt, LockBackend, LockKey, LossSignal, LostReason, OwnerId, Released,
+    Result, deadline_after, detached_acquire,
 };
 use tokio::time::Instant;
 use uuid::Uuid;
@@ -46,6 +46,9 @@ pub(crate) struct Held {
     owner: OwnerId,
     token: FencingToken,
     depth: AtomicU32,
+    /// The acquisitions behind `depth` (changed with it, under this lock), so a retried
+    /// acquisition or release takes effect once.
+    attempts: Mutex<AttemptLedger>,
     lease_until: Mutex<Instant>,
     loss: LossSignal,
     session: Arc<Session>,
@@ -189,6 +192,12 @@ impl ZkBackend {
         format!("{}/{}", self.inner.config.root, encode(key))
     }
 
+    /// Holds the current session keeps track of (to fire their loss signals when it
+    /// ends); ended holds are dropped from it as new ones come. For leak checks.
+    pub async fn tracked_holds(&self) -> usize {
+        lock(&self.inner.session.lock().await.holds).len()
+    }
+
     /// The client of the current session (for operators and tests).
     pub async fn client(&self) -> Result<Client> {
         Ok(self.session().await?.client.clone())
@@ -330,7 +339,6 @@ impl ZkBackend {
         wait: Duration,
         interrupt: Interrupt,
     ) -> Result<Option<Grant>> {
-        let start = Instant::now();
         let deadline = deadline_after(wait);
         let session = self.session().await?;
         let client = session.client.clone();
@@ -348,7 +356,10 @@ impl ZkBackend {
                 }
             }
         };
-        loop {
+        // The lease starts when the grant is observed (the request that found this node at
+        // the head of the queue was sent), not when the wait began: a wait longer than the
+        // TTL must not yield an expired grant.
+        let granted_at = loop {
             let sent = Instant::now();
             let children = match client.list_children(&dir).await {
                 Ok(children) => children,
@@ -368,7 +379,7 @@ impl ZkBackend {
                 ));
             };
             if position == 0 {
-                break;
+                break sent;
             }
             if wait.is_zero() || Instant::now() >= deadline {
                 give_up(client, node).await;
@@ -396,25 +407,37 @@ impl ZkBackend {
                     return Ok(None);
                 }
             }
-        }
+        };
         let held = Arc::new(Held {
             node,
             key: req.key.clone(),
             owner: req.owner,
             token: FencingToken::new(czxid),
             depth: AtomicU32::new(1),
-            lease_until: Mutex::new(start + req.ttl),
+            attempts: Mutex::new({
+                let mut attempts = AttemptLedger::new();
+                attempts.add(req.attempt);
+                attempts
+            }),
+            lease_until: Mutex::new(granted_at + req.ttl),
             loss: req.loss.clone(),
             session: session.clone(),
             released: AtomicBool::new(false),
         });
-        lock(&session.holds).push(Arc::downgrade(&held));
+        {
+            // Ended holds go as new ones come, so the list stays as long as what is held.
+            let mut holds = lock(&session.holds);
+            holds.retain(|h| h.strong_count() > 0);
+            holds.push(Arc::downgrade(&held));
+        }
         lock(&self.inner.held).insert((req.owner, req.key.clone()), held.clone());
         if session.dead.load(Ordering::SeqCst) {
             held.loss.fire(LostReason::SessionLost);
         }
         tokio::spawn(enforce_lease(self.clone(), Arc::downgrade(&held)));
-        Ok(Some(Grant::new(req, held.token, 1, start).with_state(held)))
+        Ok(Some(
+            Grant::new(req, held.token, 1, granted_at).with_state(held),
+        ))
     }
 
     async fn acquire_within(&self, req: &AcquireRequest, wait: Duration) -> Result<Option<Grant>> {
@@ -422,8 +445,19 @@ impl ZkBackend {
             .get(&(req.owner, req.key.clone()))
             .cloned();
         if let Some(held) = existing.filter(|h| !h.loss.is_fired()) {
-            let depth = held.depth.fetch_add(1, Ordering::SeqCst) + 1;
-            record_depth(&held, depth).await;
+            // Nothing awaits between the count and the grant: a dropped future cannot leave
+            // a depth nobody releases. The depth shown to `inspect` follows.
+            let depth = {
+                let mut attempts = lock(&held.attempts);
+                if attempts.has(req.attempt) {
+                    held.depth.load(Ordering::SeqCst)
+                } else {
+                    attempts.add(req.attempt);
+                    held.depth.fetch_add(1, Ordering::SeqCst) + 1
+                }
+            };
+            let shown = held.clone();
+            tokio::spawn(async move { record_depth(&shown, depth).await });
             return Ok(Some(
                 Grant::new(req, held.token, depth, Instant::now()).with_state(held),
             ));
@@ -648,10 +682,17 @@ impl LockBackend for ZkBackend {
 
     async fn release(&self, grant: &Grant) -> Result<Released> {
         let held = self.held_of(grant)?;
-        let Ok(depth) = held
-            .depth
-            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |d| d.checked_sub(1))
-        else {
+        let depth = {
+            let mut attempts = lock(&held.attempts);
+            let depth = held.depth.load(Ordering::SeqCst);
+            if depth > 0 && !attempts.take(grant.attempt, depth) {
+                // A retried release: it took effect already.
+                return Ok(Released::Partially { remaining: depth });
+            }
+            held.depth
+                .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |d| d.checked_sub(1))
+        };
+        let Ok(depth) = depth else {
             return Err(Error::NotHeld {
                 key: grant.key.clone(),
             });

@@ -209,3 +209,20 @@ async fn validity_is_capped_by_what_the_session_can_guarantee() {
     }
     guard.release().await.unwrap();
 }
+
+/// The session's list of holds (kept to fire their loss signals) does not grow with every
+/// hold ever taken.
+#[tokio::test]
+async fn ended_holds_are_not_kept_by_the_session() {
+    let Some(url) = env::service_url("LOCKKIT_TEST_ZK_URL") else {
+        return;
+    };
+    let backend = ZkBackend::connect(&url).await.unwrap();
+    let locker = Locker::new(backend.clone());
+    for _ in 0..50 {
+        let guard = locker.try_acquire(key("tracked")).await.unwrap().unwrap();
+        guard.release().await.unwrap();
+    }
+    let tracked = backend.tracked_holds().await;
+    assert!(tracked <= 2, "{tracked} ended holds still tracked");
+}

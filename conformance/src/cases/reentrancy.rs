@@ -2,7 +2,7 @@
 
 use std::time::Duration;
 
-use lockkit_core::{Error, LostReason, Released};
+use lockkit_core::{AcquireRequest, Error, LossSignal, LostReason, Released};
 
 use super::{LONG_TTL, assert_busy, assert_free, hook};
 use crate::{Check, Harness, Outcome, Space, support::expect_err};
@@ -466,5 +466,106 @@ pub async fn concurrent_acquisitions_of_one_owner_keep_the_key<H: Harness>(h: &H
         .await;
     }
     let _ = second.release().await;
+    Outcome::Passed
+}
+
+/// An acquisition retried with the same attempt id (after a lost reply, a timeout, a
+/// client library's own retry) takes effect once: the depth does not grow. A release
+/// retried for the same grant takes effect once too: it never gives back another hold.
+pub async fn a_retried_attempt_takes_effect_once<H: Harness>(h: &H) -> Outcome {
+    let space = Space::new("a_retried_attempt_takes_effect_once");
+    let key = space.key("k");
+    let (a, b) = (h.client().await, h.client().await);
+    if let Some(skip) = needs_reentrancy(h, &a) {
+        return skip;
+    }
+    let backend = a.backend().clone();
+    let owner = a.owner().id();
+    let request = || AcquireRequest::new(key.clone(), owner, LONG_TTL, LossSignal::new());
+    let outer_request = request();
+    let outer = backend
+        .try_acquire(&outer_request)
+        .await
+        .check("acquire")
+        .check("free key");
+    let retried = backend
+        .try_acquire(&outer_request)
+        .await
+        .check("the same attempt again")
+        .check("a retried attempt that took effect is granted again");
+    assert_eq!(outer.depth, 1);
+    assert_eq!(retried.depth, 1, "a retried attempt added a second hold");
+    assert_eq!(retried.token, outer.token);
+    // A new attempt of the same owner is a real reentry.
+    let inner = backend
+        .try_acquire(&request())
+        .await
+        .check("reenter")
+        .check("the owner gets its own lock again");
+    assert_eq!(inner.depth, 2);
+    assert_eq!(
+        backend
+            .release(&inner)
+            .await
+            .check("release the inner hold"),
+        Released::Partially { remaining: 1 }
+    );
+    // The inner release retried: the outer hold must stay.
+    match backend.release(&inner).await {
+        Ok(Released::Partially { remaining: 1 }) | Err(Error::NotHeld { .. }) => {}
+        other => panic!("a retried release gave back another hold: {other:?}"),
+    }
+    assert_busy(&b, &key, "the outer hold after a retried inner release").await;
+    assert_eq!(
+        backend
+            .release(&outer)
+            .await
+            .check("release the outer hold"),
+        Released::Fully
+    );
+    assert_free(&b, &key, "after the last release").await;
+    Outcome::Passed
+}
+
+/// A reentrant acquisition dropped mid-way (its caller timed out or went away) leaves no
+/// hold behind: once the outer hold is released, the key is free.
+pub async fn cancelled_reentry_leaves_no_depth<H: Harness>(h: &H) -> Outcome {
+    let space = Space::new("cancelled_reentry_leaves_no_depth");
+    let key = space.key("k");
+    let (a, b) = (h.client().await, h.client().await);
+    if let Some(skip) = needs_reentrancy(h, &a) {
+        return skip;
+    }
+    let backend = a.backend().clone();
+    let owner = a.owner().id();
+    let request = || AcquireRequest::new(key.clone(), owner, LONG_TTL, LossSignal::new());
+    let outer = backend
+        .try_acquire(&request())
+        .await
+        .check("acquire")
+        .check("free key");
+    for _ in 0..20 {
+        // Polled once, then dropped if it did not finish at once.
+        let reentry = request();
+        let mut attempt = std::pin::pin!(backend.try_acquire(&reentry));
+        let polled =
+            std::future::poll_fn(|cx| std::task::Poll::Ready(attempt.as_mut().poll(cx))).await;
+        if let std::task::Poll::Ready(done) = polled {
+            let inner = done
+                .check("reenter")
+                .check("the owner gets its own lock again");
+            backend.release(&inner).await.check("release the reentry");
+        }
+    }
+    backend
+        .release(&outer)
+        .await
+        .check("release the outer hold");
+    let rival = b
+        .acquire(&key)
+        .wait(super::generous_wait(h))
+        .await
+        .check("the key must be free once the outer hold is released");
+    rival.release().await.check("release the rival");
     Outcome::Passed
 }

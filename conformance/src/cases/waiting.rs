@@ -398,3 +398,51 @@ pub async fn release_wakes_only_the_next_waiter<H: Harness>(h: &H) -> Outcome {
     );
     Outcome::Passed
 }
+
+/// A grant that comes after a wait longer than its TTL still carries its whole lease: the
+/// lease starts when the grant is observed, not when the wait began (otherwise the grant
+/// arrives already expired, and `lockkit run --wait 10m` stops its command at once).
+pub async fn a_long_wait_yields_a_full_lease<H: Harness>(h: &H) -> Outcome {
+    let space = Space::new("a_long_wait_yields_a_full_lease");
+    let key = space.key("k");
+    let (a, b) = (h.client().await, h.client().await);
+    let ttl = Duration::from_secs(2).max(h.short_ttl());
+    let held = a
+        .try_acquire(&key)
+        .ttl(LONG_TTL)
+        .await
+        .check("acquire")
+        .check("free key");
+    let waiter = {
+        let key = key.clone();
+        tokio::spawn(async move {
+            let guard = b
+                .acquire(&key)
+                .ttl(ttl)
+                .no_watchdog()
+                .wait(Duration::from_secs(60))
+                .await
+                .check("waiter");
+            (Instant::now(), guard)
+        })
+    };
+    // Longer than the waiter's TTL.
+    tokio::time::sleep(ttl + Duration::from_millis(500)).await;
+    held.release().await.check("release");
+    let (granted_at, guard) = waiter.await.check("waiter task");
+    assert!(
+        guard.is_valid(),
+        "a grant after a wait longer than its {ttl:?} TTL was already invalid"
+    );
+    let left = guard
+        .valid_until()
+        .check("a held guard has a lease")
+        .saturating_duration_since(granted_at);
+    assert!(
+        left > ttl / 2,
+        "a grant after a long wait kept only {left:?} of its {ttl:?} lease"
+    );
+    assert!(guard.lost_at().is_none(), "lost at once after a long wait");
+    guard.release().await.check("release the waiter's grant");
+    Outcome::Passed
+}
