@@ -104,6 +104,23 @@ fn held_of(backend: &MysqlBackend, grant: &Grant) -> Result<Arc<Held>> {
     }
 }
 
+/// Adds `req`'s hold to `held` (or finds the one its attempt added already) and returns
+/// the depth; `None` when the last hold was released meanwhile, so the hold is over. Depth
+/// and ledger change together under the ledger's lock, here and in [`release`].
+fn reenter(held: &Held, req: &AcquireRequest) -> Option<u32> {
+    let mut attempts = held.attempts.lock().unwrap_or_else(|e| e.into_inner());
+    let depth = held.depth.load(Ordering::SeqCst);
+    if depth == 0 {
+        return None;
+    }
+    if attempts.has(req.attempt) {
+        return Some(depth);
+    }
+    attempts.add(req.attempt);
+    held.depth.store(depth + 1, Ordering::SeqCst);
+    Some(depth + 1)
+}
+
 fn grant_for(req: &AcquireRequest, held: &Arc<Held>, depth: u32, start: Instant) -> Grant {
     Grant::new(req, held.token, depth, start).with_state(held.clone())
 }
@@ -125,24 +142,36 @@ pub(crate) async fn acquire(
         .cloned();
     if let Some(held) = existing {
         if held.is_live() {
-            // Nothing awaits between the count and the grant: a dropped future cannot
-            // leave a depth nobody releases. The depth shown to `inspect` follows.
-            let depth = {
-                let mut attempts = held.attempts.lock().unwrap_or_else(|e| e.into_inner());
-                if attempts.has(req.attempt) {
-                    held.depth.load(Ordering::SeqCst)
-                } else {
-                    attempts.add(req.attempt);
-                    held.depth.fetch_add(1, Ordering::SeqCst) + 1
-                }
-            };
-            let (recorder, shown) = (backend.clone(), held.clone());
-            tokio::spawn(async move { record_depth(&recorder, &shown, depth).await });
-            return Ok(Some(grant_for(req, &held, depth, start)));
+            // Its own task, like a fresh acquisition: if the caller goes away while the
+            // depth is being recorded for `inspect`, the hold it added is given back.
+            let (recorder, request, giver) = (backend.clone(), req.clone(), backend.clone());
+            let reentered = detached_acquire(
+                BACKEND,
+                move |_| async move {
+                    let Some(depth) = reenter(&held, &request) else {
+                        return Ok(None);
+                    };
+                    record_depth(&recorder, &held, depth).await;
+                    Ok(Some(grant_for(&request, &held, depth, start)))
+                },
+                std::convert::identity,
+                move |grant| async move {
+                    if let Err(error) = release(&giver, &grant).await {
+                        tracing::warn!(%error, "could not give back an orphaned re-entry");
+                    }
+                },
+            )
+            .await?;
+            if let Some(grant) = reentered {
+                return Ok(Some(grant));
+            }
+            // Released to depth 0 by another task of this owner just now: its connection
+            // is being let go. Ask afresh.
+        } else {
+            // A hold that is over (its lease ran out, or its connection died): never
+            // re-enter it, the server may have let someone else in. Drop it, ask afresh.
+            end_stale(backend, &held).await;
         }
-        // A hold that is over (its lease ran out, or its connection died): never re-enter
-        // it, the server may have let someone else in. Drop it and ask afresh.
-        end_stale(backend, &held).await;
     }
     // Cancelling the caller interrupts the server-side wait at once.
     let (this, request, giver) = (backend.clone(), req.clone(), backend.clone());

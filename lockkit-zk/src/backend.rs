@@ -445,22 +445,30 @@ impl ZkBackend {
             .get(&(req.owner, req.key.clone()))
             .cloned();
         if let Some(held) = existing.filter(|h| !h.loss.is_fired()) {
-            // Nothing awaits between the count and the grant: a dropped future cannot leave
-            // a depth nobody releases. The depth shown to `inspect` follows.
-            let depth = {
-                let mut attempts = lock(&held.attempts);
-                if attempts.has(req.attempt) {
-                    held.depth.load(Ordering::SeqCst)
-                } else {
-                    attempts.add(req.attempt);
-                    held.depth.fetch_add(1, Ordering::SeqCst) + 1
-                }
-            };
-            let shown = held.clone();
-            tokio::spawn(async move { record_depth(&shown, depth).await });
-            return Ok(Some(
-                Grant::new(req, held.token, depth, Instant::now()).with_state(held),
-            ));
+            // Its own task, like a fresh acquisition: if the caller goes away while the
+            // depth is being recorded for `inspect`, the hold it added is given back.
+            let (request, giver) = (req.clone(), self.clone());
+            let reentered = detached_acquire(
+                BACKEND,
+                move |_| async move {
+                    let Some(depth) = add_hold(&held, &request) else {
+                        return Ok(None);
+                    };
+                    record_depth(&held, depth).await;
+                    let grant = Grant::new(&request, held.token, depth, Instant::now());
+                    Ok(Some(grant.with_state(held)))
+                },
+                std::convert::identity,
+                move |grant| async move {
+                    let _ = giver.release(&grant).await;
+                },
+            )
+            .await?;
+            if let Some(grant) = reentered {
+                return Ok(Some(grant));
+            }
+            // Another task of this owner just released the last hold (its node is being
+            // deleted): the hold is over. Ask afresh.
         }
         let (this, request, giver) = (self.clone(), req.clone(), self.clone());
         detached_acquire(
@@ -473,6 +481,23 @@ impl ZkBackend {
         )
         .await
     }
+}
+
+/// Adds `req`'s hold to `held` (or finds the one its attempt added already) and returns
+/// the depth; `None` when the last hold was released meanwhile, so the hold is over. Depth
+/// and ledger change together under the ledger's lock, here and in `release`.
+fn add_hold(held: &Held, req: &AcquireRequest) -> Option<u32> {
+    let mut attempts = lock(&held.attempts);
+    let depth = held.depth.load(Ordering::SeqCst);
+    if depth == 0 {
+        return None;
+    }
+    if attempts.has(req.attempt) {
+        return Some(depth);
+    }
+    attempts.add(req.attempt);
+    held.depth.store(depth + 1, Ordering::SeqCst);
+    Some(depth + 1)
 }
 
 /// Node data: the owner, and after a space the hold count when above one (best effort,

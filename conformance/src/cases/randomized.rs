@@ -67,6 +67,9 @@ struct Held {
 /// What one actor (an explicit owner on one client) does, and what it holds.
 struct Actor {
     name: String,
+    /// The owner's name in the history: actors sharing an owner hold its key together
+    /// (reentrantly), which is one holder.
+    holder: String,
     owner: Owner,
     held: HashMap<usize, Held>,
     rng: Rng,
@@ -169,7 +172,9 @@ impl Actor {
                             Some(held) => held.guards.push(guard),
                             None => {
                                 let record =
-                                    world.history.begin_at(self.name.clone(), &guard, observed);
+                                    world
+                                        .history
+                                        .begin_at(self.holder.clone(), &guard, observed);
                                 self.held.insert(
                                     key,
                                     Held {
@@ -306,12 +311,19 @@ pub async fn histories_stay_linear<H: Harness>(h: &H) -> Outcome {
     for c in 0..CLIENTS {
         let client = h.client().await;
         for o in 0..OWNERS_PER_CLIENT {
-            actors.push(Actor {
-                name: format!("c{c}o{o}"),
-                owner: client.owner(),
-                held: HashMap::new(),
-                rng: Rng(rng.next()),
-            });
+            // The first owner of each client is two concurrent actors: concurrent
+            // acquisitions, re-entries and releases of one owner on one key.
+            let owner = client.owner();
+            let actors_of_owner = if o == 0 { 2 } else { 1 };
+            for a in 0..actors_of_owner {
+                actors.push(Actor {
+                    name: format!("c{c}o{o}{}", ["", "b"][a]),
+                    holder: format!("c{c}o{o}"),
+                    owner: owner.clone(),
+                    held: HashMap::new(),
+                    rng: Rng(rng.next()),
+                });
+            }
         }
         clients.push(client);
     }
