@@ -99,6 +99,7 @@ macro_rules! __with_catalogue {
             reentrancy::concurrent_acquisitions_of_one_owner_keep_the_key,
             reentrancy::a_retried_attempt_takes_effect_once,
             reentrancy::cancelled_reentry_leaves_no_depth,
+            reentrancy::longer_reentry_extends_the_lease,
             waiting::zero_wait_returns_at_once,
             waiting::wait_times_out_near_deadline,
             waiting::waiter_is_woken_promptly_by_release,

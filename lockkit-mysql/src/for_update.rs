@@ -60,10 +60,6 @@ impl Held {
     fn lease_until(&self) -> Instant {
         *self.lease_until.lock().unwrap_or_else(|e| e.into_inner())
     }
-
-    fn set_lease_until(&self, until: Instant) {
-        *self.lease_until.lock().unwrap_or_else(|e| e.into_inner()) = until;
-    }
 }
 
 impl std::fmt::Debug for Held {
@@ -104,15 +100,19 @@ fn held_of(backend: &MysqlBackend, grant: &Grant) -> Result<Arc<Held>> {
     }
 }
 
-/// Adds `req`'s hold to `held` (or finds the one its attempt added already) and returns
-/// the depth; `None` when the last hold was released meanwhile, so the hold is over. Depth
-/// and ledger change together under the ledger's lock, here and in [`release`].
-fn reenter(held: &Held, req: &AcquireRequest) -> Option<u32> {
+/// Adds `req`'s hold to `held` (or finds the one its attempt added already), makes the
+/// lease at least `req.ttl` from `start` (never shorter: other guards rely on it) and
+/// returns the depth; `None` when the hold is over (the last hold was released meanwhile,
+/// or its lease ran out). Depth and ledger change together under the ledger's lock, here
+/// and in [`release`].
+fn reenter(held: &Held, req: &AcquireRequest, start: Instant) -> Option<u32> {
     let mut attempts = held.attempts.lock().unwrap_or_else(|e| e.into_inner());
     let depth = held.depth.load(Ordering::SeqCst);
-    if depth == 0 {
+    let mut until = held.lease_until.lock().unwrap_or_else(|e| e.into_inner());
+    if depth == 0 || start >= *until || held.broken.load(Ordering::SeqCst) {
         return None;
     }
+    *until = (*until).max(start + req.ttl);
     if attempts.has(req.attempt) {
         return Some(depth);
     }
@@ -148,7 +148,7 @@ pub(crate) async fn acquire(
             let reentered = detached_acquire(
                 BACKEND,
                 move |_| async move {
-                    let Some(depth) = reenter(&held, &request) else {
+                    let Some(depth) = reenter(&held, &request, start) else {
                         return Ok(None);
                     };
                     record_depth(&recorder, &held, depth).await;
@@ -534,7 +534,9 @@ pub(crate) async fn renew(backend: &MysqlBackend, grant: &Grant, ttl: Duration) 
         .await
     {
         Ok(_) => {
-            held.set_lease_until(start + ttl);
+            // Never shorten the lease: another guard of this hold may rely on it.
+            let mut until = held.lease_until.lock().unwrap_or_else(|e| e.into_inner());
+            *until = (*until).max(start + ttl);
             Ok(())
         }
         Err(e) if connection_gone(&e) => {

@@ -218,7 +218,18 @@ impl RedlockBackend {
         let elapsed = start.elapsed();
         let valid = local_validity(req.ttl).saturating_sub(elapsed);
         if granted.len() >= quorum && !valid.is_zero() {
-            let token = granted
+            // A quorum that already had this owner's hold (depth above 1 there) held it
+            // throughout, so no other owner can have had a quorum since: a continuation,
+            // which keeps the hold's token (masters where the owner's hold had lapsed
+            // count past it, and the next holder gets more than either). Otherwise a new
+            // hold: the highest counter of the quorum.
+            let continuing: Vec<&&Grant> = granted.iter().filter(|g| g.depth > 1).collect();
+            let from = if continuing.len() >= quorum {
+                continuing
+            } else {
+                granted.iter().collect()
+            };
+            let token = from
                 .iter()
                 .map(|g| g.token)
                 .max()

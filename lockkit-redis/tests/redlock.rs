@@ -240,3 +240,39 @@ async fn a_master_down_at_connect_counts_once_it_is_back() {
     guard.release().await.unwrap();
     assert_eq!(holders(&masters, &key).await, 0);
 }
+
+/// A re-entry on a quorum that still has the owner's hold keeps the hold's token, even when
+/// the hold had lapsed on the other masters (they grant afresh there, with a higher
+/// counter): nested holds keep their token (found by the randomized test under chaos).
+#[tokio::test]
+async fn a_reentry_on_a_quorum_keeps_the_token_where_minority_masters_lapsed() {
+    let Some(masters) = masters() else {
+        return;
+    };
+    let c = client(&masters, "").await;
+    let key = key();
+    let owner = c.locker.owner();
+    let outer = owner
+        .acquire(&key)
+        .ttl(Duration::from_secs(30))
+        .await
+        .unwrap();
+    // The hold lapses on two of five masters.
+    let name = LockNames::new("", &key, false).unwrap().lock;
+    for master in &masters[..2] {
+        let _: () = admin(master).await.del(&name).await.unwrap();
+    }
+    let inner = owner
+        .acquire(&key)
+        .ttl(Duration::from_secs(30))
+        .await
+        .unwrap();
+    assert_eq!(inner.depth(), 2);
+    assert_eq!(
+        inner.token(),
+        outer.token(),
+        "a re-entry on the quorum that holds the key changed its token"
+    );
+    inner.release().await.unwrap();
+    outer.release().await.unwrap();
+}

@@ -451,11 +451,12 @@ impl ZkBackend {
             let reentered = detached_acquire(
                 BACKEND,
                 move |_| async move {
-                    let Some(depth) = add_hold(&held, &request) else {
+                    let start = Instant::now();
+                    let Some(depth) = add_hold(&held, &request, start) else {
                         return Ok(None);
                     };
                     record_depth(&held, depth).await;
-                    let grant = Grant::new(&request, held.token, depth, Instant::now());
+                    let grant = Grant::new(&request, held.token, depth, start);
                     Ok(Some(grant.with_state(held)))
                 },
                 std::convert::identity,
@@ -483,15 +484,19 @@ impl ZkBackend {
     }
 }
 
-/// Adds `req`'s hold to `held` (or finds the one its attempt added already) and returns
-/// the depth; `None` when the last hold was released meanwhile, so the hold is over. Depth
-/// and ledger change together under the ledger's lock, here and in `release`.
-fn add_hold(held: &Held, req: &AcquireRequest) -> Option<u32> {
+/// Adds `req`'s hold to `held` (or finds the one its attempt added already), makes the
+/// lease at least `req.ttl` from `start` (never shorter: other guards rely on it) and
+/// returns the depth; `None` when the hold is over (the last hold was released meanwhile,
+/// or its lease ran out). Depth and ledger change together under the ledger's lock, here
+/// and in `release`.
+fn add_hold(held: &Held, req: &AcquireRequest, start: Instant) -> Option<u32> {
     let mut attempts = lock(&held.attempts);
     let depth = held.depth.load(Ordering::SeqCst);
-    if depth == 0 {
+    let mut until = lock(&held.lease_until);
+    if depth == 0 || start >= *until || held.loss.is_fired() {
         return None;
     }
+    *until = (*until).max(start + req.ttl);
     if attempts.has(req.attempt) {
         return Some(depth);
     }

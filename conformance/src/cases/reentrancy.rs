@@ -569,3 +569,48 @@ pub async fn cancelled_reentry_leaves_no_depth<H: Harness>(h: &H) -> Outcome {
     rival.release().await.check("release the rival");
     Outcome::Passed
 }
+
+/// A reentrant acquisition with a longer TTL makes the lease that long: its guard believes
+/// it, so the key must stay held that long, without a watchdog (the twin of
+/// `shorter_reentry_never_cuts_the_outer_lease`; found by the randomized test on a backend
+/// whose re-entry kept the outer lease).
+pub async fn longer_reentry_extends_the_lease<H: Harness>(h: &H) -> Outcome {
+    let space = Space::new("longer_reentry_extends_the_lease");
+    let key = space.key("k");
+    let (a, b) = (h.client().await, h.client().await);
+    if let Some(skip) = needs_reentrancy(h, &a) {
+        return skip;
+    }
+    let short = h.short_ttl();
+    let past_short = short + h.expiry_slack();
+    let long = past_short * 8;
+    let owner = a.owner();
+    let outer = owner
+        .try_acquire(&key)
+        .ttl(short)
+        .no_watchdog()
+        .await
+        .check("outer")
+        .check("free key");
+    let inner = owner
+        .try_acquire(&key)
+        .ttl(long)
+        .no_watchdog()
+        .await
+        .check("inner")
+        .check("reentrant");
+    tokio::time::sleep(past_short).await;
+    if inner.is_valid() {
+        assert_busy(
+            &b,
+            &key,
+            "the key was free while a longer reentrant guard believed it held",
+        )
+        .await;
+    } else {
+        panic!("a longer reentrant TTL did not make a longer lease");
+    }
+    drop(outer);
+    inner.release().await.check("release inner");
+    Outcome::Passed
+}
