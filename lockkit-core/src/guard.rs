@@ -51,6 +51,8 @@ pub(crate) struct HoldShared {
     stop: CancellationToken,
     /// Wakes the keeper after `extend` moved the lease.
     changed: Notify,
+    /// Guards on this hold not yet released or dropped.
+    guards: std::sync::atomic::AtomicU32,
 }
 
 impl HoldShared {
@@ -122,6 +124,7 @@ impl Hold {
             lease: Mutex::new(lease),
             stop: CancellationToken::new(),
             changed: Notify::new(),
+            guards: std::sync::atomic::AtomicU32::new(0),
         });
         runtime.spawn(keep(shared.clone()));
         Arc::new(Hold { shared })
@@ -251,6 +254,10 @@ async fn keep(shared: Arc<HoldShared>) {
 /// Gives back one hold; shared by `release` and `Drop`.
 async fn release_one(hold: Arc<Hold>, grant: Grant) -> Result<Released> {
     let shared = &hold.shared;
+    let others = shared
+        .guards
+        .fetch_sub(1, std::sync::atomic::Ordering::SeqCst)
+        .saturating_sub(1);
     let _op = shared.op.lock().await;
     if let Some(reason) = shared.check_lost() {
         // A lost hold is not released on the server: what the server holds for this
@@ -260,6 +267,12 @@ async fn release_one(hold: Arc<Hold>, grant: Grant) -> Result<Released> {
     }
     let outcome = shared.backend.release(&grant).await;
     if matches!(outcome, Ok(Released::Fully)) {
+        if others > 0 {
+            // The server let go although other guards of this hold remain (it counted
+            // fewer holds than this client: a depth that lapsed on some Redlock masters, a
+            // retried acquisition): they must not go on believing in it.
+            shared.loss.fire(LostReason::NotOurs);
+        }
         shared.lease().released = true;
         shared.stop.cancel();
     }
@@ -311,6 +324,9 @@ impl fmt::Debug for LockGuard {
 
 impl LockGuard {
     pub(crate) fn new(hold: Arc<Hold>, grant: Grant) -> Self {
+        hold.shared
+            .guards
+            .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
         LockGuard {
             hold,
             grant,
