@@ -222,14 +222,14 @@ async fn lock(
         .await
         .map_err(fail)?;
     // The server waits in whole seconds; the deadline and cancellation interrupt it sooner,
-    // through `KILL QUERY` on this connection. The killer is stopped and *awaited* before
-    // the connection is used for anything else: a `KILL QUERY` still in flight must never
-    // land on a later statement, or on another user of this pooled connection.
+    // by `KILL` of this connection (a `KILL QUERY` that arrives between two statements does
+    // nothing). The killer is stopped and *awaited* before the connection is used for
+    // anything else, and a connection it fired at is closed, never reused.
     let deadline = deadline_after(wait);
     let (stop_killer, stopped) = tokio::sync::oneshot::channel::<()>();
-    let fired = Arc::new(tokio::sync::Notify::new());
+    let (fire, fired) = tokio::sync::watch::channel(false);
     let killer = {
-        let (pool, fired) = (inner.pool.clone(), fired.clone());
+        let pool = inner.pool.clone();
         tokio::spawn(async move {
             let deadline_passes = async {
                 if wait.is_zero() {
@@ -242,30 +242,27 @@ async fn lock(
                 _ = interrupt.interrupted() => {}
                 _ = stopped => return false,
             }
-            fired.notify_one();
-            if let Err(error) = sqlx::raw_sql(AssertSqlSafe(format!("KILL QUERY {id}")))
+            fire.send_replace(true);
+            if let Err(error) = sqlx::raw_sql(AssertSqlSafe(format!("KILL {id}")))
                 .execute(&pool)
                 .await
             {
-                tracing::debug!(%error, "KILL QUERY of a waiter failed");
+                tracing::debug!(%error, "KILL of a waiter's connection failed");
             }
             true
         })
     };
-    let outcome = lock_and_record(backend, req, &mut conn, wait, deadline, &fired).await;
+    let outcome = lock_and_record(backend, req, &mut conn, wait, deadline, fired).await;
     let _ = stop_killer.send(());
     let killed = killer.await.unwrap_or(true);
-    // The lease starts when the grant is observed, not when the wait began: the server
-    // counts `wait_timeout` from when the connection goes idle after the last reply.
-    let granted_at = Instant::now();
-    let token = match outcome {
+    let (token, granted_at) = match outcome {
         _ if killed => {
             // Past the deadline or abandoned by the caller: whatever the outcome, the
             // connection may carry a pending kill. Closing it ends any lock it took.
             conn.close_on_drop();
             return Ok(None);
         }
-        Ok(Some(token)) => token,
+        Ok(Some(granted)) => granted,
         Ok(None) => {
             let _ = sqlx::raw_sql("ROLLBACK").execute(&mut *conn).await;
             return Ok(None);
@@ -336,8 +333,8 @@ async fn lock_and_record(
     conn: &mut PoolConnection<MySql>,
     wait: Duration,
     deadline: Instant,
-    fired: &tokio::sync::Notify,
-) -> std::result::Result<Option<u64>, LockFailure> {
+    mut fired: tokio::sync::watch::Receiver<bool>,
+) -> std::result::Result<Option<(u64, Instant)>, LockFailure> {
     let inner = &backend.inner;
     let name = req.key.as_str().as_bytes();
     let statement = if wait.is_zero() {
@@ -346,6 +343,9 @@ async fn lock_and_record(
         &inner.sql.mutex_lock
     };
     loop {
+        if *fired.borrow() {
+            return Ok(None);
+        }
         let mut locked = Ok(None);
         for _ in 0..2 {
             locked = match sqlx::raw_sql("START TRANSACTION")
@@ -396,18 +396,25 @@ async fn lock_and_record(
             }
             Err(e) => return Err(LockFailure::new("taking the row lock", e)),
         }
-        if let Some(token) = record_holder(backend, req)
-            .await
+        // On a pooled connection, where the killer cannot reach: it may wait behind a
+        // row-mode transaction, so the deadline and the caller's going away end it too.
+        let recorded = tokio::select! {
+            recorded = record_holder(backend, req) => recorded,
+            _ = fired.wait_for(|fired| *fired) => return Ok(None),
+        };
+        if let Some(token) = recorded
             .map_err(|e| LockFailure::new("recording the holder and its fencing token", e))?
         {
             // The token was committed on another connection: make sure this one (and so
             // the lock) was still there afterwards. Had it died in between, the next holder
-            // could already hold a smaller token than ours.
+            // could already hold a smaller token than ours. The lease starts before this
+            // request: the server counts `wait_timeout` from its reply.
+            let confirming_at = Instant::now();
             sqlx::raw_sql("DO 0")
                 .execute(&mut **conn)
                 .await
                 .map_err(|e| LockFailure::new("confirming the row lock", e))?;
-            return Ok(Some(token));
+            return Ok(Some((token, confirming_at)));
         }
         // A row-mode lease (mode=row shares the table) holds the key: wait it out.
         let _ = sqlx::raw_sql("ROLLBACK").execute(&mut **conn).await;
@@ -417,7 +424,7 @@ async fn lock_and_record(
         }
         tokio::select! {
             _ = tokio::time::sleep_until((now + ROW_LEASE_POLL).min(deadline)) => {}
-            _ = fired.notified() => return Ok(None),
+            _ = fired.wait_for(|fired| *fired) => return Ok(None),
         }
     }
 }

@@ -1,10 +1,11 @@
 //! MySQL-specific behaviour beyond the shared suite.
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use lockkit_conformance::env;
 use lockkit_core::{Error, LockKey, Locker, LostReason};
 use lockkit_mysql::MysqlBackend;
+use sqlx::{Connection, MySqlConnection};
 use uuid::Uuid;
 
 fn url(options: &str) -> Option<String> {
@@ -309,4 +310,57 @@ async fn a_table_without_the_attempts_column_is_upgraded_or_reported() {
             .await
             .unwrap();
     }
+}
+
+/// A row-mode client paused inside its acquire transaction (it holds the
+/// `<table>` row lock) keeps a for-update waiter inside `record_holder` (on the shared
+/// pool, not the lock connection, so KILL QUERY cannot reach it) for the pool session's
+/// innodb_lock_wait_timeout (50 s by default), far past the waiter's 1 s deadline.
+#[tokio::test]
+async fn a_for_update_waiter_keeps_its_deadline_behind_a_paused_row_transaction() {
+    let table = "lockkit_test_paused_row_txn";
+    let (Some(row_url), Some(fu_url), Some(raw)) = (
+        url(&format!("mode=row&table={table}")),
+        url(&format!("mode=for-update&table={table}")),
+        env::service_url("LOCKKIT_TEST_MYSQL_URL"),
+    ) else {
+        return;
+    };
+    let row = Locker::new(MysqlBackend::connect(&row_url).await.unwrap());
+    let for_update = Locker::new(MysqlBackend::connect(&fu_url).await.unwrap());
+    let key = key();
+    // The key's row exists (a row-mode lease came and went).
+    row.acquire(&key).await.unwrap().release().await.unwrap();
+
+    // A row-mode client paused between its SELECT ... FOR UPDATE and its COMMIT.
+    let mut paused = MySqlConnection::connect(&raw).await.unwrap();
+    sqlx::raw_sql("START TRANSACTION")
+        .execute(&mut paused)
+        .await
+        .unwrap();
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "SELECT owner FROM `{table}` WHERE name = ? FOR UPDATE"
+    )))
+    .bind(key.as_str().as_bytes())
+    .fetch_optional(&mut paused)
+    .await
+    .unwrap();
+
+    let started = Instant::now();
+    let outcome = tokio::time::timeout(
+        Duration::from_secs(15),
+        for_update.acquire(&key).wait(Duration::from_secs(1)),
+    )
+    .await;
+    let took = started.elapsed();
+    sqlx::raw_sql("ROLLBACK")
+        .execute(&mut paused)
+        .await
+        .unwrap();
+    eprintln!(
+        "for-update acquire with wait=1s: {:?} after {took:?}",
+        outcome.as_ref().map(|r| r.as_ref().map(|_| ()))
+    );
+    assert!(outcome.is_ok(), "still waiting 15 s after a 1 s deadline");
+    assert!(took < Duration::from_secs(3), "took {took:?}");
 }

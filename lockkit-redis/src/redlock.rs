@@ -402,13 +402,17 @@ impl LockBackend for RedlockBackend {
         // Subscribe on every master that lets us; the loop retries before it sleeps, so a
         // release between the first round and the subscriptions is not missed.
         let names = self.names(&req.key)?;
-        // On every master at once, each bounded by the deadline: a frozen master must not
-        // hold the waiter (or the subscriptions on the others) up.
+        // On every master at once, each bounded by the response timeout (at most 500 ms)
+        // and the deadline: a frozen master (a minority Redlock tolerates) must not hold the waiter
+        // or the subscriptions on the others up; without its notifications the loop below
+        // still retries on its timer.
+        let bound = deadline
+            .min(Instant::now() + self.config.response_timeout.min(Duration::from_millis(500)));
         let subscribing = self
             .nodes
             .iter()
             .filter_map(Master::connected)
-            .map(|node| tokio::time::timeout_at(deadline, node.subscribe(&names.channel)));
+            .map(|node| tokio::time::timeout_at(bound, node.subscribe(&names.channel)));
         let subscriptions: Vec<_> = join_all(subscribing)
             .await
             .into_iter()

@@ -34,9 +34,12 @@ pub const MAX_TTL_MS: u64 = 1_000_000_000_000;
 /// A reentrant acquisition makes the lease the longer of what is left and the new TTL:
 /// never shorter, since an outer guard relies on it. An attempt that already took effect
 /// (a retry after a lost reply) gets the same grant again, without a second hold.
-pub static ACQUIRE: LazyLock<Script> = LazyLock::new(|| {
-    Script::new(
-        r"
+pub static ACQUIRE: LazyLock<Script> = LazyLock::new(|| Script::new(ACQUIRE_LUA));
+
+/// The source of [`ACQUIRE`], for `EVAL` in a pipeline with `WAIT` (the two must run on one
+/// connection, in order). A retried attempt rewrites its marker, so the connection has a
+/// write for `WAIT` to count even when nothing else changes.
+pub(crate) const ACQUIRE_LUA: &str = r"
 local ttl = tonumber(ARGV[1])
 if not ttl or ttl < 1 or ttl > 1000000000000 then
   return redis.error_reply('ERR lockkit: lease of ' .. tostring(ARGV[1]) .. ' ms is out of range')
@@ -58,6 +61,7 @@ end
 if t == 'hash' and redis.call('hexists', KEYS[1], ARGV[2]) == 1 then
   local depth
   if ARGV[3] ~= '' and redis.call('hexists', KEYS[1], ARGV[3]) == 1 then
+    redis.call('hset', KEYS[1], ARGV[3], 1)
     depth = tonumber(redis.call('hget', KEYS[1], ARGV[2]))
   else
     depth = redis.call('hincrby', KEYS[1], ARGV[2], 1)
@@ -70,9 +74,7 @@ if t == 'hash' then
   return {0, redis.call('pttl', KEYS[1]), 0}
 end
 return {0, redis.call('pttl', KEYS[1]), 1}
-",
-    )
-});
+";
 
 /// KEYS: lock. ARGV: ttl ms, owner field. Returns 1 if renewed, 0 if not ours. The lease
 /// becomes the longer of what is left and `ttl`: a renewal never shortens it.

@@ -146,27 +146,18 @@ impl RedisBackend {
                 )
             }
             Topology::Cluster(nodes) => {
-                let builder = |response_timeout| {
-                    ClusterClientBuilder::new(nodes.clone())
-                        .connection_timeout(config.connect_timeout)
-                        .response_timeout(response_timeout)
-                        .build()
-                };
-                let client = builder(config.response_timeout).map_err(bad_url)?;
+                let client = ClusterClientBuilder::new(nodes.clone())
+                    .connection_timeout(config.connect_timeout)
+                    .response_timeout(config.response_timeout)
+                    .build()
+                    .map_err(bad_url)?;
                 let target = lockkit_core::config::redact_url(&nodes.join(","));
                 let conn = client
                     .get_async_connection()
                     .await
                     .map_err(|e| backend_error("connecting to the cluster", &target, e))?;
-                let grant_conn = if config.wait_replicas > 0 {
-                    builder(grant_timeout)
-                        .map_err(bad_url)?
-                        .get_async_connection()
-                        .await
-                        .map_err(|e| backend_error("connecting to the cluster", &target, e))?
-                } else {
-                    conn.clone()
-                };
+                // `wait_replicas` is refused for clusters (RedisConfig::parse).
+                let grant_conn = conn.clone();
                 // Classic PUBLISH reaches every node of a cluster: one subscriber will do.
                 let first = nodes
                     .first()
@@ -243,15 +234,39 @@ impl RedisBackend {
         let names = self.names(&req.key)?;
         let mut conn = self.inner.grant_conn.clone();
         let start = Instant::now();
-        let (granted, value, depth): (i64, i64, i64) = scripts::ACQUIRE
-            .key(&names.lock)
-            .key(&names.token)
-            .arg(ttl_millis(req.ttl))
-            .arg(req.owner.to_string())
-            .arg(attempt_field(req.attempt))
-            .invoke_async(&mut conn)
-            .await
-            .map_err(|e| self.fail("running the acquire script", e))?;
+        let wanted = self.inner.config.wait_replicas;
+        let ((granted, value, depth), confirmed): ((i64, i64, i64), Option<i64>) = if wanted == 0 {
+            let outcome = scripts::ACQUIRE
+                .key(&names.lock)
+                .key(&names.token)
+                .arg(ttl_millis(req.ttl))
+                .arg(req.owner.to_string())
+                .arg(attempt_field(req.attempt))
+                .invoke_async(&mut conn)
+                .await
+                .map_err(|e| self.fail("running the acquire script", e))?;
+            (outcome, None)
+        } else {
+            // One pipeline, so `WAIT` runs on the connection that made the grant, right
+            // after it: on any other connection it would confirm nothing.
+            let mut pipe = redis::pipe();
+            pipe.cmd("EVAL")
+                .arg(scripts::ACQUIRE_LUA)
+                .arg(2)
+                .arg(&names.lock)
+                .arg(&names.token)
+                .arg(ttl_millis(req.ttl))
+                .arg(req.owner.to_string())
+                .arg(attempt_field(req.attempt))
+                .cmd("WAIT")
+                .arg(wanted)
+                .arg(ttl_millis(self.inner.config.wait_replicas_timeout));
+            let (outcome, confirmed): ((i64, i64, i64), i64) = pipe
+                .query_async(&mut conn)
+                .await
+                .map_err(|e| self.fail("running the acquire script with WAIT", e))?;
+            (outcome, Some(confirmed))
+        };
         if granted != 1 {
             let mut left = u64::try_from(value).ok().map(Duration::from_millis);
             if depth == 1 {
@@ -271,44 +286,31 @@ impl RedisBackend {
             u32::try_from(depth).unwrap_or(u32::MAX),
             start,
         );
-        self.wait_for_replicas(&grant, &mut conn).await?;
+        if let Some(confirmed) = confirmed {
+            self.check_replicas(&grant, confirmed).await?;
+        }
         Ok(Attempt::Granted(grant))
     }
 
-    /// With `wait_replicas=N`, waits for N replicas to confirm the grant, and gives the
-    /// grant back if they do not.
-    async fn wait_for_replicas(&self, grant: &Grant, conn: &mut Conn) -> Result<()> {
+    /// With `wait_replicas=N`: keeps a grant that `confirmed` replicas acknowledged (the
+    /// `WAIT` sent right after it), or gives it back and says so.
+    async fn check_replicas(&self, grant: &Grant, confirmed: i64) -> Result<()> {
         let wanted = self.inner.config.wait_replicas;
-        if wanted == 0 {
+        if confirmed >= i64::from(wanted) {
             return Ok(());
         }
+        let _ = self.release(grant).await;
         let timeout = self.inner.config.wait_replicas_timeout;
-        let confirmed: Result<i64> = redis::cmd("WAIT")
-            .arg(wanted)
-            .arg(ttl_millis(timeout))
-            .query_async(conn)
-            .await
-            .map_err(|e| self.fail("WAIT for replicas", e));
-        match confirmed {
-            Ok(n) if n >= i64::from(wanted) => Ok(()),
-            outcome => {
-                let _ = self.release(grant).await;
-                let seen = outcome.map_or_else(
-                    |e| format!("WAIT failed: {e}"),
-                    |n| format!("{n} confirmed"),
-                );
-                Err(Error::backend(
-                    crate::conn::BACKEND,
-                    true,
-                    format!(
-                        "the grant of `{}` was refused and given back: {wanted} replica(s) had to \
-                         confirm it within {timeout:?} but {seen}; check the replicas or lower \
-                         wait_replicas",
-                        grant.key
-                    ),
-                ))
-            }
-        }
+        Err(Error::backend(
+            crate::conn::BACKEND,
+            true,
+            format!(
+                "the grant of `{}` was refused and given back: {wanted} replica(s) had to \
+                 confirm it within {timeout:?} but {confirmed} confirmed; check the replicas or \
+                 lower wait_replicas",
+                grant.key
+            ),
+        ))
     }
 
     /// One cancel-safe acquire attempt: the script runs in its own task, and if the caller
@@ -362,6 +364,9 @@ impl RedisBackend {
             Err(_) => return Err(timeout()),
         };
         let channel = subscription.as_ref().map(|s| s.channel.clone());
+        // Whether the subscriber connection was there at the last look: while it is not,
+        // release messages may be missed, so sleep no longer than the polling fallback.
+        let mut listening = subscription.is_some();
         loop {
             // Listening before the retry, so a release cannot slip in between.
             let mut notified = channel.as_ref().map(|c| Box::pin(c.notify.notified()));
@@ -381,11 +386,11 @@ impl RedisBackend {
             if now >= deadline {
                 return Err(timeout());
             }
-            let fallback = match (&subscription, busy_for) {
+            let fallback = match (listening, busy_for) {
                 // Notified on release; the timer only covers expiry without a release.
-                (Some(_), Some(left)) => left + Duration::from_millis(1),
-                (Some(_), None) => POLL_FALLBACK * 4,
-                (None, left) => left.unwrap_or(POLL_FALLBACK).min(POLL_FALLBACK),
+                (true, Some(left)) => left + Duration::from_millis(1),
+                (true, None) => POLL_FALLBACK * 4,
+                (false, left) => left.unwrap_or(POLL_FALLBACK).min(POLL_FALLBACK),
             };
             let jitter = Duration::from_micros(fastrand::u64(0..1000));
             let woken = async {
@@ -401,8 +406,9 @@ impl RedisBackend {
             if subscription.is_some() {
                 let reconnecting = self.inner.wakeups.ensure_connected();
                 match tokio::time::timeout_at(deadline, reconnecting).await {
-                    Ok(Ok(())) => {}
+                    Ok(Ok(())) => listening = true,
                     Ok(Err(error)) => {
+                        listening = false;
                         tracing::debug!(%error, "subscriber connection down; retrying on the timer");
                     }
                     Err(_) => return Err(timeout()),

@@ -50,10 +50,23 @@ impl Shared {
 struct Link {
     generation: u64,
     sink: Option<PubSubSink>,
+    /// The reader of the connection in use: aborted (closing that connection) when the
+    /// link gives the connection up, so an abandoned connection never lingers.
+    reader: Option<tokio::task::JoinHandle<()>>,
     /// When the last attempt to open the connection failed: new attempts wait
     /// [`RECONNECT_PAUSE`] after it, so waiters behind a dead server fail fast instead of
     /// each spending a timeout under the lock.
     failed_at: Option<tokio::time::Instant>,
+}
+
+impl Link {
+    /// Gives the connection up: its reader stops, and with it the connection.
+    fn abandon(&mut self) {
+        self.sink = None;
+        if let Some(reader) = self.reader.take() {
+            reader.abort();
+        }
+    }
 }
 
 /// The pause between attempts to reopen a subscriber connection that failed to open.
@@ -109,6 +122,7 @@ impl Wakeups {
             link: tokio::sync::Mutex::new(Link {
                 generation: 0,
                 sink: None,
+                reader: None,
                 failed_at: None,
             }),
         })
@@ -145,11 +159,11 @@ impl Wakeups {
             match tokio::time::timeout(self.timeout, sink.subscribe(name)).await {
                 Ok(Ok(())) => {}
                 Ok(Err(e)) => {
-                    link.sink = None;
+                    link.abandon();
                     return Err(backend_error("SUBSCRIBE", &self.target, e));
                 }
                 Err(_) => {
-                    link.sink = None;
+                    link.abandon();
                     return Err(self.timed_out("SUBSCRIBE"));
                 }
             }
@@ -180,7 +194,7 @@ impl Wakeups {
     /// Opens the subscriber connection and subscribes every channel with waiters, within
     /// the timeout; after a failure, fails at once for [`RECONNECT_PAUSE`].
     async fn connect(&self, link: &mut Link) -> Result<()> {
-        link.sink = None;
+        link.abandon();
         if link
             .failed_at
             .is_some_and(|at| at.elapsed() < RECONNECT_PAUSE)
@@ -198,7 +212,7 @@ impl Wakeups {
                 link.failed_at = None;
                 link.generation += 1;
                 link.sink = Some(sink.0);
-                self.spawn_reader(sink.1, link.generation);
+                link.reader = Some(self.spawn_reader(sink.1, link.generation));
                 Ok(())
             }
             Err(e) => {
@@ -232,7 +246,11 @@ impl Wakeups {
     }
 
     /// Fans the messages of connection `generation` out to the local waiters.
-    fn spawn_reader(&self, mut stream: redis::aio::PubSubStream, generation: u64) {
+    fn spawn_reader(
+        &self,
+        mut stream: redis::aio::PubSubStream,
+        generation: u64,
+    ) -> tokio::task::JoinHandle<()> {
         let shared = self.shared.clone();
         tokio::spawn(async move {
             while let Some(message) = stream.next().await {
@@ -242,9 +260,12 @@ impl Wakeups {
                 }
             }
             // The connection is gone: wake everyone so they retry and reconnect.
-            shared.dead_generation.store(generation, Ordering::SeqCst);
+            // An older generation ending later must not hide a newer one's death.
+            shared
+                .dead_generation
+                .fetch_max(generation, Ordering::SeqCst);
             shared.wake_all();
-        });
+        })
     }
 
     /// Drops one reference; true when it was the last, and the channel is forgotten.
@@ -273,13 +294,13 @@ impl Wakeups {
                 Ok(Ok(())) => {}
                 Ok(Err(error)) => {
                     tracing::debug!(%error, "UNSUBSCRIBE failed; dropping the subscriber connection");
-                    link.sink = None;
+                    link.abandon();
                 }
                 Err(_) => {
                     tracing::debug!(
                         "UNSUBSCRIBE got no answer; dropping the subscriber connection"
                     );
-                    link.sink = None;
+                    link.abandon();
                 }
             }
         }
