@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Stability check for issue 11: N fresh clones of this checkout's HEAD, each running
+# `CI=true .ci/run` at LOCKKIT_PORT_OFFSET (default 2000) while two busy loops load the
+# cores. Appends one line per run to /tmp/stability.txt; logs in /tmp/stab-run-<i>.log.
+# Usage: scripts/stability.sh [N]
+set -u
+N=${1:-5}
+repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+offset=${LOCKKIT_PORT_OFFSET:-2000}
+out=/tmp/stability.txt
+busy() { while :; do :; done; }
+busy & b1=$!
+busy & b2=$!
+trap 'kill $b1 $b2 2>/dev/null' EXIT
+for i in $(seq 1 "$N"); do
+  dir=/tmp/stab-clone-$i
+  rm -rf "$dir"
+  git clone -q "$repo" "$dir"
+  commit=$(git -C "$dir" rev-parse --short HEAD)
+  start=$(date +%s)
+  (cd "$dir" && CI=true LOCKKIT_PORT_OFFSET=$offset CARGO_TARGET_DIR=/tmp/stab-target \
+    bash .ci/run > "/tmp/stab-run-$i.log" 2>&1)
+  rc=$?
+  (cd "$dir" && LOCKKIT_PORT_OFFSET=$offset CARGO_TARGET_DIR=/tmp/stab-target \
+    scripts/services.sh down > /dev/null 2>&1)
+  failed=$(grep -hE '^test .*FAILED$' "/tmp/stab-run-$i.log" | tr '\n' ' ')
+  echo "run $i of $commit: rc=$rc $(( $(date +%s) - start )) s; failed: ${failed:-none}" >> "$out"
+done
