@@ -1,11 +1,14 @@
 //! One command connection, to a single server or to a cluster, and error mapping.
 
+use std::sync::Mutex;
+
 use lockkit_core::Error;
 use redis::{
     Cmd, RedisError, RedisFuture, Value,
     aio::{ConnectionLike, ConnectionManager},
     cluster_async::ClusterConnection,
 };
+use tokio::sync::{Semaphore, SemaphorePermit};
 
 pub(crate) const BACKEND: &str = "redis";
 
@@ -66,4 +69,74 @@ pub(crate) fn backend_error(doing: &str, target: &str, e: RedisError) -> Error {
         format!("{doing} on {target} failed: {e}{hint}"),
         e,
     )
+}
+
+/// The connections acquisitions run on: the command connection itself, or with
+/// `wait_replicas` a few of their own.
+///
+/// `WAIT` blocks the connection it is sent on for up to its timeout, so an acquisition must
+/// not be queued on the server behind another's `WAIT`: it would hold up grants of other
+/// keys, and one queued past its response timeout fails although its script may still run
+/// and grant (a hold nobody knows of, until its lease ends). So each acquisition has a
+/// connection to itself, and waits here, before sending anything, for one to be free.
+pub(crate) enum GrantConns {
+    /// Multiplexed: every acquisition shares it.
+    Shared(Conn),
+    /// One acquisition at a time on each.
+    Exclusive {
+        idle: Mutex<Vec<Conn>>,
+        permits: Semaphore,
+    },
+}
+
+/// An acquisition's use of a grant connection; dropping it hands the connection back.
+pub(crate) struct GrantSlot<'a> {
+    pub(crate) conn: Conn,
+    home: Option<(&'a Mutex<Vec<Conn>>, SemaphorePermit<'a>)>,
+}
+
+impl Drop for GrantSlot<'_> {
+    fn drop(&mut self) {
+        // The connection goes back before the permit (a field, dropped after this).
+        if let Some((idle, _)) = &self.home {
+            idle.lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .push(self.conn.clone());
+        }
+    }
+}
+
+impl GrantConns {
+    pub(crate) fn exclusive(conns: Vec<Conn>) -> Self {
+        let permits = Semaphore::new(conns.len());
+        GrantConns::Exclusive {
+            idle: Mutex::new(conns),
+            permits,
+        }
+    }
+
+    /// A connection for one acquisition, waiting (before anything is sent) while all of
+    /// them are in use.
+    pub(crate) async fn pick(&self) -> Result<GrantSlot<'_>, Error> {
+        match self {
+            GrantConns::Shared(conn) => Ok(GrantSlot {
+                conn: conn.clone(),
+                home: None,
+            }),
+            GrantConns::Exclusive { idle, permits } => {
+                let unavailable =
+                    || Error::backend(BACKEND, true, "no grant connection is available");
+                let permit = permits.acquire().await.map_err(|_| unavailable())?;
+                let conn = idle
+                    .lock()
+                    .unwrap_or_else(std::sync::PoisonError::into_inner)
+                    .pop()
+                    .ok_or_else(unavailable)?;
+                Ok(GrantSlot {
+                    conn,
+                    home: Some((idle, permit)),
+                })
+            }
+        }
+    }
 }

@@ -326,6 +326,14 @@ impl RedlockBackend {
     }
 
     /// Gives back a failed round's grants on every master that granted or did not answer.
+    ///
+    /// Waits for the answers no longer than a round may take (the per-master timeout):
+    /// each release is on its master's connection by then, ahead of any later command of
+    /// this client there, so a slow or frozen master still applies it before this owner's
+    /// next round; and a release carries the acquisition's attempt marker, so it can only
+    /// take back what this acquisition added, never an outer hold of the same owner. Waiting out the full response timeout instead made every
+    /// busy round behind a frozen minority master cost that long, and waiters overran their
+    /// deadlines by it.
     async fn give_back(&self, req: &AcquireRequest, votes: &[Vote]) {
         let releases = self
             .nodes
@@ -343,7 +351,7 @@ impl RedlockBackend {
                     let _ = node.release(&grant).await;
                 }
             });
-        let _ = tokio::time::timeout(self.config.response_timeout, join_all(releases)).await;
+        let _ = tokio::time::timeout(self.node_timeout(req.ttl), join_all(releases)).await;
     }
 
     /// A cancel-safe round: it runs in its own task, and a grant nobody waits for any more

@@ -16,7 +16,7 @@ use tokio::time::Instant;
 
 use crate::{
     RedisConfig, Topology,
-    conn::{Conn, backend_error},
+    conn::{Conn, GrantConns, backend_error},
     naming::LockNames,
     scripts,
     wakeups::Wakeups,
@@ -60,12 +60,16 @@ pub(crate) fn ttl_millis(ttl: Duration) -> u64 {
     u64::try_from(ttl.as_millis()).unwrap_or(u64::MAX).max(1)
 }
 
+/// Connections of their own for acquisitions that wait for replicas (`WAIT` blocks one):
+/// this many acquisitions of one client wait for their replicas at once, the rest queue.
+const GRANT_CONNECTIONS: usize = 4;
+
 struct Inner {
     conn: Conn,
-    /// Where acquisitions run: `conn` itself, or with `wait_replicas` a connection of their
+    /// Where acquisitions run: `conn` itself, or with `wait_replicas` connections of their
     /// own, since `WAIT` blocks the connection it is sent on (renewals on `conn` must not
     /// queue behind it) and must follow the grant's write on the same connection.
-    grant_conn: Conn,
+    grant_conns: GrantConns,
     wakeups: Arc<Wakeups>,
     config: RedisConfig,
     cluster: bool,
@@ -116,7 +120,7 @@ impl RedisBackend {
         // A grant confirmed by `WAIT` needs the two on one connection, never retried on a
         // new one (a fresh connection's `WAIT` confirms nothing).
         let grant_timeout = config.response_timeout + config.wait_replicas_timeout;
-        let (conn, grant_conn, subscriber, target, cluster) = match &config.topology {
+        let (conn, grant_conns, subscriber, target, cluster) = match &config.topology {
             Topology::Single(url) => {
                 let client = redis::Client::open(url.as_str()).map_err(bad_url)?;
                 let target = lockkit_core::config::redact_url(url);
@@ -130,20 +134,20 @@ impl RedisBackend {
                 let conn = manager(config.response_timeout, 2)
                     .await
                     .map_err(|e| backend_error("connecting", url, e))?;
-                let grant_conn = if config.wait_replicas > 0 {
-                    manager(grant_timeout, 0)
-                        .await
-                        .map_err(|e| backend_error("connecting", url, e))?
+                let grant_conns = if config.wait_replicas > 0 {
+                    let mut own = Vec::with_capacity(GRANT_CONNECTIONS);
+                    for _ in 0..GRANT_CONNECTIONS {
+                        own.push(Conn::Single(
+                            manager(grant_timeout, 0)
+                                .await
+                                .map_err(|e| backend_error("connecting", url, e))?,
+                        ));
+                    }
+                    GrantConns::exclusive(own)
                 } else {
-                    conn.clone()
+                    GrantConns::Shared(Conn::Single(conn.clone()))
                 };
-                (
-                    Conn::Single(conn),
-                    Conn::Single(grant_conn),
-                    client,
-                    target,
-                    false,
-                )
+                (Conn::Single(conn), grant_conns, client, target, false)
             }
             Topology::Cluster(nodes) => {
                 let client = ClusterClientBuilder::new(nodes.clone())
@@ -157,19 +161,13 @@ impl RedisBackend {
                     .await
                     .map_err(|e| backend_error("connecting to the cluster", &target, e))?;
                 // `wait_replicas` is refused for clusters (RedisConfig::parse).
-                let grant_conn = conn.clone();
+                let grant_conns = GrantConns::Shared(Conn::Cluster(conn.clone()));
                 // Classic PUBLISH reaches every node of a cluster: one subscriber will do.
                 let first = nodes
                     .first()
                     .ok_or_else(|| Error::Config("no cluster node".into()))?;
                 let subscriber = redis::Client::open(first.as_str()).map_err(bad_url)?;
-                (
-                    Conn::Cluster(conn),
-                    Conn::Cluster(grant_conn),
-                    subscriber,
-                    target,
-                    true,
-                )
+                (Conn::Cluster(conn), grant_conns, subscriber, target, true)
             }
             Topology::Redlock(_) => {
                 return Err(Error::Config(
@@ -180,7 +178,7 @@ impl RedisBackend {
         Ok(RedisBackend {
             inner: Arc::new(Inner {
                 conn,
-                grant_conn,
+                grant_conns,
                 wakeups: Wakeups::new(
                     subscriber,
                     target.clone(),
@@ -232,7 +230,8 @@ impl RedisBackend {
     /// Runs the acquire script once. Not cancel safe by itself: see [`Self::attempt`].
     pub(crate) async fn run_acquire(&self, req: &AcquireRequest) -> Result<Attempt> {
         let names = self.names(&req.key)?;
-        let mut conn = self.inner.grant_conn.clone();
+        let slot = self.inner.grant_conns.pick().await?;
+        let mut conn = slot.conn.clone();
         let start = Instant::now();
         let wanted = self.inner.config.wait_replicas;
         let ((granted, value, depth), confirmed): ((i64, i64, i64), Option<i64>) = if wanted == 0 {

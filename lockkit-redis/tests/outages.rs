@@ -9,7 +9,7 @@ use std::{
 };
 
 use lockkit_conformance::{FaultProxy, env};
-use lockkit_core::{LockKey, Locker};
+use lockkit_core::{Error, LockKey, Locker};
 use lockkit_redis::RedisBackend;
 use redis::AsyncCommands;
 use tokio::{
@@ -324,5 +324,57 @@ async fn a_frozen_minority_master_does_not_stall_redlock_waiters() {
     assert!(
         at.saturating_duration_since(released) < Duration::from_secs(3),
         "the waiter sat behind the frozen master's subscriber"
+    );
+}
+
+/// Review finding 6: after a busy round, giving back on a frozen minority master waited for
+/// the full response timeout, so every round behind a frozen master cost that long and a
+/// waiter ended a response timeout past its deadline. The give-back now waits no longer than
+/// a round may (the per-master timeout): its releases are already queued on the master's
+/// connection.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_redlock_waiter_keeps_its_deadline_behind_a_frozen_minority_master() {
+    let Some(url) = env::service_url("LOCKKIT_TEST_REDLOCK_URL") else {
+        return;
+    };
+    let mut proxies = Vec::new();
+    for master in url.trim_start_matches("redlock://").split(',') {
+        proxies.push(FaultProxy::start(master.parse().unwrap()).await.unwrap());
+    }
+    let via: Vec<String> = proxies.iter().map(|p| p.local_addr().to_string()).collect();
+    // A long response timeout (which the give-back used to wait out), a short wait.
+    let response_timeout = Duration::from_secs(8);
+    let waiter_side = Locker::new(
+        lockkit_redis::RedlockBackend::connect(&format!(
+            "redlock://{}?response_timeout=8s&connect_timeout=2s",
+            via.join(",")
+        ))
+        .await
+        .unwrap(),
+    );
+    let direct = Locker::new(lockkit_redis::RedlockBackend::connect(&url).await.unwrap());
+    let k = key("redlock-frozen-deadline");
+    let held = direct
+        .acquire(&k)
+        .ttl(Duration::from_secs(60))
+        .await
+        .unwrap();
+    proxies[0].cut();
+    let wait = Duration::from_millis(700);
+    let started = Instant::now();
+    let outcome = waiter_side.acquire(&k).wait(wait).await;
+    let took = started.elapsed();
+    proxies[0].heal();
+    held.release().await.unwrap();
+    eprintln!("redlock waiter behind a frozen master: {outcome:?} after {took:?}");
+    assert!(
+        matches!(outcome, Err(Error::Timeout { .. })),
+        "the key was held on 4 of 5 masters: {outcome:?}"
+    );
+    // Wide margin: the old give-back alone took the 8 s response timeout.
+    assert!(
+        took < wait + response_timeout / 2,
+        "the waiter overran its {wait:?} deadline by {:?}",
+        took.saturating_sub(wait)
     );
 }

@@ -113,3 +113,56 @@ async fn a_grant_waiting_for_replicas_does_not_stall_other_commands() {
         "two replicas cannot confirm"
     );
 }
+
+/// Review finding 10: every acquisition ran on one grant connection, so each queued on the
+/// server behind the others' `WAIT`: the second failed with a response timeout (its script
+/// possibly run, a hold nobody knew of) and the third ended after three `WAIT` timeouts.
+/// Acquisitions now have grant connections to themselves, and queue in the client (before
+/// sending anything) when all are busy.
+#[tokio::test]
+async fn acquisitions_waiting_for_replicas_do_not_queue_behind_each_other() {
+    let Some((url, mut admin)) = primary().await else {
+        return;
+    };
+    let wait_timeout = Duration::from_secs(2);
+    // Two replicas never confirm (there is one): every WAIT runs its full timeout.
+    let locker = Locker::new(
+        RedisBackend::connect(&format!(
+            "{url}?wait_replicas=2&wait_replicas_timeout=2s&response_timeout=1s"
+        ))
+        .await
+        .unwrap(),
+    );
+    let started = std::time::Instant::now();
+    let acquisitions: Vec<_> = (0..6)
+        .map(|_| {
+            let locker = locker.clone();
+            tokio::spawn(async move {
+                let key = LockKey::new(format!("replicas/{}", Uuid::new_v4().simple())).unwrap();
+                let outcome = locker.try_acquire(&key).await;
+                (key, outcome.map(|_| ()), started.elapsed())
+            })
+        })
+        .collect();
+    let mut ended = Vec::new();
+    for acquisition in acquisitions {
+        let (key, outcome, at) = acquisition.await.unwrap();
+        eprintln!("acquisition ended after {at:?}: {outcome:?}");
+        let message = outcome
+            .expect_err("two replicas cannot confirm")
+            .to_string();
+        assert!(
+            message.contains("2 replica(s) had to confirm") && message.contains("given back"),
+            "every acquisition gets the replicas' answer, not a timeout: {message}"
+        );
+        let exists: bool = admin.exists(key.as_str()).await.unwrap();
+        assert!(!exists, "a refused grant must not stay on the primary");
+        ended.push(at);
+    }
+    ended.sort();
+    // Wide margin: queued on one connection, the third ended after three WAIT timeouts.
+    assert!(
+        ended[2] < wait_timeout * 2,
+        "three acquisitions did not wait for their replicas at once: {ended:?}"
+    );
+}
