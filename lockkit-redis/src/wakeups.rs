@@ -59,16 +59,6 @@ struct Link {
     failed_at: Option<tokio::time::Instant>,
 }
 
-impl Link {
-    /// Gives the connection up: its reader stops, and with it the connection.
-    fn abandon(&mut self) {
-        self.sink = None;
-        if let Some(reader) = self.reader.take() {
-            reader.abort();
-        }
-    }
-}
-
 /// The pause between attempts to reopen a subscriber connection that failed to open.
 const RECONNECT_PAUSE: Duration = Duration::from_millis(500);
 
@@ -159,16 +149,30 @@ impl Wakeups {
             match tokio::time::timeout(self.timeout, sink.subscribe(name)).await {
                 Ok(Ok(())) => {}
                 Ok(Err(e)) => {
-                    link.abandon();
+                    self.abandon(&mut link);
                     return Err(backend_error("SUBSCRIBE", &self.target, e));
                 }
                 Err(_) => {
-                    link.abandon();
+                    self.abandon(&mut link);
                     return Err(self.timed_out("SUBSCRIBE"));
                 }
             }
         }
         Ok(subscription)
+    }
+
+    /// Gives the connection up: its reader stops, and with it the connection. Waiters
+    /// subscribed through it are told (as when a connection dies by itself), so they retry
+    /// and resubscribe instead of sleeping on a subscription that no longer hears anything.
+    fn abandon(&self, link: &mut Link) {
+        link.sink = None;
+        if let Some(reader) = link.reader.take() {
+            reader.abort();
+            self.shared
+                .dead_generation
+                .fetch_max(link.generation, Ordering::SeqCst);
+            self.shared.wake_all();
+        }
     }
 
     fn gone(&self) -> lockkit_core::Error {
@@ -194,7 +198,7 @@ impl Wakeups {
     /// Opens the subscriber connection and subscribes every channel with waiters, within
     /// the timeout; after a failure, fails at once for [`RECONNECT_PAUSE`].
     async fn connect(&self, link: &mut Link) -> Result<()> {
-        link.abandon();
+        self.abandon(link);
         if link
             .failed_at
             .is_some_and(|at| at.elapsed() < RECONNECT_PAUSE)
@@ -294,13 +298,13 @@ impl Wakeups {
                 Ok(Ok(())) => {}
                 Ok(Err(error)) => {
                     tracing::debug!(%error, "UNSUBSCRIBE failed; dropping the subscriber connection");
-                    link.abandon();
+                    self.abandon(&mut link);
                 }
                 Err(_) => {
                     tracing::debug!(
                         "UNSUBSCRIBE got no answer; dropping the subscriber connection"
                     );
-                    link.abandon();
+                    self.abandon(&mut link);
                 }
             }
         }

@@ -378,3 +378,67 @@ async fn a_redlock_waiter_keeps_its_deadline_behind_a_frozen_minority_master() {
         took.saturating_sub(wait)
     );
 }
+
+/// Second review, finding 3: one slow SUBSCRIBE (another waiter's, on another key) makes
+/// the link give the subscriber connection up; aborting its reader skipped the "connection
+/// gone" wake-up, so a waiter already subscribed through it was never told and slept out
+/// the holder's lease (here: to its deadline, 10 s, although the key was freed at once).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn abandoning_the_subscriber_tells_the_waiters_already_on_it() {
+    let Some(url) = env::service_url("LOCKKIT_TEST_REDIS_URL") else {
+        return;
+    };
+    let proxy = ConnProxy::start(upstream(&url)).await;
+    let waiting = Locker::new(
+        RedisBackend::connect(&format!(
+            "redis://{}?response_timeout=300ms&connect_timeout=300ms",
+            proxy.local
+        ))
+        .await
+        .unwrap(),
+    );
+    wait_for_conns(&proxy, 1).await; // 0: the command connection
+    let direct = Locker::new(RedisBackend::connect(&url).await.unwrap());
+    let (k1, k2) = (key("abandon-1"), key("abandon-2"));
+    let h1 = direct
+        .acquire(&k1)
+        .ttl(Duration::from_secs(30))
+        .await
+        .unwrap();
+    let h2 = direct
+        .acquire(&k2)
+        .ttl(Duration::from_secs(30))
+        .await
+        .unwrap();
+    let w1 = {
+        let (l, k) = (waiting.clone(), k1.clone());
+        tokio::spawn(async move {
+            let r = l.acquire(&k).wait(Duration::from_secs(10)).await;
+            (r.map(|_| ()), Instant::now())
+        })
+    };
+    wait_for_conns(&proxy, 2).await; // 1: the subscriber
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    proxy.stall(1, true);
+    let w2 = {
+        let (l, k) = (waiting.clone(), k2.clone());
+        tokio::spawn(async move { l.acquire(&k).wait(Duration::from_secs(10)).await })
+    };
+    // W2's SUBSCRIBE times out (300 ms): the link gives the connection up.
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    proxy.stall(1, false);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let released = Instant::now();
+    h1.release().await.unwrap();
+    let (outcome, at) = w1.await.unwrap();
+    w2.abort();
+    h2.release().await.unwrap();
+    let after = at.saturating_duration_since(released);
+    eprintln!("W1: {outcome:?}, {after:?} after the release");
+    assert!(outcome.is_ok(), "the key was released: {outcome:?}");
+    // Wide margin: stranded, W1 slept to its 10 s deadline.
+    assert!(
+        after < Duration::from_secs(3),
+        "W1 heard the release only after {after:?}"
+    );
+}
