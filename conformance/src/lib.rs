@@ -100,6 +100,8 @@ macro_rules! __with_catalogue {
             reentrancy::a_retried_attempt_takes_effect_once,
             reentrancy::cancelled_reentry_leaves_no_depth,
             reentrancy::longer_reentry_extends_the_lease,
+            reentrancy::a_reentry_racing_the_last_release_is_granted,
+            reentrancy::sibling_releases_never_fire_the_loss_signal,
             waiting::zero_wait_returns_at_once,
             waiting::wait_times_out_near_deadline,
             waiting::waiter_is_woken_promptly_by_release,

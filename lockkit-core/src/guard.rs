@@ -139,10 +139,6 @@ impl Hold {
         self.shared.grant.token
     }
 
-    pub(crate) fn loss(&self) -> &LossSignal {
-        &self.shared.loss
-    }
-
     /// Takes in a reentrant grant on this hold. The backend never shortens the lease on a
     /// reentrant acquisition (it becomes the longer of what was left and the new TTL), so
     /// the local deadline becomes the later of the two; it never moves earlier.
@@ -152,6 +148,12 @@ impl Hold {
         if reentrant_until > lease.valid_until {
             lease.valid_until = reentrant_until;
         }
+    }
+
+    /// Whether no guard is on this hold any more (all released or dropped, or their
+    /// releases under way): nobody believes in it.
+    pub(crate) fn is_abandoned(&self) -> bool {
+        self.shared.guards.load(std::sync::atomic::Ordering::SeqCst) == 0
     }
 
     /// Marks the hold lost because the backend no longer knows it.
@@ -254,10 +256,11 @@ async fn keep(shared: Arc<HoldShared>) {
 /// Gives back one hold; shared by `release` and `Drop`.
 async fn release_one(hold: Arc<Hold>, grant: Grant) -> Result<Released> {
     let shared = &hold.shared;
-    let others = shared
+    // Counted off before waiting for `op`: a re-entry that races this release and gets a
+    // fresh grant must see that no guard believes in this hold any more.
+    shared
         .guards
-        .fetch_sub(1, std::sync::atomic::Ordering::SeqCst)
-        .saturating_sub(1);
+        .fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
     let _op = shared.op.lock().await;
     if let Some(reason) = shared.check_lost() {
         // A lost hold is not released on the server: what the server holds for this
@@ -267,7 +270,8 @@ async fn release_one(hold: Arc<Hold>, grant: Grant) -> Result<Released> {
     }
     let outcome = shared.backend.release(&grant).await;
     if matches!(outcome, Ok(Released::Fully)) {
-        if others > 0 {
+        // Read now, not before `op`: a sibling guard whose release went first is gone.
+        if shared.guards.load(std::sync::atomic::Ordering::SeqCst) > 0 {
             // The server let go although other guards of this hold remain (it counted
             // fewer holds than this client: a depth that lapsed on some Redlock masters, a
             // retried acquisition): they must not go on believing in it.

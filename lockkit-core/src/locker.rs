@@ -254,10 +254,11 @@ impl Acquire {
                 .and_then(Weak::upgrade)
                 .filter(|hold| hold.is_live())
         });
-        let loss = existing
-            .as_ref()
-            .map_or_else(LossSignal::new, |hold| hold.loss().clone());
-        let request = AcquireRequest::new(key.clone(), owner_id, self.options.ttl, loss);
+        // A fresh signal even beside a live hold: a backend that finds the hold keeps the
+        // signal it was given with it (the hold's own), and one that makes a new hold
+        // (the owner's last release won a race with this re-entry) gives that hold this one.
+        let request =
+            AcquireRequest::new(key.clone(), owner_id, self.options.ttl, LossSignal::new());
         let backend = &locker.backend;
         let grant = match wait {
             Some(wait) if wait.is_zero() => backend.try_acquire(&request).await?,
@@ -281,6 +282,20 @@ impl Acquire {
                 hold.absorb(&grant);
                 return Ok(Some(Guard::new(hold, grant)));
             }
+            if grant.depth == 1 && hold.is_abandoned() {
+                // The owner's last guard let go while the request was out, and the server
+                // made a new hold: nobody believes in the old one, so this is a fresh
+                // acquisition (it has its own token and loss signal).
+                let owner = self.owner.as_ref();
+                return Ok(Some(start_hold(
+                    &locker,
+                    owner,
+                    self.options,
+                    key,
+                    grant,
+                    &runtime,
+                )));
+            }
             // Our hold was gone on the server although we thought it live: give the fresh
             // grant back and report the outer hold lost.
             let lost = hold.fire_lost(crate::LostReason::NotOurs);
@@ -292,19 +307,34 @@ impl Acquire {
             });
             return Err(lost);
         }
-        let hold = Hold::start(
-            locker.backend.clone(),
-            grant.clone(),
+        let owner = self.owner.as_ref();
+        Ok(Some(start_hold(
+            &locker,
+            owner,
             self.options,
+            key,
+            grant,
             &runtime,
-        );
-        if let Some(owner) = &self.owner {
-            let mut holds = owner.holds.lock().unwrap_or_else(|e| e.into_inner());
-            holds.retain(|_, weak| weak.strong_count() > 0);
-            holds.insert(key, Arc::downgrade(&hold));
-        }
-        Ok(Some(Guard::new(hold, grant)))
+        )))
     }
+}
+
+/// A new hold from a fresh grant, recorded with its owner (if any) for re-entries.
+fn start_hold(
+    locker: &Locker,
+    owner: Option<&Owner>,
+    options: LockOptions,
+    key: LockKey,
+    grant: crate::Grant,
+    runtime: &tokio::runtime::Handle,
+) -> Guard {
+    let hold = Hold::start(locker.backend.clone(), grant.clone(), options, runtime);
+    if let Some(owner) = owner {
+        let mut holds = owner.holds.lock().unwrap_or_else(|e| e.into_inner());
+        holds.retain(|_, weak| weak.strong_count() > 0);
+        holds.insert(key, Arc::downgrade(&hold));
+    }
+    Guard::new(hold, grant)
 }
 
 impl IntoFuture for Acquire {

@@ -614,3 +614,93 @@ pub async fn longer_reentry_extends_the_lease<H: Harness>(h: &H) -> Outcome {
     inner.release().await.check("release inner");
     Outcome::Passed
 }
+
+/// Rounds of the racing cases below: each is one chance for the race to land either way.
+const RACE_ROUNDS: usize = 25;
+
+/// A re-entry that races the owner's last release is granted (a nested hold if it got
+/// there first, a fresh one if the release did) and its guard holds the key; it is never
+/// refused as "lost" (second review, finding 5: the core called the fresh grant a sign
+/// that the hold had been lost, gave it back and failed the acquisition).
+pub async fn a_reentry_racing_the_last_release_is_granted<H: Harness>(h: &H) -> Outcome {
+    let space = Space::new("a_reentry_racing_the_last_release_is_granted");
+    let (a, b) = (h.client().await, h.client().await);
+    if let Some(skip) = needs_reentrancy(h, &a) {
+        return skip;
+    }
+    for round in 0..RACE_ROUNDS {
+        let key = space.key(&format!("k{round}"));
+        let owner = a.owner();
+        let outer = owner
+            .try_acquire(&key)
+            .ttl(LONG_TTL)
+            .await
+            .check("acquire")
+            .check("free key");
+        let reentry = {
+            let (owner, key, wait) = (owner.clone(), key.clone(), super::generous_wait(h));
+            tokio::spawn(async move { owner.acquire(&key).ttl(LONG_TTL).wait(wait).await })
+        };
+        if round % 2 == 1 {
+            tokio::task::yield_now().await;
+        }
+        outer.release().await.check("release the outer hold");
+        let inner = match reentry.await.check("the re-entry task") {
+            Ok(inner) => inner,
+            Err(e) => panic!("round {round}: a re-entry racing the last release failed: {e}"),
+        };
+        assert!(inner.is_valid(), "round {round}: the re-entry's guard");
+        assert_busy(&b, &key, "while the re-entry's guard holds it").await;
+        inner.release().await.check("release the re-entry");
+    }
+    assert_free(&b, &space.key("k0"), "after the last round").await;
+    Outcome::Passed
+}
+
+/// Two guards of one hold released at once both succeed, and the hold is not reported
+/// lost (second review, finding 6: the count of other guards was read before the release
+/// waited its turn, so a sibling's release that went first made the last one look like the
+/// server had dropped a hold some guard still believed in).
+pub async fn sibling_releases_never_fire_the_loss_signal<H: Harness>(h: &H) -> Outcome {
+    let space = Space::new("sibling_releases_never_fire_the_loss_signal");
+    let (a, b) = (h.client().await, h.client().await);
+    if let Some(skip) = needs_reentrancy(h, &a) {
+        return skip;
+    }
+    for round in 0..RACE_ROUNDS {
+        let key = space.key(&format!("k{round}"));
+        let owner = a.owner();
+        let first = owner
+            .try_acquire(&key)
+            .ttl(LONG_TTL)
+            .await
+            .check("acquire")
+            .check("free key");
+        let second = owner
+            .try_acquire(&key)
+            .ttl(LONG_TTL)
+            .await
+            .check("reenter")
+            .check("the owner gets its own lock again");
+        let lost = first.lost();
+        let (one, two) = tokio::join!(
+            tokio::spawn(first.release()),
+            tokio::spawn(second.release())
+        );
+        let mut outcomes = [
+            one.check("release task").check("release one guard"),
+            two.check("release task").check("release the other guard"),
+        ];
+        outcomes.sort_by_key(|r| matches!(r, Released::Fully));
+        assert_eq!(
+            outcomes,
+            [Released::Partially { remaining: 1 }, Released::Fully],
+            "round {round}"
+        );
+        if let Ok(reason) = tokio::time::timeout(Duration::ZERO, lost).await {
+            panic!("round {round}: two clean releases reported the hold lost ({reason:?})");
+        }
+        assert_free(&b, &key, "after both releases").await;
+    }
+    Outcome::Passed
+}
