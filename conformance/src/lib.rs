@@ -102,6 +102,7 @@ macro_rules! __with_catalogue {
             reentrancy::longer_reentry_extends_the_lease,
             reentrancy::a_reentry_racing_the_last_release_is_granted,
             reentrancy::sibling_releases_never_fire_the_loss_signal,
+            reentrancy::a_retried_attempt_keeps_the_lease_it_reports,
             waiting::zero_wait_returns_at_once,
             waiting::wait_times_out_near_deadline,
             waiting::waiter_is_woken_promptly_by_release,

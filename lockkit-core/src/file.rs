@@ -407,6 +407,8 @@ impl FileBackend {
                     match state.holder(now) {
                         Some(owner) if owner == req.owner && state.attempts.has(req.attempt) => {
                             // A retry of an acquisition that took effect: the same grant.
+                            // Its guard counts the lease from now: the lease runs that long.
+                            state.expires = state.expires.max(now.saturating_add(nanos(req.ttl)));
                             Ok(Attempt::Granted(Grant::new(
                                 &req,
                                 FencingToken::new(state.token),

@@ -214,7 +214,9 @@ impl MemoryBackend {
                 return Err(entry.expires);
             }
             if entry.attempts.has(req.attempt) {
-                // A retry of an acquisition that took effect: the same grant again.
+                // A retry of an acquisition that took effect: the same grant again. Its
+                // guard counts the lease from now, so the lease runs at least that long.
+                entry.expires = entry.expires.max(now + req.ttl);
                 return Ok(Grant::new(
                     req,
                     FencingToken::new(entry.token),

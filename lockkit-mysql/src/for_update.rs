@@ -121,6 +121,37 @@ fn reenter(held: &Held, req: &AcquireRequest, start: Instant) -> Option<u32> {
     Some(depth + 1)
 }
 
+/// [`reenter`], with the server told first when the re-entry lengthens the lease: the
+/// session's `wait_timeout` (which ends the lock when its holder goes quiet) is raised to
+/// cover the new lease before the guard can believe it, so a holder paused right after a
+/// longer re-entry is not cut off at the outer lease while it believes the longer one.
+/// Runs under the connection's lock, so the liveness check cannot set a shorter timeout
+/// in between. `Ok(None)`: the hold is over or released, ask afresh.
+async fn reenter_on_server(
+    held: &Held,
+    req: &AcquireRequest,
+    start: Instant,
+) -> Result<Option<u32>> {
+    let mut conn = held.conn.lock().await;
+    let Some(c) = conn
+        .as_mut()
+        .filter(|_| !held.broken.load(Ordering::SeqCst))
+    else {
+        return Ok(None);
+    };
+    if start + req.ttl > held.lease_until() {
+        let statement = format!(
+            "SET SESSION wait_timeout = {}",
+            whole_seconds(req.ttl).max(1)
+        );
+        sqlx::raw_sql(AssertSqlSafe(statement))
+            .execute(&mut **c)
+            .await
+            .map_err(|e| db_error("lengthening the lease of a re-entry", e))?;
+    }
+    Ok(reenter(held, req, start))
+}
+
 fn grant_for(req: &AcquireRequest, held: &Arc<Held>, depth: u32, start: Instant) -> Grant {
     Grant::new(req, held.token, depth, start).with_state(held.clone())
 }
@@ -148,7 +179,7 @@ pub(crate) async fn acquire(
             let reentered = detached_acquire(
                 BACKEND,
                 move |_| async move {
-                    let Some(depth) = reenter(&held, &request, start) else {
+                    let Some(depth) = reenter_on_server(&held, &request, start).await? else {
                         return Ok(None);
                     };
                     record_depth(&recorder, &held, depth).await;
@@ -471,8 +502,7 @@ async fn watch(backend: MysqlBackend, held: std::sync::Weak<Held>, loss: lockkit
     loop {
         tokio::time::sleep(every).await;
         let Some(held) = held.upgrade() else { return };
-        let left = held.lease_until().saturating_duration_since(Instant::now());
-        if left.is_zero() {
+        if held.lease_until() <= Instant::now() {
             // Not renewed in time: the hold is over. Close its connection now (the server
             // would only end it at wait_timeout), free its slot and map entry, and say so.
             end_stale(&backend, &held).await;
@@ -481,6 +511,9 @@ async fn watch(backend: MysqlBackend, held: std::sync::Weak<Held>, loss: lockkit
         }
         let mut conn = held.conn.lock().await;
         let Some(c) = conn.as_mut() else { return };
+        // Read under the connection's lock: a re-entry or renewal that lengthened the lease
+        // meanwhile has told the server, and this must not set a shorter timeout after it.
+        let left = held.lease_until().saturating_duration_since(Instant::now());
         let check = format!("SET SESSION wait_timeout = {}", whole_seconds(left).max(1));
         match sqlx::raw_sql(AssertSqlSafe(check)).execute(&mut **c).await {
             Ok(_) => {}
@@ -535,15 +568,20 @@ pub(crate) async fn renew(backend: &MysqlBackend, grant: &Grant, ttl: Duration) 
         });
     };
     let start = Instant::now();
-    let statement = format!("SET SESSION wait_timeout = {}", whole_seconds(ttl).max(1));
+    // Never shorten the lease: another guard of this hold may rely on it. The server's
+    // timeout covers the whole of it, not just `ttl`.
+    let until = held.lease_until().max(start + ttl);
+    let statement = format!(
+        "SET SESSION wait_timeout = {}",
+        whole_seconds(until.saturating_duration_since(start)).max(1)
+    );
     match sqlx::raw_sql(AssertSqlSafe(statement))
         .execute(&mut **c)
         .await
     {
         Ok(_) => {
-            // Never shorten the lease: another guard of this hold may rely on it.
-            let mut until = held.lease_until.lock().unwrap_or_else(|e| e.into_inner());
-            *until = (*until).max(start + ttl);
+            let mut lease_until = held.lease_until.lock().unwrap_or_else(|e| e.into_inner());
+            *lease_until = (*lease_until).max(until);
             Ok(())
         }
         Err(e) if connection_gone(&e) => {

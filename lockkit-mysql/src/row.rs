@@ -84,8 +84,16 @@ async fn run_acquire(backend: &MysqlBackend, req: &AcquireRequest) -> Result<Att
         let mut attempts = AttemptLedger::parse(&row_text(&row, "attempts").unwrap_or_default());
         if attempts.has(req.attempt) {
             // A retry of an acquisition that took effect (its COMMIT's reply was lost): the
-            // same grant again, not a second hold.
-            tx.rollback().await.map_err(fail)?;
+            // same grant again, not a second hold. Its guard counts the lease from this
+            // retry, so the lease on the server runs at least that long too (never shorter).
+            query(&sql.row_renew)
+                .bind(ttl)
+                .bind(name)
+                .bind(&owner)
+                .execute(&mut *tx)
+                .await
+                .map_err(fail)?;
+            tx.commit().await.map_err(fail)?;
             return Ok(Attempt::Granted(Grant::new(
                 req,
                 FencingToken::new(fence),

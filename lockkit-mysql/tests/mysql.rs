@@ -364,3 +364,79 @@ async fn a_for_update_waiter_keeps_its_deadline_behind_a_paused_row_transaction(
     assert!(outcome.is_ok(), "still waiting 15 s after a 1 s deadline");
     assert!(took < Duration::from_secs(3), "took {took:?}");
 }
+
+/// Second review, finding 1: a for-update re-entry with a longer TTL lengthened only the
+/// local lease; the session's `wait_timeout` (what ends the lock on the server when its
+/// holder goes quiet) stayed at the outer lease until the next liveness check. A holder
+/// paused right after the re-entry was cut off at the outer lease, another client got the
+/// key, and the paused holder woke up still believing its guard.
+#[test]
+fn a_holder_paused_after_a_longer_reentry_is_not_cut_off_at_the_outer_lease() {
+    let Some(url) = url("mode=for-update") else {
+        return;
+    };
+    let key = key();
+    // The holder's runtime runs only inside `block_on`: between calls it is paused, like a
+    // process stopped by SIGSTOP or a long GC pause.
+    let holder_runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let (owner, outer, inner) = holder_runtime.block_on(async {
+        let locker = Locker::new(MysqlBackend::connect(&url).await.unwrap());
+        let owner = locker.owner();
+        let outer = owner
+            .acquire(&key)
+            .ttl(Duration::from_secs(2))
+            .await
+            .unwrap();
+        // Let a liveness check or two run, so the server's timeout is the outer lease's.
+        tokio::time::sleep(Duration::from_millis(600)).await;
+        let inner = owner
+            .acquire(&key)
+            .ttl(Duration::from_secs(60))
+            .await
+            .unwrap();
+        (owner, outer, inner)
+    });
+    let rival = {
+        let (url, key) = (url.clone(), key.clone());
+        std::thread::spawn(move || {
+            tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .unwrap()
+                .block_on(async {
+                    let locker = Locker::new(MysqlBackend::connect(&url).await.unwrap());
+                    let got = locker
+                        .acquire(&key)
+                        .ttl(Duration::from_secs(30))
+                        .wait(Duration::from_secs(6))
+                        .await;
+                    let granted = got.is_ok();
+                    if let Ok(guard) = got {
+                        guard.release().await.unwrap();
+                    }
+                    granted
+                })
+        })
+    };
+    // Paused well past the outer lease (2 s, whole seconds on the server), far inside
+    // the re-entry's 60 s.
+    std::thread::sleep(Duration::from_secs(7));
+    let believed = inner.is_valid();
+    let rival_granted = rival.join().unwrap();
+    assert!(
+        believed,
+        "the re-entry's 60 s lease cannot be over after 7 s"
+    );
+    assert!(
+        !rival_granted,
+        "another client was granted the key while the paused holder's guard believed it"
+    );
+    holder_runtime.block_on(async move {
+        inner.release().await.unwrap();
+        outer.release().await.unwrap();
+        drop(owner);
+    });
+}

@@ -704,3 +704,57 @@ pub async fn sibling_releases_never_fire_the_loss_signal<H: Harness>(h: &H) -> O
     }
     Outcome::Passed
 }
+
+/// A retried attempt that took effect is granted again with the lease counted from the
+/// retry, and the server holds the key that long too (second review, finding 2: row,
+/// memory and file modes answered the retry without touching the lease, so its guard
+/// believed the key for as long past the server's lease as the retry came after the first
+/// try, and another client was granted it meanwhile).
+pub async fn a_retried_attempt_keeps_the_lease_it_reports<H: Harness>(h: &H) -> Outcome {
+    let space = Space::new("a_retried_attempt_keeps_the_lease_it_reports");
+    let key = space.key("k");
+    let (a, b) = (h.client().await, h.client().await);
+    if let Some(skip) = needs_reentrancy(h, &a) {
+        return skip;
+    }
+    let past_short = h.short_ttl() + h.expiry_slack();
+    // The retry comes `2 * past_short` into a lease of `3 * past_short`; the check below
+    // runs a slack past the first lease, over a short TTL plus a past_short before the
+    // retried lease ends: wide margins both ways, for a loaded machine.
+    let lease = past_short * 3;
+    let backend = a.backend().clone();
+    let request = AcquireRequest::new(key.clone(), a.owner().id(), lease, LossSignal::new());
+    let first = backend
+        .try_acquire(&request)
+        .await
+        .check("acquire")
+        .check("free key");
+    // The reply was "lost": the same attempt again, well into the lease.
+    tokio::time::sleep(past_short * 2).await;
+    let retried = backend
+        .try_acquire(&request)
+        .await
+        .check("the same attempt again")
+        .check("a retried attempt that took effect is granted again");
+    assert_eq!(retried.depth, 1, "a retried attempt added a second hold");
+    // Past the first try's lease (and the slack), within the retry's.
+    let first_lease_over = first.lease_start + lease + h.expiry_slack();
+    tokio::time::sleep_until(first_lease_over).await;
+    let believed_until = retried.lease_start + lockkit_core::local_validity(lease);
+    assert!(
+        tokio::time::Instant::now() < believed_until,
+        "the test's own timing: the retried grant should still be believed"
+    );
+    assert_busy(
+        &b,
+        &key,
+        "the retried grant is believed, but the server let the key go at the first try's lease",
+    )
+    .await;
+    assert_eq!(
+        backend.release(&retried).await.check("release"),
+        Released::Fully
+    );
+    assert_free(&b, &key, "after the release").await;
+    Outcome::Passed
+}
