@@ -260,7 +260,7 @@ async fn lock(
     let (stop_killer, stopped) = tokio::sync::oneshot::channel::<()>();
     let (fire, fired) = tokio::sync::watch::channel(false);
     let killer = {
-        let pool = inner.pool.clone();
+        let pool = inner.control_pool.clone();
         tokio::spawn(async move {
             let deadline_passes = async {
                 if wait.is_zero() {
@@ -285,7 +285,12 @@ async fn lock(
     };
     let outcome = lock_and_record(backend, req, &mut conn, wait, deadline, fired).await;
     let _ = stop_killer.send(());
-    let killed = killer.await.unwrap_or(true);
+    // A killer that fired is waited for no longer than a connection may take to open (its
+    // KILL runs on the control connection): if it has not finished by then the connection
+    // is treated as killed and closed, so the waiter keeps its deadline either way.
+    let killed = tokio::time::timeout(inner.config.connect_timeout, killer)
+        .await
+        .map_or(true, |joined| joined.unwrap_or(true));
     let (token, granted_at) = match outcome {
         _ if killed => {
             // Past the deadline or abandoned by the caller: whatever the outcome, the

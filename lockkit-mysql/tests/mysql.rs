@@ -440,3 +440,60 @@ fn a_holder_paused_after_a_longer_reentry_is_not_cut_off_at_the_outer_lease() {
         drop(owner);
     });
 }
+
+/// Second review, finding 4: more for-update waiters stuck behind paused row-mode
+/// transactions than the pool has connections filled the pool (each waiter's holder
+/// record waits there for the row lock), and the deadline's `KILL`, sent through the same
+/// pool, waited for its acquire timeout: a 1 s wait took 6 s. `KILL` now has a connection
+/// of its own.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn for_update_deadlines_hold_when_stuck_holder_records_fill_the_pool() {
+    let Some(for_update_url) = url("mode=for-update&pool_size=2") else {
+        return;
+    };
+    let base = env::service_url("LOCKKIT_TEST_MYSQL_URL").unwrap();
+    let locker = Locker::new(MysqlBackend::connect(&for_update_url).await.unwrap());
+    let row = Locker::new(
+        MysqlBackend::connect(&url("mode=row").unwrap())
+            .await
+            .unwrap(),
+    );
+    let keys: Vec<LockKey> = (0..4).map(|_| key()).collect();
+    // Each key's row exists (a row-mode hold, released); then a paused transaction locks it.
+    let mut paused = Vec::new();
+    for k in &keys {
+        row.acquire(k).await.unwrap().release().await.unwrap();
+        let mut c = MySqlConnection::connect(&base).await.unwrap();
+        sqlx::raw_sql("BEGIN").execute(&mut c).await.unwrap();
+        sqlx::query("SELECT name FROM lockkit_locks WHERE name = ? FOR UPDATE")
+            .bind(k.as_str().as_bytes())
+            .fetch_all(&mut c)
+            .await
+            .unwrap();
+        paused.push(c);
+    }
+    let wait = Duration::from_secs(1);
+    let waiters: Vec<_> = keys
+        .iter()
+        .map(|k| {
+            let (locker, k) = (locker.clone(), k.clone());
+            tokio::spawn(async move {
+                let started = Instant::now();
+                let outcome = locker.acquire(&k).wait(wait).await;
+                (outcome.map(|_| ()), started.elapsed())
+            })
+        })
+        .collect();
+    let mut worst = Duration::ZERO;
+    for waiter in waiters {
+        let (outcome, took) = waiter.await.unwrap();
+        eprintln!("{outcome:?} after {took:?}");
+        assert!(matches!(outcome, Err(Error::Timeout { .. })), "{outcome:?}");
+        worst = worst.max(took);
+    }
+    for c in paused {
+        c.close().await.unwrap();
+    }
+    // Wide margin: the pool's acquire timeout (5 s) is what the old KILL waited for.
+    assert!(worst < wait * 3, "a {wait:?} wait took {worst:?}");
+}
