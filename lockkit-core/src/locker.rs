@@ -260,10 +260,24 @@ impl Acquire {
         let request =
             AcquireRequest::new(key.clone(), owner_id, self.options.ttl, LossSignal::new());
         let backend = &locker.backend;
-        let grant = match wait {
-            Some(wait) if wait.is_zero() => backend.try_acquire(&request).await?,
-            Some(wait) => Some(backend.acquire(&request, wait).await?),
-            None => Some(backend.acquire(&request, WAIT_FOREVER).await?),
+        let outcome = match wait {
+            Some(wait) if wait.is_zero() => backend.try_acquire(&request).await,
+            Some(wait) => backend.acquire(&request, wait).await.map(Some),
+            None => backend.acquire(&request, WAIT_FOREVER).await.map(Some),
+        };
+        let grant = match outcome {
+            Ok(grant) => grant,
+            Err(error) => {
+                // Only for a fresh acquisition: a re-entry's attempt is kept apart from the
+                // owner's other holds by the attempt ledger, except holds the ledger never
+                // saw (written before it existed), which a stray give-back could take.
+                if existing.is_none()
+                    && (error.is_retryable() || matches!(error, Error::Timeout { .. }))
+                {
+                    give_back_attempt(backend, &request, &runtime);
+                }
+                return Err(error);
+            }
         };
         // From here on nothing awaits: a dropped future cannot orphan the grant.
         // With no live hold here, a grant at depth > 1 means the server still counts holds
@@ -282,10 +296,12 @@ impl Acquire {
                 hold.absorb(&grant);
                 return Ok(Some(Guard::new(hold, grant)));
             }
-            if grant.depth == 1 && hold.is_abandoned() {
+            if hold.is_abandoned() {
                 // The owner's last guard let go while the request was out, and the server
-                // made a new hold: nobody believes in the old one, so this is a fresh
-                // acquisition (it has its own token and loss signal).
+                // made a new hold (on Redlock perhaps only on some masters: others counted
+                // the re-entry before the release, hence a depth above 1 and a new token):
+                // nobody believes in the old hold, so this is a fresh acquisition, with its
+                // own token and loss signal, like one made with no hold here at all.
                 let owner = self.owner.as_ref();
                 return Ok(Some(start_hold(
                     &locker,
@@ -317,6 +333,33 @@ impl Acquire {
             &runtime,
         )))
     }
+}
+
+/// After an acquisition that failed with an outcome the client cannot know (a reply lost
+/// or late, a deadline that passed while an attempt was out), gives back whatever that
+/// attempt may still have taken on the server, in the background: nobody will release it,
+/// and it would keep the key for its whole lease. The release names the attempt, so it
+/// takes back only a hold this attempt added (never an outer hold of the same owner), and
+/// changes nothing where the attempt took nothing.
+fn give_back_attempt(
+    backend: &Arc<dyn LockBackend>,
+    request: &AcquireRequest,
+    runtime: &tokio::runtime::Handle,
+) {
+    let (backend, unknown) = (
+        backend.clone(),
+        crate::Grant::new(
+            request,
+            crate::FencingToken::new(0),
+            1,
+            tokio::time::Instant::now(),
+        ),
+    );
+    runtime.spawn(async move {
+        if let Ok(released) = backend.release(&unknown).await {
+            tracing::debug!(key = %unknown.key, ?released, "gave back what a failed attempt took");
+        }
+    });
 }
 
 /// A new hold from a fresh grant, recorded with its owner (if any) for re-entries.

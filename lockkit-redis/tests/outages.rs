@@ -442,3 +442,51 @@ async fn abandoning_the_subscriber_tells_the_waiters_already_on_it() {
         "W1 heard the release only after {after:?}"
     );
 }
+
+/// Second review, finding 7: an acquisition whose reply comes too late fails (a response
+/// timeout) although the server ran it and granted the key; nobody releases that grant,
+/// and the key stayed held by nobody for its whole lease (60 s here). The locker now gives
+/// back whatever the failed attempt took, by its attempt id.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_grant_whose_reply_came_too_late_is_given_back() {
+    let Some(url) = env::service_url("LOCKKIT_TEST_REDIS_URL") else {
+        return;
+    };
+    let proxy = FaultProxy::start(upstream(&url)).await.unwrap();
+    let slow = Locker::new(
+        RedisBackend::connect(&format!(
+            "redis://{}?response_timeout=300ms&connect_timeout=2s",
+            proxy.local_addr()
+        ))
+        .await
+        .unwrap(),
+    );
+    let direct = Locker::new(RedisBackend::connect(&url).await.unwrap());
+    let k = key("late-reply");
+    // Every byte now takes 1 s each way: the script runs on the server after ~1 s, the
+    // client gave up at 300 ms.
+    proxy.set_delay(Duration::from_secs(1));
+    let outcome = slow
+        .try_acquire(&k)
+        .ttl(Duration::from_secs(60))
+        .await
+        .map(|g| g.map(|_| ()));
+    assert!(
+        matches!(&outcome, Err(e) if e.is_retryable()),
+        "the reply cannot arrive within 300 ms: {outcome:?}"
+    );
+    // Wide margin: delayed 1 s, the give-back reaches the server ~1.3 s after the start.
+    let started = Instant::now();
+    loop {
+        let holder = direct.inspect(&k).await.unwrap();
+        if holder.is_none() && started.elapsed() > Duration::from_millis(1500) {
+            break;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(15),
+            "the key is still held by a grant nobody knows of: {holder:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    proxy.set_delay(Duration::ZERO);
+}
