@@ -470,8 +470,15 @@ impl LockGuard {
             }
             Some(grant) => {
                 // The server had forgotten our hold: this is a new lock, not a re-entry.
-                spawn_or_forget(self.hold.clone(), grant);
-                Err(self.hold.fire_lost(LostReason::NotOurs))
+                // Give it back (it never joined this hold, whose guards it must not count).
+                let lost = self.hold.fire_lost(LostReason::NotOurs);
+                let backend = shared.backend.clone();
+                if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+                    runtime.spawn(async move {
+                        let _ = backend.release(&grant).await;
+                    });
+                }
+                Err(lost)
             }
             None => Err(self.hold.fire_lost(LostReason::NotOurs)),
         }

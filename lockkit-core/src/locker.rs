@@ -260,6 +260,18 @@ impl Acquire {
         let request =
             AcquireRequest::new(key.clone(), owner_id, self.options.ttl, LossSignal::new());
         let backend = &locker.backend;
+        // If this future is dropped before the outcome is seen, or the outcome is one the
+        // client cannot know (a retryable error, a deadline passed while an attempt was
+        // out), whatever the attempt took is given back by its attempt id. Only for a fresh
+        // acquisition: a re-entry's attempt is kept apart from the owner's other holds by
+        // the attempt ledger, except holds the ledger never saw (written before it
+        // existed), which a stray give-back could take.
+        let mut unknown_outcome = existing.is_none().then(|| GiveBackOnDrop {
+            backend: backend.clone(),
+            request: request.clone(),
+            runtime: runtime.clone(),
+            armed: true,
+        });
         let outcome = match wait {
             Some(wait) if wait.is_zero() => backend.try_acquire(&request).await,
             Some(wait) => backend.acquire(&request, wait).await.map(Some),
@@ -268,17 +280,17 @@ impl Acquire {
         let grant = match outcome {
             Ok(grant) => grant,
             Err(error) => {
-                // Only for a fresh acquisition: a re-entry's attempt is kept apart from the
-                // owner's other holds by the attempt ledger, except holds the ledger never
-                // saw (written before it existed), which a stray give-back could take.
-                if existing.is_none()
-                    && (error.is_retryable() || matches!(error, Error::Timeout { .. }))
-                {
-                    give_back_attempt(backend, &request, &runtime);
+                if !(error.is_retryable() || matches!(error, Error::Timeout { .. })) {
+                    // A definite refusal (bad input, configuration): nothing was taken.
+                    unknown_outcome = None;
                 }
+                drop(unknown_outcome);
                 return Err(error);
             }
         };
+        if let Some(known) = unknown_outcome.take() {
+            known.disarm();
+        }
         // From here on nothing awaits: a dropped future cannot orphan the grant.
         // With no live hold here, a grant at depth > 1 means the server still counts holds
         // of this owner that are over locally (lost a moment before their server lease
@@ -289,6 +301,21 @@ impl Acquire {
         let Some(grant) = grant else {
             return Ok(None);
         };
+        // A re-entry of the hold this owner has now, which may not be the one seen before
+        // the request (another task of the owner let the old one go and took a new one
+        // meanwhile): the backend counted it on that hold, so its guard joins that hold and
+        // hears that hold's loss signal.
+        let current = self.owner.as_ref().and_then(|owner| {
+            let holds = owner.holds.lock().unwrap_or_else(|e| e.into_inner());
+            holds
+                .get(&key)
+                .and_then(Weak::upgrade)
+                .filter(|hold| hold.is_live())
+        });
+        if let Some(hold) = current.filter(|hold| grant.depth > 1 && grant.token == hold.token()) {
+            hold.absorb(&grant);
+            return Ok(Some(Guard::new(hold, grant)));
+        }
         if let Some(hold) = existing {
             // The hold may have been lost while the request was out (its deadline passed):
             // then this depth belongs to a hold nobody believes in any more. Give it back.
@@ -332,6 +359,29 @@ impl Acquire {
             grant,
             &runtime,
         )))
+    }
+}
+
+/// Gives back a fresh acquisition's attempt when dropped armed: see [`give_back_attempt`].
+struct GiveBackOnDrop {
+    backend: Arc<dyn LockBackend>,
+    request: AcquireRequest,
+    runtime: tokio::runtime::Handle,
+    armed: bool,
+}
+
+impl GiveBackOnDrop {
+    /// The outcome is known (a grant, or a definite "busy"): nothing to give back.
+    fn disarm(mut self) {
+        self.armed = false;
+    }
+}
+
+impl Drop for GiveBackOnDrop {
+    fn drop(&mut self) {
+        if self.armed {
+            give_back_attempt(&self.backend, &self.request, &self.runtime);
+        }
     }
 }
 

@@ -76,10 +76,6 @@ pub(crate) struct Inner {
     pub(crate) pool: MySqlPool,
     /// Dedicated connections for for-update holds and waiters.
     pub(crate) holds_pool: MySqlPool,
-    /// One connection, opened when first needed, for `KILL`s only (a for-update waiter's
-    /// deadline or cancellation): never waiting behind `pool`, which statements stuck
-    /// behind other transactions' row locks can fill.
-    pub(crate) control_pool: MySqlPool,
     pub(crate) sql: Sql,
     schema: OnceCell<()>,
     /// For-update holds of this client, by owner and key (reentrancy is local there).
@@ -145,18 +141,12 @@ impl MysqlBackend {
             })
             .after_connect(|conn, _| Box::pin(read_committed(conn)))
             .connect_lazy_with(config.connect.clone());
-        let control_pool = MySqlPoolOptions::new()
-            .max_connections(1)
-            .min_connections(0)
-            .acquire_timeout(config.connect_timeout)
-            .connect_lazy_with(config.connect.clone());
         let backend = MysqlBackend {
             inner: Arc::new(Inner {
                 sql: Sql::new(&config.table),
                 config,
                 pool,
                 holds_pool,
-                control_pool,
                 schema: OnceCell::new(),
                 held: Mutex::new(HashMap::new()),
             }),
@@ -173,7 +163,6 @@ impl MysqlBackend {
     /// Closes every connection of this client. Holds still open end with their connections.
     pub async fn close(&self) {
         self.inner.holds_pool.close().await;
-        self.inner.control_pool.close().await;
         self.inner.pool.close().await;
     }
 

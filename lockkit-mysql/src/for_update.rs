@@ -13,7 +13,7 @@ use lockkit_core::{
     AcquireRequest, AttemptLedger, Error, FencingToken, Grant, HolderInfo, Interrupt, LockKey,
     OwnerId, Released, Result, deadline_after, detached_acquire,
 };
-use sqlx::{AssertSqlSafe, MySql, Row, pool::PoolConnection};
+use sqlx::{AssertSqlSafe, Connection, MySql, Row, pool::PoolConnection};
 use tokio::time::Instant;
 
 use crate::backend::{BACKEND, MysqlBackend, db_error, error_number, query, row_text};
@@ -260,7 +260,10 @@ async fn lock(
     let (stop_killer, stopped) = tokio::sync::oneshot::channel::<()>();
     let (fire, fired) = tokio::sync::watch::channel(false);
     let killer = {
-        let pool = inner.control_pool.clone();
+        // `KILL` goes on a connection of its own, opened for it: never behind the shared
+        // pool (which statements stuck behind other transactions' row locks can fill), and
+        // never a shared control connection that a partition could leave hanging.
+        let (options, bound) = (inner.config.connect.clone(), inner.config.connect_timeout);
         tokio::spawn(async move {
             let deadline_passes = async {
                 if wait.is_zero() {
@@ -274,20 +277,26 @@ async fn lock(
                 _ = stopped => return false,
             }
             fire.send_replace(true);
-            if let Err(error) = sqlx::raw_sql(AssertSqlSafe(format!("KILL {id}")))
-                .execute(&pool)
-                .await
-            {
-                tracing::debug!(%error, "KILL of a waiter's connection failed");
+            let kill = async {
+                let mut control = sqlx::MySqlConnection::connect_with(&options).await?;
+                sqlx::raw_sql(AssertSqlSafe(format!("KILL {id}")))
+                    .execute(&mut control)
+                    .await?;
+                control.close().await
+            };
+            match tokio::time::timeout(bound, kill).await {
+                Ok(Ok(())) => {}
+                Ok(Err(error)) => tracing::debug!(%error, "KILL of a waiter's connection failed"),
+                Err(_) => tracing::debug!("KILL of a waiter's connection got no answer in time"),
             }
             true
         })
     };
     let outcome = lock_and_record(backend, req, &mut conn, wait, deadline, fired).await;
     let _ = stop_killer.send(());
-    // A killer that fired is waited for no longer than a connection may take to open (its
-    // KILL runs on the control connection): if it has not finished by then the connection
-    // is treated as killed and closed, so the waiter keeps its deadline either way.
+    // A killer that fired is waited for no longer than its own bound (its KILL opens a
+    // connection): if it has not finished by then the connection is treated as killed and
+    // closed, so the waiter keeps its deadline either way.
     let killed = tokio::time::timeout(inner.config.connect_timeout, killer)
         .await
         .map_or(true, |joined| joined.unwrap_or(true));

@@ -1,8 +1,8 @@
 //! One command connection, to a single server or to a cluster, and error mapping.
 
-use std::sync::Mutex;
+use std::{sync::Mutex, time::Duration};
 
-use lockkit_core::Error;
+use lockkit_core::{Error, Interrupt};
 use redis::{
     Cmd, RedisError, RedisFuture, Value,
     aio::{ConnectionLike, ConnectionManager},
@@ -116,8 +116,13 @@ impl GrantConns {
     }
 
     /// A connection for one acquisition, waiting (before anything is sent) while all of
-    /// them are in use.
-    pub(crate) async fn pick(&self) -> Result<GrantSlot<'_>, Error> {
+    /// them are in use: at most `within`, and not past `interrupt` (the caller went away).
+    /// Either way nothing was sent, so the error is a clean retryable refusal.
+    pub(crate) async fn pick(
+        &self,
+        within: Duration,
+        interrupt: Option<&Interrupt>,
+    ) -> Result<GrantSlot<'_>, Error> {
         match self {
             GrantConns::Shared(conn) => Ok(GrantSlot {
                 conn: conn.clone(),
@@ -126,7 +131,32 @@ impl GrantConns {
             GrantConns::Exclusive { idle, permits } => {
                 let unavailable =
                     || Error::backend(BACKEND, true, "no grant connection is available");
-                let permit = permits.acquire().await.map_err(|_| unavailable())?;
+                let interrupted = async {
+                    match interrupt {
+                        Some(interrupt) => interrupt.interrupted().await,
+                        None => std::future::pending().await,
+                    }
+                };
+                let permit = tokio::select! {
+                    permit = tokio::time::timeout(within, permits.acquire()) => match permit {
+                        Ok(Ok(permit)) => permit,
+                        Ok(Err(_)) => return Err(unavailable()),
+                        Err(_) => {
+                            return Err(Error::backend(
+                                BACKEND,
+                                true,
+                                format!(
+                                    "every connection for grants that wait for replicas stayed \
+                                     busy for {within:?} (other acquisitions waiting on WAIT); \
+                                     nothing was sent: retry, or check the replicas"
+                                ),
+                            ));
+                        }
+                    },
+                    () = interrupted => {
+                        return Err(Error::backend(BACKEND, true, "the acquisition was abandoned"));
+                    }
+                };
                 let conn = idle
                     .lock()
                     .unwrap_or_else(std::sync::PoisonError::into_inner)

@@ -197,7 +197,7 @@ impl RedlockBackend {
         let votes: Vec<Vote> = self
             .on_all(self.node_timeout(req.ttl), |node| {
                 let req = req.clone();
-                async move { node.run_acquire(&req).await }
+                async move { node.run_acquire(&req, None).await }
             })
             .await
             .into_iter()

@@ -228,9 +228,15 @@ impl RedisBackend {
     }
 
     /// Runs the acquire script once. Not cancel safe by itself: see [`Self::attempt`].
-    pub(crate) async fn run_acquire(&self, req: &AcquireRequest) -> Result<Attempt> {
+    pub(crate) async fn run_acquire(
+        &self,
+        req: &AcquireRequest,
+        interrupt: Option<&lockkit_core::Interrupt>,
+    ) -> Result<Attempt> {
         let names = self.names(&req.key)?;
-        let slot = self.inner.grant_conns.pick().await?;
+        let config = &self.inner.config;
+        let within = config.response_timeout + config.wait_replicas_timeout;
+        let slot = self.inner.grant_conns.pick(within, interrupt).await?;
         let mut conn = slot.conn.clone();
         let start = Instant::now();
         let wanted = self.inner.config.wait_replicas;
@@ -318,7 +324,7 @@ impl RedisBackend {
         let (this, request, giver) = (self.clone(), req.clone(), self.clone());
         lockkit_core::detached_acquire(
             crate::conn::BACKEND,
-            move |_| async move { this.run_acquire(&request).await },
+            move |interrupt| async move { this.run_acquire(&request, Some(&interrupt)).await },
             Attempt::into_grant,
             move |grant| async move {
                 if let Err(error) = giver.release(&grant).await {

@@ -490,3 +490,103 @@ async fn a_grant_whose_reply_came_too_late_is_given_back() {
     }
     proxy.set_delay(Duration::ZERO);
 }
+
+/// Third review, finding 1: dropping an acquiring future after an attempt whose reply was
+/// late (its script still queued for the server) left that grant on the server for its
+/// whole lease, held by nobody: the give-back by attempt id ran only when the acquisition
+/// returned an error. It now runs when the future is dropped before its outcome is seen.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cancelled_acquisition_gives_back_a_late_grant() {
+    let Some(url) = env::service_url("LOCKKIT_TEST_REDIS_URL") else {
+        return;
+    };
+    let proxy = ConnProxy::start(upstream(&url)).await;
+    let locker = Locker::new(
+        RedisBackend::connect(&format!(
+            "redis://{}?response_timeout=300ms&connect_timeout=300ms",
+            proxy.local
+        ))
+        .await
+        .unwrap(),
+    );
+    wait_for_conns(&proxy, 1).await; // 0: the command connection
+    let direct = Locker::new(RedisBackend::connect(&url).await.unwrap());
+    let k = key("cancelled-late");
+    // Requests on the command connection reach the server only when it is let go.
+    proxy.stall(0, true);
+    let acquiring = locker
+        .acquire(&k)
+        .ttl(Duration::from_secs(30))
+        .wait(Duration::from_secs(10));
+    let outcome = tokio::time::timeout(Duration::from_millis(800), acquiring).await;
+    assert!(outcome.is_err(), "the caller gave up (dropped the future)");
+    // The attempt in flight times out too; then the queued scripts run: the first grants.
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    proxy.stall(0, false);
+    let started = Instant::now();
+    loop {
+        let holder = direct.inspect(&k).await.unwrap();
+        if holder.is_none() && started.elapsed() > Duration::from_millis(1500) {
+            break;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "a hold nobody knows of: {holder:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// Third review, finding 2: with `wait_replicas`, acquisitions queued for the 4 grant
+/// connections without a bound: behind a frozen primary, 16 one-shot `try_acquire`s ended
+/// in batches at 1, 2, 3 and 4 response timeouts. Waiting for a connection is now bounded
+/// by one grant timeout (and ends when the caller goes away): at most two in all.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn grants_waiting_for_a_connection_keep_a_bound_behind_a_frozen_primary() {
+    let Some(url) = env::service_url("LOCKKIT_TEST_REDIS_PRIMARY_URL") else {
+        return;
+    };
+    let proxy = ConnProxy::start(upstream(&url)).await;
+    // A grant may take response_timeout + wait_replicas_timeout = 1 s.
+    let grant_timeout = Duration::from_secs(1);
+    let locker = Locker::new(
+        RedisBackend::connect(&format!(
+            "redis://{}?wait_replicas=1&wait_replicas_timeout=300ms&response_timeout=700ms\
+             &connect_timeout=300ms",
+            proxy.local
+        ))
+        .await
+        .unwrap(),
+    );
+    wait_for_conns(&proxy, 5).await; // the command connection and 4 grant connections
+    for i in 0..proxy.count() {
+        proxy.stall(i, true);
+    }
+    let started = Instant::now();
+    let acquisitions: Vec<_> = (0..16)
+        .map(|_| {
+            let locker = locker.clone();
+            tokio::spawn(async move {
+                let outcome = locker.try_acquire(key("frozen-primary")).await;
+                (outcome.map(|g| g.is_some()), started.elapsed())
+            })
+        })
+        .collect();
+    let mut ended = Vec::new();
+    for acquisition in acquisitions {
+        let (outcome, at) = acquisition.await.unwrap();
+        assert!(outcome.is_err(), "the primary is frozen: {outcome:?}");
+        ended.push(at);
+    }
+    for i in 0..proxy.count() {
+        proxy.stall(i, false);
+    }
+    ended.sort();
+    eprintln!("ended between {:?} and {:?}", ended[0], ended[15]);
+    // Wide margin: queued without a bound, the last ended after 4 grant timeouts.
+    assert!(
+        ended[15] < grant_timeout * 3,
+        "a one-shot try_acquire took {:?}",
+        ended[15]
+    );
+}
