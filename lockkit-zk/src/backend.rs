@@ -25,13 +25,24 @@ const BACKEND: &str = "zk";
 /// Apache Curator's InterProcessMutex lock name.
 const LOCK_NAME: &str = "-lock-";
 
-fn zk_error(doing: &str, e: zookeeper_client::Error) -> Error {
-    let retryable = matches!(
+/// An error that says the connection failed, not what the server did: the request may or
+/// may not have been applied, and the session may well live on (the client reconnects).
+/// zookeeper-client reports a connection that stopped answering ("no response from
+/// connection in ...ms", under load) as a custom error, not as `ConnectionLoss`.
+fn connection_failed(e: &zookeeper_client::Error) -> bool {
+    matches!(
         e,
         zookeeper_client::Error::ConnectionLoss
             | zookeeper_client::Error::Timeout
-            | zookeeper_client::Error::SessionExpired
-    );
+            | zookeeper_client::Error::Custom(_)
+    )
+}
+
+/// Pause before asking again after a connection failure while waiting.
+const RECONNECT_RETRY: Duration = Duration::from_millis(50);
+
+fn zk_error(doing: &str, e: zookeeper_client::Error) -> Error {
+    let retryable = connection_failed(&e) || matches!(e, zookeeper_client::Error::SessionExpired);
     Error::backend_with_source(BACKEND, retryable, format!("{doing} failed: {e}"), e)
 }
 
@@ -301,7 +312,7 @@ impl ZkBackend {
                         Err(e) => return Err(zk_error("creating the lock's container node", e)),
                     }
                 }
-                Err(zookeeper_client::Error::ConnectionLoss) => {
+                Err(e) if connection_failed(&e) => {
                     // The create may have happened: look for our uuid before trying again.
                     uncertain = true;
                     if let Ok(children) = client.list_children(dir).await
@@ -363,6 +374,18 @@ impl ZkBackend {
             let sent = Instant::now();
             let children = match client.list_children(&dir).await {
                 Ok(children) => children,
+                // The session (and so our node) may well outlive a connection that failed:
+                // ask again after the client reconnects, within the deadline. If the
+                // session ends, the node goes with it and the check below says so.
+                Err(e) if connection_failed(&e) && Instant::now() < deadline => {
+                    tokio::select! {
+                        () = tokio::time::sleep(RECONNECT_RETRY.min(deadline - Instant::now())) => continue,
+                        () = interrupt.interrupted() => {
+                            give_up(client, node).await;
+                            return Ok(None);
+                        }
+                    }
+                }
                 Err(e) => {
                     give_up(client.clone(), node.clone()).await;
                     return Err(zk_error("listing contenders", e));
@@ -389,6 +412,15 @@ impl ZkBackend {
             let watcher = match client.check_and_watch_stat(&predecessor).await {
                 Ok((Some(_), watcher)) => watcher,
                 Ok((None, _)) => continue,
+                Err(e) if connection_failed(&e) && Instant::now() < deadline => {
+                    tokio::select! {
+                        () = tokio::time::sleep(RECONNECT_RETRY.min(deadline - Instant::now())) => continue,
+                        () = interrupt.interrupted() => {
+                            give_up(client, node).await;
+                            return Ok(None);
+                        }
+                    }
+                }
                 Err(e) => {
                     give_up(client.clone(), node.clone()).await;
                     return Err(zk_error("watching the predecessor", e));

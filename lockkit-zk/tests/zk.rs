@@ -226,3 +226,44 @@ async fn ended_holds_are_not_kept_by_the_session() {
     let tracked = backend.tracked_holds().await;
     assert!(tracked <= 2, "{tracked} ended holds still tracked");
 }
+
+/// Found by the loaded stability run: a ZooKeeper connection that stops answering for a
+/// moment (a loaded machine, a paused server) fails the requests in flight with a custom
+/// "no response from connection" error, not `ConnectionLoss`; the session lives on and the
+/// client reconnects. A waiting acquisition must ride that out within its deadline, not
+/// fail (it did, and the contender it may have created was swept).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_waiter_rides_out_a_connection_that_stops_answering() {
+    let Some(url) = env::service_url("LOCKKIT_TEST_ZK_URL") else {
+        return;
+    };
+    let server = env::host_ports(&url).into_iter().next().unwrap();
+    let proxy = FaultProxy::start(server.parse().unwrap()).await.unwrap();
+    // A 6 s session: the client gives a silent connection up after 2/5 of it (2.4 s), well
+    // before the session could expire.
+    let locker = Locker::new(
+        ZkBackend::connect(&format!("zk://{}?session_timeout=6s", proxy.local_addr()))
+            .await
+            .unwrap(),
+    );
+    let key = key("silent");
+    proxy.cut();
+    let acquiring = {
+        let (locker, key) = (locker.clone(), key.clone());
+        tokio::spawn(async move {
+            locker
+                .acquire(&key)
+                .ttl(Duration::from_secs(30))
+                .wait(Duration::from_secs(20))
+                .await
+        })
+    };
+    // Past the client's no-answer limit, within the session.
+    tokio::time::sleep(Duration::from_millis(3200)).await;
+    proxy.heal();
+    let guard = acquiring
+        .await
+        .unwrap()
+        .expect("a connection blip within the session must not fail the acquisition");
+    guard.release().await.unwrap();
+}
