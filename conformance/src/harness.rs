@@ -100,6 +100,15 @@ pub trait Harness: Send + Sync + 'static {
         unsupported("requests_sent")
     }
 
+    /// How many times `client`'s waiters were woken by a notification from the server (a
+    /// ZooKeeper watch firing), where the backend counts them. A herd shows here directly,
+    /// unlike in [`Harness::requests_sent`], which keep-alives also raise when a loaded
+    /// machine stretches the measuring window.
+    async fn watch_wakeups(&self, client: &Locker) -> HookResult<u64> {
+        let _ = client;
+        unsupported("watch_wakeups")
+    }
+
     /// Delays every chunk on `client`'s links by `delay` (zero heals), through its proxies.
     /// The randomized history test uses it to make replies late and operations time out.
     async fn delay_link(&self, client: &Locker, delay: Duration) -> HookResult {

@@ -10,8 +10,9 @@ use lockkit_conformance::{FaultProxy, Harness, HookError, HookResult, env};
 use lockkit_core::{LockBackend, LockKey, Locker, async_trait};
 use lockkit_zk::{ZkBackend, path::encode_str};
 
-/// A client's backend and its proxies, one per server.
-type Client = (Arc<dyn LockBackend>, Vec<FaultProxy>);
+/// A client's backend (shared, and as itself for its diagnostics) and its proxies, one per
+/// server.
+type Client = (Arc<dyn LockBackend>, Vec<FaultProxy>, ZkBackend);
 
 struct ZkHarness {
     name: &'static str,
@@ -48,9 +49,9 @@ impl ZkHarness {
         f: impl FnOnce(&[FaultProxy]) -> T,
     ) -> HookResult<T> {
         let clients = self.clients.lock().unwrap();
-        let (_, proxies) = clients
+        let (_, proxies, _) = clients
             .iter()
-            .find(|(shared, _)| {
+            .find(|(shared, _, _)| {
                 std::ptr::addr_eq(Arc::as_ptr(shared), Arc::as_ptr(client.backend()))
             })
             .ok_or_else(|| HookError::Failed("unknown client".into()))?;
@@ -72,8 +73,12 @@ impl Harness for ZkHarness {
         }
         let hosts: Vec<String> = proxies.iter().map(|p| p.local_addr().to_string()).collect();
         let url = format!("zk://{}?session_timeout=2s", hosts.join(","));
-        let shared: Arc<dyn LockBackend> = Arc::new(ZkBackend::connect(&url).await.unwrap());
-        self.clients.lock().unwrap().push((shared.clone(), proxies));
+        let backend = ZkBackend::connect(&url).await.unwrap();
+        let shared: Arc<dyn LockBackend> = Arc::new(backend.clone());
+        self.clients
+            .lock()
+            .unwrap()
+            .push((shared.clone(), proxies, backend));
         Locker::from_arc(shared)
     }
 
@@ -129,6 +134,17 @@ impl Harness for ZkHarness {
         self.with_proxies(client, |proxies| {
             proxies.iter().map(FaultProxy::requests_seen).sum()
         })
+    }
+
+    async fn watch_wakeups(&self, client: &Locker) -> HookResult<u64> {
+        let clients = self.clients.lock().unwrap();
+        clients
+            .iter()
+            .find(|(shared, _, _)| {
+                std::ptr::addr_eq(Arc::as_ptr(shared), Arc::as_ptr(client.backend()))
+            })
+            .map(|(_, _, backend)| backend.watch_wakeups())
+            .ok_or_else(|| HookError::Failed("unknown client".into()))
     }
 
     async fn delay_link(&self, client: &Locker, delay: Duration) -> HookResult {
