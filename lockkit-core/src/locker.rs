@@ -247,13 +247,7 @@ impl Acquire {
             Some(owner) => owner.id,
             None => locker.fresh_owner_id(),
         };
-        let existing = self.owner.as_ref().and_then(|owner| {
-            let holds = owner.holds.lock().unwrap_or_else(|e| e.into_inner());
-            holds
-                .get(&key)
-                .and_then(Weak::upgrade)
-                .filter(|hold| hold.is_live())
-        });
+        let existing = self.owner.as_ref().and_then(|owner| owner.live_hold(&key));
         // A fresh signal even beside a live hold: a backend that finds the hold keeps the
         // signal it was given with it (the hold's own), and one that makes a new hold
         // (the owner's last release won a race with this re-entry) gives that hold this one.
@@ -305,13 +299,7 @@ impl Acquire {
         // the request (another task of the owner let the old one go and took a new one
         // meanwhile): the backend counted it on that hold, so its guard joins that hold and
         // hears that hold's loss signal.
-        let current = self.owner.as_ref().and_then(|owner| {
-            let holds = owner.holds.lock().unwrap_or_else(|e| e.into_inner());
-            holds
-                .get(&key)
-                .and_then(Weak::upgrade)
-                .filter(|hold| hold.is_live())
-        });
+        let current = self.owner.as_ref().and_then(|owner| owner.live_hold(&key));
         if let Some(hold) = current.filter(|hold| grant.depth > 1 && grant.token == hold.token()) {
             hold.absorb(&grant);
             return Ok(Some(Guard::new(hold, grant)));
@@ -413,6 +401,17 @@ fn give_back_attempt(
             tracing::debug!(key = %unknown.key, ?released, "gave back what a failed attempt took");
         }
     });
+}
+
+impl Owner {
+    /// This owner's hold on `key`, if it has one that is still live.
+    fn live_hold(&self, key: &LockKey) -> Option<Arc<Hold>> {
+        let holds = self.holds.lock().unwrap_or_else(|e| e.into_inner());
+        holds
+            .get(key)
+            .and_then(Weak::upgrade)
+            .filter(|hold| hold.is_live())
+    }
 }
 
 /// A new hold from a fresh grant, recorded with its owner (if any) for re-entries.

@@ -41,6 +41,15 @@ fn connection_failed(e: &zookeeper_client::Error) -> bool {
 /// Pause before asking again after a connection failure while waiting.
 const RECONNECT_RETRY: Duration = Duration::from_millis(50);
 
+/// Waits [`RECONNECT_RETRY`] (at most until `deadline`) before asking again; false if the
+/// caller went away meanwhile.
+async fn pause_unless_interrupted(deadline: Instant, interrupt: &Interrupt) -> bool {
+    tokio::select! {
+        () = tokio::time::sleep(RECONNECT_RETRY.min(deadline.saturating_duration_since(Instant::now()))) => true,
+        () = interrupt.interrupted() => false,
+    }
+}
+
 fn zk_error(doing: &str, e: zookeeper_client::Error) -> Error {
     let retryable = connection_failed(&e) || matches!(e, zookeeper_client::Error::SessionExpired);
     Error::backend_with_source(BACKEND, retryable, format!("{doing} failed: {e}"), e)
@@ -378,13 +387,11 @@ impl ZkBackend {
                 // ask again after the client reconnects, within the deadline. If the
                 // session ends, the node goes with it and the check below says so.
                 Err(e) if connection_failed(&e) && Instant::now() < deadline => {
-                    tokio::select! {
-                        () = tokio::time::sleep(RECONNECT_RETRY.min(deadline - Instant::now())) => continue,
-                        () = interrupt.interrupted() => {
-                            give_up(client, node).await;
-                            return Ok(None);
-                        }
+                    if pause_unless_interrupted(deadline, &interrupt).await {
+                        continue;
                     }
+                    give_up(client, node).await;
+                    return Ok(None);
                 }
                 Err(e) => {
                     give_up(client.clone(), node.clone()).await;
@@ -413,13 +420,11 @@ impl ZkBackend {
                 Ok((Some(_), watcher)) => watcher,
                 Ok((None, _)) => continue,
                 Err(e) if connection_failed(&e) && Instant::now() < deadline => {
-                    tokio::select! {
-                        () = tokio::time::sleep(RECONNECT_RETRY.min(deadline - Instant::now())) => continue,
-                        () = interrupt.interrupted() => {
-                            give_up(client, node).await;
-                            return Ok(None);
-                        }
+                    if pause_unless_interrupted(deadline, &interrupt).await {
+                        continue;
                     }
+                    give_up(client, node).await;
+                    return Ok(None);
                 }
                 Err(e) => {
                     give_up(client.clone(), node.clone()).await;
