@@ -4,9 +4,9 @@
 #
 #   scripts/cap.sh
 #
-# The lab test (cargo test -p lockkit-conformance --test lab, part of scripts/test.sh)
+# The lab test (cargo test -p lockkit-lab --test lab, part of scripts/test.sh)
 # fails when the committed table differs from what a run produces.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 scripts/services.sh up >/dev/null
-cargo run -q -p lockkit -- lab all --update docs/cap.md
+cargo run -q -p lockkit-cli -- lab all --update docs/cap.md

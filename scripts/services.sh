@@ -810,6 +810,9 @@ cmd_status() {
 cmd_env() {
   local n addrs
   printf 'export LOCKKIT_TEST_SERVICES_DIR=%q\n' "$SERVICES_DIR"
+  # The script that owns these servers (the lab pauses, kills and restarts them through it,
+  # also when it runs from another checkout or an installed binary).
+  printf 'export LOCKKIT_SERVICES_SCRIPT=%q\n' "$SCRIPT_DIR/services.sh"
   echo "export LOCKKIT_TEST_REDIS_URL=redis://$HOST:$(port_of redis-single)"
   addrs=""
   for n in redlock-1 redlock-2 redlock-3 redlock-4 redlock-5; do addrs+="${addrs:+,}$HOST:$(port_of "$n")"; done

@@ -6,7 +6,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-use lockkit_core::Locker;
+use lockkit_core::{Locker, Result};
 
 /// The `p` quantile (0.0..=1.0) of `samples`, which it sorts.
 pub fn percentile(samples: &mut [Duration], p: f64) -> Duration {
@@ -33,11 +33,39 @@ where
     F: Fn() -> Fut,
     Fut: Future<Output = Locker>,
 {
+    try_handoff(
+        || {
+            let connecting = connect();
+            async move { Ok(connecting.await) }
+        },
+        key,
+        waiters,
+        rounds,
+    )
+    .await
+    .unwrap_or_else(|e| panic!("hot-key handoff failed: {e}"))
+}
+
+/// [`handoff`], failing with the first error a client meets instead of panicking.
+///
+/// # Errors
+/// A client that cannot connect, or cannot take or release the key (each wait is at most
+/// two minutes).
+pub async fn try_handoff<F, Fut>(
+    connect: F,
+    key: &str,
+    waiters: usize,
+    rounds: usize,
+) -> Result<Vec<Duration>>
+where
+    F: Fn() -> Fut,
+    Fut: Future<Output = Result<Locker>>,
+{
     let last_release: Arc<Mutex<Option<Instant>>> = Arc::default();
     let samples: Arc<Mutex<Vec<Duration>>> = Arc::default();
     let mut tasks = Vec::new();
     for _ in 0..waiters {
-        let locker = connect().await;
+        let locker = connect().await?;
         let (last_release, samples, key) = (last_release.clone(), samples.clone(), key.to_owned());
         tasks.push(tokio::spawn(async move {
             for _ in 0..rounds {
@@ -45,8 +73,7 @@ where
                     .acquire(key.as_str())
                     .ttl(Duration::from_secs(30))
                     .wait(Duration::from_secs(120))
-                    .await
-                    .unwrap_or_else(|e| panic!("acquiring the hot key: {e}"));
+                    .await?;
                 let granted = Instant::now();
                 let released = last_release
                     .lock()
@@ -59,16 +86,17 @@ where
                         .push(granted - released);
                 }
                 *last_release.lock().unwrap_or_else(|e| e.into_inner()) = Some(Instant::now());
-                guard
-                    .release()
-                    .await
-                    .unwrap_or_else(|e| panic!("releasing the hot key: {e}"));
+                guard.release().await?;
             }
+            Result::Ok(())
         }));
     }
     for task in tasks {
-        task.await
-            .unwrap_or_else(|e| panic!("a waiter failed: {e}"));
+        task.await.map_err(|e| {
+            lockkit_core::Error::backend("bench", false, format!("a waiter task failed: {e}"))
+        })??;
     }
-    std::mem::take(&mut *samples.lock().unwrap_or_else(|e| e.into_inner()))
+    Ok(std::mem::take(
+        &mut *samples.lock().unwrap_or_else(|e| e.into_inner()),
+    ))
 }

@@ -43,6 +43,27 @@ pub fn host_ports(url: &str) -> Vec<String> {
         .collect()
 }
 
+/// The mode (`leader`, `follower`, `standalone`) a ZooKeeper server reports via `srvr`.
+pub async fn zk_mode(addr: &str) -> Option<String> {
+    let talk = async {
+        let mut stream = tokio::net::TcpStream::connect(addr).await.ok()?;
+        tokio::io::AsyncWriteExt::write_all(&mut stream, b"srvr")
+            .await
+            .ok()?;
+        let mut text = String::new();
+        tokio::io::AsyncReadExt::read_to_string(&mut stream, &mut text)
+            .await
+            .ok()?;
+        text.lines()
+            .find_map(|l| l.strip_prefix("Mode: "))
+            .map(|m| m.trim().to_owned())
+    };
+    tokio::time::timeout(std::time::Duration::from_secs(3), talk)
+        .await
+        .ok()
+        .flatten()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -23,7 +23,6 @@ mod file_harness;
 pub mod harness;
 pub mod history;
 pub mod holder;
-pub mod lab;
 mod memory_harness;
 pub mod proxy;
 mod support;

@@ -22,12 +22,10 @@ const SCHEME: &str = "file";
 
 /// Nanoseconds on the host's monotonic clock (`CLOCK_MONOTONIC`), the same for every
 /// process on the host and never set back, unlike the wall clock.
-fn host_now() -> Result<u64> {
-    let now = nix::time::clock_gettime(nix::time::ClockId::CLOCK_MONOTONIC).map_err(|e| {
-        Error::backend_with_source(SCHEME, false, "reading the monotonic clock failed", e)
-    })?;
-    let nanos = i128::from(now.tv_sec()) * 1_000_000_000 + i128::from(now.tv_nsec());
-    Ok(u64::try_from(nanos).unwrap_or(0))
+fn host_now() -> u64 {
+    let now = rustix::time::clock_gettime(rustix::time::ClockId::Monotonic);
+    let nanos = i128::from(now.tv_sec) * 1_000_000_000 + i128::from(now.tv_nsec);
+    u64::try_from(nanos).unwrap_or(0)
 }
 
 /// This boot of the host (`/proc/sys/kernel/random/boot_id`), stored beside each expiry:
@@ -255,6 +253,9 @@ fn io_error(doing: &str, path: &Path, e: std::io::Error) -> Error {
 }
 
 impl FileBackend {
+    /// The URL schemes this backend is built from (`file://`).
+    pub const SCHEMES: &'static [&'static str] = &[SCHEME];
+
     /// Uses (and creates, if needed) the directory `dir`.
     ///
     /// # Errors
@@ -325,7 +326,7 @@ impl FileBackend {
             Ok(key) => file_name(&key).trim_end_matches(".lock").to_owned(),
             Err(_) => String::new(),
         };
-        let now = host_now()?;
+        let now = host_now();
         let entries =
             std::fs::read_dir(&*self.dir).map_err(|e| io_error("listing", &self.dir, e))?;
         let mut held = 0;
@@ -382,7 +383,7 @@ impl FileBackend {
         let work = tokio::task::spawn_blocking(move || {
             let mut locked = Locked::open(&path).map_err(|e| io_error(doing, &path, e))?;
             let before = locked.state.clone();
-            let outcome = op(&mut locked, host_now()?);
+            let outcome = op(&mut locked, host_now());
             if outcome.is_ok() && locked.state != before {
                 let durable = locked.state.token != before.token;
                 locked
@@ -621,7 +622,7 @@ mod tests {
     async fn a_lease_written_before_a_reboot_is_over() {
         let backend = FileBackend::open(temp_dir("boot")).unwrap();
         let key = LockKey::new("k").unwrap();
-        let far = host_now().unwrap() + nanos(Duration::from_secs(3600));
+        let far = host_now() + nanos(Duration::from_secs(3600));
         let owner = OwnerId::random();
         // Held for another hour, but by the clock of another boot: the lease is over.
         std::fs::write(

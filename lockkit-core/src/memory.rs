@@ -109,6 +109,9 @@ impl Drop for Registration<'_> {
 }
 
 impl MemoryBackend {
+    /// The URL schemes this backend is built from (`memory://`).
+    pub const SCHEMES: &'static [&'static str] = &[SCHEME];
+
     /// A new server with one session on it.
     pub fn new() -> Self {
         let server = Arc::new(Server::default());

@@ -69,6 +69,9 @@ impl std::fmt::Debug for MysqlConfig {
 const OPTIONS: &str =
     "mode, table, create_schema, pool_size, max_holds, connect_timeout, ttl, liveness";
 
+/// Every URL scheme this crate accepts.
+pub const SCHEMES: &[&str] = &["mysql", "mariadb"];
+
 impl MysqlConfig {
     /// Parses a lockkit MySQL URL; other query options go to the driver.
     ///
@@ -77,10 +80,11 @@ impl MysqlConfig {
     pub fn parse(url: &str) -> Result<Self> {
         // Messages show the URL without its password.
         let shown = lockkit_core::config::redact_url(url);
-        let Some(rest) = url
-            .strip_prefix("mysql://")
-            .or_else(|| url.strip_prefix("mariadb://"))
-        else {
+        let rest = url
+            .split_once("://")
+            .filter(|(scheme, _)| SCHEMES.contains(scheme))
+            .map(|(_, rest)| rest);
+        let Some(rest) = rest else {
             return Err(Error::Config(format!(
                 "`{shown}` is not a MySQL URL; write mysql://user:password@host:port/database?mode=row"
             )));

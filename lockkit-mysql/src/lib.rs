@@ -29,5 +29,13 @@ mod row;
 mod schema;
 
 pub use backend::MysqlBackend;
-pub use config::{Mode, MysqlConfig};
+pub use config::{Mode, MysqlConfig, SCHEMES};
+
+/// Connects to the database a `mysql://` URL (any of [`SCHEMES`]) names.
+///
+/// # Errors
+/// As [`MysqlBackend::connect`].
+pub async fn connect(url: &str) -> lockkit_core::Result<std::sync::Arc<dyn lockkit_core::LockBackend>> {
+    Ok(std::sync::Arc::new(MysqlBackend::connect(url).await?))
+}
 pub use schema::ddl;

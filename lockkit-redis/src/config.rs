@@ -59,7 +59,25 @@ pub struct RedisConfig {
     pub node_timeout: Option<Duration>,
 }
 
-const SCHEMES: &str = "redis://, rediss://, redis+cluster://, rediss+cluster://, redlock://";
+/// Every URL scheme this crate accepts: a server, a cluster or Redlock masters, each
+/// also over TLS.
+pub const SCHEMES: &[&str] = &[
+    "redis",
+    "rediss",
+    "redis+cluster",
+    "rediss+cluster",
+    "redlock",
+    "redlocks",
+];
+
+/// [`SCHEMES`] as a message lists them.
+fn schemes_listed() -> String {
+    SCHEMES
+        .iter()
+        .map(|s| format!("{s}://"))
+        .collect::<Vec<_>>()
+        .join(", ")
+}
 
 impl RedisConfig {
     /// Parses a lockkit Redis URL.
@@ -77,7 +95,10 @@ impl RedisConfig {
         // Messages show the URL without its password.
         let shown = lockkit_core::config::redact_url(url);
         let (scheme, rest) = url.split_once("://").ok_or_else(|| {
-            Error::Config(format!("`{shown}` is not a URL; expected one of {SCHEMES}"))
+            Error::Config(format!(
+                "`{shown}` is not a URL; expected one of {}",
+                schemes_listed()
+            ))
         })?;
         let (tls, kind) = match scheme {
             "redis" => (false, "single"),
@@ -88,7 +109,8 @@ impl RedisConfig {
             "redlocks" => (true, "redlock"),
             other => {
                 return Err(Error::Config(format!(
-                    "`{other}` is not a Redis scheme; expected one of {SCHEMES}"
+                    "`{other}` is not a Redis scheme; expected one of {}",
+                    schemes_listed()
                 )));
             }
         };

@@ -22,13 +22,14 @@ pub mod scripts;
 mod single;
 mod wakeups;
 
-pub use config::{RedisConfig, Topology};
+pub use config::{RedisConfig, SCHEMES, Topology};
 pub use redlock::RedlockBackend;
 pub use single::RedisBackend;
 
 use lockkit_core::{LockBackend, Result};
 
-/// Connects to whatever a Redis URL names: a server, a cluster, or Redlock masters.
+/// Connects to whatever a Redis URL names: a server, a cluster, or Redlock masters (any
+/// of [`SCHEMES`]).
 ///
 /// # Errors
 /// [`lockkit_core::Error::Config`] for a bad URL, a backend error if a server is down.

@@ -19,16 +19,20 @@ pub struct ZkConfig {
     pub connect_timeout: Duration,
 }
 
+/// Every URL scheme this crate accepts.
+pub const SCHEMES: &[&str] = &["zk", "zookeeper"];
+
 impl ZkConfig {
     /// Parses a lockkit ZooKeeper URL.
     ///
     /// # Errors
     /// [`Error::Config`] saying what is wrong and what is accepted.
     pub fn parse(url: &str) -> Result<Self> {
-        let Some(rest) = url
-            .strip_prefix("zk://")
-            .or_else(|| url.strip_prefix("zookeeper://"))
-        else {
+        let rest = url
+            .split_once("://")
+            .filter(|(scheme, _)| SCHEMES.contains(scheme))
+            .map(|(_, rest)| rest);
+        let Some(rest) = rest else {
             return Err(Error::Config(format!(
                 "`{url}` is not a ZooKeeper URL; write zk://host:port[,host:port...][/chroot]"
             )));

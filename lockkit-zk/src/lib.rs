@@ -22,4 +22,12 @@ mod config;
 pub mod path;
 
 pub use backend::ZkBackend;
-pub use config::ZkConfig;
+pub use config::{SCHEMES, ZkConfig};
+
+/// Connects to the ensemble a `zk://` URL (any of [`SCHEMES`]) names.
+///
+/// # Errors
+/// As [`ZkBackend::connect`].
+pub async fn connect(url: &str) -> lockkit_core::Result<std::sync::Arc<dyn lockkit_core::LockBackend>> {
+    Ok(std::sync::Arc::new(ZkBackend::connect(url).await?))
+}

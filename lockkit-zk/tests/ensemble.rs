@@ -3,7 +3,7 @@
 
 use std::{process::Command, time::Duration};
 
-use lockkit_conformance::{env, lab::zk_mode};
+use lockkit_conformance::env::{self, zk_mode};
 use lockkit_core::{LockKey, Locker};
 use lockkit_zk::ZkBackend;
 use uuid::Uuid;

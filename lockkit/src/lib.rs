@@ -16,7 +16,7 @@
 //! |---|---|---|
 //! | `memory://` | [`MemoryBackend`] (one process) | always |
 //! | `file:///dir` | [`FileBackend`] (one host) | always |
-//! | `redis://`, `rediss://`, `redis+cluster://`, `redlock://` | [`redis`] | `redis` |
+//! | `redis://`, `rediss://`, `redis+cluster://`, `rediss+cluster://`, `redlock://`, `redlocks://` | [`redis`] | `redis` |
 //! | `zk://h1,h2,h3/chroot` | [`zk`] | `zk` |
 //! | `mysql://...?mode=row\|for-update` | [`mysql`] | `mysql` |
 #![cfg_attr(
@@ -24,7 +24,7 @@
     deny(clippy::unwrap_used, clippy::expect_used, clippy::panic)
 )]
 
-use std::sync::Arc;
+use std::{future::Future, pin::Pin, sync::Arc};
 
 pub use lockkit_core::*;
 #[cfg(feature = "mysql")]
@@ -34,20 +34,106 @@ pub use lockkit_redis as redis;
 #[cfg(feature = "zk")]
 pub use lockkit_zk as zk;
 
-/// Every scheme lockkit knows, with the feature that enables it (`None`: always there).
-pub const SCHEMES: &[(&str, Option<&str>)] = &[
-    ("memory", None),
-    ("file", None),
-    ("redis", Some("redis")),
-    ("rediss", Some("redis")),
-    ("redis+cluster", Some("redis")),
-    ("rediss+cluster", Some("redis")),
-    ("redlock", Some("redis")),
-    ("zk", Some("zk")),
-    ("zookeeper", Some("zk")),
-    ("mysql", Some("mysql")),
-    ("mariadb", Some("mysql")),
+/// Builds a backend from a URL.
+pub type ConnectFn =
+    fn(String) -> Pin<Box<dyn Future<Output = Result<Arc<dyn LockBackend>>> + Send>>;
+
+/// One backend the facade can build from a URL: its schemes come from the backend itself
+/// (each backend crate exports its `SCHEMES` and `connect`), so a scheme a backend
+/// accepts is never refused here.
+#[derive(Debug, Clone, Copy)]
+pub struct Driver {
+    /// The backend's name.
+    pub name: &'static str,
+    /// The URL schemes it accepts.
+    pub schemes: &'static [&'static str],
+    /// The facade feature that builds it in (`None`: always there).
+    pub feature: Option<&'static str>,
+    /// How to connect; `None` when its feature is off in this build.
+    pub connect: Option<ConnectFn>,
+}
+
+/// Every backend lockkit knows, in this build.
+pub const DRIVERS: &[Driver] = &[
+    Driver {
+        name: "memory",
+        schemes: MemoryBackend::SCHEMES,
+        feature: None,
+        connect: Some(|url| {
+            Box::pin(async move {
+                let backend: Arc<dyn LockBackend> = Arc::new(MemoryBackend::from_url(&url)?);
+                Ok(backend)
+            })
+        }),
+    },
+    Driver {
+        name: "file",
+        schemes: FileBackend::SCHEMES,
+        feature: None,
+        connect: Some(|url| {
+            Box::pin(async move {
+                let backend: Arc<dyn LockBackend> = Arc::new(FileBackend::from_url(&url)?);
+                Ok(backend)
+            })
+        }),
+    },
+    #[cfg(feature = "redis")]
+    Driver {
+        name: "redis",
+        schemes: lockkit_redis::SCHEMES,
+        feature: Some("redis"),
+        connect: Some(|url| Box::pin(async move { lockkit_redis::connect(&url).await })),
+    },
+    #[cfg(not(feature = "redis"))]
+    Driver {
+        name: "redis",
+        schemes: &[
+            "redis",
+            "rediss",
+            "redis+cluster",
+            "rediss+cluster",
+            "redlock",
+            "redlocks",
+        ],
+        feature: Some("redis"),
+        connect: None,
+    },
+    #[cfg(feature = "zk")]
+    Driver {
+        name: "zookeeper",
+        schemes: lockkit_zk::SCHEMES,
+        feature: Some("zk"),
+        connect: Some(|url| Box::pin(async move { lockkit_zk::connect(&url).await })),
+    },
+    #[cfg(not(feature = "zk"))]
+    Driver {
+        name: "zookeeper",
+        schemes: &["zk", "zookeeper"],
+        feature: Some("zk"),
+        connect: None,
+    },
+    #[cfg(feature = "mysql")]
+    Driver {
+        name: "mysql",
+        schemes: lockkit_mysql::SCHEMES,
+        feature: Some("mysql"),
+        connect: Some(|url| Box::pin(async move { lockkit_mysql::connect(&url).await })),
+    },
+    #[cfg(not(feature = "mysql"))]
+    Driver {
+        name: "mysql",
+        schemes: &["mysql", "mariadb"],
+        feature: Some("mysql"),
+        connect: None,
+    },
 ];
+
+/// Every scheme lockkit knows, with the feature that enables it (`None`: always there).
+pub fn schemes() -> impl Iterator<Item = (&'static str, Option<&'static str>)> {
+    DRIVERS
+        .iter()
+        .flat_map(|d| d.schemes.iter().map(move |s| (*s, d.feature)))
+}
 
 /// The environment variable naming the default backend URL.
 pub const URL_VAR: &str = "LOCKKIT_URL";
@@ -88,44 +174,37 @@ pub async fn connect_env() -> Result<Locker> {
     connect(&url).await
 }
 
-/// The scheme of `url` and whether it is known, enabled or disabled.
-fn scheme_of(url: &str) -> Result<&'static str> {
+/// The driver for `url`'s scheme, if it is known and built in.
+fn driver_of(url: &str) -> Result<(&'static Driver, ConnectFn)> {
     let known = || {
-        SCHEMES
-            .iter()
+        schemes()
             .map(|(s, _)| format!("{s}://"))
             .collect::<Vec<_>>()
             .join(", ")
     };
     let Some((scheme, _)) = url.split_once("://") else {
         return Err(Error::Config(format!(
-            "`{url}` is not a URL; use one of {}",
+            "`{}` is not a URL; use one of {}",
+            config::redact_url(url),
             known()
         )));
     };
-    let Some((name, feature)) = SCHEMES.iter().find(|(s, _)| *s == scheme) else {
+    let Some(driver) = DRIVERS.iter().find(|d| d.schemes.contains(&scheme)) else {
         return Err(Error::Config(format!(
             "unknown lock backend scheme `{scheme}`; known schemes: {}",
             known()
         )));
     };
-    if let Some(feature) = feature
-        && !enabled(feature)
-    {
-        return Err(Error::Unsupported {
+    match driver.connect {
+        Some(connect) => Ok((driver, connect)),
+        None => Err(Error::Unsupported {
             backend: "lockkit",
             what: format!(
-                "`{scheme}://` URLs in this build: enable the `{feature}` feature of the lockkit crate"
+                "`{scheme}://` URLs in this build: enable the `{}` feature of the lockkit crate",
+                driver.feature.unwrap_or(driver.name)
             ),
-        });
+        }),
     }
-    Ok(name)
-}
-
-fn enabled(feature: &str) -> bool {
-    (feature == "redis" && cfg!(feature = "redis"))
-        || (feature == "zk" && cfg!(feature = "zk"))
-        || (feature == "mysql" && cfg!(feature = "mysql"))
 }
 
 /// The backend `url` names, shared so it can be wrapped or inspected.
@@ -133,24 +212,8 @@ fn enabled(feature: &str) -> bool {
 /// # Errors
 /// As [`connect`].
 pub async fn backend(url: &str) -> Result<Arc<dyn LockBackend>> {
-    Ok(match scheme_of(url)? {
-        "memory" => Arc::new(MemoryBackend::from_url(url)?),
-        "file" => Arc::new(FileBackend::from_url(url)?),
-        #[cfg(feature = "redis")]
-        "redis" | "rediss" | "redis+cluster" | "rediss+cluster" | "redlock" => {
-            lockkit_redis::connect(url).await?
-        }
-        #[cfg(feature = "zk")]
-        "zk" | "zookeeper" => Arc::new(lockkit_zk::ZkBackend::connect(url).await?),
-        #[cfg(feature = "mysql")]
-        "mysql" | "mariadb" => Arc::new(lockkit_mysql::MysqlBackend::connect(url).await?),
-        other => {
-            return Err(Error::Unsupported {
-                backend: "lockkit",
-                what: format!("`{other}://` URLs in this build"),
-            });
-        }
-    })
+    let (_, connect) = driver_of(url)?;
+    connect(url.to_owned()).await
 }
 
 #[cfg(test)]
@@ -159,18 +222,49 @@ mod tests {
 
     #[test]
     fn unknown_schemes_list_the_known_ones() {
-        let err = scheme_of("postgres://x").unwrap_err().to_string();
+        let err = driver_of("postgres://x").unwrap_err().to_string();
         assert!(
-            err.contains("postgres") && err.contains("redlock://") && err.contains("zk://"),
+            err.contains("postgres") && err.contains("redlocks://") && err.contains("zk://"),
             "{err}"
         );
-        assert!(matches!(scheme_of("no-scheme"), Err(Error::Config(_))));
+        assert!(matches!(driver_of("no-scheme"), Err(Error::Config(_))));
+    }
+
+    /// Every scheme any backend accepts is accepted here, by that backend.
+    #[test]
+    fn every_scheme_of_every_backend_is_accepted() {
+        let backends: &[(&str, &[&str])] = &[
+            ("memory", MemoryBackend::SCHEMES),
+            ("file", FileBackend::SCHEMES),
+            #[cfg(feature = "redis")]
+            ("redis", lockkit_redis::SCHEMES),
+            #[cfg(feature = "zk")]
+            ("zookeeper", lockkit_zk::SCHEMES),
+            #[cfg(feature = "mysql")]
+            ("mysql", lockkit_mysql::SCHEMES),
+        ];
+        for (name, schemes) in backends {
+            assert!(!schemes.is_empty(), "{name} declares no scheme");
+            for scheme in *schemes {
+                let (driver, _) = driver_of(&format!("{scheme}://x"))
+                    .unwrap_or_else(|e| panic!("`{scheme}://` of {name} is refused: {e}"));
+                assert_eq!(driver.name, *name, "`{scheme}://` goes to the wrong backend");
+            }
+        }
+        let built_in: Vec<_> = DRIVERS
+            .iter()
+            .filter(|d| d.connect.is_some())
+            .flat_map(|d| d.schemes.iter())
+            .collect();
+        let total: usize = backends.iter().map(|(_, s)| s.len()).sum();
+        assert_eq!(built_in.len(), total, "this build connects {built_in:?}");
     }
 
     #[test]
-    fn every_scheme_is_enabled_in_the_default_build() {
-        for (scheme, _) in SCHEMES {
-            assert_eq!(scheme_of(&format!("{scheme}://x")).unwrap(), *scheme);
+    fn no_scheme_belongs_to_two_backends() {
+        let mut seen = std::collections::BTreeSet::new();
+        for (scheme, _) in schemes() {
+            assert!(seen.insert(scheme), "`{scheme}://` is claimed twice");
         }
     }
 }

@@ -1,19 +1,17 @@
 //! The fault lab against the private servers: every scenario of
-//! `lockkit_conformance::lab::CATALOGUE`, one at a time, each checked against what it
+//! `lockkit_lab::CATALOGUE`, one at a time, each checked against what it
 //! expects; then the table they produce must equal the one committed in `docs/cap.md`.
 //!
 //! A plain `main` (harness = false): the scenarios pause and kill shared servers, so they
 //! must not run in parallel, and the document check needs all their results. Arguments
-//! are substrings that select scenarios (`cargo test -p lockkit-conformance --test lab --
+//! are substrings that select scenarios (`cargo test -p lockkit-lab --test lab --
 //! failover`); the document check runs only when every scenario ran.
 //! The same binary is the lab's child holder when started with `LOCKKIT_LAB_CHILD_URL`.
 
 use std::{io::Write, path::PathBuf, process::ExitCode, sync::Arc, time::Duration};
 
-use lockkit_conformance::{
-    env,
-    lab::{self, CATALOGUE, ChildCommand, Connect, Lab, Services},
-};
+use lockkit_conformance::env;
+use lockkit_lab::{self as lab, CATALOGUE, ChildCommand, Connect, Lab, Services};
 
 fn connector() -> Connect {
     Arc::new(|url: String| Box::pin(async move { lockkit::backend(&url).await }))
@@ -46,7 +44,14 @@ async fn run(filters: Vec<String>) -> ExitCode {
         program: exe,
         args: Vec::new(),
     };
-    let lab = match Lab::new(connector(), child, Services::locate()).await {
+    let services = match Services::locate() {
+        Ok(services) => services,
+        Err(e) => {
+            eprintln!("lab: cannot start: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let lab = match Lab::new(connector(), child, services).await {
         Ok(lab) => lab,
         Err(e) => {
             eprintln!("lab: cannot start: {e}");

@@ -4,7 +4,7 @@ use std::{fmt, time::Duration};
 
 use lockkit_core::Consistency;
 
-use crate::Violation;
+use lockkit_conformance::Violation;
 
 /// When the first holder's guard fired lost, relative to a rival's grant.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

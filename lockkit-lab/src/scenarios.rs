@@ -11,12 +11,12 @@ use super::{
     Context, Lab, LabError, SCENARIO_LIMIT,
     child::ChildHolder,
     report::{Expect, LostSignal, Observed, Report, Stale, judge},
-    servers::{redis_command, zk_mode},
+    servers::redis_command,
     store::FileFencedStore,
 };
-use crate::{
+use lockkit_conformance::{
     FaultProxy, History,
-    env::host_ports,
+    env::{host_ports, zk_mode},
     history::{HoldRecord, OpenHold},
 };
 
@@ -377,7 +377,7 @@ impl Ctx<'_> {
         let violations = self.history.violations();
         let double_grant = violations
             .iter()
-            .any(|v| matches!(v, crate::Violation::Overlap { .. }));
+            .any(|v| matches!(v, lockkit_conformance::Violation::Overlap { .. }));
         let lost = match (self.holder_lost_at, self.rival_at) {
             (None, _) => LostSignal::Never,
             (Some(lost), Some(rival)) if rival < lost => LostSignal::AfterRival,

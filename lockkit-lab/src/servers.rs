@@ -1,5 +1,5 @@
-//! The private servers, driven through `scripts/services.sh`, and the two raw protocol
-//! calls the lab needs (Redis `REPLICAOF NO ONE`, ZooKeeper `srvr`).
+//! The private servers, driven through `scripts/services.sh`, and the raw Redis call the
+//! lab needs (`REPLICAOF NO ONE`).
 
 use std::{
     collections::BTreeMap,
@@ -16,6 +16,9 @@ use tokio::{
 
 use super::{Context, LabError};
 
+/// Where the servers' script sits in a lockkit checkout.
+const SCRIPT: &str = "scripts/services.sh";
+
 /// `scripts/services.sh` and the directory it keeps its state in.
 #[derive(Debug, Clone)]
 pub struct Services {
@@ -30,15 +33,50 @@ pub struct LabLock {
 }
 
 impl Services {
-    /// The script of this checkout (`LOCKKIT_SERVICES_SCRIPT` overrides it), keeping state
-    /// in `LOCKKIT_TEST_SERVICES_DIR` or `<repo>/target/services`.
-    pub fn locate() -> Services {
-        let repo = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
-        let script = std::env::var_os("LOCKKIT_SERVICES_SCRIPT")
-            .map_or_else(|| repo.join("scripts/services.sh"), PathBuf::from);
-        let state_dir = std::env::var_os("LOCKKIT_TEST_SERVICES_DIR")
-            .map_or_else(|| repo.join("target/services"), PathBuf::from);
-        Services { script, state_dir }
+    /// The servers' script and state directory, found at run time, never at build time (so
+    /// a `lockkit` binary built elsewhere works in any checkout):
+    ///
+    /// - the script is `$LOCKKIT_SERVICES_SCRIPT` (as `services.sh env` prints it: the servers
+    ///   belong to the script that started them), else `scripts/services.sh` of the nearest
+    ///   checkout at or above the current directory;
+    /// - its state is in `$LOCKKIT_TEST_SERVICES_DIR` (as `services.sh env` prints it), else
+    ///   in `target/services` of that checkout.
+    ///
+    /// # Errors
+    /// When neither the variable is set nor a checkout is found above the current directory.
+    pub fn locate() -> Result<Services, LabError> {
+        let checkout = || {
+            let here = std::env::current_dir().ok()?;
+            here.ancestors()
+                .find(|dir| dir.join(SCRIPT).is_file())
+                .map(Path::to_path_buf)
+        };
+        let script = match std::env::var_os("LOCKKIT_SERVICES_SCRIPT") {
+            Some(script) => PathBuf::from(script),
+            None => checkout()
+                .ok_or_else(|| {
+                    LabError::new(format!(
+                        "cannot find {SCRIPT}: run the lab inside a lockkit checkout or set \
+                         LOCKKIT_SERVICES_SCRIPT to the script's path"
+                    ))
+                })?
+                .join(SCRIPT),
+        };
+        let state_dir = match std::env::var_os("LOCKKIT_TEST_SERVICES_DIR") {
+            Some(dir) => PathBuf::from(dir),
+            None => script
+                .parent()
+                .and_then(Path::parent)
+                .map(|repo| repo.join("target/services"))
+                .ok_or_else(|| {
+                    LabError::new(format!(
+                        "{} is not in a checkout's scripts/ directory: set \
+                         LOCKKIT_TEST_SERVICES_DIR to the servers' state directory",
+                        script.display()
+                    ))
+                })?,
+        };
+        Ok(Services { script, state_dir })
     }
 
     /// The script.
@@ -185,21 +223,4 @@ pub async fn redis_command(addr: &str, args: &[&str]) -> Result<String, LabError
     tokio::time::timeout(Duration::from_secs(5), talk)
         .await
         .map_err(|_| LabError::new(format!("{addr} did not answer `{}` in 5 s", args.join(" "))))?
-}
-
-/// The mode (`leader`, `follower`, `standalone`) a ZooKeeper server reports via `srvr`.
-pub async fn zk_mode(addr: &str) -> Option<String> {
-    let talk = async {
-        let mut stream = TcpStream::connect(addr).await.ok()?;
-        stream.write_all(b"srvr").await.ok()?;
-        let mut text = String::new();
-        stream.read_to_string(&mut text).await.ok()?;
-        text.lines()
-            .find_map(|l| l.strip_prefix("Mode: "))
-            .map(|m| m.trim().to_owned())
-    };
-    tokio::time::timeout(Duration::from_secs(3), talk)
-        .await
-        .ok()
-        .flatten()
 }

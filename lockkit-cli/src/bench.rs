@@ -1,24 +1,10 @@
 //! `lockkit bench`: the backend's own round trip, uncontended latency, throughput and
 //! hot-key handoff, measured in one run and printed as ratios.
 
-use std::{
-    sync::{Arc, Mutex},
-    time::{Duration, Instant},
-};
+use std::time::{Duration, Instant};
 
 use lockkit::{Locker, Result};
-
-fn percentile(sorted: &[Duration], p: f64) -> Duration {
-    if sorted.is_empty() {
-        return Duration::ZERO;
-    }
-    let rank = ((sorted.len() - 1) as f64 * p).round() as usize;
-    sorted[rank.min(sorted.len() - 1)]
-}
-
-fn us(d: Duration) -> f64 {
-    d.as_secs_f64() * 1e6
-}
+use lockkit_conformance::bench::{micros as us, percentile, try_handoff};
 
 /// What one run measured.
 #[derive(Debug)]
@@ -94,7 +80,6 @@ pub async fn run(url: &str, clients: u32, keys: u32, duration: Duration) -> Resu
             pings.push(start.elapsed());
         }
     }
-    pings.sort();
 
     // Uncontended acquire+release on one client.
     let mut locks = Vec::new();
@@ -107,7 +92,6 @@ pub async fn run(url: &str, clients: u32, keys: u32, duration: Duration) -> Resu
             locks.push(start.elapsed());
         }
     }
-    locks.sort();
 
     // Throughput: `clients` clients over `keys` keys for `duration`.
     let deadline = Instant::now() + duration;
@@ -138,52 +122,23 @@ pub async fn run(url: &str, clients: u32, keys: u32, duration: Duration) -> Resu
     let per_second = done as f64 / duration.as_secs_f64();
 
     // Handoff: `clients` waiters on one hot key.
-    let last_release: Arc<Mutex<Option<Instant>>> = Arc::default();
-    let samples: Arc<Mutex<Vec<Duration>>> = Arc::default();
     let hot = format!("{prefix}/hot");
-    let mut tasks = Vec::new();
-    for _ in 0..clients.max(1) {
-        let locker: Locker = lockkit::connect(url).await?;
-        let (last_release, samples, hot) = (last_release.clone(), samples.clone(), hot.clone());
-        tasks.push(tokio::spawn(async move {
-            for _ in 0..10 {
-                let guard = locker
-                    .acquire(hot.as_str())
-                    .wait(Duration::from_secs(120))
-                    .await?;
-                let granted = Instant::now();
-                let previous = last_release
-                    .lock()
-                    .unwrap_or_else(|e| e.into_inner())
-                    .take();
-                if let Some(released) = previous {
-                    samples
-                        .lock()
-                        .unwrap_or_else(|e| e.into_inner())
-                        .push(granted - released);
-                }
-                *last_release.lock().unwrap_or_else(|e| e.into_inner()) = Some(Instant::now());
-                guard.release().await?;
-            }
-            Result::Ok(())
-        }));
-    }
-    for task in tasks {
-        if let Ok(outcome) = task.await {
-            outcome?;
-        }
-    }
-    let mut handoffs = std::mem::take(&mut *samples.lock().unwrap_or_else(|e| e.into_inner()));
-    handoffs.sort();
+    let mut handoffs = try_handoff(
+        || lockkit::connect(url),
+        &hot,
+        usize::try_from(clients.max(1)).unwrap_or(1),
+        10,
+    )
+    .await?;
 
     Ok(Figures {
         backend: lockkit::config::redact_url(url),
-        ping: percentile(&pings, 0.5),
-        lock_p50: percentile(&locks, 0.5),
-        lock_p99: percentile(&locks, 0.99),
-        lock_p999: percentile(&locks, 0.999),
+        ping: percentile(&mut pings, 0.5),
+        lock_p50: percentile(&mut locks, 0.5),
+        lock_p99: percentile(&mut locks, 0.99),
+        lock_p999: percentile(&mut locks, 0.999),
         per_second,
-        handoff_p50: percentile(&handoffs, 0.5),
-        handoff_p99: percentile(&handoffs, 0.99),
+        handoff_p50: percentile(&mut handoffs, 0.5),
+        handoff_p99: percentile(&mut handoffs, 0.99),
     })
 }

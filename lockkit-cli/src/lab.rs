@@ -1,8 +1,8 @@
-//! `lockkit lab`: the fault lab of `lockkit_conformance::lab`, from the command line.
+//! `lockkit lab`: the fault lab of `lockkit_lab`, from the command line.
 
 use std::{path::Path, process::ExitCode, sync::Arc};
 
-use lockkit_conformance::lab::{self, CATALOGUE, ChildCommand, Connect, Lab, Services};
+use lockkit_lab::{self as lab, CATALOGUE, ChildCommand, Connect, Lab, Services};
 
 /// The facade's `backend(url)`, as the lab wants it.
 pub fn connector() -> Connect {
@@ -52,7 +52,11 @@ pub async fn main(
         program: exe,
         args: Vec::new(),
     };
-    let lab = match Lab::new(connector(), child, Services::locate()).await {
+    let lab = match Services::locate() {
+        Ok(services) => Lab::new(connector(), child, services).await,
+        Err(e) => Err(e),
+    };
+    let lab = match lab {
         Ok(lab) => lab.live(true),
         Err(e) => {
             eprintln!("lockkit: the lab needs the private servers (scripts/services.sh up): {e}");

@@ -148,9 +148,9 @@ fn duration(text: &str) -> Result<Duration, String> {
 
 #[tokio::main]
 async fn main() -> ExitCode {
-    if lockkit_conformance::lab::child_requested() {
+    if lockkit_lab::child_requested() {
         // The lab's child holder (started by `lockkit lab` itself).
-        let code = lockkit_conformance::lab::child_main(lab::connector()).await;
+        let code = lockkit_lab::child_main(lab::connector()).await;
         return ExitCode::from(u8::try_from(code).unwrap_or(1));
     }
     let cli = Cli::parse();

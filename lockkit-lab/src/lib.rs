@@ -1,3 +1,5 @@
+//! # lockkit-lab
+//!
 //! The fault lab: scenarios that break something real (a frozen holder, a frozen or
 //! killed server, a cut link, a failover, a Redlock master that forgot) and show what each
 //! backend does, with a timeline and a checked history.
@@ -18,7 +20,10 @@
 //! The lab drives the private servers of `scripts/services.sh` (pause, kill, restart) and
 //! restores them after every scenario, so run scenarios one at a time (the runner does).
 //! It is backend-agnostic: it is handed a [`Connect`] function (the `lockkit` facade's
-//! `backend(url)`) and the command that starts its child holder process.
+//! `backend(url)`) and the command that starts its child holder process. It is a tool, not
+//! a library for lock users, and never a backend crate's dependency: backends test with
+//! `lockkit-conformance`; the lab runs them through the facade.
+#![cfg_attr(not(test), deny(clippy::unwrap_used))]
 
 mod child;
 mod markdown;
@@ -40,10 +45,11 @@ use std::{
 use lockkit_core::{LockBackend, Locker};
 
 pub use child::{CHILD_VAR, child_main, child_requested};
+pub use lockkit_conformance::env::zk_mode;
 pub use markdown::{DOC_BEGIN, DOC_END, render_table, splice_table};
 pub use report::{Expect, LostSignal, Observed, Report, Stale};
 pub use scenarios::{CATALOGUE, ScenarioDef};
-pub use servers::{Services, redis_command, zk_mode};
+pub use servers::{Services, redis_command};
 pub use store::{FileFencedStore, StaleWrite};
 
 /// Builds a backend from a URL (the facade's `lockkit::backend`).

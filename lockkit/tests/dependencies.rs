@@ -1,0 +1,56 @@
+//! The facade is a library users add to their services: it must not drag in the tools
+//! (the CLI's argument parser and signal handling, the test suite, the fault lab).
+
+use std::process::Command;
+
+/// Crates that belong to the tools, never to the library.
+const TOOL_CRATES: &[&str] = &[
+    "clap",
+    "nix",
+    "serde_json",
+    "lockkit-conformance",
+    "lockkit-lab",
+    "lockkit-cli",
+];
+
+/// The names of every crate `lockkit` pulls in as a normal dependency with `features`.
+fn normal_dependencies(features: &[&str]) -> Vec<String> {
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    let out = Command::new(cargo)
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .args(["tree", "--offline", "-p", "lockkit", "-e", "normal"])
+        .args(["--prefix", "none"])
+        .args(features)
+        .output()
+        .expect("running cargo tree");
+    assert!(
+        out.status.success(),
+        "cargo tree failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter_map(|line| line.split_whitespace().next())
+        .map(str::to_owned)
+        .collect()
+}
+
+#[test]
+fn the_facade_depends_on_no_tool_crate() {
+    for features in [&["--all-features"][..], &["--no-default-features"][..]] {
+        let crates = normal_dependencies(features);
+        assert!(
+            crates.iter().any(|c| c == "lockkit-core"),
+            "cargo tree {features:?} did not list lockkit-core: {crates:?}"
+        );
+        let tools: Vec<&String> = crates
+            .iter()
+            .filter(|c| TOOL_CRATES.contains(&c.as_str()))
+            .collect();
+        assert!(
+            tools.is_empty(),
+            "`lockkit` ({features:?}) depends on tool crates {tools:?}; they belong in \
+             lockkit-cli or lockkit-lab"
+        );
+    }
+}
