@@ -53,6 +53,18 @@ pub(crate) struct HoldShared {
     changed: Notify,
     /// Guards on this hold not yet released or dropped.
     guards: std::sync::atomic::AtomicU32,
+    /// The longest lease this hold ever asked the server for (ms): how long a record of
+    /// it may outlive it there. Shared with the owner, which remembers it past the hold.
+    longest_lease: Arc<std::sync::atomic::AtomicU64>,
+}
+
+impl HoldShared {
+    /// Notes that the server may now keep the hold for `ttl` from now.
+    fn asked_for(&self, ttl: Duration) {
+        let ms = u64::try_from(ttl.as_millis()).unwrap_or(u64::MAX);
+        self.longest_lease
+            .fetch_max(ms, std::sync::atomic::Ordering::SeqCst);
+    }
 }
 
 impl HoldShared {
@@ -125,7 +137,9 @@ impl Hold {
             stop: CancellationToken::new(),
             changed: Notify::new(),
             guards: std::sync::atomic::AtomicU32::new(0),
+            longest_lease: Arc::default(),
         });
+        shared.asked_for(shared.grant.ttl);
         runtime.spawn(keep(shared.clone()));
         Arc::new(Hold { shared })
     }
@@ -139,10 +153,16 @@ impl Hold {
         self.shared.grant.token
     }
 
+    /// The longest lease (ms) this hold asked for, kept up to date as it is extended.
+    pub(crate) fn longest_lease(&self) -> Arc<std::sync::atomic::AtomicU64> {
+        self.shared.longest_lease.clone()
+    }
+
     /// Takes in a reentrant grant on this hold. The backend never shortens the lease on a
     /// reentrant acquisition (it becomes the longer of what was left and the new TTL), so
     /// the local deadline becomes the later of the two; it never moves earlier.
     pub(crate) fn absorb(&self, grant: &Grant) {
+        self.shared.asked_for(grant.ttl);
         let mut lease = self.shared.lease();
         let reentrant_until = grant.lease_start + local_validity(grant.ttl);
         if reentrant_until > lease.valid_until {
@@ -428,6 +448,8 @@ impl LockGuard {
             return Err(shared.lost_error(reason));
         }
         let start = Instant::now();
+        // Before the request: once sent, the server may keep the hold this long.
+        shared.asked_for(ttl);
         match shared.backend.renew(&shared.grant, ttl).await {
             Ok(()) => {
                 let mut lease = shared.lease();

@@ -33,7 +33,36 @@ pub fn deadline_after(wait: Duration) -> tokio::time::Instant {
         .unwrap_or_else(|| now + Duration::from_secs(365 * 24 * 3600))
 }
 
-type Holds = Arc<Mutex<HashMap<LockKey, Weak<Hold>>>>;
+type Holds = Arc<Mutex<HashMap<LockKey, OwnedHold>>>;
+
+/// What an owner remembers of its latest hold on a key: the hold while it lives, and its
+/// fencing token for as long as a record of it may linger on a server after it ended
+/// (twice the longest lease it asked for). A grant below that token is not a new holder's
+/// token: the server counted a stale record of this owner (on Redlock, a quorum can still
+/// count an older, lost hold), and taking it would send a storage layer a token older than
+/// one it may already have seen from this owner.
+struct OwnedHold {
+    hold: Weak<Hold>,
+    token: crate::FencingToken,
+    longest_lease: Arc<std::sync::atomic::AtomicU64>,
+    /// When the hold was first seen over, and so when it may be forgotten.
+    forget_at: Option<tokio::time::Instant>,
+}
+
+impl OwnedHold {
+    /// Whether it is still worth remembering at `now`.
+    fn remember(&mut self, now: tokio::time::Instant) -> bool {
+        if self.hold.strong_count() > 0 {
+            return true;
+        }
+        let forget_at = *self.forget_at.get_or_insert_with(|| {
+            let lease = self.longest_lease.load(std::sync::atomic::Ordering::SeqCst);
+            now.checked_add(Duration::from_millis(lease.saturating_mul(2)))
+                .unwrap_or(now + WAIT_FOREVER)
+        });
+        now < forget_at
+    }
+}
 
 /// The entry point: takes locks from one backend. Cheap to clone; clones share the
 /// backend and the client identity.
@@ -311,35 +340,33 @@ impl Acquire {
                 hold.absorb(&grant);
                 return Ok(Some(Guard::new(hold, grant)));
             }
-            // Only with a token above the old hold's: a new holder's token must grow, also
-            // for the same owner (on Redlock a quorum may still count an older hold of this
-            // owner, with a smaller token: found by the randomized test under load).
-            if hold.is_abandoned() && grant.token > hold.token() {
-                // The owner's last guard let go while the request was out, and the server
-                // made a new hold (on Redlock perhaps only on some masters: others counted
-                // the re-entry before the release, hence a depth above 1 and a new token):
-                // nobody believes in the old hold, so this is a fresh acquisition, with its
-                // own token and loss signal, like one made with no hold here at all.
-                let owner = self.owner.as_ref();
-                return Ok(Some(start_hold(
-                    &locker,
-                    owner,
-                    self.options,
-                    key,
-                    grant,
-                    &runtime,
-                )));
+            if !hold.is_abandoned() {
+                // Our hold was gone on the server although we thought it live: give the
+                // fresh grant back and report the outer hold lost.
+                let lost = hold.fire_lost(crate::LostReason::NotOurs);
+                let backend = locker.backend.clone();
+                runtime.spawn(async move {
+                    if let Err(error) = backend.release(&grant).await {
+                        tracing::debug!(%error, "giving back an unexpected fresh grant failed");
+                    }
+                });
+                return Err(lost);
             }
-            // Our hold was gone on the server although we thought it live: give the fresh
-            // grant back and report the outer hold lost.
-            let lost = hold.fire_lost(crate::LostReason::NotOurs);
-            let backend = locker.backend.clone();
-            runtime.spawn(async move {
-                if let Err(error) = backend.release(&grant).await {
-                    tracing::debug!(%error, "giving back an unexpected fresh grant failed");
-                }
-            });
-            return Err(lost);
+            // The owner's last guard let go while the request was out, and the server made
+            // a new hold (or, token equal, counted this one on the old hold's record, which
+            // the release under way leaves to it): nobody believes in the old hold, so this
+            // is a fresh acquisition, with its own loss signal, like one made with no hold
+            // here at all. The old hold is left alone: its release must still be sent.
+        }
+        // Any grant left starts a hold, and a new hold's token must not be below one this
+        // owner already held on the key (see `OwnedHold`). Equal is a continuation: the
+        // server kept this owner's hold throughout, so nobody else held it in between.
+        let floor = self
+            .owner
+            .as_ref()
+            .and_then(|owner| owner.token_floor(&key));
+        if let Some(floor) = floor.filter(|floor| grant.token < *floor) {
+            return Err(refuse_older_token(&locker, grant, floor, &runtime));
         }
         let owner = self.owner.as_ref();
         Ok(Some(start_hold(
@@ -409,9 +436,45 @@ impl Owner {
         let holds = self.holds.lock().unwrap_or_else(|e| e.into_inner());
         holds
             .get(key)
-            .and_then(Weak::upgrade)
+            .and_then(|owned| owned.hold.upgrade())
             .filter(|hold| hold.is_live())
     }
+
+    /// The lowest token a new hold of this owner on `key` may carry: the token of its
+    /// latest hold there, while a record of that hold may linger on a server.
+    fn token_floor(&self, key: &LockKey) -> Option<crate::FencingToken> {
+        let mut holds = self.holds.lock().unwrap_or_else(|e| e.into_inner());
+        let now = tokio::time::Instant::now();
+        let owned = holds.get_mut(key)?;
+        owned.remember(now).then_some(owned.token)
+    }
+}
+
+/// Gives back a grant whose token is below `floor` (see [`OwnedHold`]) and says so, as a
+/// retryable error: by the time the caller tries again, the stale record may be gone.
+fn refuse_older_token(
+    locker: &Locker,
+    grant: crate::Grant,
+    floor: crate::FencingToken,
+    runtime: &tokio::runtime::Handle,
+) -> Error {
+    let error = Error::backend(
+        "lockkit",
+        true,
+        format!(
+            "the server granted `{}` with fencing token {}, below token {} this owner already \
+             held there (it still counted an older hold of this owner); the grant was given \
+             back, try again",
+            grant.key, grant.token, floor
+        ),
+    );
+    let backend = locker.backend.clone();
+    runtime.spawn(async move {
+        if let Err(error) = backend.release(&grant).await {
+            tracing::debug!(%error, "giving back a grant with an older token failed");
+        }
+    });
+    error
 }
 
 /// A new hold from a fresh grant, recorded with its owner (if any) for re-entries.
@@ -426,8 +489,20 @@ fn start_hold(
     let hold = Hold::start(locker.backend.clone(), grant.clone(), options, runtime);
     if let Some(owner) = owner {
         let mut holds = owner.holds.lock().unwrap_or_else(|e| e.into_inner());
-        holds.retain(|_, weak| weak.strong_count() > 0);
-        holds.insert(key, Arc::downgrade(&hold));
+        let now = tokio::time::Instant::now();
+        holds.retain(|_, owned| owned.remember(now));
+        let token = holds
+            .get(&key)
+            .map_or(grant.token, |before| before.token.max(grant.token));
+        holds.insert(
+            key,
+            OwnedHold {
+                hold: Arc::downgrade(&hold),
+                token,
+                longest_lease: hold.longest_lease(),
+                forget_at: None,
+            },
+        );
     }
     Guard::new(hold, grant)
 }

@@ -50,6 +50,44 @@ async fn pause_unless_interrupted(deadline: Instant, interrupt: &Interrupt) -> b
     }
 }
 
+/// Why a waiter stopped waiting for a request's answer.
+enum Unanswered {
+    /// The caller went away.
+    Interrupted,
+    /// The request was still unanswered at the acquisition's hard end.
+    TooLate,
+}
+
+/// The answer to `request`, unless the caller goes away or `end` passes first.
+///
+/// zookeeper-client queues requests while it reconnects and fails them only when it gives
+/// the session up (7/5 of the session timeout after the server last answered), so a
+/// request sent to a silent server can take far longer than any wait: an acquisition must
+/// bound every request itself.
+async fn answer_by<T>(
+    request: impl std::future::Future<Output = T>,
+    end: Instant,
+    interrupt: &Interrupt,
+) -> std::result::Result<T, Unanswered> {
+    tokio::select! {
+        answer = request => Ok(answer),
+        () = tokio::time::sleep_until(end) => Err(Unanswered::TooLate),
+        () = interrupt.interrupted() => Err(Unanswered::Interrupted),
+    }
+}
+
+/// The error for a request the server left unanswered until the acquisition had to end.
+fn unanswered(doing: &str, limit: Duration) -> Error {
+    Error::backend(
+        BACKEND,
+        true,
+        format!(
+            "{doing}: ZooKeeper did not answer within {limit:?} (is the server up and \
+             reachable? the session's connection is being re-established)"
+        ),
+    )
+}
+
 fn zk_error(doing: &str, e: zookeeper_client::Error) -> Error {
     let retryable = connection_failed(&e) || matches!(e, zookeeper_client::Error::SessionExpired);
     Error::backend_with_source(BACKEND, retryable, format!("{doing} failed: {e}"), e)
@@ -223,6 +261,21 @@ impl ZkBackend {
         Ok(self.session().await?.client.clone())
     }
 
+    /// How long one request may stay unanswered: the client's own limit for a connection
+    /// that stopped answering (`connect_timeout` when at most 3/5 of the session, else 2/5
+    /// of the session). An acquisition ends at most this long after its wait's deadline.
+    fn request_limit(&self) -> Duration {
+        let config = &self.inner.config;
+        let limit = if config.connect_timeout.is_zero()
+            || config.connect_timeout > config.session_timeout * 3 / 5
+        {
+            config.session_timeout * 2 / 5
+        } else {
+            config.connect_timeout
+        };
+        limit.max(Duration::from_millis(100))
+    }
+
     /// The current session, reopened if it expired.
     async fn session(&self) -> Result<Arc<Session>> {
         let mut current = self.inner.session.lock().await;
@@ -260,13 +313,17 @@ impl ZkBackend {
     }
 
     /// Creates this attempt's contender node, finding it after a connection loss instead
-    /// of creating a second one.
+    /// of creating a second one. `None` when the caller went away; an error when the
+    /// server left a request unanswered until `end`. Either way, a node the attempt may
+    /// have created is deleted in the background.
     async fn create_contender(
         &self,
         session: &Arc<Session>,
         dir: &str,
         req: &AcquireRequest,
-    ) -> Result<(String, u64)> {
+        end: Instant,
+        interrupt: &Interrupt,
+    ) -> Result<Option<(String, u64)>> {
         let client = &session.client;
         let unique = format!("_c_{}{LOCK_NAME}", Uuid::new_v4());
         // After a lost reply a create may have happened without our knowing: any node of
@@ -294,44 +351,82 @@ impl ZkBackend {
         let data = req.owner.to_string();
         let acls = Acls::anyone_all();
         let ephemeral = CreateMode::EphemeralSequential.with_acls(acls);
+        // Once a create is sent, its outcome is unknown until answered: a request left
+        // unanswered (the caller gone, or `end` reached) leaves a node to sweep.
+        let unanswered_create = |why: Unanswered| {
+            sweep(None);
+            match why {
+                Unanswered::Interrupted => Ok(None),
+                Unanswered::TooLate => Err(unanswered(
+                    "creating the contender node",
+                    self.request_limit(),
+                )),
+            }
+        };
         for _ in 0..5 {
             let sent = Instant::now();
-            match client.create(&prefix, data.as_bytes(), &ephemeral).await {
+            let created = match answer_by(
+                client.create(&prefix, data.as_bytes(), &ephemeral),
+                end,
+                interrupt,
+            )
+            .await
+            {
+                Ok(created) => created,
+                Err(why) => return unanswered_create(why),
+            };
+            match created {
                 Ok((stat, sequence)) => {
                     session.touch(sent);
                     if uncertain {
                         sweep(Some(format!("{unique}{sequence}")));
                     }
-                    return Ok((
+                    return Ok(Some((
                         format!("{prefix}{sequence}"),
                         u64::try_from(stat.czxid).unwrap_or(0),
-                    ));
+                    )));
                 }
                 Err(zookeeper_client::Error::NoNode) => {
                     // The root is persistent; each key's directory a container, removed by
-                    // the server once empty.
+                    // the server once empty. Neither holds a lock: nothing to sweep.
                     let persistent = CreateMode::Persistent.with_acls(acls);
-                    client
-                        .mkdir(&self.inner.config.root, &persistent)
-                        .await
-                        .map_err(|e| zk_error("creating the root node", e))?;
                     let container = CreateMode::Container.with_acls(acls);
-                    match client.create(dir, &[], &container).await {
-                        Ok(_) | Err(zookeeper_client::Error::NodeExists) => {}
-                        Err(e) => return Err(zk_error("creating the lock's container node", e)),
+                    let directories = async {
+                        client
+                            .mkdir(&self.inner.config.root, &persistent)
+                            .await
+                            .map_err(|e| zk_error("creating the root node", e))?;
+                        match client.create(dir, &[], &container).await {
+                            Ok(_) | Err(zookeeper_client::Error::NodeExists) => Ok(()),
+                            Err(e) => Err(zk_error("creating the lock's container node", e)),
+                        }
+                    };
+                    match answer_by(directories, end, interrupt).await {
+                        Ok(made) => made?,
+                        Err(why) => return unanswered_create(why),
                     }
                 }
                 Err(e) if connection_failed(&e) => {
                     // The create may have happened: look for our uuid before trying again.
                     uncertain = true;
-                    if let Ok(children) = client.list_children(dir).await
-                        && let Some(name) = children.iter().find(|c| c.starts_with(&unique))
-                    {
+                    let lookup = async {
+                        let children = client.list_children(dir).await.ok()?;
+                        let name = children.iter().find(|c| c.starts_with(&unique))?.clone();
                         let node = format!("{dir}/{name}");
-                        if let Ok(Some(stat)) = client.check_stat(&node).await {
-                            sweep(Some(name.clone()));
-                            return Ok((node, u64::try_from(stat.czxid).unwrap_or(0)));
+                        let stat = client.check_stat(&node).await.ok()??;
+                        Some((name, node, stat))
+                    };
+                    match answer_by(lookup, end, interrupt).await {
+                        Ok(Some((name, node, stat))) => {
+                            sweep(Some(name));
+                            return Ok(Some((node, u64::try_from(stat.czxid).unwrap_or(0))));
                         }
+                        Ok(None) => {
+                            if !pause_unless_interrupted(end, interrupt).await {
+                                return unanswered_create(Unanswered::Interrupted);
+                            }
+                        }
+                        Err(why) => return unanswered_create(why),
                     }
                 }
                 Err(e) => {
@@ -360,15 +455,29 @@ impl ZkBackend {
         interrupt: Interrupt,
     ) -> Result<Option<Grant>> {
         let deadline = deadline_after(wait);
+        // No request is awaited past `end`: a server that stops answering ends the
+        // acquisition at most one request limit after its deadline.
+        let end = deadline
+            .checked_add(self.request_limit())
+            .unwrap_or(deadline);
         let session = self.session().await?;
         let client = session.client.clone();
         let dir = self.lock_dir(&req.key);
-        let (node, czxid) = self.create_contender(&session, &dir, req).await?;
+        let Some((node, czxid)) = self
+            .create_contender(&session, &dir, req, end, &interrupt)
+            .await?
+        else {
+            return Ok(None);
+        };
         let name = node[dir.len() + 1..].to_owned();
-        let give_up = |_: Client, node: String| {
+        // Deletes the node, waiting for that at most until `end` (the deletion goes on in
+        // the background after that, for as long as the session lives).
+        let give_up = |node: String| {
             let session = session.clone();
             async move {
-                if !delete_until_gone(session, node.clone()).await {
+                let deleting = tokio::spawn(delete_until_gone(session, node.clone()));
+                let deleted = tokio::time::timeout_at(end.max(Instant::now()), deleting).await;
+                if !matches!(deleted, Ok(Ok(true))) {
                     tracing::warn!(
                         node,
                         "could not delete a contender node yet; retrying in the background"
@@ -376,25 +485,55 @@ impl ZkBackend {
                 }
             }
         };
+        // After a request failed on the connection: ask again after a pause while the
+        // deadline allows (the session, and so our node, may well outlive the connection;
+        // if the session ends, the node goes with it and the check below says so). Past
+        // the deadline the failure is the answer; a caller gone wants none.
+        let retry_or_give_up = |node: &str, failure: zookeeper_client::Error, doing: &str| {
+            let (node, doing) = (node.to_owned(), doing.to_owned());
+            let interrupt = interrupt.clone();
+            let give_up = &give_up;
+            async move {
+                let retry = Instant::now() < deadline;
+                if retry && pause_unless_interrupted(deadline, &interrupt).await {
+                    return Ok(true);
+                }
+                give_up(node).await;
+                if retry {
+                    Ok(false)
+                } else {
+                    Err(zk_error(&doing, failure))
+                }
+            }
+        };
+        // A request still unanswered at `end`: the server is not answering (a retryable
+        // error, so the caller does not take it for a held lock); a caller gone wants none.
+        let unanswered_wait = |why: Unanswered, doing: &str| match why {
+            Unanswered::Interrupted => Ok(None),
+            Unanswered::TooLate => Err(unanswered(doing, self.request_limit())),
+        };
         // The lease starts when the grant is observed (the request that found this node at
         // the head of the queue was sent), not when the wait began: a wait longer than the
         // TTL must not yield an expired grant.
         let granted_at = loop {
             let sent = Instant::now();
-            let children = match client.list_children(&dir).await {
+            let listed = match answer_by(client.list_children(&dir), end, &interrupt).await {
+                Ok(listed) => listed,
+                Err(why) => {
+                    give_up(node).await;
+                    return unanswered_wait(why, "listing contenders");
+                }
+            };
+            let children = match listed {
                 Ok(children) => children,
-                // The session (and so our node) may well outlive a connection that failed:
-                // ask again after the client reconnects, within the deadline. If the
-                // session ends, the node goes with it and the check below says so.
-                Err(e) if connection_failed(&e) && Instant::now() < deadline => {
-                    if pause_unless_interrupted(deadline, &interrupt).await {
+                Err(e) if connection_failed(&e) => {
+                    if retry_or_give_up(&node, e, "listing contenders").await? {
                         continue;
                     }
-                    give_up(client, node).await;
                     return Ok(None);
                 }
                 Err(e) => {
-                    give_up(client.clone(), node.clone()).await;
+                    give_up(node).await;
                     return Err(zk_error("listing contenders", e));
                 }
             };
@@ -412,22 +551,29 @@ impl ZkBackend {
                 break sent;
             }
             if wait.is_zero() || Instant::now() >= deadline {
-                give_up(client, node).await;
+                give_up(node).await;
                 return Ok(None);
             }
             let predecessor = format!("{dir}/{}", queue[position - 1]);
-            let watcher = match client.check_and_watch_stat(&predecessor).await {
+            let watched =
+                match answer_by(client.check_and_watch_stat(&predecessor), end, &interrupt).await {
+                    Ok(watched) => watched,
+                    Err(why) => {
+                        give_up(node).await;
+                        return unanswered_wait(why, "watching the predecessor");
+                    }
+                };
+            let watcher = match watched {
                 Ok((Some(_), watcher)) => watcher,
                 Ok((None, _)) => continue,
-                Err(e) if connection_failed(&e) && Instant::now() < deadline => {
-                    if pause_unless_interrupted(deadline, &interrupt).await {
+                Err(e) if connection_failed(&e) => {
+                    if retry_or_give_up(&node, e, "watching the predecessor").await? {
                         continue;
                     }
-                    give_up(client, node).await;
                     return Ok(None);
                 }
                 Err(e) => {
-                    give_up(client.clone(), node.clone()).await;
+                    give_up(node).await;
                     return Err(zk_error("watching the predecessor", e));
                 }
             };
@@ -436,11 +582,11 @@ impl ZkBackend {
                     self.inner.wakeups.fetch_add(1, Ordering::SeqCst);
                 }
                 _ = tokio::time::sleep_until(deadline) => {
-                    give_up(client, node).await;
+                    give_up(node).await;
                     return Ok(None);
                 }
                 _ = interrupt.interrupted() => {
-                    give_up(client, node).await;
+                    give_up(node).await;
                     return Ok(None);
                 }
             }

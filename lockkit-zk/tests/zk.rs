@@ -266,4 +266,141 @@ async fn a_waiter_rides_out_a_connection_that_stops_answering() {
         .unwrap()
         .expect("a connection blip within the session must not fail the acquisition");
     guard.release().await.unwrap();
+    // The create that went unanswered may have landed too (the proxy forwards it on
+    // heal): no node of that attempt may stay behind to hold the key.
+    let observer = ZkBackend::connect(&url).await.unwrap();
+    let mut left = contenders(&observer, &key).await;
+    for _ in 0..40 {
+        if left == 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        left = contenders(&observer, &key).await;
+    }
+    assert_eq!(left, 0, "contender nodes left behind after the release");
+    let rival = Locker::new(observer);
+    rival
+        .try_acquire(&key)
+        .await
+        .unwrap()
+        .expect("the key is free")
+        .release()
+        .await
+        .unwrap();
+}
+
+/// The same silence, with the key held: the waiter is parked on its predecessor's watch
+/// when the link goes quiet, the holder lets go meanwhile, and the waiter must still be
+/// granted within its wait once the link answers again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_queued_waiter_rides_out_a_connection_that_stops_answering() {
+    let Some(url) = env::service_url("LOCKKIT_TEST_ZK_URL") else {
+        return;
+    };
+    let server = env::host_ports(&url).into_iter().next().unwrap();
+    let proxy = FaultProxy::start(server.parse().unwrap()).await.unwrap();
+    let holder = Locker::new(ZkBackend::connect(&url).await.unwrap());
+    let waiter = Locker::new(
+        ZkBackend::connect(&format!("zk://{}?session_timeout=6s", proxy.local_addr()))
+            .await
+            .unwrap(),
+    );
+    let key = key("silent-queued");
+    let held = holder
+        .acquire(&key)
+        .ttl(Duration::from_secs(30))
+        .await
+        .unwrap();
+    let acquiring = {
+        let (waiter, key) = (waiter.clone(), key.clone());
+        tokio::spawn(async move {
+            waiter
+                .acquire(&key)
+                .ttl(Duration::from_secs(30))
+                .wait(Duration::from_secs(30))
+                .await
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    proxy.cut();
+    held.release().await.unwrap();
+    tokio::time::sleep(Duration::from_millis(3200)).await;
+    proxy.heal();
+    let guard = acquiring
+        .await
+        .unwrap()
+        .expect("a queued waiter must ride out a connection blip within the session");
+    assert!(guard.is_valid());
+    guard.release().await.unwrap();
+}
+
+/// A server that stops answering must not stretch a wait: zookeeper-client queues requests
+/// while it reconnects and fails them only when it gives the session up (7/5 of the
+/// session after the server last answered). An acquisition ends at most one request limit
+/// (2/5 of the session) after its deadline; it ran until the session was given up.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_waiter_keeps_its_deadline_behind_a_server_that_stops_answering() {
+    let Some(url) = env::service_url("LOCKKIT_TEST_ZK_URL") else {
+        return;
+    };
+    let server = env::host_ports(&url).into_iter().next().unwrap();
+    let proxy = FaultProxy::start(server.parse().unwrap()).await.unwrap();
+    let holder = Locker::new(ZkBackend::connect(&url).await.unwrap());
+    // A 20 s session: the request limit is 8 s, the client gives the session up after 28 s.
+    let waiter = Locker::new(
+        ZkBackend::connect(&format!("zk://{}?session_timeout=20s", proxy.local_addr()))
+            .await
+            .unwrap(),
+    );
+    let key = key("silent-deadline");
+    let held = holder
+        .acquire(&key)
+        .ttl(Duration::from_secs(60))
+        .await
+        .unwrap();
+    let started = tokio::time::Instant::now();
+    let acquiring = {
+        let (waiter, key) = (waiter.clone(), key.clone());
+        tokio::spawn(async move {
+            waiter
+                .acquire(&key)
+                .ttl(Duration::from_secs(30))
+                .wait(Duration::from_secs(3))
+                .await
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    proxy.cut();
+    // Deadline 3 s + one request limit 8 s = 11 s at most; 28 s on the old code.
+    let outcome = tokio::time::timeout(Duration::from_secs(40), acquiring)
+        .await
+        .expect("the waiter never returned")
+        .unwrap();
+    let took = started.elapsed();
+    assert!(
+        outcome.is_err(),
+        "granted while the key was held: {outcome:?}"
+    );
+    assert!(
+        took < Duration::from_secs(18),
+        "a 3 s wait behind a silent server ended after {took:?}"
+    );
+
+    // A one-shot try during the silence ends within one request limit, as an error that
+    // says the server is not answering (not as a held lock).
+    let started = tokio::time::Instant::now();
+    let tried = tokio::time::timeout(Duration::from_secs(40), waiter.try_acquire(&key))
+        .await
+        .expect("the try never returned");
+    let took = started.elapsed();
+    match tried {
+        Err(e) => assert!(e.is_retryable(), "{e}"),
+        Ok(found) => panic!("a try against a silent server answered {found:?}"),
+    }
+    assert!(
+        took < Duration::from_secs(18),
+        "a try against a silent server ended after {took:?}"
+    );
+    proxy.heal();
+    held.release().await.unwrap();
 }
