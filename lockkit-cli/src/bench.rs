@@ -3,7 +3,7 @@
 
 use std::time::{Duration, Instant};
 
-use lockkit::{Locker, Result};
+use lockkit::Result;
 use lockkit_conformance::bench::{micros as us, percentile, try_handoff};
 
 /// What one run measured.

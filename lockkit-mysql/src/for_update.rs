@@ -9,18 +9,107 @@ use std::{
     time::Duration,
 };
 
+use std::{collections::HashMap, sync::Mutex};
+
+use async_trait::async_trait;
 use lockkit_core::{
-    AcquireRequest, AttemptLedger, Error, FencingToken, Grant, HolderInfo, Interrupt, LockKey,
-    OwnerId, Released, Result, deadline_after, detached_acquire,
+    AcquireRequest, AttemptLedger, BackendInfo, Capabilities, Consistency, Error, FencingToken,
+    Grant, HolderInfo, Interrupt, LockBackend, LockKey, OwnerId, Released, Result, deadline_after,
+    detached_acquire,
 };
 use sqlx::{AssertSqlSafe, Connection, MySql, Row, pool::PoolConnection};
 use tokio::time::Instant;
 
-use crate::backend::{BACKEND, MysqlBackend, db_error, error_number, query, row_text};
+use crate::db::{
+    BACKEND, Db, LOCK_NOWAIT, LOCK_WAIT_TIMEOUT, db_error, error_number, query, row_text,
+};
 
-/// Errors that mean the lock could not be taken in time (not failures).
-pub(crate) const LOCK_WAIT_TIMEOUT: u16 = 1205;
-pub(crate) const LOCK_NOWAIT: u16 = 3572;
+/// The holds of this client, by owner and key (reentrancy is local in this mode).
+type Holds = Arc<Mutex<HashMap<(OwnerId, LockKey), Arc<Held>>>>;
+
+/// Locks held by open `SELECT ... FOR UPDATE` transactions, over one database.
+#[derive(Clone)]
+pub(crate) struct ForUpdateLocks {
+    inner: Arc<Db>,
+    held: Holds,
+}
+
+impl ForUpdateLocks {
+    pub(crate) fn new(db: Arc<Db>) -> Self {
+        ForUpdateLocks {
+            inner: db,
+            held: Holds::default(),
+        }
+    }
+
+    /// The server connection id holding `key` in this client, if any.
+    pub(crate) fn connection_holding(&self, key: &LockKey) -> Option<u64> {
+        let held = self.held.lock().unwrap_or_else(|e| e.into_inner());
+        held.iter()
+            .find(|((_, k), _)| k == key)
+            .map(|(_, h)| h.connection_id)
+    }
+
+    /// Rows under `prefix` that are locked now, probed from a fresh connection.
+    pub(crate) async fn held_under(&self, prefix: &str) -> Result<u64> {
+        locked_under(self, prefix).await
+    }
+}
+
+impl std::fmt::Debug for ForUpdateLocks {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ForUpdateLocks")
+            .field("table", &self.inner.config.table)
+            .finish_non_exhaustive()
+    }
+}
+
+#[async_trait]
+impl LockBackend for ForUpdateLocks {
+    fn info(&self) -> BackendInfo {
+        let capabilities = Capabilities {
+            pushes_loss: true,
+            // Waiters queue in the server's lock manager.
+            queued_wait: true,
+            min_ttl: Duration::from_secs(1),
+            max_ttl: Some(Duration::from_secs(365 * 24 * 3600)),
+            ..Capabilities::default()
+        };
+        BackendInfo::new(BACKEND, Consistency::Cp, capabilities)
+    }
+
+    async fn try_acquire(&self, req: &AcquireRequest) -> Result<Option<Grant>> {
+        acquire(self, req, Duration::ZERO).await
+    }
+
+    async fn acquire(&self, req: &AcquireRequest, wait: Duration) -> Result<Grant> {
+        let started = Instant::now();
+        match acquire(self, req, wait).await? {
+            Some(grant) => Ok(grant),
+            None => Err(Error::Timeout {
+                key: req.key.clone(),
+                waited: started.elapsed(),
+            }),
+        }
+    }
+
+    async fn renew(&self, grant: &Grant, ttl: Duration) -> Result<()> {
+        renew(self, grant, ttl).await
+    }
+
+    async fn release(&self, grant: &Grant) -> Result<Released> {
+        release(self, grant).await
+    }
+
+    async fn ping(&self) -> Result<()> {
+        self.inner.ping().await
+    }
+
+    async fn inspect(&self, key: &LockKey) -> Result<Option<HolderInfo>> {
+        inspect(self, key).await
+    }
+}
+
 const QUERY_INTERRUPTED: u16 = 1317;
 
 /// One for-update hold: its connection (inside the lock transaction) and local depth.
@@ -42,7 +131,7 @@ pub(crate) struct Held {
 }
 
 /// Forgets a hold that is over and closes its connection (the server rolls back).
-async fn end_stale(backend: &MysqlBackend, held: &Held) {
+async fn end_stale(backend: &ForUpdateLocks, held: &Held) {
     held.broken.store(true, Ordering::SeqCst);
     forget(backend, held);
     if let Some(mut conn) = held.conn.lock().await.take() {
@@ -84,7 +173,7 @@ fn connection_gone(e: &sqlx::Error) -> bool {
 
 /// The hold behind `grant`, if it is a live hold of this client for that owner and key:
 /// ownership is checked here, since the server only knows which connection holds the row.
-fn held_of(backend: &MysqlBackend, grant: &Grant) -> Result<Arc<Held>> {
+fn held_of(backend: &ForUpdateLocks, grant: &Grant) -> Result<Arc<Held>> {
     let not_held = || Error::NotHeld {
         key: grant.key.clone(),
     };
@@ -93,7 +182,7 @@ fn held_of(backend: &MysqlBackend, grant: &Grant) -> Result<Arc<Held>> {
         .clone()
         .and_then(|state| state.downcast::<Held>().ok())
         .ok_or_else(not_held)?;
-    let map = backend.inner.held.lock().unwrap_or_else(|e| e.into_inner());
+    let map = backend.held.lock().unwrap_or_else(|e| e.into_inner());
     match map.get(&(grant.owner, grant.key.clone())) {
         Some(current) if Arc::ptr_eq(current, &held) => Ok(held),
         _ => Err(not_held()),
@@ -158,14 +247,13 @@ fn grant_for(req: &AcquireRequest, held: &Arc<Held>, depth: u32, start: Instant)
 
 /// Takes the lock, waiting up to `wait` in the server's queue. `Ok(None)`: not granted in
 /// time.
-pub(crate) async fn acquire(
-    backend: &MysqlBackend,
+async fn acquire(
+    backend: &ForUpdateLocks,
     req: &AcquireRequest,
     wait: Duration,
 ) -> Result<Option<Grant>> {
     let start = Instant::now();
     let existing = backend
-        .inner
         .held
         .lock()
         .unwrap_or_else(|e| e.into_inner())
@@ -220,7 +308,7 @@ pub(crate) async fn acquire(
 }
 
 async fn lock(
-    backend: &MysqlBackend,
+    backend: &ForUpdateLocks,
     req: &AcquireRequest,
     wait: Duration,
     interrupt: Interrupt,
@@ -336,7 +424,7 @@ async fn lock(
         broken: AtomicBool::new(false),
         lease_until: std::sync::Mutex::new(granted_at + req.ttl),
     });
-    inner
+    backend
         .held
         .lock()
         .unwrap_or_else(|e| e.into_inner())
@@ -373,7 +461,7 @@ const ROW_LEASE_POLL: Duration = Duration::from_millis(100);
 /// `fired` says the killer interrupted the wait). The caller ends the transaction on
 /// every path but a grant.
 async fn lock_and_record(
-    backend: &MysqlBackend,
+    backend: &ForUpdateLocks,
     req: &AcquireRequest,
     conn: &mut PoolConnection<MySql>,
     wait: Duration,
@@ -479,7 +567,7 @@ async fn lock_and_record(
 /// back, its token stays used. `Ok(None)`: a live row-mode lease holds the key; nothing
 /// was changed.
 async fn record_holder(
-    backend: &MysqlBackend,
+    backend: &ForUpdateLocks,
     req: &AcquireRequest,
 ) -> std::result::Result<Option<u64>, sqlx::Error> {
     let inner = &backend.inner;
@@ -511,7 +599,11 @@ const DUPLICATE_KEY: u16 = 1062;
 /// is gone: the server has then rolled the lock transaction back. Each check also sets the
 /// session's `wait_timeout` to what is left of the lease, so the checks never keep a lease
 /// alive that its holder stopped renewing: the server ends the session when it runs out.
-async fn watch(backend: MysqlBackend, held: std::sync::Weak<Held>, loss: lockkit_core::LossSignal) {
+async fn watch(
+    backend: ForUpdateLocks,
+    held: std::sync::Weak<Held>,
+    loss: lockkit_core::LossSignal,
+) {
     let every = backend.inner.config.liveness;
     loop {
         tokio::time::sleep(every).await;
@@ -547,7 +639,7 @@ async fn watch(backend: MysqlBackend, held: std::sync::Weak<Held>, loss: lockkit
 }
 
 /// Best effort: shows the depth to `inspect`.
-async fn record_depth(backend: &MysqlBackend, held: &Held, depth: u32) {
+async fn record_depth(backend: &ForUpdateLocks, held: &Held, depth: u32) {
     let inner = &backend.inner;
     let _ = query(&inner.sql.holder_depth)
         .bind(depth)
@@ -557,8 +649,8 @@ async fn record_depth(backend: &MysqlBackend, held: &Held, depth: u32) {
         .await;
 }
 
-fn forget(backend: &MysqlBackend, held: &Held) {
-    let mut map = backend.inner.held.lock().unwrap_or_else(|e| e.into_inner());
+fn forget(backend: &ForUpdateLocks, held: &Held) {
+    let mut map = backend.held.lock().unwrap_or_else(|e| e.into_inner());
     let key = (held.owner, held.key.clone());
     if map
         .get(&key)
@@ -570,7 +662,7 @@ fn forget(backend: &MysqlBackend, held: &Held) {
 
 /// Keeps the dedicated connection busy (so `wait_timeout` does not end it) and sets the
 /// lease to `ttl`. A dead connection means the server already rolled back: `NotHeld`.
-pub(crate) async fn renew(backend: &MysqlBackend, grant: &Grant, ttl: Duration) -> Result<()> {
+async fn renew(backend: &ForUpdateLocks, grant: &Grant, ttl: Duration) -> Result<()> {
     let held = held_of(backend, grant)?;
     let mut conn = held.conn.lock().await;
     let Some(c) = conn
@@ -612,7 +704,7 @@ pub(crate) async fn renew(backend: &MysqlBackend, grant: &Grant, ttl: Duration) 
     }
 }
 
-pub(crate) async fn release(backend: &MysqlBackend, grant: &Grant) -> Result<Released> {
+async fn release(backend: &ForUpdateLocks, grant: &Grant) -> Result<Released> {
     let held = held_of(backend, grant)?;
     if held.broken.load(Ordering::SeqCst) {
         forget(backend, &held);
@@ -672,28 +764,11 @@ pub(crate) async fn release(backend: &MysqlBackend, grant: &Grant) -> Result<Rel
     }
 }
 
-/// Whether `key`'s row is locked now, probed without waiting.
-pub(crate) async fn is_locked(backend: &MysqlBackend, key: &[u8]) -> Result<bool> {
-    let inner = &backend.inner;
-    let fail = |e| db_error("probing the row lock", e);
-    let mut tx = inner.pool.begin().await.map_err(fail)?;
-    let probe = query(&inner.sql.mutex_lock_nowait)
-        .bind(key)
-        .fetch_optional(&mut *tx)
-        .await;
-    let _ = tx.rollback().await;
-    match probe {
-        Ok(_) => Ok(false),
-        Err(e) if matches!(error_number(&e), Some(LOCK_WAIT_TIMEOUT | LOCK_NOWAIT)) => Ok(true),
-        Err(e) => Err(fail(e)),
-    }
-}
-
-pub(crate) async fn inspect(backend: &MysqlBackend, key: &LockKey) -> Result<Option<HolderInfo>> {
+async fn inspect(backend: &ForUpdateLocks, key: &LockKey) -> Result<Option<HolderInfo>> {
     let name = key.as_str().as_bytes();
-    if !is_locked(backend, name).await? {
+    if !backend.inner.is_locked(name).await? {
         // A row-mode lease on the key (mode=row shares the table) holds it too.
-        return crate::row::inspect(backend, key).await;
+        return backend.inner.inspect_lease(key).await;
     }
     let inner = &backend.inner;
     let row = query(&inner.sql.holder_read)
@@ -713,7 +788,7 @@ pub(crate) async fn inspect(backend: &MysqlBackend, key: &LockKey) -> Result<Opt
 }
 
 /// Rows under `prefix` that are locked now.
-pub(crate) async fn locked_under(backend: &MysqlBackend, prefix: &str) -> Result<u64> {
+async fn locked_under(backend: &ForUpdateLocks, prefix: &str) -> Result<u64> {
     let inner = &backend.inner;
     let rows = query(&inner.sql.mutex_rows_under_prefix)
         .bind(prefix.as_bytes())
@@ -725,7 +800,7 @@ pub(crate) async fn locked_under(backend: &MysqlBackend, prefix: &str) -> Result
         let name: Vec<u8> = row
             .try_get("name")
             .map_err(|e| db_error("reading a lock row", e))?;
-        if is_locked(backend, &name).await? {
+        if backend.inner.is_locked(&name).await? {
             locked += 1;
         }
     }

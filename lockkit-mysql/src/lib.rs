@@ -24,9 +24,9 @@
 
 mod backend;
 mod config;
+mod db;
 mod for_update;
 mod row;
-mod schema;
 
 pub use backend::MysqlBackend;
 pub use config::{Mode, MysqlConfig, SCHEMES};
@@ -35,7 +35,9 @@ pub use config::{Mode, MysqlConfig, SCHEMES};
 ///
 /// # Errors
 /// As [`MysqlBackend::connect`].
-pub async fn connect(url: &str) -> lockkit_core::Result<std::sync::Arc<dyn lockkit_core::LockBackend>> {
+pub async fn connect(
+    url: &str,
+) -> lockkit_core::Result<std::sync::Arc<dyn lockkit_core::LockBackend>> {
     Ok(std::sync::Arc::new(MysqlBackend::connect(url).await?))
 }
-pub use schema::ddl;
+pub use db::ddl;

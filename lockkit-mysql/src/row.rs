@@ -2,17 +2,85 @@
 
 use std::time::Duration;
 
+use std::sync::Arc;
+
+use async_trait::async_trait;
 use lockkit_core::{
-    AcquireRequest, AttemptLedger, Error, FencingToken, Grant, HolderInfo, LockKey, Released,
-    Result, deadline_after, detached_acquire,
+    AcquireRequest, AttemptLedger, BackendInfo, Capabilities, Consistency, Error, FencingToken,
+    Grant, HolderInfo, LockBackend, LockKey, Released, Result, deadline_after, detached_acquire,
 };
-use sqlx::Row;
+use sqlx::{AssertSqlSafe, Row};
 use tokio::time::Instant;
 
-use crate::{
-    backend::{MysqlBackend, db_error, error_number, micros, query, row_text},
-    for_update::{LOCK_NOWAIT, LOCK_WAIT_TIMEOUT},
+use crate::db::{
+    BACKEND, Db, LOCK_NOWAIT, LOCK_WAIT_TIMEOUT, db_error, error_number, micros, query, row_text,
 };
+
+/// The lease table's locks over one database.
+#[derive(Clone)]
+pub(crate) struct RowLocks {
+    inner: Arc<Db>,
+}
+
+impl RowLocks {
+    pub(crate) fn new(db: Arc<Db>) -> Self {
+        RowLocks { inner: db }
+    }
+
+    /// Live leases on keys under `prefix`, seen from a fresh connection. For leak checks.
+    pub(crate) async fn held_under(&self, prefix: &str) -> Result<u64> {
+        let (n,): (i64,) = sqlx::query_as(AssertSqlSafe(self.inner.sql.live_under_prefix.clone()))
+            .bind(prefix.as_bytes())
+            .fetch_one(&self.inner.pool)
+            .await
+            .map_err(|e| db_error("counting live leases", e))?;
+        Ok(u64::try_from(n).unwrap_or(0))
+    }
+}
+
+impl std::fmt::Debug for RowLocks {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RowLocks")
+            .field("table", &self.inner.config.table)
+            .finish_non_exhaustive()
+    }
+}
+
+#[async_trait]
+impl LockBackend for RowLocks {
+    fn info(&self) -> BackendInfo {
+        let capabilities = Capabilities {
+            notified_wait: false,
+            min_ttl: Duration::from_millis(1),
+            ..Capabilities::default()
+        };
+        BackendInfo::new(BACKEND, Consistency::Cp, capabilities)
+    }
+
+    async fn try_acquire(&self, req: &AcquireRequest) -> Result<Option<Grant>> {
+        try_acquire(self, req).await
+    }
+
+    async fn acquire(&self, req: &AcquireRequest, wait: Duration) -> Result<Grant> {
+        acquire(self, req, wait).await
+    }
+
+    async fn renew(&self, grant: &Grant, ttl: Duration) -> Result<()> {
+        renew(self, grant, ttl).await
+    }
+
+    async fn release(&self, grant: &Grant) -> Result<Released> {
+        release(self, grant).await
+    }
+
+    async fn ping(&self) -> Result<()> {
+        self.inner.ping().await
+    }
+
+    async fn inspect(&self, key: &LockKey) -> Result<Option<HolderInfo>> {
+        self.inner.inspect_lease(key).await
+    }
+}
 
 /// The outcome of one acquire transaction.
 enum Attempt {
@@ -38,7 +106,7 @@ fn first_attempt(req: &AcquireRequest) -> String {
 }
 
 /// One acquire transaction: lock the key's row, decide, write, commit.
-async fn run_acquire(backend: &MysqlBackend, req: &AcquireRequest) -> Result<Attempt> {
+async fn run_acquire(backend: &RowLocks, req: &AcquireRequest) -> Result<Attempt> {
     let inner = &backend.inner;
     let sql = &inner.sql;
     let name = req.key.as_str().as_bytes();
@@ -177,10 +245,10 @@ const FOR_UPDATE_HOLDER_POLL: Duration = Duration::from_millis(100);
 const DEADLOCK: u16 = 1213;
 
 /// A cancel-safe attempt: a grant whose caller has gone is given back.
-async fn attempt(backend: &MysqlBackend, req: &AcquireRequest) -> Result<Attempt> {
+async fn attempt(backend: &RowLocks, req: &AcquireRequest) -> Result<Attempt> {
     let (this, request, giver) = (backend.clone(), req.clone(), backend.clone());
     detached_acquire(
-        crate::backend::BACKEND,
+        BACKEND,
         move |_| async move {
             match run_acquire(&this, &request).await {
                 Err(Error::Backend {
@@ -202,10 +270,7 @@ async fn attempt(backend: &MysqlBackend, req: &AcquireRequest) -> Result<Attempt
     .await
 }
 
-pub(crate) async fn try_acquire(
-    backend: &MysqlBackend,
-    req: &AcquireRequest,
-) -> Result<Option<Grant>> {
+async fn try_acquire(backend: &RowLocks, req: &AcquireRequest) -> Result<Option<Grant>> {
     // A row created by a racing client is not contention: retry that once.
     for _ in 0..2 {
         match attempt(backend, req).await? {
@@ -223,11 +288,7 @@ const MAX_POLL: Duration = Duration::from_millis(100);
 
 /// Waits by polling with capped exponential backoff and jitter, never sleeping past the
 /// holder's remaining lease or the deadline.
-pub(crate) async fn acquire(
-    backend: &MysqlBackend,
-    req: &AcquireRequest,
-    wait: Duration,
-) -> Result<Grant> {
+async fn acquire(backend: &RowLocks, req: &AcquireRequest, wait: Duration) -> Result<Grant> {
     let started = Instant::now();
     let deadline = deadline_after(wait);
     let mut delay = FIRST_POLL;
@@ -255,7 +316,7 @@ pub(crate) async fn acquire(
     }
 }
 
-pub(crate) async fn renew(backend: &MysqlBackend, grant: &Grant, ttl: Duration) -> Result<()> {
+async fn renew(backend: &RowLocks, grant: &Grant, ttl: Duration) -> Result<()> {
     let inner = &backend.inner;
     let done = query(&inner.sql.row_renew)
         .bind(micros(ttl))
@@ -273,7 +334,7 @@ pub(crate) async fn renew(backend: &MysqlBackend, grant: &Grant, ttl: Duration) 
     }
 }
 
-pub(crate) async fn release(backend: &MysqlBackend, grant: &Grant) -> Result<Released> {
+async fn release(backend: &RowLocks, grant: &Grant) -> Result<Released> {
     let inner = &backend.inner;
     let sql = &inner.sql;
     let name = grant.key.as_str().as_bytes();
@@ -325,26 +386,4 @@ pub(crate) async fn release(backend: &MysqlBackend, grant: &Grant) -> Result<Rel
     };
     tx.commit().await.map_err(fail)?;
     Ok(outcome)
-}
-
-pub(crate) async fn inspect(backend: &MysqlBackend, key: &LockKey) -> Result<Option<HolderInfo>> {
-    let inner = &backend.inner;
-    let row = query(&inner.sql.inspect)
-        .bind(key.as_str().as_bytes())
-        .fetch_optional(&inner.pool)
-        .await
-        .map_err(|e| db_error("inspecting the lease", e))?;
-    let Some(row) = row else { return Ok(None) };
-    let left = row.try_get::<Option<i64>, _>("left_us").ok().flatten();
-    if left.is_none() && !crate::for_update::is_locked(backend, key.as_str().as_bytes()).await? {
-        // The record of a for-update holder whose transaction has ended.
-        return Ok(None);
-    }
-    Ok(Some(HolderInfo::new(
-        row_text(&row, "owner").unwrap_or_default(),
-        row.try_get("holds").unwrap_or(1),
-        row.try_get::<u64, _>("fence").ok().map(FencingToken::new),
-        left.and_then(|us| u64::try_from(us).ok())
-            .map(Duration::from_micros),
-    )))
 }

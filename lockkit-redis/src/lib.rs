@@ -7,7 +7,7 @@
 //!   (`redis+cluster://`).
 //! - [`RedlockBackend`]: Redlock over independent masters (`redlock://h1,h2,h3,h4,h5`).
 //!
-//! The wire layout is Redisson's RLock (see [`naming`]), so Redisson and lockkit clients
+//! The wire layout is Redisson's RLock (see [`LockNames`]), so Redisson and lockkit clients
 //! exclude each other on the same lock name.
 #![cfg_attr(
     not(test),
@@ -16,15 +16,14 @@
 
 mod config;
 mod conn;
-pub mod naming;
 mod redlock;
-pub mod scripts;
 mod single;
-mod wakeups;
+mod wire;
 
 pub use config::{RedisConfig, SCHEMES, Topology};
 pub use redlock::RedlockBackend;
 pub use single::RedisBackend;
+pub use wire::LockNames;
 
 use lockkit_core::{LockBackend, Result};
 

@@ -10,7 +10,7 @@ use lockkit_core::{
 };
 use tokio::time::Instant;
 
-use crate::{RedisBackend, RedisConfig, Topology, scripts, single::Attempt};
+use crate::{RedisBackend, RedisConfig, Topology, single::Attempt, wire};
 
 const BACKEND: &str = "redlock";
 
@@ -142,8 +142,8 @@ impl RedlockBackend {
     }
 
     /// The Redis names of `key` on every master.
-    fn names(&self, key: &LockKey) -> Result<crate::naming::LockNames> {
-        crate::naming::LockNames::new(&self.config.prefix, key, false)
+    fn names(&self, key: &LockKey) -> Result<wire::LockNames> {
+        wire::LockNames::new(&self.config.prefix, key, false)
     }
 
     /// Masters needed for a grant.
@@ -309,7 +309,7 @@ impl RedlockBackend {
                 let name = names.token.clone();
                 let mut conn = node.conn_handle();
                 async move {
-                    let raised: std::result::Result<i64, _> = scripts::RAISE_TOKEN
+                    let raised: std::result::Result<i64, _> = wire::RAISE_TOKEN
                         .key(&name)
                         .arg(token.get())
                         .invoke_async(&mut conn)
@@ -378,7 +378,7 @@ impl LockBackend for RedlockBackend {
             Consistency::Ap,
             Capabilities {
                 min_ttl: Duration::from_millis(10),
-                max_ttl: Some(Duration::from_millis(crate::scripts::MAX_TTL_MS)),
+                max_ttl: Some(Duration::from_millis(wire::MAX_TTL_MS)),
                 ..Capabilities::default()
             },
         )

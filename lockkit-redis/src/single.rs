@@ -16,10 +16,8 @@ use tokio::time::Instant;
 
 use crate::{
     RedisConfig, Topology,
-    conn::{Conn, GrantConns, backend_error},
-    naming::LockNames,
-    scripts,
-    wakeups::Wakeups,
+    conn::{Conn, GrantConns, Wakeups, backend_error},
+    wire::{self, LockNames},
 };
 
 /// How long a waiter behind a holder in a foreign format (no release notification) sleeps
@@ -46,13 +44,13 @@ impl Attempt {
     }
 }
 
-/// The hash field that marks one acquisition (see [`scripts::ATTEMPT_FIELD_PREFIX`]); empty
+/// The hash field that marks one acquisition (see [`wire::ATTEMPT_FIELD_PREFIX`]); empty
 /// for the nil attempt, which releases one hold whatever acquired it.
 pub(crate) fn attempt_field(attempt: uuid::Uuid) -> String {
     if attempt.is_nil() {
         String::new()
     } else {
-        format!("{}{attempt}", scripts::ATTEMPT_FIELD_PREFIX)
+        format!("{}{attempt}", wire::ATTEMPT_FIELD_PREFIX)
     }
 }
 
@@ -219,7 +217,7 @@ impl RedisBackend {
     }
 
     /// Subscribes this backend's shared subscriber to `channel`.
-    pub(crate) async fn subscribe(&self, channel: &str) -> Result<crate::wakeups::Subscription> {
+    pub(crate) async fn subscribe(&self, channel: &str) -> Result<crate::conn::Subscription> {
         self.inner.wakeups.subscribe(channel).await
     }
 
@@ -241,7 +239,7 @@ impl RedisBackend {
         let start = Instant::now();
         let wanted = self.inner.config.wait_replicas;
         let ((granted, value, depth), confirmed): ((i64, i64, i64), Option<i64>) = if wanted == 0 {
-            let outcome = scripts::ACQUIRE
+            let outcome = wire::ACQUIRE
                 .key(&names.lock)
                 .key(&names.token)
                 .arg(ttl_millis(req.ttl))
@@ -256,7 +254,7 @@ impl RedisBackend {
             // after it: on any other connection it would confirm nothing.
             let mut pipe = redis::pipe();
             pipe.cmd("EVAL")
-                .arg(scripts::ACQUIRE_LUA)
+                .arg(wire::ACQUIRE_LUA)
                 .arg(2)
                 .arg(&names.lock)
                 .arg(&names.token)
@@ -435,7 +433,7 @@ impl LockBackend for RedisBackend {
             Consistency::Ap,
             Capabilities {
                 min_ttl: Duration::from_millis(1),
-                max_ttl: Some(Duration::from_millis(crate::scripts::MAX_TTL_MS)),
+                max_ttl: Some(Duration::from_millis(wire::MAX_TTL_MS)),
                 ..Capabilities::default()
             },
         )
@@ -454,7 +452,7 @@ impl LockBackend for RedisBackend {
 
     async fn renew(&self, grant: &Grant, ttl: Duration) -> Result<()> {
         let names = self.names(&grant.key)?;
-        let renewed: i64 = scripts::RENEW
+        let renewed: i64 = wire::RENEW
             .key(&names.lock)
             .arg(ttl_millis(ttl))
             .arg(grant.owner.to_string())
@@ -472,7 +470,7 @@ impl LockBackend for RedisBackend {
 
     async fn release(&self, grant: &Grant) -> Result<Released> {
         let names = self.names(&grant.key)?;
-        let left: i64 = scripts::RELEASE
+        let left: i64 = wire::RELEASE
             .key(&names.lock)
             .key(&names.channel)
             .arg(grant.owner.to_string())
@@ -499,7 +497,7 @@ impl LockBackend for RedisBackend {
 
     async fn inspect(&self, key: &LockKey) -> Result<Option<HolderInfo>> {
         let names = self.names(key)?;
-        let reply: Vec<Value> = scripts::INSPECT
+        let reply: Vec<Value> = wire::INSPECT
             .key(&names.lock)
             .key(&names.token)
             .invoke_async(&mut self.conn())
@@ -545,7 +543,7 @@ pub(crate) fn parse_inspect(reply: &[Value]) -> Option<HolderInfo> {
             let (owner, depth) = rest
                 .chunks(2)
                 .filter_map(|pair| Some((text(pair.first()?)?, number(pair.get(1)?)?)))
-                .filter(|(field, _)| !field.starts_with(scripts::ATTEMPT_FIELD_PREFIX))
+                .filter(|(field, _)| !field.starts_with(wire::ATTEMPT_FIELD_PREFIX))
                 .max_by_key(|(_, depth)| *depth)?;
             Some(HolderInfo::new(
                 owner,

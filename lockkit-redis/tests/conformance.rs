@@ -9,7 +9,7 @@ use std::{
 
 use lockkit_conformance::{FaultProxy, Harness, HookError, HookResult, env};
 use lockkit_core::{LockBackend, LockKey, Locker, async_trait};
-use lockkit_redis::naming::LockNames;
+use lockkit_redis::LockNames;
 use redis::AsyncCommands;
 
 struct Client {

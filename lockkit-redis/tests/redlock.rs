@@ -6,7 +6,7 @@ use std::{net::SocketAddr, time::Duration};
 
 use lockkit_conformance::{FaultProxy, env};
 use lockkit_core::{LockKey, Locker};
-use lockkit_redis::{RedlockBackend, naming::LockNames};
+use lockkit_redis::{LockNames, RedlockBackend};
 use redis::AsyncCommands;
 use uuid::Uuid;
 

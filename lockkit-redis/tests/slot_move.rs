@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use lockkit_conformance::env;
 use lockkit_core::{LockKey, Locker};
-use lockkit_redis::{RedisBackend, naming::LockNames};
+use lockkit_redis::{LockNames, RedisBackend};
 use redis::{Value, aio::MultiplexedConnection};
 use uuid::Uuid;
 

@@ -28,6 +28,8 @@ pub use config::{SCHEMES, ZkConfig};
 ///
 /// # Errors
 /// As [`ZkBackend::connect`].
-pub async fn connect(url: &str) -> lockkit_core::Result<std::sync::Arc<dyn lockkit_core::LockBackend>> {
+pub async fn connect(
+    url: &str,
+) -> lockkit_core::Result<std::sync::Arc<dyn lockkit_core::LockBackend>> {
     Ok(std::sync::Arc::new(ZkBackend::connect(url).await?))
 }

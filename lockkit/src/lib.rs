@@ -248,7 +248,10 @@ mod tests {
             for scheme in *schemes {
                 let (driver, _) = driver_of(&format!("{scheme}://x"))
                     .unwrap_or_else(|e| panic!("`{scheme}://` of {name} is refused: {e}"));
-                assert_eq!(driver.name, *name, "`{scheme}://` goes to the wrong backend");
+                assert_eq!(
+                    driver.name, *name,
+                    "`{scheme}://` goes to the wrong backend"
+                );
             }
         }
         let built_in: Vec<_> = DRIVERS

@@ -1,22 +1,89 @@
+//! The wire layout, compatible with Redisson's RLock: where a lock lives in Redis, and the
+//! Lua scripts that change it.
+//!
+//! For lock name `n` (prefix + key):
+//! - the lock is a hash at `n`, field `<owner-uuid>:<id>`, value the hold count;
+//! - the release channel is `redisson_lock__channel:{n}`;
+//! - the fencing counter is `redisson_lock_token:{n}`.
+//!
+//! Redisson writes `prefix:{name}` unless the name already has a `{`; then it writes
+//! `prefix:name`, so that a name's own hash tag keeps all three in one cluster slot.
+//!
 //! The Lua scripts: each operation is one atomic script, loaded once and run by SHA.
 //!
-//! They keep Redisson's RLock layout (see [`crate::naming`]) and add the fencing counter
+//! They keep Redisson's RLock layout (above) and add the fencing counter
 //! the way Redisson's RFencedLock does: incremented only when a new holder takes the lock.
 //! A key of another type (a plain string set by another client) counts as held.
 
 use std::sync::LazyLock;
 
+use lockkit_core::{Error, LockKey, Result};
 use redis::Script;
+
+/// The three Redis names of one lock.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LockNames {
+    /// The hash holding owner -> hold count.
+    pub lock: String,
+    /// The channel a release publishes `0` on.
+    pub channel: String,
+    /// The fencing counter.
+    pub token: String,
+}
+
+/// The hash tag Redis Cluster would use for `key`, if it has one.
+fn hash_tag(key: &str) -> Option<&str> {
+    let open = key.find('{')?;
+    let close = key[open + 1..].find('}')?;
+    (close > 0).then(|| &key[open + 1..open + 1 + close])
+}
+
+fn prefixed(prefix: &str, name: &str) -> String {
+    if name.contains('{') {
+        format!("{prefix}:{name}")
+    } else {
+        format!("{prefix}:{{{name}}}")
+    }
+}
+
+impl LockNames {
+    /// Names for `key` under `prefix`. In cluster mode a name whose braces would put its
+    /// counter in another slot than its lock is refused.
+    ///
+    /// # Errors
+    /// [`Error::InvalidKey`] in cluster mode for names with unbalanced or empty braces.
+    pub fn new(prefix: &str, key: &LockKey, cluster: bool) -> Result<Self> {
+        let lock = format!("{prefix}{key}");
+        // A name with braces but no hash tag is hashed whole, while the counter and
+        // channel (`prefix:{name}`) would take the text up to its first `}` as their tag:
+        // another slot.
+        if cluster && lock.contains(['{', '}']) && hash_tag(&lock).is_none() {
+            return Err(Error::InvalidKey {
+                reason: format!(
+                    "in Redis Cluster mode `{lock}` has braces but no non-empty `{{tag}}`, so its \
+                     counter and channel could land in another slot; balance the braces or drop them"
+                ),
+            });
+        }
+        Ok(LockNames {
+            channel: prefixed("redisson_lock__channel", &lock),
+            token: prefixed("redisson_lock_token", &lock),
+            lock,
+        })
+    }
+}
+
+// ---- the scripts
 
 /// The hash field that records one acquisition (`AcquireRequest::attempt`) beside the
 /// owner's hold count, so a retried acquire or release takes effect once. Redisson reads only
 /// its own `<uuid>:<thread>` fields and `exists`, so extra fields keep the layout compatible;
 /// they go with the hash when the lock is released or expires.
-pub const ATTEMPT_FIELD_PREFIX: &str = "lockkit-attempt:";
+pub(crate) const ATTEMPT_FIELD_PREFIX: &str = "lockkit-attempt:";
 
 /// Longest lease the scripts accept, in ms (about 31 years): checked before anything is
 /// written, so an absurd TTL never leaves a lock without an expiry.
-pub const MAX_TTL_MS: u64 = 1_000_000_000_000;
+pub(crate) const MAX_TTL_MS: u64 = 1_000_000_000_000;
 
 /// KEYS: lock, token. ARGV: ttl ms, owner field, attempt field (`''`: none).
 /// Returns `{1, token, depth}` when granted, `{0, pttl, 0}` when held by someone else in
@@ -34,7 +101,7 @@ pub const MAX_TTL_MS: u64 = 1_000_000_000_000;
 /// A reentrant acquisition makes the lease the longer of what is left and the new TTL:
 /// never shorter, since an outer guard relies on it. An attempt that already took effect
 /// (a retry after a lost reply) gets the same grant again, without a second hold.
-pub static ACQUIRE: LazyLock<Script> = LazyLock::new(|| Script::new(ACQUIRE_LUA));
+pub(crate) static ACQUIRE: LazyLock<Script> = LazyLock::new(|| Script::new(ACQUIRE_LUA));
 
 /// The source of [`ACQUIRE`], for `EVAL` in a pipeline with `WAIT` (the two must run on one
 /// connection, in order). A retried attempt rewrites its marker, so the connection has a
@@ -78,7 +145,7 @@ return {0, redis.call('pttl', KEYS[1]), 1}
 
 /// KEYS: lock. ARGV: ttl ms, owner field. Returns 1 if renewed, 0 if not ours. The lease
 /// becomes the longer of what is left and `ttl`: a renewal never shortens it.
-pub static RENEW: LazyLock<Script> = LazyLock::new(|| {
+pub(crate) static RENEW: LazyLock<Script> = LazyLock::new(|| {
     Script::new(
         r"
 if redis.call('type', KEYS[1]).ok == 'hash' and redis.call('hexists', KEYS[1], ARGV[2]) == 1 then
@@ -97,7 +164,7 @@ return 0
 /// published). A partial release leaves the lease as it is. With an attempt field, only a
 /// hold that attempt added is given back, once: a retried release, or a give-back on a
 /// master whose vote failed, changes nothing and reports the holds left.
-pub static RELEASE: LazyLock<Script> = LazyLock::new(|| {
+pub(crate) static RELEASE: LazyLock<Script> = LazyLock::new(|| {
     Script::new(
         r"
 if redis.call('type', KEYS[1]).ok ~= 'hash' or redis.call('hexists', KEYS[1], ARGV[1]) == 0 then
@@ -120,7 +187,7 @@ return 0
 });
 
 /// KEYS: lock, token. Returns `{type, pttl, token, field1, count1, ...}`.
-pub static INSPECT: LazyLock<Script> = LazyLock::new(|| {
+pub(crate) static INSPECT: LazyLock<Script> = LazyLock::new(|| {
     Script::new(
         r"
 local t = redis.call('type', KEYS[1]).ok
@@ -138,7 +205,7 @@ return out
 
 /// KEYS: token. ARGV: a token value. Raises the counter to at least ARGV[1] (Redlock's
 /// write-back of the highest token seen). Returns the counter.
-pub static RAISE_TOKEN: LazyLock<Script> = LazyLock::new(|| {
+pub(crate) static RAISE_TOKEN: LazyLock<Script> = LazyLock::new(|| {
     Script::new(
         r"
 local current = tonumber(redis.call('get', KEYS[1]) or '0')
@@ -151,3 +218,35 @@ return current
 ",
     )
 });
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn names(key: &str, cluster: bool) -> Result<LockNames> {
+        LockNames::new("", &LockKey::new(key).unwrap(), cluster)
+    }
+
+    #[test]
+    fn redisson_layout() {
+        let n = names("orders/42", false).unwrap();
+        assert_eq!(n.lock, "orders/42");
+        assert_eq!(n.channel, "redisson_lock__channel:{orders/42}");
+        assert_eq!(n.token, "redisson_lock_token:{orders/42}");
+        let n = names("a{b}c", true).unwrap();
+        assert_eq!(n.channel, "redisson_lock__channel:a{b}c");
+        assert_eq!(hash_tag(&n.channel), hash_tag(&n.lock));
+    }
+
+    #[test]
+    fn cluster_refuses_braces_without_a_tag() {
+        assert!(names("a{", true).is_err());
+        assert!(names("a{}b", true).is_err());
+        assert!(
+            names("a}b", true).is_err(),
+            "a `}}` alone moves the counter's slot"
+        );
+        assert!(names("a}b", false).is_ok());
+        assert!(names("a{", false).is_ok());
+    }
+}

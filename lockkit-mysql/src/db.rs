@@ -1,0 +1,378 @@
+//! The database both modes share: its connection pools, tables and statements, error
+//! mapping, and the reads both modes answer the same way (is a key's row locked now, what
+//! does the lease table say about a key).
+
+use std::{sync::Arc, time::Duration};
+
+use lockkit_core::{Error, FencingToken, HolderInfo, LockKey, Result};
+use sqlx::{
+    AssertSqlSafe, MySqlPool, Row,
+    mysql::{MySqlPoolOptions, MySqlRow},
+};
+use tokio::sync::OnceCell;
+
+use crate::MysqlConfig;
+
+pub(crate) const BACKEND: &str = "mysql";
+
+/// Maps a driver error, saying what was being done and what to do.
+pub(crate) fn db_error(doing: &str, e: sqlx::Error) -> Error {
+    let code = match &e {
+        sqlx::Error::Database(db) => db.code().map(|c| c.to_string()),
+        _ => None,
+    };
+    let retryable = match &e {
+        sqlx::Error::Io(_)
+        | sqlx::Error::PoolTimedOut
+        | sqlx::Error::Protocol(_)
+        | sqlx::Error::WorkerCrashed => true,
+        // Lock wait timeout, deadlock, server shutting down, connection killed, lost.
+        sqlx::Error::Database(_) => {
+            matches!(code.as_deref(), Some("HY000" | "40001" | "08S01" | "70100"))
+        }
+        _ => false,
+    };
+    let hint = match &e {
+        sqlx::Error::Io(_) => "; is the server running and reachable?",
+        sqlx::Error::PoolTimedOut => "; all pooled connections are busy (raise pool_size)",
+        _ => "",
+    };
+    Error::backend_with_source(BACKEND, retryable, format!("{doing} failed: {e}{hint}"), e)
+}
+
+/// MySQL error numbers lockkit reacts to.
+pub(crate) fn error_number(e: &sqlx::Error) -> Option<u16> {
+    match e {
+        sqlx::Error::Database(db) => db
+            .try_downcast_ref::<sqlx::mysql::MySqlDatabaseError>()
+            .map(|m| m.number()),
+        _ => None,
+    }
+}
+
+pub(crate) fn query(
+    sql: &Arc<str>,
+) -> sqlx::query::Query<'static, sqlx::MySql, sqlx::mysql::MySqlArguments> {
+    sqlx::query(AssertSqlSafe(sql.clone()))
+}
+
+pub(crate) fn micros(d: Duration) -> u64 {
+    u64::try_from(d.as_micros()).unwrap_or(u64::MAX).max(1)
+}
+
+/// Errors that mean a row lock could not be taken in time (not failures).
+pub(crate) const LOCK_WAIT_TIMEOUT: u16 = 1205;
+pub(crate) const LOCK_NOWAIT: u16 = 3572;
+
+/// One database: the pools and the statements on its tables.
+pub(crate) struct Db {
+    pub(crate) config: MysqlConfig,
+    pub(crate) pool: MySqlPool,
+    /// Dedicated connections for for-update holds and waiters.
+    pub(crate) holds_pool: MySqlPool,
+    pub(crate) sql: Sql,
+    schema: OnceCell<()>,
+}
+
+impl Db {
+    /// Opens the pools `config` asks for and makes sure the tables are there.
+    pub(crate) async fn connect(config: MysqlConfig) -> Result<Arc<Db>> {
+        let pool = MySqlPoolOptions::new()
+            .max_connections(config.pool_size)
+            .acquire_timeout(config.connect_timeout)
+            .after_connect(|conn, _| Box::pin(read_committed(conn)))
+            .connect_with(config.connect.clone())
+            .await
+            .map_err(|e| db_error("connecting to MySQL", e))?;
+        let holds_pool = MySqlPoolOptions::new()
+            .max_connections(config.max_holds)
+            .min_connections(0)
+            .acquire_timeout(Duration::from_millis(250))
+            // A hold sets its connection's wait_timeout to its lease: put the server's
+            // default back when the connection returns (or drop it), and test a pooled
+            // connection before use, so an idle spell or a server restart never fails the
+            // next acquisition.
+            .test_before_acquire(true)
+            .after_release(|conn, _| {
+                Box::pin(async move {
+                    Ok(
+                        sqlx::raw_sql("SET SESSION wait_timeout = @@GLOBAL.wait_timeout")
+                            .execute(&mut *conn)
+                            .await
+                            .is_ok(),
+                    )
+                })
+            })
+            .after_connect(|conn, _| Box::pin(read_committed(conn)))
+            .connect_lazy_with(config.connect.clone());
+        let db = Arc::new(Db {
+            sql: Sql::new(&config.table),
+            config,
+            pool,
+            holds_pool,
+            schema: OnceCell::new(),
+        });
+        db.ensure_schema().await?;
+        Ok(db)
+    }
+
+    /// Creates the tables if allowed; otherwise checks they exist.
+    pub(crate) async fn ensure_schema(&self) -> Result<()> {
+        let inner = self;
+        inner
+            .schema
+            .get_or_try_init(|| async {
+                let table = &inner.config.table;
+                if inner.config.create_schema {
+                    for statement in ddl(table).split(';').map(str::trim).filter(|s| !s.is_empty()) {
+                        sqlx::raw_sql(AssertSqlSafe(statement.to_owned()))
+                            .execute(&inner.pool)
+                            .await
+                            .map_err(|e| db_error(&format!("creating table `{table}`"), e))?;
+                    }
+                } else {
+                    match query(&inner.sql.table_exists).fetch_optional(&inner.pool).await {
+                        Ok(_) => {}
+                        Err(e) if error_number(&e) == Some(1146) => {
+                            return Err(Error::Config(format!(
+                                "table `{table}` does not exist and create_schema=false; create it with:\n{}",
+                                ddl(table)
+                            )));
+                        }
+                        Err(e) => return Err(db_error(&format!("checking table `{table}`"), e)),
+                    }
+                }
+                self.ensure_attempts_column().await
+            })
+            .await
+            .map(|_| ())
+    }
+
+    /// Tables made before the `attempts` column existed get it (or, with
+    /// create_schema=false, an error with the statement to run).
+    async fn ensure_attempts_column(&self) -> Result<()> {
+        let inner = self;
+        let table = &inner.config.table;
+        let (present,): (i64,) =
+            sqlx::query_as(AssertSqlSafe(inner.sql.attempts_column_exists.clone()))
+                .bind(table)
+                .fetch_one(&inner.pool)
+                .await
+                .map_err(|e| db_error(&format!("checking the columns of `{table}`"), e))?;
+        if present > 0 {
+            return Ok(());
+        }
+        if !inner.config.create_schema {
+            return Err(Error::Config(format!(
+                "table `{table}` lacks the `attempts` column and create_schema=false; add it with:\n{};",
+                inner.sql.add_attempts_column
+            )));
+        }
+        match query(&inner.sql.add_attempts_column)
+            .execute(&inner.pool)
+            .await
+        {
+            // 1060: another client added it first.
+            Ok(_) => Ok(()),
+            Err(e) if error_number(&e) == Some(1060) => Ok(()),
+            Err(e) => Err(db_error(
+                &format!("adding the attempts column to `{table}`"),
+                e,
+            )),
+        }
+    }
+
+    /// One round trip to the server.
+    pub(crate) async fn ping(&self) -> Result<()> {
+        let _: (i32,) = sqlx::query_as("SELECT 1")
+            .fetch_one(&self.pool)
+            .await
+            .map_err(|e| db_error("SELECT 1", e))?;
+        Ok(())
+    }
+
+    /// Whether `key`'s row is locked now, probed without waiting.
+    pub(crate) async fn is_locked(&self, key: &[u8]) -> Result<bool> {
+        let fail = |e| db_error("probing the row lock", e);
+        let mut tx = self.pool.begin().await.map_err(fail)?;
+        let probe = query(&self.sql.mutex_lock_nowait)
+            .bind(key)
+            .fetch_optional(&mut *tx)
+            .await;
+        let _ = tx.rollback().await;
+        match probe {
+            Ok(_) => Ok(false),
+            Err(e) if matches!(error_number(&e), Some(LOCK_WAIT_TIMEOUT | LOCK_NOWAIT)) => Ok(true),
+            Err(e) => Err(fail(e)),
+        }
+    }
+
+    /// Who holds `key` according to the lease table: a live row-mode lease, or the record
+    /// of a for-update holder whose row is still locked.
+    pub(crate) async fn inspect_lease(&self, key: &LockKey) -> Result<Option<HolderInfo>> {
+        let row = query(&self.sql.inspect)
+            .bind(key.as_str().as_bytes())
+            .fetch_optional(&self.pool)
+            .await
+            .map_err(|e| db_error("inspecting the lease", e))?;
+        let Some(row) = row else { return Ok(None) };
+        let left = row.try_get::<Option<i64>, _>("left_us").ok().flatten();
+        if left.is_none() && !self.is_locked(key.as_str().as_bytes()).await? {
+            // The record of a for-update holder whose transaction has ended.
+            return Ok(None);
+        }
+        Ok(Some(HolderInfo::new(
+            row_text(&row, "owner").unwrap_or_default(),
+            row.try_get("holds").unwrap_or(1),
+            row.try_get::<u64, _>("fence").ok().map(FencingToken::new),
+            left.and_then(|us| u64::try_from(us).ok())
+                .map(Duration::from_micros),
+        )))
+    }
+}
+
+/// Lock transactions lock only the rows they name: no gap locks between neighbouring
+/// keys, so unrelated keys never deadlock each other.
+async fn read_committed(conn: &mut sqlx::MySqlConnection) -> std::result::Result<(), sqlx::Error> {
+    sqlx::raw_sql("SET SESSION TRANSACTION ISOLATION LEVEL READ COMMITTED")
+        .execute(conn)
+        .await
+        .map(|_| ())
+}
+
+pub(crate) fn row_text(row: &MySqlRow, column: &str) -> Option<String> {
+    row.try_get::<Option<String>, _>(column).ok().flatten()
+}
+
+// ---- the tables and their statements
+
+/// The DDL for `table` (and `<table>_mutex`, used by for-update mode).
+pub fn ddl(table: &str) -> String {
+    format!(
+        "CREATE TABLE IF NOT EXISTS `{table}` (\n  \
+           name VARBINARY(512) NOT NULL,\n  \
+           owner VARCHAR(80) NULL,\n  \
+           holds INT UNSIGNED NOT NULL DEFAULT 0,\n  \
+           fence BIGINT UNSIGNED NOT NULL DEFAULT 0,\n  \
+           expires_at DATETIME(6) NULL,\n  \
+           attempts TEXT NULL,\n  \
+           PRIMARY KEY (name)\n\
+         ) ENGINE=InnoDB;\n\
+         CREATE TABLE IF NOT EXISTS `{table}_mutex` (\n  \
+           name VARBINARY(512) NOT NULL,\n  \
+           PRIMARY KEY (name)\n\
+         ) ENGINE=InnoDB;"
+    )
+}
+
+/// The change that brings a table made before the `attempts` column existed up to date.
+pub(crate) fn add_attempts_column(table: &str) -> String {
+    format!("ALTER TABLE `{table}` ADD COLUMN attempts TEXT NULL AFTER expires_at")
+}
+
+/// Every statement, prepared once per connection by the driver's statement cache.
+#[derive(Debug)]
+pub(crate) struct Sql {
+    pub(crate) table_exists: Arc<str>,
+    pub(crate) attempts_column_exists: Arc<str>,
+    pub(crate) add_attempts_column: Arc<str>,
+    pub(crate) row_select_for_update: Arc<str>,
+    pub(crate) row_insert: Arc<str>,
+    pub(crate) row_take: Arc<str>,
+    pub(crate) row_reenter: Arc<str>,
+    pub(crate) row_renew: Arc<str>,
+    pub(crate) row_release_one: Arc<str>,
+    pub(crate) row_release_all: Arc<str>,
+    pub(crate) row_clear_live: Arc<str>,
+    pub(crate) inspect: Arc<str>,
+    pub(crate) mutex_insert: Arc<str>,
+    pub(crate) mutex_lock: Arc<str>,
+    pub(crate) mutex_lock_nowait: Arc<str>,
+    pub(crate) holder_take: Arc<str>,
+    pub(crate) holder_insert: Arc<str>,
+    pub(crate) holder_read: Arc<str>,
+    pub(crate) holder_depth: Arc<str>,
+    pub(crate) holder_clear: Arc<str>,
+    pub(crate) live_under_prefix: Arc<str>,
+    pub(crate) mutex_rows_under_prefix: Arc<str>,
+}
+
+impl Sql {
+    pub(crate) fn new(t: &str) -> Self {
+        let s = |text: String| Arc::<str>::from(text);
+        Sql {
+            table_exists: s(format!("SELECT 1 FROM `{t}` JOIN `{t}_mutex` LIMIT 0")),
+            attempts_column_exists: s("SELECT COUNT(*) FROM information_schema.COLUMNS \
+                 WHERE TABLE_SCHEMA = DATABASE() AND TABLE_NAME = ? AND COLUMN_NAME = 'attempts'"
+                .to_owned()),
+            add_attempts_column: s(add_attempts_column(t)),
+            row_select_for_update: s(format!(
+                "SELECT owner, holds, fence, attempts, expires_at > UTC_TIMESTAMP(6) AS live, \
+                 TIMESTAMPDIFF(MICROSECOND, UTC_TIMESTAMP(6), expires_at) AS left_us \
+                 FROM `{t}` WHERE name = ? FOR UPDATE"
+            )),
+            row_insert: s(format!(
+                "INSERT INTO `{t}` (name, owner, holds, fence, expires_at, attempts) \
+                 VALUES (?, ?, 1, 1, UTC_TIMESTAMP(6) + INTERVAL ? MICROSECOND, ?)"
+            )),
+            row_take: s(format!(
+                "UPDATE `{t}` SET owner = ?, holds = 1, fence = fence + 1, \
+                 expires_at = UTC_TIMESTAMP(6) + INTERVAL ? MICROSECOND, attempts = ? WHERE name = ?"
+            )),
+            row_reenter: s(format!(
+                "UPDATE `{t}` SET holds = holds + 1, attempts = ?, \
+                 expires_at = GREATEST(expires_at, UTC_TIMESTAMP(6) + INTERVAL ? MICROSECOND) WHERE name = ?"
+            )),
+            row_renew: s(format!(
+                "UPDATE `{t}` SET expires_at = GREATEST(expires_at, UTC_TIMESTAMP(6) + INTERVAL ? MICROSECOND) \
+                 WHERE name = ? AND owner = ? AND expires_at > UTC_TIMESTAMP(6)"
+            )),
+            row_release_one: s(format!(
+                "UPDATE `{t}` SET holds = holds - 1, attempts = ? WHERE name = ?"
+            )),
+            row_release_all: s(format!(
+                "UPDATE `{t}` SET owner = NULL, holds = 0, expires_at = NULL, attempts = NULL WHERE name = ?"
+            )),
+            row_clear_live: s(format!(
+                "UPDATE `{t}` SET owner = NULL, holds = 0, expires_at = NULL, attempts = NULL \
+                 WHERE name = ? AND expires_at > UTC_TIMESTAMP(6)"
+            )),
+            inspect: s(format!(
+                "SELECT owner, holds, fence, TIMESTAMPDIFF(MICROSECOND, UTC_TIMESTAMP(6), expires_at) AS left_us \
+                 FROM `{t}` WHERE name = ? AND owner IS NOT NULL \
+                 AND (expires_at IS NULL OR expires_at > UTC_TIMESTAMP(6))"
+            )),
+            mutex_insert: s(format!("INSERT IGNORE INTO `{t}_mutex` (name) VALUES (?)")),
+            mutex_lock: s(format!(
+                "SELECT name FROM `{t}_mutex` WHERE name = ? FOR UPDATE"
+            )),
+            mutex_lock_nowait: s(format!(
+                "SELECT name FROM `{t}_mutex` WHERE name = ? FOR UPDATE NOWAIT"
+            )),
+            // A for-update holder: a new token and no expiry, unless a row-mode lease is
+            // live on the key (both modes share the table).
+            holder_take: s(format!(
+                "UPDATE `{t}` SET fence = LAST_INSERT_ID(fence + 1), owner = ?, holds = 1, \
+                 expires_at = NULL, attempts = NULL WHERE name = ? AND NOT COALESCE(expires_at > UTC_TIMESTAMP(6), FALSE)"
+            )),
+            holder_insert: s(format!(
+                "INSERT INTO `{t}` (name, owner, holds, fence) VALUES (?, ?, 1, 1)"
+            )),
+            holder_read: s(format!(
+                "SELECT owner, holds, fence FROM `{t}` WHERE name = ?"
+            )),
+            holder_depth: s(format!(
+                "UPDATE `{t}` SET holds = ? WHERE name = ? AND owner = ?"
+            )),
+            holder_clear: s(format!(
+                "UPDATE `{t}` SET owner = NULL, holds = 0 WHERE name = ? AND owner = ?"
+            )),
+            live_under_prefix: s(format!(
+                "SELECT COUNT(*) FROM `{t}` WHERE name LIKE CONCAT(?, '%') AND expires_at > UTC_TIMESTAMP(6)"
+            )),
+            mutex_rows_under_prefix: s(format!(
+                "SELECT name FROM `{t}_mutex` WHERE name LIKE CONCAT(?, '%')"
+            )),
+        }
+    }
+}
