@@ -14,6 +14,13 @@ busy & b2=$!
 trap 'kill $b1 $b2 2>/dev/null' EXIT
 for i in $(seq 1 "$N"); do
   dir=/tmp/stab-clone-$i
+  # Servers an interrupted earlier run left behind would hold the ports (and their state
+  # goes with the clone): stop them through that clone's own script before removing it.
+  for old in /tmp/stab-clone-*; do
+    [[ -x "$old/scripts/services.sh" ]] || continue
+    (cd "$old" && LOCKKIT_PORT_OFFSET=$offset CARGO_TARGET_DIR=/tmp/stab-target \
+      scripts/services.sh down > /dev/null 2>&1)
+  done
   rm -rf "$dir"
   git clone -q "$repo" "$dir"
   commit=$(git -C "$dir" rev-parse --short HEAD)

@@ -366,6 +366,11 @@ impl Acquire {
             .as_ref()
             .and_then(|owner| owner.token_floor(&key));
         if let Some(floor) = floor.filter(|floor| grant.token < *floor) {
+            if let Some(owner) = self.owner.as_ref() {
+                // The refused request reached the server as a re-entry of the stale record
+                // and may have lengthened its lease to this TTL: the floor must outlive that.
+                owner.keep_floor(&key, grant.ttl);
+            }
             return Err(refuse_older_token(&locker, grant, floor, &runtime));
         }
         let owner = self.owner.as_ref();
@@ -447,6 +452,26 @@ impl Owner {
         let now = tokio::time::Instant::now();
         let owned = holds.get_mut(key)?;
         owned.remember(now).then_some(owned.token)
+    }
+}
+
+impl Owner {
+    /// Remembers the floor on `key` for at least twice `ttl` from now.
+    fn keep_floor(&self, key: &LockKey, ttl: Duration) {
+        let mut holds = self.holds.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(owned) = holds.get_mut(key) {
+            let ms = u64::try_from(ttl.as_millis()).unwrap_or(u64::MAX);
+            owned
+                .longest_lease
+                .fetch_max(ms, std::sync::atomic::Ordering::SeqCst);
+            if let Some(forget_at) = owned.forget_at.as_mut() {
+                let now = tokio::time::Instant::now();
+                let kept = now
+                    .checked_add(ttl.saturating_mul(2))
+                    .unwrap_or(now + WAIT_FOREVER);
+                *forget_at = (*forget_at).max(kept);
+            }
+        }
     }
 }
 

@@ -27,8 +27,10 @@ struct StaleRecord {
     memory: MemoryBackend,
     /// When set, acquisitions are answered with this token at depth 2.
     stale: Mutex<Option<FencingToken>>,
-    /// When set, renewals take 400 ms (the watchdog then holds its hold's `op`).
+    /// When set, renewals take 1 s (the watchdog then holds its hold's `op`).
     slow_renewals: AtomicBool,
+    /// Told when a slow renewal starts.
+    renewal_started: tokio::sync::Notify,
 }
 
 impl StaleRecord {
@@ -58,7 +60,8 @@ impl LockBackend for StaleRecord {
     }
     async fn renew(&self, grant: &Grant, ttl: Duration) -> Result<()> {
         if self.slow_renewals.load(Ordering::SeqCst) {
-            tokio::time::sleep(Duration::from_millis(400)).await;
+            self.renewal_started.notify_one();
+            tokio::time::sleep(Duration::from_secs(1)).await;
         }
         self.memory.renew(grant, ttl).await
     }
@@ -139,12 +142,20 @@ async fn an_older_token_racing_the_last_release_leaves_that_release_clean() {
         .unwrap();
     assert!(held.token() > older);
 
-    // A renewal is under way (it holds the hold's `op` for 400 ms) when the last guard
+    // A renewal is under way (it holds the hold's `op` for 1 s) when the last guard
     // is released, and a re-entry comes back meanwhile with the older token.
     backend.slow_renewals.store(true, Ordering::SeqCst);
-    tokio::time::sleep(Duration::from_millis(150)).await;
+    tokio::time::timeout(Duration::from_secs(10), backend.renewal_started.notified())
+        .await
+        .expect("the watchdog never renewed");
+    // The release runs as a task of its own: it counts the guard off at once, then waits
+    // for the renewal (0.2 s is ample for the first, and well inside the renewal's 1 s).
     let releasing = tokio::spawn(held.release());
-    tokio::time::sleep(Duration::from_millis(30)).await;
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert!(
+        !releasing.is_finished(),
+        "the release did not wait for the renewal under way"
+    );
     *backend.stale.lock().unwrap() = Some(older);
     let reentered = owner.acquire(&key).ttl(Duration::from_secs(60)).await;
     *backend.stale.lock().unwrap() = None;
@@ -165,5 +176,48 @@ async fn an_older_token_racing_the_last_release_leaves_that_release_clean() {
         guard.release().await.unwrap();
     }
     // Nothing of this owner is left on the server to hold the key for its lease.
+    free_soon(&locker, &key).await;
+}
+
+/// A refused acquisition reaches the server as a re-entry of the stale record and may
+/// lengthen its lease to its own TTL: the owner must keep refusing the older token for as
+/// long as that record may live, however often it retries, not only for the lease of the
+/// hold it remembers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn retries_keep_refusing_an_older_token_while_the_stale_record_lives() {
+    let backend = std::sync::Arc::new(StaleRecord::default());
+    let locker = Locker::from_arc(backend.clone());
+    let key = LockKey::new("stale-owner-record-retries").unwrap();
+    let owner = locker.owner();
+    let first = owner
+        .acquire(&key)
+        .ttl(Duration::from_secs(60))
+        .await
+        .unwrap();
+    let older = first.token();
+    first.release().await.unwrap();
+    // The newer hold asked for a short lease: remembered for 2 x 200 ms once over.
+    let second = owner
+        .acquire(&key)
+        .ttl(Duration::from_millis(200))
+        .await
+        .unwrap();
+    let newer = second.token();
+    second.release().await.unwrap();
+
+    *backend.stale.lock().unwrap() = Some(older);
+    let until = tokio::time::Instant::now() + Duration::from_millis(1500);
+    let mut tries = 0;
+    while tokio::time::Instant::now() < until {
+        tries += 1;
+        if let Ok(guard) = owner.acquire(&key).ttl(Duration::from_secs(1)).await {
+            panic!(
+                "try {tries}: a hold got token {} after this owner's {newer}",
+                guard.token()
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    *backend.stale.lock().unwrap() = None;
     free_soon(&locker, &key).await;
 }

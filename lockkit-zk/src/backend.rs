@@ -54,7 +54,7 @@ async fn pause_unless_interrupted(deadline: Instant, interrupt: &Interrupt) -> b
 enum Unanswered {
     /// The caller went away.
     Interrupted,
-    /// The request was still unanswered at the acquisition's hard end.
+    /// The request was still unanswered at its bound (see `ZkBackend::request_end`).
     TooLate,
 }
 
@@ -276,6 +276,16 @@ impl ZkBackend {
         limit.max(Duration::from_millis(100))
     }
 
+    /// How long a request sent now may stay unanswered by an acquisition whose wait ends
+    /// at `deadline`: until the deadline, and one request limit of silence past it (or past
+    /// now, for a request sent after it). Bounded per request, so slow answers that keep
+    /// coming never fail an acquisition, while a silent server ends it: at most one
+    /// request limit after its deadline, and one more if deleting its node is unanswered.
+    fn request_end(&self, deadline: Instant) -> Instant {
+        let from = deadline.max(Instant::now());
+        from.checked_add(self.request_limit()).unwrap_or(from)
+    }
+
     /// The current session, reopened if it expired.
     async fn session(&self) -> Result<Arc<Session>> {
         let mut current = self.inner.session.lock().await;
@@ -314,14 +324,14 @@ impl ZkBackend {
 
     /// Creates this attempt's contender node, finding it after a connection loss instead
     /// of creating a second one. `None` when the caller went away; an error when the
-    /// server left a request unanswered until `end`. Either way, a node the attempt may
+    /// server left a request unanswered past its bound. Either way, a node the attempt may
     /// have created is deleted in the background.
     async fn create_contender(
         &self,
         session: &Arc<Session>,
         dir: &str,
         req: &AcquireRequest,
-        end: Instant,
+        deadline: Instant,
         interrupt: &Interrupt,
     ) -> Result<Option<(String, u64)>> {
         let client = &session.client;
@@ -334,13 +344,20 @@ impl ZkBackend {
             tokio::spawn(async move {
                 let mut backoff = Duration::from_millis(20);
                 while !session.dead.load(Ordering::SeqCst) {
-                    if let Ok(children) = session.client.list_children(&dir).await {
-                        for name in children.iter().filter(|c| c.starts_with(&unique)) {
-                            if keep.as_deref() != Some(name.as_str()) {
-                                delete_until_gone(session.clone(), format!("{dir}/{name}")).await;
+                    match session.client.list_children(&dir).await {
+                        Ok(children) => {
+                            for name in children.iter().filter(|c| c.starts_with(&unique)) {
+                                if keep.as_deref() != Some(name.as_str()) {
+                                    delete_until_gone(session.clone(), format!("{dir}/{name}"))
+                                        .await;
+                                }
                             }
+                            return;
                         }
-                        return;
+                        // No directory, so no node of ours: the session's requests are
+                        // ordered, and the create went out before this list.
+                        Err(zookeeper_client::Error::NoNode) => return,
+                        Err(_) => {}
                     }
                     tokio::time::sleep(backoff).await;
                     backoff = (backoff * 2).min(Duration::from_secs(1));
@@ -352,7 +369,7 @@ impl ZkBackend {
         let acls = Acls::anyone_all();
         let ephemeral = CreateMode::EphemeralSequential.with_acls(acls);
         // Once a create is sent, its outcome is unknown until answered: a request left
-        // unanswered (the caller gone, or `end` reached) leaves a node to sweep.
+        // unanswered (the caller gone, or its bound passed) leaves a node to sweep.
         let unanswered_create = |why: Unanswered| {
             sweep(None);
             match why {
@@ -367,7 +384,7 @@ impl ZkBackend {
             let sent = Instant::now();
             let created = match answer_by(
                 client.create(&prefix, data.as_bytes(), &ephemeral),
-                end,
+                self.request_end(deadline),
                 interrupt,
             )
             .await
@@ -401,7 +418,7 @@ impl ZkBackend {
                             Err(e) => Err(zk_error("creating the lock's container node", e)),
                         }
                     };
-                    match answer_by(directories, end, interrupt).await {
+                    match answer_by(directories, self.request_end(deadline), interrupt).await {
                         Ok(made) => made?,
                         Err(why) => return unanswered_create(why),
                     }
@@ -416,13 +433,15 @@ impl ZkBackend {
                         let stat = client.check_stat(&node).await.ok()??;
                         Some((name, node, stat))
                     };
-                    match answer_by(lookup, end, interrupt).await {
+                    match answer_by(lookup, self.request_end(deadline), interrupt).await {
                         Ok(Some((name, node, stat))) => {
                             sweep(Some(name));
                             return Ok(Some((node, u64::try_from(stat.czxid).unwrap_or(0))));
                         }
                         Ok(None) => {
-                            if !pause_unless_interrupted(end, interrupt).await {
+                            if !pause_unless_interrupted(self.request_end(deadline), interrupt)
+                                .await
+                            {
                                 return unanswered_create(Unanswered::Interrupted);
                             }
                         }
@@ -455,28 +474,24 @@ impl ZkBackend {
         interrupt: Interrupt,
     ) -> Result<Option<Grant>> {
         let deadline = deadline_after(wait);
-        // No request is awaited past `end`: a server that stops answering ends the
-        // acquisition at most one request limit after its deadline.
-        let end = deadline
-            .checked_add(self.request_limit())
-            .unwrap_or(deadline);
         let session = self.session().await?;
         let client = session.client.clone();
         let dir = self.lock_dir(&req.key);
         let Some((node, czxid)) = self
-            .create_contender(&session, &dir, req, end, &interrupt)
+            .create_contender(&session, &dir, req, self.request_end(deadline), &interrupt)
             .await?
         else {
             return Ok(None);
         };
         let name = node[dir.len() + 1..].to_owned();
-        // Deletes the node, waiting for that at most until `end` (the deletion goes on in
-        // the background after that, for as long as the session lives).
+        // Deletes the node, waiting for that at most one request limit (the deletion goes
+        // on in the background after that, for as long as the session lives).
+        let limit = self.request_limit();
         let give_up = |node: String| {
             let session = session.clone();
             async move {
                 let deleting = tokio::spawn(delete_until_gone(session, node.clone()));
-                let deleted = tokio::time::timeout_at(end.max(Instant::now()), deleting).await;
+                let deleted = tokio::time::timeout(limit, deleting).await;
                 if !matches!(deleted, Ok(Ok(true))) {
                     tracing::warn!(
                         node,
@@ -506,7 +521,7 @@ impl ZkBackend {
                 }
             }
         };
-        // A request still unanswered at `end`: the server is not answering (a retryable
+        // A request still unanswered at its bound: the server is not answering (a retryable
         // error, so the caller does not take it for a held lock); a caller gone wants none.
         let unanswered_wait = |why: Unanswered, doing: &str| match why {
             Unanswered::Interrupted => Ok(None),
@@ -517,7 +532,13 @@ impl ZkBackend {
         // TTL must not yield an expired grant.
         let granted_at = loop {
             let sent = Instant::now();
-            let listed = match answer_by(client.list_children(&dir), end, &interrupt).await {
+            let listed = match answer_by(
+                client.list_children(&dir),
+                self.request_end(deadline),
+                &interrupt,
+            )
+            .await
+            {
                 Ok(listed) => listed,
                 Err(why) => {
                     give_up(node).await;
@@ -555,14 +576,19 @@ impl ZkBackend {
                 return Ok(None);
             }
             let predecessor = format!("{dir}/{}", queue[position - 1]);
-            let watched =
-                match answer_by(client.check_and_watch_stat(&predecessor), end, &interrupt).await {
-                    Ok(watched) => watched,
-                    Err(why) => {
-                        give_up(node).await;
-                        return unanswered_wait(why, "watching the predecessor");
-                    }
-                };
+            let watched = match answer_by(
+                client.check_and_watch_stat(&predecessor),
+                self.request_end(deadline),
+                &interrupt,
+            )
+            .await
+            {
+                Ok(watched) => watched,
+                Err(why) => {
+                    give_up(node).await;
+                    return unanswered_wait(why, "watching the predecessor");
+                }
+            };
             let watcher = match watched {
                 Ok((Some(_), watcher)) => watcher,
                 Ok((None, _)) => continue,
@@ -631,6 +657,7 @@ impl ZkBackend {
             // Its own task, like a fresh acquisition: if the caller goes away while the
             // depth is being recorded for `inspect`, the hold it added is given back.
             let (request, giver) = (req.clone(), self.clone());
+            let limit = self.request_limit();
             let reentered = detached_acquire(
                 BACKEND,
                 move |_| async move {
@@ -638,7 +665,8 @@ impl ZkBackend {
                     let Some(depth) = add_hold(&held, &request, start) else {
                         return Ok(None);
                     };
-                    record_depth(&held, depth).await;
+                    // Only for `inspect`: a silent server must not hold the re-entry up.
+                    let _ = tokio::time::timeout(limit, record_depth(&held, depth)).await;
                     let grant = Grant::new(&request, held.token, depth, start);
                     Ok(Some(grant.with_state(held)))
                 },
