@@ -53,7 +53,7 @@ impl Harness for FileHarness {
     }
 
     async fn take_away(&self, key: &LockKey) -> HookResult {
-        match self.backend().clear(key).await {
+        match self.backend().take_away(key).await {
             Ok(true) => Ok(()),
             Ok(false) => Err(HookError::Failed(format!("`{key}` was not held"))),
             Err(e) => Err(HookError::Failed(e.to_string())),

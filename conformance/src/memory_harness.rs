@@ -72,10 +72,10 @@ impl Harness for MemoryHarness {
     }
 
     async fn take_away(&self, key: &LockKey) -> HookResult {
-        if self.server.take_away(key) {
-            Ok(())
-        } else {
-            Err(HookError::Failed(format!("`{key}` was not held")))
+        match self.server.take_away(key).await {
+            Ok(true) => Ok(()),
+            Ok(false) => Err(HookError::Failed(format!("`{key}` was not held"))),
+            Err(e) => Err(HookError::Failed(e.to_string())),
         }
     }
 

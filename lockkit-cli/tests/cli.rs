@@ -41,7 +41,7 @@ async fn take_away_when_held(dir: &str) -> Instant {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     // The watchdog notices within a renewal.
-    assert!(backend.clear(&key).await.unwrap());
+    assert!(backend.take_away(&key).await.unwrap());
     started
 }
 

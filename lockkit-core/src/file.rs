@@ -300,12 +300,14 @@ impl FileBackend {
         Self::open(path)
     }
 
-    /// Operator action: frees `key` as if its lease had run out (the token is kept, so
-    /// tokens still grow). Its holder finds out at its next renewal.
+    /// Operator action: takes `key` away from its holder, as if its lease had run out (the
+    /// token is kept, so tokens still grow). Its holder finds out at its next renewal.
+    /// Returns whether a live hold was there. Every backend that can do this names it
+    /// `take_away`, with this signature.
     ///
     /// # Errors
     /// File errors.
-    pub async fn clear(&self, key: &LockKey) -> Result<bool> {
+    pub async fn take_away(&self, key: &LockKey) -> Result<bool> {
         self.with_file(key, "clearing", |file, now| {
             let held = file.state.holder(now).is_some();
             file.state.owner = None;

@@ -181,13 +181,17 @@ impl MemoryBackend {
         }
     }
 
-    /// Fault hook: deletes `key` behind its holder's back, as an operator's `DEL` would.
-    /// The holder finds out at its next renewal. Returns whether a lock was there.
-    pub fn take_away(&self, key: &LockKey) -> bool {
+    /// Operator action: takes `key` away from its holder, as an operator's `DEL` would.
+    /// The holder finds out at its next renewal. Returns whether a lock was there. Every
+    /// backend that can do this names it `take_away`, with this signature.
+    ///
+    /// # Errors
+    /// None for this backend; the `Result` keeps the signature of the others.
+    pub async fn take_away(&self, key: &LockKey) -> Result<bool> {
         let mut state = lock(&self.server.state);
         let was = state.locks.remove(key).is_some();
         state.wake(key);
-        was
+        Ok(was)
     }
 
     /// Server state left for keys starting with `prefix`: live or expired lock entries

@@ -96,12 +96,15 @@ impl MysqlBackend {
         }
     }
 
-    /// Operator action (row mode): clears `key`'s lease as if it had expired; its holder
-    /// finds out at its next renewal. Returns whether there was a live lease.
+    /// Operator action (row mode): takes `key` away from its holder, clearing its lease as
+    /// if it had expired; the holder finds out at its next renewal. Returns whether there
+    /// was a live lease. Every backend that can do this names it `take_away`, with this
+    /// signature. (A for-update hold is ended by killing its connection:
+    /// [`MysqlBackend::connection_holding`], [`MysqlBackend::kill_connection`].)
     ///
     /// # Errors
     /// Database errors.
-    pub async fn clear_lease(&self, key: &LockKey) -> Result<bool> {
+    pub async fn take_away(&self, key: &LockKey) -> Result<bool> {
         let done = query(&self.db.sql.row_clear_live)
             .bind(key.as_str().as_bytes())
             .execute(&self.db.pool)

@@ -132,7 +132,7 @@ impl Harness for MysqlHarness {
             // An operator clears the lease row.
             let admin = self.admin().await;
             let cleared = admin
-                .clear_lease(key)
+                .take_away(key)
                 .await
                 .map_err(|e| HookError::Failed(e.to_string()))?;
             return if cleared {
