@@ -29,23 +29,23 @@ mod lost;
 mod memory;
 mod options;
 mod owner;
+pub mod spi;
 
-pub use attempts::AttemptLedger;
-pub use backend::{
-    AcquireRequest, BackendInfo, Capabilities, Consistency, Grant, HolderInfo, LockBackend,
-    Released,
-};
-pub use detach::{Interrupt, detached, detached_acquire};
+pub(crate) use attempts::AttemptLedger;
+pub(crate) use backend::{AcquireRequest, Grant, Released};
+pub use backend::{BackendInfo, Capabilities, Consistency, HolderInfo, LockBackend};
+pub(crate) use detach::detached_acquire;
 pub use error::{BoxError, Error, LostReason, Result};
 pub use fencing::FencingToken;
-pub use file::{FileBackend, file_name};
-pub use guard::{LockGuard, local_validity};
+pub use file::FileBackend;
+pub use guard::LockGuard;
 pub use into_key::IntoLockKey;
 pub use key::LockKey;
-pub use locker::{Acquire, Locker, Owner, TryAcquire, WAIT_FOREVER, deadline_after};
+pub(crate) use locker::deadline_after;
+pub use locker::{Acquire, Locker, Owner, TryAcquire, WAIT_FOREVER};
 pub use lost::LossSignal;
 pub use memory::MemoryBackend;
-pub use options::{DEFAULT_TTL, LockOptions, validate_ttl};
+pub use options::{DEFAULT_TTL, LockOptions};
 pub use owner::OwnerId;
 
 /// Re-exported so backends implement [`LockBackend`] with the same macro version.

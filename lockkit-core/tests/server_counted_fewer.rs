@@ -8,9 +8,10 @@
 
 use std::time::Duration;
 
+use lockkit_core::spi::{AcquireRequest, Grant, Released};
 use lockkit_core::{
-    AcquireRequest, BackendInfo, Grant, HolderInfo, LockBackend, LockKey, Locker, LostReason,
-    MemoryBackend, Released, Result, async_trait,
+    BackendInfo, HolderInfo, LockBackend, LockKey, Locker, LostReason, MemoryBackend, Result,
+    async_trait,
 };
 
 #[derive(Debug)]

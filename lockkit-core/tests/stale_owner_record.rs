@@ -17,9 +17,10 @@ use std::{
     time::Duration,
 };
 
+use lockkit_core::spi::{AcquireRequest, Grant, Released};
 use lockkit_core::{
-    AcquireRequest, BackendInfo, FencingToken, Grant, HolderInfo, LockBackend, LockKey, Locker,
-    MemoryBackend, Released, Result, async_trait,
+    BackendInfo, FencingToken, HolderInfo, LockBackend, LockKey, Locker, MemoryBackend, Result,
+    async_trait,
 };
 
 #[derive(Debug, Default)]

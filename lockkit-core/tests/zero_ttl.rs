@@ -2,7 +2,8 @@
 
 use std::time::Duration;
 
-use lockkit_core::{BackendInfo, Capabilities, Consistency, Error, LockOptions, validate_ttl};
+use lockkit_core::spi::validate_ttl;
+use lockkit_core::{BackendInfo, Capabilities, Consistency, Error, LockOptions};
 
 #[test]
 fn zero_ttl_is_refused_without_a_backend_minimum() {

@@ -4,9 +4,8 @@
 use std::{sync::Arc, time::Duration};
 
 use async_trait::async_trait;
-use lockkit_core::{
-    AcquireRequest, BackendInfo, Grant, HolderInfo, LockBackend, LockKey, Released, Result,
-};
+use lockkit_core::spi::{AcquireRequest, Grant, Released};
+use lockkit_core::{BackendInfo, HolderInfo, LockBackend, LockKey, Result};
 use sqlx::AssertSqlSafe;
 
 use crate::{

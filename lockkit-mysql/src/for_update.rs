@@ -12,10 +12,12 @@ use std::{
 use std::{collections::HashMap, sync::Mutex};
 
 use async_trait::async_trait;
+use lockkit_core::spi::{
+    AcquireRequest, AttemptLedger, Grant, Interrupt, Released, deadline_after, detached_acquire,
+};
 use lockkit_core::{
-    AcquireRequest, AttemptLedger, BackendInfo, Capabilities, Consistency, Error, FencingToken,
-    Grant, HolderInfo, Interrupt, LockBackend, LockKey, OwnerId, Released, Result, deadline_after,
-    detached_acquire,
+    BackendInfo, Capabilities, Consistency, Error, FencingToken, HolderInfo, LockBackend, LockKey,
+    OwnerId, Result,
 };
 use sqlx::{AssertSqlSafe, Connection, MySql, Row, pool::PoolConnection};
 use tokio::time::Instant;

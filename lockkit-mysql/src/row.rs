@@ -5,9 +5,12 @@ use std::time::Duration;
 use std::sync::Arc;
 
 use async_trait::async_trait;
+use lockkit_core::spi::{
+    AcquireRequest, AttemptLedger, Grant, Released, deadline_after, detached_acquire,
+};
 use lockkit_core::{
-    AcquireRequest, AttemptLedger, BackendInfo, Capabilities, Consistency, Error, FencingToken,
-    Grant, HolderInfo, LockBackend, LockKey, Released, Result, deadline_after, detached_acquire,
+    BackendInfo, Capabilities, Consistency, Error, FencingToken, HolderInfo, LockBackend, LockKey,
+    Result,
 };
 use sqlx::{AssertSqlSafe, Row};
 use tokio::time::Instant;

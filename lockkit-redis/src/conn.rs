@@ -12,7 +12,8 @@ use std::{
 };
 
 use futures_util::StreamExt;
-use lockkit_core::{Error, Interrupt, Result};
+use lockkit_core::spi::Interrupt;
+use lockkit_core::{Error, Result};
 use redis::{
     Cmd, RedisError, RedisFuture, Value,
     aio::{ConnectionLike, ConnectionManager, PubSubSink},

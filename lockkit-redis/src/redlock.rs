@@ -4,9 +4,10 @@ use std::{sync::Arc, time::Duration};
 
 use async_trait::async_trait;
 use futures_util::future::{join_all, select_all};
+use lockkit_core::spi::{AcquireRequest, Grant, Released, deadline_after, local_validity};
 use lockkit_core::{
-    AcquireRequest, BackendInfo, Capabilities, Consistency, Error, FencingToken, Grant, HolderInfo,
-    LockBackend, LockKey, Released, Result, deadline_after, local_validity,
+    BackendInfo, Capabilities, Consistency, Error, FencingToken, HolderInfo, LockBackend, LockKey,
+    Result,
 };
 use tokio::time::Instant;
 
@@ -358,7 +359,7 @@ impl RedlockBackend {
     /// is given back.
     async fn attempt(&self, req: &AcquireRequest) -> Result<Attempt> {
         let (this, request, giver) = (self.clone(), req.clone(), self.clone());
-        lockkit_core::detached_acquire(
+        lockkit_core::spi::detached_acquire(
             BACKEND,
             move |_| async move { this.run_acquire(&request).await },
             Attempt::into_grant,

@@ -3,9 +3,10 @@
 use std::{sync::Arc, time::Duration};
 
 use async_trait::async_trait;
+use lockkit_core::spi::{AcquireRequest, Grant, Released, deadline_after};
 use lockkit_core::{
-    AcquireRequest, BackendInfo, Capabilities, Consistency, Error, FencingToken, Grant, HolderInfo,
-    LockBackend, LockKey, Released, Result, deadline_after,
+    BackendInfo, Capabilities, Consistency, Error, FencingToken, HolderInfo, LockBackend, LockKey,
+    Result,
 };
 use redis::{
     Value,
@@ -229,7 +230,7 @@ impl RedisBackend {
     pub(crate) async fn run_acquire(
         &self,
         req: &AcquireRequest,
-        interrupt: Option<&lockkit_core::Interrupt>,
+        interrupt: Option<&lockkit_core::spi::Interrupt>,
     ) -> Result<Attempt> {
         let names = self.names(&req.key)?;
         let config = &self.inner.config;
@@ -320,7 +321,7 @@ impl RedisBackend {
     /// goes away before the answer arrives, a grant that arrives anyway is given back.
     pub(crate) async fn attempt(&self, req: &AcquireRequest) -> Result<Attempt> {
         let (this, request, giver) = (self.clone(), req.clone(), self.clone());
-        lockkit_core::detached_acquire(
+        lockkit_core::spi::detached_acquire(
             crate::conn::BACKEND,
             move |interrupt| async move { this.run_acquire(&request, Some(&interrupt)).await },
             Attempt::into_grant,

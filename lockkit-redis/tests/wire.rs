@@ -5,7 +5,8 @@ use std::time::Duration;
 
 use futures_util::StreamExt;
 use lockkit_conformance::env;
-use lockkit_core::{Locker, Released};
+use lockkit_core::Locker;
+use lockkit_core::spi::Released;
 use lockkit_redis::RedisBackend;
 use redis::AsyncCommands;
 use uuid::Uuid;
@@ -231,8 +232,8 @@ fn request(
     name: &str,
     owner: lockkit_core::OwnerId,
     ttl: Duration,
-) -> lockkit_core::AcquireRequest {
-    lockkit_core::AcquireRequest::new(
+) -> lockkit_core::spi::AcquireRequest {
+    lockkit_core::spi::AcquireRequest::new(
         lockkit_core::LockKey::new(name).unwrap(),
         owner,
         ttl,
@@ -287,7 +288,8 @@ async fn a_retried_acquire_or_release_takes_effect_once() {
     // A give-back for an attempt that never took effect here (a Redlock master whose vote
     // failed) changes nothing.
     let never = request(&name, owner, Duration::from_secs(30));
-    let phantom = lockkit_core::Grant::new(&never, first.token, 1, tokio::time::Instant::now());
+    let phantom =
+        lockkit_core::spi::Grant::new(&never, first.token, 1, tokio::time::Instant::now());
     assert_eq!(
         backend.release(&phantom).await.unwrap(),
         Released::Partially { remaining: 1 }

@@ -10,10 +10,12 @@ use std::{
 };
 
 use async_trait::async_trait;
+use lockkit_core::spi::{
+    AcquireRequest, AttemptLedger, Grant, Interrupt, Released, deadline_after, detached_acquire,
+};
 use lockkit_core::{
-    AcquireRequest, AttemptLedger, BackendInfo, Capabilities, Consistency, Error, FencingToken,
-    Grant, HolderInfo, Interrupt, LockBackend, LockKey, LossSignal, LostReason, OwnerId, Released,
-    Result, deadline_after, detached_acquire,
+    BackendInfo, Capabilities, Consistency, Error, FencingToken, HolderInfo, LockBackend, LockKey,
+    LossSignal, LostReason, OwnerId, Result,
 };
 use tokio::time::Instant;
 use uuid::Uuid;

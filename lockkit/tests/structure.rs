@@ -116,8 +116,12 @@ fn crate_paths(code: &str) -> BTreeSet<String> {
 /// What the root re-exports, by name: the module that defines it.
 fn reexports(root: &str, modules: &BTreeMap<String, String>) -> BTreeMap<String, String> {
     let mut names = BTreeMap::new();
-    for (i, _) in root.match_indices("pub use ") {
-        let rest = &root[i + "pub use ".len()..];
+    let uses = root
+        .match_indices("pub use ")
+        .map(|(i, m)| i + m.len())
+        .chain(root.match_indices("pub(crate) use ").map(|(i, m)| i + m.len()));
+    for start in uses {
+        let rest = &root[start..];
         let module = identifier_at(rest);
         if !modules.contains_key(module) {
             continue;
@@ -228,7 +232,7 @@ fn the_checker_sees_a_cycle_through_a_reexport() {
     std::fs::create_dir_all(&src).unwrap();
     std::fs::write(
         src.join("lib.rs"),
-        "mod a;\nmod b;\npub use a::Alpha;\npub use b::{Beta, beta};\n",
+        "mod a;\nmod b;\npub use a::Alpha;\npub(crate) use b::{Beta, beta};\n",
     )
     .unwrap();
     std::fs::write(src.join("a.rs"), "use crate::Beta;\npub struct Alpha;\n").unwrap();

@@ -8,7 +8,8 @@ use std::{
     time::Duration,
 };
 
-use lockkit_core::{Error, Released};
+use lockkit_core::Error;
+use lockkit_core::spi::Released;
 
 use super::{LONG_TTL, assert_busy, assert_free};
 use crate::{

@@ -10,10 +10,8 @@ use std::{
     time::Duration,
 };
 
-use lockkit_core::{
-    AcquireRequest, BackendInfo, Grant, HolderInfo, LockBackend, LockKey, Locker, Released, Result,
-    async_trait,
-};
+use lockkit_core::spi::{AcquireRequest, Grant, Released};
+use lockkit_core::{BackendInfo, HolderInfo, LockBackend, LockKey, Locker, Result, async_trait};
 
 use crate::Harness;
 

@@ -1,6 +1,7 @@
 //! Ownership: only the holder may release, renew or extend.
 
-use lockkit_core::{Error, Grant, OwnerId, Released};
+use lockkit_core::spi::{Grant, Released};
+use lockkit_core::{Error, OwnerId};
 
 use super::{LONG_TTL, assert_busy, assert_free, generous_wait};
 use crate::{Check, Harness, Outcome, Space, support::expect_err};

@@ -2,7 +2,8 @@
 
 use std::time::Duration;
 
-use lockkit_core::{AcquireRequest, Error, LossSignal, LostReason, Released};
+use lockkit_core::spi::{AcquireRequest, Released};
+use lockkit_core::{Error, LossSignal, LostReason};
 
 use super::{LONG_TTL, assert_busy, assert_free, hook};
 use crate::{Check, Harness, Outcome, Space, support::expect_err};
@@ -740,7 +741,7 @@ pub async fn a_retried_attempt_keeps_the_lease_it_reports<H: Harness>(h: &H) -> 
     // Past the first try's lease (and the slack), within the retry's.
     let first_lease_over = first.lease_start + lease + h.expiry_slack();
     tokio::time::sleep_until(first_lease_over).await;
-    let believed_until = retried.lease_start + lockkit_core::local_validity(lease);
+    let believed_until = retried.lease_start + lockkit_core::spi::local_validity(lease);
     assert!(
         tokio::time::Instant::now() < believed_until,
         "the test's own timing: the retried grant should still be believed"

@@ -1,0 +1,12 @@
+//! What only backend authors (and authors of backend wrappers) need: the request and grant
+//! types of [`LockBackend`](crate::LockBackend), the attempt ledger that makes retries take
+//! effect once, the cancel-safe shape of an acquisition, and the deadline and lease helpers
+//! every backend uses alike. Lock users need none of it: they use [`Locker`](crate::Locker).
+
+pub use crate::attempts::AttemptLedger;
+pub use crate::backend::{AcquireRequest, Grant, Released};
+pub use crate::detach::{Interrupt, detached, detached_acquire};
+pub use crate::file::file_name;
+pub use crate::guard::local_validity;
+pub use crate::locker::deadline_after;
+pub use crate::options::validate_ttl;
