@@ -119,7 +119,10 @@ fn reexports(root: &str, modules: &BTreeMap<String, String>) -> BTreeMap<String,
     let uses = root
         .match_indices("pub use ")
         .map(|(i, m)| i + m.len())
-        .chain(root.match_indices("pub(crate) use ").map(|(i, m)| i + m.len()));
+        .chain(
+            root.match_indices("pub(crate) use ")
+                .map(|(i, m)| i + m.len()),
+        );
     for start in uses {
         let rest = &root[start..];
         let module = identifier_at(rest);
