@@ -86,11 +86,20 @@ async fn free_soon(locker: &Locker, key: &LockKey) {
     panic!("`{key}` stayed held with nobody holding it");
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_new_hold_never_carries_a_token_below_its_owners_last() {
+/// A wrapped memory backend, a key, and an owner whose first hold there (token returned)
+/// has been released.
+async fn one_hold_and_gone(
+    name: &str,
+) -> (
+    std::sync::Arc<StaleRecord>,
+    Locker,
+    LockKey,
+    lockkit_core::Owner,
+    FencingToken,
+) {
     let backend = std::sync::Arc::new(StaleRecord::default());
     let locker = Locker::from_arc(backend.clone());
-    let key = LockKey::new("stale-owner-record").unwrap();
+    let key = LockKey::new(name).unwrap();
     let owner = locker.owner();
     let first = owner
         .acquire(&key)
@@ -99,6 +108,12 @@ async fn a_new_hold_never_carries_a_token_below_its_owners_last() {
         .unwrap();
     let older = first.token();
     first.release().await.unwrap();
+    (backend, locker, key, owner, older)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_new_hold_never_carries_a_token_below_its_owners_last() {
+    let (backend, locker, key, owner, older) = one_hold_and_gone("stale-owner-record").await;
     let second = owner
         .acquire(&key)
         .ttl(Duration::from_secs(60))
@@ -124,17 +139,7 @@ async fn a_new_hold_never_carries_a_token_below_its_owners_last() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_older_token_racing_the_last_release_leaves_that_release_clean() {
-    let backend = std::sync::Arc::new(StaleRecord::default());
-    let locker = Locker::from_arc(backend.clone());
-    let key = LockKey::new("stale-owner-record-race").unwrap();
-    let owner = locker.owner();
-    let first = owner
-        .acquire(&key)
-        .ttl(Duration::from_secs(60))
-        .await
-        .unwrap();
-    let older = first.token();
-    first.release().await.unwrap();
+    let (backend, locker, key, owner, older) = one_hold_and_gone("stale-owner-record-race").await;
     let held = owner
         .acquire(&key)
         .ttl(Duration::from_secs(60))
@@ -186,17 +191,8 @@ async fn an_older_token_racing_the_last_release_leaves_that_release_clean() {
 /// hold it remembers.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn retries_keep_refusing_an_older_token_while_the_stale_record_lives() {
-    let backend = std::sync::Arc::new(StaleRecord::default());
-    let locker = Locker::from_arc(backend.clone());
-    let key = LockKey::new("stale-owner-record-retries").unwrap();
-    let owner = locker.owner();
-    let first = owner
-        .acquire(&key)
-        .ttl(Duration::from_secs(60))
-        .await
-        .unwrap();
-    let older = first.token();
-    first.release().await.unwrap();
+    let (backend, locker, key, owner, older) =
+        one_hold_and_gone("stale-owner-record-retries").await;
     // The newer hold asked for a short lease: remembered for 2 x 200 ms once over.
     let second = owner
         .acquire(&key)
