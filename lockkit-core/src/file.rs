@@ -14,8 +14,8 @@ use tokio::{sync::Notify, time::Instant};
 
 use crate::{
     AcquireRequest, AttemptLedger, BackendInfo, Capabilities, Consistency, Error, FencingToken,
-    Grant, HolderInfo, LockBackend, LockKey, OwnerId, Released, Result, deadline_after,
-    detached_acquire,
+    Grant, HolderInfo, LockBackend, LockKey, OwnerId, Released, Result, detached_acquire,
+    wait::{Armed, Attempt, Backoff, WaitPolicy, Wake, armed, wait_for_grant},
 };
 
 const SCHEME: &str = "file";
@@ -199,27 +199,20 @@ struct Waker<'a> {
     notify: Arc<Notify>,
 }
 
+/// Wakes waiters on a release in this process; other processes' releases are found by
+/// polling, so the wake-ups are never relied on alone.
+impl Wake for Waker<'_> {
+    fn arm(&self) -> Armed<'_> {
+        armed(&self.notify)
+    }
+}
+
 impl Drop for Waker<'_> {
     fn drop(&mut self) {
         let mut wakers = self.backend.wakers();
         // The map's reference and ours: no other waiter of this process is left.
         if Arc::strong_count(&self.notify) == 2 {
             wakers.remove(&self.key);
-        }
-    }
-}
-
-enum Attempt {
-    Granted(Grant),
-    /// Held by someone else for this much longer.
-    Busy(Duration),
-}
-
-impl Attempt {
-    fn into_grant(self) -> Option<Grant> {
-        match self {
-            Attempt::Granted(grant) => Some(grant),
-            Attempt::Busy(_) => None,
         }
     }
 }
@@ -431,7 +424,7 @@ impl FileBackend {
                                 start,
                             )))
                         }
-                        Some(_) => Ok(Attempt::Busy(Duration::from_nanos(state.expires - now))),
+                        Some(_) => Ok(Attempt::busy(Duration::from_nanos(state.expires - now))),
                         None => {
                             state.token += 1;
                             state.owner = Some(req.owner);
@@ -477,32 +470,12 @@ impl LockBackend for FileBackend {
     }
 
     async fn acquire(&self, req: &AcquireRequest, wait: Duration) -> Result<Grant> {
-        let started = Instant::now();
-        let deadline = deadline_after(wait);
-        let waker = self.waker(&req.key);
-        let mut delay = Duration::from_millis(1);
-        loop {
-            let notified = waker.notify.notified();
-            tokio::pin!(notified);
-            notified.as_mut().enable();
-            let left = match self.attempt(req).await? {
-                Attempt::Granted(grant) => return Ok(grant),
-                Attempt::Busy(left) => left,
-            };
-            let now = Instant::now();
-            if now >= deadline {
-                return Err(Error::Timeout {
-                    key: req.key.clone(),
-                    waited: started.elapsed(),
-                });
-            }
-            let sleep = delay.min(left + Duration::from_millis(1));
-            tokio::select! {
-                _ = &mut notified => {}
-                _ = tokio::time::sleep_until((now + sleep).min(deadline)) => {}
-            }
-            delay = (delay * 2).min(Duration::from_millis(50));
-        }
+        let mut waker = self.waker(&req.key);
+        let policy = WaitPolicy::new(Backoff::new(
+            Duration::from_millis(1),
+            Duration::from_millis(50),
+        ));
+        wait_for_grant(&req.key, wait, policy, &mut waker, || self.attempt(req)).await
     }
 
     async fn renew(&self, grant: &Grant, ttl: Duration) -> Result<()> {

@@ -30,6 +30,7 @@ mod memory;
 mod options;
 mod owner;
 pub mod spi;
+mod wait;
 
 pub(crate) use attempts::AttemptLedger;
 pub(crate) use backend::{AcquireRequest, Grant, Released};

@@ -14,8 +14,9 @@ use tokio::{sync::Notify, time::Instant};
 
 use crate::{
     AcquireRequest, AttemptLedger, BackendInfo, Capabilities, Consistency, Error, FencingToken,
-    Grant, HolderInfo, LockBackend, LockKey, LostReason, OwnerId, Released, Result, deadline_after,
+    Grant, HolderInfo, LockBackend, LockKey, LostReason, OwnerId, Released, Result, WAIT_FOREVER,
     lost::LossSignal,
+    wait::{Armed, Attempt, Backoff, WaitPolicy, Wake, armed, wait_for_grant},
 };
 
 const SCHEME: &str = "memory";
@@ -97,6 +98,18 @@ struct Registration<'a> {
     server: &'a Server,
     key: LockKey,
     slot: Arc<WaitSlot>,
+}
+
+#[async_trait]
+impl Wake for Registration<'_> {
+    /// A release in this process always notifies.
+    async fn ready(&mut self) -> bool {
+        true
+    }
+
+    fn arm(&self) -> Armed<'_> {
+        armed(&self.slot.notify)
+    }
 }
 
 impl Drop for Registration<'_> {
@@ -292,30 +305,20 @@ impl LockBackend for MemoryBackend {
     }
 
     async fn acquire(&self, req: &AcquireRequest, wait: Duration) -> Result<Grant> {
-        let started = Instant::now();
-        let deadline = deadline_after(wait);
-        let registration = self.register(&req.key);
-        loop {
-            // Register interest before looking at the lock, so no release slips between.
-            let notified = registration.slot.notify.notified();
-            tokio::pin!(notified);
-            notified.as_mut().enable();
-            let holder_expires = match self.try_grant(req) {
-                Ok(grant) => return Ok(grant),
-                Err(expires) => expires,
-            };
-            if Instant::now() >= deadline {
-                return Err(Error::Timeout {
-                    key: req.key.clone(),
-                    waited: started.elapsed(),
-                });
-            }
-            // Woken by a release, or at the instant the holder's lease runs out.
-            tokio::select! {
-                _ = &mut notified => {}
-                _ = tokio::time::sleep_until(holder_expires.min(deadline)) => {}
-            }
-        }
+        // Woken by a release, or at the instant the holder's lease runs out.
+        let mut registration = self.register(&req.key);
+        let policy = WaitPolicy::new(Backoff::new(
+            Duration::from_millis(1),
+            Duration::from_millis(50),
+        ))
+        .notified_cap(WAIT_FOREVER);
+        wait_for_grant(&req.key, wait, policy, &mut registration, || async {
+            Ok(match self.try_grant(req) {
+                Ok(grant) => Attempt::Granted(grant),
+                Err(expires) => Attempt::busy(expires.saturating_duration_since(Instant::now())),
+            })
+        })
+        .await
     }
 
     async fn renew(&self, grant: &Grant, ttl: Duration) -> Result<()> {

@@ -1,7 +1,7 @@
 //! What only backend authors (and authors of backend wrappers) need: the request and grant
 //! types of [`LockBackend`](crate::LockBackend), the attempt ledger that makes retries take
-//! effect once, the cancel-safe shape of an acquisition, and the deadline and lease helpers
-//! every backend uses alike. Lock users need none of it: they use [`Locker`](crate::Locker).
+//! effect once, the cancel-safe shape of an acquisition, the one wait loop (attempt,
+//! wake-up, backoff, deadline), and the deadline and lease helpers every backend uses alike. Lock users need none of it: they use [`Locker`](crate::Locker).
 
 pub use crate::attempts::AttemptLedger;
 pub use crate::backend::{AcquireRequest, Grant, Released};
@@ -10,3 +10,6 @@ pub use crate::file::file_name;
 pub use crate::guard::local_validity;
 pub use crate::locker::deadline_after;
 pub use crate::options::validate_ttl;
+pub use crate::wait::{
+    Armed, Attempt, Backoff, Polling, WaitPolicy, Wake, armed, never, wait_for_grant,
+};
