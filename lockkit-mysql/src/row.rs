@@ -6,7 +6,8 @@ use std::sync::Arc;
 
 use async_trait::async_trait;
 use lockkit_core::spi::{
-    AcquireRequest, AttemptLedger, Grant, Released, deadline_after, detached_acquire,
+    AcquireRequest, Attempt, AttemptLedger, Backoff, Grant, Polling, Released, WaitPolicy,
+    detached_acquire, wait_for_grant,
 };
 use lockkit_core::{
     BackendInfo, Capabilities, Consistency, Error, FencingToken, HolderInfo, LockBackend, LockKey,
@@ -85,22 +86,6 @@ impl LockBackend for RowLocks {
     }
 }
 
-/// The outcome of one acquire transaction.
-enum Attempt {
-    Granted(Grant),
-    /// Held by someone else for about this much longer.
-    Busy(Duration),
-}
-
-impl Attempt {
-    fn into_grant(self) -> Option<Grant> {
-        match self {
-            Attempt::Granted(grant) => Some(grant),
-            Attempt::Busy(_) => None,
-        }
-    }
-}
-
 /// The ledger of a new holder: just this attempt.
 fn first_attempt(req: &AcquireRequest) -> String {
     let mut attempts = AttemptLedger::new();
@@ -143,7 +128,7 @@ async fn run_acquire(backend: &RowLocks, req: &AcquireRequest) -> Result<Attempt
                 )))
             }
             // Another client created it first: try again at once.
-            Err(e) if error_number(&e) == Some(1062) => Ok(Attempt::Busy(Duration::ZERO)),
+            Err(e) if error_number(&e) == Some(1062) => Ok(Attempt::busy(Duration::ZERO)),
             Err(e) => Err(fail(e)),
         };
     };
@@ -195,7 +180,7 @@ async fn run_acquire(backend: &RowLocks, req: &AcquireRequest) -> Result<Attempt
             .flatten()
             .unwrap_or(0);
         tx.rollback().await.map_err(fail)?;
-        return Ok(Attempt::Busy(Duration::from_micros(
+        return Ok(Attempt::busy(Duration::from_micros(
             u64::try_from(left).unwrap_or(0),
         )));
     }
@@ -218,7 +203,7 @@ async fn run_acquire(backend: &RowLocks, req: &AcquireRequest) -> Result<Attempt
             Ok(_) => {}
             Err(e) if matches!(error_number(&e), Some(LOCK_WAIT_TIMEOUT | LOCK_NOWAIT)) => {
                 tx.rollback().await.map_err(fail)?;
-                return Ok(Attempt::Busy(FOR_UPDATE_HOLDER_POLL));
+                return Ok(Attempt::busy(FOR_UPDATE_HOLDER_POLL));
             }
             Err(e) => return Err(fail(e)),
         }
@@ -258,7 +243,7 @@ async fn attempt(backend: &RowLocks, req: &AcquireRequest) -> Result<Attempt> {
                     source: Some(source),
                     ..
                 }) if source.downcast_ref::<sqlx::Error>().and_then(error_number) == Some(DEADLOCK) => {
-                    Ok(Attempt::Busy(Duration::ZERO))
+                    Ok(Attempt::busy(Duration::ZERO))
                 }
                 outcome => outcome,
             }
@@ -278,8 +263,10 @@ async fn try_acquire(backend: &RowLocks, req: &AcquireRequest) -> Result<Option<
     for _ in 0..2 {
         match attempt(backend, req).await? {
             Attempt::Granted(grant) => return Ok(Some(grant)),
-            Attempt::Busy(left) if left.is_zero() => continue,
-            Attempt::Busy(_) => return Ok(None),
+            Attempt::Busy {
+                lease_left: Some(left),
+            } if left.is_zero() => continue,
+            Attempt::Busy { .. } => return Ok(None),
         }
     }
     Ok(None)
@@ -292,31 +279,11 @@ const MAX_POLL: Duration = Duration::from_millis(100);
 /// Waits by polling with capped exponential backoff and jitter, never sleeping past the
 /// holder's remaining lease or the deadline.
 async fn acquire(backend: &RowLocks, req: &AcquireRequest, wait: Duration) -> Result<Grant> {
-    let started = Instant::now();
-    let deadline = deadline_after(wait);
-    let mut delay = FIRST_POLL;
-    loop {
-        let left = match attempt(backend, req).await {
-            Ok(Attempt::Granted(grant)) => return Ok(grant),
-            Ok(Attempt::Busy(left)) => left,
-            Err(e) if e.is_retryable() && !wait.is_zero() => {
-                tracing::debug!(error = %e, "acquire attempt failed; retrying");
-                MAX_POLL
-            }
-            Err(e) => return Err(e),
-        };
-        let now = Instant::now();
-        if now >= deadline {
-            return Err(Error::Timeout {
-                key: req.key.clone(),
-                waited: started.elapsed(),
-            });
-        }
-        let jitter = delay.mul_f64(fastrand::f64() * 0.5);
-        let sleep = (delay + jitter).min(left + Duration::from_millis(1));
-        tokio::time::sleep_until((now + sleep).min(deadline)).await;
-        delay = (delay * 2).min(MAX_POLL);
-    }
+    let policy = WaitPolicy::new(Backoff::new(FIRST_POLL, MAX_POLL));
+    wait_for_grant(&req.key, wait, policy, &mut Polling, || {
+        attempt(backend, req)
+    })
+    .await
 }
 
 async fn renew(backend: &RowLocks, grant: &Grant, ttl: Duration) -> Result<()> {

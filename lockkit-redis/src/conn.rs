@@ -12,8 +12,8 @@ use std::{
 };
 
 use futures_util::StreamExt;
-use lockkit_core::spi::Interrupt;
-use lockkit_core::{Error, Result};
+use lockkit_core::spi::{Armed, Interrupt, Wake, armed, never};
+use lockkit_core::{Error, Result, async_trait};
 use redis::{
     Cmd, RedisError, RedisFuture, Value,
     aio::{ConnectionLike, ConnectionManager, PubSubSink},
@@ -256,6 +256,62 @@ pub(crate) struct Subscription {
     wakeups: Arc<Wakeups>,
     name: String,
     pub(crate) channel: Arc<Channel>,
+}
+
+/// A waiter's wake-ups: release messages on its key's channel, once subscribed. The first
+/// [`Wake::ready`] subscribes (a failure leaves the waiter polling); later ones reconnect a
+/// subscriber connection that died, and answer whether messages can be relied on.
+pub(crate) struct ReleaseMessages {
+    wakeups: Arc<Wakeups>,
+    name: String,
+    subscription: Option<Subscription>,
+    tried: bool,
+}
+
+impl ReleaseMessages {
+    pub(crate) fn new(wakeups: Arc<Wakeups>, name: String) -> Self {
+        ReleaseMessages {
+            wakeups,
+            name,
+            subscription: None,
+            tried: false,
+        }
+    }
+}
+
+#[async_trait]
+impl Wake for ReleaseMessages {
+    async fn ready(&mut self) -> bool {
+        if !std::mem::replace(&mut self.tried, true) {
+            return match self.wakeups.subscribe(&self.name).await {
+                Ok(subscription) => {
+                    self.subscription = Some(subscription);
+                    true
+                }
+                Err(error) => {
+                    tracing::warn!(%error, "no release notifications; falling back to timed retries");
+                    false
+                }
+            };
+        }
+        if self.subscription.is_none() {
+            return false;
+        }
+        match self.wakeups.ensure_connected().await {
+            Ok(()) => true,
+            Err(error) => {
+                tracing::debug!(%error, "subscriber connection down; retrying on the timer");
+                false
+            }
+        }
+    }
+
+    fn arm(&self) -> Armed<'_> {
+        match &self.subscription {
+            Some(subscription) => armed(&subscription.channel.notify),
+            None => never(),
+        }
+    }
 }
 
 impl Drop for Subscription {

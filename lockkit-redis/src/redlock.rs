@@ -4,14 +4,17 @@ use std::{sync::Arc, time::Duration};
 
 use async_trait::async_trait;
 use futures_util::future::{join_all, select_all};
-use lockkit_core::spi::{AcquireRequest, Grant, Released, deadline_after, local_validity};
+use lockkit_core::spi::{
+    AcquireRequest, Armed, Attempt, Backoff, Grant, Released, WaitPolicy, Wake, armed,
+    local_validity, never, wait_for_grant,
+};
 use lockkit_core::{
     BackendInfo, Capabilities, Consistency, Error, FencingToken, HolderInfo, LockBackend, LockKey,
     Result,
 };
 use tokio::time::Instant;
 
-use crate::{RedisBackend, RedisConfig, Topology, single::Attempt, wire};
+use crate::{RedisBackend, RedisConfig, Topology, conn::Subscription, wire};
 
 const BACKEND: &str = "redlock";
 
@@ -71,6 +74,58 @@ impl std::fmt::Debug for RedlockBackend {
             .field("masters", &self.nodes.len())
             .field("quorum", &self.quorum())
             .finish()
+    }
+}
+
+/// A Redlock waiter's wake-ups: release messages from any master it could subscribe to.
+struct MastersMessages<'a> {
+    backend: &'a RedlockBackend,
+    channel: String,
+    /// `None` until the first [`Wake::ready`] subscribed.
+    subscriptions: Option<Vec<Subscription>>,
+}
+
+#[async_trait]
+impl Wake for MastersMessages<'_> {
+    /// Subscribes on every master at once, each bounded by the response timeout (at most
+    /// 500 ms): a frozen master (a minority Redlock tolerates) must not hold the waiter or
+    /// the subscriptions on the others up; without its messages the waiter still polls.
+    async fn ready(&mut self) -> bool {
+        if self.subscriptions.is_none() {
+            let backend = self.backend;
+            let bound = Instant::now()
+                + backend
+                    .config
+                    .response_timeout
+                    .min(Duration::from_millis(500));
+            let subscribing = backend
+                .nodes
+                .iter()
+                .filter_map(Master::connected)
+                .map(|node| tokio::time::timeout_at(bound, node.subscribe(&self.channel)));
+            let subscribed = join_all(subscribing)
+                .await
+                .into_iter()
+                .filter_map(|outcome| outcome.ok()?.ok())
+                .collect();
+            self.subscriptions = Some(subscribed);
+        }
+        self.subscriptions.as_ref().is_some_and(|s| !s.is_empty())
+    }
+
+    fn arm(&self) -> Armed<'_> {
+        match self.subscriptions.as_deref() {
+            Some(subscriptions) if !subscriptions.is_empty() => {
+                let armed: Vec<_> = subscriptions
+                    .iter()
+                    .map(|s| armed(&s.channel.notify))
+                    .collect();
+                Box::pin(async move {
+                    select_all(armed).await;
+                })
+            }
+            _ => never(),
+        }
     }
 }
 
@@ -204,7 +259,7 @@ impl RedlockBackend {
             .into_iter()
             .map(|vote| match vote {
                 Ok(Attempt::Granted(grant)) => Vote::Granted(grant),
-                Ok(Attempt::Busy(left)) => Vote::Busy(left),
+                Ok(Attempt::Busy { lease_left }) => Vote::Busy(lease_left),
                 Err(e) => Vote::Failed(e),
             })
             .collect();
@@ -289,9 +344,7 @@ impl RedlockBackend {
         }
         // Contended: wait at most as long as the longest lease we saw.
         let left = busy.iter().copied().max().flatten();
-        Ok(Attempt::Busy(Some(
-            left.unwrap_or(Duration::from_millis(50)),
-        )))
+        Ok(Attempt::busy(left.unwrap_or(Duration::from_millis(50))))
     }
 
     /// Raises the token counter to `token` on every granting master; returns how many
@@ -386,84 +439,24 @@ impl LockBackend for RedlockBackend {
     }
 
     async fn try_acquire(&self, req: &AcquireRequest) -> Result<Option<Grant>> {
-        match self.attempt(req).await? {
-            Attempt::Granted(grant) => Ok(Some(grant)),
-            Attempt::Busy(_) => Ok(None),
-        }
+        Ok(self.attempt(req).await?.into_grant())
     }
 
     async fn acquire(&self, req: &AcquireRequest, wait: Duration) -> Result<Grant> {
-        let started = Instant::now();
-        let deadline = deadline_after(wait);
-        let timeout = || Error::Timeout {
-            key: req.key.clone(),
-            waited: started.elapsed(),
-        };
-        match self.attempt(req).await {
-            Ok(Attempt::Granted(grant)) => return Ok(grant),
-            Ok(Attempt::Busy(_)) => {}
-            Err(e) if e.is_retryable() && !wait.is_zero() => {}
-            Err(e) => return Err(e),
-        }
-        if wait.is_zero() {
-            return Err(timeout());
-        }
-        // Subscribe on every master that lets us; the loop retries before it sleeps, so a
-        // release between the first round and the subscriptions is not missed.
         let names = self.names(&req.key)?;
-        // On every master at once, each bounded by the response timeout (at most 500 ms)
-        // and the deadline: a frozen master (a minority Redlock tolerates) must not hold the waiter
-        // or the subscriptions on the others up; without its notifications the loop below
-        // still retries on its timer.
-        let bound = deadline
-            .min(Instant::now() + self.config.response_timeout.min(Duration::from_millis(500)));
-        let subscribing = self
-            .nodes
-            .iter()
-            .filter_map(Master::connected)
-            .map(|node| tokio::time::timeout_at(bound, node.subscribe(&names.channel)));
-        let subscriptions: Vec<_> = join_all(subscribing)
-            .await
-            .into_iter()
-            .filter_map(|outcome| outcome.ok()?.ok())
-            .collect();
-        let channels: Vec<_> = subscriptions.iter().map(|s| s.channel.clone()).collect();
-        loop {
-            let mut notified: Vec<_> = channels
-                .iter()
-                .map(|c| Box::pin(c.notify.notified()))
-                .collect();
-            for n in &mut notified {
-                n.as_mut().enable();
-            }
-            let retry_in = match self.attempt(req).await {
-                Ok(Attempt::Granted(grant)) => return Ok(grant),
-                Ok(Attempt::Busy(left)) => left.unwrap_or(Duration::from_millis(50)),
-                Err(e) if e.is_retryable() => {
-                    tracing::debug!(error = %e, "Redlock round failed; retrying with jitter");
-                    Duration::from_millis(50)
-                }
-                Err(e) => return Err(e),
-            };
-            let now = Instant::now();
-            if now >= deadline {
-                return Err(timeout());
-            }
-            let jitter = Duration::from_micros(fastrand::u64(0..5_000));
-            let sleep = tokio::time::sleep_until((now + retry_in + jitter).min(deadline));
-            if notified.is_empty() {
-                sleep.await;
-            } else {
-                tokio::select! {
-                    _ = select_all(notified) => {
-                        // Masters publish one by one: give the others a moment, with jitter
-                        // so contenders do not split the masters between them.
-                        tokio::time::sleep(jitter / 5).await;
-                    }
-                    _ = sleep => {}
-                }
-            }
-        }
+        let mut messages = MastersMessages {
+            backend: self,
+            channel: names.channel,
+            subscriptions: None,
+        };
+        // Masters publish one release one by one: after a wake-up, wait up to a
+        // millisecond, so contenders do not split the masters between them.
+        let policy = WaitPolicy::new(Backoff::new(
+            Duration::from_millis(50),
+            Duration::from_millis(250),
+        ))
+        .settle(Duration::from_millis(1));
+        wait_for_grant(&req.key, wait, policy, &mut messages, || self.attempt(req)).await
     }
 
     async fn renew(&self, grant: &Grant, ttl: Duration) -> Result<()> {

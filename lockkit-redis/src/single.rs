@@ -3,7 +3,9 @@
 use std::{sync::Arc, time::Duration};
 
 use async_trait::async_trait;
-use lockkit_core::spi::{AcquireRequest, Grant, Released, deadline_after};
+use lockkit_core::spi::{
+    AcquireRequest, Attempt, Backoff, Grant, Released, WaitPolicy, wait_for_grant,
+};
 use lockkit_core::{
     BackendInfo, Capabilities, Consistency, Error, FencingToken, HolderInfo, LockBackend, LockKey,
     Result,
@@ -17,7 +19,7 @@ use tokio::time::Instant;
 
 use crate::{
     RedisConfig, Topology,
-    conn::{Conn, GrantConns, Wakeups, backend_error},
+    conn::{Conn, GrantConns, ReleaseMessages, Wakeups, backend_error},
     wire::{self, LockNames},
 };
 
@@ -25,24 +27,13 @@ use crate::{
 /// between attempts at most.
 const FOREIGN_HOLDER_POLL: Duration = Duration::from_millis(100);
 
-/// How long a waiter without a live subscription sleeps between attempts at most.
-const POLL_FALLBACK: Duration = Duration::from_millis(250);
-
-/// The outcome of one acquire script run.
-#[derive(Debug)]
-pub(crate) enum Attempt {
-    Granted(Grant),
-    /// Held by someone else for this much longer (`None`: the key has no expiry).
-    Busy(Option<Duration>),
-}
-
-impl Attempt {
-    pub(crate) fn into_grant(self) -> Option<Grant> {
-        match self {
-            Attempt::Granted(grant) => Some(grant),
-            Attempt::Busy(_) => None,
-        }
-    }
+/// How a waiter paces its retries: without a live subscription (or after an error) it
+/// polls from 50 ms up to 250 ms; with one it looks again at least every second.
+fn wait_policy() -> WaitPolicy {
+    WaitPolicy::new(Backoff::new(
+        Duration::from_millis(50),
+        Duration::from_millis(250),
+    ))
 }
 
 /// The hash field that marks one acquisition (see [`wire::ATTEMPT_FIELD_PREFIX`]); empty
@@ -278,11 +269,13 @@ impl RedisBackend {
                 // nothing when it lets go: look again soon instead of sleeping out its TTL.
                 left = Some(left.map_or(FOREIGN_HOLDER_POLL, |l| l.min(FOREIGN_HOLDER_POLL)));
             }
-            return Ok(Attempt::Busy(if value == -2 {
-                Some(Duration::ZERO)
-            } else {
-                left
-            }));
+            return Ok(Attempt::Busy {
+                lease_left: if value == -2 {
+                    Some(Duration::ZERO)
+                } else {
+                    left
+                },
+            });
         }
         let grant = Grant::new(
             req,
@@ -334,91 +327,15 @@ impl RedisBackend {
         .await
     }
 
-    /// Waits for `req`, woken by release messages, retrying transient errors until the
-    /// deadline.
+    /// Waits for `req`, woken by release messages on the key's channel, retrying transient
+    /// errors until the deadline.
     async fn acquire_waiting(&self, req: &AcquireRequest, wait: Duration) -> Result<Grant> {
-        let started = Instant::now();
-        let deadline = deadline_after(wait);
-        let timeout = || Error::Timeout {
-            key: req.key.clone(),
-            waited: started.elapsed(),
-        };
-        match self.attempt(req).await {
-            Ok(Attempt::Granted(grant)) => return Ok(grant),
-            Ok(Attempt::Busy(_)) => {}
-            // Transient failures are retried until the deadline, like contention.
-            Err(e) if e.is_retryable() && !wait.is_zero() => {
-                tracing::debug!(error = %e, "acquire attempt failed; retrying");
-            }
-            Err(e) => return Err(e),
-        }
-        if wait.is_zero() {
-            return Err(timeout());
-        }
         let names = self.names(&req.key)?;
-        // Bounded by the deadline too: the subscriber may be busy reconnecting to a server
-        // that stopped answering.
-        let subscribing = self.inner.wakeups.subscribe(&names.channel);
-        let subscription = match tokio::time::timeout_at(deadline, subscribing).await {
-            Ok(Ok(subscription)) => Some(subscription),
-            Ok(Err(error)) => {
-                tracing::warn!(%error, "no release notifications; falling back to timed retries");
-                None
-            }
-            Err(_) => return Err(timeout()),
-        };
-        let channel = subscription.as_ref().map(|s| s.channel.clone());
-        // Whether the subscriber connection was there at the last look: while it is not,
-        // release messages may be missed, so sleep no longer than the polling fallback.
-        let mut listening = subscription.is_some();
-        loop {
-            // Listening before the retry, so a release cannot slip in between.
-            let mut notified = channel.as_ref().map(|c| Box::pin(c.notify.notified()));
-            if let Some(n) = notified.as_mut() {
-                n.as_mut().enable();
-            }
-            let busy_for = match self.attempt(req).await {
-                Ok(Attempt::Granted(grant)) => return Ok(grant),
-                Ok(Attempt::Busy(left)) => left,
-                Err(e) if e.is_retryable() => {
-                    tracing::debug!(error = %e, "acquire attempt failed; retrying");
-                    Some(Duration::from_millis(50))
-                }
-                Err(e) => return Err(e),
-            };
-            let now = Instant::now();
-            if now >= deadline {
-                return Err(timeout());
-            }
-            let fallback = match (listening, busy_for) {
-                // Notified on release; the timer only covers expiry without a release.
-                (true, Some(left)) => left + Duration::from_millis(1),
-                (true, None) => POLL_FALLBACK * 4,
-                (false, left) => left.unwrap_or(POLL_FALLBACK).min(POLL_FALLBACK),
-            };
-            let jitter = Duration::from_micros(fastrand::u64(0..1000));
-            let woken = async {
-                match notified.as_mut() {
-                    Some(n) => n.await,
-                    None => std::future::pending().await,
-                }
-            };
-            tokio::select! {
-                _ = woken => {}
-                _ = tokio::time::sleep_until((now + fallback + jitter).min(deadline)) => {}
-            }
-            if subscription.is_some() {
-                let reconnecting = self.inner.wakeups.ensure_connected();
-                match tokio::time::timeout_at(deadline, reconnecting).await {
-                    Ok(Ok(())) => listening = true,
-                    Ok(Err(error)) => {
-                        listening = false;
-                        tracing::debug!(%error, "subscriber connection down; retrying on the timer");
-                    }
-                    Err(_) => return Err(timeout()),
-                }
-            }
-        }
+        let mut messages = ReleaseMessages::new(self.inner.wakeups.clone(), names.channel);
+        wait_for_grant(&req.key, wait, wait_policy(), &mut messages, || {
+            self.attempt(req)
+        })
+        .await
     }
 }
 
@@ -441,10 +358,7 @@ impl LockBackend for RedisBackend {
     }
 
     async fn try_acquire(&self, req: &AcquireRequest) -> Result<Option<Grant>> {
-        match self.attempt(req).await? {
-            Attempt::Granted(grant) => Ok(Some(grant)),
-            Attempt::Busy(_) => Ok(None),
-        }
+        Ok(self.attempt(req).await?.into_grant())
     }
 
     async fn acquire(&self, req: &AcquireRequest, wait: Duration) -> Result<Grant> {
