@@ -24,6 +24,7 @@ mod file;
 mod guard;
 mod into_key;
 mod key;
+mod local_hold;
 mod locker;
 mod lost;
 mod memory;

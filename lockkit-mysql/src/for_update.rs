@@ -4,20 +4,19 @@
 use std::{
     sync::{
         Arc,
-        atomic::{AtomicBool, AtomicU32, Ordering},
+        atomic::{AtomicBool, Ordering},
     },
     time::Duration,
 };
 
-use std::{collections::HashMap, sync::Mutex};
-
 use async_trait::async_trait;
 use lockkit_core::spi::{
-    AcquireRequest, AttemptLedger, Grant, Interrupt, Released, deadline_after, detached_acquire,
+    AcquireRequest, Backoff, CountRelease, Grant, HoldCount, Interrupt, LocalHolds, Released,
+    deadline_after, detached_acquire,
 };
 use lockkit_core::{
     BackendInfo, Capabilities, Consistency, Error, FencingToken, HolderInfo, LockBackend, LockKey,
-    OwnerId, Result,
+    Result,
 };
 use sqlx::{AssertSqlSafe, Connection, MySql, Row, pool::PoolConnection};
 use tokio::time::Instant;
@@ -27,7 +26,7 @@ use crate::db::{
 };
 
 /// The holds of this client, by owner and key (reentrancy is local in this mode).
-type Holds = Arc<Mutex<HashMap<(OwnerId, LockKey), Arc<Held>>>>;
+type Holds = Arc<LocalHolds<Held>>;
 
 /// Locks held by open `SELECT ... FOR UPDATE` transactions, over one database.
 #[derive(Clone)]
@@ -46,10 +45,7 @@ impl ForUpdateLocks {
 
     /// The server connection id holding `key` in this client, if any.
     pub(crate) fn connection_holding(&self, key: &LockKey) -> Option<u64> {
-        let held = self.held.lock().unwrap_or_else(|e| e.into_inner());
-        held.iter()
-            .find(|((_, k), _)| k == key)
-            .map(|(_, h)| h.connection_id)
+        self.held.any_on(key).map(|h| h.connection_id)
     }
 
     /// Rows under `prefix` that are locked now, probed from a fresh connection.
@@ -120,16 +116,13 @@ pub(crate) struct Held {
     /// The server's id of that connection (for `KILL`).
     pub(crate) connection_id: u64,
     key: LockKey,
-    owner: OwnerId,
+    owner: lockkit_core::OwnerId,
     token: FencingToken,
-    depth: AtomicU32,
-    /// The acquisitions behind `depth` (changed with it, under this lock), so a retried
-    /// acquisition or release takes effect once.
-    attempts: std::sync::Mutex<AttemptLedger>,
+    /// Depth, the acquisitions behind it and the lease (the session may idle out this long
+    /// after it, in whole seconds rounded up).
+    count: HoldCount,
     /// The connection died: the server has rolled the transaction back.
     broken: AtomicBool,
-    /// The lease: the session may idle out this long after it (whole seconds, rounded up).
-    lease_until: std::sync::Mutex<Instant>,
 }
 
 /// Forgets a hold that is over and closes its connection (the server rolls back).
@@ -149,7 +142,7 @@ impl Held {
     }
 
     fn lease_until(&self) -> Instant {
-        *self.lease_until.lock().unwrap_or_else(|e| e.into_inner())
+        self.count.lease_until()
     }
 }
 
@@ -176,43 +169,10 @@ fn connection_gone(e: &sqlx::Error) -> bool {
 /// The hold behind `grant`, if it is a live hold of this client for that owner and key:
 /// ownership is checked here, since the server only knows which connection holds the row.
 fn held_of(backend: &ForUpdateLocks, grant: &Grant) -> Result<Arc<Held>> {
-    let not_held = || Error::NotHeld {
-        key: grant.key.clone(),
-    };
-    let held = grant
-        .state
-        .clone()
-        .and_then(|state| state.downcast::<Held>().ok())
-        .ok_or_else(not_held)?;
-    let map = backend.held.lock().unwrap_or_else(|e| e.into_inner());
-    match map.get(&(grant.owner, grant.key.clone())) {
-        Some(current) if Arc::ptr_eq(current, &held) => Ok(held),
-        _ => Err(not_held()),
-    }
+    backend.held.held_of(grant)
 }
 
-/// Adds `req`'s hold to `held` (or finds the one its attempt added already), makes the
-/// lease at least `req.ttl` from `start` (never shorter: other guards rely on it) and
-/// returns the depth; `None` when the hold is over (the last hold was released meanwhile,
-/// or its lease ran out). Depth and ledger change together under the ledger's lock, here
-/// and in [`release`].
-fn reenter(held: &Held, req: &AcquireRequest, start: Instant) -> Option<u32> {
-    let mut attempts = held.attempts.lock().unwrap_or_else(|e| e.into_inner());
-    let depth = held.depth.load(Ordering::SeqCst);
-    let mut until = held.lease_until.lock().unwrap_or_else(|e| e.into_inner());
-    if depth == 0 || start >= *until || held.broken.load(Ordering::SeqCst) {
-        return None;
-    }
-    *until = (*until).max(start + req.ttl);
-    if attempts.has(req.attempt) {
-        return Some(depth);
-    }
-    attempts.add(req.attempt);
-    held.depth.store(depth + 1, Ordering::SeqCst);
-    Some(depth + 1)
-}
-
-/// [`reenter`], with the server told first when the re-entry lengthens the lease: the
+/// [`HoldCount::reenter`], with the server told first when the re-entry lengthens the lease: the
 /// session's `wait_timeout` (which ends the lock when its holder goes quiet) is raised to
 /// cover the new lease before the guard can believe it, so a holder paused right after a
 /// longer re-entry is not cut off at the outer lease while it believes the longer one.
@@ -240,7 +200,9 @@ async fn reenter_on_server(
             .await
             .map_err(|e| db_error("lengthening the lease of a re-entry", e))?;
     }
-    Ok(reenter(held, req, start))
+    Ok(held
+        .count
+        .reenter(req, start, held.broken.load(Ordering::SeqCst)))
 }
 
 fn grant_for(req: &AcquireRequest, held: &Arc<Held>, depth: u32, start: Instant) -> Grant {
@@ -255,12 +217,7 @@ async fn acquire(
     wait: Duration,
 ) -> Result<Option<Grant>> {
     let start = Instant::now();
-    let existing = backend
-        .held
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
-        .get(&(req.owner, req.key.clone()))
-        .cloned();
+    let existing = backend.held.get(req.owner, &req.key);
     if let Some(held) = existing {
         if held.is_live() {
             // Its own task, like a fresh acquisition: if the caller goes away while the
@@ -417,20 +374,12 @@ async fn lock(
         key: req.key.clone(),
         owner: req.owner,
         token: FencingToken::new(token),
-        depth: AtomicU32::new(1),
-        attempts: std::sync::Mutex::new({
-            let mut attempts = AttemptLedger::new();
-            attempts.add(req.attempt);
-            attempts
-        }),
+        count: HoldCount::new(req, granted_at),
         broken: AtomicBool::new(false),
-        lease_until: std::sync::Mutex::new(granted_at + req.ttl),
     });
     backend
         .held
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
-        .insert((req.owner, req.key.clone()), held.clone());
+        .insert(req.owner, req.key.clone(), held.clone());
     tokio::spawn(watch(
         backend.clone(),
         Arc::downgrade(&held),
@@ -477,6 +426,7 @@ async fn lock_and_record(
     } else {
         &inner.sql.mutex_lock
     };
+    let mut row_lease_poll = Backoff::new(ROW_LEASE_POLL, ROW_LEASE_POLL);
     loop {
         if *fired.borrow() {
             return Ok(None);
@@ -558,7 +508,7 @@ async fn lock_and_record(
             return Ok(None);
         }
         tokio::select! {
-            _ = tokio::time::sleep_until((now + ROW_LEASE_POLL).min(deadline)) => {}
+            _ = tokio::time::sleep_until((now + row_lease_poll.next_delay()).min(deadline)) => {}
             _ = fired.wait_for(|fired| *fired) => return Ok(None),
         }
     }
@@ -652,14 +602,7 @@ async fn record_depth(backend: &ForUpdateLocks, held: &Held, depth: u32) {
 }
 
 fn forget(backend: &ForUpdateLocks, held: &Held) {
-    let mut map = backend.held.lock().unwrap_or_else(|e| e.into_inner());
-    let key = (held.owner, held.key.clone());
-    if map
-        .get(&key)
-        .is_some_and(|h| std::ptr::eq(Arc::as_ptr(h), held))
-    {
-        map.remove(&key);
-    }
+    backend.held.forget(held.owner, &held.key, held);
 }
 
 /// Keeps the dedicated connection busy (so `wait_timeout` does not end it) and sets the
@@ -688,8 +631,7 @@ async fn renew(backend: &ForUpdateLocks, grant: &Grant, ttl: Duration) -> Result
         .await
     {
         Ok(_) => {
-            let mut lease_until = held.lease_until.lock().unwrap_or_else(|e| e.into_inner());
-            *lease_until = (*lease_until).max(until);
+            held.count.extend_lease(until);
             Ok(())
         }
         Err(e) if connection_gone(&e) => {
@@ -714,26 +656,19 @@ async fn release(backend: &ForUpdateLocks, grant: &Grant) -> Result<Released> {
             key: grant.key.clone(),
         });
     }
-    let depth = {
-        let mut attempts = held.attempts.lock().unwrap_or_else(|e| e.into_inner());
-        let depth = held.depth.load(Ordering::SeqCst);
-        if depth > 0 && !attempts.take(grant.attempt, depth) {
-            // A retried release: it took effect already.
-            return Ok(Released::Partially { remaining: depth });
+    match held.count.release(grant.attempt) {
+        // A retried release: it took effect already.
+        CountRelease::Retried { remaining } => return Ok(Released::Partially { remaining }),
+        CountRelease::Partial { remaining } => {
+            record_depth(backend, &held, remaining).await;
+            return Ok(Released::Partially { remaining });
         }
-        held.depth
-            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |d| d.checked_sub(1))
-    };
-    let Ok(depth) = depth else {
-        return Err(Error::NotHeld {
-            key: grant.key.clone(),
-        });
-    };
-    if depth > 1 {
-        record_depth(backend, &held, depth - 1).await;
-        return Ok(Released::Partially {
-            remaining: depth - 1,
-        });
+        CountRelease::Empty => {
+            return Err(Error::NotHeld {
+                key: grant.key.clone(),
+            });
+        }
+        CountRelease::Last => {}
     }
     forget(backend, &held);
     let inner = &backend.inner;

@@ -1,17 +1,17 @@
 //! `ZkBackend`: sessions, contenders, predecessor watches, leases and loss.
 
 use std::{
-    collections::HashMap,
     sync::{
         Arc, Mutex, Weak,
-        atomic::{AtomicBool, AtomicU32, Ordering},
+        atomic::{AtomicBool, Ordering},
     },
     time::Duration,
 };
 
 use async_trait::async_trait;
 use lockkit_core::spi::{
-    AcquireRequest, AttemptLedger, Grant, Interrupt, Released, deadline_after, detached_acquire,
+    AcquireRequest, Backoff, CountRelease, Grant, HoldCount, Interrupt, LocalHolds, Released,
+    deadline_after, detached_acquire,
 };
 use lockkit_core::{
     BackendInfo, Capabilities, Consistency, Error, FencingToken, HolderInfo, LockBackend, LockKey,
@@ -105,11 +105,8 @@ pub(crate) struct Held {
     key: LockKey,
     owner: OwnerId,
     token: FencingToken,
-    depth: AtomicU32,
-    /// The acquisitions behind `depth` (changed with it, under this lock), so a retried
-    /// acquisition or release takes effect once.
-    attempts: Mutex<AttemptLedger>,
-    lease_until: Mutex<Instant>,
+    /// Depth, the acquisitions behind it and the lease.
+    count: HoldCount,
     loss: LossSignal,
     session: Arc<Session>,
     released: AtomicBool,
@@ -130,6 +127,11 @@ pub(crate) struct Session {
     dead: AtomicBool,
 }
 
+/// How clean-up retries after a connection loss are spaced: 20 ms doubling to a second.
+fn cleanup_backoff() -> Backoff {
+    Backoff::new(Duration::from_millis(20), Duration::from_secs(1))
+}
+
 /// Deletes `node` until it is gone: tried at once, then retried in the background with
 /// backoff after a connection loss, for as long as the session lives (the node goes with
 /// the session anyway). A node nobody deletes would wedge its key while the session lives.
@@ -145,15 +147,14 @@ async fn delete_until_gone(session: Arc<Session>, node: String) -> bool {
         return true;
     }
     tokio::spawn(async move {
-        let mut backoff = Duration::from_millis(20);
+        let mut backoff = cleanup_backoff();
         while !session.dead.load(Ordering::SeqCst) {
-            tokio::time::sleep(backoff).await;
+            tokio::time::sleep(backoff.next_delay()).await;
             let result = session.client.delete(&node, None).await;
             if gone(&result) {
                 return;
             }
             tracing::debug!(node, ?result, "deleting a lock node failed; retrying");
-            backoff = (backoff * 2).min(Duration::from_secs(1));
         }
     });
     false
@@ -179,7 +180,7 @@ impl Session {
 pub(crate) struct Inner {
     config: ZkConfig,
     session: tokio::sync::Mutex<Arc<Session>>,
-    held: Mutex<HashMap<(OwnerId, LockKey), Arc<Held>>>,
+    held: LocalHolds<Held>,
     /// Predecessor watches that fired, for herd checks.
     wakeups: std::sync::atomic::AtomicU64,
 }
@@ -230,7 +231,7 @@ impl ZkBackend {
             inner: Arc::new(Inner {
                 config,
                 session: tokio::sync::Mutex::new(session),
-                held: Mutex::new(HashMap::new()),
+                held: LocalHolds::new(),
                 wakeups: std::sync::atomic::AtomicU64::new(0),
             }),
         })
@@ -298,30 +299,12 @@ impl ZkBackend {
     }
 
     fn forget(&self, held: &Held) {
-        let mut map = lock(&self.inner.held);
-        let key = (held.owner, held.key.clone());
-        if map
-            .get(&key)
-            .is_some_and(|h| std::ptr::eq(Arc::as_ptr(h), held))
-        {
-            map.remove(&key);
-        }
+        self.inner.held.forget(held.owner, &held.key, held);
     }
 
     /// The live hold behind `grant`, checking it belongs to this client, owner and key.
     fn held_of(&self, grant: &Grant) -> Result<Arc<Held>> {
-        let not_held = || Error::NotHeld {
-            key: grant.key.clone(),
-        };
-        let held = grant
-            .state
-            .clone()
-            .and_then(|s| s.downcast::<Held>().ok())
-            .ok_or_else(not_held)?;
-        match lock(&self.inner.held).get(&(grant.owner, grant.key.clone())) {
-            Some(current) if Arc::ptr_eq(current, &held) => Ok(held),
-            _ => Err(not_held()),
-        }
+        self.inner.held.held_of(grant)
     }
 
     /// Creates this attempt's contender node, finding it after a connection loss instead
@@ -344,7 +327,7 @@ impl ZkBackend {
         let sweep = |keep: Option<String>| {
             let (session, dir, unique) = (session.clone(), dir.to_owned(), unique.clone());
             tokio::spawn(async move {
-                let mut backoff = Duration::from_millis(20);
+                let mut backoff = cleanup_backoff();
                 while !session.dead.load(Ordering::SeqCst) {
                     match session.client.list_children(&dir).await {
                         Ok(children) => {
@@ -361,8 +344,7 @@ impl ZkBackend {
                         Err(zookeeper_client::Error::NoNode) => return,
                         Err(_) => {}
                     }
-                    tokio::time::sleep(backoff).await;
-                    backoff = (backoff * 2).min(Duration::from_secs(1));
+                    tokio::time::sleep(backoff.next_delay()).await;
                 }
             });
         };
@@ -624,13 +606,7 @@ impl ZkBackend {
             key: req.key.clone(),
             owner: req.owner,
             token: FencingToken::new(czxid),
-            depth: AtomicU32::new(1),
-            attempts: Mutex::new({
-                let mut attempts = AttemptLedger::new();
-                attempts.add(req.attempt);
-                attempts
-            }),
-            lease_until: Mutex::new(granted_at + req.ttl),
+            count: HoldCount::new(req, granted_at),
             loss: req.loss.clone(),
             session: session.clone(),
             released: AtomicBool::new(false),
@@ -641,7 +617,9 @@ impl ZkBackend {
             holds.retain(|h| h.strong_count() > 0);
             holds.push(Arc::downgrade(&held));
         }
-        lock(&self.inner.held).insert((req.owner, req.key.clone()), held.clone());
+        self.inner
+            .held
+            .insert(req.owner, req.key.clone(), held.clone());
         if session.dead.load(Ordering::SeqCst) {
             held.loss.fire(LostReason::SessionLost);
         }
@@ -652,9 +630,7 @@ impl ZkBackend {
     }
 
     async fn acquire_within(&self, req: &AcquireRequest, wait: Duration) -> Result<Option<Grant>> {
-        let existing = lock(&self.inner.held)
-            .get(&(req.owner, req.key.clone()))
-            .cloned();
+        let existing = self.inner.held.get(req.owner, &req.key);
         if let Some(held) = existing.filter(|h| !h.loss.is_fired()) {
             // Its own task, like a fresh acquisition: if the caller goes away while the
             // depth is being recorded for `inspect`, the hold it added is given back.
@@ -664,7 +640,8 @@ impl ZkBackend {
                 BACKEND,
                 move |_| async move {
                     let start = Instant::now();
-                    let Some(depth) = add_hold(&held, &request, start) else {
+                    let Some(depth) = held.count.reenter(&request, start, held.loss.is_fired())
+                    else {
                         return Ok(None);
                     };
                     // Only for `inspect`: a silent server must not hold the re-entry up.
@@ -695,27 +672,6 @@ impl ZkBackend {
         )
         .await
     }
-}
-
-/// Adds `req`'s hold to `held` (or finds the one its attempt added already), makes the
-/// lease at least `req.ttl` from `start` (never shorter: other guards rely on it) and
-/// returns the depth; `None` when the hold is over (the last hold was released meanwhile,
-/// or its lease ran out). Depth and ledger change together under the ledger's lock, here
-/// and in `release`.
-fn add_hold(held: &Held, req: &AcquireRequest, start: Instant) -> Option<u32> {
-    let mut attempts = lock(&held.attempts);
-    let depth = held.depth.load(Ordering::SeqCst);
-    let mut until = lock(&held.lease_until);
-    if depth == 0 || start >= *until || held.loss.is_fired() {
-        return None;
-    }
-    *until = (*until).max(start + req.ttl);
-    if attempts.has(req.attempt) {
-        return Some(depth);
-    }
-    attempts.add(req.attempt);
-    held.depth.store(depth + 1, Ordering::SeqCst);
-    Some(depth + 1)
 }
 
 /// Node data: the owner, and after a space the hold count when above one (best effort,
@@ -846,7 +802,7 @@ async fn monitor(session: Weak<Session>, timeout: Duration) {
 /// renewing loses the lock just as a dead one does.
 async fn enforce_lease(backend: ZkBackend, held: Weak<Held>) {
     loop {
-        let Some(until) = held.upgrade().map(|h| *lock(&h.lease_until)) else {
+        let Some(until) = held.upgrade().map(|h| h.count.lease_until()) else {
             return;
         };
         tokio::time::sleep_until(until).await;
@@ -854,7 +810,7 @@ async fn enforce_lease(backend: ZkBackend, held: Weak<Held>) {
         if h.released.load(Ordering::SeqCst) {
             return;
         }
-        if Instant::now() >= *lock(&h.lease_until) {
+        if Instant::now() >= h.count.lease_until() {
             backend.forget(&h);
             h.loss.fire(LostReason::LeaseExpired);
             delete_until_gone(h.session.clone(), h.node.clone()).await;
@@ -909,8 +865,7 @@ impl LockBackend for ZkBackend {
             Ok(Some(_)) if !held.loss.is_fired() => {
                 held.session.touch(sent);
                 // Never shorten the lease: another guard of this hold may rely on it.
-                let mut until = lock(&held.lease_until);
-                *until = (*until).max(sent + ttl);
+                held.count.extend_lease(sent + ttl);
                 Ok(())
             }
             Ok(_) | Err(zookeeper_client::Error::SessionExpired) => {
@@ -925,26 +880,19 @@ impl LockBackend for ZkBackend {
 
     async fn release(&self, grant: &Grant) -> Result<Released> {
         let held = self.held_of(grant)?;
-        let depth = {
-            let mut attempts = lock(&held.attempts);
-            let depth = held.depth.load(Ordering::SeqCst);
-            if depth > 0 && !attempts.take(grant.attempt, depth) {
-                // A retried release: it took effect already.
-                return Ok(Released::Partially { remaining: depth });
+        match held.count.release(grant.attempt) {
+            // A retried release: it took effect already.
+            CountRelease::Retried { remaining } => return Ok(Released::Partially { remaining }),
+            CountRelease::Partial { remaining } => {
+                record_depth(&held, remaining).await;
+                return Ok(Released::Partially { remaining });
             }
-            held.depth
-                .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |d| d.checked_sub(1))
-        };
-        let Ok(depth) = depth else {
-            return Err(Error::NotHeld {
-                key: grant.key.clone(),
-            });
-        };
-        if depth > 1 {
-            record_depth(&held, depth - 1).await;
-            return Ok(Released::Partially {
-                remaining: depth - 1,
-            });
+            CountRelease::Empty => {
+                return Err(Error::NotHeld {
+                    key: grant.key.clone(),
+                });
+            }
+            CountRelease::Last => {}
         }
         held.released.store(true, Ordering::SeqCst);
         self.forget(&held);

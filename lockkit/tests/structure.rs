@@ -227,6 +227,43 @@ fn backend_crates_stay_small() {
     }
 }
 
+/// What `lockkit_core::spi` provides once and backends must not write again: their own
+/// attempt outcome, a doubling backoff, or a hold registry by owner and key.
+const COPIES_OF_SPI: &[(&str, &str)] = &[
+    ("enum Attempt", "spi::Attempt"),
+    ("fn into_grant", "spi::Attempt::into_grant"),
+    ("* 2).min(", "spi::Backoff"),
+    ("HashMap<(OwnerId, LockKey)", "spi::LocalHolds"),
+];
+
+#[test]
+fn no_backend_rewrites_the_acquire_loop_backoff_or_hold_registry() {
+    let mut found = Vec::new();
+    for krate in BACKENDS {
+        for (module, code) in modules(&workspace().join(krate)) {
+            for (pattern, instead) in COPIES_OF_SPI {
+                if code.contains(pattern) {
+                    found.push(format!("{krate}/{module}: `{pattern}` (use {instead})"));
+                }
+            }
+        }
+    }
+    let core = modules(&workspace().join("lockkit-core"));
+    for (module, code) in core
+        .iter()
+        .filter(|(m, _)| !["wait", "local_hold"].contains(&m.as_str()))
+    {
+        for (pattern, instead) in COPIES_OF_SPI {
+            if code.contains(pattern) {
+                found.push(format!(
+                    "lockkit-core/{module}: `{pattern}` (use {instead})"
+                ));
+            }
+        }
+    }
+    assert!(found.is_empty(), "copies of what spi provides: {found:#?}");
+}
+
 /// The checker itself finds a cycle through a root re-export.
 #[test]
 fn the_checker_sees_a_cycle_through_a_reexport() {
