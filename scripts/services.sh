@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
 # Private test servers for lockkit's integration tests.
+# lockkit-services-script: the lab runs only a script that carries this line.
 #
 #   scripts/services.sh up [NAME...]      install what is missing (root), start servers, wait until they answer
 #   scripts/services.sh down [NAME...]    stop the servers this script started (by pidfile only)

@@ -43,7 +43,8 @@ impl Harness for FileHarness {
     fn malformed_urls(&self) -> Vec<String> {
         [
             "file://relative/dir",
-            "file:///tmp/x?ttl=1s",
+            "file:///tmp/x?ttl=1s&prefix=a",
+            "file:///tmp/x?ttl=soon",
             "/tmp/no-scheme",
             "files:///tmp",
             "",

@@ -62,7 +62,8 @@ impl Harness for MemoryHarness {
         [
             "memory://somehost",
             "memory:///a/path",
-            "memory://?ttl=5s",
+            "memory://?wait=5s",
+            "memory://?ttl=5",
             "redis://127.0.0.1:6379",
             "not a url",
             "",

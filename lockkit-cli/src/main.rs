@@ -53,9 +53,9 @@ enum Commands {
         /// The lock's name.
         #[arg(long)]
         key: String,
-        /// Lease (renewed while CMD runs), e.g. 30s.
-        #[arg(long, default_value = "30s", value_parser = duration)]
-        ttl: Duration,
+        /// Lease (renewed while CMD runs), e.g. 30s [default: the URL's `?ttl=`, else 30s].
+        #[arg(long, value_parser = duration)]
+        ttl: Option<Duration>,
         /// How long to wait for the lock (default: until granted); 0 tries once.
         #[arg(long, value_parser = duration)]
         wait: Option<Duration>,
@@ -188,6 +188,7 @@ async fn main() -> ExitCode {
             conflict_exit_code,
             command,
         } => {
+            let ttl = ttl.unwrap_or(locker.options().ttl);
             run(
                 &locker,
                 &key,

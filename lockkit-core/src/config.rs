@@ -1,8 +1,145 @@
-//! Helpers every backend uses to read its URL: durations and query options.
+//! How every backend reads its URL: [`LockUrl`] cuts it into scheme, user, hosts, path and
+//! options (one parser, on the `url` crate's form decoding, for single- and multi-host
+//! URLs alike), and the option values are read with [`parse_duration`] and [`parse_count`].
+//! `?ttl=` is read by every backend and means the same everywhere: the default lease.
 
 use std::time::Duration;
 
 use crate::{Error, Result};
+
+/// One `name=value` option of a URL.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct UrlOption {
+    /// The name, decoded.
+    pub name: String,
+    /// The value, decoded (`%3A` is `:`, `+` is a space).
+    pub value: String,
+    /// The pair as written, for options passed on to a driver.
+    pub raw: String,
+}
+
+/// A lock service URL, `scheme://[userinfo@]host[:port][,host[:port]...][/path][?options]`,
+/// cut into its parts without assuming one host (which `url::Url` does).
+#[derive(Debug, Clone)]
+pub struct LockUrl {
+    /// The scheme, e.g. `redis+cluster`.
+    pub scheme: String,
+    /// Everything between `://` and `?`, as written (credentials included: never show it).
+    pub base: String,
+    /// `user[:password]` before the last `@` of [`LockUrl::base`], as written.
+    pub userinfo: Option<String>,
+    /// The hosts, as written (`h:p`), in order; never empty strings.
+    pub hosts: Vec<String>,
+    /// What follows the first `/` after the hosts (`None`: no `/` at all).
+    pub path: Option<String>,
+    /// The options, in order.
+    pub options: Vec<UrlOption>,
+    /// The URL with its password hidden, for messages.
+    pub shown: String,
+}
+
+impl LockUrl {
+    /// Cuts `url` into its parts, if its scheme is one of `schemes`; `form` is the accepted
+    /// shape, quoted in the error.
+    ///
+    /// # Errors
+    /// [`Error::Config`] for another scheme, no `://`, or an empty host.
+    pub fn parse(url: &str, schemes: &[&str], form: &str) -> Result<Self> {
+        let shown = redact_url(url);
+        let Some((scheme, rest)) = url
+            .split_once("://")
+            .filter(|(scheme, _)| schemes.contains(scheme))
+        else {
+            return Err(Error::Config(format!(
+                "`{shown}` is not a URL of this kind; write {form}"
+            )));
+        };
+        let (base, query) = rest.split_once('?').unwrap_or((rest, ""));
+        // The user part ends at the last `@` (a password may hold `/`); the hosts at the
+        // first `/` after it.
+        let (userinfo, after_user) = match base.rsplit_once('@') {
+            Some((user, after)) => (Some(user.to_owned()), after),
+            None => (None, base),
+        };
+        let (hosts, path) = match after_user.split_once('/') {
+            Some((hosts, path)) => (hosts, Some(path.to_owned())),
+            None => (after_user, None),
+        };
+        let hosts: Vec<String> = hosts.split(',').map(str::to_owned).collect();
+        if hosts.iter().any(String::is_empty) {
+            return Err(Error::Config(format!(
+                "`{shown}` names an empty host; write {form}"
+            )));
+        }
+        let options = query
+            .split('&')
+            .filter(|pair| !pair.is_empty())
+            .map(|raw| {
+                let (name, value) = url::form_urlencoded::parse(raw.as_bytes())
+                    .next()
+                    .map(|(n, v)| (n.into_owned(), v.into_owned()))
+                    .unwrap_or_default();
+                UrlOption {
+                    name,
+                    value,
+                    raw: raw.to_owned(),
+                }
+            })
+            .collect();
+        Ok(LockUrl {
+            scheme: scheme.to_owned(),
+            base: base.to_owned(),
+            userinfo,
+            hosts,
+            path,
+            options,
+            shown,
+        })
+    }
+
+    /// The error for an option none of `known` names.
+    pub fn unknown_option(&self, option: &UrlOption, known: &str) -> Error {
+        Error::Config(format!(
+            "unknown option `{}` in `{}`; known: {known}",
+            option.name, self.shown
+        ))
+    }
+}
+
+/// Checks that the options of a URL that takes no other (`memory://`, `file://`) are only
+/// a valid `ttl`.
+///
+/// # Errors
+/// [`Error::Config`] naming the option that is not `ttl`, or a `ttl` that is not a duration.
+pub fn only_ttl_option(url: &str, query: &str) -> Result<()> {
+    for (name, value) in url::form_urlencoded::parse(query.as_bytes()) {
+        if name != "ttl" {
+            return Err(Error::Config(format!(
+                "unknown option `{name}` in `{}`; this backend takes only `ttl`",
+                redact_url(url)
+            )));
+        }
+        parse_duration("ttl", &value)?;
+    }
+    Ok(())
+}
+
+/// The `?ttl=` of `url`, whatever its scheme: the default lease of locks taken through it.
+///
+/// # Errors
+/// [`Error::Config`] when `ttl` is not a duration.
+pub fn url_ttl(url: &str) -> Result<Option<Duration>> {
+    let Some((_, query)) = url.split_once('?') else {
+        return Ok(None);
+    };
+    let mut ttl = None;
+    for (name, value) in url::form_urlencoded::parse(query.as_bytes()) {
+        if name == "ttl" {
+            ttl = Some(parse_duration("ttl", &value)?);
+        }
+    }
+    Ok(ttl)
+}
 
 /// Parses a duration such as `250ms`, `30s`, `2m`, `1h` or `1.5s`.
 ///
@@ -45,13 +182,47 @@ pub fn parse_count(option: &str, text: &str) -> Result<u32> {
 /// `text` with the password of every URL in it replaced by `***`
 /// (`redis://user:secret@h:1,redis://:pw@h:2` becomes `redis://user:***@h:1,redis://:***@h:2`),
 /// for errors, logs and `Debug` output: credentials never leave through them.
+///
+/// It errs on the side of hiding: a password with `/` or `@` in it is hidden whole, and a
+/// malformed URL (`redis:/u:pw@h`, `mysql//u:pw@h`) loses everything between its first `:`
+/// and its last `@`.
 pub fn redact_url(text: &str) -> String {
     let mut out = String::with_capacity(text.len());
-    let mut rest = text;
+    let mut word = String::new();
+    for c in text.chars() {
+        if c.is_whitespace() {
+            out.push_str(&redact_word(&word));
+            word.clear();
+            out.push(c);
+        } else {
+            word.push(c);
+        }
+    }
+    out.push_str(&redact_word(&word));
+    out
+}
+
+/// [`redact_url`] of one whitespace-free word.
+fn redact_word(word: &str) -> String {
+    if !word.contains("://") {
+        // Not a well-formed URL; hide whatever could be `user:password@`.
+        return match (word.find(':'), word.rfind('@')) {
+            (Some(colon), Some(at)) if colon < at => {
+                format!("{}:***{}", &word[..colon], &word[at..])
+            }
+            _ => word.to_owned(),
+        };
+    }
+    let mut out = String::with_capacity(word.len());
+    let mut rest = word;
     while let Some(at) = rest.find("://") {
         let (head, tail) = rest.split_at(at + 3);
         out.push_str(head);
-        let end = tail.find(['/', '?', '#', ',', ' ']).unwrap_or(tail.len());
+        // The authority runs to the query, the fragment, or the next URL of a list.
+        let mut end = tail.find(['?', '#']).unwrap_or(tail.len());
+        if let Some(next) = tail[..end].find("://") {
+            end = tail[..next].rfind(',').unwrap_or(next);
+        }
         let authority = &tail[..end];
         match authority.rfind('@') {
             Some(user_end) => {
@@ -88,7 +259,51 @@ mod tests {
             "redis://u:***@h:1,redis://:***@h:2 and zk://h:3/x"
         );
         assert_eq!(redact_url("redis://h:1/0"), "redis://h:1/0");
+        assert_eq!(redact_url("redis://u:pa/ss@h:1/0"), "redis://u:***@h:1/0");
+        assert_eq!(
+            redact_url("bad `redis:/u:S3CRET@h`: no"),
+            "bad `redis:***@h`: no"
+        );
+        assert_eq!(
+            redact_url("mysql//lockkit:S3CRET@h/db"),
+            "mysql//lockkit:***@h/db"
+        );
+        assert_eq!(
+            redact_url("redlock://:a@h1,:b@h2,redis://h3"),
+            "redlock://:***@h2,redis://h3"
+        );
         assert_eq!(redact_url("not a url"), "not a url");
+    }
+
+    #[test]
+    fn urls_with_several_hosts_users_paths_and_options() {
+        let url = LockUrl::parse(
+            "redis+cluster://u:pa/ss@h1:1,h2:2/0?prefix=app%3A&ttl=5s&flag",
+            &["redis+cluster"],
+            "redis+cluster://h1,h2",
+        )
+        .unwrap();
+        assert_eq!(url.userinfo.as_deref(), Some("u:pa/ss"));
+        assert_eq!(url.hosts, ["h1:1", "h2:2"]);
+        assert_eq!(url.path.as_deref(), Some("0"));
+        let options: Vec<_> = url
+            .options
+            .iter()
+            .map(|o| (o.name.as_str(), o.value.as_str()))
+            .collect();
+        assert_eq!(options, [("prefix", "app:"), ("ttl", "5s"), ("flag", "")]);
+        assert!(!url.shown.contains("pa/ss"), "{}", url.shown);
+        let plain = LockUrl::parse("zk://h", &["zk"], "zk://h").unwrap();
+        assert_eq!((plain.userinfo, plain.path), (None, None));
+        for bad in ["zk://", "zk://a,,b", "redis://h", "zk:/h"] {
+            assert!(LockUrl::parse(bad, &["zk"], "zk://h").is_err(), "{bad}");
+        }
+        assert_eq!(
+            url_ttl("file:///tmp/x?ttl=250ms").unwrap(),
+            Some(Duration::from_millis(250))
+        );
+        assert_eq!(url_ttl("memory://").unwrap(), None);
+        assert!(url_ttl("redis://h?ttl=5").is_err());
     }
 
     #[test]

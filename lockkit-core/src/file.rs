@@ -285,11 +285,13 @@ impl FileBackend {
                 "`{url}` is not a file URL; write file:///absolute/path/to/dir"
             )));
         };
-        if !path.starts_with('/') || path.contains('?') {
+        let (path, query) = path.split_once('?').unwrap_or((path, ""));
+        if !path.starts_with('/') {
             return Err(Error::Config(format!(
-                "`{url}` must name an absolute directory and no options: file:///var/lock/app"
+                "`{url}` must name an absolute directory: file:///var/lock/app[?ttl=30s]"
             )));
         }
+        crate::config::only_ttl_option(url, query)?;
         Self::open(path)
     }
 

@@ -134,7 +134,8 @@ impl MemoryBackend {
         MemoryBackend { server, session }
     }
 
-    /// A new server from a URL: `memory://` (nothing may follow; each call is a new server).
+    /// A new server from a URL: `memory://`, with at most a `?ttl=` (each call is a new
+    /// server).
     ///
     /// # Errors
     /// [`Error::Config`] for any other URL, saying what is accepted.
@@ -149,11 +150,13 @@ impl MemoryBackend {
                 "`{url}` has scheme `{scheme}`, not `{SCHEME}`; the in-memory backend is `memory://`"
             )));
         }
-        if !matches!(rest, "" | "//") {
+        let (place, query) = rest.split_once('?').unwrap_or((rest, ""));
+        if !matches!(place, "" | "//") {
             return Err(Error::Config(format!(
-                "`{url}`: the in-memory backend takes no host, path or options; use `memory://`"
+                "`{url}`: the in-memory backend takes no host or path; use `memory://[?ttl=30s]`"
             )));
         }
+        crate::config::only_ttl_option(url, query)?;
         Ok(Self::new())
     }
 
@@ -195,14 +198,17 @@ impl MemoryBackend {
     }
 
     /// Operator action: takes `key` away from its holder, as an operator's `DEL` would.
-    /// The holder finds out at its next renewal. Returns whether a lock was there. Every
+    /// The holder finds out at its next renewal. Returns whether a live lock was there. Every
     /// backend that can do this names it `take_away`, with this signature.
     ///
     /// # Errors
     /// None for this backend; the `Result` keeps the signature of the others.
     pub async fn take_away(&self, key: &LockKey) -> Result<bool> {
         let mut state = lock(&self.server.state);
-        let was = state.locks.remove(key).is_some();
+        let was = state
+            .locks
+            .remove(key)
+            .is_some_and(|e| e.expires > Instant::now());
         state.wake(key);
         Ok(was)
     }
@@ -378,5 +384,44 @@ impl LockBackend for MemoryBackend {
                 Some(e.expires.saturating_duration_since(now)),
             )
         }))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn request(key: &LockKey, ttl: Duration) -> AcquireRequest {
+        AcquireRequest::new(
+            key.clone(),
+            OwnerId::new(uuid::Uuid::new_v4(), 1),
+            ttl,
+            LossSignal::new(),
+        )
+    }
+
+    /// `take_away` answers whether a *live* lock was there, as the other backends do: an
+    /// entry whose lease ran out is not one (review 12, F3).
+    #[tokio::test(start_paused = true)]
+    async fn take_away_reports_only_a_live_lock() {
+        let backend = MemoryBackend::new();
+        let key = LockKey::new("take-away").expect("a valid key");
+        let ttl = Duration::from_millis(50);
+        let live = backend
+            .try_acquire(&request(&key, ttl))
+            .await
+            .expect("infallible");
+        assert!(live.is_some());
+        assert!(backend.take_away(&key).await.expect("infallible"));
+        let expiring = backend
+            .try_acquire(&request(&key, ttl))
+            .await
+            .expect("infallible");
+        assert!(expiring.is_some(), "free again after it was taken away");
+        tokio::time::sleep(ttl * 2).await;
+        assert!(
+            !backend.take_away(&key).await.expect("infallible"),
+            "an expired lease was reported as taken away"
+        );
     }
 }

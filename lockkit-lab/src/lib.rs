@@ -160,6 +160,17 @@ impl Lab {
             })
             .collect();
         let urls = if from_env.len() == URL_VARS.len() {
+            // Servers belong to the script that started them: URLs from the environment
+            // must come with the script that printed them, or the lab would pause and kill
+            // another checkout's servers while it tests these.
+            if std::env::var_os("LOCKKIT_SERVICES_SCRIPT").is_none() {
+                return Err(LabError::new(
+                    "the server URLs come from the environment, but LOCKKIT_SERVICES_SCRIPT \
+                     does not say which script started them: run \
+                     `eval \"$(scripts/services.sh env)\"` again in the checkout whose servers \
+                     these are",
+                ));
+            }
             from_env
         } else {
             services.urls().await?

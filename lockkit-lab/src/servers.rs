@@ -19,6 +19,20 @@ use super::{Context, LabError};
 /// Where the servers' script sits in a lockkit checkout.
 const SCRIPT: &str = "scripts/services.sh";
 
+/// The line that marks lockkit's services script (in its first kilobyte).
+const MARKER: &str = "lockkit-services-script";
+
+/// Whether `path` is a file whose first kilobyte carries [`MARKER`].
+fn is_lockkit_script(path: &Path) -> bool {
+    use std::io::Read;
+    let mut head = [0u8; 1024];
+    let Ok(mut file) = File::open(path) else {
+        return false;
+    };
+    let n = file.read(&mut head).unwrap_or(0);
+    String::from_utf8_lossy(&head[..n]).contains(MARKER)
+}
+
 /// `scripts/services.sh` and the directory it keeps its state in.
 #[derive(Debug, Clone)]
 pub struct Services {
@@ -45,22 +59,42 @@ impl Services {
     /// # Errors
     /// When neither the variable is set nor a checkout is found above the current directory.
     pub fn locate() -> Result<Services, LabError> {
-        let checkout = || {
-            let here = std::env::current_dir().ok()?;
-            here.ancestors()
-                .find(|dir| dir.join(SCRIPT).is_file())
-                .map(Path::to_path_buf)
-        };
-        let script = match std::env::var_os("LOCKKIT_SERVICES_SCRIPT") {
-            Some(script) => PathBuf::from(script),
-            None => checkout()
+        let here = std::env::current_dir().context("cannot read the current directory")?;
+        Self::locate_from(&here, std::env::var_os("LOCKKIT_SERVICES_SCRIPT"))
+    }
+
+    /// [`Services::locate`] from `start`, with `script` as `$LOCKKIT_SERVICES_SCRIPT`. Only
+    /// a script that carries lockkit's marker line is ever run: another project's
+    /// `scripts/services.sh` above the current directory is passed over, and a variable
+    /// naming one is refused.
+    ///
+    /// # Errors
+    /// As [`Services::locate`], and when `script` is not lockkit's services script.
+    pub fn locate_from(
+        start: &Path,
+        script: Option<std::ffi::OsString>,
+    ) -> Result<Services, LabError> {
+        let script = match script {
+            Some(script) => {
+                let script = PathBuf::from(script);
+                if !is_lockkit_script(&script) {
+                    return Err(LabError::new(format!(
+                        "LOCKKIT_SERVICES_SCRIPT={} is not lockkit's services script (no                          `{MARKER}` line): point it at scripts/services.sh of a lockkit checkout",
+                        script.display()
+                    )));
+                }
+                script
+            }
+            None => start
+                .ancestors()
+                .map(|dir| dir.join(SCRIPT))
+                .find(|script| is_lockkit_script(script))
                 .ok_or_else(|| {
                     LabError::new(format!(
-                        "cannot find {SCRIPT}: run the lab inside a lockkit checkout or set \
-                         LOCKKIT_SERVICES_SCRIPT to the script's path"
+                        "cannot find lockkit's {SCRIPT} at or above {}: run the lab inside a                          lockkit checkout or set LOCKKIT_SERVICES_SCRIPT to the script's path",
+                        start.display()
                     ))
-                })?
-                .join(SCRIPT),
+                })?,
         };
         let state_dir = match std::env::var_os("LOCKKIT_TEST_SERVICES_DIR") {
             Some(dir) => PathBuf::from(dir),
@@ -223,4 +257,43 @@ pub async fn redis_command(addr: &str, args: &[&str]) -> Result<String, LabError
     tokio::time::timeout(Duration::from_secs(5), talk)
         .await
         .map_err(|_| LabError::new(format!("{addr} did not answer `{}` in 5 s", args.join(" "))))?
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn dir_with_script(name: &str, text: &str) -> PathBuf {
+        let dir =
+            std::env::temp_dir().join(format!("lockkit-locate-{}-{name}", std::process::id()));
+        std::fs::create_dir_all(dir.join("scripts")).expect("a temp dir");
+        std::fs::write(dir.join(SCRIPT), text).expect("a script");
+        dir
+    }
+
+    #[test]
+    fn another_projects_services_script_is_never_run() {
+        let foreign = dir_with_script("foreign", "#!/bin/sh\nexit 0\n");
+        assert!(Services::locate_from(&foreign, None).is_err());
+        let named = Some(foreign.join(SCRIPT).into_os_string());
+        let refused = Services::locate_from(Path::new("/"), named).expect_err("refused");
+        assert!(
+            refused
+                .to_string()
+                .contains("not lockkit's services script"),
+            "{refused}"
+        );
+        std::fs::remove_dir_all(foreign).ok();
+    }
+
+    #[test]
+    fn the_nearest_lockkit_checkout_above_a_foreign_one_is_found() {
+        let checkout = dir_with_script("checkout", &format!("#!/bin/sh\n# {MARKER}\n"));
+        let inner = checkout.join("vendor/other");
+        std::fs::create_dir_all(inner.join("scripts")).expect("a nested project");
+        std::fs::write(inner.join(SCRIPT), "#!/bin/sh\nexit 0\n").expect("a foreign script");
+        let found = Services::locate_from(&inner, None).expect("found");
+        assert_eq!(found.script(), checkout.join(SCRIPT));
+        std::fs::remove_dir_all(checkout).ok();
+    }
 }

@@ -5,12 +5,12 @@ use std::{sync::Arc, time::Duration};
 
 use async_trait::async_trait;
 use lockkit_core::spi::{AcquireRequest, Grant, Released};
-use lockkit_core::{BackendInfo, HolderInfo, LockBackend, LockKey, Result};
+use lockkit_core::{BackendInfo, Error, HolderInfo, LockBackend, LockKey, Result};
 use sqlx::AssertSqlSafe;
 
 use crate::{
     Mode, MysqlConfig,
-    db::{Db, db_error, query},
+    db::{BACKEND, Db, db_error, query},
     for_update::ForUpdateLocks,
     row::RowLocks,
 };
@@ -102,14 +102,30 @@ impl MysqlBackend {
     /// [`MysqlBackend::connection_holding`], [`MysqlBackend::kill_connection`].)
     ///
     /// # Errors
-    /// Database errors.
+    /// [`Error::Unsupported`] when a for-update holder (of either mode's client) holds the
+    /// key: that hold ends only with its connection, so nothing is changed and the error
+    /// says so, rather than answering that nothing was held. Database errors.
     pub async fn take_away(&self, key: &LockKey) -> Result<bool> {
+        let name = key.as_str().as_bytes();
         let done = query(&self.db.sql.row_clear_live)
-            .bind(key.as_str().as_bytes())
+            .bind(name)
             .execute(&self.db.pool)
             .await
             .map_err(|e| db_error("clearing a lease", e))?;
-        Ok(done.rows_affected() == 1)
+        if done.rows_affected() == 1 {
+            return Ok(true);
+        }
+        if self.db.is_locked(name).await? {
+            return Err(Error::Unsupported {
+                backend: BACKEND,
+                what: format!(
+                    "taking `{key}` away from a for-update holder: that hold ends only with its \
+                     connection; KILL it (MysqlBackend::connection_holding in the holder's \
+                     process, then kill_connection)"
+                ),
+            });
+        }
+        Ok(false)
     }
 
     /// Operator action: `KILL <id>` a server connection (e.g. one from

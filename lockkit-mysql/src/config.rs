@@ -4,7 +4,7 @@ use std::{str::FromStr, time::Duration};
 
 use lockkit_core::{
     Error, Result,
-    config::{parse_count, parse_duration},
+    config::{LockUrl, parse_count, parse_duration},
 };
 use sqlx::mysql::MySqlConnectOptions;
 
@@ -39,12 +39,33 @@ pub struct MysqlConfig {
     pub max_holds: u32,
     /// `?connect_timeout=` (default 5 s).
     pub connect_timeout: Duration,
-    /// `?ttl=`: a lease suggested by the URL, for callers that build options from it.
+    /// `?ttl=`: the default lease of locks taken through this URL (the facade applies it).
     pub ttl: Option<Duration>,
     /// `?liveness=` (for-update, default 250 ms): how often a hold's connection is checked,
     /// so that its holder learns the lock is gone (connection killed, server down) before
     /// a restarted server can grant it to someone else.
     pub liveness: Duration,
+}
+
+impl Default for MysqlConfig {
+    /// `mysql://lockkit@127.0.0.1:3306/lockkit` in row mode, every option at its default.
+    fn default() -> Self {
+        MysqlConfig {
+            connect: MySqlConnectOptions::new()
+                .host("127.0.0.1")
+                .port(3306)
+                .username("lockkit")
+                .database("lockkit"),
+            mode: Mode::Row,
+            table: "lockkit_locks".into(),
+            create_schema: true,
+            pool_size: 8,
+            max_holds: 32,
+            connect_timeout: Duration::from_secs(5),
+            ttl: None,
+            liveness: Duration::from_millis(250),
+        }
+    }
 }
 
 impl std::fmt::Debug for MysqlConfig {
@@ -80,35 +101,24 @@ impl MysqlConfig {
     pub fn parse(url: &str) -> Result<Self> {
         // Messages show the URL without its password.
         let shown = lockkit_core::config::redact_url(url);
-        let rest = url
-            .split_once("://")
-            .filter(|(scheme, _)| SCHEMES.contains(scheme))
-            .map(|(_, rest)| rest);
-        let Some(rest) = rest else {
-            return Err(Error::Config(format!(
-                "`{shown}` is not a MySQL URL; write mysql://user:password@host:port/database?mode=row"
-            )));
-        };
-        let (base, query) = rest.split_once('?').unwrap_or((rest, ""));
-        if base.split('/').nth(1).is_none_or(str::is_empty) {
+        let parts = LockUrl::parse(
+            url,
+            SCHEMES,
+            "mysql://user:password@host:port/database?mode=row",
+        )?;
+        if parts.path.as_deref().is_none_or(str::is_empty) {
             return Err(Error::Config(format!(
                 "`{shown}` names no database; write mysql://user:password@host:port/database"
             )));
         }
+        let base = parts.base.as_str();
         let mut config = MysqlConfig {
             connect: MySqlConnectOptions::new(),
-            mode: Mode::Row,
-            table: "lockkit_locks".into(),
-            create_schema: true,
-            pool_size: 8,
-            max_holds: 32,
-            connect_timeout: Duration::from_secs(5),
-            ttl: None,
-            liveness: Duration::from_millis(250),
+            ..MysqlConfig::default()
         };
         let mut driver = Vec::new();
-        for pair in query.split('&').filter(|p| !p.is_empty()) {
-            let (name, value) = pair.split_once('=').unwrap_or((pair, ""));
+        for option in &parts.options {
+            let (name, value) = (option.name.as_str(), option.value.as_str());
             match name {
                 "mode" => {
                     config.mode = match value {
@@ -156,11 +166,12 @@ impl MysqlConfig {
                 | "collation"
                 | "statement-cache-capacity"
                 | "socket"
-                | "timezone" => driver.push(pair),
-                other => {
-                    return Err(Error::Config(format!(
-                        "unknown option `{other}` in `{shown}`; known: {OPTIONS} (and the driver's ssl-mode, ssl-ca, charset, socket)"
-                    )));
+                | "timezone" => driver.push(option.raw.as_str()),
+                _ => {
+                    return Err(parts.unknown_option(
+                        option,
+                        &format!("{OPTIONS} (and the driver's ssl-mode, ssl-ca, charset, socket)"),
+                    ));
                 }
             }
         }
@@ -178,6 +189,15 @@ impl MysqlConfig {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_default_is_the_local_server_with_default_options() {
+        let parsed = MysqlConfig::parse("mysql://lockkit@127.0.0.1:3306/lockkit").unwrap();
+        assert_eq!(
+            format!("{:?}", MysqlConfig::default()),
+            format!("{parsed:?}")
+        );
+    }
 
     #[test]
     fn parses() {

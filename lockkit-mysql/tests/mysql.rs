@@ -497,3 +497,29 @@ async fn for_update_deadlines_hold_when_stuck_holder_records_fill_the_pool() {
     // Wide margin: the pool's acquire timeout (5 s) is what the old KILL waited for.
     assert!(worst < wait * 3, "a {wait:?} wait took {worst:?}");
 }
+
+/// `take_away` on a key a for-update holder holds says it cannot, instead of answering
+/// that nothing was held (review 12, F3), and leaves the hold alone.
+#[tokio::test]
+async fn take_away_refuses_a_for_update_hold_instead_of_finding_nothing() {
+    let Some(url) = url("mode=for-update&table=lockkit_test_fu") else {
+        return;
+    };
+    let backend = MysqlBackend::connect(&url).await.unwrap();
+    let locker = Locker::new(backend.clone());
+    let key = key();
+    assert!(
+        !backend.take_away(&key).await.unwrap(),
+        "a free key had nothing to take away"
+    );
+    let held = locker
+        .acquire(&key)
+        .ttl(Duration::from_secs(30))
+        .await
+        .unwrap();
+    let refused = backend.take_away(&key).await.unwrap_err();
+    assert!(matches!(refused, Error::Unsupported { .. }), "{refused}");
+    assert!(refused.to_string().contains("KILL"), "{refused}");
+    assert!(held.is_valid());
+    held.release().await.expect("still held after the refusal");
+}

@@ -4,7 +4,7 @@ use std::time::Duration;
 
 use lockkit_core::{
     Error, Result,
-    config::{parse_count, parse_duration},
+    config::{LockUrl, parse_count, parse_duration},
 };
 
 /// How the backend reaches Redis. Its `Debug` output hides passwords.
@@ -44,7 +44,7 @@ pub struct RedisConfig {
     pub topology: Topology,
     /// Prepended to every lock name (`?prefix=`); default empty, as Redisson.
     pub prefix: String,
-    /// Lease suggested by the URL (`?ttl=`), for callers that build options from it.
+    /// `?ttl=`: the default lease of locks taken through this URL (the facade applies it).
     pub ttl: Option<Duration>,
     /// Connection timeout (`?connect_timeout=`, default 2 s).
     pub connect_timeout: Duration,
@@ -57,6 +57,22 @@ pub struct RedisConfig {
     /// Redlock only: how long one master may take to answer one round
     /// (`?node_timeout=`; default a twentieth of the lease, within 10..=100 ms).
     pub node_timeout: Option<Duration>,
+}
+
+impl Default for RedisConfig {
+    /// `redis://127.0.0.1:6379/0` with every option at its default.
+    fn default() -> Self {
+        RedisConfig {
+            topology: Topology::Single("redis://127.0.0.1:6379/0".into()),
+            prefix: String::new(),
+            ttl: None,
+            connect_timeout: Duration::from_secs(2),
+            response_timeout: Duration::from_secs(2),
+            wait_replicas: 0,
+            wait_replicas_timeout: Duration::from_secs(1),
+            node_timeout: None,
+        }
+    }
 }
 
 /// Every URL scheme this crate accepts: a server, a cluster or Redlock masters, each
@@ -94,7 +110,7 @@ impl RedisConfig {
     pub fn parse(url: &str) -> Result<Self> {
         // Messages show the URL without its password.
         let shown = lockkit_core::config::redact_url(url);
-        let (scheme, rest) = url.split_once("://").ok_or_else(|| {
+        let (scheme, _) = url.split_once("://").ok_or_else(|| {
             Error::Config(format!(
                 "`{shown}` is not a URL; expected one of {}",
                 schemes_listed()
@@ -114,18 +130,10 @@ impl RedisConfig {
                 )));
             }
         };
-        let (before_query, query) = rest.split_once('?').unwrap_or((rest, ""));
-        let (authority, path) = before_query.split_once('/').unwrap_or((before_query, ""));
-        let (userinfo, hosts) = match authority.rsplit_once('@') {
-            Some((user, hosts)) => (Some(user), hosts),
-            None => (None, authority),
-        };
-        let hosts: Vec<&str> = hosts.split(',').collect();
-        if hosts.iter().any(|h| h.is_empty()) {
-            return Err(Error::Config(format!(
-                "`{shown}` names an empty host; write e.g. `{scheme}://127.0.0.1:6379`"
-            )));
-        }
+        let parts = LockUrl::parse(url, SCHEMES, &format!("`{scheme}://127.0.0.1:6379`"))?;
+        let userinfo = parts.userinfo.as_deref();
+        let hosts: Vec<&str> = parts.hosts.iter().map(String::as_str).collect();
+        let path = parts.path.as_deref().unwrap_or("");
         let db = match path {
             "" => None,
             db => Some(db.parse::<u32>().map_err(|_| {
@@ -163,32 +171,26 @@ impl RedisConfig {
                     Topology::Redlock(nodes)
                 }
             },
-            prefix: String::new(),
-            ttl: None,
-            connect_timeout: Duration::from_secs(2),
-            response_timeout: Duration::from_secs(2),
-            wait_replicas: 0,
-            wait_replicas_timeout: Duration::from_secs(1),
-            node_timeout: None,
+            ..RedisConfig::default()
         };
-        for pair in query.split('&').filter(|p| !p.is_empty()) {
-            let (name, value) = pair.split_once('=').unwrap_or((pair, ""));
-            let value = percent_decode(value)?;
+        for option in &parts.options {
+            let (name, value) = (option.name.as_str(), option.value.as_str());
             match name {
-                "prefix" => config.prefix = value,
-                "ttl" => config.ttl = Some(parse_duration(name, &value)?),
-                "connect_timeout" => config.connect_timeout = parse_duration(name, &value)?,
-                "response_timeout" => config.response_timeout = parse_duration(name, &value)?,
-                "wait_replicas" => config.wait_replicas = parse_count(name, &value)?,
+                "prefix" => config.prefix = value.to_owned(),
+                "ttl" => config.ttl = Some(parse_duration(name, value)?),
+                "connect_timeout" => config.connect_timeout = parse_duration(name, value)?,
+                "response_timeout" => config.response_timeout = parse_duration(name, value)?,
+                "wait_replicas" => config.wait_replicas = parse_count(name, value)?,
                 "wait_replicas_timeout" => {
-                    config.wait_replicas_timeout = parse_duration(name, &value)?;
+                    config.wait_replicas_timeout = parse_duration(name, value)?;
                 }
-                "node_timeout" => config.node_timeout = Some(parse_duration(name, &value)?),
-                other => {
-                    return Err(Error::Config(format!(
-                        "unknown option `{other}` in `{shown}`; known: prefix, ttl, connect_timeout, \
-                         response_timeout, wait_replicas, wait_replicas_timeout, node_timeout"
-                    )));
+                "node_timeout" => config.node_timeout = Some(parse_duration(name, value)?),
+                _ => {
+                    return Err(parts.unknown_option(
+                        option,
+                        "prefix, ttl, connect_timeout, response_timeout, wait_replicas, \
+                         wait_replicas_timeout, node_timeout",
+                    ));
                 }
             }
         }
@@ -221,37 +223,17 @@ fn node_url(shown: &str, tls: bool, userinfo: Option<&str>, host: &str, db: u32)
     Ok(format!("{scheme}://{auth}{name}:{port}/{db}"))
 }
 
-fn percent_decode(text: &str) -> Result<String> {
-    let bytes = text.as_bytes();
-    let mut out = Vec::with_capacity(bytes.len());
-    let mut i = 0;
-    while i < bytes.len() {
-        match bytes[i] {
-            b'%' => {
-                let hex = text
-                    .get(i + 1..i + 3)
-                    .and_then(|h| u8::from_str_radix(h, 16).ok());
-                let byte =
-                    hex.ok_or_else(|| Error::Config(format!("bad percent escape in `{text}`")))?;
-                out.push(byte);
-                i += 3;
-            }
-            b'+' => {
-                out.push(b' ');
-                i += 1;
-            }
-            b => {
-                out.push(b);
-                i += 1;
-            }
-        }
-    }
-    String::from_utf8(out).map_err(|_| Error::Config(format!("`{text}` is not UTF-8")))
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_default_is_the_local_server_with_default_options() {
+        assert_eq!(
+            RedisConfig::default(),
+            RedisConfig::parse("redis://127.0.0.1:6379").unwrap()
+        );
+    }
 
     #[test]
     fn parses_each_form() {

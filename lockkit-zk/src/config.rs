@@ -2,7 +2,10 @@
 
 use std::time::Duration;
 
-use lockkit_core::{Error, Result, config::parse_duration};
+use lockkit_core::{
+    Error, Result,
+    config::{LockUrl, parse_duration},
+};
 
 /// Everything a ZooKeeper URL says.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -17,6 +20,22 @@ pub struct ZkConfig {
     pub root: String,
     /// `?connect_timeout=` (default 5 s).
     pub connect_timeout: Duration,
+    /// `?ttl=`: the default lease of locks taken through this URL (the facade applies it),
+    /// as on every backend.
+    pub ttl: Option<Duration>,
+}
+
+impl Default for ZkConfig {
+    /// `zk://127.0.0.1:2181` with every option at its default.
+    fn default() -> Self {
+        ZkConfig {
+            connect: "127.0.0.1:2181".into(),
+            session_timeout: Duration::from_secs(10),
+            root: "/lockkit".into(),
+            connect_timeout: Duration::from_secs(5),
+            ttl: None,
+        }
+    }
 }
 
 /// Every URL scheme this crate accepts.
@@ -28,23 +47,20 @@ impl ZkConfig {
     /// # Errors
     /// [`Error::Config`] saying what is wrong and what is accepted.
     pub fn parse(url: &str) -> Result<Self> {
-        let rest = url
-            .split_once("://")
-            .filter(|(scheme, _)| SCHEMES.contains(scheme))
-            .map(|(_, rest)| rest);
-        let Some(rest) = rest else {
+        let parts = LockUrl::parse(url, SCHEMES, "zk://host:port[,host:port...][/chroot]")?;
+        let url = parts.shown.as_str();
+        if parts.userinfo.is_some() {
             return Err(Error::Config(format!(
-                "`{url}` is not a ZooKeeper URL; write zk://host:port[,host:port...][/chroot]"
+                "`{url}` names a user; ZooKeeper URLs take none: zk://host:port[,host:port...][/chroot]"
             )));
-        };
-        let (base, query) = rest.split_once('?').unwrap_or((rest, ""));
-        let (hosts, chroot) = match base.find('/') {
-            Some(i) => (&base[..i], &base[i..]),
-            None => (base, ""),
-        };
-        if hosts.is_empty() || hosts.split(',').any(|h| h.is_empty()) {
-            return Err(Error::Config(format!("`{url}` names an empty host")));
         }
+        let hosts = parts.hosts.join(",");
+        let chroot = parts
+            .path
+            .as_deref()
+            .map(|p| format!("/{p}"))
+            .unwrap_or_default();
+        let chroot = chroot.as_str();
         for host in hosts.split(',') {
             let port = host.rsplit_once(':').map(|(_, p)| p);
             if port.is_some_and(|p| p.parse::<u16>().is_err()) {
@@ -58,15 +74,14 @@ impl ZkConfig {
         }
         let mut config = ZkConfig {
             connect: format!("{hosts}{chroot}"),
-            session_timeout: Duration::from_secs(10),
-            root: "/lockkit".into(),
-            connect_timeout: Duration::from_secs(5),
+            ..ZkConfig::default()
         };
-        for pair in query.split('&').filter(|p| !p.is_empty()) {
-            let (name, value) = pair.split_once('=').unwrap_or((pair, ""));
+        for option in &parts.options {
+            let (name, value) = (option.name.as_str(), option.value.as_str());
             match name {
                 "session_timeout" => config.session_timeout = parse_duration(name, value)?,
                 "connect_timeout" => config.connect_timeout = parse_duration(name, value)?,
+                "ttl" => config.ttl = Some(parse_duration(name, value)?),
                 "root" => {
                     if !value.starts_with('/')
                         || value.len() < 2
@@ -79,10 +94,10 @@ impl ZkConfig {
                     }
                     config.root = value.to_owned();
                 }
-                other => {
-                    return Err(Error::Config(format!(
-                        "unknown option `{other}` in `{url}`; known: session_timeout, connect_timeout, root"
-                    )));
+                _ => {
+                    return Err(
+                        parts.unknown_option(option, "session_timeout, connect_timeout, root, ttl")
+                    );
                 }
             }
         }
@@ -93,6 +108,14 @@ impl ZkConfig {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_default_is_the_local_server_with_default_options() {
+        assert_eq!(
+            ZkConfig::default(),
+            ZkConfig::parse("zk://127.0.0.1:2181").unwrap()
+        );
+    }
 
     #[test]
     fn parses() {

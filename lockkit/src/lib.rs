@@ -87,14 +87,7 @@ pub const DRIVERS: &[Driver] = &[
     #[cfg(not(feature = "redis"))]
     Driver {
         name: "redis",
-        schemes: &[
-            "redis",
-            "rediss",
-            "redis+cluster",
-            "rediss+cluster",
-            "redlock",
-            "redlocks",
-        ],
+        schemes: REDIS_SCHEMES,
         feature: Some("redis"),
         connect: None,
     },
@@ -108,7 +101,7 @@ pub const DRIVERS: &[Driver] = &[
     #[cfg(not(feature = "zk"))]
     Driver {
         name: "zookeeper",
-        schemes: &["zk", "zookeeper"],
+        schemes: ZK_SCHEMES,
         feature: Some("zk"),
         connect: None,
     },
@@ -122,11 +115,29 @@ pub const DRIVERS: &[Driver] = &[
     #[cfg(not(feature = "mysql"))]
     Driver {
         name: "mysql",
-        schemes: &["mysql", "mariadb"],
+        schemes: MYSQL_SCHEMES,
         feature: Some("mysql"),
         connect: None,
     },
 ];
+
+/// The schemes of lockkit-redis, known even when its feature is off (to say which feature
+/// to turn on); a test holds them equal to `lockkit_redis::SCHEMES`.
+#[cfg_attr(feature = "redis", allow(dead_code))]
+const REDIS_SCHEMES: &[&str] = &[
+    "redis",
+    "rediss",
+    "redis+cluster",
+    "rediss+cluster",
+    "redlock",
+    "redlocks",
+];
+/// The schemes of lockkit-zk (see [`REDIS_SCHEMES`]).
+#[cfg_attr(feature = "zk", allow(dead_code))]
+const ZK_SCHEMES: &[&str] = &["zk", "zookeeper"];
+/// The schemes of lockkit-mysql (see [`REDIS_SCHEMES`]).
+#[cfg_attr(feature = "mysql", allow(dead_code))]
+const MYSQL_SCHEMES: &[&str] = &["mysql", "mariadb"];
 
 /// Every scheme lockkit knows, with the feature that enables it (`None`: always there).
 pub fn schemes() -> impl Iterator<Item = (&'static str, Option<&'static str>)> {
@@ -144,7 +155,8 @@ pub fn default_url() -> String {
     format!("file://{}", std::env::temp_dir().join("lockkit").display())
 }
 
-/// Connects to the backend `url` names, with default options.
+/// Connects to the backend `url` names, with default options. A `?ttl=` in the URL (every
+/// backend takes it) sets the default lease.
 ///
 /// # Errors
 /// [`Error::Config`] for a malformed URL or an unknown scheme (listing the known ones),
@@ -155,10 +167,14 @@ pub async fn connect(url: &str) -> Result<Locker> {
 }
 
 /// Connects to the backend `url` names; acquisitions use `options` unless told otherwise.
+/// The URL's `?ttl=` is configuration and wins over `options.ttl`.
 ///
 /// # Errors
 /// As [`connect`].
-pub async fn connect_with(url: &str, options: LockOptions) -> Result<Locker> {
+pub async fn connect_with(url: &str, mut options: LockOptions) -> Result<Locker> {
+    if let Some(ttl) = config::url_ttl(url)? {
+        options.ttl = ttl;
+    }
     Ok(Locker::from_arc(backend(url).await?).with_options(options))
 }
 
@@ -219,6 +235,60 @@ pub async fn backend(url: &str) -> Result<Arc<dyn LockBackend>> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::time::Duration;
+
+    /// The lists used when a feature is off are the backends' own lists.
+    #[test]
+    fn the_schemes_known_without_a_feature_are_the_backends_own() {
+        #[cfg(feature = "redis")]
+        assert_eq!(REDIS_SCHEMES, lockkit_redis::SCHEMES);
+        #[cfg(feature = "zk")]
+        assert_eq!(ZK_SCHEMES, lockkit_zk::SCHEMES);
+        #[cfg(feature = "mysql")]
+        assert_eq!(MYSQL_SCHEMES, lockkit_mysql::SCHEMES);
+        for scheme in REDIS_SCHEMES.iter().chain(ZK_SCHEMES).chain(MYSQL_SCHEMES) {
+            assert!(schemes().any(|(s, _)| s == *scheme), "{scheme}");
+        }
+    }
+
+    /// `?ttl=` means the default lease on every backend: each parses it, and the facade
+    /// applies it.
+    #[tokio::test]
+    async fn every_backend_takes_ttl_and_the_facade_applies_it() {
+        let locker = connect("memory://?ttl=7s").await.unwrap();
+        assert_eq!(locker.options().ttl, Duration::from_secs(7));
+        let dir = std::env::temp_dir().join(format!("lockkit-ttl-{}", std::process::id()));
+        let locker = connect(&format!("file://{}?ttl=250ms", dir.display()))
+            .await
+            .unwrap();
+        assert_eq!(locker.options().ttl, Duration::from_millis(250));
+        std::fs::remove_dir_all(dir).ok();
+        #[cfg(feature = "redis")]
+        assert_eq!(
+            lockkit_redis::RedisConfig::parse("redlock://a,b,c?ttl=5s")
+                .unwrap()
+                .ttl,
+            Some(Duration::from_secs(5))
+        );
+        #[cfg(feature = "zk")]
+        assert_eq!(
+            lockkit_zk::ZkConfig::parse("zk://a:1,b:2/app?ttl=5s")
+                .unwrap()
+                .ttl,
+            Some(Duration::from_secs(5))
+        );
+        #[cfg(feature = "mysql")]
+        assert_eq!(
+            lockkit_mysql::MysqlConfig::parse("mysql://u@h/db?ttl=5s")
+                .unwrap()
+                .ttl,
+            Some(Duration::from_secs(5))
+        );
+        assert!(matches!(
+            connect("memory://?ttl=5").await,
+            Err(Error::Config(_))
+        ));
+    }
 
     #[test]
     fn unknown_schemes_list_the_known_ones() {
