@@ -320,7 +320,7 @@ async fn release_one(hold: Arc<Hold>, grant: Grant) -> Result<Released> {
 /// spawned onto it; without one, the watchdog stops and the lease runs out on the server.
 ///
 /// A released guard is gone, so it cannot be released or extended twice:
-/// ```compile_fail
+/// ```compile_fail,E0382
 /// # async fn f(locker: lockkit_core::Locker) -> lockkit_core::Result<()> {
 /// let guard = locker.acquire("k").await?;
 /// guard.release().await?;

@@ -9,6 +9,7 @@
 //!   in-process reference implementation.
 //!
 //! Every failure is an [`Error`] that says what to do; nothing here panics on bad input.
+#![warn(missing_docs)]
 #![cfg_attr(
     not(test),
     deny(clippy::unwrap_used, clippy::expect_used, clippy::panic)

@@ -153,6 +153,41 @@ impl Locker {
 
     /// Starts building an acquisition of `key` for a fresh owner (not reentrant). Await the
     /// builder to wait for the lock (forever unless `.wait(..)` is set).
+    ///
+    /// # Examples
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> lockkit_core::Result<()> {
+    /// use std::time::Duration;
+    /// use lockkit_core::{Error, Locker, MemoryBackend};
+    ///
+    /// let locker = Locker::new(MemoryBackend::new());
+    /// let guard = locker
+    ///     .acquire("orders/42")
+    ///     .ttl(Duration::from_secs(10))
+    ///     .wait(Duration::from_secs(1))
+    ///     .await?;
+    /// // A second owner waits up to its deadline, then gets a timeout.
+    /// let busy = locker.acquire("orders/42").wait(Duration::from_millis(20)).await;
+    /// assert!(matches!(busy, Err(Error::Timeout { .. })));
+    /// guard.release().await?;
+    /// # Ok(()) }
+    /// ```
+    ///
+    /// # Errors
+    /// Awaiting the builder fails with:
+    /// - [`Error::InvalidKey`] for an empty or oversized key, [`Error::InvalidTtl`] for a zero
+    ///   or out-of-range TTL (nothing reaches the backend);
+    /// - [`Error::Timeout`] when the wait ends without a grant (a zero wait: the lock was
+    ///   busy);
+    /// - [`Error::Backend`] when the service cannot be reached or refuses;
+    ///   [`Error::is_retryable`] says whether trying again may help. While waiting,
+    ///   retryable errors are retried until the deadline.
+    ///
+    /// # Cancel safety
+    /// Dropping the future at any point leaves no lock behind: a grant that arrives after
+    /// the caller left is given back on the runtime, and a server-side wait (a queue node,
+    /// a blocked statement) is withdrawn.
     pub fn acquire(&self, key: impl IntoLockKey) -> Acquire {
         Acquire {
             locker: self.clone(),
@@ -208,7 +243,15 @@ impl Owner {
     }
 }
 
-/// Builder for a waiting acquisition; `.await` it. Created by [`Locker::acquire`].
+/// Builder for a waiting acquisition; `.await` it. Created by [`Locker::acquire`] and
+/// [`Owner::acquire`].
+///
+/// # Errors
+/// As [`Locker::acquire`].
+///
+/// # Cancel safety
+/// Cancel safe: dropping it, awaited or not, leaves no lock behind (see
+/// [`Locker::acquire`]).
 #[must_use = "an acquisition does nothing until awaited"]
 #[derive(Debug)]
 pub struct Acquire {

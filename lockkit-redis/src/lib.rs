@@ -9,6 +9,7 @@
 //!
 //! The wire layout is Redisson's RLock (see [`LockNames`]), so Redisson and lockkit clients
 //! exclude each other on the same lock name.
+#![warn(missing_docs)]
 #![cfg_attr(
     not(test),
     deny(clippy::unwrap_used, clippy::expect_used, clippy::panic)

@@ -12,6 +12,7 @@
 //!   session timeout (`?session_timeout=`, default 10 s).
 //! - Loss is pushed: session expiry, or a disconnect lasting two thirds of the session
 //!   timeout on the local monotonic clock.
+#![warn(missing_docs)]
 #![cfg_attr(
     not(test),
     deny(clippy::unwrap_used, clippy::expect_used, clippy::panic)

@@ -1,24 +1,6 @@
-//! # lockkit
-//!
-//! Distributed locks with one contract — leases, fencing tokens, reentrancy, waiting with
-//! a deadline, a lost signal — and backends chosen by configuration:
-//!
-//! ```no_run
-//! # async fn demo() -> lockkit::Result<()> {
-//! let locker = lockkit::connect("redis://127.0.0.1:6379").await?;   // or zk://, mysql://, file://
-//! let guard = locker.acquire("orders/42").await?;
-//! let token = guard.token();      // send it with every write made under the lock
-//! guard.release().await?;
-//! # let _ = token; Ok(()) }
-//! ```
-//!
-//! | scheme | backend | feature |
-//! |---|---|---|
-//! | `memory://` | [`MemoryBackend`] (one process) | always |
-//! | `file:///dir` | [`FileBackend`] (one host) | always |
-//! | `redis://`, `rediss://`, `redis+cluster://`, `rediss+cluster://`, `redlock://`, `redlocks://` | [`redis`] | `redis` |
-//! | `zk://h1,h2,h3/chroot` | [`zk`] | `zk` |
-//! | `mysql://...?mode=row\|for-update` | [`mysql`] | `mysql` |
+#![doc = include_str!("../README.md")]
+#![cfg_attr(docsrs, feature(doc_cfg))]
+#![warn(missing_docs)]
 #![cfg_attr(
     not(test),
     deny(clippy::unwrap_used, clippy::expect_used, clippy::panic)
@@ -28,10 +10,13 @@ use std::{future::Future, pin::Pin, sync::Arc};
 
 pub use lockkit_core::*;
 #[cfg(feature = "mysql")]
+#[cfg_attr(docsrs, doc(cfg(feature = "mysql")))]
 pub use lockkit_mysql as mysql;
 #[cfg(feature = "redis")]
+#[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
 pub use lockkit_redis as redis;
 #[cfg(feature = "zk")]
+#[cfg_attr(docsrs, doc(cfg(feature = "zk")))]
 pub use lockkit_zk as zk;
 
 /// Builds a backend from a URL.
