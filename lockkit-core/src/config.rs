@@ -1,11 +1,41 @@
 //! How every backend reads its URL: [`LockUrl`] cuts it into scheme, user, hosts, path and
-//! options (one parser, on the `url` crate's form decoding, for single- and multi-host
-//! URLs alike), and the option values are read with [`parse_duration`] and [`parse_count`].
+//! options (one parser, with strict form decoding, for single- and multi-host URLs alike), and the option values are read with [`parse_duration`] and [`parse_count`].
 //! `?ttl=` is read by every backend and means the same everywhere: the default lease.
 
 use std::time::Duration;
 
 use crate::{Error, Result};
+
+/// Decodes one option name or value as a form does (`+` is a space, `%XX` a byte),
+/// strictly: a bad escape or bytes that are not UTF-8 are refused rather than guessed at, so
+/// two different prefixes can never decode to one.
+fn decode_option(text: &str, shown: &str) -> Result<String> {
+    let bad = |what: &str| Error::Config(format!("{what} in `{text}` of `{shown}`"));
+    let bytes = text.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        match bytes[i] {
+            b'%' => {
+                let byte = text
+                    .get(i + 1..i + 3)
+                    .and_then(|hex| u8::from_str_radix(hex, 16).ok())
+                    .ok_or_else(|| bad("a bad percent escape (write %XX with two hex digits)"))?;
+                out.push(byte);
+                i += 3;
+            }
+            b'+' => {
+                out.push(b' ');
+                i += 1;
+            }
+            b => {
+                out.push(b);
+                i += 1;
+            }
+        }
+    }
+    String::from_utf8(out).map_err(|_| bad("escapes that are not UTF-8"))
+}
 
 /// One `name=value` option of a URL.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -16,6 +46,14 @@ pub struct UrlOption {
     pub value: String,
     /// The pair as written, for options passed on to a driver.
     pub raw: String,
+}
+
+impl UrlOption {
+    /// The value as written, not decoded (for options read verbatim before decoding
+    /// existed, such as ZooKeeper's `root`).
+    pub fn raw_value(&self) -> &str {
+        self.raw.split_once('=').map_or("", |(_, value)| value)
+    }
 }
 
 /// A lock service URL, `scheme://[userinfo@]host[:port][,host[:port]...][/path][?options]`,
@@ -55,37 +93,35 @@ impl LockUrl {
             )));
         };
         let (base, query) = rest.split_once('?').unwrap_or((rest, ""));
-        // The user part ends at the last `@` (a password may hold `/`); the hosts at the
-        // first `/` after it.
-        let (userinfo, after_user) = match base.rsplit_once('@') {
-            Some((user, after)) => (Some(user.to_owned()), after),
-            None => (None, base),
+        // RFC 3986: the authority ends at the first `/` (a `/` in a password must be
+        // written `%2F`), and the user part at the authority's last `@`.
+        let (authority, path) = match base.split_once('/') {
+            Some((authority, path)) => (authority, Some(path.to_owned())),
+            None => (base, None),
         };
-        let (hosts, path) = match after_user.split_once('/') {
-            Some((hosts, path)) => (hosts, Some(path.to_owned())),
-            None => (after_user, None),
+        let (userinfo, hosts) = match authority.rsplit_once('@') {
+            Some((user, hosts)) => (Some(user.to_owned()), hosts),
+            None => (None, authority),
         };
-        let hosts: Vec<String> = hosts.split(',').map(str::to_owned).collect();
+        let hosts: Vec<String> = if hosts.is_empty() {
+            Vec::new()
+        } else {
+            hosts.split(',').map(str::to_owned).collect()
+        };
         if hosts.iter().any(String::is_empty) {
             return Err(Error::Config(format!(
                 "`{shown}` names an empty host; write {form}"
             )));
         }
-        let options = query
-            .split('&')
-            .filter(|pair| !pair.is_empty())
-            .map(|raw| {
-                let (name, value) = url::form_urlencoded::parse(raw.as_bytes())
-                    .next()
-                    .map(|(n, v)| (n.into_owned(), v.into_owned()))
-                    .unwrap_or_default();
-                UrlOption {
-                    name,
-                    value,
-                    raw: raw.to_owned(),
-                }
-            })
-            .collect();
+        let mut options = Vec::new();
+        for raw in query.split('&').filter(|pair| !pair.is_empty()) {
+            let (name, value) = raw.split_once('=').unwrap_or((raw, ""));
+            options.push(UrlOption {
+                name: decode_option(name, &shown)?,
+                value: decode_option(value, &shown)?,
+                raw: raw.to_owned(),
+            });
+        }
         Ok(LockUrl {
             scheme: scheme.to_owned(),
             base: base.to_owned(),
@@ -95,6 +131,20 @@ impl LockUrl {
             options,
             shown,
         })
+    }
+
+    /// Refuses a URL that names no host (`redis:///0`); `form` is the accepted shape.
+    ///
+    /// # Errors
+    /// [`Error::Config`] when [`LockUrl::hosts`] is empty.
+    pub fn require_hosts(&self, form: &str) -> Result<()> {
+        if self.hosts.is_empty() {
+            return Err(Error::Config(format!(
+                "`{}` names no host; write {form}",
+                self.shown
+            )));
+        }
+        Ok(())
     }
 
     /// The error for an option none of `known` names.
@@ -112,7 +162,10 @@ impl LockUrl {
 /// # Errors
 /// [`Error::Config`] naming the option that is not `ttl`, or a `ttl` that is not a duration.
 pub fn only_ttl_option(url: &str, query: &str) -> Result<()> {
-    for (name, value) in url::form_urlencoded::parse(query.as_bytes()) {
+    let shown = redact_url(url);
+    for raw in query.split('&').filter(|pair| !pair.is_empty()) {
+        let (name, value) = raw.split_once('=').unwrap_or((raw, ""));
+        let (name, value) = (decode_option(name, &shown)?, decode_option(value, &shown)?);
         if name != "ttl" {
             return Err(Error::Config(format!(
                 "unknown option `{name}` in `{}`; this backend takes only `ttl`",
@@ -132,10 +185,12 @@ pub fn url_ttl(url: &str) -> Result<Option<Duration>> {
     let Some((_, query)) = url.split_once('?') else {
         return Ok(None);
     };
+    let shown = redact_url(url);
     let mut ttl = None;
-    for (name, value) in url::form_urlencoded::parse(query.as_bytes()) {
-        if name == "ttl" {
-            ttl = Some(parse_duration("ttl", &value)?);
+    for raw in query.split('&').filter(|pair| !pair.is_empty()) {
+        let (name, value) = raw.split_once('=').unwrap_or((raw, ""));
+        if decode_option(name, &shown)? == "ttl" {
+            ttl = Some(parse_duration("ttl", &decode_option(value, &shown)?)?);
         }
     }
     Ok(ttl)
@@ -183,7 +238,7 @@ pub fn parse_count(option: &str, text: &str) -> Result<u32> {
 /// (`redis://user:secret@h:1,redis://:pw@h:2` becomes `redis://user:***@h:1,redis://:***@h:2`),
 /// for errors, logs and `Debug` output: credentials never leave through them.
 ///
-/// It errs on the side of hiding: a password with `/` or `@` in it is hidden whole, and a
+/// It errs on the side of hiding: a password with `/`, `?`, `#` or `@` in it is hidden whole, and a
 /// malformed URL (`redis:/u:pw@h`, `mysql//u:pw@h`) loses everything between its first `:`
 /// and its last `@`.
 pub fn redact_url(text: &str) -> String {
@@ -218,9 +273,11 @@ fn redact_word(word: &str) -> String {
     while let Some(at) = rest.find("://") {
         let (head, tail) = rest.split_at(at + 3);
         out.push_str(head);
-        // The authority runs to the query, the fragment, or the next URL of a list.
-        let mut end = tail.find(['?', '#']).unwrap_or(tail.len());
-        if let Some(next) = tail[..end].find("://") {
+        // This URL runs to the next URL of a list, or to the end of the word; its user part
+        // to its last `@`, wherever that is: a malformed password may hold `/`, `?` or `#`
+        // (hiding a path or query with an `@` in it too is the price).
+        let mut end = tail.len();
+        if let Some(next) = tail.find("://") {
             end = tail[..next].rfind(',').unwrap_or(next);
         }
         let authority = &tail[..end];
@@ -260,6 +317,11 @@ mod tests {
         );
         assert_eq!(redact_url("redis://h:1/0"), "redis://h:1/0");
         assert_eq!(redact_url("redis://u:pa/ss@h:1/0"), "redis://u:***@h:1/0");
+        assert_eq!(redact_url("redis://u:pa?ss@h"), "redis://u:***@h");
+        assert_eq!(
+            redact_url("redis://u:pa#ss@h:6379/0"),
+            "redis://u:***@h:6379/0"
+        );
         assert_eq!(
             redact_url("bad `redis:/u:S3CRET@h`: no"),
             "bad `redis:***@h`: no"
@@ -278,12 +340,12 @@ mod tests {
     #[test]
     fn urls_with_several_hosts_users_paths_and_options() {
         let url = LockUrl::parse(
-            "redis+cluster://u:pa/ss@h1:1,h2:2/0?prefix=app%3A&ttl=5s&flag",
+            "redis+cluster://u:pa%2Fss@h1:1,h2:2/0?prefix=app%3A&ttl=5s&flag",
             &["redis+cluster"],
             "redis+cluster://h1,h2",
         )
         .unwrap();
-        assert_eq!(url.userinfo.as_deref(), Some("u:pa/ss"));
+        assert_eq!(url.userinfo.as_deref(), Some("u:pa%2Fss"));
         assert_eq!(url.hosts, ["h1:1", "h2:2"]);
         assert_eq!(url.path.as_deref(), Some("0"));
         let options: Vec<_> = url
@@ -292,10 +354,28 @@ mod tests {
             .map(|o| (o.name.as_str(), o.value.as_str()))
             .collect();
         assert_eq!(options, [("prefix", "app:"), ("ttl", "5s"), ("flag", "")]);
-        assert!(!url.shown.contains("pa/ss"), "{}", url.shown);
+        assert!(!url.shown.contains("pa%2Fss"), "{}", url.shown);
+        // A `@` in the path is not a user part (RFC 3986: the authority ends at `/`).
+        let at_in_path = LockUrl::parse("zk://h/app@x", &["zk"], "zk://h").unwrap();
+        assert_eq!(
+            (at_in_path.userinfo, at_in_path.path.as_deref()),
+            (None, Some("app@x"))
+        );
+        // No host at all is for the backend to judge (a MySQL socket URL has none).
+        let socket = LockUrl::parse("mysql:///db?socket=/s", &["mysql"], "mysql://h/db").unwrap();
+        assert!(socket.hosts.is_empty() && socket.require_hosts("mysql://h/db").is_err());
+        // Bad escapes are refused, not guessed at; raw values stay available.
+        for bad in ["zk://h?root=%zz", "zk://h?root=%FF", "zk://h?ro%t=1"] {
+            assert!(LockUrl::parse(bad, &["zk"], "zk://h").is_err(), "{bad}");
+        }
+        let raw = LockUrl::parse("zk://h?root=/a+b", &["zk"], "zk://h").unwrap();
+        assert_eq!(
+            (raw.options[0].value.as_str(), raw.options[0].raw_value()),
+            ("/a b", "/a+b")
+        );
         let plain = LockUrl::parse("zk://h", &["zk"], "zk://h").unwrap();
         assert_eq!((plain.userinfo, plain.path), (None, None));
-        for bad in ["zk://", "zk://a,,b", "redis://h", "zk:/h"] {
+        for bad in ["zk://a,,b", "zk://,b", "redis://h", "zk:/h"] {
             assert!(LockUrl::parse(bad, &["zk"], "zk://h").is_err(), "{bad}");
         }
         assert_eq!(

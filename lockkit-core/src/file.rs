@@ -389,8 +389,9 @@ impl FileBackend {
             }
             outcome
         });
-        work.await
-            .map_err(|e| Error::backend_with_source(SCHEME, true, "a file operation panicked", e))?
+        work.await.map_err(|e| {
+            Error::backend_with_source(SCHEME, false, "a file operation panicked", e)
+        })?
     }
 
     async fn attempt(&self, req: &AcquireRequest) -> Result<Attempt> {

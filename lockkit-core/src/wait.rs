@@ -43,6 +43,9 @@ impl Attempt {
     }
 }
 
+/// The shortest delay a [`Backoff`] or a [`WaitPolicy`] sleeps.
+const MIN_DELAY: Duration = Duration::from_millis(1);
+
 /// A capped exponential backoff with jitter: each delay is the current step plus up to
 /// half of it again, and the step doubles up to `cap` (so contenders spread out instead
 /// of retrying in lock step, as object_store's client backoff does).
@@ -53,18 +56,22 @@ pub struct Backoff {
 }
 
 impl Backoff {
-    /// Starts at `first`, doubling up to `cap`.
+    /// Starts at `first`, doubling up to `cap`; both at least a millisecond, so a wait
+    /// built on it can never spin.
     pub fn new(first: Duration, cap: Duration) -> Self {
+        let cap = cap.max(MIN_DELAY);
         Backoff {
-            step: first.min(cap),
+            step: first.max(MIN_DELAY).min(cap),
             cap,
         }
     }
 
     /// The next delay (between the step and 1.5 times the step), and doubles the step.
     pub fn next_delay(&mut self) -> Duration {
-        let delay = self.step + self.step.mul_f64(fastrand::f64() * 0.5);
-        self.step = (self.step * 2).min(self.cap);
+        let jitter = Duration::try_from_secs_f64(self.step.as_secs_f64() * fastrand::f64() * 0.5)
+            .unwrap_or(Duration::ZERO);
+        let delay = self.step.saturating_add(jitter);
+        self.step = self.step.saturating_mul(2).min(self.cap);
         delay
     }
 }
@@ -119,8 +126,9 @@ pub struct WaitPolicy {
     /// Delays between retries while no wake-up can be relied on, and after an attempt that
     /// failed with a retryable error.
     pub backoff: Backoff,
-    /// The longest sleep while wake-ups can be relied on (a notification lost on the way
-    /// costs at most this).
+    /// While wake-ups can be relied on and the holder's lease is unknown (a key without
+    /// expiry), the sleep between retries. With a known lease the waiter sleeps until it
+    /// ends, woken earlier by the release.
     pub notified_cap: Duration,
     /// After a wake-up, wait up to this long (uniformly at random) before the retry: when
     /// several servers announce one release one by one (Redlock), contenders then do not
@@ -138,9 +146,10 @@ impl WaitPolicy {
         }
     }
 
-    /// With wake-ups relied on for at most `cap` between attempts.
+    /// Sleeps `cap` between retries while wake-ups are relied on and the lease is
+    /// unknown (at least a millisecond).
     pub fn notified_cap(mut self, cap: Duration) -> Self {
-        self.notified_cap = cap;
+        self.notified_cap = cap.max(MIN_DELAY);
         self
     }
 
@@ -155,7 +164,8 @@ impl WaitPolicy {
 /// sleeps until `wake` fires, the holder's lease ends (plus a millisecond) or the backoff
 /// passes, then tries again. `wake.ready()` is first asked after the first attempt found
 /// the key busy; if wake-ups can be relied on from then, the first retry comes at once
-/// (a subscription made after the attempt cannot have heard a release before it).
+/// (a subscription made after the attempt cannot have heard a release before it). A
+/// `ready()` still busy at the deadline is dropped, and one last attempt is made.
 ///
 /// The one retry rule: a retryable error is retried like contention (after a backoff
 /// delay) until the deadline; any other error ends the wait. With a zero `wait` there is
@@ -194,14 +204,16 @@ where
         let sleep = match attempt().await {
             Ok(Attempt::Granted(grant)) => return Ok(grant),
             Ok(Attempt::Busy { lease_left }) => {
-                let fallback = if listening == Some(true) {
-                    policy.notified_cap
-                } else {
-                    policy.backoff.next_delay()
-                };
-                lease_left.map_or(fallback, |left| {
-                    fallback.min(left.saturating_add(Duration::from_millis(1)))
-                })
+                let lease_end = lease_left.map(|left| left.saturating_add(MIN_DELAY));
+                match (listening == Some(true), lease_end) {
+                    // The release wakes us; the timer only covers a lease that runs out.
+                    (true, Some(lease_end)) => lease_end,
+                    (true, None) => policy.notified_cap,
+                    (false, lease_end) => {
+                        let poll = policy.backoff.next_delay();
+                        lease_end.map_or(poll, |end| poll.min(end))
+                    }
+                }
             }
             Err(e) if e.is_retryable() && !wait.is_zero() => {
                 tracing::debug!(error = %e, %key, "acquire attempt failed; retrying");
@@ -214,7 +226,7 @@ where
         }
         let woken = if listening.is_none() {
             drop(woken);
-            let ready = ready_by(deadline, wake).await.ok_or_else(timeout)?;
+            let ready = ready_by(deadline, wake).await;
             listening = Some(ready);
             if ready {
                 // A subscription made just now heard nothing yet: retry before sleeping.
@@ -233,13 +245,16 @@ where
             let settle = policy.settle.mul_f64(fastrand::f64());
             tokio::time::sleep_until((Instant::now() + settle).min(deadline)).await;
         }
-        listening = Some(ready_by(deadline, wake).await.ok_or_else(timeout)?);
+        listening = Some(ready_by(deadline, wake).await);
     }
 }
 
-/// `wake.ready()`, or `None` if the deadline passes first.
-async fn ready_by<W: Wake + ?Sized>(deadline: Instant, wake: &mut W) -> Option<bool> {
-    tokio::time::timeout_at(deadline, wake.ready()).await.ok()
+/// `wake.ready()`, or `false` if the deadline passes first: the loop then makes its last
+/// attempt without wake-ups, and ends.
+async fn ready_by<W: Wake + ?Sized>(deadline: Instant, wake: &mut W) -> bool {
+    tokio::time::timeout_at(deadline, wake.ready())
+        .await
+        .unwrap_or(false)
 }
 
 #[cfg(test)]
@@ -367,6 +382,67 @@ mod tests {
         assert!(
             started.elapsed() < Duration::from_secs(60),
             "slept through the wake-up"
+        );
+    }
+
+    /// A wake source whose `ready()` never finishes (a master that does not answer its
+    /// SUBSCRIBE).
+    struct Stuck;
+
+    #[async_trait]
+    impl Wake for Stuck {
+        async fn ready(&mut self) -> bool {
+            std::future::pending().await
+        }
+        fn arm(&self) -> Armed<'_> {
+            never()
+        }
+    }
+
+    /// Review 13, F2: a deadline that passes while subscribing still gets its last attempt.
+    #[tokio::test(start_paused = true)]
+    async fn a_deadline_that_passes_in_ready_still_gets_a_last_attempt() {
+        let req = request();
+        let tries = AtomicU32::new(0);
+        let policy = WaitPolicy::new(Backoff::new(
+            Duration::from_millis(10),
+            Duration::from_millis(100),
+        ));
+        let grant = wait_for_grant(
+            &req.key,
+            Duration::from_millis(200),
+            policy,
+            &mut Stuck,
+            || {
+                let n = tries.fetch_add(1, Ordering::SeqCst);
+                let req = &req;
+                async move {
+                    Ok(if n == 0 {
+                        Attempt::Busy { lease_left: None }
+                    } else {
+                        granted(req)
+                    })
+                }
+            },
+        )
+        .await;
+        assert!(grant.is_ok(), "{grant:?}");
+        assert_eq!(tries.load(Ordering::SeqCst), 2);
+    }
+
+    /// Review 13, F6: a zero backoff or cap cannot make a wait spin.
+    #[test]
+    fn a_zero_backoff_still_sleeps_a_millisecond() {
+        let mut backoff = Backoff::new(Duration::ZERO, Duration::ZERO);
+        assert!(backoff.next_delay() >= MIN_DELAY);
+        let mut huge = Backoff::new(Duration::MAX / 2, Duration::MAX);
+        huge.next_delay();
+        huge.next_delay();
+        assert_eq!(
+            WaitPolicy::new(backoff)
+                .notified_cap(Duration::ZERO)
+                .notified_cap,
+            MIN_DELAY
         );
     }
 

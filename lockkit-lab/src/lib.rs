@@ -163,10 +163,12 @@ impl Lab {
             // Servers belong to the script that started them: URLs from the environment
             // must come with the script that printed them, or the lab would pause and kill
             // another checkout's servers while it tests these.
-            if std::env::var_os("LOCKKIT_SERVICES_SCRIPT").is_none() {
+            let printed_by = std::env::var_os("LOCKKIT_SERVICES_SCRIPT").map(PathBuf::from);
+            let same = |p: &std::path::Path| std::fs::canonicalize(p).ok();
+            if printed_by.as_deref().and_then(same) != same(services.script()) {
                 return Err(LabError::new(
                     "the server URLs come from the environment, but LOCKKIT_SERVICES_SCRIPT \
-                     does not say which script started them: run \
+                     does not name the script the lab would drive: run \
                      `eval \"$(scripts/services.sh env)\"` again in the checkout whose servers \
                      these are",
                 ));

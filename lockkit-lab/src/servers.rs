@@ -79,7 +79,8 @@ impl Services {
                 let script = PathBuf::from(script);
                 if !is_lockkit_script(&script) {
                     return Err(LabError::new(format!(
-                        "LOCKKIT_SERVICES_SCRIPT={} is not lockkit's services script (no                          `{MARKER}` line): point it at scripts/services.sh of a lockkit checkout",
+                        "LOCKKIT_SERVICES_SCRIPT={} is not lockkit's services script (no \
+                         `{MARKER}` line): point it at scripts/services.sh of a lockkit checkout",
                         script.display()
                     )));
                 }
@@ -91,7 +92,8 @@ impl Services {
                 .find(|script| is_lockkit_script(script))
                 .ok_or_else(|| {
                     LabError::new(format!(
-                        "cannot find lockkit's {SCRIPT} at or above {}: run the lab inside a                          lockkit checkout or set LOCKKIT_SERVICES_SCRIPT to the script's path",
+                        "cannot find lockkit's {SCRIPT} at or above {}: run the lab inside a \
+                         lockkit checkout or set LOCKKIT_SERVICES_SCRIPT to the script's path",
                         start.display()
                     ))
                 })?,

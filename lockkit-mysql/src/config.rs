@@ -216,6 +216,13 @@ mod tests {
         );
     }
 
+    /// A socket-only URL names no host; the driver takes it (review 13, F8).
+    #[test]
+    fn a_socket_url_needs_no_host() {
+        let c = MysqlConfig::parse("mysql:///lockkit?socket=/run/mysqld/mysqld.sock");
+        assert!(c.is_ok(), "{c:?}");
+    }
+
     #[test]
     fn refuses() {
         for bad in [

@@ -130,7 +130,9 @@ impl RedisConfig {
                 )));
             }
         };
-        let parts = LockUrl::parse(url, SCHEMES, &format!("`{scheme}://127.0.0.1:6379`"))?;
+        let form = format!("`{scheme}://127.0.0.1:6379`");
+        let parts = LockUrl::parse(url, SCHEMES, &form)?;
+        parts.require_hosts(&form)?;
         let userinfo = parts.userinfo.as_deref();
         let hosts: Vec<&str> = parts.hosts.iter().map(String::as_str).collect();
         let path = parts.path.as_deref().unwrap_or("");

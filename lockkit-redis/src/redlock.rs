@@ -453,7 +453,7 @@ impl LockBackend for RedlockBackend {
         // millisecond, so contenders do not split the masters between them.
         let policy = WaitPolicy::new(Backoff::new(
             Duration::from_millis(50),
-            Duration::from_millis(250),
+            Duration::from_millis(160),
         ))
         .settle(Duration::from_millis(1));
         wait_for_grant(&req.key, wait, policy, &mut messages, || self.attempt(req)).await

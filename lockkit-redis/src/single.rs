@@ -28,11 +28,12 @@ use crate::{
 const FOREIGN_HOLDER_POLL: Duration = Duration::from_millis(100);
 
 /// How a waiter paces its retries: without a live subscription (or after an error) it
-/// polls from 50 ms up to 250 ms; with one it looks again at least every second.
+/// polls every 50 ms, backing off to 160–240 ms; with one it sleeps until the holder's
+/// lease ends (a second when the key has no expiry), woken earlier by the release.
 fn wait_policy() -> WaitPolicy {
     WaitPolicy::new(Backoff::new(
         Duration::from_millis(50),
-        Duration::from_millis(250),
+        Duration::from_millis(160),
     ))
 }
 

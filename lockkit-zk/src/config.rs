@@ -41,13 +41,25 @@ impl Default for ZkConfig {
 /// Every URL scheme this crate accepts.
 pub const SCHEMES: &[&str] = &["zk", "zookeeper"];
 
+/// `root` as given, if it is an absolute path without a trailing or double slash.
+fn checked_root(value: &str) -> Result<String> {
+    if !value.starts_with('/') || value.len() < 2 || value.ends_with('/') || value.contains("//") {
+        return Err(Error::Config(format!(
+            "`root={value}` must be an absolute path like /lockkit"
+        )));
+    }
+    Ok(value.to_owned())
+}
+
 impl ZkConfig {
     /// Parses a lockkit ZooKeeper URL.
     ///
     /// # Errors
     /// [`Error::Config`] saying what is wrong and what is accepted.
     pub fn parse(url: &str) -> Result<Self> {
-        let parts = LockUrl::parse(url, SCHEMES, "zk://host:port[,host:port...][/chroot]")?;
+        let form = "zk://host:port[,host:port...][/chroot]";
+        let parts = LockUrl::parse(url, SCHEMES, form)?;
+        parts.require_hosts(form)?;
         let url = parts.shown.as_str();
         if parts.userinfo.is_some() {
             return Err(Error::Config(format!(
@@ -79,21 +91,12 @@ impl ZkConfig {
         for option in &parts.options {
             let (name, value) = (option.name.as_str(), option.value.as_str());
             match name {
+                // Read as written, as before URLs were decoded: a decoded root would put
+                // the locks of old and new clients in different trees.
+                "root" => config.root = checked_root(option.raw_value())?,
                 "session_timeout" => config.session_timeout = parse_duration(name, value)?,
                 "connect_timeout" => config.connect_timeout = parse_duration(name, value)?,
                 "ttl" => config.ttl = Some(parse_duration(name, value)?),
-                "root" => {
-                    if !value.starts_with('/')
-                        || value.len() < 2
-                        || value.ends_with('/')
-                        || value.contains("//")
-                    {
-                        return Err(Error::Config(format!(
-                            "`root={value}` must be an absolute path like /lockkit"
-                        )));
-                    }
-                    config.root = value.to_owned();
-                }
                 _ => {
                     return Err(
                         parts.unknown_option(option, "session_timeout, connect_timeout, root, ttl")
@@ -120,6 +123,8 @@ mod tests {
     #[test]
     fn parses() {
         let c = ZkConfig::parse("zk://a:1,b:2/app?session_timeout=3s&root=/locks").unwrap();
+        // `root` is read as written (review 13, F1): `+` stays a plus.
+        assert_eq!(ZkConfig::parse("zk://h?root=/a+b").unwrap().root, "/a+b");
         assert_eq!(c.connect, "a:1,b:2/app");
         assert_eq!(
             (c.session_timeout, c.root.as_str()),

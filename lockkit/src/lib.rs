@@ -148,18 +148,25 @@ pub fn default_url() -> String {
 /// [`Error::Unsupported`] for a scheme whose feature is off (naming the feature), and the
 /// backend's error if its server cannot be reached.
 pub async fn connect(url: &str) -> Result<Locker> {
-    connect_with(url, LockOptions::default()).await
+    let mut options = LockOptions::default();
+    if let Some(ttl) = config::url_ttl(url)? {
+        if ttl.is_zero() {
+            return Err(Error::Config(format!(
+                "`ttl=0` in `{}`: a lease must be longer than zero; write e.g. `?ttl=30s`",
+                config::redact_url(url)
+            )));
+        }
+        options.ttl = ttl;
+    }
+    connect_with(url, options).await
 }
 
 /// Connects to the backend `url` names; acquisitions use `options` unless told otherwise.
-/// The URL's `?ttl=` is configuration and wins over `options.ttl`.
+/// The URL's `?ttl=` is not applied here: the options given are the ones used.
 ///
 /// # Errors
 /// As [`connect`].
-pub async fn connect_with(url: &str, mut options: LockOptions) -> Result<Locker> {
-    if let Some(ttl) = config::url_ttl(url)? {
-        options.ttl = ttl;
-    }
+pub async fn connect_with(url: &str, options: LockOptions) -> Result<Locker> {
     Ok(Locker::from_arc(backend(url).await?).with_options(options))
 }
 
