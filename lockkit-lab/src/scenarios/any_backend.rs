@@ -1,0 +1,158 @@
+//! Plans that work on any backend: a holder paused past its lease, a holder cut off.
+
+use std::{net::SocketAddr, time::Duration};
+
+use tokio::time::Instant;
+
+use crate::{Context, LabError, child::spawn_child, report::Stale};
+use lockkit_conformance::{FaultProxy, env::host_ports, history::HoldRecord};
+
+use super::{ctx::*, steps::*};
+
+pub(super) async fn holder_paused(ctx: &mut Ctx<'_>, url: &str) -> Result<(), LabError> {
+    let ttl = Duration::from_secs(2);
+    let key = ctx.key.clone();
+    let store = ctx.store.clone();
+    let mut child = spawn_child(ctx.lab, url, &key, ttl, &store).await?;
+    ctx.note(format!(
+        "holder (pid {}) granted token {} with a {} s lease, watchdog on",
+        child.pid(),
+        child.token,
+        ttl.as_secs()
+    ));
+    let rival = ctx.locker(url).await?;
+    tokio::time::sleep(ttl / 2).await;
+    let early = child.drain(Duration::from_millis(50)).await;
+    if !early.is_empty() {
+        return Err(LabError::new(format!(
+            "the holder reported {early:?} before it was frozen"
+        )));
+    }
+    child.signal("STOP").await.map_err(LabError::new)?;
+    let paused = Instant::now();
+    ctx.note("holder SIGSTOPped: no watchdog, no I/O (a GC pause, a swapped-out VM)");
+    let early = child.drain(Duration::from_millis(100)).await;
+    if !early.is_empty() {
+        return Err(LabError::new(format!(
+            "the holder reported {early:?} before it was frozen"
+        )));
+    }
+    if let Some(until) = child.valid_until {
+        ctx.note_at(
+            until,
+            "the frozen holder's lease deadline passes (on its own clock)",
+        );
+    }
+    let guard = rival
+        .acquire(&key)
+        .ttl(ttl)
+        .wait(Duration::from_secs(30))
+        .await
+        .context("the rival while the holder is frozen")?;
+    ctx.rival_granted(&guard);
+    ctx.note(format!(
+        "  ... {:.2} s after the pause",
+        paused.elapsed().as_secs_f64()
+    ));
+    let rival_open = ctx.history.begin("rival", &guard);
+    ctx.write("rival", guard.token())?;
+    child.request_write().await.map_err(LabError::new)?;
+    child.signal("CONT").await.map_err(LabError::new)?;
+    ctx.note(format!(
+        "holder SIGCONTed; it writes with token {} as it meant to before the pause",
+        child.token
+    ));
+    let (mut wrote, mut lost) = (false, false);
+    let deadline = Instant::now() + ttl * 3 + Duration::from_secs(10);
+    while !(wrote && lost) {
+        let Some(event) = child.next_event(deadline - Instant::now()).await else {
+            break;
+        };
+        if let Some(rest) = event.strip_prefix("WROTE ") {
+            wrote = true;
+            ctx.stale = if rest.starts_with("refused") {
+                Stale::Refused
+            } else if rest.starts_with("accepted") {
+                Stale::Accepted
+            } else {
+                return Err(LabError::new(format!("the holder could not write: {rest}")));
+            };
+            ctx.note(format!("holder's write: {rest}"));
+        } else if let Some(reason) = event.strip_prefix("LOST ") {
+            lost = true;
+            ctx.holder_lost_at.get_or_insert(Instant::now());
+            ctx.note(format!("holder's guard fired lost on resume ({reason})"));
+        } else {
+            ctx.note(format!("holder says: {event}"));
+        }
+    }
+    if !wrote {
+        ctx.note("the holder never reported its write");
+    }
+    ctx.history.push(HoldRecord {
+        holder: "holder (child process)".into(),
+        key: key.clone(),
+        token: child.token,
+        start: child.held_at,
+        end: None,
+        valid_until: child.valid_until,
+    });
+    finish(ctx, None, Some((guard, rival_open))).await;
+    child.finish().await;
+    Ok(())
+}
+
+pub(super) async fn cut_off(ctx: &mut Ctx<'_>, url: &str) -> Result<(), LabError> {
+    let ttl = Duration::from_secs(3);
+    let key = ctx.key.clone();
+    let upstream: SocketAddr = host_ports(url)
+        .first()
+        .and_then(|a| a.parse().ok())
+        .ok_or_else(|| LabError::new(format!("no host:port in {url}")))?;
+    let proxy = FaultProxy::start(upstream)
+        .await
+        .context("starting the proxy")?;
+    // Only host:port changes: credentials, path (database, chroot) and query stay.
+    let upstream_text = upstream.to_string();
+    if !url.contains(&upstream_text) {
+        return Err(LabError::new(format!(
+            "cannot route {url} through the proxy: `{upstream_text}` is not spelled in it"
+        )));
+    }
+    let proxied = url.replacen(&upstream_text, &proxy.local_addr().to_string(), 1);
+    let holder_locker = ctx.locker(&proxied).await?;
+    let rival = ctx.lab.locker(url).await?;
+    let (holder, holder_open) = take(ctx, &holder_locker, ttl, true, "holder", |token| {
+        format!(
+            "holder (through the proxy) granted token {}; {} s lease, watchdog on",
+            token,
+            ttl.as_secs()
+        )
+    })
+    .await?;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    proxy.cut();
+    ctx.note("link cut: the holder's packets stall, the server hears nothing");
+    if let Ok(Some(info)) = rival.inspect(&key).await
+        && let Some(left) = info.ttl_left
+    {
+        ctx.note_at(
+            Instant::now() + left,
+            "the holder's lease runs out on the server (its TTL as read after the cut)",
+        );
+    }
+    let (guard, rival_open) = race(
+        ctx,
+        &holder,
+        &rival,
+        ttl,
+        ttl * 3,
+        "the server let the lease run out",
+    )
+    .await?;
+    ctx.write("rival", guard.token())?;
+    ctx.stale_write("holder", holder.token())?;
+    proxy.heal();
+    finish(ctx, Some((holder, holder_open)), Some((guard, rival_open))).await;
+    Ok(())
+}

@@ -1,0 +1,49 @@
+//! Plans for MySQL: the server restarted.
+
+use std::time::Duration;
+
+use crate::{LabError, report::LostSignal};
+
+use super::{ctx::*, steps::*};
+
+pub(super) async fn mysql_restarted(
+    ctx: &mut Ctx<'_>,
+    url: &str,
+    expect: LostSignal,
+) -> Result<(), LabError> {
+    let for_update = expect != LostSignal::Never;
+    let ttl = if for_update {
+        Duration::from_secs(5)
+    } else {
+        Duration::from_secs(20)
+    };
+    let holder_locker = ctx.locker(url).await?;
+    let (holder, holder_open) = take(ctx, &holder_locker, ttl, true, "holder", |token| {
+        format!(
+            "holder granted token {} with a {} s lease, watchdog on",
+            token,
+            ttl.as_secs()
+        )
+    })
+    .await?;
+    ctx.lab.services.act("restart", &["mariadb"]).await?;
+    ctx.note("MariaDB restarted");
+    let rival = ctx.lab.locker(url).await?;
+    if for_update {
+        // The rival asks at once; the holder's guard races it.
+        let (guard, rival_open) = race(
+            ctx,
+            &holder,
+            &rival,
+            ttl,
+            Duration::from_secs(20),
+            "the restart ended the holder's transaction",
+        )
+        .await?;
+        ctx.write("rival", guard.token())?;
+        ctx.stale_write("holder", holder.token())?;
+        finish(ctx, Some((holder, holder_open)), Some((guard, rival_open))).await;
+        return Ok(());
+    }
+    kept(ctx, (holder, holder_open), &rival, ttl, None).await
+}

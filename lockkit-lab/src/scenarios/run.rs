@@ -1,0 +1,147 @@
+//! Running one scenario: servers up, the plan played within its time limit, the servers restored, the outcome judged.
+
+use std::time::Duration;
+
+use lockkit_core::LockKey;
+use tokio::time::Instant;
+use uuid::Uuid;
+
+use crate::{
+    Lab, LabError, SCENARIO_LIMIT,
+    report::{Report, Stale, judge},
+    store::FileFencedStore,
+};
+use lockkit_conformance::History;
+
+use super::{any_backend::*, catalogue::*, ctx::*, mysql::*, redis::*, zookeeper::*};
+
+/// See [`super::run`].
+pub(crate) async fn run(lab: &Lab, def: &ScenarioDef) -> Report {
+    let started = Instant::now();
+    let run_id = Uuid::new_v4().simple().to_string();
+    let mut report = Report {
+        scenario: def.scenario,
+        backend: def.backend,
+        consistency: None,
+        expect: def.expect,
+        observed: None,
+        timeline: Vec::new(),
+        problems: Vec::new(),
+        elapsed: Duration::ZERO,
+    };
+    let _lock = match lab.services.lock().await {
+        Ok(lock) => lock,
+        Err(e) => {
+            report.problems.push(e.to_string());
+            return report;
+        }
+    };
+    let key = match LockKey::new(format!(
+        "lab/{}/{}/{}",
+        def.scenario,
+        def.backend,
+        &run_id[..12]
+    )) {
+        Ok(k) => k,
+        Err(e) => {
+            report.problems.push(e.to_string());
+            return report;
+        }
+    };
+    let mut ctx = Ctx {
+        lab,
+        t0: Instant::now(),
+        timeline: Vec::new(),
+        history: History::new(),
+        store: FileFencedStore::new(lab.scratch().join(format!("store-{run_id}"))),
+        key,
+        holder_lost_at: None,
+        rival_at: None,
+        stale: Stale::NoStaleHolder,
+        consistency: None,
+    };
+    if lab.live {
+        println!("== {} ==", def.name());
+    }
+    let mut needed: Vec<&str> = def.touches.to_vec();
+    if def.plan == Plan::Failover {
+        needed = vec!["redis-primary", "redis-replica"];
+    }
+    let outcome = async {
+        if !needed.is_empty() {
+            lab.services.up(&needed).await?;
+        }
+        let url = match def.url.0 {
+            "file" => format!("file://{}", lab.scratch().join("file-locks").display()),
+            var => format!("{}{}", lab.url(var)?, def.url.1),
+        };
+        ctx.note(format!("lock `{}` on {url}", ctx.key));
+        tokio::time::timeout(SCENARIO_LIMIT, play(&mut ctx, def, &url))
+            .await
+            .map_err(|_| {
+                LabError::new(format!(
+                    "the scenario took longer than {} s",
+                    SCENARIO_LIMIT.as_secs()
+                ))
+            })?
+    }
+    .await;
+    let restored = restore(lab, def).await;
+    ctx.timeline.sort_by_key(|(at, _)| *at);
+    report.timeline = std::mem::take(&mut ctx.timeline);
+    report.consistency = ctx.consistency;
+    match outcome {
+        Ok(()) => {
+            let seen = ctx.observed();
+            report.problems.extend(judge(&def.expect, &seen));
+            report.observed = Some(seen);
+        }
+        Err(e) => report.problems.push(e.to_string()),
+    }
+    if let Err(e) = restored {
+        report
+            .problems
+            .push(format!("restoring the servers failed: {e}"));
+    }
+    let _ = std::fs::remove_file(ctx.store.path());
+    report.elapsed = started.elapsed();
+    if report.elapsed > SCENARIO_LIMIT {
+        report.problems.push(format!(
+            "took {:.1} s with the restore, over the {} s limit",
+            report.elapsed.as_secs_f64(),
+            SCENARIO_LIMIT.as_secs()
+        ));
+    }
+    report
+}
+
+/// Brings back what the scenario broke.
+pub(super) async fn restore(lab: &Lab, def: &ScenarioDef) -> Result<(), LabError> {
+    if def.plan == Plan::Failover {
+        // The promoted replica must follow the (restarted, empty) primary again; try both
+        // steps whatever the first one says.
+        let primary = lab.services.up(&["redis-primary"]).await;
+        let replica = lab.services.act("restart", &["redis-replica"]).await;
+        return primary.and(replica);
+    }
+    if def.touches.is_empty() {
+        return Ok(());
+    }
+    lab.services.up(def.touches).await
+}
+
+pub(super) async fn play(ctx: &mut Ctx<'_>, def: &ScenarioDef, url: &str) -> Result<(), LabError> {
+    match def.plan {
+        Plan::HolderPaused => holder_paused(ctx, url).await,
+        Plan::RedisPaused => redis_paused(ctx, url).await,
+        Plan::ZkLeaderPaused => zk_leader_outage(ctx, url, "pause").await,
+        Plan::ZkLeaderRestarted => zk_leader_outage(ctx, url, "kill").await,
+        Plan::CutOff => cut_off(ctx, url).await,
+        Plan::RedisRestarted => redis_restarted(ctx, url).await,
+        Plan::RedisAofRestarted => redis_aof_restarted(ctx, url).await,
+        Plan::MysqlRestarted => mysql_restarted(ctx, url, def.expect.lost).await,
+        Plan::Failover => failover(ctx, url, def.expect.double_grant).await,
+        Plan::RedlockTwoDown => redlock_two_down(ctx, url).await,
+        Plan::RedlockRestartedEmpty => redlock_restarted_empty(ctx, url).await,
+    }
+}
