@@ -13,16 +13,9 @@
 #   scripts/services.sh kill NAME...      SIGKILL them, keeping their data (`up` starts them again)
 #   scripts/services.sh clean             down, then delete all state under target/services
 #
-# Instances (all bound to 127.0.0.1, all state/logs/pids under <repo>/target/services/<name>/):
-#   redis-single        Redis                                  16379
-#   redlock-1..5        independent Redis masters (Redlock)   16380..16384
-#   redis-primary       Redis primary with one replica         16385
-#   redis-replica       replica of redis-primary               16386
-#   redis-aof           Redis with appendonly yes, appendfsync always  16387
-#   cluster-1..3        3-master Redis Cluster, no replicas    16390..16392
-#   mariadb             MariaDB, db/user/password lockkit      13306
-#   zk-standalone       standalone ZooKeeper                   12181
-#   zk-1..3             3-node ZooKeeper ensemble              12191..12193 (quorum 12881..3, election 12884..6)
+# Instances: the table in scripts/instances.tsv (name, kind, port, URL variable, URL form),
+# all bound to 127.0.0.1, all state/logs/pids under <repo>/target/services/<name>/. The
+# ZooKeeper ensemble's quorum ports are 12881..3 and its election ports 12884..6.
 #
 # Environment knobs:
 #   LOCKKIT_PORT_OFFSET       added to every port above (default 0), for a second checkout on the same machine
@@ -38,10 +31,23 @@ TIMEOUT="${LOCKKIT_SERVICES_TIMEOUT:-60}"
 [[ "$OFFSET" =~ ^[0-9]+$ ]] || { echo "[services] LOCKKIT_PORT_OFFSET must be a number" >&2; exit 2; }
 [[ "$TIMEOUT" =~ ^[0-9]+$ ]] || { echo "[services] LOCKKIT_SERVICES_TIMEOUT must be a number" >&2; exit 2; }
 
-ALL_INSTANCES=(redis-single redlock-1 redlock-2 redlock-3 redlock-4 redlock-5 redis-primary redis-replica redis-aof
-               cluster-1 cluster-2 cluster-3 mariadb zk-standalone zk-1 zk-2 zk-3)
-CLUSTER_NODES=(cluster-1 cluster-2 cluster-3)
-ZK_NODES=(zk-1 zk-2 zk-3)
+# The instance table (name, kind, port, URL variable, URL form) lives in one place,
+# instances.tsv beside this script; lockkit-lab reads the same file.
+INSTANCE_TABLE="$SCRIPT_DIR/instances.tsv"
+[[ -r "$INSTANCE_TABLE" ]] || { echo "[services] cannot read $INSTANCE_TABLE" >&2; exit 2; }
+ALL_INSTANCES=() CLUSTER_NODES=() ZK_NODES=() URL_VARS=()
+declare -A KIND_OF PORT_OF URL_VAR_OF URL_FORM_OF
+while read -r _name _kind _port _var _form _extra; do
+  [[ -z "$_name" || "$_name" == \#* ]] && continue
+  [[ -n "$_form" && -z "$_extra" && "$_port" =~ ^[0-9]+$ ]] \
+    || { echo "[services] bad row for '$_name' in $INSTANCE_TABLE" >&2; exit 2; }
+  ALL_INSTANCES+=("$_name")
+  KIND_OF[$_name]=$_kind PORT_OF[$_name]=$_port URL_VAR_OF[$_name]=$_var URL_FORM_OF[$_name]=$_form
+  [[ "$_kind" == cluster ]] && CLUSTER_NODES+=("$_name")
+  [[ "$_kind" == zk-ensemble ]] && ZK_NODES+=("$_name")
+  [[ " ${URL_VARS[*]} " == *" $_var "* ]] || URL_VARS+=("$_var")
+done < "$INSTANCE_TABLE"
+unset _name _kind _port _var _form _extra
 
 ZK_HEAP="${LOCKKIT_ZK_HEAP:-256m}"
 MYSQL_DB=lockkit
@@ -76,31 +82,13 @@ EOF
 # instance table
 # ---------------------------------------------------------------------------
 kind_of() {
-  case "$1" in
-    redis-single|redlock-[1-5]|redis-primary|redis-replica|redis-aof) echo redis ;;
-    cluster-[1-3]) echo cluster ;;
-    mariadb) echo mariadb ;;
-    zk-standalone) echo zk-standalone ;;
-    zk-[1-3]) echo zk-ensemble ;;
-    *) return 1 ;;
-  esac
+  [[ -n "${KIND_OF[$1]:-}" ]] || return 1
+  echo "${KIND_OF[$1]}"
 }
 
 port_of() {
-  local p
-  case "$1" in
-    redis-single) p=16379 ;;
-    redlock-[1-5]) p=$((16379 + ${1#redlock-})) ;;
-    redis-primary) p=16385 ;;
-    redis-replica) p=16386 ;;
-    redis-aof) p=16387 ;;
-    cluster-[1-3]) p=$((16389 + ${1#cluster-})) ;;
-    mariadb) p=13306 ;;
-    zk-standalone) p=12181 ;;
-    zk-[1-3]) p=$((12190 + ${1#zk-})) ;;
-    *) return 1 ;;
-  esac
-  echo $((p + OFFSET))
+  [[ -n "${PORT_OF[$1]:-}" ]] || return 1
+  echo $((PORT_OF[$1] + OFFSET))
 }
 
 zk_quorum_port() { echo $((12880 + $1 + OFFSET)); }
@@ -814,21 +802,17 @@ cmd_env() {
   # The script that owns these servers (the lab pauses, kills and restarts them through it,
   # also when it runs from another checkout or an installed binary).
   printf 'export LOCKKIT_SERVICES_SCRIPT=%q\n' "$SCRIPT_DIR/services.sh"
-  echo "export LOCKKIT_TEST_REDIS_URL=redis://$HOST:$(port_of redis-single)"
-  addrs=""
-  for n in redlock-1 redlock-2 redlock-3 redlock-4 redlock-5; do addrs+="${addrs:+,}$HOST:$(port_of "$n")"; done
-  echo "export LOCKKIT_TEST_REDLOCK_URL=redlock://$addrs"
-  addrs=""
-  for n in "${CLUSTER_NODES[@]}"; do addrs+="${addrs:+,}$HOST:$(port_of "$n")"; done
-  echo "export LOCKKIT_TEST_REDIS_CLUSTER_URL=redis+cluster://$addrs"
-  echo "export LOCKKIT_TEST_REDIS_PRIMARY_URL=redis://$HOST:$(port_of redis-primary)"
-  echo "export LOCKKIT_TEST_REDIS_REPLICA_URL=redis://$HOST:$(port_of redis-replica)"
-  echo "export LOCKKIT_TEST_REDIS_AOF_URL=redis://$HOST:$(port_of redis-aof)"
-  echo "export LOCKKIT_TEST_MYSQL_URL=mysql://$MYSQL_USER:$MYSQL_PASSWORD@$HOST:$(port_of mariadb)/$MYSQL_DB"
-  echo "export LOCKKIT_TEST_ZK_URL=zk://$HOST:$(port_of zk-standalone)"
-  addrs=""
-  for n in "${ZK_NODES[@]}"; do addrs+="${addrs:+,}$HOST:$(port_of "$n")"; done
-  echo "export LOCKKIT_TEST_ZK_ENSEMBLE_URL=zk://$addrs"
+  # One URL per URL variable of the instance table, its instances' addresses in order.
+  local var form
+  for var in "${URL_VARS[@]}"; do
+    addrs="" form=""
+    for n in "${ALL_INSTANCES[@]}"; do
+      [[ "${URL_VAR_OF[$n]}" == "$var" ]] || continue
+      addrs+="${addrs:+,}$HOST:$(port_of "$n")"
+      form=${URL_FORM_OF[$n]}
+    done
+    echo "export $var=${form//\{hosts\}/$addrs}"
+  done
   printf 'export LOCKKIT_TEST_PYTHON=%q\n' "$PY_VENV/bin/python"
 }
 

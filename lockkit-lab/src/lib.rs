@@ -49,7 +49,7 @@ pub use lockkit_conformance::env::zk_mode;
 pub use markdown::{DOC_BEGIN, DOC_END, render_table, splice_table};
 pub use report::{Expect, LostSignal, Observed, Report, Stale};
 pub use scenarios::{CATALOGUE, ScenarioDef};
-pub use servers::{Services, redis_command};
+pub use servers::{Instance, Services, parse_instances, redis_command, url_vars};
 pub use store::{FileFencedStore, StaleWrite};
 
 /// Builds a backend from a URL (the facade's `lockkit::backend`).
@@ -126,40 +126,30 @@ impl fmt::Debug for Lab {
     }
 }
 
-/// The URL variables the lab reads (as printed by `scripts/services.sh env`).
-pub const URL_VARS: &[&str] = &[
-    "LOCKKIT_TEST_REDIS_URL",
-    "LOCKKIT_TEST_REDIS_CLUSTER_URL",
-    "LOCKKIT_TEST_REDLOCK_URL",
-    "LOCKKIT_TEST_REDIS_PRIMARY_URL",
-    "LOCKKIT_TEST_REDIS_REPLICA_URL",
-    "LOCKKIT_TEST_REDIS_AOF_URL",
-    "LOCKKIT_TEST_ZK_URL",
-    "LOCKKIT_TEST_ZK_ENSEMBLE_URL",
-    "LOCKKIT_TEST_MYSQL_URL",
-];
-
 impl Lab {
-    /// A lab on the servers of `services`, with URLs from the environment when every
-    /// [`URL_VARS`] entry is set, else from `services.sh env`.
+    /// A lab on the servers of `services`, with URLs from the environment when every URL
+    /// variable of the instance table ([`Services::instances`]) is set, else from
+    /// `services.sh env`.
     ///
     /// # Errors
-    /// When `services.sh env` cannot be run or lacks a URL.
+    /// When the instance table cannot be read, or `services.sh env` cannot be run or lacks
+    /// a URL.
     pub async fn new(
         connect: Connect,
         child: ChildCommand,
         services: Services,
     ) -> Result<Lab, LabError> {
-        let from_env: BTreeMap<String, String> = URL_VARS
+        let url_vars = servers::url_vars(&services.instances()?);
+        let from_env: BTreeMap<String, String> = url_vars
             .iter()
             .filter_map(|var| {
                 std::env::var(var)
                     .ok()
                     .filter(|v| !v.is_empty())
-                    .map(|v| ((*var).to_owned(), v))
+                    .map(|v| (var.clone(), v))
             })
             .collect();
-        let urls = if from_env.len() == URL_VARS.len() {
+        let urls = if from_env.len() == url_vars.len() {
             // Servers belong to the script that started them: URLs from the environment
             // must come with the script that printed them, or the lab would pause and kill
             // another checkout's servers while it tests these.
@@ -177,7 +167,7 @@ impl Lab {
         } else {
             services.urls().await?
         };
-        if let Some(missing) = URL_VARS.iter().find(|v| !urls.contains_key(**v)) {
+        if let Some(missing) = url_vars.iter().find(|v| !urls.contains_key(*v)) {
             return Err(LabError::new(format!(
                 "`{} env` does not print {missing}; is the script up to date?",
                 services.script().display()
@@ -207,7 +197,7 @@ impl Lab {
         &self.services
     }
 
-    /// The URL in `var` (one of [`URL_VARS`]).
+    /// The URL in `var` (a URL variable of the instance table).
     fn url(&self, var: &str) -> Result<&str, LabError> {
         self.urls
             .get(var)

@@ -19,6 +19,77 @@ use super::{Context, LabError};
 /// Where the servers' script sits in a lockkit checkout.
 const SCRIPT: &str = "scripts/services.sh";
 
+/// The instance table's file, beside the services script.
+const TABLE: &str = "instances.tsv";
+
+/// One private server, as the instance table (`scripts/instances.tsv`, read by
+/// `services.sh` too) describes it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Instance {
+    /// The instance's name (`redis-single`, `zk-2`), as `services.sh` takes it.
+    pub name: String,
+    /// What runs there (`redis`, `cluster`, `mariadb`, `zk-standalone`, `zk-ensemble`).
+    pub kind: String,
+    /// Its port before `LOCKKIT_PORT_OFFSET`.
+    pub port: u16,
+    /// The URL variable `services.sh env` prints for it (shared by the members of a
+    /// group, e.g. the Redlock masters).
+    pub url_var: String,
+    /// The URL form, `{hosts}` standing for the group's addresses.
+    pub url_form: String,
+}
+
+/// Parses the instance table: one row per instance, five whitespace-separated columns,
+/// `#` comments and blank lines ignored.
+///
+/// # Errors
+/// A row without exactly five columns, a bad port, or a name given twice.
+pub fn parse_instances(text: &str) -> Result<Vec<Instance>, LabError> {
+    let mut instances: Vec<Instance> = Vec::new();
+    for (n, line) in text.lines().enumerate() {
+        let line = line.trim();
+        if line.is_empty() || line.starts_with('#') {
+            continue;
+        }
+        let columns: Vec<&str> = line.split_whitespace().collect();
+        let [name, kind, port, url_var, url_form] = columns[..] else {
+            return Err(LabError::new(format!(
+                "line {} of the instance table has {} columns, not 5: `{line}`",
+                n + 1,
+                columns.len()
+            )));
+        };
+        let port = port
+            .parse()
+            .map_err(|_| LabError::new(format!("line {}: `{port}` is not a port", n + 1)))?;
+        if instances.iter().any(|i| i.name == name) {
+            return Err(LabError::new(format!(
+                "line {}: `{name}` is listed twice",
+                n + 1
+            )));
+        }
+        instances.push(Instance {
+            name: name.to_owned(),
+            kind: kind.to_owned(),
+            port,
+            url_var: url_var.to_owned(),
+            url_form: url_form.to_owned(),
+        });
+    }
+    Ok(instances)
+}
+
+/// The distinct URL variables of `instances`, in table order.
+pub fn url_vars(instances: &[Instance]) -> Vec<String> {
+    let mut vars: Vec<String> = Vec::new();
+    for instance in instances {
+        if !vars.contains(&instance.url_var) {
+            vars.push(instance.url_var.clone());
+        }
+    }
+    vars
+}
+
 /// The line that marks lockkit's services script (in its first kilobyte).
 const MARKER: &str = "lockkit-services-script";
 
@@ -113,6 +184,20 @@ impl Services {
                 })?,
         };
         Ok(Services { script, state_dir })
+    }
+
+    /// The instance table beside the script (`scripts/instances.tsv`).
+    ///
+    /// # Errors
+    /// When the table cannot be read or parsed.
+    pub fn instances(&self) -> Result<Vec<Instance>, LabError> {
+        let path = self
+            .script
+            .parent()
+            .map_or_else(|| PathBuf::from(TABLE), |dir| dir.join(TABLE));
+        let text = std::fs::read_to_string(&path)
+            .context(format!("cannot read the instance table {}", path.display()))?;
+        parse_instances(&text)
     }
 
     /// The script.
@@ -271,6 +356,35 @@ mod tests {
         std::fs::create_dir_all(dir.join("scripts")).expect("a temp dir");
         std::fs::write(dir.join(SCRIPT), text).expect("a script");
         dir
+    }
+
+    #[test]
+    fn the_instance_table_parses_and_refuses_bad_rows() {
+        let table = parse_instances(include_str!("../../scripts/instances.tsv")).expect("parses");
+        assert_eq!(table.len(), 17);
+        assert_eq!(url_vars(&table).len(), 9);
+        let redlock: Vec<_> = table
+            .iter()
+            .filter(|i| i.url_var == "LOCKKIT_TEST_REDLOCK_URL")
+            .map(|i| i.name.as_str())
+            .collect();
+        assert_eq!(
+            redlock,
+            [
+                "redlock-1",
+                "redlock-2",
+                "redlock-3",
+                "redlock-4",
+                "redlock-5"
+            ]
+        );
+        for bad in [
+            "a redis 1 V",
+            "a redis port V f",
+            "a redis 1 V f\na redis 2 V f",
+        ] {
+            assert!(parse_instances(bad).is_err(), "{bad}");
+        }
     }
 
     #[test]

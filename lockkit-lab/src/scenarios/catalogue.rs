@@ -229,3 +229,32 @@ impl ScenarioDef {
         format!("{}/{}", self.scenario, self.backend)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every instance a scenario touches and every URL variable it locks on is in the
+    /// instance table `services.sh` reads: the table is the one place servers are named.
+    #[test]
+    fn scenarios_name_only_instances_and_urls_of_the_table() {
+        let table = crate::parse_instances(include_str!("../../../scripts/instances.tsv"))
+            .expect("the instance table parses");
+        let vars = crate::url_vars(&table);
+        for def in CATALOGUE {
+            for name in def.touches {
+                assert!(
+                    table.iter().any(|i| i.name == *name),
+                    "{} touches `{name}`, which is not in scripts/instances.tsv",
+                    def.name()
+                );
+            }
+            assert!(
+                def.url.0 == "file" || vars.iter().any(|v| v == def.url.0),
+                "{} locks on `{}`, which is not a URL variable of scripts/instances.tsv",
+                def.name(),
+                def.url.0
+            );
+        }
+    }
+}
