@@ -64,6 +64,8 @@ impl Harness for FileHarness {
     async fn residue(&self, prefix: &str) -> HookResult<usize> {
         self.backend()
             .held_under(prefix)
+            .await
+            .map(|held| usize::try_from(held).unwrap_or(usize::MAX))
             .map_err(|e| HookError::Failed(e.to_string()))
     }
 }

@@ -314,11 +314,14 @@ impl FileBackend {
         .await
     }
 
-    /// How many keys starting with `prefix` are held now (for leak checks).
+    /// Test hook: how many keys starting with `prefix` are held now (for leak checks), with
+    /// the signature of every backend's `held_under`.
     ///
     /// # Errors
     /// File errors.
-    pub fn held_under(&self, prefix: &str) -> Result<usize> {
+    #[cfg(feature = "testing")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "testing")))]
+    pub async fn held_under(&self, prefix: &str) -> Result<u64> {
         let encoded = match LockKey::new(prefix) {
             Ok(key) => file_name(&key).trim_end_matches(".lock").to_owned(),
             Err(_) => String::new(),
@@ -333,7 +336,7 @@ impl FileBackend {
                 continue;
             }
             let text = std::fs::read_to_string(entry.path()).unwrap_or_default();
-            held += usize::from(load(&text).holder(now).is_some());
+            held += u64::from(load(&text).holder(now).is_some());
         }
         Ok(held)
     }

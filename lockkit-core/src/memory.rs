@@ -215,6 +215,8 @@ impl MemoryBackend {
 
     /// Server state left for keys starting with `prefix`: live or expired lock entries
     /// plus registered waiters. Zero means nothing leaked.
+    #[cfg(feature = "testing")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "testing")))]
     pub fn residue(&self, prefix: &str) -> usize {
         let state = lock(&self.server.state);
         let now = Instant::now();

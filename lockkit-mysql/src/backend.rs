@@ -82,6 +82,8 @@ impl MysqlBackend {
     }
 
     /// Dedicated for-update connections open now (held or waiting locks, and idle ones).
+    #[cfg(feature = "testing")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "testing")))]
     pub fn dedicated_connections(&self) -> u32 {
         self.db.holds_pool.size()
     }
@@ -146,6 +148,8 @@ impl MysqlBackend {
     ///
     /// # Errors
     /// Database errors.
+    #[cfg(feature = "testing")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "testing")))]
     pub async fn held_under(&self, prefix: &str) -> Result<u64> {
         match &self.locks {
             Locks::Row(locks) => locks.held_under(prefix).await,

@@ -293,7 +293,9 @@ pub(crate) struct Sql {
     pub(crate) holder_read: Arc<str>,
     pub(crate) holder_depth: Arc<str>,
     pub(crate) holder_clear: Arc<str>,
+    #[cfg_attr(not(feature = "testing"), allow(dead_code))]
     pub(crate) live_under_prefix: Arc<str>,
+    #[cfg_attr(not(feature = "testing"), allow(dead_code))]
     pub(crate) mutex_rows_under_prefix: Arc<str>,
 }
 

@@ -49,6 +49,7 @@ impl ForUpdateLocks {
     }
 
     /// Rows under `prefix` that are locked now, probed from a fresh connection.
+    #[cfg(feature = "testing")]
     pub(crate) async fn held_under(&self, prefix: &str) -> Result<u64> {
         locked_under(self, prefix).await
     }
@@ -725,6 +726,7 @@ async fn inspect(backend: &ForUpdateLocks, key: &LockKey) -> Result<Option<Holde
 }
 
 /// Rows under `prefix` that are locked now.
+#[cfg(feature = "testing")]
 async fn locked_under(backend: &ForUpdateLocks, prefix: &str) -> Result<u64> {
     let inner = &backend.inner;
     let rows = query(&inner.sql.mutex_rows_under_prefix)

@@ -13,7 +13,7 @@ use lockkit_core::{
     BackendInfo, Capabilities, Consistency, Error, FencingToken, HolderInfo, LockBackend, LockKey,
     Result,
 };
-use sqlx::{AssertSqlSafe, Row};
+use sqlx::Row;
 use tokio::time::Instant;
 
 use crate::db::{
@@ -32,12 +32,15 @@ impl RowLocks {
     }
 
     /// Live leases on keys under `prefix`, seen from a fresh connection. For leak checks.
+    #[cfg(feature = "testing")]
     pub(crate) async fn held_under(&self, prefix: &str) -> Result<u64> {
-        let (n,): (i64,) = sqlx::query_as(AssertSqlSafe(self.inner.sql.live_under_prefix.clone()))
-            .bind(prefix.as_bytes())
-            .fetch_one(&self.inner.pool)
-            .await
-            .map_err(|e| db_error("counting live leases", e))?;
+        let (n,): (i64,) = sqlx::query_as(sqlx::AssertSqlSafe(
+            self.inner.sql.live_under_prefix.clone(),
+        ))
+        .bind(prefix.as_bytes())
+        .fetch_one(&self.inner.pool)
+        .await
+        .map_err(|e| db_error("counting live leases", e))?;
         Ok(u64::try_from(n).unwrap_or(0))
     }
 }

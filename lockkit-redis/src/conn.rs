@@ -551,6 +551,7 @@ impl Wakeups {
     }
 
     /// Channels with local subscribers (for leak checks).
+    #[cfg(feature = "testing")]
     pub(crate) fn active_channels(&self) -> usize {
         self.shared.channels().len()
     }

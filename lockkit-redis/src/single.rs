@@ -196,6 +196,8 @@ impl RedisBackend {
     }
 
     /// Channels this backend's shared subscriber is listening on (for leak checks).
+    #[cfg(feature = "testing")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "testing")))]
     pub fn subscribed_channels(&self) -> usize {
         self.inner.wakeups.active_channels()
     }
