@@ -22,7 +22,8 @@
 #   LOCKKIT_SERVICES_TIMEOUT  seconds to wait for a server to answer (default 60)
 set -euo pipefail
 
-SCRIPT_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd -P)"
+# Resolved through symlinks: the table and the state belong to the real checkout.
+SCRIPT_DIR="$(cd "$(dirname "$(readlink -f "${BASH_SOURCE[0]}")")" && pwd -P)"
 REPO_ROOT="$(cd "$SCRIPT_DIR/.." && pwd -P)"
 SERVICES_DIR="$REPO_ROOT/target/services"
 HOST=127.0.0.1
@@ -37,7 +38,7 @@ INSTANCE_TABLE="$SCRIPT_DIR/instances.tsv"
 [[ -r "$INSTANCE_TABLE" ]] || { echo "[services] cannot read $INSTANCE_TABLE" >&2; exit 2; }
 ALL_INSTANCES=() CLUSTER_NODES=() ZK_NODES=() URL_VARS=()
 declare -A KIND_OF PORT_OF URL_VAR_OF URL_FORM_OF
-while read -r _name _kind _port _var _form _extra; do
+while read -r _name _kind _port _var _form _extra || [[ -n "${_name:-}" ]]; do
   [[ -z "$_name" || "$_name" == \#* ]] && continue
   [[ -n "$_form" && -z "$_extra" && "$_port" =~ ^[0-9]+$ ]] \
     || { echo "[services] bad row for '$_name' in $INSTANCE_TABLE" >&2; exit 2; }
@@ -82,12 +83,12 @@ EOF
 # instance table
 # ---------------------------------------------------------------------------
 kind_of() {
-  [[ -n "${KIND_OF[$1]:-}" ]] || return 1
+  [[ -n "$1" && -n "${KIND_OF[$1]:-}" ]] || return 1
   echo "${KIND_OF[$1]}"
 }
 
 port_of() {
-  [[ -n "${PORT_OF[$1]:-}" ]] || return 1
+  [[ -n "$1" && -n "${PORT_OF[$1]:-}" ]] || return 1
   echo $((PORT_OF[$1] + OFFSET))
 }
 

@@ -264,12 +264,18 @@ impl HolderProcess {
             held_at: Instant::now(),
             valid_until: None,
         };
-        let first = holder.next_event(within).await.ok_or_else(|| {
-            format!(
-                "the child holder did not take the lock within {} s",
-                within.as_secs()
-            )
-        })?;
+        let Some(first) = holder.next_event(within).await else {
+            let exited = holder.child.try_wait().ok().flatten();
+            return Err(match exited {
+                Some(status) => format!(
+                    "the child holder exited ({status}) before taking the lock; see its stderr"
+                ),
+                None => format!(
+                    "the child holder did not take the lock within {} s",
+                    within.as_secs()
+                ),
+            });
+        };
         let mut words = first.split_whitespace();
         if words.next() != Some("HELD") {
             return Err(format!(
@@ -316,27 +322,26 @@ impl HolderProcess {
         self.signal("CONT").await.unwrap_or_else(|e| panic!("{e}"));
     }
 
-    /// Sends the signal `name` (`STOP`, `CONT`, `TERM`, ...) to the child.
+    /// Sends the signal `name` (`STOP`, `CONT`, `TERM`, `KILL`) to the child, at once and
+    /// in process.
     ///
     /// # Errors
-    /// When the child has exited or `kill` fails. Pid 0 (the caller's own process group)
-    /// is never signalled.
+    /// An unknown signal name, a child that has exited, or a refused signal. Pid 0 (the
+    /// caller's own process group) is never signalled.
     pub async fn signal(&self, name: &str) -> Result<(), String> {
-        let pid = self.pid();
-        if pid == 0 {
-            return Err(format!(
-                "cannot send SIG{name}: the child holder has exited"
-            ));
-        }
-        let status = Command::new("kill")
-            .arg(format!("-{name}"))
-            .arg(pid.to_string())
-            .status()
-            .await;
-        match status {
-            Ok(status) if status.success() => Ok(()),
-            other => Err(format!("kill -{name} {pid} failed: {other:?}")),
-        }
+        use rustix::process::{Pid, Signal, kill_process};
+        let signal = match name {
+            "STOP" => Signal::STOP,
+            "CONT" => Signal::CONT,
+            "TERM" => Signal::TERM,
+            "KILL" => Signal::KILL,
+            other => return Err(format!("unknown signal SIG{other}")),
+        };
+        let pid = i32::try_from(self.pid())
+            .ok()
+            .and_then(Pid::from_raw)
+            .ok_or_else(|| format!("cannot send SIG{name}: the child holder has exited"))?;
+        kill_process(pid, signal).map_err(|e| format!("kill -{name} {pid:?} failed: {e}"))
     }
 
     /// Asks the child to write with its token (it does so as soon as it runs).

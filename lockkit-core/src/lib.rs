@@ -9,6 +9,7 @@
 //!   in-process reference implementation.
 //!
 //! Every failure is an [`Error`] that says what to do; nothing here panics on bad input.
+#![cfg_attr(docsrs, feature(doc_cfg))]
 #![warn(missing_docs)]
 #![cfg_attr(
     not(test),

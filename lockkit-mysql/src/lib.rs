@@ -17,6 +17,7 @@
 //!
 //! Keys are stored as `VARBINARY(512)`: compared byte for byte, so no two keys collide
 //! under a collation.
+#![cfg_attr(docsrs, feature(doc_cfg))]
 #![warn(missing_docs)]
 #![cfg_attr(
     not(test),

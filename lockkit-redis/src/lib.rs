@@ -9,6 +9,7 @@
 //!
 //! The wire layout is Redisson's RLock (see [`LockNames`]), so Redisson and lockkit clients
 //! exclude each other on the same lock name.
+#![cfg_attr(docsrs, feature(doc_cfg))]
 #![warn(missing_docs)]
 #![cfg_attr(
     not(test),

@@ -54,3 +54,41 @@ fn the_facade_depends_on_no_tool_crate() {
         );
     }
 }
+
+/// The test hooks (`testing` features) never reach the facade's normal build: they are for
+/// the suite and each crate's own tests only.
+#[test]
+fn the_facade_builds_its_backends_without_test_hooks() {
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    let out = Command::new(cargo)
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .args([
+            "tree",
+            "--offline",
+            "-p",
+            "lockkit",
+            "-e",
+            "normal,features",
+        ])
+        .args(["--all-features", "--prefix", "none"])
+        .output()
+        .expect("running cargo tree");
+    assert!(
+        out.status.success(),
+        "cargo tree failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let tree = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        tree.contains("lockkit-core"),
+        "cargo tree listed no lockkit-core: {tree}"
+    );
+    let hooks: Vec<&str> = tree
+        .lines()
+        .filter(|l| l.contains("feature \"testing\""))
+        .collect();
+    assert!(
+        hooks.is_empty(),
+        "the facade's build turns on test hooks: {hooks:?}"
+    );
+}
