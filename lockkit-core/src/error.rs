@@ -73,6 +73,22 @@ pub enum Error {
     #[error("invalid configuration: {0}")]
     Config(String),
 
+    /// A storage-side fence refused a write: a newer holder's token already wrote to the
+    /// resource, so this writer's lock is gone (paused, partitioned, expired) and its write
+    /// would have overwritten newer data. Nothing was written.
+    #[error(
+        "write to `{resource}` refused: token {token} is older than token {newer} that \
+         already wrote; this holder lost its lock, so stop and acquire it again"
+    )]
+    Fenced {
+        /// The resource written to.
+        resource: String,
+        /// The token offered.
+        token: FencingToken,
+        /// The newest token that wrote to the resource.
+        newer: FencingToken,
+    },
+
     /// The backend cannot do what was asked.
     #[error("`{backend}` does not support {what}")]
     Unsupported {

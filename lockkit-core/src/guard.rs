@@ -552,3 +552,10 @@ impl Drop for LockGuard {
         }
     }
 }
+
+/// A guard's fencing token, so storage-side fences take a `&LockGuard` or a bare token.
+impl From<&LockGuard> for FencingToken {
+    fn from(guard: &LockGuard) -> Self {
+        guard.token()
+    }
+}

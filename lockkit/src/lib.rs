@@ -8,6 +8,8 @@
 
 use std::{future::Future, pin::Pin, sync::Arc};
 
+pub mod fence;
+
 pub use lockkit_core::*;
 #[cfg(feature = "mysql")]
 #[cfg_attr(docsrs, doc(cfg(feature = "mysql")))]

@@ -1,0 +1,220 @@
+//! The storage-side fences against real servers: a stale token is refused, an equal one
+//! accepted, a newer one raises the bar, and concurrent writers with interleaved tokens end
+//! with the highest token's write, every refusal naming a newer token that was accepted.
+
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use lockkit::{Error, FencingToken, Locker, MemoryBackend, fence};
+use lockkit_conformance::env::service_url;
+
+/// A resource name no other run uses.
+fn resource(what: &str) -> String {
+    let nanos = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos());
+    format!("fence-test/{what}/{}-{nanos}", std::process::id())
+}
+
+const TOKENS: [u64; 8] = [3, 7, 1, 8, 2, 6, 4, 5];
+
+/// Checks the outcomes of the concurrent writers of [`TOKENS`].
+fn check_concurrent(outcomes: &[(u64, lockkit::Result<()>)]) {
+    let accepted: Vec<u64> = outcomes
+        .iter()
+        .filter(|(_, r)| r.is_ok())
+        .map(|(t, _)| *t)
+        .collect();
+    assert!(
+        accepted.contains(&8),
+        "the highest token is always accepted: {accepted:?}"
+    );
+    for (t, outcome) in outcomes {
+        match outcome {
+            Ok(()) => {}
+            Err(Error::Fenced { newer, .. }) => assert!(
+                newer.get() > *t && accepted.contains(&newer.get()),
+                "{t} refused for {newer}, which was not accepted: {accepted:?}"
+            ),
+            Err(other) => panic!("{t}: {other}"),
+        }
+    }
+}
+
+#[tokio::test]
+async fn redis_fence_refuses_stale_writes() {
+    let Some(url) = service_url("LOCKKIT_TEST_REDIS_URL") else {
+        return;
+    };
+    let fence = fence::RedisFence::connect(&url).await.unwrap();
+    let (res, key) = (resource("redis"), resource("redis-data"));
+    let t = FencingToken::new;
+    fence.set(t(5), &res, &key, "five").await.unwrap();
+    fence.set(t(5), &res, &key, "five again").await.unwrap();
+    let refused = fence.set(t(4), &res, &key, "four").await.unwrap_err();
+    assert!(
+        matches!(&refused, Error::Fenced { token, newer, .. } if token.get() == 4 && newer.get() == 5),
+        "{refused}"
+    );
+    assert!(refused.to_string().contains("lost its lock"), "{refused}");
+    let value = fence
+        .eval(
+            t(5),
+            &res,
+            "return redis.call('GET', KEYS[2])",
+            &[&key],
+            &[],
+        )
+        .await
+        .unwrap();
+    assert_eq!(
+        redis::from_redis_value::<String>(value).unwrap(),
+        "five again"
+    );
+    // Tokens beyond 2^53 compare exactly (Lua numbers would not).
+    let big = (1u64 << 60) + 1;
+    fence.admit(t(big), &res).await.unwrap();
+    assert!(matches!(
+        fence.admit(t(big - 1), &res).await,
+        Err(Error::Fenced { .. })
+    ));
+    fence.del(t(big), &res, &key).await.unwrap();
+
+    // A guard works as the token.
+    let locker = Locker::new(MemoryBackend::new());
+    let guard = locker.acquire("k").await.unwrap();
+    let fresh = resource("redis-guard");
+    fence
+        .hset(&guard, &fresh, &key, "field", "v")
+        .await
+        .unwrap();
+    guard.release().await.unwrap();
+}
+
+#[tokio::test]
+async fn redis_fence_keeps_the_highest_of_concurrent_writers() {
+    let Some(url) = service_url("LOCKKIT_TEST_REDIS_URL") else {
+        return;
+    };
+    let fence = fence::RedisFence::connect(&url).await.unwrap();
+    let (res, key) = (
+        resource("redis-concurrent"),
+        resource("redis-concurrent-data"),
+    );
+    let writers: Vec<_> = TOKENS
+        .into_iter()
+        .map(|t| {
+            let (fence, res, key) = (fence.clone(), res.clone(), key.clone());
+            tokio::spawn(async move {
+                let outcome = fence
+                    .set(FencingToken::new(t), &res, &key, &t.to_string())
+                    .await;
+                (t, outcome)
+            })
+        })
+        .collect();
+    let mut outcomes = Vec::new();
+    for w in writers {
+        outcomes.push(w.await.unwrap());
+    }
+    check_concurrent(&outcomes);
+    let value = fence
+        .eval(
+            FencingToken::new(8),
+            &res,
+            "return redis.call('GET', KEYS[2])",
+            &[&key],
+            &[],
+        )
+        .await
+        .unwrap();
+    assert_eq!(redis::from_redis_value::<String>(value).unwrap(), "8");
+}
+
+#[tokio::test]
+async fn mysql_fence_refuses_stale_writes_and_keeps_the_highest() {
+    let Some(url) = service_url("LOCKKIT_TEST_MYSQL_URL") else {
+        return;
+    };
+    let fence = fence::MysqlFence::connect(&url).await.unwrap();
+    let pool = sqlx::MySqlPool::connect(&url).await.unwrap();
+    sqlx::raw_sql(
+        "CREATE TABLE IF NOT EXISTS lockkit_fence_test (resource VARBINARY(512) PRIMARY KEY, \
+         value VARCHAR(64) NOT NULL)",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    let write = |token: u64, res: String| {
+        let fence = fence.clone();
+        async move {
+            let value = token.to_string();
+            let res2 = res.clone();
+            fence
+                .write(FencingToken::new(token), &res, move |tx| {
+                    Box::pin(async move {
+                        sqlx::query(
+                            "REPLACE INTO lockkit_fence_test (resource, value) VALUES (?, ?)",
+                        )
+                        .bind(res2.as_bytes())
+                        .bind(value)
+                        .execute(&mut *tx)
+                        .await?;
+                        Ok(())
+                    })
+                })
+                .await
+        }
+    };
+    let read = |res: String| {
+        let pool = pool.clone();
+        async move {
+            let (value,): (String,) =
+                sqlx::query_as("SELECT value FROM lockkit_fence_test WHERE resource = ?")
+                    .bind(res.as_bytes())
+                    .fetch_one(&pool)
+                    .await
+                    .unwrap();
+            value
+        }
+    };
+
+    let res = resource("mysql");
+    write(5, res.clone()).await.unwrap();
+    write(5, res.clone()).await.unwrap();
+    let refused = write(4, res.clone()).await.unwrap_err();
+    assert!(
+        matches!(&refused, Error::Fenced { token, newer, .. } if token.get() == 4 && newer.get() == 5),
+        "{refused}"
+    );
+    assert_eq!(read(res.clone()).await, "5");
+    write(9, res.clone()).await.unwrap();
+    assert!(matches!(
+        fence.admit(FencingToken::new(8), &res).await,
+        Err(Error::Fenced { .. })
+    ));
+    // A failing write rolls back, fence raise included.
+    let failed = fence
+        .write(FencingToken::new(20), &res, |_| {
+            Box::pin(async { Err::<(), _>("the caller's write failed".into()) })
+        })
+        .await;
+    assert!(matches!(failed, Err(Error::Backend { .. })), "{failed:?}");
+    write(10, res.clone())
+        .await
+        .expect("the rolled-back 20 did not raise the bar");
+
+    let res = resource("mysql-concurrent");
+    let writers: Vec<_> = TOKENS
+        .into_iter()
+        .map(|t| {
+            let job = write(t, res.clone());
+            tokio::spawn(async move { (t, job.await) })
+        })
+        .collect();
+    let mut outcomes = Vec::new();
+    for w in writers {
+        outcomes.push(w.await.unwrap());
+    }
+    check_concurrent(&outcomes);
+    assert_eq!(read(res).await, "8");
+}
