@@ -3,7 +3,7 @@
 use std::{io::IsTerminal, path::PathBuf, process::ExitCode, time::Duration};
 
 use clap::{Parser, Subcommand};
-use lockkit::{Error, LockGuard, Locker, config::parse_duration};
+use lockkit::{Error, FencingToken, LockGuard, Locker, config::parse_duration};
 use nix::sys::signal::Signal;
 use tokio::signal::unix::SignalKind;
 
@@ -114,6 +114,21 @@ enum Commands {
         #[arg(long)]
         update: Option<PathBuf>,
     },
+    /// Fence a write from a shell job: accept TOKEN for RESOURCE if it is not older than
+    /// the newest token accepted for RESOURCE (raising the bar to it; exit 0), or refuse it
+    /// (exit 1, naming the newer token). The store is the --url's: redis://, mysql:// (a
+    /// `lockkit_fences` table) or file:///dir (RESOURCE is then a file name in that dir).
+    ///
+    /// In a `lockkit run` job: `lockkit fence --resource orders/42 --token "$LOCKKIT_TOKEN"
+    /// && write-the-order`.
+    Fence {
+        /// The resource the write goes to (a key, a table row's name, a file).
+        #[arg(long)]
+        resource: String,
+        /// The writer's fencing token (`$LOCKKIT_TOKEN` under `lockkit run`).
+        #[arg(long)]
+        token: u64,
+    },
     /// Show who holds KEY: holder, depth, token, lease left.
     Status {
         /// The lock's name.
@@ -137,6 +152,56 @@ enum Story {
         #[arg(long, default_value_t = 100)]
         stock: i64,
     },
+}
+
+/// `lockkit fence`: 0 when `token` is admitted for `resource`, 1 when a newer token
+/// already wrote, 2 when the store cannot be used.
+async fn fence(url: &str, resource: &str, token: FencingToken) -> ExitCode {
+    let scheme = url.split_once("://").map_or("", |(scheme, _)| scheme);
+    let admitted = match scheme {
+        "file" => {
+            let dir = url.trim_start_matches("file://");
+            let dir = dir.split_once('?').map_or(dir, |(dir, _)| dir);
+            if resource.is_empty() || resource.contains('/') || resource.starts_with('.') {
+                eprintln!(
+                    "lockkit: with a file:// store, --resource is a file name in {dir} \
+                     (no `/`, not starting with `.`)"
+                );
+                return ExitCode::from(2);
+            }
+            lockkit::fence::FileFence::new().admit(token, std::path::Path::new(dir).join(resource))
+        }
+        "redis" | "rediss" => match lockkit::fence::RedisFence::connect(url).await {
+            Ok(fence) => fence.admit(token, resource).await,
+            Err(e) => Err(e),
+        },
+        "mysql" | "mariadb" => match lockkit::fence::MysqlFence::connect(url).await {
+            Ok(fence) => fence.admit(token, resource).await,
+            Err(e) => Err(e),
+        },
+        _ => {
+            eprintln!(
+                "lockkit: `lockkit fence` keeps its fence in redis://, mysql:// or file:///dir; \
+                 `{}` is none of those",
+                lockkit::config::redact_url(url)
+            );
+            return ExitCode::from(2);
+        }
+    };
+    match admitted {
+        Ok(()) => {
+            println!("accepted token {token} for `{resource}`");
+            ExitCode::SUCCESS
+        }
+        Err(e @ Error::Fenced { .. }) => {
+            eprintln!("lockkit: {e}");
+            ExitCode::from(1)
+        }
+        Err(e) => {
+            eprintln!("lockkit: {e}");
+            ExitCode::from(2)
+        }
+    }
 }
 
 fn duration(text: &str) -> Result<Duration, String> {
@@ -170,6 +235,9 @@ async fn main() -> ExitCode {
         .url
         .filter(|u| !u.is_empty())
         .unwrap_or_else(lockkit::default_url);
+    if let Commands::Fence { resource, token } = &cli.command {
+        return fence(&url, resource, FencingToken::new(*token)).await;
+    }
     let locker = match lockkit::connect(&url).await {
         Ok(locker) => locker,
         Err(e) => {
@@ -202,7 +270,9 @@ async fn main() -> ExitCode {
             .await
         }
         Commands::Status { key, json } => status(&locker, &key, json).await,
-        Commands::Lab { .. } | Commands::Supervise { .. } => ExitCode::from(2),
+        Commands::Lab { .. } | Commands::Supervise { .. } | Commands::Fence { .. } => {
+            ExitCode::from(2)
+        }
         Commands::Bench {
             clients,
             keys,

@@ -557,3 +557,46 @@ fn status_json_is_valid_json_for_any_key() {
         assert_eq!(value["held"], false);
     }
 }
+
+/// `lockkit fence`: a shell job's token is accepted while it is the newest (exit 0), a stale
+/// one is refused naming the newer token (exit 1), on each store it supports.
+#[test]
+fn fence_accepts_the_newest_token_and_refuses_a_stale_one() {
+    let dir = dir("fence");
+    let mut stores = vec![(format!("file://{dir}"), "orders-42".to_owned())];
+    for var in ["LOCKKIT_TEST_REDIS_URL", "LOCKKIT_TEST_MYSQL_URL"] {
+        if let Some(url) = lockkit_conformance::env::service_url(var) {
+            let nanos = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .unwrap()
+                .as_nanos();
+            stores.push((url, format!("cli-fence/{}-{nanos}", std::process::id())));
+        }
+    }
+    for (url, resource) in stores {
+        let fence = |token: &str| {
+            lockkit(&url, &["fence", "--resource", &resource, "--token", token])
+                .output()
+                .unwrap()
+        };
+        for token in ["5", "5", "9"] {
+            let out = fence(token);
+            assert_eq!(out.status.code(), Some(0), "{url}: token {token}: {out:?}");
+        }
+        let stale = fence("7");
+        assert_eq!(stale.status.code(), Some(1), "{url}: {stale:?}");
+        let said = String::from_utf8_lossy(&stale.stderr);
+        assert!(
+            said.contains("token 7") && said.contains("token 9"),
+            "{url}: {said}"
+        );
+    }
+    let out = lockkit("memory://", &["fence", "--resource", "r", "--token", "1"])
+        .output()
+        .unwrap();
+    assert_eq!(
+        out.status.code(),
+        Some(2),
+        "memory:// has no fence store: {out:?}"
+    );
+}
