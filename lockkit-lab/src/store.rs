@@ -3,11 +3,12 @@
 
 use std::{
     fmt,
-    fs::{File, OpenOptions},
-    io::{Read, Seek, SeekFrom, Write},
+    fs::OpenOptions,
+    io::Write,
     path::{Path, PathBuf},
 };
 
+use lockkit::fence::FileFence;
 use lockkit_core::FencingToken;
 
 /// A write refused because a newer holder wrote first.
@@ -47,7 +48,9 @@ impl FileFencedStore {
         &self.path
     }
 
-    /// Appends `value` if `token` is not older than any token accepted so far.
+    /// Appends `value` if `token` is not older than any token accepted so far, through
+    /// lockkit's own file fence ([`lockkit::fence::FileFence`]): the lab's stale writes
+    /// meet the guard users get.
     ///
     /// # Errors
     /// `Ok(Err(StaleWrite))` when a newer holder wrote first; `Err` on I/O failure.
@@ -56,44 +59,27 @@ impl FileFencedStore {
         token: FencingToken,
         value: &str,
     ) -> std::io::Result<Result<(), StaleWrite>> {
-        let mut file = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create(true)
-            .truncate(false)
-            .open(&self.path)?;
-        file.lock()?;
-        let result = Self::write_locked(&mut file, token, value);
-        let _ = file.unlock();
-        result
-    }
-
-    fn write_locked(
-        file: &mut File,
-        token: FencingToken,
-        value: &str,
-    ) -> std::io::Result<Result<(), StaleWrite>> {
-        let mut text = String::new();
-        file.read_to_string(&mut text)?;
-        let mut lines = text.lines();
-        let highest = lines.next().and_then(|l| l.trim().parse::<u64>().ok());
-        if let Some(highest) = highest.filter(|h| token.get() < *h) {
-            return Ok(Err(StaleWrite {
+        let append = || -> lockkit::Result<()> {
+            let file = OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(&self.path)
+                .and_then(|mut file| {
+                    file.write_all(format!("{} {value}\n", token.get()).as_bytes())?;
+                    Ok(file)
+                })
+                .map_err(|e| lockkit::Error::backend_with_source("lab", false, "appending", e))?;
+            file.sync_data()
+                .map_err(|e| lockkit::Error::backend_with_source("lab", false, "syncing", e))
+        };
+        match FileFence::new().run(token, &self.path, append) {
+            Ok(()) => Ok(Ok(())),
+            Err(lockkit::Error::Fenced { newer, .. }) => Ok(Err(StaleWrite {
                 offered: token,
-                highest: FencingToken::new(highest),
-            }));
+                highest: newer,
+            })),
+            Err(e) => Err(std::io::Error::other(e)),
         }
-        let mut out = format!("{}\n", token.get());
-        for line in lines {
-            out.push_str(line);
-            out.push('\n');
-        }
-        out.push_str(&format!("{} {value}\n", token.get()));
-        file.seek(SeekFrom::Start(0))?;
-        file.set_len(0)?;
-        file.write_all(out.as_bytes())?;
-        file.sync_data()?;
-        Ok(Ok(()))
     }
 
     /// The accepted values, in order, as `token value`.
@@ -102,7 +88,7 @@ impl FileFencedStore {
     /// On I/O failure (a store never written to is empty).
     pub fn values(&self) -> std::io::Result<Vec<String>> {
         match std::fs::read_to_string(&self.path) {
-            Ok(text) => Ok(text.lines().skip(1).map(str::to_owned).collect()),
+            Ok(text) => Ok(text.lines().map(str::to_owned).collect()),
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(Vec::new()),
             Err(e) => Err(e),
         }

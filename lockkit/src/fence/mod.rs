@@ -85,8 +85,22 @@ impl FileFence {
         PathBuf::from(name)
     }
 
-    /// Runs `work` under the fence of `path` if `token` is admitted, raising the fence to
-    /// `token` first.
+    /// Runs `work` (your own update of `path`: an append, an edit in place) if `token` is
+    /// not older than the newest that wrote, with the fence raised to `token` first and
+    /// held locked until `work` returns, so no other fenced writer runs in between.
+    ///
+    /// # Errors
+    /// [`Error::Fenced`] (`work` not run) for an older token; [`Error::Backend`] for the
+    /// fence's file errors; `work`'s own error.
+    pub fn run<T>(
+        &self,
+        token: impl Into<FencingToken>,
+        path: impl AsRef<Path>,
+        work: impl FnOnce() -> Result<T>,
+    ) -> Result<T> {
+        self.fenced(token.into(), path.as_ref(), work)
+    }
+
     fn fenced<T>(
         &self,
         token: FencingToken,
