@@ -36,7 +36,7 @@ mod redis;
 
 #[cfg(feature = "mysql")]
 #[cfg_attr(docsrs, doc(cfg(feature = "mysql")))]
-pub use mysql::{MysqlFence, ddl};
+pub use mysql::{MysqlFence, TABLE as MYSQL_TABLE, ddl};
 #[cfg(feature = "redis")]
 #[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
 pub use redis::RedisFence;

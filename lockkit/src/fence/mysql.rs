@@ -73,7 +73,7 @@ pub struct MysqlFence {
 }
 
 impl MysqlFence {
-    /// A fence over `pool`, in [`TABLE`].
+    /// A fence over `pool`, in the table `lockkit_fences` ([`super::MYSQL_TABLE`]).
     pub fn new(pool: MySqlPool) -> Self {
         MysqlFence {
             pool,
