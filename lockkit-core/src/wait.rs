@@ -446,48 +446,33 @@ mod tests {
         );
     }
 
-    #[tokio::test(start_paused = true)]
-    async fn retryable_errors_are_retried_until_the_deadline_and_end_in_a_timeout() {
+    /// A wait of `wait` on an attempt that always fails (`retryable` or not): the outcome
+    /// and how many attempts were made.
+    async fn always_failing(retryable: bool, wait: Duration) -> (Result<Grant>, u32) {
         let req = request();
         let tries = AtomicU32::new(0);
         let policy = WaitPolicy::new(Backoff::new(
             Duration::from_millis(10),
             Duration::from_millis(100),
         ));
-        let outcome = wait_for_grant(
-            &req.key,
-            Duration::from_secs(5),
-            policy,
-            &mut Polling,
-            || {
-                tries.fetch_add(1, Ordering::SeqCst);
-                async { Err(Error::backend("test", true, "server down")) }
-            },
-        )
+        let outcome = wait_for_grant(&req.key, wait, policy, &mut Polling, || {
+            tries.fetch_add(1, Ordering::SeqCst);
+            async move { Err(Error::backend("test", retryable, "failing")) }
+        })
         .await;
+        (outcome, tries.load(Ordering::SeqCst))
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn retryable_errors_are_retried_until_the_deadline_and_end_in_a_timeout() {
+        let (outcome, tries) = always_failing(true, Duration::from_secs(5)).await;
         assert!(matches!(outcome, Err(Error::Timeout { .. })), "{outcome:?}");
-        assert!(tries.load(Ordering::SeqCst) > 10);
+        assert!(tries > 10, "{tries}");
     }
 
     #[tokio::test(start_paused = true)]
     async fn a_final_error_ends_the_wait_at_once() {
-        let req = request();
-        let tries = AtomicU32::new(0);
-        let policy = WaitPolicy::new(Backoff::new(
-            Duration::from_millis(10),
-            Duration::from_millis(100),
-        ));
-        let outcome = wait_for_grant(
-            &req.key,
-            Duration::from_secs(5),
-            policy,
-            &mut Polling,
-            || {
-                tries.fetch_add(1, Ordering::SeqCst);
-                async { Err(Error::backend("test", false, "bad password")) }
-            },
-        )
-        .await;
+        let (outcome, tries) = always_failing(false, Duration::from_secs(5)).await;
         assert!(
             matches!(
                 outcome,
@@ -498,7 +483,7 @@ mod tests {
             ),
             "{outcome:?}"
         );
-        assert_eq!(tries.load(Ordering::SeqCst), 1);
+        assert_eq!(tries, 1);
     }
 
     #[tokio::test(start_paused = true)]
@@ -510,10 +495,7 @@ mod tests {
                 Duration::from_millis(100),
             ))
         };
-        let down = wait_for_grant(&req.key, Duration::ZERO, policy(), &mut Polling, || async {
-            Err(Error::backend("test", true, "server down"))
-        })
-        .await;
+        let (down, tries) = always_failing(true, Duration::ZERO).await;
         assert!(
             matches!(
                 down,
@@ -524,6 +506,7 @@ mod tests {
             ),
             "{down:?}"
         );
+        assert_eq!(tries, 1);
         let busy = wait_for_grant(&req.key, Duration::ZERO, policy(), &mut Polling, || async {
             Ok(Attempt::busy(Duration::from_secs(1)))
         })

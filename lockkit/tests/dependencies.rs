@@ -13,14 +13,13 @@ const TOOL_CRATES: &[&str] = &[
     "lockkit-cli",
 ];
 
-/// The names of every crate `lockkit` pulls in as a normal dependency with `features`.
-fn normal_dependencies(features: &[&str]) -> Vec<String> {
+/// `cargo tree -p lockkit --prefix none` with `args`, as text.
+fn tree(args: &[&str]) -> String {
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
     let out = Command::new(cargo)
         .current_dir(env!("CARGO_MANIFEST_DIR"))
-        .args(["tree", "--offline", "-p", "lockkit", "-e", "normal"])
-        .args(["--prefix", "none"])
-        .args(features)
+        .args(["tree", "--offline", "-p", "lockkit", "--prefix", "none"])
+        .args(args)
         .output()
         .expect("running cargo tree");
     assert!(
@@ -28,7 +27,12 @@ fn normal_dependencies(features: &[&str]) -> Vec<String> {
         "cargo tree failed: {}",
         String::from_utf8_lossy(&out.stderr)
     );
-    String::from_utf8_lossy(&out.stdout)
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// The names of every crate `lockkit` pulls in as a normal dependency with `features`.
+fn normal_dependencies(features: &[&str]) -> Vec<String> {
+    tree(&[&["-e", "normal"][..], features].concat())
         .lines()
         .filter_map(|line| line.split_whitespace().next())
         .map(str::to_owned)
@@ -59,26 +63,7 @@ fn the_facade_depends_on_no_tool_crate() {
 /// the suite and each crate's own tests only.
 #[test]
 fn the_facade_builds_its_backends_without_test_hooks() {
-    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-    let out = Command::new(cargo)
-        .current_dir(env!("CARGO_MANIFEST_DIR"))
-        .args([
-            "tree",
-            "--offline",
-            "-p",
-            "lockkit",
-            "-e",
-            "normal,features",
-        ])
-        .args(["--all-features", "--prefix", "none"])
-        .output()
-        .expect("running cargo tree");
-    assert!(
-        out.status.success(),
-        "cargo tree failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let tree = String::from_utf8_lossy(&out.stdout);
+    let tree = tree(&["-e", "normal,features", "--all-features"]);
     assert!(
         tree.contains("lockkit-core"),
         "cargo tree listed no lockkit-core: {tree}"
