@@ -114,13 +114,18 @@ enum Commands {
         #[arg(long)]
         update: Option<PathBuf>,
     },
-    /// Fence a write from a shell job: accept TOKEN for RESOURCE if it is not older than
-    /// the newest token accepted for RESOURCE (raising the bar to it; exit 0), or refuse it
-    /// (exit 1, naming the newer token). The store is the --url's: redis://, mysql:// (a
-    /// `lockkit_fences` table) or file:///dir (RESOURCE is then a file name in that dir).
+    /// Fence a write from a shell job: run CMD only if TOKEN is not older than the newest
+    /// token accepted for RESOURCE, with the fence held while CMD runs, so no stale writer
+    /// can write in between (exit: CMD's code); refuse (exit 1, naming the newer token)
+    /// otherwise. The store is the --url's: file:///dir (RESOURCE is a file name in dir;
+    /// the fence's flock is held) or mysql:// (the resource's row of `lockkit_fences` is
+    /// locked; the raise commits only if CMD exits 0).
     ///
-    /// In a `lockkit run` job: `lockkit fence --resource orders/42 --token "$LOCKKIT_TOKEN"
-    /// && write-the-order`.
+    /// Without CMD it only checks and raises the bar (redis:// too): a write made after it
+    /// can still land after a newer holder's, so give the write as CMD where you can.
+    ///
+    /// In a `lockkit run` job: `lockkit fence --resource orders-42 --token "$LOCKKIT_TOKEN"
+    /// -- ./write-the-order.sh`.
     Fence {
         /// The resource the write goes to (a key, a table row's name, a file).
         #[arg(long)]
@@ -128,6 +133,9 @@ enum Commands {
         /// The writer's fencing token (`$LOCKKIT_TOKEN` under `lockkit run`).
         #[arg(long)]
         token: u64,
+        /// The write, run under the fence.
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+        command: Vec<String>,
     },
     /// Show who holds KEY: holder, depth, token, lease left.
     Status {
@@ -154,14 +162,52 @@ enum Story {
     },
 }
 
-/// `lockkit fence`: 0 when `token` is admitted for `resource`, 1 when a newer token
-/// already wrote, 2 when the store cannot be used.
-async fn fence(url: &str, resource: &str, token: FencingToken) -> ExitCode {
+/// CMD of `lockkit fence` failed with this exit code (the fenced write is rolled back).
+#[derive(Debug)]
+struct CommandFailed(i32);
+
+impl std::fmt::Display for CommandFailed {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "the command exited with {}", self.0)
+    }
+}
+
+impl std::error::Error for CommandFailed {}
+
+/// Runs `command` to its end; its exit code (128 + n for a signal), or 127 if it cannot
+/// start.
+fn run_to_end(command: &[String]) -> i32 {
+    use std::os::unix::process::ExitStatusExt;
+    let Some((program, args)) = command.split_first() else {
+        return 0;
+    };
+    match std::process::Command::new(program).args(args).status() {
+        Ok(status) => status
+            .code()
+            .or_else(|| status.signal().map(|n| 128 + n))
+            .unwrap_or(1),
+        Err(e) => {
+            eprintln!("lockkit: cannot start `{program}`: {e}");
+            127
+        }
+    }
+}
+
+/// `lockkit fence`: CMD's exit code (0 without CMD) when `token` is admitted for
+/// `resource`, 1 when a newer token already wrote, 2 when the store cannot be used.
+async fn fence(url: &str, resource: &str, token: FencingToken, command: &[String]) -> ExitCode {
     let scheme = url.split_once("://").map_or("", |(scheme, _)| scheme);
-    let admitted = match scheme {
+    let code = |code: i32| ExitCode::from(u8::try_from(code).unwrap_or(1));
+    let outcome: lockkit::Result<i32> = match scheme {
         "file" => {
             let dir = url.trim_start_matches("file://");
             let dir = dir.split_once('?').map_or(dir, |(dir, _)| dir);
+            if !dir.starts_with('/') {
+                eprintln!(
+                    "lockkit: a file:// fence needs an absolute directory: file:///var/lock/app"
+                );
+                return ExitCode::from(2);
+            }
             if resource.is_empty() || resource.contains('/') || resource.starts_with('.') {
                 eprintln!(
                     "lockkit: with a file:// store, --resource is a file name in {dir} \
@@ -169,29 +215,81 @@ async fn fence(url: &str, resource: &str, token: FencingToken) -> ExitCode {
                 );
                 return ExitCode::from(2);
             }
-            lockkit::fence::FileFence::new().admit(token, std::path::Path::new(dir).join(resource))
+            let path = std::path::Path::new(dir).join(resource);
+            let command = command.to_vec();
+            tokio::task::spawn_blocking(move || {
+                lockkit::fence::FileFence::new().run(token, path, || Ok(run_to_end(&command)))
+            })
+            .await
+            .unwrap_or_else(|e| {
+                Err(Error::backend(
+                    "fence",
+                    false,
+                    format!("the fence task died: {e}"),
+                ))
+            })
         }
-        "redis" | "rediss" => match lockkit::fence::RedisFence::connect(url).await {
-            Ok(fence) => fence.admit(token, resource).await,
-            Err(e) => Err(e),
-        },
+        "redis" | "rediss" => {
+            if !command.is_empty() {
+                eprintln!(
+                    "lockkit: a Redis fence cannot be held while a command runs: fence the \
+                     write itself (lockkit::fence::RedisFence), or use a file:// or mysql:// fence"
+                );
+                return ExitCode::from(2);
+            }
+            match lockkit::fence::RedisFence::connect(url).await {
+                Ok(fence) => fence.admit(token, resource).await.map(|()| 0),
+                Err(e) => Err(e),
+            }
+        }
         "mysql" | "mariadb" => match lockkit::fence::MysqlFence::connect(url).await {
-            Ok(fence) => fence.admit(token, resource).await,
+            Ok(fence) => {
+                let command = command.to_vec();
+                let written = fence
+                    .write(token, resource, move |_| {
+                        Box::pin(async move {
+                            let code = tokio::task::spawn_blocking(move || run_to_end(&command))
+                                .await
+                                .unwrap_or(1);
+                            if code == 0 {
+                                Ok(0)
+                            } else {
+                                Err(Box::new(CommandFailed(code)) as lockkit::BoxError)
+                            }
+                        })
+                    })
+                    .await;
+                match written {
+                    Err(Error::Backend {
+                        source: Some(source),
+                        ..
+                    }) if source.downcast_ref::<CommandFailed>().is_some() => {
+                        let failed = source.downcast_ref::<CommandFailed>().map_or(1, |f| f.0);
+                        eprintln!(
+                            "lockkit: the command exited with {failed}; the fence was not raised"
+                        );
+                        return code(failed);
+                    }
+                    other => other,
+                }
+            }
             Err(e) => Err(e),
         },
         _ => {
             eprintln!(
-                "lockkit: `lockkit fence` keeps its fence in redis://, mysql:// or file:///dir; \
+                "lockkit: `lockkit fence` keeps its fence in file:///dir, mysql:// or redis://; \
                  `{}` is none of those",
                 lockkit::config::redact_url(url)
             );
             return ExitCode::from(2);
         }
     };
-    match admitted {
-        Ok(()) => {
-            println!("accepted token {token} for `{resource}`");
-            ExitCode::SUCCESS
+    match outcome {
+        Ok(status) => {
+            if command.is_empty() {
+                println!("accepted token {token} for `{resource}`");
+            }
+            code(status)
         }
         Err(e @ Error::Fenced { .. }) => {
             eprintln!("lockkit: {e}");
@@ -235,8 +333,13 @@ async fn main() -> ExitCode {
         .url
         .filter(|u| !u.is_empty())
         .unwrap_or_else(lockkit::default_url);
-    if let Commands::Fence { resource, token } = &cli.command {
-        return fence(&url, resource, FencingToken::new(*token)).await;
+    if let Commands::Fence {
+        resource,
+        token,
+        command,
+    } = &cli.command
+    {
+        return fence(&url, resource, FencingToken::new(*token), command).await;
     }
     let locker = match lockkit::connect(&url).await {
         Ok(locker) => locker,

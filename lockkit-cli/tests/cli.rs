@@ -563,7 +563,15 @@ fn status_json_is_valid_json_for_any_key() {
 #[test]
 fn fence_accepts_the_newest_token_and_refuses_a_stale_one() {
     let dir = dir("fence");
-    let mut stores = vec![(format!("file://{dir}"), "orders-42".to_owned())];
+    let unique = format!(
+        "{}-{}",
+        std::process::id(),
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_nanos()
+    );
+    let mut stores = vec![(format!("file://{dir}"), format!("orders-42-{unique}"))];
     for var in ["LOCKKIT_TEST_REDIS_URL", "LOCKKIT_TEST_MYSQL_URL"] {
         if let Some(url) = lockkit_conformance::env::service_url(var) {
             let nanos = std::time::SystemTime::now()
@@ -599,4 +607,78 @@ fn fence_accepts_the_newest_token_and_refuses_a_stale_one() {
         Some(2),
         "memory:// has no fence store: {out:?}"
     );
+}
+
+/// `lockkit fence ... -- CMD` holds the fence while CMD runs (review 15, H1): a stale
+/// writer admitted first cannot write after a newer one, and a refused writer's CMD never
+/// runs. With MySQL, a failing CMD leaves the bar where it was.
+#[test]
+fn fence_runs_the_write_under_the_fence() {
+    let dir = dir("fence-cmd");
+    let pid = std::process::id();
+    // Files of their own per run: the target directory outlives runs.
+    let (data, started) = (
+        format!("{dir}/orders-7-{pid}"),
+        format!("{dir}/started-{pid}"),
+    );
+    let resource = format!("orders-7-fence-{pid}");
+    for stale_file in [&data, &started, &format!("{dir}/{resource}.fence")] {
+        let _ = std::fs::remove_file(stale_file);
+    }
+    let url = format!("file://{dir}");
+    let write = |token: &str, cmd: String| {
+        lockkit(
+            &url,
+            &["fence", "--resource", &resource, "--token", token, "--"],
+        )
+        .args(["sh", "-c", &cmd])
+        .spawn()
+        .unwrap()
+    };
+    // The stale writer is admitted first and is still writing when the newer one comes.
+    let mut stale = write("5", format!("touch {started}; sleep 1; echo A > {data}"));
+    let waiting = Instant::now();
+    while !std::path::Path::new(&started).exists() {
+        assert!(
+            waiting.elapsed() < Duration::from_secs(30),
+            "the first writer never ran"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let mut newer = write("9", format!("echo B > {data}"));
+    let (stale, newer) = (stale.wait().unwrap(), newer.wait().unwrap());
+    assert!(stale.success() && newer.success(), "{stale:?} {newer:?}");
+    assert_eq!(
+        std::fs::read_to_string(&data).unwrap().trim(),
+        "B",
+        "the stale write landed after the newer one"
+    );
+    let refused = write("6", format!("echo C > {data}")).wait().unwrap();
+    assert_eq!(refused.code(), Some(1));
+    assert_eq!(
+        std::fs::read_to_string(&data).unwrap().trim(),
+        "B",
+        "a refused CMD ran"
+    );
+
+    if let Some(url) = lockkit_conformance::env::service_url("LOCKKIT_TEST_MYSQL_URL") {
+        let resource = format!("cli-fence-cmd/{pid}-{:?}", Instant::now());
+        let run = |token: &str, cmd: &str| {
+            lockkit(
+                &url,
+                &["fence", "--resource", &resource, "--token", token, "--"],
+            )
+            .args(["sh", "-c", cmd])
+            .status()
+            .unwrap()
+            .code()
+        };
+        assert_eq!(run("5", "exit 3"), Some(3), "CMD's code is passed on");
+        assert_eq!(
+            run("4", "true"),
+            Some(0),
+            "a failed CMD did not raise the bar"
+        );
+        assert_eq!(run("3", "true"), Some(1), "a successful one did");
+    }
 }

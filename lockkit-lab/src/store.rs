@@ -30,8 +30,8 @@ impl fmt::Display for StaleWrite {
     }
 }
 
-/// A file holding the highest token accepted and the values written, guarded by an
-/// exclusive file lock so several processes can write.
+/// An append-only file of accepted values (`token value` lines), fenced by lockkit's own
+/// [`FileFence`] (its newest token in `<path>.fence`), so several processes can write.
 #[derive(Debug, Clone)]
 pub struct FileFencedStore {
     path: PathBuf,

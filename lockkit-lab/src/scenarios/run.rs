@@ -104,6 +104,9 @@ pub(crate) async fn run(lab: &Lab, def: &ScenarioDef) -> Report {
             .push(format!("restoring the servers failed: {e}"));
     }
     let _ = std::fs::remove_file(ctx.store.path());
+    let mut fence = ctx.store.path().as_os_str().to_owned();
+    fence.push(".fence");
+    let _ = std::fs::remove_file(fence);
     report.elapsed = started.elapsed();
     if report.elapsed > SCENARIO_LIMIT {
         report.problems.push(format!(

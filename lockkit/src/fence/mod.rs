@@ -42,6 +42,9 @@ pub use mysql::{MysqlFence, TABLE as MYSQL_TABLE, ddl};
 pub use redis::RedisFence;
 
 const SCHEME: &str = "fence";
+/// The file fence's own files beside a fenced file.
+const FENCE_SUFFIX: &str = ".fence";
+const TMP_SUFFIX: &str = ".lockkit-tmp";
 
 /// Whether a write with `token` may go ahead where `newest` already wrote.
 fn admitted(resource: &str, token: FencingToken, newest: Option<FencingToken>) -> Result<()> {
@@ -67,9 +70,19 @@ fn io_error(doing: &str, path: &Path, e: std::io::Error) -> Error {
 /// A fence for files: `write` replaces a file's contents only if the token is not older
 /// than the newest that wrote it. The newest token is kept beside the file in
 /// `<path>.fence`, whose `flock` serialises writers across processes; the contents go to
-/// `<path>.tmp` first and are renamed over the file, so a reader never sees half a write.
+/// `<path>.lockkit-tmp` first and are renamed over the file (the directory is synced after),
+/// so a reader never sees half a write.
+///
 /// The token is raised (and synced) before the contents are replaced: a crash in between
-/// leaves old contents behind a raised bar, never new contents behind an old one.
+/// leaves old contents behind a raised bar, never new contents behind an old one. It is
+/// written in place as 20 digits, never truncated first, so a crash cannot leave the fence
+/// empty; a fence that does not read as a token refuses every write (fail closed) until an
+/// operator looks at it. Paths ending in `.fence` or `.lockkit-tmp` are refused, so one
+/// resource's fence is never another's data. The fence is keyed on the path as given: do
+/// not reach one file through several paths (symlinks).
+///
+/// The calls block (file I/O and `flock`): in async code, call them from
+/// `tokio::task::spawn_blocking`.
 #[derive(Debug, Clone, Default)]
 pub struct FileFence;
 
@@ -79,9 +92,9 @@ impl FileFence {
         FileFence
     }
 
-    fn fence_path(path: &Path) -> PathBuf {
+    fn sibling(path: &Path, suffix: &str) -> PathBuf {
         let mut name = path.as_os_str().to_owned();
-        name.push(".fence");
+        name.push(suffix);
         PathBuf::from(name)
     }
 
@@ -107,7 +120,14 @@ impl FileFence {
         path: &Path,
         work: impl FnOnce() -> Result<T>,
     ) -> Result<T> {
-        let fence_path = Self::fence_path(path);
+        let shown = path.display().to_string();
+        if shown.ends_with(FENCE_SUFFIX) || shown.ends_with(TMP_SUFFIX) {
+            return Err(Error::Config(format!(
+                "`{shown}` ends in {FENCE_SUFFIX} or {TMP_SUFFIX}, which the file fence keeps \
+                 for itself; name the file otherwise"
+            )));
+        }
+        let fence_path = Self::sibling(path, FENCE_SUFFIX);
         let mut fence = OpenOptions::new()
             .read(true)
             .write(true)
@@ -122,13 +142,30 @@ impl FileFence {
         fence
             .read_to_string(&mut text)
             .map_err(|e| io_error("reading the fence", &fence_path, e))?;
-        let newest = text.trim().parse().ok().map(FencingToken::new);
-        admitted(&path.display().to_string(), token, newest)?;
+        let newest = match text.trim() {
+            // A fence never raised (a crash can leave one empty only before its first raise,
+            // when no fenced write has happened yet).
+            "" => None,
+            digits => Some(FencingToken::new(digits.parse().map_err(|_| {
+                Error::backend(
+                    SCHEME,
+                    false,
+                    format!(
+                        "the fence `{}` holds `{digits}`, not a token: every write is refused \
+                         until it is repaired (write the newest token that wrote, or remove it \
+                         if no fenced writer can still be running)",
+                        fence_path.display()
+                    ),
+                )
+            })?)),
+        };
+        admitted(&shown, token, newest)?;
         if newest != Some(token) {
             let raise = |fence: &mut File| -> std::io::Result<()> {
+                // In place, fixed width: never an empty fence, whatever is interrupted.
                 fence.seek(SeekFrom::Start(0))?;
-                fence.set_len(0)?;
-                fence.write_all(token.get().to_string().as_bytes())?;
+                fence.write_all(format!("{:020}", token.get()).as_bytes())?;
+                fence.set_len(20)?;
                 fence.sync_data()
             };
             raise(&mut fence).map_err(|e| io_error("raising the fence", &fence_path, e))?;
@@ -159,14 +196,18 @@ impl FileFence {
     ) -> Result<()> {
         let path = path.as_ref();
         self.fenced(token.into(), path, || {
-            let mut tmp = path.as_os_str().to_owned();
-            tmp.push(".tmp");
-            let tmp = PathBuf::from(tmp);
+            let tmp = Self::sibling(path, TMP_SUFFIX);
             let replace = || -> std::io::Result<()> {
                 let mut file = File::create(&tmp)?;
                 file.write_all(contents)?;
                 file.sync_data()?;
-                std::fs::rename(&tmp, path)
+                std::fs::rename(&tmp, path)?;
+                // The rename is durable only once the directory is.
+                let dir = match path.parent() {
+                    Some(dir) if !dir.as_os_str().is_empty() => dir,
+                    _ => Path::new("."),
+                };
+                File::open(dir)?.sync_all()
             };
             replace().map_err(|e| io_error("writing", path, e))
         })
@@ -210,6 +251,36 @@ mod tests {
             "the bar was raised to 9"
         );
         assert_eq!(std::fs::read(&path).expect("readable"), b"nine");
+    }
+
+    /// Review 15, H2: a fence that does not read as a token refuses every write, and the
+    /// fence's own files cannot be written as data.
+    #[test]
+    fn a_corrupt_fence_fails_closed_and_its_own_files_are_refused() {
+        let (fence, path) = (FileFence::new(), scratch("corrupt"));
+        fence
+            .write(FencingToken::new(9), &path, b"nine")
+            .expect("first write");
+        let fence_file = FileFence::sibling(&path, FENCE_SUFFIX);
+        assert_eq!(
+            std::fs::read_to_string(&fence_file).expect("a fence"),
+            format!("{:020}", 9)
+        );
+        std::fs::write(&fence_file, "x").expect("corrupted");
+        let refused = fence
+            .write(FencingToken::new(4), &path, b"four")
+            .expect_err("fail closed");
+        assert!(refused.to_string().contains("not a token"), "{refused}");
+        assert_eq!(std::fs::read(&path).expect("readable"), b"nine");
+        assert!(matches!(
+            fence.write(FencingToken::new(1), &fence_file, b"0"),
+            Err(Error::Config(_))
+        ));
+        let tmp = FileFence::sibling(&path, TMP_SUFFIX);
+        assert!(matches!(
+            fence.write(FencingToken::new(1), &tmp, b"0"),
+            Err(Error::Config(_))
+        ));
     }
 
     /// Eight concurrent writers with interleaved tokens: the file ends with the highest

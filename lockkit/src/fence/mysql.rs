@@ -10,6 +10,9 @@ use crate::{BoxError, Error, FencingToken, Result};
 
 const BACKEND: &str = "mysql";
 
+/// The longest resource name (the fence table's key column).
+const MAX_RESOURCE: usize = 512;
+
 /// The default fence table.
 pub const TABLE: &str = "lockkit_fences";
 
@@ -144,6 +147,11 @@ impl MysqlFence {
     /// error rolls everything back and comes back as [`Error::Backend`] with it as the
     /// source.
     ///
+    /// `work` must use the connection it is given (statements on another connection are
+    /// not fenced) and must not commit on its own (DDL, `COMMIT`, `LOCK TABLES` end the
+    /// transaction and the fence with it). One server: on multi-primary clusters (Galera,
+    /// Group Replication) the row lock does not span nodes.
+    ///
     /// ```no_run
     /// # async fn f(fence: lockkit::fence::MysqlFence, guard: lockkit::LockGuard) -> lockkit::Result<()> {
     /// fence
@@ -174,6 +182,12 @@ impl MysqlFence {
         let token = token.into();
         let table = &self.table;
         let name = resource.as_bytes();
+        if name.is_empty() || name.len() > MAX_RESOURCE {
+            return Err(Error::Config(format!(
+                "a fenced resource name must be 1 to {MAX_RESOURCE} bytes; `{resource}` is {}",
+                name.len()
+            )));
+        }
         // The row exists from the first write on: create it (token 0) in a statement of its
         // own, so the transaction below only ever locks an existing row (a record lock; a
         // missing row would take gap locks, and concurrent first writers deadlock on them).
@@ -232,9 +246,18 @@ impl MysqlFence {
                 });
             }
         };
-        tx.commit()
-            .await
-            .map_err(|e| db_error("committing the fenced write", e))?;
+        // A commit whose answer is lost may have happened: say so, rather than invite a
+        // retry that would apply the work twice (or be refused as if nothing was written).
+        tx.commit().await.map_err(|e| Error::Backend {
+            backend: BACKEND,
+            message: format!(
+                "committing the fenced write to `{resource}` failed: {e}; it may or may not \
+                 have been applied, so check before writing again (or make the write \
+                 idempotent)"
+            ),
+            retryable: false,
+            source: Some(Box::new(e)),
+        })?;
         Ok(out)
     }
 }

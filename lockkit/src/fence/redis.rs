@@ -28,9 +28,11 @@ end
 /// A fence in Redis: per resource, the newest token that wrote is kept in
 /// `<prefix>lockkit:fence:<resource>`, and each write runs in one script with its check.
 ///
-/// For Redis Cluster the fence key and the keys written must share a slot: put a hash tag
-/// in both (`resource = "{orders}:42"`, `key = "{orders}:42:total"`). This type talks to
-/// one server (`redis://`, `rediss://`).
+/// This type talks to one server (`redis://`, `rediss://`), the one holding the data it
+/// guards. The fence keys have no expiry: a `maxmemory` policy that evicts keys without
+/// one (`allkeys-*`) can evict a fence and admit a stale writer, and a failover to a
+/// replica that missed the last write loses the raise with it; use `noeviction` or
+/// `volatile-*`, and persistence, for data worth fencing.
 #[derive(Clone)]
 pub struct RedisFence {
     conn: ConnectionManager,
@@ -202,6 +204,10 @@ impl RedisFence {
     /// `resource`, in the same script as the check, and returns what it returns. In
     /// `body`, `KEYS[1]` is the fence key and `ARGV[1]` the token: your `keys` start at
     /// `KEYS[2]` and your `args` at `ARGV[2]`.
+    ///
+    /// Redis does not roll a script back: if `body` fails half-way, the writes it made
+    /// before the failure stay, and so does the raised fence (which only refuses tokens
+    /// older than one already handed out). Check what you need before you write.
     ///
     /// # Errors
     /// As [`RedisFence::set`], and the script's own errors.
