@@ -40,6 +40,32 @@ fn check_concurrent(outcomes: &[(u64, lockkit::Result<()>)]) {
     }
 }
 
+/// Eight concurrent file writers with interleaved tokens.
+#[test]
+fn file_fence_keeps_the_highest_of_concurrent_writers() {
+    let dir = std::env::temp_dir().join(resource("file").replace('/', "-"));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("data");
+    let writers: Vec<_> = TOKENS
+        .into_iter()
+        .map(|t| {
+            let path = path.clone();
+            std::thread::spawn(move || {
+                let written = fence::FileFence::new().write(
+                    FencingToken::new(t),
+                    &path,
+                    t.to_string().as_bytes(),
+                );
+                (t, written)
+            })
+        })
+        .collect();
+    let outcomes: Vec<_> = writers.into_iter().map(|w| w.join().unwrap()).collect();
+    check_concurrent(&outcomes);
+    assert_eq!(std::fs::read_to_string(&path).unwrap(), "8");
+    std::fs::remove_dir_all(dir).ok();
+}
+
 #[tokio::test]
 async fn redis_fence_refuses_stale_writes() {
     let Some(url) = service_url("LOCKKIT_TEST_REDIS_URL") else {
