@@ -126,7 +126,7 @@ fn say(line: &str) {
 pub async fn serve(
     locker: &Locker,
     spec: &HolderSpec,
-    mut write: impl FnMut(FencingToken) -> String,
+    mut write: impl AsyncFnMut(FencingToken) -> String,
 ) -> i32 {
     let mut acquire = locker
         .acquire(spec.key.clone())
@@ -159,7 +159,7 @@ pub async fn serve(
             line = stdin.next_line() => match line {
                 Ok(Some(line)) if line.trim() == "WRITE" => {
                     let valid = guard.is_valid();
-                    let outcome = write(guard.token());
+                    let outcome = write(guard.token()).await;
                     say(&format!("WROTE {outcome} (guard valid: {valid})"));
                 }
                 Ok(Some(_)) => {}
@@ -186,7 +186,7 @@ pub async fn child_main<H: Harness>(harness: &H) {
         return;
     };
     let locker = harness.client().await;
-    serve(&locker, &spec, |_| {
+    serve(&locker, &spec, async |_| {
         "refused (the suite's child has no store)".to_owned()
     })
     .await;

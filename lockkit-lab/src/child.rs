@@ -1,7 +1,8 @@
 //! The lab's holder in another process, so it can be frozen with SIGSTOP: the `lockkit`
 //! binary speaking the suite's child-holder protocol ([`lockkit_conformance::holder`]),
-//! with the lock's URL and a fenced store in its environment, so its `WRITE`s go to the
-//! store with its token (as a holder does that checked its lock before it was paused).
+//! with the lock's URL and a fenced store (its location and resource) in its environment,
+//! so its `WRITE`s go to the store with its token (as a holder does that checked its lock
+//! before it was paused).
 
 use std::time::Duration;
 
@@ -9,11 +10,12 @@ use lockkit_conformance::holder::{self, HolderProcess, HolderSpec};
 use lockkit_core::{LockKey, Locker};
 use tokio::process::Command;
 
-use super::{Connect, Lab, LabError, store::FileFencedStore};
+use super::{Connect, Lab, LabError, store::FencedStore};
 
 /// Set (to the lock's URL) in the child's environment.
 pub const CHILD_VAR: &str = "LOCKKIT_LAB_CHILD_URL";
 const STORE_VAR: &str = "LOCKKIT_LAB_CHILD_STORE";
+const RESOURCE_VAR: &str = "LOCKKIT_LAB_CHILD_RESOURCE";
 
 /// Whether this process was started as the lab's child holder.
 pub fn child_requested() -> bool {
@@ -24,7 +26,7 @@ pub fn child_requested() -> bool {
 /// the lock could not be taken.
 pub async fn child_main(connect: Connect) -> i32 {
     let var = |name: &str| std::env::var(name).unwrap_or_default();
-    let (url, store) = (var(CHILD_VAR), FileFencedStore::new(var(STORE_VAR)));
+    let url = var(CHILD_VAR);
     let Some(spec) = HolderSpec::from_env() else {
         println!(
             "{} FAILED no holder spec in the environment",
@@ -39,9 +41,16 @@ pub async fn child_main(connect: Connect) -> i32 {
             return 2;
         }
     };
+    let store = match FencedStore::open(&var(STORE_VAR), &var(RESOURCE_VAR)).await {
+        Ok(store) => store,
+        Err(e) => {
+            println!("{} FAILED opening the store: {e}", holder::PREFIX);
+            return 2;
+        }
+    };
     let locker = Locker::from_arc(backend);
-    holder::serve(&locker, &spec, |token| {
-        match store.write(token, "written by the child holder") {
+    holder::serve(&locker, &spec, async |token| {
+        match store.write(token, "written by the child holder").await {
             Ok(Ok(())) => "accepted".to_owned(),
             Ok(Err(stale)) => format!("refused ({stale})"),
             Err(e) => format!("error {e}"),
@@ -60,13 +69,14 @@ pub(crate) async fn spawn_child(
     url: &str,
     key: &LockKey,
     ttl: Duration,
-    store: &FileFencedStore,
+    store: &FencedStore,
 ) -> Result<ChildHolder, LabError> {
     let mut command = Command::new(&lab.child.program);
     command
         .args(&lab.child.args)
         .env(CHILD_VAR, url)
-        .env(STORE_VAR, store.path());
+        .env(STORE_VAR, store.location())
+        .env(RESOURCE_VAR, store.resource());
     let spec = HolderSpec {
         key: key.clone(),
         ttl,

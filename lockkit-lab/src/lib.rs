@@ -50,7 +50,7 @@ pub use markdown::{DOC_BEGIN, DOC_END, render_table, splice_table};
 pub use report::{Expect, LostSignal, Observed, Report, Stale};
 pub use scenarios::{CATALOGUE, ScenarioDef};
 pub use servers::{Instance, Services, parse_instances, redis_command, url_vars};
-pub use store::{FileFencedStore, StaleWrite};
+pub use store::{FencedStore, StaleWrite, StoreKind};
 
 /// Builds a backend from a URL (the facade's `lockkit::backend`).
 pub type Connect = Arc<

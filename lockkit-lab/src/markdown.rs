@@ -2,7 +2,7 @@
 
 use lockkit_core::Consistency;
 
-use super::{Report, find};
+use super::{Report, Stale, find};
 
 /// The line before the generated table in `docs/cap.md`.
 pub const DOC_BEGIN: &str =
@@ -32,7 +32,14 @@ pub fn render_table(reports: &[Report]) -> String {
                     (false, _) => "no".to_owned(),
                 },
                 seen.lost.to_string(),
-                seen.stale.to_string(),
+                match seen.stale {
+                    Stale::NoStaleHolder => seen.stale.to_string(),
+                    _ => format!(
+                        "{}, by `{}`",
+                        seen.stale,
+                        find(r.scenario, r.backend).map_or("?", |d| d.store().guard())
+                    ),
+                },
             ),
             None => ("?".to_owned(), "?".to_owned(), "?".to_owned()),
         };

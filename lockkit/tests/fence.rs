@@ -244,3 +244,39 @@ async fn mysql_fence_refuses_stale_writes_and_keeps_the_highest() {
     check_concurrent(&outcomes);
     assert_eq!(read(res).await, "8");
 }
+
+/// `?create_schema=false` never creates the fence table: a missing one is a
+/// configuration error that names the DDL to run.
+#[tokio::test]
+async fn mysql_fence_without_create_schema_only_checks_the_table() {
+    let Some(url) = service_url("LOCKKIT_TEST_MYSQL_URL") else {
+        return;
+    };
+    fence::MysqlFence::connect(&url).await.unwrap();
+    let separator = if url.contains('?') { '&' } else { '?' };
+    let checked = fence::MysqlFence::connect(&format!("{url}{separator}create_schema=false"))
+        .await
+        .expect("the table exists now, so create_schema=false connects");
+    let missing = format!("lockkit_fence_missing_{}", std::process::id());
+    let refused = checked
+        .clone()
+        .with_table(&missing)
+        .unwrap()
+        .check_table()
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(&refused, Error::Config(m) if m.contains(&missing) && m.contains("CREATE TABLE")),
+        "{refused}"
+    );
+    let pool = sqlx::MySqlPool::connect(&url).await.unwrap();
+    let (exists,): (i64,) = sqlx::query_as(
+        "SELECT COUNT(*) FROM information_schema.tables WHERE table_schema = DATABASE() \
+         AND table_name = ?",
+    )
+    .bind(&missing)
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!(exists, 0, "checking must not create the table");
+}

@@ -12,7 +12,7 @@ use super::{ctx::*, steps::*};
 pub(super) async fn holder_paused(ctx: &mut Ctx<'_>, url: &str) -> Result<(), LabError> {
     let ttl = Duration::from_secs(2);
     let key = ctx.key.clone();
-    let store = ctx.store.clone();
+    let store = ctx.store()?.clone();
     let mut child = spawn_child(ctx.lab, url, &key, ttl, &store).await?;
     ctx.note(format!(
         "holder (pid {}) granted token {} with a {} s lease, watchdog on",
@@ -55,7 +55,7 @@ pub(super) async fn holder_paused(ctx: &mut Ctx<'_>, url: &str) -> Result<(), La
         paused.elapsed().as_secs_f64()
     ));
     let rival_open = ctx.history.begin("rival", &guard);
-    ctx.write("rival", guard.token())?;
+    ctx.write("rival", guard.token()).await?;
     child.request_write().await.map_err(LabError::new)?;
     child.signal("CONT").await.map_err(LabError::new)?;
     ctx.note(format!(
@@ -73,6 +73,7 @@ pub(super) async fn holder_paused(ctx: &mut Ctx<'_>, url: &str) -> Result<(), La
             ctx.stale = if rest.starts_with("refused") {
                 Stale::Refused
             } else if rest.starts_with("accepted") {
+                ctx.accepted_writes += 1;
                 Stale::Accepted
             } else {
                 return Err(LabError::new(format!("the holder could not write: {rest}")));
@@ -150,8 +151,8 @@ pub(super) async fn cut_off(ctx: &mut Ctx<'_>, url: &str) -> Result<(), LabError
         "the server let the lease run out",
     )
     .await?;
-    ctx.write("rival", guard.token())?;
-    ctx.stale_write("holder", holder.token())?;
+    ctx.write("rival", guard.token()).await?;
+    ctx.stale_write("holder", holder.token()).await?;
     proxy.heal();
     finish(ctx, Some((holder, holder_open)), Some((guard, rival_open))).await;
     Ok(())

@@ -1,6 +1,9 @@
 //! What each scenario breaks, on which backend, and what it expects.
 
-use crate::report::{Expect, LostSignal, Stale};
+use crate::{
+    StoreKind,
+    report::{Expect, LostSignal, Stale},
+};
 
 /// What a scenario does to the system.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -45,6 +48,21 @@ pub struct ScenarioDef {
     pub(super) url: (&'static str, &'static str),
     /// Instances the scenario breaks; `services.sh up` brings them back afterwards.
     pub(super) touches: &'static [&'static str],
+}
+
+impl ScenarioDef {
+    /// The store its holders write to, as a user of this backend would: Redis (a server
+    /// the lab never breaks) for the Redis backends, the MariaDB for the MySQL ones, a file
+    /// for the file and ZooKeeper backends.
+    pub fn store(&self) -> StoreKind {
+        if self.backend.starts_with("redis") || self.backend == "redlock" {
+            StoreKind::Redis
+        } else if self.backend.starts_with("mysql") {
+            StoreKind::Mysql
+        } else {
+            StoreKind::File
+        }
+    }
 }
 
 pub(super) const SAFE_PAUSED: Expect = Expect {

@@ -6,9 +6,9 @@ use lockkit_core::{Consistency, FencingToken, LockGuard, LockKey, Locker, LostRe
 use tokio::time::Instant;
 
 use crate::{
-    Context, Lab, LabError,
+    Lab, LabError,
     report::{LostSignal, Observed, Stale},
-    store::FileFencedStore,
+    store::FencedStore,
 };
 use lockkit_conformance::{History, history::OpenHold};
 
@@ -18,7 +18,10 @@ pub(super) struct Ctx<'a> {
     pub(super) t0: Instant,
     pub(super) timeline: Vec<(Duration, String)>,
     pub(super) history: History,
-    pub(super) store: FileFencedStore,
+    /// Where holders write (opened once the servers are up).
+    pub(super) store: Option<FencedStore>,
+    /// How many writes the store accepted, by the store's own answer.
+    pub(super) accepted_writes: usize,
     pub(super) key: LockKey,
     pub(super) holder_lost_at: Option<Instant>,
     pub(super) rival_at: Option<Instant>,
@@ -47,14 +50,18 @@ impl Ctx<'_> {
         Ok(locker)
     }
 
+    /// The store holders write to.
+    pub(super) fn store(&self) -> Result<&FencedStore, LabError> {
+        self.store
+            .as_ref()
+            .ok_or_else(|| LabError::new("the fenced store was not opened"))
+    }
+
     /// A fenced write by a current holder: must be accepted.
-    pub(super) fn write(&mut self, who: &str, token: FencingToken) -> Result<(), LabError> {
-        match self
-            .store
-            .write(token, who)
-            .context("writing the fenced store")?
-        {
+    pub(super) async fn write(&mut self, who: &str, token: FencingToken) -> Result<(), LabError> {
+        match self.store()?.write(token, who).await? {
             Ok(()) => {
+                self.accepted_writes += 1;
                 self.note(format!("{who} writes with token {token}: accepted"));
                 Ok(())
             }
@@ -65,13 +72,14 @@ impl Ctx<'_> {
     }
 
     /// A fenced write by a holder that has been superseded.
-    pub(super) fn stale_write(&mut self, who: &str, token: FencingToken) -> Result<(), LabError> {
-        match self
-            .store
-            .write(token, who)
-            .context("writing the fenced store")?
-        {
+    pub(super) async fn stale_write(
+        &mut self,
+        who: &str,
+        token: FencingToken,
+    ) -> Result<(), LabError> {
+        match self.store()?.write(token, who).await? {
             Ok(()) => {
+                self.accepted_writes += 1;
                 self.stale = Stale::Accepted;
                 self.note(format!(
                     "{who} writes with stale token {token}: ACCEPTED (fencing failed)"

@@ -40,8 +40,8 @@ pub(super) async fn mysql_restarted(
             "the restart ended the holder's transaction",
         )
         .await?;
-        ctx.write("rival", guard.token())?;
-        ctx.stale_write("holder", holder.token())?;
+        ctx.write("rival", guard.token()).await?;
+        ctx.stale_write("holder", holder.token()).await?;
         finish(ctx, Some((holder, holder_open)), Some((guard, rival_open))).await;
         return Ok(());
     }

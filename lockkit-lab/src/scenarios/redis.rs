@@ -47,8 +47,8 @@ pub(super) async fn redis_paused(ctx: &mut Ctx<'_>, url: &str) -> Result<(), Lab
             (guard, open)
         }
     };
-    ctx.write("rival", rival_hold.0.token())?;
-    ctx.stale_write("holder", holder.token())?;
+    ctx.write("rival", rival_hold.0.token()).await?;
+    ctx.stale_write("holder", holder.token()).await?;
     finish(ctx, Some((holder, holder_open)), Some(rival_hold)).await;
     Ok(())
 }
@@ -76,9 +76,9 @@ pub(super) async fn redis_restarted(ctx: &mut Ctx<'_>, url: &str) -> Result<(), 
         "the rival after the restart",
     )
     .await?;
-    ctx.write("rival", guard.token())?;
+    ctx.write("rival", guard.token()).await?;
     renew_through(ctx, &holder, ttl).await;
-    ctx.stale_write("holder", holder.token())?;
+    ctx.stale_write("holder", holder.token()).await?;
     finish(ctx, Some((holder, holder_open)), Some((guard, rival_open))).await;
     Ok(())
 }
@@ -199,7 +199,7 @@ pub(super) async fn failover(ctx: &mut Ctx<'_>, url: &str, lagging: bool) -> Res
             "the rival on the promoted replica",
         )
         .await?;
-        ctx.write("rival", guard.token())?;
+        ctx.write("rival", guard.token()).await?;
         await_lost(ctx, &holder, ttl + Duration::from_secs(5)).await;
         (guard, open)
     } else {
@@ -217,12 +217,12 @@ pub(super) async fn failover(ctx: &mut Ctx<'_>, url: &str, lagging: bool) -> Res
                     "the replicated lease ran out on the new primary",
                 )
                 .await?;
-                ctx.write("rival", guard.token())?;
+                ctx.write("rival", guard.token()).await?;
                 (guard, open)
             }
         }
     };
-    ctx.stale_write("holder", holder.token())?;
+    ctx.stale_write("holder", holder.token()).await?;
     finish(ctx, Some((holder, holder_open)), Some(rival_hold)).await;
     Ok(())
 }
@@ -287,9 +287,9 @@ pub(super) async fn redlock_restarted_empty(ctx: &mut Ctx<'_>, url: &str) -> Res
         "the rival on masters 3, 4, 5",
     )
     .await?;
-    ctx.write("rival", guard.token())?;
+    ctx.write("rival", guard.token()).await?;
     renew_through(ctx, &holder, ttl).await;
-    ctx.stale_write("holder", holder.token())?;
+    ctx.stale_write("holder", holder.token()).await?;
     finish(ctx, Some((holder, holder_open)), Some((guard, rival_open))).await;
     Ok(())
 }

@@ -7,9 +7,9 @@ use tokio::time::Instant;
 use uuid::Uuid;
 
 use crate::{
-    Lab, LabError, SCENARIO_LIMIT,
+    Lab, LabError, SCENARIO_LIMIT, StoreKind,
     report::{Report, Stale, judge},
-    store::FileFencedStore,
+    store::FencedStore,
 };
 use lockkit_conformance::History;
 
@@ -53,7 +53,8 @@ pub(crate) async fn run(lab: &Lab, def: &ScenarioDef) -> Report {
         t0: Instant::now(),
         timeline: Vec::new(),
         history: History::new(),
-        store: FileFencedStore::new(lab.scratch().join(format!("store-{run_id}"))),
+        store: None,
+        accepted_writes: 0,
         key,
         holder_lost_at: None,
         rival_at: None,
@@ -67,10 +68,35 @@ pub(crate) async fn run(lab: &Lab, def: &ScenarioDef) -> Report {
     if def.plan == Plan::Failover {
         needed = vec!["redis-primary", "redis-replica"];
     }
+    let (store_instance, store_location) = match def.store() {
+        StoreKind::File => (
+            None,
+            Ok(format!(
+                "file://{}",
+                lab.scratch().join(format!("store-{run_id}")).display()
+            )),
+        ),
+        StoreKind::Redis => (
+            Some("redis-store"),
+            lab.url("LOCKKIT_TEST_REDIS_STORE_URL").map(str::to_owned),
+        ),
+        StoreKind::Mysql => (
+            Some("mariadb"),
+            lab.url("LOCKKIT_TEST_MYSQL_URL").map(str::to_owned),
+        ),
+    };
+    needed.extend(store_instance.filter(|i| !needed.contains(i)));
     let outcome = async {
         if !needed.is_empty() {
             lab.services.up(&needed).await?;
         }
+        let store = FencedStore::open(&store_location?, ctx.key.as_str()).await?;
+        ctx.note(format!(
+            "fenced store: `{}` through lockkit::fence::{}",
+            store.resource(),
+            store.kind().guard()
+        ));
+        ctx.store = Some(store);
         let url = match def.url.0 {
             "file" => format!("file://{}", lab.scratch().join("file-locks").display()),
             var => format!("{}{}", lab.url(var)?, def.url.1),
@@ -90,6 +116,10 @@ pub(crate) async fn run(lab: &Lab, def: &ScenarioDef) -> Report {
     ctx.timeline.sort_by_key(|(at, _)| *at);
     report.timeline = std::mem::take(&mut ctx.timeline);
     report.consistency = ctx.consistency;
+    let outcome = match (outcome, &ctx.store) {
+        (Ok(()), Some(store)) => check_store(store, ctx.accepted_writes).await,
+        (outcome, _) => outcome,
+    };
     match outcome {
         Ok(()) => {
             let seen = ctx.observed();
@@ -103,10 +133,11 @@ pub(crate) async fn run(lab: &Lab, def: &ScenarioDef) -> Report {
             .problems
             .push(format!("restoring the servers failed: {e}"));
     }
-    let _ = std::fs::remove_file(ctx.store.path());
-    let mut fence = ctx.store.path().as_os_str().to_owned();
-    fence.push(".fence");
-    let _ = std::fs::remove_file(fence);
+    if let Some(store) = &ctx.store
+        && let Err(e) = store.remove().await
+    {
+        report.problems.push(format!("cleaning the store up: {e}"));
+    }
     report.elapsed = started.elapsed();
     if report.elapsed > SCENARIO_LIMIT {
         report.problems.push(format!(
@@ -116,6 +147,35 @@ pub(crate) async fn run(lab: &Lab, def: &ScenarioDef) -> Report {
         ));
     }
     report
+}
+
+/// What the store kept must be what its guard said it accepted: `accepted` writes, their
+/// tokens never falling (a refused write left nothing, an accepted one was not lost).
+async fn check_store(store: &FencedStore, accepted: usize) -> Result<(), LabError> {
+    let values = store.values().await?;
+    if values.len() != accepted {
+        return Err(LabError::new(format!(
+            "the {} store kept {} values for {accepted} accepted writes: {values:?}",
+            store.kind().guard(),
+            values.len()
+        )));
+    }
+    let tokens: Vec<u64> = values
+        .iter()
+        .map(|v| {
+            v.split(' ')
+                .next()
+                .and_then(|t| t.parse().ok())
+                .unwrap_or(0)
+        })
+        .collect();
+    if tokens.windows(2).any(|w| w[1] < w[0]) {
+        return Err(LabError::new(format!(
+            "the {} store kept an older token after a newer one: {values:?}",
+            store.kind().guard()
+        )));
+    }
+    Ok(())
 }
 
 /// Brings back what the scenario broke.

@@ -86,7 +86,7 @@ pub(super) async fn take(
     let guard = acquire.await.context(what)?;
     ctx.note(describe(guard.token()));
     let hold = ctx.open("holder", guard);
-    ctx.write("holder", hold.0.token())?;
+    ctx.write("holder", hold.0.token()).await?;
     Ok(hold)
 }
 
@@ -103,7 +103,7 @@ pub(super) async fn kept(
     let busy = busy.map(|g| ctx.open("rival", g));
     if holder.0.is_valid() {
         if renew_through(ctx, &holder.0, ttl).await {
-            ctx.write("holder", holder.0.token())?;
+            ctx.write("holder", holder.0.token()).await?;
         }
     } else {
         let reason = holder.0.lost().await;

@@ -17,9 +17,14 @@
 //! Every guard takes `impl Into<FencingToken>`: a [`crate::LockGuard`] (`&guard`) or a
 //! bare token (from `LOCKKIT_TOKEN` in a `lockkit run` job).
 //!
-//! Object stores: a conditional put on S3-style stores compares ETags or versions the
-//! store assigns, not a number the writer brings, so "not older than token T" cannot be
-//! one request there; keep a fence in one of the stores above beside the object instead.
+//! Object stores are not covered. A conditional put there compares the ETag or version
+//! the store assigned, not a number the writer brings, so the guard would be a
+//! compare-and-swap loop: read the object's token (user metadata) and ETag, refuse an older
+//! token, else put with `If-Match` on that ETag (object_store's `PutMode::Update`) and
+//! start again on a precondition failure. That is sound, but lockkit tests every guard
+//! against a real server, and no S3-compatible server is packaged in Debian (object_store's
+//! `LocalFileSystem` does not implement `PutMode::Update`; its `InMemory` store would be a
+//! mock). Until then, keep a fence in one of the stores above beside the object.
 
 use std::{
     fs::{File, OpenOptions},

@@ -38,6 +38,9 @@ fn db_error(doing: &str, e: sqlx::Error) -> Error {
 /// may simply try again.
 const DEADLOCK: u16 = 1213;
 
+/// MySQL's "table doesn't exist".
+const NO_SUCH_TABLE: u16 = 1146;
+
 /// Runs `statement` again (up to five times, briefly spaced) while InnoDB picks it as a
 /// deadlock's victim.
 async fn retry_deadlocks<T, F, Fut>(mut statement: F) -> std::result::Result<T, sqlx::Error>
@@ -102,11 +105,13 @@ impl MysqlFence {
     }
 
     /// Connects to the database of a `mysql://` lock URL and creates the fence table if
-    /// it is missing.
+    /// it is missing; with the URL's `?create_schema=false` it only checks that the table
+    /// exists.
     ///
     /// # Errors
-    /// [`Error::Config`] for a bad URL; [`Error::Backend`] when the server cannot be
-    /// reached or refuses the table.
+    /// [`Error::Config`] for a bad URL, or (with `create_schema=false`) a missing table,
+    /// naming the DDL to run; [`Error::Backend`] when the server cannot be reached or
+    /// refuses the table.
     pub async fn connect(url: &str) -> Result<Self> {
         let config = MysqlConfig::parse(url)?;
         let pool = MySqlPoolOptions::new()
@@ -116,8 +121,37 @@ impl MysqlFence {
             .await
             .map_err(|e| db_error("connecting the fence", e))?;
         let fence = Self::new(pool);
-        fence.create_table().await?;
+        if config.create_schema {
+            fence.create_table().await?;
+        } else {
+            fence.check_table().await?;
+        }
         Ok(fence)
+    }
+
+    /// Checks that this fence's table exists, without creating it.
+    ///
+    /// # Errors
+    /// [`Error::Config`] naming the DDL to run when it is missing; database errors.
+    pub async fn check_table(&self) -> Result<()> {
+        let table = &self.table;
+        match sqlx::query(AssertSqlSafe(format!("SELECT 1 FROM `{table}` LIMIT 0")))
+            .fetch_optional(&self.pool)
+            .await
+        {
+            Ok(_) => Ok(()),
+            Err(sqlx::Error::Database(e))
+                if e.try_downcast_ref::<sqlx::mysql::MySqlDatabaseError>()
+                    .is_some_and(|m| m.number() == NO_SUCH_TABLE) =>
+            {
+                Err(Error::Config(format!(
+                    "fence table `{table}` does not exist and create_schema=false; create it \
+                     with:\n{}",
+                    ddl(table)
+                )))
+            }
+            Err(e) => Err(db_error("checking the fence table", e)),
+        }
     }
 
     /// Runs [`ddl`] for this fence's table.
