@@ -17,6 +17,9 @@ pub const CHILD_VAR: &str = "LOCKKIT_LAB_CHILD_URL";
 const STORE_VAR: &str = "LOCKKIT_LAB_CHILD_STORE";
 const RESOURCE_VAR: &str = "LOCKKIT_LAB_CHILD_RESOURCE";
 
+/// What the child holder writes to the store.
+pub(crate) const CHILD_VALUE: &str = "written by the child holder";
+
 /// Whether this process was started as the lab's child holder.
 pub fn child_requested() -> bool {
     std::env::var_os(CHILD_VAR).is_some()
@@ -50,7 +53,7 @@ pub async fn child_main(connect: Connect) -> i32 {
     };
     let locker = Locker::from_arc(backend);
     holder::serve(&locker, &spec, async |token| {
-        match store.write(token, "written by the child holder").await {
+        match store.write(token, CHILD_VALUE).await {
             Ok(Ok(())) => "accepted".to_owned(),
             Ok(Err(stale)) => format!("refused ({stale})"),
             Err(e) => format!("error {e}"),

@@ -263,7 +263,8 @@ impl FencedStore {
         }
     }
 
-    /// Removes the values and the resource's fence (the end of a run).
+    /// Removes the values and the resource's fence (the end of a run), outside the fence:
+    /// it relies on the resource being this run's alone and its writers being gone.
     ///
     /// # Errors
     /// When the store cannot be reached.

@@ -4,7 +4,11 @@ use std::{net::SocketAddr, time::Duration};
 
 use tokio::time::Instant;
 
-use crate::{Context, LabError, child::spawn_child, report::Stale};
+use crate::{
+    Context, LabError,
+    child::{CHILD_VALUE, spawn_child},
+    report::Stale,
+};
 use lockkit_conformance::{FaultProxy, env::host_ports, history::HoldRecord};
 
 use super::{ctx::*, steps::*};
@@ -73,7 +77,8 @@ pub(super) async fn holder_paused(ctx: &mut Ctx<'_>, url: &str) -> Result<(), La
             ctx.stale = if rest.starts_with("refused") {
                 Stale::Refused
             } else if rest.starts_with("accepted") {
-                ctx.accepted_writes += 1;
+                ctx.accepted_writes
+                    .push((child.token.get(), CHILD_VALUE.to_owned()));
                 Stale::Accepted
             } else {
                 return Err(LabError::new(format!("the holder could not write: {rest}")));
@@ -88,7 +93,8 @@ pub(super) async fn holder_paused(ctx: &mut Ctx<'_>, url: &str) -> Result<(), La
         }
     }
     if !wrote {
-        ctx.note("the holder never reported its write");
+        // Its queued WRITE may still land after this: the store check could not count it.
+        return Err(LabError::new("the holder never reported its write"));
     }
     ctx.history.push(HoldRecord {
         holder: "holder (child process)".into(),

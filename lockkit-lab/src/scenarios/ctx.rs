@@ -20,8 +20,8 @@ pub(super) struct Ctx<'a> {
     pub(super) history: History,
     /// Where holders write (opened once the servers are up).
     pub(super) store: Option<FencedStore>,
-    /// How many writes the store accepted, by the store's own answer.
-    pub(super) accepted_writes: usize,
+    /// The writes the store accepted, by its guard's own answer: (token, value), in order.
+    pub(super) accepted_writes: Vec<(u64, String)>,
     pub(super) key: LockKey,
     pub(super) holder_lost_at: Option<Instant>,
     pub(super) rival_at: Option<Instant>,
@@ -61,7 +61,7 @@ impl Ctx<'_> {
     pub(super) async fn write(&mut self, who: &str, token: FencingToken) -> Result<(), LabError> {
         match self.store()?.write(token, who).await? {
             Ok(()) => {
-                self.accepted_writes += 1;
+                self.accepted_writes.push((token.get(), who.to_owned()));
                 self.note(format!("{who} writes with token {token}: accepted"));
                 Ok(())
             }
@@ -79,7 +79,7 @@ impl Ctx<'_> {
     ) -> Result<(), LabError> {
         match self.store()?.write(token, who).await? {
             Ok(()) => {
-                self.accepted_writes += 1;
+                self.accepted_writes.push((token.get(), who.to_owned()));
                 self.stale = Stale::Accepted;
                 self.note(format!(
                     "{who} writes with stale token {token}: ACCEPTED (fencing failed)"

@@ -54,7 +54,7 @@ pub(crate) async fn run(lab: &Lab, def: &ScenarioDef) -> Report {
         timeline: Vec::new(),
         history: History::new(),
         store: None,
-        accepted_writes: 0,
+        accepted_writes: Vec::new(),
         key,
         holder_lost_at: None,
         rival_at: None,
@@ -90,19 +90,23 @@ pub(crate) async fn run(lab: &Lab, def: &ScenarioDef) -> Report {
         if !needed.is_empty() {
             lab.services.up(&needed).await?;
         }
-        let store = FencedStore::open(&store_location?, ctx.key.as_str()).await?;
-        ctx.note(format!(
-            "fenced store: `{}` through lockkit::fence::{}",
-            store.resource(),
-            store.kind().guard()
-        ));
-        ctx.store = Some(store);
         let url = match def.url.0 {
             "file" => format!("file://{}", lab.scratch().join("file-locks").display()),
             var => format!("{}{}", lab.url(var)?, def.url.1),
         };
-        ctx.note(format!("lock `{}` on {url}", ctx.key));
-        tokio::time::timeout(SCENARIO_LIMIT, play(&mut ctx, def, &url))
+        let store_location = store_location?;
+        let played = async {
+            let store = FencedStore::open(&store_location, ctx.key.as_str()).await?;
+            ctx.note(format!(
+                "fenced store: `{}` through lockkit::fence::{}",
+                store.resource(),
+                store.kind().guard()
+            ));
+            ctx.store = Some(store);
+            ctx.note(format!("lock `{}` on {url}", ctx.key));
+            play(&mut ctx, def, &url).await
+        };
+        tokio::time::timeout(SCENARIO_LIMIT, played)
             .await
             .map_err(|_| {
                 LabError::new(format!(
@@ -116,15 +120,17 @@ pub(crate) async fn run(lab: &Lab, def: &ScenarioDef) -> Report {
     ctx.timeline.sort_by_key(|(at, _)| *at);
     report.timeline = std::mem::take(&mut ctx.timeline);
     report.consistency = ctx.consistency;
-    let outcome = match (outcome, &ctx.store) {
-        (Ok(()), Some(store)) => check_store(store, ctx.accepted_writes).await,
-        (outcome, _) => outcome,
-    };
     match outcome {
         Ok(()) => {
             let seen = ctx.observed();
             report.problems.extend(judge(&def.expect, &seen));
             report.observed = Some(seen);
+            // Judged first, so a guard that let a stale write through still shows as such.
+            if let Some(store) = &ctx.store
+                && let Err(e) = check_store(store, &ctx.accepted_writes).await
+            {
+                report.problems.push(e.to_string());
+            }
         }
         Err(e) => report.problems.push(e.to_string()),
     }
@@ -149,30 +155,30 @@ pub(crate) async fn run(lab: &Lab, def: &ScenarioDef) -> Report {
     report
 }
 
-/// What the store kept must be what its guard said it accepted: `accepted` writes, their
-/// tokens never falling (a refused write left nothing, an accepted one was not lost).
-async fn check_store(store: &FencedStore, accepted: usize) -> Result<(), LabError> {
+/// What the store kept must be exactly the writes its guard said it accepted (`token who`,
+/// in order: a refused write left nothing, an accepted one was not lost), and its tokens
+/// must never fall.
+async fn check_store(store: &FencedStore, accepted: &[(u64, String)]) -> Result<(), LabError> {
     let values = store.values().await?;
-    if values.len() != accepted {
+    let guard = store.kind().guard();
+    let expected: Vec<String> = accepted.iter().map(|(t, v)| format!("{t} {v}")).collect();
+    if values != expected {
         return Err(LabError::new(format!(
-            "the {} store kept {} values for {accepted} accepted writes: {values:?}",
-            store.kind().guard(),
-            values.len()
+            "the {guard} store kept {values:?}, but its guard accepted {expected:?}"
         )));
     }
-    let tokens: Vec<u64> = values
-        .iter()
-        .map(|v| {
-            v.split(' ')
-                .next()
-                .and_then(|t| t.parse().ok())
-                .unwrap_or(0)
-        })
-        .collect();
+    let mut tokens = Vec::with_capacity(values.len());
+    for value in &values {
+        let token: u64 = value
+            .split(' ')
+            .next()
+            .and_then(|t| t.parse().ok())
+            .ok_or_else(|| LabError::new(format!("the {guard} store kept `{value}`")))?;
+        tokens.push(token);
+    }
     if tokens.windows(2).any(|w| w[1] < w[0]) {
         return Err(LabError::new(format!(
-            "the {} store kept an older token after a newer one: {values:?}",
-            store.kind().guard()
+            "the {guard} store kept an older token after a newer one: {values:?}"
         )));
     }
     Ok(())
@@ -206,5 +212,47 @@ pub(super) async fn play(ctx: &mut Ctx<'_>, def: &ScenarioDef, url: &str) -> Res
         Plan::Failover => failover(ctx, url, def.expect.double_grant).await,
         Plan::RedlockTwoDown => redlock_two_down(ctx, url).await,
         Plan::RedlockRestartedEmpty => redlock_restarted_empty(ctx, url).await,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use lockkit_core::FencingToken;
+
+    use super::*;
+
+    #[tokio::test]
+    async fn the_store_check_finds_lost_extra_and_falling_writes() {
+        let dir = std::env::temp_dir().join(format!("lockkit-check-{}", Uuid::new_v4()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("s");
+        let store = FencedStore::open(&format!("file://{}", path.display()), "r")
+            .await
+            .unwrap();
+        store
+            .write(FencingToken::new(5), "rival")
+            .await
+            .unwrap()
+            .unwrap();
+        let rival = vec![(5, "rival".to_owned())];
+        check_store(&store, &rival)
+            .await
+            .expect("exactly what was accepted");
+        let lost = vec![(5, "rival".to_owned()), (6, "holder".to_owned())];
+        assert!(
+            check_store(&store, &lost).await.is_err(),
+            "an accepted write is missing"
+        );
+        assert!(
+            check_store(&store, &[]).await.is_err(),
+            "a value nobody accepted"
+        );
+        // A guard that let an older token in after a newer one.
+        std::fs::write(&path, "5 rival\n4 holder\n").unwrap();
+        let falling = vec![(5, "rival".to_owned()), (4, "holder".to_owned())];
+        let err = check_store(&store, &falling).await.unwrap_err();
+        assert!(err.0.contains("older token"), "{err}");
+        store.remove().await.unwrap();
+        std::fs::remove_dir_all(dir).unwrap();
     }
 }

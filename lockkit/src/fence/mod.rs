@@ -19,12 +19,15 @@
 //!
 //! Object stores are not covered. A conditional put there compares the ETag or version
 //! the store assigned, not a number the writer brings, so the guard would be a
-//! compare-and-swap loop: read the object's token (user metadata) and ETag, refuse an older
-//! token, else put with `If-Match` on that ETag (object_store's `PutMode::Update`) and
-//! start again on a precondition failure. That is sound, but lockkit tests every guard
-//! against a real server, and no S3-compatible server is packaged in Debian (object_store's
-//! `LocalFileSystem` does not implement `PutMode::Update`; its `InMemory` store would be a
-//! mock). Until then, keep a fence in one of the stores above beside the object.
+//! compare-and-swap loop on the object itself: read its token (user metadata) and ETag from
+//! one response, refuse an older token, else put with `If-Match` on that ETag
+//! (object_store's `PutMode::Update`; `PutMode::Create` for the first write) and start
+//! again on a precondition failure; a delete would have to leave a tombstone carrying the
+//! token, or a stale writer could create the object again. lockkit tests every guard
+//! against a real server, and the only S3-compatible server Debian packages is Ceph's
+//! `radosgw`, a whole Ceph cluster to run in CI (object_store's `LocalFileSystem` does not
+//! implement `PutMode::Update`; its `InMemory` store would be a mock). Until then, keep a
+//! fence in one of the stores above beside the object.
 
 use std::{
     fs::{File, OpenOptions},
@@ -85,6 +88,11 @@ fn io_error(doing: &str, path: &Path, e: std::io::Error) -> Error {
 /// operator looks at it. Paths ending in `.fence` or `.lockkit-tmp` are refused, so one
 /// resource's fence is never another's data. The fence is keyed on the path as given: do
 /// not reach one file through several paths (symlinks).
+///
+/// `flock` is advisory: it holds off other fenced writers, not a process that writes the
+/// file without this fence. When `run`'s work fails, the raised bar stays (unlike
+/// `MysqlFence`'s rollback): it only refuses tokens older than one already handed
+/// out.
 ///
 /// The calls block (file I/O and `flock`): in async code, call them from
 /// `tokio::task::spawn_blocking`.

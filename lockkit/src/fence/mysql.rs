@@ -129,15 +129,18 @@ impl MysqlFence {
         Ok(fence)
     }
 
-    /// Checks that this fence's table exists, without creating it.
+    /// Checks that this fence's table exists with its two columns, without creating it.
     ///
     /// # Errors
-    /// [`Error::Config`] naming the DDL to run when it is missing; database errors.
+    /// [`Error::Config`] naming the DDL to run when it is missing; database errors (a
+    /// table with other columns, or no `SELECT` privilege on it).
     pub async fn check_table(&self) -> Result<()> {
         let table = &self.table;
-        match sqlx::query(AssertSqlSafe(format!("SELECT 1 FROM `{table}` LIMIT 0")))
-            .fetch_optional(&self.pool)
-            .await
+        match sqlx::query(AssertSqlSafe(format!(
+            "SELECT resource, token FROM `{table}` LIMIT 0"
+        )))
+        .fetch_optional(&self.pool)
+        .await
         {
             Ok(_) => Ok(()),
             Err(sqlx::Error::Database(e))

@@ -52,6 +52,22 @@ fn redis_error(doing: &str, e: redis::RedisError) -> Error {
     Error::backend_with_source(BACKEND, retryable, format!("{doing} failed: {e}"), e)
 }
 
+/// A fenced script that failed after it may have been sent: a timeout or a dropped
+/// connection can hide a script that ran, so the outcome is unknown and a blind retry could
+/// apply the write twice (or be refused as if nothing was written). Never retryable.
+fn script_error(resource: &str, e: redis::RedisError) -> Error {
+    let lost = e.is_io_error() || e.is_timeout() || e.is_connection_dropped();
+    let message = if lost {
+        format!(
+            "the fenced write to `{resource}` got no answer ({e}); it may or may not have run, \
+             so check before writing again (or make the write idempotent)"
+        )
+    } else {
+        format!("the fenced write to `{resource}` failed: {e}")
+    };
+    Error::backend_with_source(BACKEND, false, message, e)
+}
+
 impl RedisFence {
     /// A fence over `conn`, its keys under `prefix` (as the lock URL's `?prefix=`).
     pub fn new(conn: ConnectionManager, prefix: impl Into<String>) -> Self {
@@ -114,7 +130,7 @@ impl RedisFence {
         let answer: Vec<Value> = invocation
             .invoke_async(&mut self.conn.clone())
             .await
-            .map_err(|e| redis_error("running the fenced write", e))?;
+            .map_err(|e| script_error(resource, e))?;
         let mut answer = answer.into_iter();
         match (answer.next(), answer.next()) {
             (Some(Value::Int(1)), result) => Ok(result.unwrap_or(Value::Nil)),
@@ -151,7 +167,9 @@ impl RedisFence {
     ///
     /// # Errors
     /// [`Error::Fenced`] (nothing written) for an older token; [`Error::Backend`] for Redis
-    /// errors.
+    /// errors, never retryable: one without an answer (a timeout, a dropped connection;
+    /// the connection's default response timeout is 500 ms) says the write may or may not
+    /// have run.
     pub async fn set(
         &self,
         token: impl Into<FencingToken>,
