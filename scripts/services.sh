@@ -54,6 +54,10 @@ ZK_HEAP="${LOCKKIT_ZK_HEAP:-256m}"
 MYSQL_DB=lockkit
 MYSQL_USER=lockkit
 MYSQL_PASSWORD=lockkit
+# PostgreSQL: the cluster's superuser is lockkit (password lockkit), with a database lockkit.
+PG_DB=lockkit
+PG_USER=lockkit
+PG_PASSWORD=lockkit
 
 log() { printf '[services] %s\n' "$*"; }
 warn() { printf '[services] %s\n' "$*" >&2; }
@@ -127,6 +131,7 @@ marker_of() {
     redis|cluster) echo ":$(port_of "$1")" ;;   # redis rewrites its title to "redis-server 127.0.0.1:PORT"
     mariadb) echo "$(dir_of mariadb)/my.cnf" ;;
     zk-*) echo "$(dir_of "$1")/zoo.cfg" ;;
+    postgres) echo "$(dir_of "$1")/data" ;;
   esac
 }
 
@@ -214,12 +219,51 @@ mysql_root() {
     -u "$(id -un)" --connect-timeout=2 -N -B "$@"
 }
 
+# PostgreSQL's binaries (Debian keeps them under /usr/lib/postgresql/<version>/bin).
+pg_bin() {
+  local b
+  for b in /usr/lib/postgresql/*/bin/"$1"; do
+    [[ -x "$b" ]] && { echo "$b"; return 0; }
+  done
+  find_bin "$1"
+}
+
+# psql as the lockkit superuser against database $2 (default lockkit) of instance $1.
+pg_psql() {
+  local name=$1 db=${2:-$PG_DB}
+  shift 2 || shift $#
+  PGPASSWORD="$PG_PASSWORD" PGCONNECT_TIMEOUT=2 timeout 10 psql -X -q -w -h "$HOST" \
+    -p "$(port_of "$name")" -U "$PG_USER" -d "$db" -tA "$@"
+}
+
+pg_ok() { [[ "$(pg_psql "$1" "$PG_DB" -c 'SELECT 1' 2>/dev/null)" == 1 ]]; }
+
+# Creates the lockkit database once the server answers. Fails while it does not.
+pg_provision() {
+  local name=$1
+  [[ "$(pg_psql "$name" postgres -c 'SELECT 1' 2>/dev/null)" == 1 ]] || return 1
+  if [[ "$(pg_psql "$name" postgres -c "SELECT 1 FROM pg_database WHERE datname = '$PG_DB'")" != 1 ]]; then
+    pg_psql "$name" postgres -c "CREATE DATABASE $PG_DB" >/dev/null
+  fi
+}
+
+# PostgreSQL refuses to run as root: as root, its processes run as the postgres user
+# (setpriv execs, so the pid recorded is the server's own).
+pg_as_owner() {
+  if [[ "$(id -u)" == 0 ]]; then
+    setpriv --reuid=postgres --regid=postgres --init-groups -- "$@"
+  else
+    "$@"
+  fi
+}
+
 answering() {
   local name=$1 port mode
   port="$(port_of "$name")"
   case "$(kind_of "$name")" in
     redis|cluster) redis_ping "$port" ;;
     mariadb) mysql_tcp_ok ;;
+    postgres) pg_ok "$name" ;;
     zk-standalone)
       [[ "$(zk_4lw "$port" ruok)" == imok ]] || return 1
       mode="$(zk_mode "$port")" || return 1
@@ -238,6 +282,7 @@ log_file_of() {
     redis|cluster) echo "$d/redis.log" ;;
     mariadb) echo "$d/mariadb.log" ;;
     zk-*) echo "$d/zookeeper.log" ;;
+    postgres) echo "$d/postgres.log" ;;
   esac
 }
 
@@ -279,6 +324,9 @@ missing_packages() {
   # Apache Curator, a peer client for the ZooKeeper interoperability test (it needs javac too)
   [[ -f /usr/share/java/curator-recipes.jar ]] || missing+=(libcurator-recipes-java)
   find_bin javac >/dev/null || missing+=(default-jdk-headless)
+  pg_bin postgres >/dev/null && pg_bin initdb >/dev/null || missing+=(postgresql)
+  find_bin psql >/dev/null || missing+=(postgresql-client)
+  find_bin setpriv >/dev/null || missing+=(util-linux)
   echo "${missing[*]}"
 }
 
@@ -288,7 +336,7 @@ system_server_pids() {
   for p in /proc/[0-9]*; do
     comm="$(cat "$p/comm" 2>/dev/null)" || continue
     case "$comm" in
-      redis-server|mariadbd|mysqld) echo "${p#/proc/}" ;;
+      redis-server|mariadbd|mysqld|postgres) echo "${p#/proc/}" ;;
     esac
   done
 }
@@ -484,11 +532,48 @@ SQL
   fi
 }
 
+start_postgres() {
+  local name=$1 d
+  d="$(dir_of "$name")"
+  mkdir -p "$d"
+  if [[ ! -f "$d/data/.lockkit-initialized" ]]; then
+    rm -rf "$d/data"
+    mkdir -p "$d/data"
+    printf '%s\n' "$PG_PASSWORD" >"$d/pwfile"
+    if [[ "$(id -u)" == 0 ]]; then chown -R postgres:postgres "$d"; fi
+    log "$name: initialising $d/data"
+    if ! pg_as_owner "$(pg_bin initdb)" -D "$d/data" -U "$PG_USER" --pwfile="$d/pwfile" \
+        --auth-host=scram-sha-256 --auth-local=trust -E UTF8 --locale=C.UTF-8 \
+        >"$d/install.log" 2>&1; then
+      show_logs "$name"
+      die "initdb failed"
+    fi
+    rm -f "$d/pwfile"
+    touch "$d/data/.lockkit-initialized"
+  fi
+  if [[ "$(id -u)" == 0 ]]; then chown -R postgres:postgres "$d"; fi
+  # A server killed by the lab leaves its pid file behind. PostgreSQL takes it for a live
+  # server while the killed postmaster is a zombie nobody has reaped yet: remove it when
+  # that pid is not a live process.
+  local old_pid
+  old_pid="$(head -n 1 "$d/data/postmaster.pid" 2>/dev/null || true)"
+  if [[ -n "$old_pid" ]] && ! pid_alive "$old_pid"; then
+    rm -f "$d/data/postmaster.pid"
+  fi
+  local as_owner=()
+  if [[ "$(id -u)" == 0 ]]; then as_owner=(setpriv --reuid=postgres --regid=postgres --init-groups --); fi
+  launch "$name" "$d/stdout.log" "${as_owner[@]}" "$(pg_bin postgres)" -D "$d/data" \
+    -c listen_addresses="$HOST" -p "$(port_of "$name")" -c unix_socket_directories= \
+    -c max_connections=300 -c fsync=on -c logging_collector=off \
+    -c log_destination=stderr -c shared_buffers=32MB
+}
+
 start_instance() {
   case "$(kind_of "$1")" in
     redis|cluster) start_redis "$1" ;;
     mariadb) start_mariadb ;;
     zk-*) start_zk "$1" ;;
+    postgres) start_postgres "$1" ;;
   esac
 }
 
@@ -499,7 +584,12 @@ wait_instance() {
   deadline=$((SECONDS + TIMEOUT))
   local provisioned=0 grace=0
   while :; do
-    if [[ "$(kind_of "$name")" == mariadb ]] && ((!provisioned)); then
+    if [[ "$(kind_of "$name")" == postgres ]] && ((!provisioned)); then
+      if pg_provision "$name" >>"$(dir_of "$name")/install.log" 2>&1; then
+        provisioned=1
+        continue
+      fi
+    elif [[ "$(kind_of "$name")" == mariadb ]] && ((!provisioned)); then
       if mysql_root -e 'SELECT 1' >/dev/null 2>&1; then
         if ! mariadb_provision >>"$(dir_of mariadb)/install.log" 2>&1; then
           show_logs mariadb
@@ -719,7 +809,12 @@ cmd_down() {
   for n in "${names[@]}"; do
     if pid="$(owned_pid "$n")"; then
       log "$n ... stopping (pid $pid)"
-      kill -TERM "$pid" 2>/dev/null || true
+      # PostgreSQL's TERM waits for every client to leave; INT is its fast shutdown.
+      if [[ "$(kind_of "$n")" == postgres ]]; then
+        kill -INT "$pid" 2>/dev/null || true
+      else
+        kill -TERM "$pid" 2>/dev/null || true
+      fi
       kill -CONT "$pid" 2>/dev/null || true   # a SIGSTOPped server (fault tests) must see the TERM
       pids+=("$pid")
       stopping+=("$n")
@@ -830,7 +925,14 @@ cmd_signal() {
   esac
   for n in "$@"; do
     pid="$(owned_pid "$n")" || die "$n is not running"
-    kill "-$sig" "$pid" || die "$n: kill -$sig $pid failed"
+    if [[ "$(kind_of "$n")" == postgres ]]; then
+      # The whole server: PostgreSQL runs a process per connection, all in the
+      # postmaster's process group (launch's setsid), so a frozen or killed server is
+      # every one of them, as after a power loss.
+      kill "-$sig" -- "-$pid" || die "$n: kill -$sig -$pid failed"
+    else
+      kill "-$sig" "$pid" || die "$n: kill -$sig $pid failed"
+    fi
     if [[ "$action" == kill ]]; then
       local waited=0
       while pid_alive "$pid" && ((waited++ < 50)); do sleep 0.1; done

@@ -88,6 +88,21 @@ fn redis_cluster_is_formed() {
 }
 
 #[test]
+fn postgres_answers_an_ssl_request() {
+    let Some(url) = service_url("LOCKKIT_TEST_POSTGRES_URL") else {
+        return;
+    };
+    let nodes = host_ports(&url);
+    assert_eq!(nodes.len(), 1);
+    runtime().block_on(async {
+        // SSLRequest (length 8, code 80877103): a PostgreSQL server answers one byte, `N`
+        // (no TLS here) or `S`.
+        let answer = exchange(&nodes[0], &[0, 0, 0, 8, 4, 210, 22, 47], 1).await;
+        assert_eq!(answer, b"N", "{} is not a PostgreSQL server", nodes[0]);
+    });
+}
+
+#[test]
 fn mariadb_greets() {
     let Some(url) = service_url("LOCKKIT_TEST_MYSQL_URL") else {
         return;

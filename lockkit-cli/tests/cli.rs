@@ -216,6 +216,10 @@ fn shell_loops_end_exact_on_every_backend() {
             "LOCKKIT_TEST_MYSQL_URL",
             "?mode=for-update&table=lockkit_cli_fu",
         ),
+        (
+            "LOCKKIT_TEST_POSTGRES_URL",
+            "?mode=row&table=lockkit_cli_row",
+        ),
     ] {
         if let Some(url) = lockkit_conformance::env::service_url(var) {
             counter_loops(&format!("{url}{options}"), &dir);
@@ -490,6 +494,12 @@ async fn passwords_never_show() {
         urls.push(format!(
             "mysql://lockkit:{SECRET}@{at_host}?mode=for-update&bogus=1"
         ));
+    }
+    if let Some(postgres) = lockkit_conformance::env::service_url("LOCKKIT_TEST_POSTGRES_URL") {
+        let rest = postgres.trim_start_matches("postgres://");
+        let (_, at_host) = rest.split_once('@').unwrap();
+        urls.push(format!("postgres://lockkit:{SECRET}@{at_host}"));
+        urls.push(format!("postgres://lockkit:{SECRET}@{at_host}?bogus=1"));
     }
     for url in &urls {
         for args in [

@@ -361,8 +361,8 @@ mod tests {
     #[test]
     fn the_instance_table_parses_and_refuses_bad_rows() {
         let table = parse_instances(include_str!("../../scripts/instances.tsv")).expect("parses");
-        assert_eq!(table.len(), 18);
-        assert_eq!(url_vars(&table).len(), 10);
+        assert_eq!(table.len(), 19);
+        assert_eq!(url_vars(&table).len(), 11);
         let redlock: Vec<_> = table
             .iter()
             .filter(|i| i.url_var == "LOCKKIT_TEST_REDLOCK_URL")

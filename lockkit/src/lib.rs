@@ -14,6 +14,9 @@ pub use lockkit_core::*;
 #[cfg(feature = "mysql")]
 #[cfg_attr(docsrs, doc(cfg(feature = "mysql")))]
 pub use lockkit_mysql as mysql;
+#[cfg(feature = "postgres")]
+#[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
+pub use lockkit_postgres as postgres;
 #[cfg(feature = "redis")]
 #[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
 pub use lockkit_redis as redis;
@@ -106,6 +109,20 @@ pub const DRIVERS: &[Driver] = &[
         feature: Some("mysql"),
         connect: None,
     },
+    #[cfg(feature = "postgres")]
+    Driver {
+        name: "postgres",
+        schemes: lockkit_postgres::SCHEMES,
+        feature: Some("postgres"),
+        connect: Some(|url| Box::pin(async move { lockkit_postgres::connect(&url).await })),
+    },
+    #[cfg(not(feature = "postgres"))]
+    Driver {
+        name: "postgres",
+        schemes: POSTGRES_SCHEMES,
+        feature: Some("postgres"),
+        connect: None,
+    },
 ];
 
 /// The schemes of lockkit-redis, known even when its feature is off (to say which feature
@@ -125,6 +142,9 @@ const ZK_SCHEMES: &[&str] = &["zk", "zookeeper"];
 /// The schemes of lockkit-mysql (see [`REDIS_SCHEMES`]).
 #[cfg_attr(feature = "mysql", allow(dead_code))]
 const MYSQL_SCHEMES: &[&str] = &["mysql", "mariadb"];
+/// The schemes of lockkit-postgres (see [`REDIS_SCHEMES`]).
+#[cfg_attr(feature = "postgres", allow(dead_code))]
+const POSTGRES_SCHEMES: &[&str] = &["postgres", "postgresql"];
 
 /// Every scheme lockkit knows, with the feature that enables it (`None`: always there).
 pub fn schemes() -> impl Iterator<Item = (&'static str, Option<&'static str>)> {
@@ -240,7 +260,14 @@ mod tests {
         assert_eq!(ZK_SCHEMES, lockkit_zk::SCHEMES);
         #[cfg(feature = "mysql")]
         assert_eq!(MYSQL_SCHEMES, lockkit_mysql::SCHEMES);
-        for scheme in REDIS_SCHEMES.iter().chain(ZK_SCHEMES).chain(MYSQL_SCHEMES) {
+        #[cfg(feature = "postgres")]
+        assert_eq!(POSTGRES_SCHEMES, lockkit_postgres::SCHEMES);
+        for scheme in REDIS_SCHEMES
+            .iter()
+            .chain(ZK_SCHEMES)
+            .chain(MYSQL_SCHEMES)
+            .chain(POSTGRES_SCHEMES)
+        {
             assert!(schemes().any(|(s, _)| s == *scheme), "{scheme}");
         }
     }
@@ -278,6 +305,13 @@ mod tests {
                 .ttl,
             Some(Duration::from_secs(5))
         );
+        #[cfg(feature = "postgres")]
+        assert_eq!(
+            lockkit_postgres::PostgresConfig::parse("postgres://u@h/db?ttl=5s")
+                .unwrap()
+                .ttl,
+            Some(Duration::from_secs(5))
+        );
         assert!(matches!(
             connect("memory://?ttl=5").await,
             Err(Error::Config(_))
@@ -286,9 +320,9 @@ mod tests {
 
     #[test]
     fn unknown_schemes_list_the_known_ones() {
-        let err = driver_of("postgres://x").unwrap_err().to_string();
+        let err = driver_of("etcd://x").unwrap_err().to_string();
         assert!(
-            err.contains("postgres") && err.contains("redlocks://") && err.contains("zk://"),
+            err.contains("etcd") && err.contains("redlocks://") && err.contains("zk://"),
             "{err}"
         );
         assert!(matches!(driver_of("no-scheme"), Err(Error::Config(_))));
@@ -306,6 +340,8 @@ mod tests {
             ("zookeeper", lockkit_zk::SCHEMES),
             #[cfg(feature = "mysql")]
             ("mysql", lockkit_mysql::SCHEMES),
+            #[cfg(feature = "postgres")]
+            ("postgres", lockkit_postgres::SCHEMES),
         ];
         for (name, schemes) in backends {
             assert!(!schemes.is_empty(), "{name} declares no scheme");

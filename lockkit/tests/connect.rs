@@ -46,6 +46,11 @@ async fn every_server_backend_by_url() {
             "mysql",
             "?mode=row&table=lockkit_facade_row",
         ),
+        (
+            "LOCKKIT_TEST_POSTGRES_URL",
+            "postgres",
+            "?mode=row&table=lockkit_facade_row",
+        ),
     ] {
         let Some(url) = env::service_url(var) else {
             continue;

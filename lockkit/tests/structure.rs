@@ -14,6 +14,7 @@ const CRATES: &[&str] = &[
     "lockkit-redis",
     "lockkit-zk",
     "lockkit-mysql",
+    "lockkit-postgres",
     "lockkit",
     "conformance",
     "lockkit-lab",
@@ -21,7 +22,12 @@ const CRATES: &[&str] = &[
 ];
 
 /// The backend crates, which must stay small.
-const BACKENDS: &[&str] = &["lockkit-redis", "lockkit-zk", "lockkit-mysql"];
+const BACKENDS: &[&str] = &[
+    "lockkit-redis",
+    "lockkit-zk",
+    "lockkit-mysql",
+    "lockkit-postgres",
+];
 
 fn workspace() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("..")

@@ -1,0 +1,120 @@
+//! `PostgresBackend`: one database ([`Db`]) and the locks of the mode its URL picks.
+
+use std::{sync::Arc, time::Duration};
+
+use async_trait::async_trait;
+use lockkit_core::spi::{AcquireRequest, Grant, Released};
+use lockkit_core::{BackendInfo, HolderInfo, LockBackend, LockKey, Result};
+
+use crate::{Mode, PostgresConfig, db::Db, row::RowLocks};
+
+/// Locks in a PostgreSQL database; see the crate docs.
+#[derive(Clone)]
+pub struct PostgresBackend {
+    db: Arc<Db>,
+    locks: RowLocks,
+}
+
+impl std::fmt::Debug for PostgresBackend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PostgresBackend")
+            .field("mode", &self.db.config.mode)
+            .field("table", &self.db.config.table)
+            .finish()
+    }
+}
+
+impl PostgresBackend {
+    /// Connects as a `postgres://user:pw@host:port/db?mode=row` URL says (see
+    /// [`PostgresConfig::parse`]). The table is created on first use unless
+    /// `create_schema=false`.
+    ///
+    /// # Errors
+    /// [`lockkit_core::Error::Config`] for a bad URL or a missing table with
+    /// `create_schema=false`; [`lockkit_core::Error::Backend`] when the server cannot be
+    /// reached.
+    pub async fn connect(url: &str) -> Result<Self> {
+        Self::from_config(PostgresConfig::parse(url)?).await
+    }
+
+    /// Connects as `config` says.
+    ///
+    /// # Errors
+    /// As [`PostgresBackend::connect`].
+    pub async fn from_config(config: PostgresConfig) -> Result<Self> {
+        let db = Db::connect(config).await?;
+        let locks = match db.config.mode {
+            Mode::Row => RowLocks::new(db.clone()),
+        };
+        Ok(PostgresBackend { db, locks })
+    }
+
+    /// The configuration in force.
+    pub fn config(&self) -> &PostgresConfig {
+        &self.db.config
+    }
+
+    /// Closes every connection of this client.
+    pub async fn close(&self) {
+        self.db.pool.close().await;
+    }
+
+    /// Operator action: takes `key` away from its holder, clearing its lease as if it had
+    /// expired and waking its waiters; the holder finds out at its next renewal. Returns
+    /// whether there was a live lease. Every backend that can do this names it
+    /// `take_away`, with this signature.
+    ///
+    /// # Errors
+    /// Database errors.
+    pub async fn take_away(&self, key: &LockKey) -> Result<bool> {
+        self.locks.take_away(key).await
+    }
+
+    /// Keys under `prefix` with a live lease now. For leak checks.
+    ///
+    /// # Errors
+    /// Database errors.
+    #[cfg(feature = "testing")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "testing")))]
+    pub async fn held_under(&self, prefix: &str) -> Result<u64> {
+        self.locks.held_under(prefix).await
+    }
+
+    /// Keys this client's waiters listen for now (none once every wait has ended).
+    #[cfg(feature = "testing")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "testing")))]
+    pub fn waiting_keys(&self) -> usize {
+        self.locks.waiting_keys()
+    }
+}
+
+#[async_trait]
+impl LockBackend for PostgresBackend {
+    fn info(&self) -> BackendInfo {
+        self.locks.info()
+    }
+
+    async fn try_acquire(&self, req: &AcquireRequest) -> Result<Option<Grant>> {
+        self.locks.try_acquire(req).await
+    }
+
+    async fn acquire(&self, req: &AcquireRequest, wait: Duration) -> Result<Grant> {
+        self.locks.acquire(req, wait).await
+    }
+
+    async fn renew(&self, grant: &Grant, ttl: Duration) -> Result<()> {
+        self.locks.renew(grant, ttl).await
+    }
+
+    async fn release(&self, grant: &Grant) -> Result<Released> {
+        self.locks.release(grant).await
+    }
+
+    async fn ping(&self) -> Result<()> {
+        self.locks.ping().await
+    }
+
+    async fn inspect(&self, key: &LockKey) -> Result<Option<HolderInfo>> {
+        self.locks.inspect(key).await
+    }
+}

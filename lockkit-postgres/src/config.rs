@@ -1,0 +1,246 @@
+//! PostgreSQL URLs: `postgres://user:pw@host:port/db?mode=row&table=...`.
+
+use std::{str::FromStr, time::Duration};
+
+use lockkit_core::{
+    Error, Result,
+    config::{LockUrl, parse_count, parse_duration},
+};
+use sqlx::postgres::PgConnectOptions;
+
+/// How locks are kept in the database.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Mode {
+    /// A lease table: one row per key with owner, hold count, fence and expiry, changed by
+    /// short transactions on the server's clock (`clock_timestamp()`). Survives client and
+    /// server restarts. A release is announced with `NOTIFY`, so waiters wake at once.
+    Row,
+}
+
+/// Everything a PostgreSQL URL says. Its `Debug` output leaves the password out.
+#[derive(Clone)]
+#[non_exhaustive]
+pub struct PostgresConfig {
+    /// Where and as whom to connect.
+    pub connect: PgConnectOptions,
+    /// `?mode=` (default and, for now, only `row`).
+    pub mode: Mode,
+    /// `?table=` (default `lockkit_locks`), in the connection's `search_path`.
+    pub table: String,
+    /// `?create_schema=false` refuses to create the table and reports the DDL to run.
+    pub create_schema: bool,
+    /// `?pool_size=` connections for short statements (default 8), plus one that listens
+    /// for releases.
+    pub pool_size: u32,
+    /// `?connect_timeout=` (default 5 s).
+    pub connect_timeout: Duration,
+    /// `?ttl=`: the default lease of locks taken through this URL (the facade applies it).
+    pub ttl: Option<Duration>,
+}
+
+impl Default for PostgresConfig {
+    /// `postgres://lockkit@127.0.0.1:5432/lockkit` in row mode, every option at its default.
+    fn default() -> Self {
+        PostgresConfig {
+            connect: PgConnectOptions::new_without_pgpass()
+                .host("127.0.0.1")
+                .port(5432)
+                .username("lockkit")
+                .database("lockkit"),
+            mode: Mode::Row,
+            table: "lockkit_locks".into(),
+            create_schema: true,
+            pool_size: 8,
+            connect_timeout: Duration::from_secs(5),
+            ttl: None,
+        }
+    }
+}
+
+impl std::fmt::Debug for PostgresConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PostgresConfig")
+            .field("host", &self.connect.get_host())
+            .field("port", &self.connect.get_port())
+            .field("user", &self.connect.get_username())
+            .field("database", &self.connect.get_database())
+            .field("mode", &self.mode)
+            .field("table", &self.table)
+            .field("create_schema", &self.create_schema)
+            .field("pool_size", &self.pool_size)
+            .field("connect_timeout", &self.connect_timeout)
+            .field("ttl", &self.ttl)
+            .finish_non_exhaustive()
+    }
+}
+
+const OPTIONS: &str = "mode, table, create_schema, pool_size, connect_timeout, ttl";
+
+/// The driver's own options, passed through.
+const DRIVER_OPTIONS: &[&str] = &[
+    "sslmode",
+    "sslrootcert",
+    "sslcert",
+    "sslkey",
+    "application_name",
+    "options",
+    "statement-cache-capacity",
+];
+
+/// Every URL scheme this crate accepts.
+pub const SCHEMES: &[&str] = &["postgres", "postgresql"];
+
+const FORM: &str = "postgres://user:password@host:port/database?mode=row";
+
+impl PostgresConfig {
+    /// Parses a lockkit PostgreSQL URL; the driver's own options (`sslmode`,
+    /// `application_name`, ...) go to the driver.
+    ///
+    /// # Errors
+    /// [`Error::Config`] saying what is wrong and what is accepted.
+    pub fn parse(url: &str) -> Result<Self> {
+        let parts = LockUrl::parse(url, SCHEMES, FORM)?;
+        let shown = parts.shown.clone();
+        if parts.path.as_deref().is_none_or(str::is_empty) {
+            return Err(Error::Config(format!(
+                "`{shown}` names no database; write {FORM}"
+            )));
+        }
+        parts.require_hosts(FORM)?;
+        let mut config = PostgresConfig {
+            connect: PgConnectOptions::new_without_pgpass(),
+            ..PostgresConfig::default()
+        };
+        let mut driver = Vec::new();
+        for option in &parts.options {
+            let (name, value) = (option.name.as_str(), option.value.as_str());
+            match name {
+                "mode" => {
+                    config.mode = match value {
+                        "row" => Mode::Row,
+                        "advisory" => {
+                            return Err(Error::Config(
+                                "`mode=advisory` (pg_advisory_lock on a dedicated connection) \
+                                 is not built yet; use mode=row"
+                                    .into(),
+                            ));
+                        }
+                        other => {
+                            return Err(Error::Config(format!(
+                                "`mode={other}` is unknown; use mode=row"
+                            )));
+                        }
+                    }
+                }
+                "table" => {
+                    let ok = !value.is_empty()
+                        && value.len() <= 48
+                        && value
+                            .chars()
+                            .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_')
+                        && !value.starts_with(|c: char| c.is_ascii_digit());
+                    if !ok {
+                        return Err(Error::Config(format!(
+                            "`table={value}` must be 1 to 48 lower-case letters, digits or \
+                             underscores, not starting with a digit"
+                        )));
+                    }
+                    config.table = value.to_owned();
+                }
+                "create_schema" => {
+                    config.create_schema = match value {
+                        "true" | "1" => true,
+                        "false" | "0" => false,
+                        other => {
+                            return Err(Error::Config(format!(
+                                "`create_schema={other}` must be true or false"
+                            )));
+                        }
+                    }
+                }
+                "pool_size" => config.pool_size = parse_count(name, value)?.max(1),
+                "connect_timeout" => config.connect_timeout = parse_duration(name, value)?,
+                "ttl" => config.ttl = Some(parse_duration(name, value)?),
+                _ if DRIVER_OPTIONS.contains(&name) => driver.push(option.raw.as_str()),
+                _ => {
+                    return Err(parts.unknown_option(
+                        option,
+                        &format!("{OPTIONS} (and the driver's {})", DRIVER_OPTIONS.join(", ")),
+                    ));
+                }
+            }
+        }
+        let base = parts.base.as_str();
+        let driver_url = if driver.is_empty() {
+            format!("postgres://{base}")
+        } else {
+            format!("postgres://{base}?{}", driver.join("&"))
+        };
+        let connect = PgConnectOptions::from_str(&driver_url)
+            .map_err(|e| Error::Config(format!("`{shown}` is not a valid PostgreSQL URL: {e}")))?;
+        config.connect = connect;
+        Ok(config)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_default_is_the_local_server_with_default_options() {
+        let parsed = PostgresConfig::parse("postgres://lockkit@127.0.0.1:5432/lockkit").unwrap();
+        assert_eq!(
+            format!("{:?}", PostgresConfig::default()),
+            format!("{parsed:?}")
+        );
+    }
+
+    #[test]
+    fn parses() {
+        let c = PostgresConfig::parse(
+            "postgresql://u:p@127.0.0.1:15432/db?mode=row&table=t1&pool_size=3&ttl=5s&application_name=x",
+        )
+        .unwrap();
+        assert_eq!(
+            (c.mode, c.table.as_str(), c.pool_size, c.ttl),
+            (Mode::Row, "t1", 3, Some(Duration::from_secs(5)))
+        );
+        assert_eq!(c.connect.get_port(), 15432);
+        assert_eq!(c.connect.get_database(), Some("db"));
+    }
+
+    #[test]
+    fn refuses() {
+        for bad in [
+            "",
+            "mysql://u@h/db",
+            "postgres://u@h",
+            "postgres://u@h/",
+            "postgres:///db",
+            "postgres://u@h/db?mode=lease",
+            "postgres://u@h/db?mode=advisory",
+            "postgres://u@h/db?table=a-b",
+            "postgres://u@h/db?table=Upper",
+            "postgres://u@h/db?table=",
+            "postgres://u@h/db?bogus=1",
+            "postgres://u@h/db?ttl=5",
+            "postgres://u@h:notaport/db",
+        ] {
+            assert!(
+                matches!(PostgresConfig::parse(bad), Err(Error::Config(_))),
+                "{bad}"
+            );
+        }
+    }
+
+    #[test]
+    fn messages_hide_the_password() {
+        let Err(Error::Config(message)) = PostgresConfig::parse("postgres://u:s3cret@h/db?bogus=1")
+        else {
+            panic!("refused");
+        };
+        assert!(!message.contains("s3cret"), "{message}");
+    }
+}

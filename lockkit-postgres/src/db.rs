@@ -1,0 +1,265 @@
+//! The database: its connection pool, the lease table and its statements, error mapping,
+//! and the reads every mode answers the same way.
+
+use std::{sync::Arc, time::Duration};
+
+use lockkit_core::{Error, FencingToken, HolderInfo, LockKey, Result};
+use sqlx::{
+    AssertSqlSafe, PgPool, Row,
+    postgres::{PgPoolOptions, PgRow},
+};
+
+use crate::PostgresConfig;
+
+pub(crate) const BACKEND: &str = "postgres";
+
+/// SQLSTATEs lockkit reacts to.
+pub(crate) mod state {
+    /// `unique_violation`.
+    pub(crate) const UNIQUE_VIOLATION: &str = "23505";
+    /// `undefined_table`.
+    pub(crate) const UNDEFINED_TABLE: &str = "42P01";
+    /// `serialization_failure`, `deadlock_detected`: the server asks for a retry.
+    pub(crate) const SERIALIZATION_FAILURE: &str = "40001";
+    pub(crate) const DEADLOCK: &str = "40P01";
+}
+
+/// The SQLSTATE of a database error.
+pub(crate) fn sql_state(e: &sqlx::Error) -> Option<String> {
+    match e {
+        sqlx::Error::Database(db) => db.code().map(|c| c.to_string()),
+        _ => None,
+    }
+}
+
+/// Maps a driver error, saying what was being done and what to do.
+pub(crate) fn db_error(doing: &str, e: sqlx::Error) -> Error {
+    let code = sql_state(&e);
+    let retryable = match &e {
+        sqlx::Error::Io(_)
+        | sqlx::Error::PoolTimedOut
+        | sqlx::Error::Protocol(_)
+        | sqlx::Error::WorkerCrashed => true,
+        // Serialization failure, deadlock, lock not available, the server shutting down or
+        // restarting (class 57P: operator intervention), connection failures (class 08).
+        sqlx::Error::Database(_) => code.as_deref().is_some_and(|c| {
+            matches!(c, state::SERIALIZATION_FAILURE | state::DEADLOCK | "55P03")
+                || c.starts_with("57P")
+                || c.starts_with("08")
+        }),
+        _ => false,
+    };
+    let hint = match &e {
+        sqlx::Error::Io(_) => "; is the server running and reachable?",
+        sqlx::Error::PoolTimedOut => "; all pooled connections are busy (raise pool_size)",
+        _ => "",
+    };
+    Error::backend_with_source(BACKEND, retryable, format!("{doing} failed: {e}{hint}"), e)
+}
+
+pub(crate) fn query(
+    sql: &Arc<str>,
+) -> sqlx::query::Query<'static, sqlx::Postgres, sqlx::postgres::PgArguments> {
+    sqlx::query(AssertSqlSafe(sql.clone()))
+}
+
+/// Whole microseconds, at least one, as the `bigint` the statements take.
+pub(crate) fn micros(d: Duration) -> i64 {
+    i64::try_from(d.as_micros()).unwrap_or(i64::MAX).max(1)
+}
+
+/// The database: a pool for short statements and the statements on its table.
+pub(crate) struct Db {
+    pub(crate) config: PostgresConfig,
+    pub(crate) pool: PgPool,
+    pub(crate) sql: Sql,
+}
+
+impl Db {
+    /// Opens the pool `config` asks for and makes sure the table is there.
+    pub(crate) async fn connect(config: PostgresConfig) -> Result<Arc<Db>> {
+        let pool = PgPoolOptions::new()
+            .max_connections(config.pool_size)
+            .acquire_timeout(config.connect_timeout)
+            .connect_with(config.connect.clone())
+            .await
+            .map_err(|e| db_error("connecting to PostgreSQL", e))?;
+        let db = Arc::new(Db {
+            sql: Sql::new(&config.table),
+            config,
+            pool,
+        });
+        db.ensure_schema().await?;
+        Ok(db)
+    }
+
+    /// Creates the table if allowed; otherwise checks it is there.
+    async fn ensure_schema(&self) -> Result<()> {
+        let table = &self.config.table;
+        if self.config.create_schema {
+            // Concurrent `CREATE TABLE IF NOT EXISTS` can still collide on the catalog's
+            // unique index: the other client made it, which is all this wanted.
+            match sqlx::raw_sql(AssertSqlSafe(ddl(table)))
+                .execute(&self.pool)
+                .await
+            {
+                Ok(_) => return Ok(()),
+                Err(e) if sql_state(&e).as_deref() == Some(state::UNIQUE_VIOLATION) => {}
+                Err(e) => return Err(db_error(&format!("creating table `{table}`"), e)),
+            }
+        }
+        match query(&self.sql.table_exists).execute(&self.pool).await {
+            Ok(_) => Ok(()),
+            Err(e) if sql_state(&e).as_deref() == Some(state::UNDEFINED_TABLE) => {
+                Err(Error::Config(format!(
+                    "table `{table}` does not exist and create_schema=false; create it with:\n{}",
+                    ddl(table)
+                )))
+            }
+            Err(e) => Err(db_error(&format!("checking table `{table}`"), e)),
+        }
+    }
+
+    /// One round trip to the server.
+    pub(crate) async fn ping(&self) -> Result<()> {
+        let _: (i32,) = sqlx::query_as("SELECT 1")
+            .fetch_one(&self.pool)
+            .await
+            .map_err(|e| db_error("SELECT 1", e))?;
+        Ok(())
+    }
+
+    /// Who holds `key` according to the lease table: a live lease.
+    pub(crate) async fn inspect_lease(&self, key: &LockKey) -> Result<Option<HolderInfo>> {
+        let row = query(&self.sql.inspect)
+            .bind(key.as_str().as_bytes())
+            .fetch_optional(&self.pool)
+            .await
+            .map_err(|e| db_error("inspecting the lease", e))?;
+        let Some(row) = row else { return Ok(None) };
+        let left = row.try_get::<Option<i64>, _>("left_us").ok().flatten();
+        Ok(Some(HolderInfo::new(
+            row_text(&row, "owner").unwrap_or_default(),
+            row.try_get::<i32, _>("holds")
+                .ok()
+                .and_then(|h| u32::try_from(h).ok())
+                .unwrap_or(1),
+            fence_of(&row).ok().map(FencingToken::new),
+            left.and_then(|us| u64::try_from(us).ok())
+                .map(Duration::from_micros),
+        )))
+    }
+}
+
+pub(crate) fn row_text(row: &PgRow, column: &str) -> Option<String> {
+    row.try_get::<Option<String>, _>(column).ok().flatten()
+}
+
+/// The row's `fence` (a `bigint` that only grows from 0).
+pub(crate) fn fence_of(row: &PgRow) -> std::result::Result<u64, sqlx::Error> {
+    let fence: i64 = row.try_get("fence")?;
+    Ok(u64::try_from(fence).unwrap_or(0))
+}
+
+// ---- the table and its statements
+
+/// The DDL for `table`: one row per key, never deleted, so its fence only grows.
+pub fn ddl(table: &str) -> String {
+    format!(
+        "CREATE TABLE IF NOT EXISTS {table} (\n  \
+           name BYTEA NOT NULL PRIMARY KEY CHECK (octet_length(name) <= 512),\n  \
+           owner TEXT NULL,\n  \
+           holds INTEGER NOT NULL DEFAULT 0,\n  \
+           fence BIGINT NOT NULL DEFAULT 0,\n  \
+           expires_at TIMESTAMPTZ NULL,\n  \
+           attempts TEXT NULL\n\
+         )"
+    )
+}
+
+/// The channel releases are announced on (`NOTIFY`), one per table; the payload is the
+/// key. At most 60 bytes: the table name is at most 48, and channel names are cut at 63.
+pub(crate) fn release_channel(table: &str) -> String {
+    format!("lockkit_rel_{table}")
+}
+
+/// `now + $n microseconds` on the server's clock: `clock_timestamp()`, the time of the
+/// statement itself (not `now()`, the time the transaction began).
+fn from_now(param: u8) -> String {
+    format!("clock_timestamp() + ${param}::bigint * interval '1 microsecond'")
+}
+
+/// Every statement, prepared once per connection by the driver's statement cache.
+#[derive(Debug)]
+pub(crate) struct Sql {
+    pub(crate) table_exists: Arc<str>,
+    pub(crate) row_select_for_update: Arc<str>,
+    pub(crate) row_insert: Arc<str>,
+    pub(crate) row_take: Arc<str>,
+    pub(crate) row_reenter: Arc<str>,
+    pub(crate) row_renew: Arc<str>,
+    pub(crate) row_release_one: Arc<str>,
+    pub(crate) row_release_all: Arc<str>,
+    pub(crate) row_clear_live: Arc<str>,
+    pub(crate) notify_release: Arc<str>,
+    pub(crate) inspect: Arc<str>,
+    #[cfg_attr(not(feature = "testing"), allow(dead_code))]
+    pub(crate) live_under_prefix: Arc<str>,
+}
+
+impl Sql {
+    pub(crate) fn new(t: &str) -> Self {
+        let s = |text: String| Arc::<str>::from(text);
+        let left_us = "(EXTRACT(EPOCH FROM (expires_at - clock_timestamp())) * 1000000)::bigint";
+        let live = "COALESCE(expires_at > clock_timestamp(), FALSE)";
+        Sql {
+            table_exists: s(format!(
+                "SELECT name, owner, holds, fence, expires_at, attempts FROM {t} LIMIT 0"
+            )),
+            row_select_for_update: s(format!(
+                "SELECT owner, holds, fence, attempts, {live} AS live, {left_us} AS left_us \
+                 FROM {t} WHERE name = $1 FOR UPDATE"
+            )),
+            row_insert: s(format!(
+                "INSERT INTO {t} (name, owner, holds, fence, expires_at, attempts) \
+                 VALUES ($1, $2, 1, 1, {}, $4) ON CONFLICT (name) DO NOTHING",
+                from_now(3)
+            )),
+            row_take: s(format!(
+                "UPDATE {t} SET owner = $1, holds = 1, fence = fence + 1, expires_at = {}, \
+                 attempts = $3 WHERE name = $4 RETURNING fence",
+                from_now(2)
+            )),
+            row_reenter: s(format!(
+                "UPDATE {t} SET holds = holds + 1, attempts = $1, \
+                 expires_at = GREATEST(expires_at, {}) WHERE name = $3",
+                from_now(2)
+            )),
+            row_renew: s(format!(
+                "UPDATE {t} SET expires_at = GREATEST(expires_at, {}) \
+                 WHERE name = $2 AND owner = $3 AND expires_at > clock_timestamp()",
+                from_now(1)
+            )),
+            row_release_one: s(format!(
+                "UPDATE {t} SET holds = holds - 1, attempts = $1 WHERE name = $2"
+            )),
+            row_release_all: s(format!(
+                "UPDATE {t} SET owner = NULL, holds = 0, expires_at = NULL, attempts = NULL \
+                 WHERE name = $1"
+            )),
+            row_clear_live: s(format!(
+                "UPDATE {t} SET owner = NULL, holds = 0, expires_at = NULL, attempts = NULL \
+                 WHERE name = $1 AND expires_at > clock_timestamp()"
+            )),
+            notify_release: s("SELECT pg_notify($1, $2)".to_owned()),
+            inspect: s(format!(
+                "SELECT owner, holds, fence, {left_us} AS left_us FROM {t} \
+                 WHERE name = $1 AND owner IS NOT NULL AND expires_at > clock_timestamp()"
+            )),
+            live_under_prefix: s(format!(
+                "SELECT COUNT(*) FROM {t} WHERE position($1 in name) = 1 \
+                 AND expires_at > clock_timestamp()"
+            )),
+        }
+    }
+}

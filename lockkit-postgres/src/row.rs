@@ -1,0 +1,371 @@
+//! mode=row: the lease table.
+
+use std::{sync::Arc, time::Duration};
+
+use async_trait::async_trait;
+use lockkit_core::spi::{
+    AcquireRequest, Attempt, AttemptLedger, Backoff, Grant, Released, WaitPolicy, detached_acquire,
+    wait_for_grant,
+};
+use lockkit_core::{
+    BackendInfo, Capabilities, Consistency, Error, FencingToken, HolderInfo, LockBackend, LockKey,
+    Result,
+};
+use sqlx::Row;
+use tokio::time::Instant;
+
+use crate::{
+    db::{BACKEND, Db, db_error, fence_of, micros, query, release_channel, row_text},
+    notify::{Releases, release_payload},
+};
+
+/// The lease table's locks over one database.
+#[derive(Clone)]
+pub(crate) struct RowLocks {
+    inner: Arc<Db>,
+    releases: Arc<Releases>,
+}
+
+impl RowLocks {
+    pub(crate) fn new(db: Arc<Db>) -> Self {
+        let releases = Releases::new(
+            release_channel(&db.config.table),
+            db.config.connect.clone(),
+            db.config.connect_timeout,
+            db.pool.clone(),
+        );
+        RowLocks {
+            inner: db,
+            releases,
+        }
+    }
+
+    /// Live leases on keys under `prefix`, seen from a fresh connection. For leak checks.
+    #[cfg(feature = "testing")]
+    pub(crate) async fn held_under(&self, prefix: &str) -> Result<u64> {
+        let (n,): (i64,) = sqlx::query_as(sqlx::AssertSqlSafe(
+            self.inner.sql.live_under_prefix.clone(),
+        ))
+        .bind(prefix.as_bytes())
+        .fetch_one(&self.inner.pool)
+        .await
+        .map_err(|e| db_error("counting live leases", e))?;
+        Ok(u64::try_from(n).unwrap_or(0))
+    }
+
+    /// Keys with a waiter registered for release announcements now.
+    #[cfg(feature = "testing")]
+    pub(crate) fn waiting_keys(&self) -> usize {
+        self.releases.waiting_keys()
+    }
+
+    /// Clears `key`'s live lease as if it had expired, and announces the release. Whether
+    /// there was one.
+    pub(crate) async fn take_away(&self, key: &LockKey) -> Result<bool> {
+        let inner = &self.inner;
+        let fail = |e| db_error("clearing a lease", e);
+        let mut tx = inner.pool.begin().await.map_err(fail)?;
+        let done = query(&inner.sql.row_clear_live)
+            .bind(key.as_str().as_bytes())
+            .execute(&mut *tx)
+            .await
+            .map_err(fail)?;
+        if done.rows_affected() == 1 {
+            announce_release(inner, key, &mut tx).await.map_err(fail)?;
+        }
+        tx.commit().await.map_err(fail)?;
+        Ok(done.rows_affected() == 1)
+    }
+}
+
+impl std::fmt::Debug for RowLocks {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RowLocks")
+            .field("table", &self.inner.config.table)
+            .finish_non_exhaustive()
+    }
+}
+
+#[async_trait]
+impl LockBackend for RowLocks {
+    fn info(&self) -> BackendInfo {
+        let capabilities = Capabilities {
+            notified_wait: true,
+            min_ttl: Duration::from_millis(1),
+            ..Capabilities::default()
+        };
+        BackendInfo::new(BACKEND, Consistency::Cp, capabilities)
+    }
+
+    async fn try_acquire(&self, req: &AcquireRequest) -> Result<Option<Grant>> {
+        try_acquire(self, req).await
+    }
+
+    async fn acquire(&self, req: &AcquireRequest, wait: Duration) -> Result<Grant> {
+        acquire(self, req, wait).await
+    }
+
+    async fn renew(&self, grant: &Grant, ttl: Duration) -> Result<()> {
+        renew(self, grant, ttl).await
+    }
+
+    async fn release(&self, grant: &Grant) -> Result<Released> {
+        release(self, grant).await
+    }
+
+    async fn ping(&self) -> Result<()> {
+        self.inner.ping().await
+    }
+
+    async fn inspect(&self, key: &LockKey) -> Result<Option<HolderInfo>> {
+        self.inner.inspect_lease(key).await
+    }
+}
+
+/// The ledger of a new holder: just this attempt.
+fn first_attempt(req: &AcquireRequest) -> String {
+    let mut attempts = AttemptLedger::new();
+    attempts.add(req.attempt);
+    attempts.render()
+}
+
+/// `pg_notify` of `key`'s release, delivered when `tx` commits.
+async fn announce_release(
+    inner: &Db,
+    key: &LockKey,
+    tx: &mut sqlx::PgConnection,
+) -> std::result::Result<(), sqlx::Error> {
+    query(&inner.sql.notify_release)
+        .bind(release_channel(&inner.config.table))
+        .bind(release_payload(key.as_str()))
+        .execute(tx)
+        .await
+        .map(|_| ())
+}
+
+/// One acquire transaction: lock the key's row, decide, write, commit.
+async fn run_acquire(backend: &RowLocks, req: &AcquireRequest) -> Result<Attempt> {
+    let inner = &backend.inner;
+    let sql = &inner.sql;
+    let name = req.key.as_str().as_bytes();
+    let owner = req.owner.to_string();
+    let ttl = micros(req.ttl);
+    let start = Instant::now();
+    let fail = |e| db_error("the acquire transaction", e);
+    let mut tx = inner.pool.begin().await.map_err(fail)?;
+    let row = query(&sql.row_select_for_update)
+        .bind(name)
+        .fetch_optional(&mut *tx)
+        .await
+        .map_err(fail)?;
+    let Some(row) = row else {
+        // First use of this key: create its row, already held.
+        let created = query(&sql.row_insert)
+            .bind(name)
+            .bind(&owner)
+            .bind(ttl)
+            .bind(first_attempt(req))
+            .execute(&mut *tx)
+            .await
+            .map_err(fail)?;
+        if created.rows_affected() == 0 {
+            // Another client created it first: try again at once.
+            tx.rollback().await.map_err(fail)?;
+            return Ok(Attempt::busy(Duration::ZERO));
+        }
+        tx.commit().await.map_err(fail)?;
+        return Ok(Attempt::Granted(Grant::new(
+            req,
+            FencingToken::new(1),
+            1,
+            start,
+        )));
+    };
+    let live: bool = row.try_get("live").map_err(fail)?;
+    let fence = fence_of(&row).map_err(fail)?;
+    let holds: i32 = row.try_get("holds").map_err(fail)?;
+    let holds = u32::try_from(holds).unwrap_or(0);
+    let holder = row_text(&row, "owner");
+    if live && holder.as_deref() == Some(owner.as_str()) {
+        let mut attempts = AttemptLedger::parse(&row_text(&row, "attempts").unwrap_or_default());
+        if attempts.has(req.attempt) {
+            // A retry of an acquisition that took effect (its COMMIT's reply was lost): the
+            // same grant again, not a second hold. Its guard counts the lease from this
+            // retry, so the lease on the server runs at least that long too (never shorter).
+            query(&sql.row_renew)
+                .bind(ttl)
+                .bind(name)
+                .bind(&owner)
+                .execute(&mut *tx)
+                .await
+                .map_err(fail)?;
+            tx.commit().await.map_err(fail)?;
+            return Ok(Attempt::Granted(Grant::new(
+                req,
+                FencingToken::new(fence),
+                holds,
+                start,
+            )));
+        }
+        attempts.add(req.attempt);
+        query(&sql.row_reenter)
+            .bind(attempts.render())
+            .bind(ttl)
+            .bind(name)
+            .execute(&mut *tx)
+            .await
+            .map_err(fail)?;
+        tx.commit().await.map_err(fail)?;
+        return Ok(Attempt::Granted(Grant::new(
+            req,
+            FencingToken::new(fence),
+            holds + 1,
+            start,
+        )));
+    }
+    if live {
+        let left: i64 = row
+            .try_get::<Option<i64>, _>("left_us")
+            .map_err(fail)?
+            .unwrap_or(0);
+        tx.rollback().await.map_err(fail)?;
+        return Ok(Attempt::busy(Duration::from_micros(
+            u64::try_from(left).unwrap_or(0),
+        )));
+    }
+    let taken: i64 = query(&sql.row_take)
+        .bind(&owner)
+        .bind(ttl)
+        .bind(first_attempt(req))
+        .bind(name)
+        .fetch_one(&mut *tx)
+        .await
+        .map_err(fail)?
+        .try_get("fence")
+        .map_err(fail)?;
+    tx.commit().await.map_err(fail)?;
+    Ok(Attempt::Granted(Grant::new(
+        req,
+        FencingToken::new(u64::try_from(taken).unwrap_or(fence + 1)),
+        1,
+        start,
+    )))
+}
+
+/// A cancel-safe attempt: a grant whose caller has gone is given back.
+async fn attempt(backend: &RowLocks, req: &AcquireRequest) -> Result<Attempt> {
+    let (this, request, giver) = (backend.clone(), req.clone(), backend.clone());
+    detached_acquire(
+        BACKEND,
+        move |_| async move { run_acquire(&this, &request).await },
+        Attempt::into_grant,
+        move |grant| async move {
+            if let Err(error) = release(&giver, &grant).await {
+                tracing::warn!(%error, "could not give back an orphaned grant; its lease will run out");
+            }
+        },
+    )
+    .await
+}
+
+async fn try_acquire(backend: &RowLocks, req: &AcquireRequest) -> Result<Option<Grant>> {
+    // A row created by a racing client is not contention: retry that once.
+    for _ in 0..2 {
+        match attempt(backend, req).await? {
+            Attempt::Granted(grant) => return Ok(Some(grant)),
+            Attempt::Busy {
+                lease_left: Some(left),
+            } if left.is_zero() => continue,
+            Attempt::Busy { .. } => return Ok(None),
+        }
+    }
+    Ok(None)
+}
+
+/// While no release announcement can be relied on (the listener is down): the first
+/// retry delay and the cap of the exponential backoff.
+const FIRST_POLL: Duration = Duration::from_millis(2);
+const MAX_POLL: Duration = Duration::from_millis(100);
+
+/// Waits for the holder's release announcement or the end of its lease, whichever comes
+/// first, never past the deadline; polls with capped backoff while the listener is down.
+async fn acquire(backend: &RowLocks, req: &AcquireRequest, wait: Duration) -> Result<Grant> {
+    let policy = WaitPolicy::new(Backoff::new(FIRST_POLL, MAX_POLL));
+    let mut wake = backend.releases.waiter(req.key.as_str());
+    wait_for_grant(&req.key, wait, policy, &mut wake, || attempt(backend, req)).await
+}
+
+async fn renew(backend: &RowLocks, grant: &Grant, ttl: Duration) -> Result<()> {
+    let inner = &backend.inner;
+    let done = query(&inner.sql.row_renew)
+        .bind(micros(ttl))
+        .bind(grant.key.as_str().as_bytes())
+        .bind(grant.owner.to_string())
+        .execute(&inner.pool)
+        .await
+        .map_err(|e| db_error("renewing the lease", e))?;
+    if done.rows_affected() == 1 {
+        Ok(())
+    } else {
+        Err(Error::NotHeld {
+            key: grant.key.clone(),
+        })
+    }
+}
+
+async fn release(backend: &RowLocks, grant: &Grant) -> Result<Released> {
+    let inner = &backend.inner;
+    let sql = &inner.sql;
+    let name = grant.key.as_str().as_bytes();
+    let fail = |e| db_error("the release transaction", e);
+    let mut tx = inner.pool.begin().await.map_err(fail)?;
+    let row = query(&sql.row_select_for_update)
+        .bind(name)
+        .fetch_optional(&mut *tx)
+        .await
+        .map_err(fail)?;
+    let ours = row.as_ref().is_some_and(|row| {
+        row.try_get::<bool, _>("live").unwrap_or(false)
+            && row_text(row, "owner").as_deref() == Some(grant.owner.to_string().as_str())
+    });
+    let (holds, mut attempts): (u32, AttemptLedger) = match (&row, ours) {
+        (Some(row), true) => (
+            u32::try_from(row.try_get::<i32, _>("holds").map_err(fail)?).unwrap_or(0),
+            AttemptLedger::parse(&row_text(row, "attempts").unwrap_or_default()),
+        ),
+        _ => {
+            tx.rollback().await.map_err(fail)?;
+            return Err(Error::NotHeld {
+                key: grant.key.clone(),
+            });
+        }
+    };
+    if !attempts.take(grant.attempt, holds) {
+        // A retried release: it took effect already.
+        tx.rollback().await.map_err(fail)?;
+        return Ok(Released::Partially { remaining: holds });
+    }
+    let outcome = if holds > 1 {
+        query(&sql.row_release_one)
+            .bind(attempts.render())
+            .bind(name)
+            .execute(&mut *tx)
+            .await
+            .map_err(fail)?;
+        Released::Partially {
+            remaining: holds - 1,
+        }
+    } else {
+        query(&sql.row_release_all)
+            .bind(name)
+            .execute(&mut *tx)
+            .await
+            .map_err(fail)?;
+        announce_release(inner, &grant.key, &mut tx)
+            .await
+            .map_err(fail)?;
+        Released::Fully
+    };
+    tx.commit().await.map_err(fail)?;
+    Ok(outcome)
+}
