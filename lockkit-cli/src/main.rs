@@ -118,8 +118,8 @@ enum Commands {
     /// token accepted for RESOURCE, with the fence held while CMD runs, so no stale writer
     /// can write in between (exit: CMD's code); refuse (exit 1, naming the newer token)
     /// otherwise. The store is the --url's: file:///dir (RESOURCE is a file name in dir;
-    /// the fence's flock is held) or mysql:// (the resource's row of `lockkit_fences` is
-    /// locked; the raise commits only if CMD exits 0).
+    /// the fence's flock is held), mysql:// or postgres:// (the resource's row of
+    /// `lockkit_fences` is locked; the raise commits only if CMD exits 0).
     ///
     /// Without CMD it only checks and raises the bar (redis:// too): a write made after it
     /// can still land after a newer holder's, so give the write as CMD where you can.
@@ -193,6 +193,36 @@ fn run_to_end(command: &[String]) -> i32 {
     }
 }
 
+/// CMD of `lockkit fence`, run inside a SQL fence's transaction: `Ok(0)` commits the raised
+/// fence, a failing CMD rolls it back.
+async fn command_in_fence(command: Vec<String>) -> std::result::Result<i32, lockkit::BoxError> {
+    let code = tokio::task::spawn_blocking(move || run_to_end(&command))
+        .await
+        .unwrap_or(1);
+    if code == 0 {
+        Ok(0)
+    } else {
+        Err(Box::new(CommandFailed(code)))
+    }
+}
+
+/// A SQL fence's outcome, or the exit for a CMD that failed (the fence was not raised).
+fn command_outcome(
+    written: lockkit::Result<i32>,
+) -> std::result::Result<lockkit::Result<i32>, ExitCode> {
+    match written {
+        Err(Error::Backend {
+            source: Some(source),
+            ..
+        }) if source.downcast_ref::<CommandFailed>().is_some() => {
+            let failed = source.downcast_ref::<CommandFailed>().map_or(1, |f| f.0);
+            eprintln!("lockkit: the command exited with {failed}; the fence was not raised");
+            Err(ExitCode::from(u8::try_from(failed).unwrap_or(1)))
+        }
+        other => Ok(other),
+    }
+}
+
 /// `lockkit fence`: CMD's exit code (0 without CMD) when `token` is admitted for
 /// `resource`, 1 when a newer token already wrote, 2 when the store cannot be used.
 async fn fence(url: &str, resource: &str, token: FencingToken, command: &[String]) -> ExitCode {
@@ -247,37 +277,35 @@ async fn fence(url: &str, resource: &str, token: FencingToken, command: &[String
                 let command = command.to_vec();
                 let written = fence
                     .write(token, resource, move |_| {
-                        Box::pin(async move {
-                            let code = tokio::task::spawn_blocking(move || run_to_end(&command))
-                                .await
-                                .unwrap_or(1);
-                            if code == 0 {
-                                Ok(0)
-                            } else {
-                                Err(Box::new(CommandFailed(code)) as lockkit::BoxError)
-                            }
-                        })
+                        Box::pin(command_in_fence(command))
                     })
                     .await;
-                match written {
-                    Err(Error::Backend {
-                        source: Some(source),
-                        ..
-                    }) if source.downcast_ref::<CommandFailed>().is_some() => {
-                        let failed = source.downcast_ref::<CommandFailed>().map_or(1, |f| f.0);
-                        eprintln!(
-                            "lockkit: the command exited with {failed}; the fence was not raised"
-                        );
-                        return code(failed);
-                    }
-                    other => other,
+                match command_outcome(written) {
+                    Ok(outcome) => outcome,
+                    Err(exit) => return exit,
+                }
+            }
+            Err(e) => Err(e),
+        },
+        "postgres" | "postgresql" => match lockkit::fence::PostgresFence::connect(url).await {
+            Ok(fence) => {
+                let command = command.to_vec();
+                let written = fence
+                    .write(token, resource, move |_| {
+                        Box::pin(command_in_fence(command))
+                    })
+                    .await;
+                match command_outcome(written) {
+                    Ok(outcome) => outcome,
+                    Err(exit) => return exit,
                 }
             }
             Err(e) => Err(e),
         },
         _ => {
             eprintln!(
-                "lockkit: `lockkit fence` keeps its fence in file:///dir, mysql:// or redis://; \
+                "lockkit: `lockkit fence` keeps its fence in file:///dir, mysql://, postgres:// or \
+                 redis://; \
                  `{}` is none of those",
                 lockkit::config::redact_url(url)
             );

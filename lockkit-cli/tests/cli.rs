@@ -582,7 +582,11 @@ fn fence_accepts_the_newest_token_and_refuses_a_stale_one() {
             .as_nanos()
     );
     let mut stores = vec![(format!("file://{dir}"), format!("orders-42-{unique}"))];
-    for var in ["LOCKKIT_TEST_REDIS_URL", "LOCKKIT_TEST_MYSQL_URL"] {
+    for var in [
+        "LOCKKIT_TEST_REDIS_URL",
+        "LOCKKIT_TEST_MYSQL_URL",
+        "LOCKKIT_TEST_POSTGRES_URL",
+    ] {
         if let Some(url) = lockkit_conformance::env::service_url(var) {
             let nanos = std::time::SystemTime::now()
                 .duration_since(std::time::UNIX_EPOCH)
@@ -671,7 +675,10 @@ fn fence_runs_the_write_under_the_fence() {
         "a refused CMD ran"
     );
 
-    if let Some(url) = lockkit_conformance::env::service_url("LOCKKIT_TEST_MYSQL_URL") {
+    for var in ["LOCKKIT_TEST_MYSQL_URL", "LOCKKIT_TEST_POSTGRES_URL"] {
+        let Some(url) = lockkit_conformance::env::service_url(var) else {
+            continue;
+        };
         let resource = format!("cli-fence-cmd/{pid}-{:?}", Instant::now());
         let run = |token: &str, cmd: &str| {
             lockkit(

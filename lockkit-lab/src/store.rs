@@ -2,9 +2,10 @@
 //! write whose fencing token is older than one the store has accepted is refused.
 //!
 //! Which store a scenario writes to follows its backend, as a user's would: a Redis the lab
-//! never breaks (`redis-store`, through [`RedisFence`]) for the Redis backends, the MariaDB
-//! (through [`MysqlFence`], in the transaction that holds the fence row) for the MySQL
-//! ones, and a file (through [`FileFence`]) for the file and ZooKeeper backends.
+//! never breaks (`redis-store`, through [`RedisFence`]) for the Redis backends, the database
+//! itself (through [`MysqlFence`] or [`PostgresFence`], in the transaction that holds the
+//! fence row) for the MySQL and PostgreSQL ones, and a file (through [`FileFence`]) for the
+//! file and ZooKeeper backends.
 
 use std::{
     fmt,
@@ -13,9 +14,9 @@ use std::{
     path::{Path, PathBuf},
 };
 
-use lockkit::fence::{FileFence, MysqlFence, RedisFence};
+use lockkit::fence::{FileFence, MysqlFence, PostgresFence, RedisFence};
 use lockkit_core::FencingToken;
-use sqlx::{AssertSqlSafe, MySqlPool};
+use sqlx::{AssertSqlSafe, MySqlPool, PgPool};
 
 use crate::{Context, LabError};
 
@@ -47,6 +48,8 @@ pub enum StoreKind {
     Redis,
     /// A MariaDB table, through [`MysqlFence`].
     Mysql,
+    /// A PostgreSQL table, through [`PostgresFence`].
+    Postgres,
 }
 
 impl StoreKind {
@@ -56,6 +59,7 @@ impl StoreKind {
             StoreKind::File => "FileFence",
             StoreKind::Redis => "RedisFence",
             StoreKind::Mysql => "MysqlFence",
+            StoreKind::Postgres => "PostgresFence",
         }
     }
 }
@@ -74,6 +78,10 @@ enum Guarded {
     Mysql {
         fence: MysqlFence,
         pool: MySqlPool,
+    },
+    Postgres {
+        fence: PostgresFence,
+        pool: PgPool,
     },
 }
 
@@ -139,9 +147,35 @@ impl FencedStore {
             .await
             .context("creating the lab's table of values")?;
             Guarded::Mysql { fence, pool }
+        } else if location.starts_with("postgres://") {
+            let pool = PgPool::connect(location)
+                .await
+                .context("connecting the PostgreSQL store")?;
+            let fence = PostgresFence::new(pool.clone());
+            fence
+                .create_table()
+                .await
+                .context("creating the fence table")?;
+            let created = sqlx::raw_sql(AssertSqlSafe(format!(
+                "CREATE TABLE IF NOT EXISTS {WRITES_TABLE} (\n  \
+                 id BIGSERIAL PRIMARY KEY,\n  \
+                 resource BYTEA NOT NULL,\n  \
+                 token BIGINT NOT NULL,\n  \
+                 value TEXT NOT NULL\n)"
+            )))
+            .execute(&pool)
+            .await;
+            match created {
+                // The parent and the child holder may create it at once.
+                Err(sqlx::Error::Database(e)) if e.code().as_deref() == Some("23505") => {}
+                other => {
+                    other.context("creating the lab's table of values")?;
+                }
+            }
+            Guarded::Postgres { fence, pool }
         } else {
             return Err(LabError::new(format!(
-                "a lab store is file:///path, redis:// or mysql://, not `{location}`"
+                "a lab store is file:///path, redis://, mysql:// or postgres://, not `{location}`"
             )));
         };
         Ok(FencedStore {
@@ -167,6 +201,7 @@ impl FencedStore {
             Guarded::File(_) => StoreKind::File,
             Guarded::Redis { .. } => StoreKind::Redis,
             Guarded::Mysql { .. } => StoreKind::Mysql,
+            Guarded::Postgres { .. } => StoreKind::Postgres,
         }
     }
 
@@ -218,6 +253,26 @@ impl FencedStore {
                     })
                     .await
             }
+            Guarded::Postgres { fence, .. } => {
+                let (resource, value) = (self.resource.clone(), value.to_owned());
+                let stored = i64::try_from(token.get()).unwrap_or(i64::MAX);
+                fence
+                    .write(token, &self.resource, move |tx| {
+                        Box::pin(async move {
+                            sqlx::query(AssertSqlSafe(format!(
+                                "INSERT INTO {WRITES_TABLE} (resource, token, value) \
+                                 VALUES ($1, $2, $3)"
+                            )))
+                            .bind(resource.as_bytes())
+                            .bind(stored)
+                            .bind(value)
+                            .execute(&mut *tx)
+                            .await?;
+                            Ok(())
+                        })
+                    })
+                    .await
+            }
         };
         match written {
             Ok(()) => Ok(Ok(())),
@@ -253,6 +308,16 @@ impl FencedStore {
             Guarded::Mysql { pool, .. } => {
                 let rows: Vec<(u64, String)> = sqlx::query_as(AssertSqlSafe(format!(
                     "SELECT token, value FROM `{WRITES_TABLE}` WHERE resource = ? ORDER BY id"
+                )))
+                .bind(self.resource.as_bytes())
+                .fetch_all(pool)
+                .await
+                .context("reading the values")?;
+                Ok(rows.into_iter().map(|(t, v)| format!("{t} {v}")).collect())
+            }
+            Guarded::Postgres { pool, .. } => {
+                let rows: Vec<(i64, String)> = sqlx::query_as(AssertSqlSafe(format!(
+                    "SELECT token, value FROM {WRITES_TABLE} WHERE resource = $1 ORDER BY id"
                 )))
                 .bind(self.resource.as_bytes())
                 .fetch_all(pool)
@@ -298,6 +363,18 @@ impl FencedStore {
                     .execute(pool)
                     .await
                     .context("removing the MySQL store")?;
+                }
+                Ok(())
+            }
+            Guarded::Postgres { pool, .. } => {
+                for table in [WRITES_TABLE, lockkit::fence::POSTGRES_TABLE] {
+                    sqlx::query(AssertSqlSafe(format!(
+                        "DELETE FROM {table} WHERE resource = $1"
+                    )))
+                    .bind(self.resource.as_bytes())
+                    .execute(pool)
+                    .await
+                    .context("removing the PostgreSQL store")?;
                 }
                 Ok(())
             }

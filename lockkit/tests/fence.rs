@@ -280,3 +280,121 @@ async fn mysql_fence_without_create_schema_only_checks_the_table() {
     .unwrap();
     assert_eq!(exists, 0, "checking must not create the table");
 }
+
+#[tokio::test]
+async fn postgres_fence_refuses_stale_writes_and_keeps_the_highest() {
+    let Some(url) = service_url("LOCKKIT_TEST_POSTGRES_URL") else {
+        return;
+    };
+    let fence = fence::PostgresFence::connect(&url).await.unwrap();
+    let pool = sqlx::PgPool::connect(&url).await.unwrap();
+    sqlx::raw_sql(
+        "CREATE TABLE IF NOT EXISTS lockkit_fence_test (resource BYTEA PRIMARY KEY, \
+         value TEXT NOT NULL)",
+    )
+    .execute(&pool)
+    .await
+    .ok();
+    let write = |token: u64, res: String| {
+        let fence = fence.clone();
+        async move {
+            let value = token.to_string();
+            let res2 = res.clone();
+            fence
+                .write(FencingToken::new(token), &res, move |tx| {
+                    Box::pin(async move {
+                        sqlx::query(
+                            "INSERT INTO lockkit_fence_test (resource, value) VALUES ($1, $2) \
+                             ON CONFLICT (resource) DO UPDATE SET value = EXCLUDED.value",
+                        )
+                        .bind(res2.as_bytes())
+                        .bind(value)
+                        .execute(&mut *tx)
+                        .await?;
+                        Ok(())
+                    })
+                })
+                .await
+        }
+    };
+    let read = |res: String| {
+        let pool = pool.clone();
+        async move {
+            let (value,): (String,) =
+                sqlx::query_as("SELECT value FROM lockkit_fence_test WHERE resource = $1")
+                    .bind(res.as_bytes())
+                    .fetch_one(&pool)
+                    .await
+                    .unwrap();
+            value
+        }
+    };
+
+    let res = resource("postgres");
+    write(5, res.clone()).await.unwrap();
+    write(5, res.clone()).await.unwrap();
+    let refused = write(4, res.clone()).await.unwrap_err();
+    assert!(
+        matches!(&refused, Error::Fenced { token, newer, .. } if token.get() == 4 && newer.get() == 5),
+        "{refused}"
+    );
+    assert_eq!(read(res.clone()).await, "5");
+    write(9, res.clone()).await.unwrap();
+    assert!(matches!(
+        fence.admit(FencingToken::new(8), &res).await,
+        Err(Error::Fenced { .. })
+    ));
+    // A failing write rolls back, fence raise included.
+    let failed = fence
+        .write(FencingToken::new(20), &res, |_| {
+            Box::pin(async { Err::<(), _>("the caller's write failed".into()) })
+        })
+        .await;
+    assert!(matches!(failed, Err(Error::Backend { .. })), "{failed:?}");
+    write(10, res.clone())
+        .await
+        .expect("the rolled-back 20 did not raise the bar");
+    // A token the BIGINT column cannot hold is refused before anything is written.
+    assert!(matches!(
+        fence.admit(FencingToken::new(u64::MAX), &res).await,
+        Err(Error::Config(_))
+    ));
+
+    let res = resource("postgres-concurrent");
+    let writers: Vec<_> = TOKENS
+        .into_iter()
+        .map(|t| {
+            let job = write(t, res.clone());
+            tokio::spawn(async move { (t, job.await) })
+        })
+        .collect();
+    let mut outcomes = Vec::new();
+    for w in writers {
+        outcomes.push(w.await.unwrap());
+    }
+    check_concurrent(&outcomes);
+    assert_eq!(read(res).await, "8");
+}
+
+/// `?create_schema=false` never creates the PostgreSQL fence table either.
+#[tokio::test]
+async fn postgres_fence_without_create_schema_only_checks_the_table() {
+    let Some(url) = service_url("LOCKKIT_TEST_POSTGRES_URL") else {
+        return;
+    };
+    fence::PostgresFence::connect(&url).await.unwrap();
+    let checked = fence::PostgresFence::connect(&format!("{url}?create_schema=false"))
+        .await
+        .expect("the table exists now, so create_schema=false connects");
+    let missing = format!("lockkit_fence_missing_{}", std::process::id());
+    let refused = checked
+        .with_table(&missing)
+        .unwrap()
+        .check_table()
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(&refused, Error::Config(m) if m.contains(&missing) && m.contains("CREATE TABLE")),
+        "{refused}"
+    );
+}

@@ -22,8 +22,8 @@ pub(super) enum Plan {
     RedisAofRestarted,
     /// The ZooKeeper ensemble's leader is SIGKILLed and restarted.
     ZkLeaderRestarted,
-    /// MariaDB is restarted.
-    MysqlRestarted,
+    /// The database (`touches`: MariaDB or PostgreSQL) is restarted.
+    DatabaseRestarted,
     /// The primary dies before the grant reached the replica, which is promoted.
     Failover,
     /// Two of five Redlock masters are SIGKILLed while the lock is held.
@@ -52,13 +52,15 @@ pub struct ScenarioDef {
 
 impl ScenarioDef {
     /// The store its holders write to, as a user of this backend would: Redis (a server
-    /// the lab never breaks) for the Redis backends, the MariaDB for the MySQL ones, a file
-    /// for the file and ZooKeeper backends.
+    /// the lab never breaks) for the Redis backends, the database itself for the MySQL and
+    /// PostgreSQL ones, a file for the file and ZooKeeper backends.
     pub fn store(&self) -> StoreKind {
         if self.backend.starts_with("redis") || self.backend == "redlock" {
             StoreKind::Redis
         } else if self.backend.starts_with("mysql") {
             StoreKind::Mysql
+        } else if self.backend.starts_with("postgres") {
+            StoreKind::Postgres
         } else {
             StoreKind::File
         }
@@ -118,6 +120,11 @@ pub const CATALOGUE: &[ScenarioDef] = &[
         "mysql-for-update",
         "LOCKKIT_TEST_MYSQL_URL",
         "?mode=for-update&table=lockkit_lab_fu"
+    ),
+    paused!(
+        "postgres-row",
+        "LOCKKIT_TEST_POSTGRES_URL",
+        "?mode=row&table=lockkit_lab_row"
     ),
     ScenarioDef {
         scenario: "server-paused",
@@ -187,7 +194,7 @@ pub const CATALOGUE: &[ScenarioDef] = &[
         backend: "mysql-for-update",
         what: "MariaDB restarted (TERM, then start) mid-hold: the hold is an open transaction",
         expect: LOST_FIRST,
-        plan: Plan::MysqlRestarted,
+        plan: Plan::DatabaseRestarted,
         url: (
             "LOCKKIT_TEST_MYSQL_URL",
             "?mode=for-update&table=lockkit_lab_fu",
@@ -199,9 +206,21 @@ pub const CATALOGUE: &[ScenarioDef] = &[
         backend: "mysql-row",
         what: "MariaDB restarted (TERM, then start) mid-hold: the hold is a committed lease row",
         expect: KEPT,
-        plan: Plan::MysqlRestarted,
+        plan: Plan::DatabaseRestarted,
         url: ("LOCKKIT_TEST_MYSQL_URL", "?mode=row&table=lockkit_lab_row"),
         touches: &["mariadb"],
+    },
+    ScenarioDef {
+        scenario: "server-restarted",
+        backend: "postgres-row",
+        what: "PostgreSQL restarted (fast shutdown, then start) mid-hold: the hold is a committed lease row",
+        expect: KEPT,
+        plan: Plan::DatabaseRestarted,
+        url: (
+            "LOCKKIT_TEST_POSTGRES_URL",
+            "?mode=row&table=lockkit_lab_row",
+        ),
+        touches: &["postgres"],
     },
     ScenarioDef {
         scenario: "failover",

@@ -1,17 +1,23 @@
-//! Plans for MySQL: the server restarted.
+//! Plans for the SQL databases (MySQL, PostgreSQL): the server restarted.
 
 use std::time::Duration;
 
 use crate::{LabError, report::LostSignal};
 
-use super::{ctx::*, steps::*};
+use super::{catalogue::ScenarioDef, ctx::*, steps::*};
 
-pub(super) async fn mysql_restarted(
+/// The database of `def.touches` restarted mid-hold: a hold that is a committed lease row
+/// is kept; one that is an open transaction ends with its connection.
+pub(super) async fn database_restarted(
     ctx: &mut Ctx<'_>,
     url: &str,
-    expect: LostSignal,
+    def: &ScenarioDef,
 ) -> Result<(), LabError> {
-    let for_update = expect != LostSignal::Never;
+    let for_update = def.expect.lost != LostSignal::Never;
+    let (instance, name) = match def.touches {
+        ["postgres"] => ("postgres", "PostgreSQL"),
+        _ => ("mariadb", "MariaDB"),
+    };
     let ttl = if for_update {
         Duration::from_secs(5)
     } else {
@@ -26,8 +32,8 @@ pub(super) async fn mysql_restarted(
         )
     })
     .await?;
-    ctx.lab.services.act("restart", &["mariadb"]).await?;
-    ctx.note("MariaDB restarted");
+    ctx.lab.services.act("restart", &[instance]).await?;
+    ctx.note(format!("{name} restarted"));
     let rival = ctx.lab.locker(url).await?;
     if for_update {
         // The rival asks at once; the holder's guard races it.

@@ -84,6 +84,10 @@ pub(crate) async fn run(lab: &Lab, def: &ScenarioDef) -> Report {
             Some("mariadb"),
             lab.url("LOCKKIT_TEST_MYSQL_URL").map(str::to_owned),
         ),
+        StoreKind::Postgres => (
+            Some("postgres"),
+            lab.url("LOCKKIT_TEST_POSTGRES_URL").map(str::to_owned),
+        ),
     };
     needed.extend(store_instance.filter(|i| !needed.contains(i)));
     let outcome = async {
@@ -208,7 +212,7 @@ pub(super) async fn play(ctx: &mut Ctx<'_>, def: &ScenarioDef, url: &str) -> Res
         Plan::CutOff => cut_off(ctx, url).await,
         Plan::RedisRestarted => redis_restarted(ctx, url).await,
         Plan::RedisAofRestarted => redis_aof_restarted(ctx, url).await,
-        Plan::MysqlRestarted => mysql_restarted(ctx, url, def.expect.lost).await,
+        Plan::DatabaseRestarted => database_restarted(ctx, url, def).await,
         Plan::Failover => failover(ctx, url, def.expect.double_grant).await,
         Plan::RedlockTwoDown => redlock_two_down(ctx, url).await,
         Plan::RedlockRestartedEmpty => redlock_restarted_empty(ctx, url).await,

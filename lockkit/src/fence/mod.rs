@@ -13,6 +13,7 @@
 //! | files | [`FileFence`] | `flock` on `<path>.fence`, then write-and-rename |
 //! | Redis | [`RedisFence`] (feature `redis`) | one Lua script: check, raise, write |
 //! | MySQL / MariaDB | [`MysqlFence`] (feature `mysql`) | one transaction holding the resource's fence row |
+//! | PostgreSQL | [`PostgresFence`] (feature `postgres`) | one transaction holding the resource's fence row |
 //!
 //! Every guard takes `impl Into<FencingToken>`: a [`crate::LockGuard`] (`&guard`) or a
 //! bare token (from `LOCKKIT_TOKEN` in a `lockkit run` job).
@@ -37,14 +38,26 @@ use std::{
 
 use crate::{Error, FencingToken, Result};
 
+/// The caller's write in a SQL fence (`MysqlFence::write`, `PostgresFence::write`): runs
+/// on the fence's transaction, after the check.
+#[cfg(any(feature = "mysql", feature = "postgres"))]
+pub type FencedWork<'c, T> = std::pin::Pin<
+    Box<dyn std::future::Future<Output = std::result::Result<T, crate::BoxError>> + Send + 'c>,
+>;
+
 #[cfg(feature = "mysql")]
 mod mysql;
+#[cfg(feature = "postgres")]
+mod postgres;
 #[cfg(feature = "redis")]
 mod redis;
 
 #[cfg(feature = "mysql")]
 #[cfg_attr(docsrs, doc(cfg(feature = "mysql")))]
 pub use mysql::{MysqlFence, TABLE as MYSQL_TABLE, ddl};
+#[cfg(feature = "postgres")]
+#[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
+pub use postgres::{PostgresFence, TABLE as POSTGRES_TABLE, ddl as postgres_ddl};
 #[cfg(feature = "redis")]
 #[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
 pub use redis::RedisFence;

@@ -1,12 +1,13 @@
 //! The SQL fence for MySQL and MariaDB: one transaction locks the resource's fence row,
 //! checks and raises its token, runs the caller's write, and commits.
 
-use std::{future::Future, pin::Pin};
+use std::future::Future;
 
 use lockkit_mysql::MysqlConfig;
 use sqlx::{AssertSqlSafe, MySqlConnection, MySqlPool, mysql::MySqlPoolOptions};
 
-use crate::{BoxError, Error, FencingToken, Result};
+use super::FencedWork;
+use crate::{Error, FencingToken, Result};
 
 const BACKEND: &str = "mysql";
 
@@ -63,10 +64,6 @@ where
         }
     }
 }
-
-/// The caller's write: runs on the fence's transaction, after the check.
-pub type FencedWork<'c, T> =
-    Pin<Box<dyn Future<Output = std::result::Result<T, BoxError>> + Send + 'c>>;
 
 /// A fence in MySQL or MariaDB: per resource, a row of [`ddl`] with the newest token that
 /// wrote. [`MysqlFence::write`] runs the caller's statements in the transaction that
