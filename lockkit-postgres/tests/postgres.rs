@@ -37,3 +37,90 @@ async fn extend_renews_the_lease_on_the_server() {
     held.release().await.unwrap();
     assert!(locker.inspect(&k).await.unwrap().is_none());
 }
+
+/// A waiter behind a 60 s lease is woken by the release's NOTIFY, not by the lease's end.
+#[tokio::test]
+async fn a_release_wakes_a_waiter_through_notify() {
+    let Some((holder, _)) = locker().await else {
+        return;
+    };
+    let (waiter, backend) = locker().await.unwrap();
+    let k = key("notify");
+    let held = holder
+        .try_acquire(&k)
+        .ttl(Duration::from_secs(60))
+        .await
+        .unwrap()
+        .unwrap();
+    let waiting = tokio::spawn({
+        let k = k.clone();
+        async move { waiter.acquire(&k).wait(Duration::from_secs(50)).await }
+    });
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(backend.waiting_keys(), 1, "the waiter listens for its key");
+    held.release().await.unwrap();
+    let granted = tokio::time::timeout(Duration::from_secs(20), waiting)
+        .await
+        .expect("the waiter slept on to the end of the 60 s lease")
+        .unwrap()
+        .unwrap();
+    granted.release().await.unwrap();
+    assert_eq!(backend.waiting_keys(), 0, "an ended wait stops listening");
+}
+
+/// The listener's connection killed by the server (an operator, a restart): the waiter is
+/// still woken soon after the release, by the listener's reconnect or by polling, never
+/// left to sleep to the end of the holder's lease.
+#[tokio::test]
+async fn a_killed_listener_does_not_strand_a_waiter() {
+    let Some((holder, _)) = locker().await else {
+        return;
+    };
+    let (waiter, _) = locker().await.unwrap();
+    let k = key("listener-killed");
+    let held = holder
+        .try_acquire(&k)
+        .ttl(Duration::from_secs(60))
+        .await
+        .unwrap()
+        .unwrap();
+    let waiting = tokio::spawn({
+        let k = k.clone();
+        async move { waiter.acquire(&k).wait(Duration::from_secs(50)).await }
+    });
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let url = env::service_url("LOCKKIT_TEST_POSTGRES_URL").unwrap();
+    let admin = sqlx::PgPool::connect(&url).await.unwrap();
+    let (killed,): (i64,) = sqlx::query_as(
+        "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity \
+         WHERE query LIKE 'LISTEN %' AND pid <> pg_backend_pid()",
+    )
+    .fetch_one(&admin)
+    .await
+    .unwrap();
+    assert!(killed >= 1, "no listening connection to kill");
+    held.release().await.unwrap();
+    let granted = tokio::time::timeout(Duration::from_secs(20), waiting)
+        .await
+        .expect("the waiter slept on to the end of the 60 s lease")
+        .unwrap()
+        .unwrap();
+    granted.release().await.unwrap();
+}
+
+/// `create_schema=false` on a database without the table: a configuration error that
+/// names the DDL, and nothing created.
+#[tokio::test]
+async fn without_create_schema_a_missing_table_is_a_config_error() {
+    let Some(url) = env::service_url("LOCKKIT_TEST_POSTGRES_URL") else {
+        return;
+    };
+    let table = format!("lockkit_missing_{}", std::process::id());
+    let refused = PostgresBackend::connect(&format!("{url}?table={table}&create_schema=false"))
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(&refused, lockkit_core::Error::Config(m) if m.contains(&table) && m.contains("CREATE TABLE")),
+        "{refused}"
+    );
+}
