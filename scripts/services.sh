@@ -336,7 +336,12 @@ system_server_pids() {
   for p in /proc/[0-9]*; do
     comm="$(cat "$p/comm" 2>/dev/null)" || continue
     case "$comm" in
-      redis-server|mariadbd|mysqld|postgres) echo "${p#/proc/}" ;;
+      redis-server|mariadbd|mysqld) echo "${p#/proc/}" ;;
+      # A system cluster's postmaster only, never a backend of a server of ours.
+      postgres)
+        if tr '\0' ' ' <"$p/cmdline" 2>/dev/null | grep -q -e /etc/postgresql -e /var/lib/postgresql; then
+          echo "${p#/proc/}"
+        fi ;;
     esac
   done
 }
@@ -557,7 +562,9 @@ start_postgres() {
   # that pid is not a live process.
   local old_pid
   old_pid="$(head -n 1 "$d/data/postmaster.pid" 2>/dev/null || true)"
-  if [[ -n "$old_pid" ]] && ! pid_alive "$old_pid"; then
+  if [[ -n "$old_pid" ]] && { ! pid_alive "$old_pid" \
+      || ! tr '\0' ' ' <"/proc/$old_pid/cmdline" 2>/dev/null | grep -qF "$d/data"; }; then
+    # Dead, a zombie, or a reused pid that is not our server.
     rm -f "$d/data/postmaster.pid"
   fi
   local as_owner=()
@@ -926,10 +933,28 @@ cmd_signal() {
   for n in "$@"; do
     pid="$(owned_pid "$n")" || die "$n is not running"
     if [[ "$(kind_of "$n")" == postgres ]]; then
-      # The whole server: PostgreSQL runs a process per connection, all in the
-      # postmaster's process group (launch's setsid), so a frozen or killed server is
-      # every one of them, as after a power loss.
-      kill "-$sig" -- "-$pid" || die "$n: kill -$sig -$pid failed"
+      # The whole server: PostgreSQL runs a process per connection (each its own session),
+      # so a frozen or killed server is the postmaster and every child, as after a power
+      # loss. The postmaster is stopped first (it forks no more children) and continued
+      # last.
+      local children
+      children="$(pgrep -P "$pid" | tr '\n' ' ' || true)"
+      if [[ "$sig" == CONT ]]; then
+        # shellcheck disable=SC2086  # a word list of pids
+        [[ -z "$children" ]] || kill -CONT $children 2>/dev/null || true
+        kill -CONT "$pid" || die "$n: kill -CONT $pid failed"
+      else
+        kill "-$sig" "$pid" || die "$n: kill -$sig $pid failed"
+        children="$(pgrep -P "$pid" | tr '\n' ' ' || true)"
+        # shellcheck disable=SC2086
+        [[ -z "$children" ]] || kill "-$sig" $children 2>/dev/null || true
+      fi
+      if [[ "$sig" == KILL ]]; then
+        local c waited=0
+        for c in $children; do
+          while pid_alive "$c" && ((waited++ < 50)); do sleep 0.1; done
+        done
+      fi
     else
       kill "-$sig" "$pid" || die "$n: kill -$sig $pid failed"
     fi

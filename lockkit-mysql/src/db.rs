@@ -281,6 +281,7 @@ pub(crate) struct Sql {
     pub(crate) row_take: Arc<str>,
     pub(crate) row_reenter: Arc<str>,
     pub(crate) row_renew: Arc<str>,
+    pub(crate) row_extend_locked: Arc<str>,
     pub(crate) row_release_one: Arc<str>,
     pub(crate) row_release_all: Arc<str>,
     pub(crate) row_clear_live: Arc<str>,
@@ -328,6 +329,12 @@ impl Sql {
             row_renew: s(format!(
                 "UPDATE `{t}` SET expires_at = GREATEST(expires_at, UTC_TIMESTAMP(6) + INTERVAL ? MICROSECOND) \
                  WHERE name = ? AND owner = ? AND expires_at > UTC_TIMESTAMP(6)"
+            )),
+            // Under the row lock of a transaction that just saw the lease live and ours: no
+            // one else can have taken it since, so extend it even if it ran out meanwhile.
+            row_extend_locked: s(format!(
+                "UPDATE `{t}` SET expires_at = GREATEST(expires_at, UTC_TIMESTAMP(6) + INTERVAL ? MICROSECOND) \
+                 WHERE name = ? AND owner = ?"
             )),
             row_release_one: s(format!(
                 "UPDATE `{t}` SET holds = holds - 1, attempts = ? WHERE name = ?"

@@ -144,8 +144,11 @@ async fn run_acquire(backend: &RowLocks, req: &AcquireRequest) -> Result<Attempt
         if attempts.has(req.attempt) {
             // A retry of an acquisition that took effect (its COMMIT's reply was lost): the
             // same grant again, not a second hold. Its guard counts the lease from this
-            // retry, so the lease on the server runs at least that long too (never shorter).
-            query(&sql.row_renew)
+            // retry, so the lease on the server runs at least that long too (never shorter),
+            // even if it ran out since the SELECT above: the row lock kept everyone out
+            // (review 17, M1: the renew's `expires_at > now` could match nothing here and
+            // the grant went out on an expired lease).
+            query(&sql.row_extend_locked)
                 .bind(ttl)
                 .bind(name)
                 .bind(&owner)

@@ -54,8 +54,10 @@ impl PostgresBackend {
         &self.db.config
     }
 
-    /// Closes every connection of this client.
+    /// Closes every connection of this client (a waiter still waiting then polls, and
+    /// fails once the pool is closed).
     pub async fn close(&self) {
+        self.locks.stop_listening();
         self.db.pool.close().await;
     }
 

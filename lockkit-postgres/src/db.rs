@@ -40,11 +40,15 @@ pub(crate) fn db_error(doing: &str, e: sqlx::Error) -> Error {
         | sqlx::Error::PoolTimedOut
         | sqlx::Error::Protocol(_)
         | sqlx::Error::WorkerCrashed => true,
-        // Serialization failure, deadlock, lock not available, the server shutting down or
-        // restarting (class 57P: operator intervention), connection failures (class 08).
+        // Serialization failure, deadlock, lock not available (`lock_timeout`), a statement
+        // cancelled (`statement_timeout`), a transaction ended by
+        // `idle_in_transaction_session_timeout`, the server shutting down or restarting
+        // (class 57P: operator intervention), connection failures (class 08).
         sqlx::Error::Database(_) => code.as_deref().is_some_and(|c| {
-            matches!(c, state::SERIALIZATION_FAILURE | state::DEADLOCK | "55P03")
-                || c.starts_with("57P")
+            matches!(
+                c,
+                state::SERIALIZATION_FAILURE | state::DEADLOCK | "55P03" | "57014" | "25P03"
+            ) || c.starts_with("57P")
                 || c.starts_with("08")
         }),
         _ => false,
@@ -68,6 +72,14 @@ pub(crate) fn micros(d: Duration) -> i64 {
     i64::try_from(d.as_micros()).unwrap_or(i64::MAX).max(1)
 }
 
+/// Every pooled connection's session: transactions lock only the rows they name (READ
+/// COMMITTED, whatever the server's default), and no statement, row-lock wait or
+/// transaction left open by a paused or cut-off client can hold a key's row for long: the
+/// server ends it, and the waiter retries.
+const SESSION: &str = "SET SESSION CHARACTERISTICS AS TRANSACTION ISOLATION LEVEL READ COMMITTED; \
+     SET lock_timeout = '5s'; SET statement_timeout = '10s'; \
+     SET idle_in_transaction_session_timeout = '5s'";
+
 /// The database: a pool for short statements and the statements on its table.
 pub(crate) struct Db {
     pub(crate) config: PostgresConfig,
@@ -81,6 +93,9 @@ impl Db {
         let pool = PgPoolOptions::new()
             .max_connections(config.pool_size)
             .acquire_timeout(config.connect_timeout)
+            .after_connect(|conn, _| {
+                Box::pin(async move { sqlx::raw_sql(SESSION).execute(conn).await.map(|_| ()) })
+            })
             .connect_with(config.connect.clone())
             .await
             .map_err(|e| db_error("connecting to PostgreSQL", e))?;
@@ -93,30 +108,31 @@ impl Db {
         Ok(db)
     }
 
-    /// Creates the table if allowed; otherwise checks it is there.
+    /// Checks the table is there, and creates it if it is not and that is allowed (so a
+    /// role without `CREATE` on the schema works once the table exists).
     async fn ensure_schema(&self) -> Result<()> {
         let table = &self.config.table;
-        if self.config.create_schema {
-            // Concurrent `CREATE TABLE IF NOT EXISTS` can still collide on the catalog's
-            // unique index: the other client made it, which is all this wanted.
-            match sqlx::raw_sql(AssertSqlSafe(ddl(table)))
-                .execute(&self.pool)
-                .await
-            {
-                Ok(_) => return Ok(()),
-                Err(e) if sql_state(&e).as_deref() == Some(state::UNIQUE_VIOLATION) => {}
-                Err(e) => return Err(db_error(&format!("creating table `{table}`"), e)),
-            }
-        }
+        let missing = |e: &sqlx::Error| sql_state(e).as_deref() == Some(state::UNDEFINED_TABLE);
         match query(&self.sql.table_exists).execute(&self.pool).await {
-            Ok(_) => Ok(()),
-            Err(e) if sql_state(&e).as_deref() == Some(state::UNDEFINED_TABLE) => {
-                Err(Error::Config(format!(
+            Ok(_) => return Ok(()),
+            Err(e) if missing(&e) && self.config.create_schema => {}
+            Err(e) if missing(&e) => {
+                return Err(Error::Config(format!(
                     "table `{table}` does not exist and create_schema=false; create it with:\n{}",
                     ddl(table)
-                )))
+                )));
             }
-            Err(e) => Err(db_error(&format!("checking table `{table}`"), e)),
+            Err(e) => return Err(db_error(&format!("checking table `{table}`"), e)),
+        }
+        // Concurrent `CREATE TABLE IF NOT EXISTS` can still collide on the catalog's unique
+        // index: the other client made it, which is all this wanted.
+        match sqlx::raw_sql(AssertSqlSafe(ddl(table)))
+            .execute(&self.pool)
+            .await
+        {
+            Ok(_) => Ok(()),
+            Err(e) if sql_state(&e).as_deref() == Some(state::UNIQUE_VIOLATION) => Ok(()),
+            Err(e) => Err(db_error(&format!("creating table `{table}`"), e)),
         }
     }
 
@@ -163,10 +179,11 @@ pub(crate) fn fence_of(row: &PgRow) -> std::result::Result<u64, sqlx::Error> {
 
 // ---- the table and its statements
 
-/// The DDL for `table`: one row per key, never deleted, so its fence only grows.
+/// The DDL for `table` (quoted as given): one row per key, never deleted, so its fence only
+/// grows.
 pub fn ddl(table: &str) -> String {
     format!(
-        "CREATE TABLE IF NOT EXISTS {table} (\n  \
+        "CREATE TABLE IF NOT EXISTS \"{table}\" (\n  \
            name BYTEA NOT NULL PRIMARY KEY CHECK (octet_length(name) <= 512),\n  \
            owner TEXT NULL,\n  \
            holds INTEGER NOT NULL DEFAULT 0,\n  \
@@ -198,6 +215,7 @@ pub(crate) struct Sql {
     pub(crate) row_take: Arc<str>,
     pub(crate) row_reenter: Arc<str>,
     pub(crate) row_renew: Arc<str>,
+    pub(crate) row_extend_locked: Arc<str>,
     pub(crate) row_release_one: Arc<str>,
     pub(crate) row_release_all: Arc<str>,
     pub(crate) row_clear_live: Arc<str>,
@@ -214,50 +232,57 @@ impl Sql {
         let live = "COALESCE(expires_at > clock_timestamp(), FALSE)";
         Sql {
             table_exists: s(format!(
-                "SELECT name, owner, holds, fence, expires_at, attempts FROM {t} LIMIT 0"
+                "SELECT name, owner, holds, fence, expires_at, attempts FROM \"{t}\" LIMIT 0"
             )),
             row_select_for_update: s(format!(
                 "SELECT owner, holds, fence, attempts, {live} AS live, {left_us} AS left_us \
-                 FROM {t} WHERE name = $1 FOR UPDATE"
+                 FROM \"{t}\" WHERE name = $1 FOR UPDATE"
             )),
             row_insert: s(format!(
-                "INSERT INTO {t} (name, owner, holds, fence, expires_at, attempts) \
+                "INSERT INTO \"{t}\" (name, owner, holds, fence, expires_at, attempts) \
                  VALUES ($1, $2, 1, 1, {}, $4) ON CONFLICT (name) DO NOTHING",
                 from_now(3)
             )),
             row_take: s(format!(
-                "UPDATE {t} SET owner = $1, holds = 1, fence = fence + 1, expires_at = {}, \
+                "UPDATE \"{t}\" SET owner = $1, holds = 1, fence = fence + 1, expires_at = {}, \
                  attempts = $3 WHERE name = $4 RETURNING fence",
                 from_now(2)
             )),
             row_reenter: s(format!(
-                "UPDATE {t} SET holds = holds + 1, attempts = $1, \
+                "UPDATE \"{t}\" SET holds = holds + 1, attempts = $1, \
                  expires_at = GREATEST(expires_at, {}) WHERE name = $3",
                 from_now(2)
             )),
             row_renew: s(format!(
-                "UPDATE {t} SET expires_at = GREATEST(expires_at, {}) \
+                "UPDATE \"{t}\" SET expires_at = GREATEST(expires_at, {}) \
                  WHERE name = $2 AND owner = $3 AND expires_at > clock_timestamp()",
                 from_now(1)
             )),
+            // Under the row lock of a transaction that just saw the lease live and ours: no
+            // one else can have taken it since, so extend it even if it ran out meanwhile.
+            row_extend_locked: s(format!(
+                "UPDATE \"{t}\" SET expires_at = GREATEST(expires_at, {}) \
+                 WHERE name = $2 AND owner = $3",
+                from_now(1)
+            )),
             row_release_one: s(format!(
-                "UPDATE {t} SET holds = holds - 1, attempts = $1 WHERE name = $2"
+                "UPDATE \"{t}\" SET holds = holds - 1, attempts = $1 WHERE name = $2"
             )),
             row_release_all: s(format!(
-                "UPDATE {t} SET owner = NULL, holds = 0, expires_at = NULL, attempts = NULL \
+                "UPDATE \"{t}\" SET owner = NULL, holds = 0, expires_at = NULL, attempts = NULL \
                  WHERE name = $1"
             )),
             row_clear_live: s(format!(
-                "UPDATE {t} SET owner = NULL, holds = 0, expires_at = NULL, attempts = NULL \
+                "UPDATE \"{t}\" SET owner = NULL, holds = 0, expires_at = NULL, attempts = NULL \
                  WHERE name = $1 AND expires_at > clock_timestamp()"
             )),
             notify_release: s("SELECT pg_notify($1, $2)".to_owned()),
             inspect: s(format!(
-                "SELECT owner, holds, fence, {left_us} AS left_us FROM {t} \
+                "SELECT owner, holds, fence, {left_us} AS left_us FROM \"{t}\" \
                  WHERE name = $1 AND owner IS NOT NULL AND expires_at > clock_timestamp()"
             )),
             live_under_prefix: s(format!(
-                "SELECT COUNT(*) FROM {t} WHERE position($1 in name) = 1 \
+                "SELECT COUNT(*) FROM \"{t}\" WHERE position($1 in name) = 1 \
                  AND expires_at > clock_timestamp()"
             )),
         }

@@ -1,15 +1,18 @@
 //! Release announcements: one `LISTEN` connection per client, shared by all its waiters.
 //!
-//! A release commits `pg_notify(<channel>, 'r:<key>')` in its own transaction; the
+//! A release commits `pg_notify(<channel>, 'r:<key in hex>')` in its own transaction; the
 //! listener wakes that key's waiters the moment it arrives. A listener that lost its
 //! connection cannot know what it missed, so it wakes every waiter when it is back. A
 //! connection that dies without a word (a paused server, a cut link) is found by a
-//! heartbeat: while anyone waits, the client announces `h` every [`HEARTBEAT`] and a
-//! listener that heard nothing for [`STALE_AFTER`] is replaced; until then waiters poll.
+//! heartbeat: while anyone waits, the client announces `h` every [`HEARTBEAT`] (and at
+//! once when the first waiter comes), and a listener that heard nothing for
+//! [`STALE_AFTER`] after a heartbeat went out is replaced. Waiters rely on announcements
+//! only while the listener has heard something recently; otherwise they poll.
 
 use std::{
     collections::HashMap,
-    sync::{Arc, Mutex, OnceLock},
+    fmt::Write as _,
+    sync::{Arc, Mutex},
     time::Duration,
 };
 
@@ -20,32 +23,60 @@ use sqlx::{
     postgres::{PgConnectOptions, PgListener, PgPoolOptions},
 };
 use tokio::{
-    sync::{Notify, mpsc, watch},
+    sync::{Notify, mpsc},
     task::JoinHandle,
     time::Instant,
 };
 
 /// How often a client with waiters announces a heartbeat.
 const HEARTBEAT: Duration = Duration::from_secs(1);
-/// A listener that heard nothing (no release, no heartbeat) this long is replaced.
+/// A listener that heard nothing this long after a heartbeat went out is replaced; one
+/// that heard nothing for this long is not relied on.
 const STALE_AFTER: Duration = Duration::from_secs(3);
+
+/// `key` as the hex a release announces (any key fits any database encoding).
+fn hex(key: &str) -> String {
+    key.bytes()
+        .fold(String::with_capacity(key.len() * 2), |mut out, b| {
+            let _ = write!(out, "{b:02x}");
+            out
+        })
+}
 
 /// The payload of a release of `key`.
 pub(crate) fn release_payload(key: &str) -> String {
-    format!("r:{key}")
+    format!("r:{}", hex(key))
 }
 
 const HEARTBEAT_PAYLOAD: &str = "h";
 
-/// Waiters by key, and whether the listener is connected and listening.
+/// Waiters by key (hex), and what the listener last heard.
 struct Shared {
     keys: Mutex<HashMap<String, (Arc<Notify>, usize)>>,
-    listening: watch::Sender<bool>,
+    state: Mutex<ListenerState>,
+    /// Asks the listener for a heartbeat now (a first waiter came).
+    poke: Notify,
+    /// Told whenever the listener hears something.
+    heard: Notify,
+}
+
+#[derive(Default)]
+struct ListenerState {
+    /// The listener is connected and listening.
+    listening: bool,
+    /// When it last heard anything (a release, a heartbeat).
+    heard_at: Option<Instant>,
+    /// It has listened at some point (so being down now means it is reconnecting).
+    ever_listened: bool,
 }
 
 impl Shared {
     fn keys(&self) -> std::sync::MutexGuard<'_, HashMap<String, (Arc<Notify>, usize)>> {
         self.keys.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn state(&self) -> std::sync::MutexGuard<'_, ListenerState> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     fn wake(&self, key: &str) {
@@ -60,30 +91,59 @@ impl Shared {
         }
     }
 
+    fn heard(&self) {
+        self.state().heard_at = Some(Instant::now());
+        self.heard.notify_waiters();
+    }
+
     fn set_listening(&self, listening: bool) {
-        if self.listening.send_replace(listening) != listening {
+        let changed = {
+            let mut state = self.state();
+            let changed = state.listening != listening;
+            state.listening = listening;
+            state.ever_listened |= listening;
+            if !listening {
+                state.heard_at = None;
+            }
+            changed
+        };
+        if changed {
             // Either way the waiters must look again: they may have missed a release, or
             // may now sleep until one is announced.
             self.wake_all();
         }
     }
+
+    /// Whether announcements can be relied on now: listening, and heard from lately.
+    fn reliable(&self) -> bool {
+        let state = self.state();
+        state.listening && state.heard_at.is_some_and(|at| at.elapsed() < STALE_AFTER)
+    }
 }
 
-/// One client's release listener (started by its first waiter).
+/// Marks the listener down when its task ends, however it ends.
+struct ListeningGuard(Arc<Shared>);
+
+impl Drop for ListeningGuard {
+    fn drop(&mut self) {
+        self.0.set_listening(false);
+    }
+}
+
+/// One client's release listener (started by its first waiter, started again if its task
+/// ever ended).
 pub(crate) struct Releases {
     channel: String,
     connect: PgConnectOptions,
     connect_timeout: Duration,
     pool: PgPool,
     shared: Arc<Shared>,
-    task: OnceLock<JoinHandle<()>>,
+    task: Mutex<Option<JoinHandle<()>>>,
 }
 
 impl Drop for Releases {
     fn drop(&mut self) {
-        if let Some(task) = self.task.get() {
-            task.abort();
-        }
+        self.stop();
     }
 }
 
@@ -101,36 +161,52 @@ impl Releases {
             pool,
             shared: Arc::new(Shared {
                 keys: Mutex::default(),
-                listening: watch::channel(false).0,
+                state: Mutex::default(),
+                poke: Notify::new(),
+                heard: Notify::new(),
             }),
-            task: OnceLock::new(),
+            task: Mutex::new(None),
         })
+    }
+
+    /// Stops the listener and closes its connection.
+    pub(crate) fn stop(&self) {
+        if let Some(task) = self.task.lock().unwrap_or_else(|e| e.into_inner()).take() {
+            task.abort();
+        }
     }
 
     /// A waiter's wake-ups for `key`.
     pub(crate) fn waiter(self: &Arc<Self>, key: &str) -> ReleaseNotes {
         ReleaseNotes {
             releases: self.clone(),
-            key: key.to_owned(),
+            key: hex(key),
             notify: None,
         }
     }
 
     fn subscribe(&self, key: &str) -> Arc<Notify> {
-        let notify = {
+        let (notify, first) = {
             let mut keys = self.shared.keys();
+            let first = keys.is_empty();
             let entry = keys.entry(key.to_owned()).or_default();
             entry.1 += 1;
-            entry.0.clone()
+            (entry.0.clone(), first)
         };
-        self.task.get_or_init(|| {
-            tokio::spawn(listen(
+        let mut task = self.task.lock().unwrap_or_else(|e| e.into_inner());
+        if task.as_ref().is_none_or(JoinHandle::is_finished) {
+            *task = Some(tokio::spawn(listen(
                 self.shared.clone(),
                 self.channel.clone(),
                 self.connect.clone(),
+                self.connect_timeout,
                 self.pool.clone(),
-            ))
-        });
+            )));
+        }
+        if first {
+            // Nobody waited, so nothing was checked: have the listener prove itself now.
+            self.shared.poke.notify_one();
+        }
         notify
     }
 
@@ -152,30 +228,42 @@ impl Releases {
 }
 
 /// The listener: connects, listens, wakes waiters; replaced when it goes quiet.
-async fn listen(shared: Arc<Shared>, channel: String, connect: PgConnectOptions, pool: PgPool) {
+async fn listen(
+    shared: Arc<Shared>,
+    channel: String,
+    connect: PgConnectOptions,
+    connect_timeout: Duration,
+    pool: PgPool,
+) {
+    let _down_when_done = ListeningGuard(shared.clone());
     let reconnect = || Backoff::new(Duration::from_millis(50), Duration::from_secs(2));
     let mut pause = reconnect();
     loop {
-        match listen_once(&shared, &channel, &connect, &pool).await {
-            Ok(()) => pause = reconnect(),
-            Err(error) => {
-                tracing::debug!(%error, "release listener failed; waiters poll meanwhile");
-            }
+        let started = Instant::now();
+        if let Err(error) = listen_once(&shared, &channel, &connect, connect_timeout, &pool).await {
+            tracing::debug!(%error, "release listener failed; waiters poll meanwhile");
         }
         shared.set_listening(false);
+        // Only a connection that lasted resets the pace: one that dies right after LISTEN
+        // must not be reopened (and every waiter woken) every 50 ms.
+        if started.elapsed() > STALE_AFTER {
+            pause = reconnect();
+        }
         tokio::time::sleep(pause.next_delay()).await;
     }
 }
 
-/// One listener connection, until it is lost or goes quiet. `Ok`: it had worked.
+/// One listener connection, until it is lost or goes quiet.
 async fn listen_once(
     shared: &Shared,
     channel: &str,
     connect: &PgConnectOptions,
+    connect_timeout: Duration,
     pool: &PgPool,
 ) -> Result<(), sqlx::Error> {
     let own = PgPoolOptions::new()
         .max_connections(1)
+        .acquire_timeout(connect_timeout)
         .max_lifetime(None)
         .idle_timeout(None)
         .connect_with(connect.clone())
@@ -199,39 +287,44 @@ async fn listen_once(
         }
     }));
     // Wakes every waiter: whatever was released before the LISTEN took effect was not
-    // heard.
+    // heard. Reliable only once something is heard (the heartbeat below).
     shared.set_listening(true);
-    let mut last_heard = Instant::now();
+    // The oldest heartbeat sent since the listener last heard anything.
+    let mut unanswered: Option<Instant> = None;
     let mut beat = tokio::time::interval(HEARTBEAT);
     loop {
-        tokio::select! {
+        let send_beat = tokio::select! {
             message = hearing.recv() => {
                 let Some(Some(payload)) = message else { break };
-                last_heard = Instant::now();
+                shared.heard();
+                unanswered = None;
                 if let Some(key) = payload.strip_prefix("r:") {
                     shared.wake(key);
                 }
+                false
             }
-            _ = beat.tick() => {
-                if shared.keys().is_empty() {
-                    // Nobody waits: nothing to keep alive, and nothing goes stale.
-                    last_heard = Instant::now();
-                    continue;
-                }
-                if last_heard.elapsed() > STALE_AFTER {
-                    tracing::debug!("release listener heard nothing, not even its heartbeat; replacing it");
-                    break;
-                }
-                let pool = pool.clone();
-                let channel = channel.to_owned();
-                tokio::spawn(async move {
-                    let _ = sqlx::query("SELECT pg_notify($1, $2)")
-                        .bind(channel)
-                        .bind(HEARTBEAT_PAYLOAD)
-                        .execute(&pool)
-                        .await;
-                });
-            }
+            () = shared.poke.notified() => true,
+            _ = beat.tick() => !shared.keys().is_empty(),
+        };
+        if !send_beat {
+            continue;
+        }
+        if unanswered.is_some_and(|sent| sent.elapsed() > STALE_AFTER) {
+            tracing::debug!("release listener heard nothing, not even its heartbeat; replacing it");
+            break;
+        }
+        // Bounded, so a busy pool delays the heartbeat rather than the listener; a beat
+        // that could not be sent does not count against the listener.
+        let sent = tokio::time::timeout(
+            HEARTBEAT,
+            sqlx::query("SELECT pg_notify($1, $2)")
+                .bind(channel)
+                .bind(HEARTBEAT_PAYLOAD)
+                .execute(pool),
+        )
+        .await;
+        if matches!(sent, Ok(Ok(_))) {
+            unanswered.get_or_insert_with(Instant::now);
         }
     }
     // Dropping the receiver drops the listener and its connection.
@@ -248,9 +341,10 @@ impl Drop for AbortOnDrop {
     }
 }
 
-/// A waiter's wake-ups: release announcements for its key, once the listener listens.
+/// A waiter's wake-ups: release announcements for its key, once the listener is heard.
 pub(crate) struct ReleaseNotes {
     releases: Arc<Releases>,
+    /// The key, in hex as announced.
     key: String,
     notify: Option<Arc<Notify>>,
 }
@@ -265,16 +359,45 @@ impl Drop for ReleaseNotes {
 
 #[async_trait]
 impl Wake for ReleaseNotes {
+    /// Registers on the first call, and then waits (up to the connect timeout) for the
+    /// listener to be heard from, when it is connecting for the first time or is connected
+    /// but unchecked (nobody waited lately); a listener known to be down is not waited for.
+    /// While announcements cannot be relied on, the waiter polls.
     async fn ready(&mut self) -> bool {
+        let shared = self.releases.shared.clone();
         if self.notify.is_none() {
             self.notify = Some(self.releases.subscribe(&self.key));
-            let mut listening = self.releases.shared.listening.subscribe();
-            let bound = self.releases.connect_timeout;
-            return tokio::time::timeout(bound, listening.wait_for(|on| *on))
-                .await
-                .is_ok_and(|waited| waited.is_ok());
+            let worth_waiting = {
+                let state = shared.state();
+                state.listening || !state.ever_listened
+            };
+            if worth_waiting {
+                let until = Instant::now() + self.releases.connect_timeout;
+                loop {
+                    let heard = shared.heard.notified();
+                    tokio::pin!(heard);
+                    heard.as_mut().enable();
+                    if shared.reliable() || Instant::now() >= until {
+                        break;
+                    }
+                    // Also looks again now and then: the listener may have gone down.
+                    let step = (Instant::now() + Duration::from_millis(250)).min(until);
+                    tokio::select! {
+                        () = heard => {}
+                        () = tokio::time::sleep_until(step) => {
+                            let down = {
+                                let state = shared.state();
+                                !state.listening && state.ever_listened
+                            };
+                            if down {
+                                break;
+                            }
+                        }
+                    }
+                }
+            }
         }
-        *self.releases.shared.listening.borrow()
+        shared.reliable()
     }
 
     fn arm(&self) -> Armed<'_> {
@@ -282,5 +405,16 @@ impl Wake for ReleaseNotes {
             Some(notify) => armed(notify),
             None => never(),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn keys_are_announced_in_hex() {
+        assert_eq!(release_payload("a/b"), "r:612f62");
+        assert_eq!(hex("é"), "c3a9");
     }
 }

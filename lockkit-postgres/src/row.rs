@@ -4,8 +4,8 @@ use std::{sync::Arc, time::Duration};
 
 use async_trait::async_trait;
 use lockkit_core::spi::{
-    AcquireRequest, Attempt, AttemptLedger, Backoff, Grant, Released, WaitPolicy, detached_acquire,
-    wait_for_grant,
+    AcquireRequest, Attempt, AttemptLedger, Backoff, Grant, Released, WaitPolicy, deadline_after,
+    detached_acquire, wait_for_grant,
 };
 use lockkit_core::{
     BackendInfo, Capabilities, Consistency, Error, FencingToken, HolderInfo, LockBackend, LockKey,
@@ -53,6 +53,11 @@ impl RowLocks {
         Ok(u64::try_from(n).unwrap_or(0))
     }
 
+    /// Stops listening for release announcements (closes that connection).
+    pub(crate) fn stop_listening(&self) {
+        self.releases.stop();
+    }
+
     /// Keys with a waiter registered for release announcements now.
     #[cfg(feature = "testing")]
     pub(crate) fn waiting_keys(&self) -> usize {
@@ -92,6 +97,8 @@ impl LockBackend for RowLocks {
         let capabilities = Capabilities {
             notified_wait: true,
             min_ttl: Duration::from_millis(1),
+            // `timestamptz` ends in the year 294276: keep leases well inside it.
+            max_ttl: Some(Duration::from_secs(100 * 365 * 24 * 3600)),
             ..Capabilities::default()
         };
         BackendInfo::new(BACKEND, Consistency::Cp, capabilities)
@@ -129,18 +136,29 @@ fn first_attempt(req: &AcquireRequest) -> String {
     attempts.render()
 }
 
-/// `pg_notify` of `key`'s release, delivered when `tx` commits.
+/// `pg_notify` of `key`'s release, delivered when `tx` commits. In a savepoint of its own:
+/// an announcement that fails (a full notification queue) must not undo the release; the
+/// waiters then find the key free at their next retry.
 async fn announce_release(
     inner: &Db,
     key: &LockKey,
     tx: &mut sqlx::PgConnection,
 ) -> std::result::Result<(), sqlx::Error> {
-    query(&inner.sql.notify_release)
+    sqlx::raw_sql("SAVEPOINT lockkit_announce")
+        .execute(&mut *tx)
+        .await?;
+    let announced = query(&inner.sql.notify_release)
         .bind(release_channel(&inner.config.table))
         .bind(release_payload(key.as_str()))
-        .execute(tx)
-        .await
-        .map(|_| ())
+        .execute(&mut *tx)
+        .await;
+    if let Err(error) = announced {
+        tracing::warn!(%error, %key, "could not announce a release; waiters find it by retrying");
+        sqlx::raw_sql("ROLLBACK TO SAVEPOINT lockkit_announce")
+            .execute(&mut *tx)
+            .await?;
+    }
+    Ok(())
 }
 
 /// One acquire transaction: lock the key's row, decide, write, commit.
@@ -191,8 +209,9 @@ async fn run_acquire(backend: &RowLocks, req: &AcquireRequest) -> Result<Attempt
         if attempts.has(req.attempt) {
             // A retry of an acquisition that took effect (its COMMIT's reply was lost): the
             // same grant again, not a second hold. Its guard counts the lease from this
-            // retry, so the lease on the server runs at least that long too (never shorter).
-            query(&sql.row_renew)
+            // retry, so the lease on the server runs at least that long too (never shorter),
+            // even if it ran out since the SELECT above: the row lock kept everyone out.
+            query(&sql.row_extend_locked)
                 .bind(ttl)
                 .bind(name)
                 .bind(&owner)
@@ -292,7 +311,23 @@ const MAX_POLL: Duration = Duration::from_millis(100);
 async fn acquire(backend: &RowLocks, req: &AcquireRequest, wait: Duration) -> Result<Grant> {
     let policy = WaitPolicy::new(Backoff::new(FIRST_POLL, MAX_POLL));
     let mut wake = backend.releases.waiter(req.key.as_str());
-    wait_for_grant(&req.key, wait, policy, &mut wake, || attempt(backend, req)).await
+    let deadline = deadline_after(wait);
+    // An attempt stuck behind another client's open transaction ends at the deadline (the
+    // server's lock_timeout ends it too); dropped, it gives back a grant it still gets.
+    wait_for_grant(&req.key, wait, policy, &mut wake, || async move {
+        if wait.is_zero() {
+            return attempt(backend, req).await;
+        }
+        match tokio::time::timeout_at(deadline, attempt(backend, req)).await {
+            Ok(outcome) => outcome,
+            Err(_) => Err(Error::backend(
+                BACKEND,
+                true,
+                "the acquire attempt did not finish by the deadline",
+            )),
+        }
+    })
+    .await
 }
 
 async fn renew(backend: &RowLocks, grant: &Grant, ttl: Duration) -> Result<()> {

@@ -82,11 +82,11 @@ impl Harness for PostgresHarness {
     /// and SCRAM authentication: ~40 ms here, several times that on a loaded CI machine),
     /// which must not eat the whole lease.
     fn short_ttl(&self) -> Duration {
-        Duration::from_millis(800)
+        Duration::from_secs(1)
     }
 
     fn expiry_slack(&self) -> Duration {
-        Duration::from_millis(800)
+        Duration::from_secs(1)
     }
 
     async fn connect(&self, url: &str) -> lockkit_core::Result<Locker> {
