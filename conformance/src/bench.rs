@@ -100,3 +100,24 @@ where
         &mut *samples.lock().unwrap_or_else(|e| e.into_inner()),
     ))
 }
+
+/// `n` uncontended acquire+release pairs through `locker` (30 s leases), over 50 keys in
+/// turn: one sample each.
+///
+/// # Panics
+/// When an acquisition or a release fails (a benchmark has nothing to measure then).
+pub async fn uncontended(locker: &Locker, n: usize) -> Vec<Duration> {
+    let mut samples = Vec::with_capacity(n);
+    for i in 0..n {
+        let key = format!("bench/uncontended/{}", i % 50);
+        let start = Instant::now();
+        let guard = locker
+            .acquire(key.as_str())
+            .ttl(Duration::from_secs(30))
+            .await
+            .expect("acquire");
+        guard.release().await.expect("release");
+        samples.push(start.elapsed());
+    }
+    samples
+}

@@ -7,7 +7,7 @@
 
 use std::time::{Duration, Instant};
 
-use lockkit_conformance::bench::{handoff, micros as us, percentile};
+use lockkit_conformance::bench::{handoff, micros as us, percentile, uncontended};
 use lockkit_core::Locker;
 use lockkit_mysql::MysqlBackend;
 use sqlx::{Connection, MySqlConnection};
@@ -21,22 +21,6 @@ async fn select_one(url: &str, n: usize) -> Vec<Duration> {
             .fetch_one(&mut conn)
             .await
             .expect("select");
-        samples.push(start.elapsed());
-    }
-    samples
-}
-
-async fn uncontended(locker: &Locker, n: usize) -> Vec<Duration> {
-    let mut samples = Vec::with_capacity(n);
-    for i in 0..n {
-        let key = format!("bench/uncontended/{}", i % 50);
-        let start = Instant::now();
-        let guard = locker
-            .acquire(key.as_str())
-            .ttl(Duration::from_secs(30))
-            .await
-            .expect("acquire");
-        guard.release().await.expect("release");
         samples.push(start.elapsed());
     }
     samples
