@@ -38,14 +38,19 @@ async fn extend_renews_the_lease_on_the_server() {
     assert!(locker.inspect(&k).await.unwrap().is_none());
 }
 
-/// A waiter behind a 60 s lease is woken by the release's NOTIFY, not by the lease's end.
-#[tokio::test]
-async fn a_release_wakes_a_waiter_through_notify() {
+/// A holder with a 60 s lease on a new key and a waiter behind it (for up to 50 s), given
+/// half a second to start waiting; `between` runs before the release. The waiter must be
+/// granted well before the lease would have ended.
+async fn release_behind_a_long_lease<F, Fut>(what: &str, between: F)
+where
+    F: FnOnce(PostgresBackend) -> Fut,
+    Fut: std::future::Future<Output = ()>,
+{
     let Some((holder, _)) = locker().await else {
         return;
     };
     let (waiter, backend) = locker().await.unwrap();
-    let k = key("notify");
+    let k = key(what);
     let held = holder
         .try_acquire(&k)
         .ttl(Duration::from_secs(60))
@@ -57,7 +62,7 @@ async fn a_release_wakes_a_waiter_through_notify() {
         async move { waiter.acquire(&k).wait(Duration::from_secs(50)).await }
     });
     tokio::time::sleep(Duration::from_millis(500)).await;
-    assert_eq!(backend.waiting_keys(), 1, "the waiter listens for its key");
+    between(backend.clone()).await;
     held.release().await.unwrap();
     let granted = tokio::time::timeout(Duration::from_secs(20), waiting)
         .await
@@ -68,44 +73,33 @@ async fn a_release_wakes_a_waiter_through_notify() {
     assert_eq!(backend.waiting_keys(), 0, "an ended wait stops listening");
 }
 
+/// A waiter behind a 60 s lease is woken by the release's NOTIFY, not by the lease's end.
+#[tokio::test]
+async fn a_release_wakes_a_waiter_through_notify() {
+    release_behind_a_long_lease("notify", async |backend| {
+        assert_eq!(backend.waiting_keys(), 1, "the waiter listens for its key");
+    })
+    .await;
+}
+
 /// The listener's connection killed by the server (an operator, a restart): the waiter is
 /// still woken soon after the release, by the listener's reconnect or by polling, never
 /// left to sleep to the end of the holder's lease.
 #[tokio::test]
 async fn a_killed_listener_does_not_strand_a_waiter() {
-    let Some((holder, _)) = locker().await else {
-        return;
-    };
-    let (waiter, _) = locker().await.unwrap();
-    let k = key("listener-killed");
-    let held = holder
-        .try_acquire(&k)
-        .ttl(Duration::from_secs(60))
+    release_behind_a_long_lease("listener-killed", async |_| {
+        let url = env::service_url("LOCKKIT_TEST_POSTGRES_URL").unwrap();
+        let admin = sqlx::PgPool::connect(&url).await.unwrap();
+        let (killed,): (i64,) = sqlx::query_as(
+            "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity \
+             WHERE query LIKE 'LISTEN %' AND pid <> pg_backend_pid()",
+        )
+        .fetch_one(&admin)
         .await
-        .unwrap()
         .unwrap();
-    let waiting = tokio::spawn({
-        let k = k.clone();
-        async move { waiter.acquire(&k).wait(Duration::from_secs(50)).await }
-    });
-    tokio::time::sleep(Duration::from_millis(500)).await;
-    let url = env::service_url("LOCKKIT_TEST_POSTGRES_URL").unwrap();
-    let admin = sqlx::PgPool::connect(&url).await.unwrap();
-    let (killed,): (i64,) = sqlx::query_as(
-        "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity \
-         WHERE query LIKE 'LISTEN %' AND pid <> pg_backend_pid()",
-    )
-    .fetch_one(&admin)
-    .await
-    .unwrap();
-    assert!(killed >= 1, "no listening connection to kill");
-    held.release().await.unwrap();
-    let granted = tokio::time::timeout(Duration::from_secs(20), waiting)
-        .await
-        .expect("the waiter slept on to the end of the 60 s lease")
-        .unwrap()
-        .unwrap();
-    granted.release().await.unwrap();
+        assert!(killed >= 1, "no listening connection to kill");
+    })
+    .await;
 }
 
 /// `create_schema=false` on a database without the table: a configuration error that

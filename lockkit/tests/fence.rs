@@ -40,6 +40,62 @@ fn check_concurrent(outcomes: &[(u64, lockkit::Result<()>)]) {
     }
 }
 
+/// The SQL fences' cases, on one database: `write(token, resource)` writes the token as the
+/// resource's value through the fence, `read(resource)` reads the value back, `admit` and
+/// `fail` (a write whose own statements fail) go through the same fence.
+async fn check_sql_fence<W, WF, R, RF, A, AF, X, XF>(
+    what: &str,
+    write: W,
+    read: R,
+    admit: A,
+    fail: X,
+) where
+    W: Fn(u64, String) -> WF,
+    WF: std::future::Future<Output = lockkit::Result<()>> + Send + 'static,
+    R: Fn(String) -> RF,
+    RF: std::future::Future<Output = String>,
+    A: Fn(u64, String) -> AF,
+    AF: std::future::Future<Output = lockkit::Result<()>>,
+    X: Fn(u64, String) -> XF,
+    XF: std::future::Future<Output = lockkit::Result<()>>,
+{
+    let res = resource(what);
+    write(5, res.clone()).await.unwrap();
+    write(5, res.clone()).await.unwrap();
+    let refused = write(4, res.clone()).await.unwrap_err();
+    assert!(
+        matches!(&refused, Error::Fenced { token, newer, .. } if token.get() == 4 && newer.get() == 5),
+        "{refused}"
+    );
+    assert_eq!(read(res.clone()).await, "5");
+    write(9, res.clone()).await.unwrap();
+    assert!(matches!(
+        admit(8, res.clone()).await,
+        Err(Error::Fenced { .. })
+    ));
+    // A failing write rolls back, fence raise included.
+    let failed = fail(20, res.clone()).await;
+    assert!(matches!(failed, Err(Error::Backend { .. })), "{failed:?}");
+    write(10, res.clone())
+        .await
+        .expect("the rolled-back 20 did not raise the bar");
+
+    let res = resource(&format!("{what}-concurrent"));
+    let writers: Vec<_> = TOKENS
+        .into_iter()
+        .map(|t| {
+            let job = write(t, res.clone());
+            tokio::spawn(async move { (t, job.await) })
+        })
+        .collect();
+    let mut outcomes = Vec::new();
+    for w in writers {
+        outcomes.push(w.await.unwrap());
+    }
+    check_concurrent(&outcomes);
+    assert_eq!(read(res).await, "8");
+}
+
 /// Eight concurrent file writers with interleaved tokens.
 #[test]
 fn file_fence_keeps_the_highest_of_concurrent_writers() {
@@ -204,45 +260,21 @@ async fn mysql_fence_refuses_stale_writes_and_keeps_the_highest() {
         }
     };
 
-    let res = resource("mysql");
-    write(5, res.clone()).await.unwrap();
-    write(5, res.clone()).await.unwrap();
-    let refused = write(4, res.clone()).await.unwrap_err();
-    assert!(
-        matches!(&refused, Error::Fenced { token, newer, .. } if token.get() == 4 && newer.get() == 5),
-        "{refused}"
-    );
-    assert_eq!(read(res.clone()).await, "5");
-    write(9, res.clone()).await.unwrap();
-    assert!(matches!(
-        fence.admit(FencingToken::new(8), &res).await,
-        Err(Error::Fenced { .. })
-    ));
-    // A failing write rolls back, fence raise included.
-    let failed = fence
-        .write(FencingToken::new(20), &res, |_| {
-            Box::pin(async { Err::<(), _>("the caller's write failed".into()) })
-        })
-        .await;
-    assert!(matches!(failed, Err(Error::Backend { .. })), "{failed:?}");
-    write(10, res.clone())
-        .await
-        .expect("the rolled-back 20 did not raise the bar");
-
-    let res = resource("mysql-concurrent");
-    let writers: Vec<_> = TOKENS
-        .into_iter()
-        .map(|t| {
-            let job = write(t, res.clone());
-            tokio::spawn(async move { (t, job.await) })
-        })
-        .collect();
-    let mut outcomes = Vec::new();
-    for w in writers {
-        outcomes.push(w.await.unwrap());
-    }
-    check_concurrent(&outcomes);
-    assert_eq!(read(res).await, "8");
+    let admit = |token: u64, res: String| {
+        let fence = fence.clone();
+        async move { fence.admit(FencingToken::new(token), &res).await }
+    };
+    let fail = |token: u64, res: String| {
+        let fence = fence.clone();
+        async move {
+            fence
+                .write(FencingToken::new(token), &res, |_| {
+                    Box::pin(async { Err::<(), _>("the caller's write failed".into()) })
+                })
+                .await
+        }
+    };
+    check_sql_fence("mysql", write, read, admit, fail).await;
 }
 
 /// `?create_schema=false` never creates the fence table: a missing one is a
@@ -330,50 +362,28 @@ async fn postgres_fence_refuses_stale_writes_and_keeps_the_highest() {
         }
     };
 
-    let res = resource("postgres");
-    write(5, res.clone()).await.unwrap();
-    write(5, res.clone()).await.unwrap();
-    let refused = write(4, res.clone()).await.unwrap_err();
-    assert!(
-        matches!(&refused, Error::Fenced { token, newer, .. } if token.get() == 4 && newer.get() == 5),
-        "{refused}"
-    );
-    assert_eq!(read(res.clone()).await, "5");
-    write(9, res.clone()).await.unwrap();
-    assert!(matches!(
-        fence.admit(FencingToken::new(8), &res).await,
-        Err(Error::Fenced { .. })
-    ));
-    // A failing write rolls back, fence raise included.
-    let failed = fence
-        .write(FencingToken::new(20), &res, |_| {
-            Box::pin(async { Err::<(), _>("the caller's write failed".into()) })
-        })
-        .await;
-    assert!(matches!(failed, Err(Error::Backend { .. })), "{failed:?}");
-    write(10, res.clone())
-        .await
-        .expect("the rolled-back 20 did not raise the bar");
+    let admit = |token: u64, res: String| {
+        let fence = fence.clone();
+        async move { fence.admit(FencingToken::new(token), &res).await }
+    };
+    let fail = |token: u64, res: String| {
+        let fence = fence.clone();
+        async move {
+            fence
+                .write(FencingToken::new(token), &res, |_| {
+                    Box::pin(async { Err::<(), _>("the caller's write failed".into()) })
+                })
+                .await
+        }
+    };
+    check_sql_fence("postgres", write, read, admit, fail).await;
     // A token the BIGINT column cannot hold is refused before anything is written.
     assert!(matches!(
-        fence.admit(FencingToken::new(u64::MAX), &res).await,
+        fence
+            .admit(FencingToken::new(u64::MAX), &resource("postgres"))
+            .await,
         Err(Error::Config(_))
     ));
-
-    let res = resource("postgres-concurrent");
-    let writers: Vec<_> = TOKENS
-        .into_iter()
-        .map(|t| {
-            let job = write(t, res.clone());
-            tokio::spawn(async move { (t, job.await) })
-        })
-        .collect();
-    let mut outcomes = Vec::new();
-    for w in writers {
-        outcomes.push(w.await.unwrap());
-    }
-    check_concurrent(&outcomes);
-    assert_eq!(read(res).await, "8");
 }
 
 /// `?create_schema=false` never creates the PostgreSQL fence table either.
