@@ -43,3 +43,6 @@ pub async fn connect(
     Ok(std::sync::Arc::new(MysqlBackend::connect(url).await?))
 }
 pub use db::ddl;
+#[cfg(feature = "testing")]
+#[cfg_attr(docsrs, doc(cfg(feature = "testing")))]
+pub use row::set_retry_pause;

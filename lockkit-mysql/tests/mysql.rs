@@ -523,3 +523,40 @@ async fn take_away_refuses_a_for_update_hold_instead_of_finding_nothing() {
     assert!(held.is_valid());
     held.release().await.expect("still held after the refusal");
 }
+
+/// A retried row-mode acquisition (same attempt id, as after a lost COMMIT answer) whose
+/// lease runs out between its look at the row and its extension is still extended, under
+/// the row lock: the grant it returns never rests on an expired lease (review 17, M1).
+#[tokio::test]
+async fn a_retried_row_acquire_never_returns_an_expired_lease() {
+    use lockkit_core::{LockBackend, LossSignal, OwnerId, spi::AcquireRequest};
+    let Some(url) = url("mode=row&table=lockkit_test_retry") else {
+        return;
+    };
+    let backend = MysqlBackend::connect(&url).await.unwrap();
+    let k = key();
+    let req = AcquireRequest::new(
+        k.clone(),
+        OwnerId::random(),
+        Duration::from_secs(1),
+        LossSignal::new(),
+    );
+    backend
+        .try_acquire(&req)
+        .await
+        .unwrap()
+        .expect("a free key");
+    // The retry sees the lease live, then waits past its end before extending it.
+    lockkit_mysql::set_retry_pause(Duration::from_millis(1500));
+    let retried = backend.try_acquire(&req).await;
+    lockkit_mysql::set_retry_pause(Duration::ZERO);
+    let retried = retried.unwrap().expect("the retry is the same grant");
+    let held = backend.inspect(&k).await.unwrap();
+    assert!(
+        held.is_some(),
+        "the retried grant went out while the server's lease had run out"
+    );
+    assert_eq!(retried.depth, 1, "a retry is not a second hold");
+    // Its lease now runs a second from the extension; a slow machine may see it out.
+    let _ = backend.release(&retried).await;
+}

@@ -33,3 +33,6 @@ pub async fn connect(
 ) -> lockkit_core::Result<std::sync::Arc<dyn lockkit_core::LockBackend>> {
     Ok(std::sync::Arc::new(PostgresBackend::connect(url).await?))
 }
+#[cfg(feature = "testing")]
+#[cfg_attr(docsrs, doc(cfg(feature = "testing")))]
+pub use row::set_retry_pause;

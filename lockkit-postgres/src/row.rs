@@ -129,6 +129,29 @@ impl LockBackend for RowLocks {
     }
 }
 
+/// Test hook: a pause between a retried acquisition's look at its lease and its extension
+/// (zero: none), to put the lease's end inside that window.
+#[cfg(feature = "testing")]
+static RETRY_PAUSE_MS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// Sets the pause of a retried acquisition between its `SELECT ... FOR UPDATE` and the
+/// extension of its lease (test hook).
+#[cfg(feature = "testing")]
+pub fn set_retry_pause(pause: Duration) {
+    RETRY_PAUSE_MS.store(
+        u64::try_from(pause.as_millis()).unwrap_or(u64::MAX),
+        std::sync::atomic::Ordering::SeqCst,
+    );
+}
+
+#[cfg(feature = "testing")]
+async fn retry_pause() {
+    let ms = RETRY_PAUSE_MS.load(std::sync::atomic::Ordering::SeqCst);
+    if ms > 0 {
+        tokio::time::sleep(Duration::from_millis(ms)).await;
+    }
+}
+
 /// The ledger of a new holder: just this attempt.
 fn first_attempt(req: &AcquireRequest) -> String {
     let mut attempts = AttemptLedger::new();
@@ -211,6 +234,8 @@ async fn run_acquire(backend: &RowLocks, req: &AcquireRequest) -> Result<Attempt
             // same grant again, not a second hold. Its guard counts the lease from this
             // retry, so the lease on the server runs at least that long too (never shorter),
             // even if it ran out since the SELECT above: the row lock kept everyone out.
+            #[cfg(feature = "testing")]
+            retry_pause().await;
             query(&sql.row_extend_locked)
                 .bind(ttl)
                 .bind(name)

@@ -118,3 +118,39 @@ async fn without_create_schema_a_missing_table_is_a_config_error() {
         "{refused}"
     );
 }
+
+/// A retried acquisition (same attempt id, as after a lost COMMIT answer) whose lease runs
+/// out between its look at the row and its extension is still extended, under the row
+/// lock: the grant it returns never rests on an expired lease (review 17, M1).
+#[tokio::test]
+async fn a_retried_acquire_never_returns_an_expired_lease() {
+    use lockkit_core::{LockBackend, LossSignal, OwnerId, spi::AcquireRequest};
+    let Some((_, backend)) = locker().await else {
+        return;
+    };
+    let k = key("retry-extend");
+    let req = AcquireRequest::new(
+        k.clone(),
+        OwnerId::random(),
+        Duration::from_secs(1),
+        LossSignal::new(),
+    );
+    backend
+        .try_acquire(&req)
+        .await
+        .unwrap()
+        .expect("a free key");
+    // The retry sees the lease live, then waits past its end before extending it.
+    lockkit_postgres::set_retry_pause(Duration::from_millis(1500));
+    let retried = backend.try_acquire(&req).await;
+    lockkit_postgres::set_retry_pause(Duration::ZERO);
+    let retried = retried.unwrap().expect("the retry is the same grant");
+    let held = backend.inspect(&k).await.unwrap();
+    assert!(
+        held.is_some(),
+        "the retried grant went out while the server's lease had run out"
+    );
+    assert_eq!(retried.depth, 1, "a retry is not a second hold");
+    // Its lease now runs a second from the extension; a slow machine may see it out.
+    let _ = backend.release(&retried).await;
+}
