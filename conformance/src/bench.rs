@@ -104,9 +104,9 @@ where
 /// `n` uncontended acquire+release pairs through `locker` (30 s leases), over 50 keys in
 /// turn: one sample each.
 ///
-/// # Panics
-/// When an acquisition or a release fails (a benchmark has nothing to measure then).
-pub async fn uncontended(locker: &Locker, n: usize) -> Vec<Duration> {
+/// # Errors
+/// The first acquisition or release that fails (a benchmark has nothing to measure then).
+pub async fn uncontended(locker: &Locker, n: usize) -> Result<Vec<Duration>> {
     let mut samples = Vec::with_capacity(n);
     for i in 0..n {
         let key = format!("bench/uncontended/{}", i % 50);
@@ -114,10 +114,9 @@ pub async fn uncontended(locker: &Locker, n: usize) -> Vec<Duration> {
         let guard = locker
             .acquire(key.as_str())
             .ttl(Duration::from_secs(30))
-            .await
-            .expect("acquire");
-        guard.release().await.expect("release");
+            .await?;
+        guard.release().await?;
         samples.push(start.elapsed());
     }
-    samples
+    Ok(samples)
 }

@@ -48,8 +48,8 @@ async fn main() {
     ] {
         let mode_url = format!("{url}?mode={mode}&table={table}&max_holds=40");
         let locker = Locker::new(MysqlBackend::connect(&mode_url).await.expect("connect"));
-        let _ = uncontended(&locker, 100).await;
-        let mut lock = uncontended(&locker, 1000).await;
+        let _ = uncontended(&locker, 100).await.expect("warm-up");
+        let mut lock = uncontended(&locker, 1000).await.expect("uncontended");
         let mut hand = handoffs(&mode_url, 16, 15).await;
         let (l50, l99, h50, h99) = (
             percentile(&mut lock, 0.5),
