@@ -67,6 +67,48 @@ const SCHEME: &str = "fence";
 const FENCE_SUFFIX: &str = ".fence";
 const TMP_SUFFIX: &str = ".lockkit-tmp";
 
+/// The longest resource name of the SQL fences (their tables' key column).
+#[cfg(any(feature = "mysql", feature = "postgres"))]
+const MAX_SQL_RESOURCE: usize = 512;
+
+/// Refuses a SQL fence's resource name of 0 or more than [`MAX_SQL_RESOURCE`] bytes.
+#[cfg(any(feature = "mysql", feature = "postgres"))]
+fn check_sql_resource(resource: &str) -> Result<()> {
+    let len = resource.len();
+    if len == 0 || len > MAX_SQL_RESOURCE {
+        return Err(Error::Config(format!(
+            "a fenced resource name must be 1 to {MAX_SQL_RESOURCE} bytes; `{resource}` is {len}"
+        )));
+    }
+    Ok(())
+}
+
+/// The caller's write failed inside a SQL fence: everything was rolled back.
+#[cfg(any(feature = "mysql", feature = "postgres"))]
+fn sql_work_failed(backend: &'static str, resource: &str, e: crate::BoxError) -> Error {
+    Error::Backend {
+        backend,
+        message: format!("the fenced write to `{resource}` failed and was rolled back: {e}"),
+        retryable: false,
+        source: Some(e),
+    }
+}
+
+/// A SQL fence's commit failed: it may have happened, so say so rather than invite a retry
+/// that would apply the work twice (or be refused as if nothing was written).
+#[cfg(any(feature = "mysql", feature = "postgres"))]
+fn sql_commit_failed(backend: &'static str, resource: &str, e: sqlx::Error) -> Error {
+    Error::Backend {
+        backend,
+        message: format!(
+            "committing the fenced write to `{resource}` failed: {e}; it may or may not have \
+             been applied, so check before writing again (or make the write idempotent)"
+        ),
+        retryable: false,
+        source: Some(Box::new(e)),
+    }
+}
+
 /// Whether a write with `token` may go ahead where `newest` already wrote.
 fn admitted(resource: &str, token: FencingToken, newest: Option<FencingToken>) -> Result<()> {
     match newest {

@@ -6,13 +6,10 @@ use std::future::Future;
 use lockkit_mysql::MysqlConfig;
 use sqlx::{AssertSqlSafe, MySqlConnection, MySqlPool, mysql::MySqlPoolOptions};
 
-use super::FencedWork;
+use super::{FencedWork, admitted, check_sql_resource, sql_commit_failed, sql_work_failed};
 use crate::{Error, FencingToken, Result};
 
 const BACKEND: &str = "mysql";
-
-/// The longest resource name (the fence table's key column).
-const MAX_RESOURCE: usize = 512;
 
 /// The default fence table.
 pub const TABLE: &str = "lockkit_fences";
@@ -216,12 +213,7 @@ impl MysqlFence {
         let token = token.into();
         let table = &self.table;
         let name = resource.as_bytes();
-        if name.is_empty() || name.len() > MAX_RESOURCE {
-            return Err(Error::Config(format!(
-                "a fenced resource name must be 1 to {MAX_RESOURCE} bytes; `{resource}` is {}",
-                name.len()
-            )));
-        }
+        check_sql_resource(resource)?;
         // The row exists from the first write on: create it (token 0) in a statement of its
         // own, so the transaction below only ever locks an existing row (a record lock; a
         // missing row would take gap locks, and concurrent first writers deadlock on them).
@@ -248,13 +240,9 @@ impl MysqlFence {
         .await
         .map_err(|e| db_error("locking the fence row", e))?;
         let newest = FencingToken::new(newest);
-        if token < newest {
+        if let Err(refused) = admitted(resource, token, Some(newest)) {
             let _ = tx.rollback().await;
-            return Err(Error::Fenced {
-                resource: resource.to_owned(),
-                token,
-                newer: newest,
-            });
+            return Err(refused);
         }
         if token > newest {
             sqlx::query(AssertSqlSafe(format!(
@@ -270,28 +258,12 @@ impl MysqlFence {
             Ok(out) => out,
             Err(e) => {
                 let _ = tx.rollback().await;
-                return Err(Error::Backend {
-                    backend: BACKEND,
-                    message: format!(
-                        "the fenced write to `{resource}` failed and was rolled back: {e}"
-                    ),
-                    retryable: false,
-                    source: Some(e),
-                });
+                return Err(sql_work_failed(BACKEND, resource, e));
             }
         };
-        // A commit whose answer is lost may have happened: say so, rather than invite a
-        // retry that would apply the work twice (or be refused as if nothing was written).
-        tx.commit().await.map_err(|e| Error::Backend {
-            backend: BACKEND,
-            message: format!(
-                "committing the fenced write to `{resource}` failed: {e}; it may or may not \
-                 have been applied, so check before writing again (or make the write \
-                 idempotent)"
-            ),
-            retryable: false,
-            source: Some(Box::new(e)),
-        })?;
+        tx.commit()
+            .await
+            .map_err(|e| sql_commit_failed(BACKEND, resource, e))?;
         Ok(out)
     }
 }

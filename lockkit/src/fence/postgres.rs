@@ -4,13 +4,12 @@
 use lockkit_postgres::PostgresConfig;
 use sqlx::{AssertSqlSafe, PgConnection, PgPool, postgres::PgPoolOptions};
 
-use super::FencedWork;
+use super::{
+    FencedWork, MAX_SQL_RESOURCE, admitted, check_sql_resource, sql_commit_failed, sql_work_failed,
+};
 use crate::{Error, FencingToken, Result};
 
 const BACKEND: &str = "postgres";
-
-/// The longest resource name (the fence table's key column).
-const MAX_RESOURCE: usize = 512;
 
 /// The default fence table.
 pub const TABLE: &str = "lockkit_fences";
@@ -23,7 +22,7 @@ const UNDEFINED_TABLE: &str = "42P01";
 pub fn ddl(table: &str) -> String {
     format!(
         "CREATE TABLE IF NOT EXISTS {table} (\n  \
-         resource BYTEA NOT NULL PRIMARY KEY CHECK (octet_length(resource) <= {MAX_RESOURCE}),\n  \
+         resource BYTEA NOT NULL PRIMARY KEY CHECK (octet_length(resource) <= {MAX_SQL_RESOURCE}),\n  \
          token BIGINT NOT NULL CHECK (token >= 0)\n)"
     )
 }
@@ -200,12 +199,7 @@ impl PostgresFence {
         let token = token.into();
         let table = &self.table;
         let name = resource.as_bytes();
-        if name.is_empty() || name.len() > MAX_RESOURCE {
-            return Err(Error::Config(format!(
-                "a fenced resource name must be 1 to {MAX_RESOURCE} bytes; `{resource}` is {}",
-                name.len()
-            )));
-        }
+        check_sql_resource(resource)?;
         let Ok(stored) = i64::try_from(token.get()) else {
             return Err(Error::Config(format!(
                 "token {token} does not fit the fence's BIGINT column"
@@ -233,13 +227,9 @@ impl PostgresFence {
         .await
         .map_err(|e| db_error("locking the fence row", e))?;
         let newest = FencingToken::new(u64::try_from(newest).unwrap_or(0));
-        if token < newest {
+        if let Err(refused) = admitted(resource, token, Some(newest)) {
             let _ = tx.rollback().await;
-            return Err(Error::Fenced {
-                resource: resource.to_owned(),
-                token,
-                newer: newest,
-            });
+            return Err(refused);
         }
         if token > newest {
             sqlx::query(AssertSqlSafe(format!(
@@ -255,28 +245,12 @@ impl PostgresFence {
             Ok(out) => out,
             Err(e) => {
                 let _ = tx.rollback().await;
-                return Err(Error::Backend {
-                    backend: BACKEND,
-                    message: format!(
-                        "the fenced write to `{resource}` failed and was rolled back: {e}"
-                    ),
-                    retryable: false,
-                    source: Some(e),
-                });
+                return Err(sql_work_failed(BACKEND, resource, e));
             }
         };
-        // A commit whose answer is lost may have happened: say so, rather than invite a
-        // retry that would apply the work twice (or be refused as if nothing was written).
-        tx.commit().await.map_err(|e| Error::Backend {
-            backend: BACKEND,
-            message: format!(
-                "committing the fenced write to `{resource}` failed: {e}; it may or may not \
-                 have been applied, so check before writing again (or make the write \
-                 idempotent)"
-            ),
-            retryable: false,
-            source: Some(Box::new(e)),
-        })?;
+        tx.commit()
+            .await
+            .map_err(|e| sql_commit_failed(BACKEND, resource, e))?;
         Ok(out)
     }
 }
