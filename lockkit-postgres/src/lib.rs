@@ -23,6 +23,7 @@ mod row;
 pub use backend::PostgresBackend;
 pub use config::{Mode, PostgresConfig, SCHEMES};
 pub use db::ddl;
+pub use notify::LISTENER_APPLICATION_NAME;
 
 /// Connects to the database a `postgres://` URL (any of [`SCHEMES`]) names.
 ///

@@ -4,9 +4,10 @@
 //! listener wakes that key's waiters the moment it arrives. A listener that lost its
 //! connection cannot know what it missed, so it wakes every waiter when it is back. A
 //! connection that dies without a word (a paused server, a cut link) is found by a
-//! heartbeat: while anyone waits, the client announces `h` every [`HEARTBEAT`] (and at
-//! once when the first waiter comes), and a listener that heard nothing for
-//! [`STALE_AFTER`] after a heartbeat went out is replaced. Waiters rely on announcements
+//! heartbeat: while anyone waits, the listener announces `h` on its own connection (a
+//! session hears its own announcements) every [`HEARTBEAT`], and at once when the first
+//! waiter comes; a listener that heard nothing for [`STALE_AFTER`] after a heartbeat was
+//! asked for is replaced. Waiters rely on announcements
 //! only while the listener has heard something recently; otherwise they poll.
 
 use std::{
@@ -18,10 +19,7 @@ use std::{
 
 use async_trait::async_trait;
 use lockkit_core::spi::{Armed, Backoff, Wake, armed, never};
-use sqlx::{
-    PgPool,
-    postgres::{PgConnectOptions, PgListener, PgPoolOptions},
-};
+use sqlx::postgres::{PgConnectOptions, PgListener, PgPoolOptions};
 use tokio::{
     sync::{Notify, mpsc},
     task::JoinHandle,
@@ -49,6 +47,9 @@ pub(crate) fn release_payload(key: &str) -> String {
 }
 
 const HEARTBEAT_PAYLOAD: &str = "h";
+
+/// The `application_name` of every listener connection.
+pub const LISTENER_APPLICATION_NAME: &str = "lockkit release listener";
 
 /// Waiters by key (hex), and what the listener last heard.
 struct Shared {
@@ -136,7 +137,6 @@ pub(crate) struct Releases {
     channel: String,
     connect: PgConnectOptions,
     connect_timeout: Duration,
-    pool: PgPool,
     shared: Arc<Shared>,
     task: Mutex<Option<JoinHandle<()>>>,
 }
@@ -152,13 +152,11 @@ impl Releases {
         channel: String,
         connect: PgConnectOptions,
         connect_timeout: Duration,
-        pool: PgPool,
     ) -> Arc<Self> {
         Arc::new(Releases {
             channel,
             connect,
             connect_timeout,
-            pool,
             shared: Arc::new(Shared {
                 keys: Mutex::default(),
                 state: Mutex::default(),
@@ -200,7 +198,6 @@ impl Releases {
                 self.channel.clone(),
                 self.connect.clone(),
                 self.connect_timeout,
-                self.pool.clone(),
             )));
         }
         if first {
@@ -233,14 +230,13 @@ async fn listen(
     channel: String,
     connect: PgConnectOptions,
     connect_timeout: Duration,
-    pool: PgPool,
 ) {
     let _down_when_done = ListeningGuard(shared.clone());
     let reconnect = || Backoff::new(Duration::from_millis(50), Duration::from_secs(2));
     let mut pause = reconnect();
     loop {
         let started = Instant::now();
-        if let Err(error) = listen_once(&shared, &channel, &connect, connect_timeout, &pool).await {
+        if let Err(error) = listen_once(&shared, &channel, &connect, connect_timeout).await {
             tracing::debug!(%error, "release listener failed; waiters poll meanwhile");
         }
         shared.set_listening(false);
@@ -259,26 +255,51 @@ async fn listen_once(
     channel: &str,
     connect: &PgConnectOptions,
     connect_timeout: Duration,
-    pool: &PgPool,
 ) -> Result<(), sqlx::Error> {
     let own = PgPoolOptions::new()
         .max_connections(1)
         .acquire_timeout(connect_timeout)
+        // Its one connection is handed out once, just made: no ping needed.
+        .test_before_acquire(false)
         .max_lifetime(None)
         .idle_timeout(None)
-        .connect_with(connect.clone())
+        // Named, so an operator (or a test) can tell it in `pg_stat_activity`.
+        .connect_with(connect.clone().application_name(LISTENER_APPLICATION_NAME))
         .await?;
     let mut listener = PgListener::connect_with(&own).await?;
     listener.eager_reconnect(false);
     listener.listen(channel).await?;
-    // The receiver runs on its own, so a quiet connection can be dropped without
-    // cancelling a read half-way.
+    // The listener's connection runs on its own task, so a quiet connection can be dropped
+    // without cancelling a read half-way. It also sends the heartbeats: a session hears its
+    // own `NOTIFY`, so a heartbeat that comes back proves this very connection listens, and
+    // costs no pooled connection (nor its ping) while waiters wait.
     let (heard, mut hearing) = mpsc::channel::<Option<String>>(64);
+    let (beats, mut beat_requests) = mpsc::channel::<()>(1);
+    let heartbeat_channel = channel.to_owned();
     let receiver = AbortOnDrop(tokio::spawn(async move {
         loop {
-            let message = match listener.try_recv().await {
-                Ok(Some(note)) => Some(note.payload().to_owned()),
-                Ok(None) | Err(_) => None,
+            // `try_recv` is cancel-safe: sqlx keeps a message read half-way in its buffer
+            // (and notifications that come during a query for the next `try_recv`).
+            let message = tokio::select! {
+                biased;
+                request = beat_requests.recv() => {
+                    if request.is_none() {
+                        return;
+                    }
+                    let sent = sqlx::query("SELECT pg_notify($1, $2)")
+                        .bind(&heartbeat_channel)
+                        .bind(HEARTBEAT_PAYLOAD)
+                        .execute(&mut listener)
+                        .await;
+                    if sent.is_ok() {
+                        continue;
+                    }
+                    None
+                }
+                received = listener.try_recv() => match received {
+                    Ok(Some(note)) => Some(note.payload().to_owned()),
+                    Ok(None) | Err(_) => None,
+                },
             };
             let lost = message.is_none();
             if heard.send(message).await.is_err() || lost {
@@ -289,9 +310,10 @@ async fn listen_once(
     // Wakes every waiter: whatever was released before the LISTEN took effect was not
     // heard. Reliable only once something is heard (the heartbeat below).
     shared.set_listening(true);
-    // The oldest heartbeat sent since the listener last heard anything.
+    // The oldest heartbeat asked for since the listener last heard anything.
     let mut unanswered: Option<Instant> = None;
-    let mut beat = tokio::time::interval(HEARTBEAT);
+    // The first beat a full period from now: a first waiter pokes for one at once.
+    let mut beat = tokio::time::interval_at(Instant::now() + HEARTBEAT, HEARTBEAT);
     loop {
         let send_beat = tokio::select! {
             message = hearing.recv() => {
@@ -313,19 +335,10 @@ async fn listen_once(
             tracing::debug!("release listener heard nothing, not even its heartbeat; replacing it");
             break;
         }
-        // Bounded, so a busy pool delays the heartbeat rather than the listener; a beat
-        // that could not be sent does not count against the listener.
-        let sent = tokio::time::timeout(
-            HEARTBEAT,
-            sqlx::query("SELECT pg_notify($1, $2)")
-                .bind(channel)
-                .bind(HEARTBEAT_PAYLOAD)
-                .execute(pool),
-        )
-        .await;
-        if matches!(sent, Ok(Ok(_))) {
-            unanswered.get_or_insert_with(Instant::now);
-        }
+        // A full queue means a heartbeat is still on its way (or stuck: then `unanswered`
+        // runs out).
+        let _ = beats.try_send(());
+        unanswered.get_or_insert_with(Instant::now);
     }
     // Dropping the receiver drops the listener and its connection.
     drop(receiver);

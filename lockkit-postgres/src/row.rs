@@ -32,7 +32,6 @@ impl RowLocks {
             release_channel(&db.config.table),
             db.config.connect.clone(),
             db.config.connect_timeout,
-            db.pool.clone(),
         );
         RowLocks {
             inner: db,

@@ -92,8 +92,9 @@ async fn a_killed_listener_does_not_strand_a_waiter() {
         let admin = sqlx::PgPool::connect(&url).await.unwrap();
         let (killed,): (i64,) = sqlx::query_as(
             "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity \
-             WHERE query LIKE 'LISTEN %' AND pid <> pg_backend_pid()",
+             WHERE application_name = $1 AND pid <> pg_backend_pid()",
         )
+        .bind(lockkit_postgres::LISTENER_APPLICATION_NAME)
         .fetch_one(&admin)
         .await
         .unwrap();
