@@ -319,112 +319,153 @@ impl Acquire {
             Some(owner) => owner.id,
             None => locker.fresh_owner_id(),
         };
-        let existing = self.owner.as_ref().and_then(|owner| owner.live_hold(&key));
-        // A fresh signal even beside a live hold: a backend that finds the hold keeps the
-        // signal it was given with it (the hold's own), and one that makes a new hold
-        // (the owner's last release won a race with this re-entry) gives that hold this one.
-        let request =
-            AcquireRequest::new(key.clone(), owner_id, self.options.ttl, LossSignal::new());
-        let backend = &locker.backend;
-        // If this future is dropped before the outcome is seen, or the outcome is one the
-        // client cannot know (a retryable error, a deadline passed while an attempt was
-        // out), whatever the attempt took is given back by its attempt id. Only for a fresh
-        // acquisition: a re-entry's attempt is kept apart from the owner's other holds by
-        // the attempt ledger, except holds the ledger never saw (written before it
-        // existed), which a stray give-back could take.
-        let mut unknown_outcome = existing.is_none().then(|| GiveBackOnDrop {
-            backend: backend.clone(),
-            request: request.clone(),
-            runtime: runtime.clone(),
-            armed: true,
-        });
-        let outcome = match wait {
-            Some(wait) if wait.is_zero() => backend.try_acquire(&request).await,
-            Some(wait) => backend.acquire(&request, wait).await.map(Some),
-            None => backend.acquire(&request, WAIT_FOREVER).await.map(Some),
-        };
-        let grant = match outcome {
-            Ok(grant) => grant,
-            Err(error) => {
-                if !(error.is_retryable() || matches!(error, Error::Timeout { .. })) {
-                    // A definite refusal (bad input, configuration): nothing was taken.
-                    unknown_outcome = None;
+        // A grant refused below the owner's token floor is retried up to this deadline.
+        let deadline = deadline_after(wait.unwrap_or(WAIT_FOREVER));
+        let mut refusal_pause =
+            crate::wait::Backoff::new(Duration::from_millis(5), Duration::from_millis(500));
+        loop {
+            let existing = self.owner.as_ref().and_then(|owner| owner.live_hold(&key));
+            // A fresh signal even beside a live hold: a backend that finds the hold keeps the
+            // signal it was given with it (the hold's own), and one that makes a new hold
+            // (the owner's last release won a race with this re-entry) gives that hold this one.
+            let request =
+                AcquireRequest::new(key.clone(), owner_id, self.options.ttl, LossSignal::new());
+            let backend = &locker.backend;
+            // If this future is dropped before the outcome is seen, or the outcome is one the
+            // client cannot know (a retryable error, a deadline passed while an attempt was
+            // out), whatever the attempt took is given back by its attempt id. Only for a fresh
+            // acquisition: a re-entry's attempt is kept apart from the owner's other holds by
+            // the attempt ledger, except holds the ledger never saw (written before it
+            // existed), which a stray give-back could take.
+            let mut unknown_outcome = existing.is_none().then(|| GiveBackOnDrop {
+                backend: backend.clone(),
+                request: request.clone(),
+                runtime: runtime.clone(),
+                armed: true,
+            });
+            let outcome = match wait {
+                Some(wait) if wait.is_zero() => backend.try_acquire(&request).await,
+                Some(wait) => {
+                    let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+                    backend
+                        .acquire(&request, left)
+                        .await
+                        .map(Some)
+                        // The whole wait, not what was left of it on a retry.
+                        .map_err(|error| match error {
+                            Error::Timeout { key, .. } => Error::Timeout { key, waited: wait },
+                            other => other,
+                        })
                 }
-                drop(unknown_outcome);
-                return Err(error);
+                None => backend.acquire(&request, WAIT_FOREVER).await.map(Some),
+            };
+            let grant = match outcome {
+                Ok(grant) => grant,
+                Err(error) => {
+                    if !(error.is_retryable() || matches!(error, Error::Timeout { .. })) {
+                        // A definite refusal (bad input, configuration): nothing was taken.
+                        unknown_outcome = None;
+                    }
+                    drop(unknown_outcome);
+                    return Err(error);
+                }
+            };
+            if let Some(known) = unknown_outcome.take() {
+                known.disarm();
             }
-        };
-        if let Some(known) = unknown_outcome.take() {
-            known.disarm();
-        }
-        // From here on nothing awaits: a dropped future cannot orphan the grant.
-        // With no live hold here, a grant at depth > 1 means the server still counts holds
-        // of this owner that are over locally (lost a moment before their server lease
-        // ended; a lost guard sends no release). The server never let go, so this is the
-        // same hold going on (same token). The stale depth is left to run out with the
-        // lease after this hold's release: giving it back blindly could take holds this
-        // acquisition just added (on Redlock, depths differ from master to master).
-        let Some(grant) = grant else {
-            return Ok(None);
-        };
-        // A re-entry of the hold this owner has now, which may not be the one seen before
-        // the request (another task of the owner let the old one go and took a new one
-        // meanwhile): the backend counted it on that hold, so its guard joins that hold and
-        // hears that hold's loss signal.
-        let current = self.owner.as_ref().and_then(|owner| owner.live_hold(&key));
-        if let Some(hold) = current.filter(|hold| grant.depth > 1 && grant.token == hold.token()) {
-            hold.absorb(&grant);
-            return Ok(Some(Guard::new(hold, grant)));
-        }
-        if let Some(hold) = existing {
-            // The hold may have been lost while the request was out (its deadline passed):
-            // then this depth belongs to a hold nobody believes in any more. Give it back.
-            if grant.depth > 1 && grant.token == hold.token() && hold.is_live() {
+            // From here on nothing awaits: a dropped future cannot orphan the grant.
+            // With no live hold here, a grant at depth > 1 means the server still counts holds
+            // of this owner that are over locally (lost a moment before their server lease
+            // ended; a lost guard sends no release). The server never let go, so this is the
+            // same hold going on (same token). The stale depth is left to run out with the
+            // lease after this hold's release: giving it back blindly could take holds this
+            // acquisition just added (on Redlock, depths differ from master to master).
+            let Some(grant) = grant else {
+                return Ok(None);
+            };
+            // A re-entry of the hold this owner has now, which may not be the one seen before
+            // the request (another task of the owner let the old one go and took a new one
+            // meanwhile): the backend counted it on that hold, so its guard joins that hold and
+            // hears that hold's loss signal.
+            let current = self.owner.as_ref().and_then(|owner| owner.live_hold(&key));
+            if let Some(hold) =
+                current.filter(|hold| grant.depth > 1 && grant.token == hold.token())
+            {
                 hold.absorb(&grant);
                 return Ok(Some(Guard::new(hold, grant)));
             }
-            if !hold.is_abandoned() {
-                // Our hold was gone on the server although we thought it live: give the
-                // fresh grant back and report the outer hold lost.
-                let lost = hold.fire_lost(crate::LostReason::NotOurs);
-                let backend = locker.backend.clone();
-                runtime.spawn(async move {
-                    if let Err(error) = backend.release(&grant).await {
-                        tracing::debug!(%error, "giving back an unexpected fresh grant failed");
+            if let Some(hold) = existing {
+                // The hold may have been lost while the request was out (its deadline passed):
+                // then this depth belongs to a hold nobody believes in any more. Give it back.
+                if grant.depth > 1 && grant.token == hold.token() && hold.is_live() {
+                    hold.absorb(&grant);
+                    return Ok(Some(Guard::new(hold, grant)));
+                }
+                if !hold.is_abandoned() {
+                    // Our hold was gone on the server although we thought it live: give the
+                    // fresh grant back and report the outer hold lost.
+                    let lost = hold.fire_lost(crate::LostReason::NotOurs);
+                    let backend = locker.backend.clone();
+                    runtime.spawn(async move {
+                        if let Err(error) = backend.release(&grant).await {
+                            tracing::debug!(%error, "giving back an unexpected fresh grant failed");
+                        }
+                    });
+                    return Err(lost);
+                }
+                // The owner's last guard let go while the request was out, and the server made
+                // a new hold (or, token equal, counted this one on the old hold's record, which
+                // the release under way leaves to it): nobody believes in the old hold, so this
+                // is a fresh acquisition, with its own loss signal, like one made with no hold
+                // here at all. The old hold is left alone: its release must still be sent.
+            }
+            // Any grant left starts a hold, and a new hold's token must not be below one this
+            // owner already held on the key (see `OwnedHold`). Equal is a continuation: the
+            // server kept this owner's hold throughout, so nobody else held it in between.
+            let floor = self
+                .owner
+                .as_ref()
+                .and_then(|owner| owner.token_floor(&key));
+            if let Some(floor) = floor.filter(|floor| grant.token < *floor) {
+                if let Some(owner) = self.owner.as_ref() {
+                    // The refused request reached the server as a re-entry of the stale record
+                    // and may have lengthened its lease to this TTL: the floor must outlive that.
+                    owner.keep_floor(&key, grant.ttl);
+                }
+                let lease = grant.ttl;
+                let (error, given_back) = refuse_older_token(&locker, grant, floor, &runtime);
+                // Within the caller's wait, try again: by then the owner's other hold is
+                // usually there to re-enter (two tasks of one owner raced for the key), or
+                // the stale record has run out. A zero wait, or one about to end, gets the
+                // (retryable) refusal.
+                let pause = refusal_pause.next_delay();
+                let retry = match wait {
+                    None => true,
+                    Some(wait) if wait.is_zero() => false,
+                    Some(_) => {
+                        deadline.saturating_duration_since(tokio::time::Instant::now()) > pause
                     }
-                });
-                return Err(lost);
+                };
+                if !retry {
+                    return Err(error);
+                }
+                tracing::debug!(%error, "retrying within the caller's wait");
+                // The give-back first, so the retry does not race it on the server.
+                // Dropping this future meanwhile leaves the give-back running.
+                let _ = tokio::time::timeout(lease.min(pause * 20), given_back).await;
+                tokio::time::sleep(pause).await;
+                continue;
             }
-            // The owner's last guard let go while the request was out, and the server made
-            // a new hold (or, token equal, counted this one on the old hold's record, which
-            // the release under way leaves to it): nobody believes in the old hold, so this
-            // is a fresh acquisition, with its own loss signal, like one made with no hold
-            // here at all. The old hold is left alone: its release must still be sent.
+            let owner = self.owner.as_ref();
+            return Ok(Some(start_hold(
+                &locker,
+                owner,
+                self.options,
+                key,
+                grant,
+                &runtime,
+            )));
         }
-        // Any grant left starts a hold, and a new hold's token must not be below one this
-        // owner already held on the key (see `OwnedHold`). Equal is a continuation: the
-        // server kept this owner's hold throughout, so nobody else held it in between.
-        let floor = self
-            .owner
-            .as_ref()
-            .and_then(|owner| owner.token_floor(&key));
-        if let Some(floor) = floor.filter(|floor| grant.token < *floor) {
-            if let Some(owner) = self.owner.as_ref() {
-                // The refused request reached the server as a re-entry of the stale record
-                // and may have lengthened its lease to this TTL: the floor must outlive that.
-                owner.keep_floor(&key, grant.ttl);
-            }
-            return Err(refuse_older_token(&locker, grant, floor, &runtime));
-        }
-        let owner = self.owner.as_ref();
-        Ok(Some(start_hold(
-            &locker,
-            owner,
-            self.options,
-            key,
-            grant,
-            &runtime,
-        )))
     }
 }
 
@@ -525,7 +566,7 @@ fn refuse_older_token(
     grant: crate::Grant,
     floor: crate::FencingToken,
     runtime: &tokio::runtime::Handle,
-) -> Error {
+) -> (Error, tokio::task::JoinHandle<()>) {
     let error = Error::backend(
         "lockkit",
         true,
@@ -537,12 +578,12 @@ fn refuse_older_token(
         ),
     );
     let backend = locker.backend.clone();
-    runtime.spawn(async move {
+    let given_back = runtime.spawn(async move {
         if let Err(error) = backend.release(&grant).await {
             tracing::debug!(%error, "giving back a grant with an older token failed");
         }
     });
-    error
+    (error, given_back)
 }
 
 /// A new hold from a fresh grant, recorded with its owner (if any) for re-entries.

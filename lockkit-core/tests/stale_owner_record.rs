@@ -2,7 +2,8 @@
 //! masters can keep a record of it until its lease runs out) and answer that owner's next
 //! acquisition as a continuation of it, with that hold's older fencing token. A new hold
 //! must never carry a token below one its owner already held on the key: the grant is
-//! given back and the acquisition fails, retryably. And the owner's other hold, whose last
+//! given back and, within the caller's wait, the acquisition tries again; when the wait
+//! ends (or there is none) it fails, retryably. And the owner's other hold, whose last
 //! guard is being released meanwhile, must still be released cleanly.
 //!
 //! The backend here is the real in-memory backend behind a wrapper that, once armed,
@@ -12,7 +13,7 @@
 use std::{
     sync::{
         Mutex,
-        atomic::{AtomicBool, Ordering},
+        atomic::{AtomicBool, AtomicUsize, Ordering},
     },
     time::Duration,
 };
@@ -28,6 +29,10 @@ struct StaleRecord {
     memory: MemoryBackend,
     /// When set, acquisitions are answered with this token at depth 2.
     stale: Mutex<Option<FencingToken>>,
+    /// When set, `stale` is cleared after this many stale answers.
+    stale_limit: Mutex<Option<usize>>,
+    /// Stale answers given.
+    stale_answers: AtomicUsize,
     /// When set, renewals take 1 s (the watchdog then holds its hold's `op`).
     slow_renewals: AtomicBool,
     /// Told when a slow renewal starts.
@@ -36,8 +41,18 @@ struct StaleRecord {
 
 impl StaleRecord {
     fn answer(&self, grant: Grant) -> Grant {
-        match *self.stale.lock().unwrap() {
+        let mut stale = self.stale.lock().unwrap();
+        match *stale {
             Some(token) => {
+                let answered = self.stale_answers.fetch_add(1, Ordering::SeqCst) + 1;
+                if self
+                    .stale_limit
+                    .lock()
+                    .unwrap()
+                    .is_some_and(|n| answered >= n)
+                {
+                    *stale = None;
+                }
                 let mut grant = grant;
                 grant.token = token;
                 grant.depth = 2;
@@ -124,15 +139,26 @@ async fn a_new_hold_never_carries_a_token_below_its_owners_last() {
     second.release().await.unwrap();
 
     *backend.stale.lock().unwrap() = Some(older);
-    let third = owner.acquire(&key).ttl(Duration::from_secs(60)).await;
+    let third = owner
+        .acquire(&key)
+        .ttl(Duration::from_secs(60))
+        .wait(Duration::from_millis(300))
+        .await;
     *backend.stale.lock().unwrap() = None;
     match third {
         Ok(guard) => panic!(
             "a new hold got token {} after this owner's {newer}",
             guard.token()
         ),
-        Err(e) => assert!(e.is_retryable(), "{e}"),
+        Err(e) => assert!(
+            e.is_retryable() && !matches!(e, lockkit_core::Error::Timeout { .. }),
+            "{e}"
+        ),
     }
+    assert!(
+        backend.stale_answers.load(Ordering::SeqCst) >= 2,
+        "the refused grant was not tried again within the wait"
+    );
     // What the refused acquisition took on the server was given back.
     free_soon(&locker, &key).await;
 }
@@ -163,7 +189,11 @@ async fn an_older_token_racing_the_last_release_leaves_that_release_clean() {
         "the release did not wait for the renewal under way"
     );
     *backend.stale.lock().unwrap() = Some(older);
-    let reentered = owner.acquire(&key).ttl(Duration::from_secs(60)).await;
+    let reentered = owner
+        .acquire(&key)
+        .ttl(Duration::from_secs(60))
+        .wait(Duration::from_millis(300))
+        .await;
     *backend.stale.lock().unwrap() = None;
     backend.slow_renewals.store(false, Ordering::SeqCst);
     if let Ok(guard) = &reentered {
@@ -207,7 +237,12 @@ async fn retries_keep_refusing_an_older_token_while_the_stale_record_lives() {
     let mut tries = 0;
     while tokio::time::Instant::now() < until {
         tries += 1;
-        if let Ok(guard) = owner.acquire(&key).ttl(Duration::from_secs(1)).await {
+        if let Ok(guard) = owner
+            .acquire(&key)
+            .ttl(Duration::from_secs(1))
+            .wait(Duration::from_millis(100))
+            .await
+        {
             panic!(
                 "try {tries}: a hold got token {} after this owner's {newer}",
                 guard.token()
@@ -216,5 +251,53 @@ async fn retries_keep_refusing_an_older_token_while_the_stale_record_lives() {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     *backend.stale.lock().unwrap() = None;
+    free_soon(&locker, &key).await;
+}
+
+/// Two tasks of one owner racing for a key (on Redlock, each can collect a majority with
+/// its own token) can leave one of them a grant below the other's token. Within its wait
+/// the refused one tries again and gets a hold whose token is not below the owner's last;
+/// a zero wait gets the refusal at once, retryably.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refused_older_token_is_tried_again_within_the_wait() {
+    let (backend, locker, key, owner, older) = one_hold_and_gone("stale-owner-record-wait").await;
+    let second = owner
+        .acquire(&key)
+        .ttl(Duration::from_secs(60))
+        .await
+        .unwrap();
+    let newer = second.token();
+    second.release().await.unwrap();
+
+    // A zero wait: refused, not retried.
+    *backend.stale_limit.lock().unwrap() = Some(1);
+    *backend.stale.lock().unwrap() = Some(older);
+    let refused = owner
+        .try_acquire(&key)
+        .ttl(Duration::from_secs(60))
+        .await
+        .map(|guard| guard.map(|g| g.token()));
+    assert!(
+        matches!(&refused, Err(e) if e.is_retryable()),
+        "a zero wait was not refused at once: {refused:?}"
+    );
+    assert_eq!(backend.stale_answers.load(Ordering::SeqCst), 1);
+    free_soon(&locker, &key).await;
+
+    // Within a wait: the refused grant is given back and the next try is granted.
+    *backend.stale.lock().unwrap() = Some(older);
+    let granted = owner
+        .acquire(&key)
+        .ttl(Duration::from_secs(60))
+        .wait(Duration::from_secs(20))
+        .await
+        .expect("a refused older token was not tried again within the wait");
+    assert_eq!(backend.stale_answers.load(Ordering::SeqCst), 2);
+    assert!(
+        granted.token() > newer,
+        "a hold got token {} after this owner's {newer}",
+        granted.token()
+    );
+    granted.release().await.unwrap();
     free_soon(&locker, &key).await;
 }
