@@ -319,12 +319,18 @@ impl Acquire {
             Some(owner) => owner.id,
             None => locker.fresh_owner_id(),
         };
-        // A grant refused below the owner's token floor is retried up to this deadline.
+        // A grant refused below the owner's token floor while another task of the owner
+        // holds the key is retried up to this deadline (see below).
+        let started = tokio::time::Instant::now();
         let deadline = deadline_after(wait.unwrap_or(WAIT_FOREVER));
         let mut refusal_pause =
             crate::wait::Backoff::new(Duration::from_millis(5), Duration::from_millis(500));
+        // Whether this call began with no live hold of its owner on the key: a retry may
+        // then meet another task's hold, but the call stays a fresh acquisition.
+        let mut began_fresh = None;
         loop {
             let existing = self.owner.as_ref().and_then(|owner| owner.live_hold(&key));
+            let began_fresh = *began_fresh.get_or_insert(existing.is_none());
             // A fresh signal even beside a live hold: a backend that finds the hold keeps the
             // signal it was given with it (the hold's own), and one that makes a new hold
             // (the owner's last release won a race with this re-entry) gives that hold this one.
@@ -345,7 +351,7 @@ impl Acquire {
             });
             let outcome = match wait {
                 Some(wait) if wait.is_zero() => backend.try_acquire(&request).await,
-                Some(wait) => {
+                Some(_) => {
                     let left = deadline.saturating_duration_since(tokio::time::Instant::now());
                     backend
                         .acquire(&request, left)
@@ -353,7 +359,10 @@ impl Acquire {
                         .map(Some)
                         // The whole wait, not what was left of it on a retry.
                         .map_err(|error| match error {
-                            Error::Timeout { key, .. } => Error::Timeout { key, waited: wait },
+                            Error::Timeout { key, .. } => Error::Timeout {
+                                key,
+                                waited: started.elapsed(),
+                            },
                             other => other,
                         })
                 }
@@ -402,16 +411,21 @@ impl Acquire {
                     return Ok(Some(Guard::new(hold, grant)));
                 }
                 if !hold.is_abandoned() {
-                    // Our hold was gone on the server although we thought it live: give the
-                    // fresh grant back and report the outer hold lost.
+                    // Our hold was gone on the server although we thought it live.
                     let lost = hold.fire_lost(crate::LostReason::NotOurs);
-                    let backend = locker.backend.clone();
-                    runtime.spawn(async move {
-                        if let Err(error) = backend.release(&grant).await {
-                            tracing::debug!(%error, "giving back an unexpected fresh grant failed");
-                        }
-                    });
-                    return Err(lost);
+                    if !began_fresh {
+                        // The caller re-entered that hold: give the fresh grant back and
+                        // report the outer hold lost.
+                        let backend = locker.backend.clone();
+                        runtime.spawn(async move {
+                            if let Err(error) = backend.release(&grant).await {
+                                tracing::debug!(%error, "giving back an unexpected fresh grant failed");
+                            }
+                        });
+                        return Err(lost);
+                    }
+                    // The caller asked for a fresh hold and only met another task's hold on a
+                    // retry (below): that hold is lost, and this grant is the caller's own.
                 }
                 // The owner's last guard let go while the request was out, and the server made
                 // a new hold (or, token equal, counted this one on the old hold's record, which
@@ -434,26 +448,34 @@ impl Acquire {
                 }
                 let lease = grant.ttl;
                 let (error, given_back) = refuse_older_token(&locker, grant, floor, &runtime);
-                // Within the caller's wait, try again: by then the owner's other hold is
-                // usually there to re-enter (two tasks of one owner raced for the key), or
-                // the stale record has run out. A zero wait, or one about to end, gets the
-                // (retryable) refusal.
-                let pause = refusal_pause.next_delay();
-                let retry = match wait {
-                    None => true,
-                    Some(wait) if wait.is_zero() => false,
-                    Some(_) => {
-                        deadline.saturating_duration_since(tokio::time::Instant::now()) > pause
-                    }
-                };
-                if !retry {
+                // Two tasks of one owner raced for the key (on Redlock each can collect a
+                // majority, with its own token) and the other one holds it now: within the
+                // caller's wait, try again, as a re-entry of that hold. Without such a hold
+                // the grant came from a stale record of the owner, and asking again would
+                // only lengthen that record's lease (a refused request reaches the server as
+                // its re-entry): the caller gets the (retryable) refusal, as does a zero wait.
+                let other_hold = self
+                    .owner
+                    .as_ref()
+                    .is_some_and(|owner| owner.live_hold(&key).is_some());
+                if !other_hold || wait.is_some_and(|wait| wait.is_zero()) {
                     return Err(error);
                 }
                 tracing::debug!(%error, "retrying within the caller's wait");
-                // The give-back first, so the retry does not race it on the server.
-                // Dropping this future meanwhile leaves the give-back running.
-                let _ = tokio::time::timeout(lease.min(pause * 20), given_back).await;
-                tokio::time::sleep(pause).await;
+                let pause_until =
+                    (tokio::time::Instant::now() + refusal_pause.next_delay()).min(deadline);
+                // The give-back first, so the retry does not race it on the server; never
+                // past the deadline. Dropping this future meanwhile leaves it running.
+                let give_back_until =
+                    (tokio::time::Instant::now() + lease.min(Duration::from_secs(5))).min(deadline);
+                let _ = tokio::time::timeout_at(give_back_until, given_back).await;
+                tokio::time::sleep_until(pause_until).await;
+                if tokio::time::Instant::now() >= deadline {
+                    return Err(Error::Timeout {
+                        key,
+                        waited: started.elapsed(),
+                    });
+                }
                 continue;
             }
             let owner = self.owner.as_ref();

@@ -2,9 +2,11 @@
 //! masters can keep a record of it until its lease runs out) and answer that owner's next
 //! acquisition as a continuation of it, with that hold's older fencing token. A new hold
 //! must never carry a token below one its owner already held on the key: the grant is
-//! given back and, within the caller's wait, the acquisition tries again; when the wait
-//! ends (or there is none) it fails, retryably. And the owner's other hold, whose last
-//! guard is being released meanwhile, must still be released cleanly.
+//! given back and the acquisition fails, retryably, without asking again (which would
+//! lengthen the stale record's lease). Only when another task of the owner holds the key
+//! by then (two tasks raced for it) does it try again within its wait, as a re-entry of
+//! that hold. And the owner's other hold, whose last guard is being released meanwhile,
+//! must still be released cleanly.
 //!
 //! The backend here is the real in-memory backend behind a wrapper that, once armed,
 //! answers acquisitions as that server would (depth 2, the older token); everything else
@@ -33,6 +35,10 @@ struct StaleRecord {
     stale_limit: Mutex<Option<usize>>,
     /// Stale answers given.
     stale_answers: AtomicUsize,
+    /// When set, the next acquisition waits here (after `at_gate` is told) before it
+    /// reaches the memory backend.
+    gate: Mutex<Option<std::sync::Arc<tokio::sync::Notify>>>,
+    at_gate: tokio::sync::Notify,
     /// When set, renewals take 1 s (the watchdog then holds its hold's `op`).
     slow_renewals: AtomicBool,
     /// Told when a slow renewal starts.
@@ -40,6 +46,15 @@ struct StaleRecord {
 }
 
 impl StaleRecord {
+    /// Waits at the gate, if one is set (once).
+    async fn pass_gate(&self) {
+        let gate = self.gate.lock().unwrap().take();
+        if let Some(gate) = gate {
+            self.at_gate.notify_one();
+            gate.notified().await;
+        }
+    }
+
     fn answer(&self, grant: Grant) -> Grant {
         let mut stale = self.stale.lock().unwrap();
         match *stale {
@@ -69,9 +84,11 @@ impl LockBackend for StaleRecord {
         self.memory.info()
     }
     async fn try_acquire(&self, req: &AcquireRequest) -> Result<Option<Grant>> {
+        self.pass_gate().await;
         Ok(self.memory.try_acquire(req).await?.map(|g| self.answer(g)))
     }
     async fn acquire(&self, req: &AcquireRequest, wait: Duration) -> Result<Grant> {
+        self.pass_gate().await;
         Ok(self.answer(self.memory.acquire(req, wait).await?))
     }
     async fn renew(&self, grant: &Grant, ttl: Duration) -> Result<()> {
@@ -155,9 +172,10 @@ async fn a_new_hold_never_carries_a_token_below_its_owners_last() {
             "{e}"
         ),
     }
-    assert!(
-        backend.stale_answers.load(Ordering::SeqCst) >= 2,
-        "the refused grant was not tried again within the wait"
+    assert_eq!(
+        backend.stale_answers.load(Ordering::SeqCst),
+        1,
+        "with no other hold of the owner, a refused grant must not be asked for again"
     );
     // What the refused acquisition took on the server was given back.
     free_soon(&locker, &key).await;
@@ -255,49 +273,61 @@ async fn retries_keep_refusing_an_older_token_while_the_stale_record_lives() {
 }
 
 /// Two tasks of one owner racing for a key (on Redlock, each can collect a majority with
-/// its own token) can leave one of them a grant below the other's token. Within its wait
-/// the refused one tries again and gets a hold whose token is not below the owner's last;
-/// a zero wait gets the refusal at once, retryably.
+/// its own token): the first takes it, and the second's grant comes back with an older
+/// token. Within its wait the second tries again, as a re-entry of the first's hold; a
+/// zero wait gets the refusal at once, retryably.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_refused_older_token_is_tried_again_within_the_wait() {
-    let (backend, locker, key, owner, older) = one_hold_and_gone("stale-owner-record-wait").await;
-    let second = owner
-        .acquire(&key)
-        .ttl(Duration::from_secs(60))
-        .await
-        .unwrap();
-    let newer = second.token();
-    second.release().await.unwrap();
+async fn a_refused_grant_beside_the_owners_other_hold_is_tried_again() {
+    let (backend, locker, key, owner, older) = one_hold_and_gone("stale-owner-record-race2").await;
 
-    // A zero wait: refused, not retried.
-    *backend.stale_limit.lock().unwrap() = Some(1);
-    *backend.stale.lock().unwrap() = Some(older);
-    let refused = owner
-        .try_acquire(&key)
-        .ttl(Duration::from_secs(60))
-        .await
-        .map(|guard| guard.map(|g| g.token()));
-    assert!(
-        matches!(&refused, Err(e) if e.is_retryable()),
-        "a zero wait was not refused at once: {refused:?}"
-    );
-    assert_eq!(backend.stale_answers.load(Ordering::SeqCst), 1);
-    free_soon(&locker, &key).await;
-
-    // Within a wait: the refused grant is given back and the next try is granted.
-    *backend.stale.lock().unwrap() = Some(older);
-    let granted = owner
-        .acquire(&key)
-        .ttl(Duration::from_secs(60))
-        .wait(Duration::from_secs(20))
-        .await
-        .expect("a refused older token was not tried again within the wait");
-    assert_eq!(backend.stale_answers.load(Ordering::SeqCst), 2);
-    assert!(
-        granted.token() > newer,
-        "a hold got token {} after this owner's {newer}",
-        granted.token()
-    );
-    granted.release().await.unwrap();
-    free_soon(&locker, &key).await;
+    for wait in [Duration::ZERO, Duration::from_secs(20)] {
+        backend.stale_answers.store(0, Ordering::SeqCst);
+        // The second task's request is held at the backend's door while the first task
+        // takes the key; then it is answered with the older token.
+        let open = std::sync::Arc::new(tokio::sync::Notify::new());
+        *backend.gate.lock().unwrap() = Some(open.clone());
+        let second = tokio::spawn({
+            let (owner, key) = (owner.clone(), key.clone());
+            // A zero wait goes through the backend's `try_acquire`.
+            async move {
+                owner
+                    .acquire(&key)
+                    .ttl(Duration::from_secs(60))
+                    .wait(wait)
+                    .await
+            }
+        });
+        tokio::time::timeout(Duration::from_secs(10), backend.at_gate.notified())
+            .await
+            .expect("the second task never reached the backend");
+        let first = owner
+            .try_acquire(&key)
+            .ttl(Duration::from_secs(60))
+            .await
+            .unwrap()
+            .expect("the first task's acquisition");
+        assert!(first.token() > older);
+        *backend.stale_limit.lock().unwrap() = Some(1);
+        *backend.stale.lock().unwrap() = Some(older);
+        open.notify_one();
+        let second = second.await.unwrap();
+        assert_eq!(backend.stale_answers.load(Ordering::SeqCst), 1);
+        if wait.is_zero() {
+            let error = second.expect_err("a zero wait got a grant below its owner's token");
+            assert!(
+                error.is_retryable() && !matches!(error, lockkit_core::Error::Timeout { .. }),
+                "{error}"
+            );
+        } else {
+            let guard = second.expect("a refused grant beside the owner's hold was not retried");
+            assert_eq!(
+                guard.token(),
+                first.token(),
+                "the retry re-enters the first task's hold"
+            );
+            guard.release().await.unwrap();
+        }
+        first.release().await.unwrap();
+        free_soon(&locker, &key).await;
+    }
 }

@@ -291,10 +291,18 @@ async fn listen_once(
                         .bind(HEARTBEAT_PAYLOAD)
                         .execute(&mut listener)
                         .await;
-                    if sent.is_ok() {
-                        continue;
+                    match sent {
+                        Ok(_) => continue,
+                        // The connection is gone: so is the listener.
+                        Err(sqlx::Error::Io(_) | sqlx::Error::Protocol(_)) => None,
+                        // Anything else (a full notification queue) leaves the listener as
+                        // it is; the heartbeat stays unanswered, and a listener that hears
+                        // nothing at all is replaced when that runs out.
+                        Err(error) => {
+                            tracing::debug!(%error, "a release listener's heartbeat failed");
+                            continue;
+                        }
                     }
-                    None
                 }
                 received = listener.try_recv() => match received {
                     Ok(Some(note)) => Some(note.payload().to_owned()),
@@ -309,11 +317,17 @@ async fn listen_once(
     }));
     // Wakes every waiter: whatever was released before the LISTEN took effect was not
     // heard. Reliable only once something is heard (the heartbeat below).
+    let reconnected = shared.state().ever_listened;
     shared.set_listening(true);
     // The oldest heartbeat asked for since the listener last heard anything.
     let mut unanswered: Option<Instant> = None;
-    // The first beat a full period from now: a first waiter pokes for one at once.
+    // The first beat a full period from now: a first waiter pokes for one at once, and
+    // waiters already waiting when the listener reconnects get one now.
     let mut beat = tokio::time::interval_at(Instant::now() + HEARTBEAT, HEARTBEAT);
+    if reconnected && !shared.keys().is_empty() {
+        let _ = beats.try_send(());
+        unanswered = Some(Instant::now());
+    }
     loop {
         let send_beat = tokio::select! {
             message = hearing.recv() => {
