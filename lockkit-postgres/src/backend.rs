@@ -6,13 +6,20 @@ use async_trait::async_trait;
 use lockkit_core::spi::{AcquireRequest, Grant, Released};
 use lockkit_core::{BackendInfo, HolderInfo, LockBackend, LockKey, Result};
 
-use crate::{Mode, PostgresConfig, db::Db, row::RowLocks};
+use crate::{Mode, PostgresConfig, advisory::AdvisoryLocks, db::Db, row::RowLocks};
 
-/// Locks in a PostgreSQL database; see the crate docs.
+/// The locks of one mode.
+#[derive(Clone)]
+enum Locks {
+    Row(RowLocks),
+    Advisory(AdvisoryLocks),
+}
+
+/// Locks in a PostgreSQL database; see the crate docs for the two modes.
 #[derive(Clone)]
 pub struct PostgresBackend {
     db: Arc<Db>,
-    locks: RowLocks,
+    locks: Locks,
 }
 
 impl std::fmt::Debug for PostgresBackend {
@@ -25,14 +32,14 @@ impl std::fmt::Debug for PostgresBackend {
 }
 
 impl PostgresBackend {
-    /// Connects as a `postgres://user:pw@host:port/db?mode=row` URL says (see
+    /// Connects as a `postgres://user:pw@host:port/db?mode=row|advisory` URL says (see
     /// [`PostgresConfig::parse`]). The table is created on first use unless
     /// `create_schema=false`.
     ///
     /// # Errors
-    /// [`lockkit_core::Error::Config`] for a bad URL or a missing table with
-    /// `create_schema=false`; [`lockkit_core::Error::Backend`] when the server cannot be
-    /// reached.
+    /// [`lockkit_core::Error::Config`] for a bad URL, a missing table with
+    /// `create_schema=false`, or `mode=advisory` on a server older than PostgreSQL 14;
+    /// [`lockkit_core::Error::Backend`] when the server cannot be reached.
     pub async fn connect(url: &str) -> Result<Self> {
         Self::from_config(PostgresConfig::parse(url)?).await
     }
@@ -44,9 +51,18 @@ impl PostgresBackend {
     pub async fn from_config(config: PostgresConfig) -> Result<Self> {
         let db = Db::connect(config).await?;
         let locks = match db.config.mode {
-            Mode::Row => RowLocks::new(db.clone()),
+            Mode::Row => Locks::Row(RowLocks::new(db.clone())),
+            Mode::Advisory => Locks::Advisory(AdvisoryLocks::new(db.clone()).await?),
         };
         Ok(PostgresBackend { db, locks })
+    }
+
+    /// The mode's locks, which every `LockBackend` call goes to.
+    fn locks(&self) -> &dyn LockBackend {
+        match &self.locks {
+            Locks::Row(locks) => locks,
+            Locks::Advisory(locks) => locks,
+        }
     }
 
     /// The configuration in force.
@@ -54,22 +70,30 @@ impl PostgresBackend {
         &self.db.config
     }
 
-    /// Closes every connection of this client (a waiter still waiting then polls, and
-    /// fails once the pool is closed).
+    /// Closes every connection of this client (a row-mode waiter still waiting then polls,
+    /// and fails once the pool is closed; advisory holds end with their connections).
     pub async fn close(&self) {
-        self.locks.stop_listening();
+        match &self.locks {
+            Locks::Row(locks) => locks.stop_listening(),
+            Locks::Advisory(locks) => locks.close().await,
+        }
         self.db.pool.close().await;
     }
 
-    /// Operator action: takes `key` away from its holder, clearing its lease as if it had
-    /// expired and waking its waiters; the holder finds out at its next renewal. Returns
-    /// whether there was a live lease. Every backend that can do this names it
-    /// `take_away`, with this signature.
+    /// Operator action: takes `key` away from its holder. In row mode its lease is cleared
+    /// as if it had expired and its waiters are woken; the holder finds out at its next
+    /// renewal. In advisory mode the session holding the lock is ended
+    /// (`pg_terminate_backend`); the holder finds out at its next liveness check. Returns
+    /// whether there was a holder. Every backend that can do this names it `take_away`,
+    /// with this signature.
     ///
     /// # Errors
     /// Database errors.
     pub async fn take_away(&self, key: &LockKey) -> Result<bool> {
-        self.locks.take_away(key).await
+        match &self.locks {
+            Locks::Row(locks) => locks.take_away(key).await,
+            Locks::Advisory(locks) => locks.take_away(key).await,
+        }
     }
 
     /// Keys under `prefix` with a live lease now. For leak checks.
@@ -79,44 +103,50 @@ impl PostgresBackend {
     #[cfg(feature = "testing")]
     #[cfg_attr(docsrs, doc(cfg(feature = "testing")))]
     pub async fn held_under(&self, prefix: &str) -> Result<u64> {
-        self.locks.held_under(prefix).await
+        match &self.locks {
+            Locks::Row(locks) => locks.held_under(prefix).await,
+            Locks::Advisory(locks) => locks.held_under(prefix).await,
+        }
     }
 
     /// Keys this client's waiters listen for now (none once every wait has ended).
     #[cfg(feature = "testing")]
     #[cfg_attr(docsrs, doc(cfg(feature = "testing")))]
     pub fn waiting_keys(&self) -> usize {
-        self.locks.waiting_keys()
+        match &self.locks {
+            Locks::Row(locks) => locks.waiting_keys(),
+            Locks::Advisory(_) => 0,
+        }
     }
 }
 
 #[async_trait]
 impl LockBackend for PostgresBackend {
     fn info(&self) -> BackendInfo {
-        self.locks.info()
+        self.locks().info()
     }
 
     async fn try_acquire(&self, req: &AcquireRequest) -> Result<Option<Grant>> {
-        self.locks.try_acquire(req).await
+        self.locks().try_acquire(req).await
     }
 
     async fn acquire(&self, req: &AcquireRequest, wait: Duration) -> Result<Grant> {
-        self.locks.acquire(req, wait).await
+        self.locks().acquire(req, wait).await
     }
 
     async fn renew(&self, grant: &Grant, ttl: Duration) -> Result<()> {
-        self.locks.renew(grant, ttl).await
+        self.locks().renew(grant, ttl).await
     }
 
     async fn release(&self, grant: &Grant) -> Result<Released> {
-        self.locks.release(grant).await
+        self.locks().release(grant).await
     }
 
     async fn ping(&self) -> Result<()> {
-        self.locks.ping().await
+        self.locks().ping().await
     }
 
     async fn inspect(&self, key: &LockKey) -> Result<Option<HolderInfo>> {
-        self.locks.inspect(key).await
+        self.locks().inspect(key).await
     }
 }

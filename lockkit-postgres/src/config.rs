@@ -16,6 +16,12 @@ pub enum Mode {
     /// short transactions on the server's clock (`clock_timestamp()`). Survives client and
     /// server restarts. A release is announced with `NOTIFY`, so waiters wake at once.
     Row,
+    /// `pg_advisory_lock` held by a dedicated connection per hold; waiters queue in the
+    /// server's lock manager. The lease is the session's `idle_session_timeout` (PostgreSQL
+    /// 14 or later), kept up by a liveness check while the holder lives; a hold ends with
+    /// its connection (a crash, a server restart). The fencing token is the key's row in
+    /// the lease table, shared with `mode=row`, so the two modes exclude each other.
+    Advisory,
 }
 
 /// Everything a PostgreSQL URL says. Its `Debug` output leaves the password out.
@@ -24,7 +30,7 @@ pub enum Mode {
 pub struct PostgresConfig {
     /// Where and as whom to connect.
     pub connect: PgConnectOptions,
-    /// `?mode=` (default and, for now, only `row`).
+    /// `?mode=`: `row` (the default) or `advisory`.
     pub mode: Mode,
     /// `?table=` (default `lockkit_locks`), in the connection's `search_path`.
     pub table: String,
@@ -33,6 +39,12 @@ pub struct PostgresConfig {
     /// `?pool_size=` connections for short statements (default 8), plus one that listens
     /// for releases.
     pub pool_size: u32,
+    /// `?max_holds=` (advisory): dedicated connections for held and waiting locks
+    /// (default 32); each hold and each waiter uses one.
+    pub max_holds: u32,
+    /// `?liveness=` (advisory, default 250 ms): how often a hold's connection is checked,
+    /// so its loss is signalled within about this long.
+    pub liveness: Duration,
     /// `?connect_timeout=` (default 5 s).
     pub connect_timeout: Duration,
     /// `?ttl=`: the default lease of locks taken through this URL (the facade applies it).
@@ -52,6 +64,8 @@ impl Default for PostgresConfig {
             table: "lockkit_locks".into(),
             create_schema: true,
             pool_size: 8,
+            max_holds: 32,
+            liveness: Duration::from_millis(250),
             connect_timeout: Duration::from_secs(5),
             ttl: None,
         }
@@ -69,13 +83,16 @@ impl std::fmt::Debug for PostgresConfig {
             .field("table", &self.table)
             .field("create_schema", &self.create_schema)
             .field("pool_size", &self.pool_size)
+            .field("max_holds", &self.max_holds)
+            .field("liveness", &self.liveness)
             .field("connect_timeout", &self.connect_timeout)
             .field("ttl", &self.ttl)
             .finish_non_exhaustive()
     }
 }
 
-const OPTIONS: &str = "mode, table, create_schema, pool_size, connect_timeout, ttl";
+const OPTIONS: &str =
+    "mode, table, create_schema, pool_size, max_holds, liveness, connect_timeout, ttl";
 
 /// The driver's own options, passed through.
 const DRIVER_OPTIONS: &[&str] = &[
@@ -91,7 +108,7 @@ const DRIVER_OPTIONS: &[&str] = &[
 /// Every URL scheme this crate accepts.
 pub const SCHEMES: &[&str] = &["postgres", "postgresql"];
 
-const FORM: &str = "postgres://user:password@host:port/database?mode=row";
+const FORM: &str = "postgres://user:password@host:port/database?mode=row|advisory";
 
 impl PostgresConfig {
     /// Parses a lockkit PostgreSQL URL; the driver's own options (`sslmode`,
@@ -119,16 +136,10 @@ impl PostgresConfig {
                 "mode" => {
                     config.mode = match value {
                         "row" => Mode::Row,
-                        "advisory" => {
-                            return Err(Error::Config(
-                                "`mode=advisory` (pg_advisory_lock on a dedicated connection) \
-                                 is not built yet; use mode=row"
-                                    .into(),
-                            ));
-                        }
+                        "advisory" => Mode::Advisory,
                         other => {
                             return Err(Error::Config(format!(
-                                "`mode={other}` is unknown; use mode=row"
+                                "`mode={other}` is unknown; use mode=row or mode=advisory"
                             )));
                         }
                     }
@@ -160,6 +171,17 @@ impl PostgresConfig {
                     }
                 }
                 "pool_size" => config.pool_size = parse_count(name, value)?.max(1),
+                "max_holds" => config.max_holds = parse_count(name, value)?.max(1),
+                "liveness" => {
+                    config.liveness = parse_duration(name, value)?;
+                    if config.liveness.is_zero() {
+                        return Err(Error::Config(
+                            "`liveness=0` would check a hold's connection without pause; \
+                             give a period such as 250ms"
+                                .into(),
+                        ));
+                    }
+                }
                 "connect_timeout" => config.connect_timeout = parse_duration(name, value)?,
                 "ttl" => config.ttl = Some(parse_duration(name, value)?),
                 _ if DRIVER_OPTIONS.contains(&name) => driver.push(option.raw.as_str()),
@@ -208,6 +230,12 @@ mod tests {
             (Mode::Row, "t1", 3, Some(Duration::from_secs(5)))
         );
         assert_eq!(c.connect.get_port(), 15432);
+        let a = PostgresConfig::parse("postgres://u@h/db?mode=advisory&max_holds=4&liveness=100ms")
+            .unwrap();
+        assert_eq!(
+            (a.mode, a.max_holds, a.liveness),
+            (Mode::Advisory, 4, Duration::from_millis(100))
+        );
         assert_eq!(c.connect.get_database(), Some("db"));
     }
 
@@ -220,7 +248,7 @@ mod tests {
             "postgres://u@h/",
             "postgres:///db",
             "postgres://u@h/db?mode=lease",
-            "postgres://u@h/db?mode=advisory",
+            "postgres://u@h/db?liveness=0s",
             "postgres://u@h/db?table=a-b",
             "postgres://u@h/db?table=Upper",
             "postgres://u@h/db?table=",

@@ -67,6 +67,30 @@ pub(crate) fn query(
     sqlx::query(AssertSqlSafe(sql.clone()))
 }
 
+/// The `pg_advisory_lock` key of `key` in `table`'s namespace: the first 8 bytes of
+/// SHA-256 of `lockkit:<table>:<key>`, big-endian. Any SQL client computes the same with
+/// [`advisory_id_sql`]. Two keys share an id with odds of about 2^-64 per pair; if they
+/// did, they would only exclude each other (never both be granted).
+pub fn advisory_id(table: &str, key: &str) -> i64 {
+    use sha2::{Digest, Sha256};
+    let digest = Sha256::new()
+        .chain_update(b"lockkit:")
+        .chain_update(table.as_bytes())
+        .chain_update(b":")
+        .chain_update(key.as_bytes())
+        .finalize();
+    let mut first = [0u8; 8];
+    first.copy_from_slice(&digest[..8]);
+    i64::from_be_bytes(first)
+}
+
+/// The SQL expression of [`advisory_id`] for a `text` parameter `$1` holding
+/// `lockkit:<table>:<key>`, for clients that are not lockkit (`psql`, another language):
+/// `SELECT pg_advisory_lock(<this>)` takes the same lock as lockkit's `mode=advisory`.
+pub const fn advisory_id_sql() -> &'static str {
+    "('x' || left(encode(sha256(convert_to($1, 'UTF8')), 'hex'), 16))::bit(64)::bigint"
+}
+
 /// Whole microseconds, at least one, as the `bigint` the statements take.
 pub(crate) fn micros(d: Duration) -> i64 {
     i64::try_from(d.as_micros()).unwrap_or(i64::MAX).max(1)
@@ -136,6 +160,22 @@ impl Db {
         }
     }
 
+    /// Live row-mode leases on keys under `prefix`. For leak checks.
+    #[cfg(feature = "testing")]
+    pub(crate) async fn leases_under(&self, prefix: &str) -> Result<u64> {
+        let (n,): (i64,) = sqlx::query_as(AssertSqlSafe(self.sql.live_under_prefix.clone()))
+            .bind(prefix.as_bytes())
+            .fetch_one(&self.pool)
+            .await
+            .map_err(|e| db_error("counting live leases", e))?;
+        Ok(u64::try_from(n).unwrap_or(0))
+    }
+
+    /// `key`'s advisory lock id in this table's namespace.
+    pub(crate) fn advisory_id(&self, key: &LockKey) -> i64 {
+        advisory_id(&self.config.table, key.as_str())
+    }
+
     /// One round trip to the server.
     pub(crate) async fn ping(&self) -> Result<()> {
         let _: (i32,) = sqlx::query_as("SELECT 1")
@@ -149,6 +189,7 @@ impl Db {
     pub(crate) async fn inspect_lease(&self, key: &LockKey) -> Result<Option<HolderInfo>> {
         let row = query(&self.sql.inspect)
             .bind(key.as_str().as_bytes())
+            .bind(self.advisory_id(key))
             .fetch_optional(&self.pool)
             .await
             .map_err(|e| db_error("inspecting the lease", e))?;
@@ -221,6 +262,13 @@ pub(crate) struct Sql {
     pub(crate) row_clear_live: Arc<str>,
     pub(crate) notify_release: Arc<str>,
     pub(crate) inspect: Arc<str>,
+    pub(crate) advisory_take: Arc<str>,
+    pub(crate) advisory_insert: Arc<str>,
+    pub(crate) advisory_depth: Arc<str>,
+    pub(crate) advisory_clear: Arc<str>,
+    pub(crate) advisory_holder: Arc<str>,
+    pub(crate) advisory_locked: Arc<str>,
+    pub(crate) advisory_holder_pid: Arc<str>,
     #[cfg_attr(not(feature = "testing"), allow(dead_code))]
     pub(crate) live_under_prefix: Arc<str>,
 }
@@ -228,8 +276,25 @@ pub(crate) struct Sql {
 impl Sql {
     pub(crate) fn new(t: &str) -> Self {
         let s = |text: String| Arc::<str>::from(text);
-        let left_us = "(EXTRACT(EPOCH FROM (expires_at - clock_timestamp())) * 1000000)::bigint";
-        let live = "COALESCE(expires_at > clock_timestamp(), FALSE)";
+        // A row whose `expires_at` is `infinity` records a `mode=advisory` hold: it has no
+        // lease of its own, and is live while its advisory lock is held (by anyone else:
+        // `pg_try_advisory_xact_lock` succeeds for a lock this transaction may take, and
+        // then keeps advisory holders out until it commits).
+        let left_us = "CASE WHEN expires_at = 'infinity' THEN NULL ELSE \
+             (EXTRACT(EPOCH FROM (expires_at - clock_timestamp())) * 1000000)::bigint END";
+        let live = "CASE WHEN expires_at = 'infinity' THEN NOT pg_try_advisory_xact_lock($2) \
+             ELSE COALESCE(expires_at > clock_timestamp(), FALSE) END";
+        // A lease of mode=row, running now.
+        let leased = "(expires_at <> 'infinity' AND expires_at > clock_timestamp())";
+        // The advisory lock `$n` granted to some session of this database.
+        let advisory_held = |n: u8| {
+            format!(
+                "EXISTS (SELECT 1 FROM pg_locks WHERE locktype = 'advisory' AND granted \
+                 AND database = (SELECT oid FROM pg_database WHERE datname = current_database()) \
+                 AND classid = ((${n} >> 32) & 4294967295)::oid \
+                 AND objid = (${n} & 4294967295)::oid AND objsubid = 1)"
+            )
+        };
         Sql {
             table_exists: s(format!(
                 "SELECT name, owner, holds, fence, expires_at, attempts FROM \"{t}\" LIMIT 0"
@@ -255,7 +320,7 @@ impl Sql {
             )),
             row_renew: s(format!(
                 "UPDATE \"{t}\" SET expires_at = GREATEST(expires_at, {}) \
-                 WHERE name = $2 AND owner = $3 AND expires_at > clock_timestamp()",
+                 WHERE name = $2 AND owner = $3 AND {leased}",
                 from_now(1)
             )),
             // Under the row lock of a transaction that just saw the lease live and ours: no
@@ -274,17 +339,47 @@ impl Sql {
             )),
             row_clear_live: s(format!(
                 "UPDATE \"{t}\" SET owner = NULL, holds = 0, expires_at = NULL, attempts = NULL \
-                 WHERE name = $1 AND expires_at > clock_timestamp()"
+                 WHERE name = $1 AND {leased}"
             )),
             notify_release: s("SELECT pg_notify($1, $2)".to_owned()),
             inspect: s(format!(
                 "SELECT owner, holds, fence, {left_us} AS left_us FROM \"{t}\" \
-                 WHERE name = $1 AND owner IS NOT NULL AND expires_at > clock_timestamp()"
+                 WHERE name = $1 AND owner IS NOT NULL \
+                 AND ({leased} OR (expires_at = 'infinity' AND {}))",
+                advisory_held(2)
             )),
             live_under_prefix: s(format!(
-                "SELECT COUNT(*) FROM \"{t}\" WHERE position($1 in name) = 1 \
-                 AND expires_at > clock_timestamp()"
+                "SELECT COUNT(*) FROM \"{t}\" WHERE position($1 in name) = 1 AND {leased}"
             )),
+            advisory_take: s(format!(
+                "UPDATE \"{t}\" SET fence = fence + 1, owner = $1, holds = 1, \
+                 expires_at = 'infinity', attempts = NULL \
+                 WHERE name = $2 AND NOT COALESCE({leased}, FALSE) RETURNING fence"
+            )),
+            advisory_insert: s(format!(
+                "INSERT INTO \"{t}\" (name, owner, holds, fence, expires_at) \
+                 VALUES ($2, $1, 1, 1, 'infinity') ON CONFLICT (name) DO NOTHING RETURNING fence"
+            )),
+            advisory_depth: s(format!(
+                "UPDATE \"{t}\" SET holds = $1 \
+                 WHERE name = $2 AND owner = $3 AND expires_at = 'infinity'"
+            )),
+            advisory_clear: s(format!(
+                "UPDATE \"{t}\" SET owner = NULL, holds = 0, expires_at = NULL, attempts = NULL \
+                 WHERE name = $1 AND owner = $2 AND expires_at = 'infinity'"
+            )),
+            advisory_holder: s(format!(
+                "SELECT owner, holds, fence FROM \"{t}\" \
+                 WHERE name = $1 AND expires_at = 'infinity'"
+            )),
+            advisory_locked: s(format!("SELECT {}", advisory_held(1))),
+            advisory_holder_pid: s(
+                "SELECT pid FROM pg_locks WHERE locktype = 'advisory' AND granted \
+                 AND database = (SELECT oid FROM pg_database WHERE datname = current_database()) \
+                 AND classid = (($1 >> 32) & 4294967295)::oid \
+                 AND objid = ($1 & 4294967295)::oid AND objsubid = 1"
+                    .to_owned(),
+            ),
         }
     }
 }

@@ -7,6 +7,15 @@
 //! with `NOTIFY` in its own transaction: waiters `LISTEN` on one connection per client and
 //! retry the moment it commits; a holder that dies unannounced is waited out to the end of
 //! its lease.
+//!
+//! `mode=advisory`: `pg_advisory_lock` held by a dedicated connection per hold, waiters
+//! queued in the server's lock manager (no polling, no herd). The key's lock id is
+//! [`advisory_id`] (64 bits of SHA-256 of `lockkit:<table>:<key>`; [`advisory_id_sql`]
+//! computes it in SQL, for other clients to share the lock). The lease is the holder's
+//! session `idle_session_timeout` (PostgreSQL 14+), so a paused or cut-off holder loses the
+//! lock when its lease runs out; a server restart ends every advisory hold, and the holder
+//! is told (`SessionLost`). The fencing token is the key's row in the lease table, shared
+//! with `mode=row`: the two modes exclude each other on the same table.
 #![cfg_attr(docsrs, feature(doc_cfg))]
 #![warn(missing_docs)]
 #![cfg_attr(
@@ -14,6 +23,7 @@
     deny(clippy::unwrap_used, clippy::expect_used, clippy::panic)
 )]
 
+mod advisory;
 mod backend;
 mod config;
 mod db;
@@ -22,7 +32,7 @@ mod row;
 
 pub use backend::PostgresBackend;
 pub use config::{Mode, PostgresConfig, SCHEMES};
-pub use db::ddl;
+pub use db::{advisory_id, advisory_id_sql, ddl};
 pub use notify::LISTENER_APPLICATION_NAME;
 
 /// Connects to the database a `postgres://` URL (any of [`SCHEMES`]) names.

@@ -42,14 +42,7 @@ impl RowLocks {
     /// Live leases on keys under `prefix`, seen from a fresh connection. For leak checks.
     #[cfg(feature = "testing")]
     pub(crate) async fn held_under(&self, prefix: &str) -> Result<u64> {
-        let (n,): (i64,) = sqlx::query_as(sqlx::AssertSqlSafe(
-            self.inner.sql.live_under_prefix.clone(),
-        ))
-        .bind(prefix.as_bytes())
-        .fetch_one(&self.inner.pool)
-        .await
-        .map_err(|e| db_error("counting live leases", e))?;
-        Ok(u64::try_from(n).unwrap_or(0))
+        self.inner.leases_under(prefix).await
     }
 
     /// Stops listening for release announcements (closes that connection).
@@ -151,6 +144,11 @@ async fn retry_pause() {
     }
 }
 
+/// How long a row-mode waiter behind a `mode=advisory` holder waits, unless woken by its
+/// release announcement, before it looks again (the holder's session may have ended
+/// without one).
+const ADVISORY_RECHECK: Duration = Duration::from_millis(500);
+
 /// The ledger of a new holder: just this attempt.
 fn first_attempt(req: &AcquireRequest) -> String {
     let mut attempts = AttemptLedger::new();
@@ -195,6 +193,7 @@ async fn run_acquire(backend: &RowLocks, req: &AcquireRequest) -> Result<Attempt
     let mut tx = inner.pool.begin().await.map_err(fail)?;
     let row = query(&sql.row_select_for_update)
         .bind(name)
+        .bind(inner.advisory_id(&req.key))
         .fetch_optional(&mut *tx)
         .await
         .map_err(fail)?;
@@ -267,14 +266,14 @@ async fn run_acquire(backend: &RowLocks, req: &AcquireRequest) -> Result<Attempt
         )));
     }
     if live {
-        let left: i64 = row
-            .try_get::<Option<i64>, _>("left_us")
-            .map_err(fail)?
-            .unwrap_or(0);
+        let left: Option<i64> = row.try_get("left_us").map_err(fail)?;
         tx.rollback().await.map_err(fail)?;
-        return Ok(Attempt::busy(Duration::from_micros(
-            u64::try_from(left).unwrap_or(0),
-        )));
+        return Ok(Attempt::busy(match left {
+            Some(left) => Duration::from_micros(u64::try_from(left).unwrap_or(0)),
+            // A mode=advisory hold: no lease to wait out. Its release is announced; one
+            // that ends with its session is not, so look again now and then.
+            None => ADVISORY_RECHECK,
+        }));
     }
     let taken: i64 = query(&sql.row_take)
         .bind(&owner)
@@ -380,6 +379,7 @@ async fn release(backend: &RowLocks, grant: &Grant) -> Result<Released> {
     let mut tx = inner.pool.begin().await.map_err(fail)?;
     let row = query(&sql.row_select_for_update)
         .bind(name)
+        .bind(inner.advisory_id(&grant.key))
         .fetch_optional(&mut *tx)
         .await
         .map_err(fail)?;

@@ -18,18 +18,18 @@ struct Client {
 }
 
 struct PostgresHarness {
+    mode: &'static str,
     url: String,
     server: SocketAddr,
     clients: Mutex<Vec<Client>>,
 }
 
-const TABLE: &str = "lockkit_test_row";
-
 impl PostgresHarness {
-    async fn new() -> Option<Self> {
+    async fn new(mode: &'static str) -> Option<Self> {
         let url = env::service_url("LOCKKIT_TEST_POSTGRES_URL")?;
         let server = env::host_ports(&url)[0].parse().unwrap();
         Some(PostgresHarness {
+            mode,
             url,
             server,
             clients: Mutex::new(Vec::new()),
@@ -39,7 +39,12 @@ impl PostgresHarness {
     fn url_via(&self, addr: &str) -> String {
         let (scheme_user, rest) = self.url.split_once('@').unwrap();
         let db = rest.split_once('/').unwrap().1;
-        format!("{scheme_user}@{addr}/{db}?mode=row&table={TABLE}")
+        let table = if self.mode == "row" {
+            "lockkit_test_row"
+        } else {
+            "lockkit_test_adv"
+        };
+        format!("{scheme_user}@{addr}/{db}?mode={}&table={table}", self.mode)
     }
 
     async fn admin(&self) -> PostgresBackend {
@@ -62,7 +67,7 @@ impl PostgresHarness {
 #[async_trait]
 impl Harness for PostgresHarness {
     fn name(&self) -> String {
-        "postgres-row".into()
+        format!("postgres-{}", self.mode)
     }
 
     async fn client(&self) -> Locker {
@@ -108,7 +113,8 @@ impl Harness for PostgresHarness {
     }
 
     async fn take_away(&self, key: &LockKey) -> HookResult {
-        // An operator clears the lease row.
+        // An operator clears the lease row (row mode) or ends the holder's session
+        // (advisory mode).
         let cleared = self
             .admin()
             .await
@@ -118,7 +124,7 @@ impl Harness for PostgresHarness {
         if cleared {
             Ok(())
         } else {
-            Err(HookError::Failed(format!("`{key}` had no live lease")))
+            Err(HookError::Failed(format!("`{key}` had no holder")))
         }
     }
 
@@ -149,4 +155,10 @@ impl Harness for PostgresHarness {
     }
 }
 
-lockkit_conformance::suite!(PostgresHarness::new().await);
+mod row {
+    lockkit_conformance::suite!(super::PostgresHarness::new("row").await);
+}
+
+mod advisory {
+    lockkit_conformance::suite!(super::PostgresHarness::new("advisory").await);
+}

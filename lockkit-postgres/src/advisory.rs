@@ -1,0 +1,859 @@
+//! mode=advisory: a dedicated connection per hold holds `pg_advisory_lock(<key id>)`;
+//! waiters queue in the server's lock manager.
+//!
+//! - **Key.** [`advisory_id`](crate::advisory_id): 64 bits of SHA-256 of
+//!   `lockkit:<table>:<key>`, so each table is a namespace of its own.
+//! - **Wait.** The server's `lock_timeout` ends a wait at its deadline. A caller that goes
+//!   away has the waiting backend terminated (`pg_terminate_backend`) from a connection
+//!   opened for that, and the waiting connection is never reused.
+//! - **Lease.** The session's `idle_session_timeout` (PostgreSQL 14+): a holder that stops
+//!   talking (paused, cut off) has its session, and so its lock, ended by the server when
+//!   its lease runs out. A liveness check sets it to what is left of the lease every
+//!   `liveness`, and notices a connection that died.
+//! - **Fencing token.** The key's row in the lease table: its `fence` is raised and
+//!   committed on a pooled connection once the lock is held, and the lock's connection is
+//!   then confirmed alive. The row's `expires_at = 'infinity'` marks an advisory hold, so
+//!   `mode=row` clients respect it; a live row-mode lease makes an advisory holder let go
+//!   and wait it out.
+
+use std::{
+    sync::{
+        Arc,
+        atomic::{AtomicBool, Ordering},
+    },
+    time::Duration,
+};
+
+use async_trait::async_trait;
+use lockkit_core::spi::{
+    AcquireRequest, Backoff, CountRelease, Grant, HoldCount, Interrupt, LocalHolds, Released,
+    deadline_after, detached_acquire,
+};
+use lockkit_core::{
+    BackendInfo, Capabilities, Consistency, Error, FencingToken, HolderInfo, LockBackend, LockKey,
+    LostReason, Result,
+};
+use sqlx::{
+    AssertSqlSafe, Connection, PgPool, Postgres, Row,
+    pool::PoolConnection,
+    postgres::{PgConnection, PgPoolOptions},
+};
+use tokio::time::Instant;
+
+use crate::db::{BACKEND, Db, db_error, query, release_channel, row_text, sql_state};
+use crate::notify::release_payload;
+
+/// The holds of this client, by owner and key (reentrancy is local in this mode).
+type Holds = Arc<LocalHolds<Held>>;
+
+/// The longest lease: `idle_session_timeout` is a 32-bit count of milliseconds.
+const MAX_LEASE: Duration = Duration::from_millis(i32::MAX as u64);
+
+/// How long after its deadline a waiter is terminated if the server's `lock_timeout` has
+/// not ended its wait (a wait too long for `lock_timeout`, or a server that is slow).
+const DEADLINE_GRACE: Duration = Duration::from_secs(1);
+
+/// How long an advisory waiter behind a row-mode lease sleeps between looks.
+const ROW_LEASE_POLL: Duration = Duration::from_millis(100);
+
+/// Every dedicated connection's session: statements may wait as long as the lock wait
+/// asks (`lock_timeout` is set per wait), and nothing is left idle in a transaction.
+const SESSION: &str = "SET statement_timeout = 0; SET lock_timeout = 0; \
+     SET idle_in_transaction_session_timeout = '5s'; SET idle_session_timeout = 0";
+
+/// Locks held by `pg_advisory_lock` on dedicated connections, over one database.
+#[derive(Clone)]
+pub(crate) struct AdvisoryLocks {
+    inner: Arc<Db>,
+    /// Dedicated connections: one per hold and per waiter.
+    holds_pool: PgPool,
+    held: Holds,
+}
+
+impl AdvisoryLocks {
+    /// Opens (lazily) the pool of dedicated connections, after checking that the server
+    /// has `idle_session_timeout`.
+    pub(crate) async fn new(db: Arc<Db>) -> Result<Self> {
+        if let Err(e) = sqlx::query("SELECT current_setting('idle_session_timeout')")
+            .execute(&db.pool)
+            .await
+        {
+            return Err(if sql_state(&e).as_deref() == Some("42704") {
+                Error::Config(
+                    "mode=advisory needs PostgreSQL 14 or later (its lease is the session's \
+                     idle_session_timeout); use mode=row on this server"
+                        .into(),
+                )
+            } else {
+                db_error("checking the server's idle_session_timeout", e)
+            });
+        }
+        let holds_pool = PgPoolOptions::new()
+            .max_connections(db.config.max_holds)
+            .min_connections(0)
+            .acquire_timeout(db.config.connect_timeout)
+            .after_connect(|conn, _| {
+                Box::pin(async move { sqlx::raw_sql(SESSION).execute(conn).await.map(|_| ()) })
+            })
+            .connect_lazy_with(db.config.connect.clone());
+        Ok(AdvisoryLocks {
+            inner: db,
+            holds_pool,
+            held: Holds::default(),
+        })
+    }
+
+    /// Closes the dedicated connections (holds still open end with them).
+    pub(crate) async fn close(&self) {
+        self.holds_pool.close().await;
+    }
+
+    /// Operator action: ends the session holding `key`'s advisory lock (whoever it is).
+    /// Whether there was one.
+    pub(crate) async fn take_away(&self, key: &LockKey) -> Result<bool> {
+        let inner = &self.inner;
+        let pids: Vec<(i32,)> =
+            sqlx::query_as(AssertSqlSafe(inner.sql.advisory_holder_pid.clone()))
+                .bind(inner.advisory_id(key))
+                .fetch_all(&inner.pool)
+                .await
+                .map_err(|e| db_error("finding the holder's session", e))?;
+        let mut ended = false;
+        for (pid,) in pids {
+            let (done,): (bool,) = sqlx::query_as("SELECT pg_terminate_backend($1)")
+                .bind(pid)
+                .fetch_one(&inner.pool)
+                .await
+                .map_err(|e| db_error("ending the holder's session", e))?;
+            ended |= done;
+        }
+        Ok(ended)
+    }
+
+    /// Advisory locks of keys under `prefix` held now, by any session. Only keys this
+    /// client has held or waited for can be named (the ids are hashes). For leak checks.
+    #[cfg(feature = "testing")]
+    pub(crate) async fn held_under(&self, prefix: &str) -> Result<u64> {
+        let rows = sqlx::query(AssertSqlSafe(format!(
+            "SELECT name FROM \"{}\" WHERE position($1 in name) = 1",
+            self.inner.config.table
+        )))
+        .bind(prefix.as_bytes())
+        .fetch_all(&self.inner.pool)
+        .await
+        .map_err(|e| db_error("listing key rows", e))?;
+        let mut held = 0;
+        for row in rows {
+            let name: Vec<u8> = row
+                .try_get("name")
+                .map_err(|e| db_error("reading a key row", e))?;
+            let Ok(key) = LockKey::new(String::from_utf8_lossy(&name)) else {
+                continue;
+            };
+            if self.is_locked(&key).await? {
+                held += 1;
+            }
+        }
+        let leased = self.inner.leases_under(prefix).await?;
+        Ok(held + leased)
+    }
+
+    /// Whether some session holds `key`'s advisory lock now.
+    async fn is_locked(&self, key: &LockKey) -> Result<bool> {
+        let inner = &self.inner;
+        let (locked,): (bool,) = sqlx::query_as(AssertSqlSafe(inner.sql.advisory_locked.clone()))
+            .bind(inner.advisory_id(key))
+            .fetch_one(&inner.pool)
+            .await
+            .map_err(|e| db_error("looking for the advisory lock", e))?;
+        Ok(locked)
+    }
+}
+
+impl std::fmt::Debug for AdvisoryLocks {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("AdvisoryLocks")
+            .field("table", &self.inner.config.table)
+            .finish_non_exhaustive()
+    }
+}
+
+#[async_trait]
+impl LockBackend for AdvisoryLocks {
+    fn info(&self) -> BackendInfo {
+        let capabilities = Capabilities {
+            pushes_loss: true,
+            // Waiters queue in the server's lock manager.
+            queued_wait: true,
+            min_ttl: Duration::from_millis(1),
+            max_ttl: Some(MAX_LEASE),
+            ..Capabilities::default()
+        };
+        BackendInfo::new(BACKEND, Consistency::Cp, capabilities)
+    }
+
+    async fn try_acquire(&self, req: &AcquireRequest) -> Result<Option<Grant>> {
+        acquire(self, req, Duration::ZERO).await
+    }
+
+    async fn acquire(&self, req: &AcquireRequest, wait: Duration) -> Result<Grant> {
+        let started = Instant::now();
+        match acquire(self, req, wait).await? {
+            Some(grant) => Ok(grant),
+            None => Err(Error::Timeout {
+                key: req.key.clone(),
+                waited: started.elapsed(),
+            }),
+        }
+    }
+
+    async fn renew(&self, grant: &Grant, ttl: Duration) -> Result<()> {
+        renew(self, grant, ttl).await
+    }
+
+    async fn release(&self, grant: &Grant) -> Result<Released> {
+        release(self, grant).await
+    }
+
+    async fn ping(&self) -> Result<()> {
+        self.inner.ping().await
+    }
+
+    async fn inspect(&self, key: &LockKey) -> Result<Option<HolderInfo>> {
+        inspect(self, key).await
+    }
+}
+
+/// One advisory hold: its connection (holding the lock) and local depth.
+pub(crate) struct Held {
+    conn: tokio::sync::Mutex<Option<PoolConnection<Postgres>>>,
+    key: LockKey,
+    owner: lockkit_core::OwnerId,
+    token: FencingToken,
+    /// Depth, the acquisitions behind it and the lease.
+    count: HoldCount,
+    /// The connection died or was closed: the server has let the lock go.
+    broken: AtomicBool,
+}
+
+impl Held {
+    /// Still a hold its owner may re-enter: the connection is alive and the lease is not
+    /// over.
+    fn is_live(&self) -> bool {
+        !self.broken.load(Ordering::SeqCst) && Instant::now() < self.lease_until()
+    }
+
+    fn lease_until(&self) -> Instant {
+        self.count.lease_until()
+    }
+}
+
+impl std::fmt::Debug for Held {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Held")
+            .field("key", &self.key)
+            .field("token", &self.token)
+            .finish()
+    }
+}
+
+/// Whole milliseconds, at least one (zero would mean "no timeout"), at most `i32::MAX`.
+fn millis(d: Duration) -> u64 {
+    u64::try_from(d.as_millis())
+        .unwrap_or(u64::MAX)
+        .clamp(1, i32::MAX as u64)
+}
+
+/// The statement that sets a hold's lease on its session.
+fn lease_statement(lease: Duration) -> String {
+    format!("SET idle_session_timeout = {}", millis(lease))
+}
+
+/// Errors after which the connection, and so its advisory locks, are gone.
+fn connection_gone(e: &sqlx::Error) -> bool {
+    matches!(
+        e,
+        sqlx::Error::Io(_) | sqlx::Error::Protocol(_) | sqlx::Error::WorkerCrashed
+    ) || sql_state(e).is_some_and(|c| c.starts_with("57P") || c.starts_with("08"))
+}
+
+/// Forgets a hold that is over and closes its connection (the server lets the lock go).
+async fn end_stale(backend: &AdvisoryLocks, held: &Held) {
+    held.broken.store(true, Ordering::SeqCst);
+    forget(backend, held);
+    if let Some(mut conn) = held.conn.lock().await.take() {
+        conn.close_on_drop();
+    }
+}
+
+fn forget(backend: &AdvisoryLocks, held: &Held) {
+    backend.held.forget(held.owner, &held.key, held);
+}
+
+fn held_of(backend: &AdvisoryLocks, grant: &Grant) -> Result<Arc<Held>> {
+    backend.held.held_of(grant)
+}
+
+fn grant_for(req: &AcquireRequest, held: &Arc<Held>, depth: u32, start: Instant) -> Grant {
+    Grant::new(req, held.token, depth, start).with_state(held.clone())
+}
+
+/// [`HoldCount::reenter`], with the server told first when the re-entry lengthens the
+/// lease, under the connection's lock (so the liveness check cannot set a shorter one in
+/// between). `Ok(None)`: the hold is over or released, ask afresh.
+async fn reenter_on_server(
+    held: &Held,
+    req: &AcquireRequest,
+    start: Instant,
+) -> Result<Option<u32>> {
+    let mut conn = held.conn.lock().await;
+    let Some(c) = conn
+        .as_mut()
+        .filter(|_| !held.broken.load(Ordering::SeqCst))
+    else {
+        return Ok(None);
+    };
+    if start + req.ttl > held.lease_until() {
+        sqlx::raw_sql(AssertSqlSafe(lease_statement(req.ttl)))
+            .execute(&mut **c)
+            .await
+            .map_err(|e| db_error("lengthening the lease of a re-entry", e))?;
+    }
+    Ok(held
+        .count
+        .reenter(req, start, held.broken.load(Ordering::SeqCst)))
+}
+
+/// Takes the lock, waiting up to `wait` in the server's queue. `Ok(None)`: not granted in
+/// time.
+async fn acquire(
+    backend: &AdvisoryLocks,
+    req: &AcquireRequest,
+    wait: Duration,
+) -> Result<Option<Grant>> {
+    let start = Instant::now();
+    if let Some(held) = backend.held.get(req.owner, &req.key) {
+        if held.is_live() {
+            // Its own task, like a fresh acquisition: if the caller goes away while the
+            // depth is being recorded for `inspect`, the hold it added is given back.
+            let (recorder, request, giver) = (backend.clone(), req.clone(), backend.clone());
+            let reentered = detached_acquire(
+                BACKEND,
+                move |_| async move {
+                    let Some(depth) = reenter_on_server(&held, &request, start).await? else {
+                        return Ok(None);
+                    };
+                    record_depth(&recorder, &held, depth).await;
+                    Ok(Some(grant_for(&request, &held, depth, start)))
+                },
+                std::convert::identity,
+                move |grant| async move {
+                    if let Err(error) = release(&giver, &grant).await {
+                        tracing::warn!(%error, "could not give back an orphaned re-entry");
+                    }
+                },
+            )
+            .await?;
+            if let Some(grant) = reentered {
+                return Ok(Some(grant));
+            }
+            // Released to depth 0 by another task of this owner just now. Ask afresh.
+        } else {
+            // A hold that is over (its lease ran out, or its connection died): never
+            // re-enter it, the server may have let someone else in. Drop it, ask afresh.
+            end_stale(backend, &held).await;
+        }
+    }
+    let (this, request, giver) = (backend.clone(), req.clone(), backend.clone());
+    detached_acquire(
+        BACKEND,
+        move |interrupt| async move { lock(&this, &request, wait, interrupt).await },
+        std::convert::identity,
+        move |grant| async move {
+            if let Err(error) = release(&giver, &grant).await {
+                tracing::warn!(%error, "could not give back an orphaned grant");
+            }
+        },
+    )
+    .await
+}
+
+/// How one try on the dedicated connection ended.
+enum Locked {
+    /// The lock is held, with this fencing token, confirmed at this instant.
+    Held(u64, Instant),
+    /// Not granted by the deadline (or the wait was interrupted).
+    NotGranted,
+    /// A live row-mode lease holds the key: the advisory lock was let go again.
+    RowLease,
+}
+
+/// Why a try failed, and whether the connection (and any lock on it) went with it.
+struct LockFailure {
+    error: Error,
+    connection_gone: bool,
+}
+
+impl LockFailure {
+    fn new(doing: &str, e: sqlx::Error) -> Self {
+        LockFailure {
+            connection_gone: connection_gone(&e),
+            error: db_error(doing, e),
+        }
+    }
+}
+
+async fn lock(
+    backend: &AdvisoryLocks,
+    req: &AcquireRequest,
+    wait: Duration,
+    interrupt: Interrupt,
+) -> Result<Option<Grant>> {
+    let inner = &backend.inner;
+    let mut conn = backend.holds_pool.acquire().await.map_err(|e| match e {
+        sqlx::Error::PoolTimedOut => Error::backend(
+            BACKEND,
+            true,
+            format!(
+                "all {} dedicated connections are in use by held or waiting advisory locks; \
+                 raise max_holds (each hold and each waiter uses one server connection) or \
+                 hold fewer locks",
+                inner.config.max_holds
+            ),
+        ),
+        e => db_error("opening a dedicated connection", e),
+    })?;
+    let deadline = deadline_after(wait);
+    let id = inner.advisory_id(&req.key);
+    // The server ends the wait at the deadline (`lock_timeout`); the caller's going away,
+    // or a wait the server did not end, is ended by terminating this connection's backend
+    // from a connection opened for that (never one of the shared pools, which a partition
+    // or busy holders can leave hanging). The terminator is stopped and awaited before the
+    // connection is used again; a connection it fired at is closed, never reused.
+    let (pid,): (i32,) = sqlx::query_as("SELECT pg_backend_pid()")
+        .fetch_one(&mut *conn)
+        .await
+        .map_err(|e| db_error("opening a dedicated connection", e))?;
+    let (stop_terminator, stopped) = tokio::sync::oneshot::channel::<()>();
+    let (fire, fired) = tokio::sync::watch::channel(false);
+    let terminator = {
+        let (options, bound) = (inner.config.connect.clone(), inner.config.connect_timeout);
+        tokio::spawn(async move {
+            let deadline_passes = async {
+                if wait.is_zero() {
+                    std::future::pending::<()>().await;
+                }
+                tokio::time::sleep_until(deadline + DEADLINE_GRACE).await;
+            };
+            tokio::select! {
+                () = deadline_passes => {}
+                () = interrupt.interrupted() => {}
+                _ = stopped => return false,
+            }
+            fire.send_replace(true);
+            let terminate = async {
+                let mut control = PgConnection::connect_with(&options).await?;
+                sqlx::query("SELECT pg_terminate_backend($1)")
+                    .bind(pid)
+                    .execute(&mut control)
+                    .await?;
+                control.close().await
+            };
+            match tokio::time::timeout(bound, terminate).await {
+                Ok(Ok(())) => {}
+                Ok(Err(error)) => tracing::debug!(%error, "ending a waiter's session failed"),
+                Err(_) => tracing::debug!("ending a waiter's session got no answer in time"),
+            }
+            true
+        })
+    };
+    let outcome = lock_and_record(backend, req, &mut conn, id, wait, deadline, fired).await;
+    let _ = stop_terminator.send(());
+    let terminated = tokio::time::timeout(inner.config.connect_timeout, terminator)
+        .await
+        .map_or(true, |joined| joined.unwrap_or(true));
+    let (token, granted_at) = match outcome {
+        _ if terminated => {
+            // Past the deadline or abandoned by the caller: the connection may be ended
+            // under it at any moment. Closing it ends any lock it took.
+            conn.close_on_drop();
+            return Ok(None);
+        }
+        Ok(Some(granted)) => granted,
+        Ok(None) => return Ok(None),
+        Err(e) => {
+            // A connection that may still hold the lock goes back to the pool only once it
+            // has let go.
+            let let_go = !e.connection_gone
+                && sqlx::raw_sql("SELECT pg_advisory_unlock_all(); SET idle_session_timeout = 0")
+                    .execute(&mut *conn)
+                    .await
+                    .is_ok();
+            if !let_go {
+                conn.close_on_drop();
+            }
+            return Err(e.error);
+        }
+    };
+    let held = Arc::new(Held {
+        conn: tokio::sync::Mutex::new(Some(conn)),
+        key: req.key.clone(),
+        owner: req.owner,
+        token: FencingToken::new(token),
+        count: HoldCount::new(req, granted_at),
+        broken: AtomicBool::new(false),
+    });
+    backend
+        .held
+        .insert(req.owner, req.key.clone(), held.clone());
+    tokio::spawn(watch(
+        backend.clone(),
+        Arc::downgrade(&held),
+        req.loss.clone(),
+    ));
+    Ok(Some(grant_for(req, &held, 1, granted_at)))
+}
+
+/// Takes `id`'s advisory lock on `conn` (waiting in the server's queue), records this
+/// holder and its new fencing token, and sets the lease. `Ok(None)`: not granted by the
+/// deadline (or `fired` says the terminator ended the wait). On every path but a grant,
+/// the connection holds no advisory lock afterwards, or is reported gone.
+async fn lock_and_record(
+    backend: &AdvisoryLocks,
+    req: &AcquireRequest,
+    conn: &mut PoolConnection<Postgres>,
+    id: i64,
+    wait: Duration,
+    deadline: Instant,
+    mut fired: tokio::sync::watch::Receiver<bool>,
+) -> std::result::Result<Option<(u64, Instant)>, LockFailure> {
+    let mut row_lease_poll = Backoff::new(ROW_LEASE_POLL, ROW_LEASE_POLL);
+    loop {
+        if *fired.borrow() {
+            return Ok(None);
+        }
+        let locked = try_lock_once(backend, req, conn, id, wait, deadline, &mut fired).await?;
+        match locked {
+            Locked::Held(token, at) => return Ok(Some((token, at))),
+            Locked::NotGranted => return Ok(None),
+            Locked::RowLease => {}
+        }
+        // A row-mode lease holds the key (its holder is not in the server's lock queue):
+        // wait it out, looking again now and then.
+        let now = Instant::now();
+        if wait.is_zero() || now >= deadline {
+            return Ok(None);
+        }
+        tokio::select! {
+            () = tokio::time::sleep_until((now + row_lease_poll.next_delay()).min(deadline)) => {}
+            _ = fired.wait_for(|fired| *fired) => return Ok(None),
+        }
+    }
+}
+
+/// One take of the advisory lock, then the record and the lease.
+async fn try_lock_once(
+    backend: &AdvisoryLocks,
+    req: &AcquireRequest,
+    conn: &mut PoolConnection<Postgres>,
+    id: i64,
+    wait: Duration,
+    deadline: Instant,
+    fired: &mut tokio::sync::watch::Receiver<bool>,
+) -> std::result::Result<Locked, LockFailure> {
+    let fail = |e| LockFailure::new("taking the advisory lock", e);
+    if wait.is_zero() {
+        let (got,): (bool,) = sqlx::query_as("SELECT pg_try_advisory_lock($1)")
+            .bind(id)
+            .fetch_one(&mut **conn)
+            .await
+            .map_err(fail)?;
+        if !got {
+            return Ok(Locked::NotGranted);
+        }
+    } else {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Ok(Locked::NotGranted);
+        }
+        // Beyond what `lock_timeout` can count, the terminator ends the wait.
+        let timeout = if left >= MAX_LEASE { 0 } else { millis(left) };
+        sqlx::raw_sql(AssertSqlSafe(format!("SET lock_timeout = {timeout}")))
+            .execute(&mut **conn)
+            .await
+            .map_err(fail)?;
+        let waited = sqlx::query("SELECT pg_advisory_lock($1)")
+            .bind(id)
+            .execute(&mut **conn)
+            .await;
+        match waited {
+            Ok(_) => {}
+            // `lock_not_available`: the server's lock_timeout ended the wait.
+            Err(e) if sql_state(&e).as_deref() == Some("55P03") => {
+                return Ok(Locked::NotGranted);
+            }
+            Err(e) => return Err(fail(e)),
+        }
+    }
+    // Held. Record the holder and its new token on a pooled connection, committed at once
+    // (outside the lock: a token is never reused). The deadline and the caller's going
+    // away end this too: the record may wait behind a row-mode transaction.
+    let recorded = tokio::select! {
+        recorded = record_holder(backend, req) => recorded,
+        _ = fired.wait_for(|fired| *fired) => {
+            // The connection is about to be ended; the caller closes it.
+            return Ok(Locked::NotGranted);
+        }
+    };
+    let recorded = recorded.map_err(|e| LockFailure::new("recording the holder", e))?;
+    let Some(token) = recorded else {
+        sqlx::query("SELECT pg_advisory_unlock($1)")
+            .bind(id)
+            .execute(&mut **conn)
+            .await
+            .map_err(|e| LockFailure::new("letting go of the advisory lock", e))?;
+        return Ok(Locked::RowLease);
+    };
+    // The token was committed on another connection: confirm this one (and so the lock)
+    // was still there afterwards, or the next holder could already have a smaller token.
+    // The same statement sets the lease; the server counts it from its reply.
+    let confirming_at = Instant::now();
+    sqlx::raw_sql(AssertSqlSafe(lease_statement(req.ttl)))
+        .execute(&mut **conn)
+        .await
+        .map_err(|e| LockFailure::new("confirming the advisory lock", e))?;
+    Ok(Locked::Held(token, confirming_at))
+}
+
+/// Records `req`'s owner as the key's advisory holder with a new fencing token. `Ok(None)`:
+/// a live row-mode lease holds the key; nothing was changed.
+async fn record_holder(
+    backend: &AdvisoryLocks,
+    req: &AcquireRequest,
+) -> std::result::Result<Option<u64>, sqlx::Error> {
+    let inner = &backend.inner;
+    let (name, owner) = (req.key.as_str().as_bytes(), req.owner.to_string());
+    // Take the row, or create it; once more if another client created it meanwhile.
+    for statement in [
+        &inner.sql.advisory_take,
+        &inner.sql.advisory_insert,
+        &inner.sql.advisory_take,
+    ] {
+        let fence: Option<i64> = query(statement)
+            .bind(&owner)
+            .bind(name)
+            .fetch_optional(&inner.pool)
+            .await?
+            .map(|row| row.try_get("fence"))
+            .transpose()?;
+        if let Some(fence) = fence {
+            return Ok(Some(u64::try_from(fence).unwrap_or(0)));
+        }
+    }
+    Ok(None)
+}
+
+/// Checks the hold's connection every `liveness` and fires the loss signal the moment it is
+/// gone. Each check also sets the session's `idle_session_timeout` to what is left of the
+/// lease, so the checks never keep alive a lease its holder stopped renewing.
+async fn watch(
+    backend: AdvisoryLocks,
+    held: std::sync::Weak<Held>,
+    loss: lockkit_core::LossSignal,
+) {
+    let every = backend.inner.config.liveness;
+    loop {
+        tokio::time::sleep(every).await;
+        let Some(held) = held.upgrade() else { return };
+        if held.lease_until() <= Instant::now() {
+            // Not renewed in time: the hold is over. Close its connection now (the server
+            // ends it at its idle timeout anyway), and say so.
+            end_stale(&backend, &held).await;
+            loss.fire(LostReason::LeaseExpired);
+            return;
+        }
+        let mut conn = held.conn.lock().await;
+        let Some(c) = conn.as_mut() else { return };
+        // Read under the connection's lock: a re-entry or renewal that lengthened the lease
+        // meanwhile has told the server, and this must not set a shorter timeout after it.
+        let until = held.lease_until();
+        let left = until.saturating_duration_since(Instant::now());
+        let check = sqlx::raw_sql(AssertSqlSafe(lease_statement(left))).execute(&mut **c);
+        // A check still unanswered when the lease runs out (a paused server, a cut link)
+        // leaves nothing to keep: the hold is over either way.
+        match tokio::time::timeout_at(until, check).await {
+            Ok(Ok(_)) => {}
+            Ok(Err(e)) if connection_gone(&e) => {
+                drop(conn);
+                end_stale(&backend, &held).await;
+                loss.fire(LostReason::SessionLost);
+                return;
+            }
+            Ok(Err(error)) => tracing::debug!(%error, "liveness check failed; retrying"),
+            Err(_) => {
+                drop(conn);
+                end_stale(&backend, &held).await;
+                loss.fire(LostReason::LeaseExpired);
+                return;
+            }
+        }
+    }
+}
+
+/// Best effort: shows the depth to `inspect`.
+async fn record_depth(backend: &AdvisoryLocks, held: &Held, depth: u32) {
+    let inner = &backend.inner;
+    let _ = query(&inner.sql.advisory_depth)
+        .bind(i32::try_from(depth).unwrap_or(i32::MAX))
+        .bind(held.key.as_str().as_bytes())
+        .bind(held.owner.to_string())
+        .execute(&inner.pool)
+        .await;
+}
+
+/// Sets the lease to `ttl` from now (never shorter than it is): the idle timeout on the
+/// server first, then the local lease. A dead connection means the lock is gone: `NotHeld`.
+async fn renew(backend: &AdvisoryLocks, grant: &Grant, ttl: Duration) -> Result<()> {
+    let held = held_of(backend, grant)?;
+    let mut conn = held.conn.lock().await;
+    let Some(c) = conn
+        .as_mut()
+        .filter(|_| !held.broken.load(Ordering::SeqCst))
+    else {
+        return Err(Error::NotHeld {
+            key: grant.key.clone(),
+        });
+    };
+    let start = Instant::now();
+    let until = held.lease_until().max(start + ttl);
+    let statement = lease_statement(until.saturating_duration_since(start));
+    match sqlx::raw_sql(AssertSqlSafe(statement))
+        .execute(&mut **c)
+        .await
+    {
+        Ok(_) => {
+            held.count.extend_lease(until);
+            Ok(())
+        }
+        Err(e) if connection_gone(&e) => {
+            held.broken.store(true, Ordering::SeqCst);
+            if let Some(mut dead) = conn.take() {
+                dead.close_on_drop();
+            }
+            forget(backend, &held);
+            Err(Error::NotHeld {
+                key: grant.key.clone(),
+            })
+        }
+        Err(e) => Err(db_error("renewing the lease", e)),
+    }
+}
+
+async fn release(backend: &AdvisoryLocks, grant: &Grant) -> Result<Released> {
+    let held = held_of(backend, grant)?;
+    if held.broken.load(Ordering::SeqCst) {
+        forget(backend, &held);
+        return Err(Error::NotHeld {
+            key: grant.key.clone(),
+        });
+    }
+    match held.count.release(grant.attempt) {
+        // A retried release: it took effect already.
+        CountRelease::Retried { remaining } => return Ok(Released::Partially { remaining }),
+        CountRelease::Partial { remaining } => {
+            record_depth(backend, &held, remaining).await;
+            return Ok(Released::Partially { remaining });
+        }
+        CountRelease::Empty => {
+            return Err(Error::NotHeld {
+                key: grant.key.clone(),
+            });
+        }
+        CountRelease::Last => {}
+    }
+    forget(backend, &held);
+    let mut conn = held.conn.lock().await;
+    let Some(mut c) = conn.take() else {
+        return Err(Error::NotHeld {
+            key: grant.key.clone(),
+        });
+    };
+    drop(conn);
+    // Let go first: the record below only says who held it, and the next advisory holder
+    // overwrites it anyway. The connection goes back to the pool without a lease.
+    let unlocked = sqlx::raw_sql("SELECT pg_advisory_unlock_all(); SET idle_session_timeout = 0")
+        .execute(&mut *c)
+        .await;
+    let outcome = match unlocked {
+        Ok(_) => Ok(Released::Fully),
+        Err(e) => {
+            c.close_on_drop();
+            if connection_gone(&e) {
+                // The server let the lock go when the connection died.
+                return Err(Error::NotHeld {
+                    key: grant.key.clone(),
+                });
+            }
+            Err(db_error("letting go of the advisory lock", e))
+        }
+    };
+    drop(c);
+    clear_record(backend, &held).await;
+    outcome
+}
+
+/// Clears the holder record (if it is still this hold's) and announces the release to
+/// row-mode waiters. Best effort: a stale record is ignored by everyone once the advisory
+/// lock is free.
+async fn clear_record(backend: &AdvisoryLocks, held: &Held) {
+    let inner = &backend.inner;
+    let cleared = async {
+        let mut tx = inner.pool.begin().await?;
+        let done = query(&inner.sql.advisory_clear)
+            .bind(held.key.as_str().as_bytes())
+            .bind(held.owner.to_string())
+            .execute(&mut *tx)
+            .await?;
+        if done.rows_affected() == 1 {
+            query(&inner.sql.notify_release)
+                .bind(release_channel(&inner.config.table))
+                .bind(release_payload(held.key.as_str()))
+                .execute(&mut *tx)
+                .await?;
+        }
+        tx.commit().await
+    };
+    if let Err(error) = cleared.await {
+        tracing::debug!(%error, key = %held.key, "could not clear an advisory holder's record");
+    }
+}
+
+async fn inspect(backend: &AdvisoryLocks, key: &LockKey) -> Result<Option<HolderInfo>> {
+    let inner = &backend.inner;
+    if !backend.is_locked(key).await? {
+        // A row-mode lease on the key (the modes share the table) holds it too.
+        return inner.inspect_lease(key).await;
+    }
+    let row = query(&inner.sql.advisory_holder)
+        .bind(key.as_str().as_bytes())
+        .fetch_optional(&inner.pool)
+        .await
+        .map_err(|e| db_error("reading the holder record", e))?;
+    Ok(Some(match row {
+        Some(row) => HolderInfo::new(
+            row_text(&row, "owner").unwrap_or_else(|| "an unknown holder".into()),
+            row.try_get::<i32, _>("holds")
+                .ok()
+                .and_then(|h| u32::try_from(h).ok())
+                .unwrap_or(1),
+            row.try_get::<i64, _>("fence")
+                .ok()
+                .and_then(|f| u64::try_from(f).ok())
+                .map(FencingToken::new),
+            // The lease is the holder's session's own: not readable from here.
+            None,
+        ),
+        // Held by a session that is not lockkit's (a plain `pg_advisory_lock`).
+        None => HolderInfo::new("an unknown holder", 1, None, None),
+    }))
+}
