@@ -220,6 +220,10 @@ fn shell_loops_end_exact_on_every_backend() {
             "LOCKKIT_TEST_POSTGRES_URL",
             "?mode=row&table=lockkit_cli_row",
         ),
+        (
+            "LOCKKIT_TEST_POSTGRES_URL",
+            "?mode=advisory&table=lockkit_cli_adv",
+        ),
     ] {
         if let Some(url) = lockkit_conformance::env::service_url(var) {
             counter_loops(&format!("{url}{options}"), &dir);

@@ -1,4 +1,4 @@
-//! PostgreSQL lock benchmark (row mode), next to a `SELECT 1` round trip and a plain
+//! PostgreSQL lock benchmark (row and advisory modes), next to a `SELECT 1` round trip and a plain
 //! `pg_advisory_lock` + unlock from the same run.
 //!
 //! ```text
@@ -71,8 +71,10 @@ async fn main() {
     let raw50 = percentile(&mut raw, 0.5);
     println!("pg_advisory_lock+unlock median {:>7.1} us", us(raw50));
     json.push(format!("\"advisory_p50_us\":{:.1}", us(raw50)));
-    {
-        let (mode, table) = ("row", "lockkit_bench_row");
+    for (mode, table) in [
+        ("row", "lockkit_bench_row"),
+        ("advisory", "lockkit_bench_adv"),
+    ] {
         let mode_url = format!("{url}?mode={mode}&table={table}");
         let locker = Locker::new(PostgresBackend::connect(&mode_url).await.expect("connect"));
         let _ = uncontended(&locker, 100).await.expect("warm-up");
@@ -85,9 +87,10 @@ async fn main() {
             percentile(&mut hand, 0.99),
         );
         println!(
-            "{mode:<10} acquire+release  {:>8.1} us ({:.1}x SELECT 1), p99 {:.1} us; handoff (16 waiters) median {:.1} us, p99 {:.1} us",
+            "{mode:<10} acquire+release  {:>8.1} us ({:.1}x SELECT 1, {:.1}x pg_advisory_lock+unlock), p99 {:.1} us; handoff (16 waiters) median {:.1} us, p99 {:.1} us",
             us(l50),
             us(l50) / us(select50),
+            us(l50) / us(raw50),
             us(l99),
             us(h50),
             us(h99)

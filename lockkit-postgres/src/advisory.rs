@@ -430,10 +430,22 @@ async fn lock(
     // from a connection opened for that (never one of the shared pools, which a partition
     // or busy holders can leave hanging). The terminator is stopped and awaited before the
     // connection is used again; a connection it fired at is closed, never reused.
-    let (pid,): (i32,) = sqlx::query_as("SELECT pg_backend_pid()")
+    // One round trip: the backend's pid, and the first wait's `lock_timeout`.
+    let pid = if wait.is_zero() {
+        sqlx::query_as::<_, (i32,)>("SELECT pg_backend_pid()")
+            .fetch_one(&mut *conn)
+            .await
+            .map(|(pid,)| pid)
+    } else {
+        sqlx::query_as::<_, (i32, String)>(
+            "SELECT pg_backend_pid(), set_config('lock_timeout', $1, false)",
+        )
+        .bind(lock_timeout(deadline).to_string())
         .fetch_one(&mut *conn)
         .await
-        .map_err(|e| db_error("opening a dedicated connection", e))?;
+        .map(|(pid, _)| pid)
+    }
+    .map_err(|e| db_error("opening a dedicated connection", e))?;
     let (stop_terminator, stopped) = tokio::sync::oneshot::channel::<()>();
     let (fire, fired) = tokio::sync::watch::channel(false);
     let terminator = {
@@ -528,11 +540,15 @@ async fn lock_and_record(
     mut fired: tokio::sync::watch::Receiver<bool>,
 ) -> std::result::Result<Option<(u64, Instant)>, LockFailure> {
     let mut row_lease_poll = Backoff::new(ROW_LEASE_POLL, ROW_LEASE_POLL);
+    // The caller set the first try's `lock_timeout`.
+    let mut first = true;
     loop {
         if *fired.borrow() {
             return Ok(None);
         }
-        let locked = try_lock_once(backend, req, conn, id, wait, deadline, &mut fired).await?;
+        let locked =
+            try_lock_once(backend, req, conn, id, wait, deadline, first, &mut fired).await?;
+        first = false;
         match locked {
             Locked::Held(token, at) => return Ok(Some((token, at))),
             Locked::NotGranted => return Ok(None),
@@ -551,7 +567,16 @@ async fn lock_and_record(
     }
 }
 
-/// One take of the advisory lock, then the record and the lease.
+/// The `lock_timeout` (milliseconds) that ends a wait at `deadline`: 0 ("none") beyond what
+/// it can count, where the terminator ends the wait.
+fn lock_timeout(deadline: Instant) -> u64 {
+    let left = deadline.saturating_duration_since(Instant::now());
+    if left >= MAX_LEASE { 0 } else { millis(left) }
+}
+
+/// One take of the advisory lock, then the record and the lease. `first`: the session's
+/// `lock_timeout` is already set for this wait.
+#[allow(clippy::too_many_arguments)]
 async fn try_lock_once(
     backend: &AdvisoryLocks,
     req: &AcquireRequest,
@@ -559,6 +584,7 @@ async fn try_lock_once(
     id: i64,
     wait: Duration,
     deadline: Instant,
+    first: bool,
     fired: &mut tokio::sync::watch::Receiver<bool>,
 ) -> std::result::Result<Locked, LockFailure> {
     let fail = |e| LockFailure::new("taking the advisory lock", e);
@@ -572,16 +598,16 @@ async fn try_lock_once(
             return Ok(Locked::NotGranted);
         }
     } else {
-        let left = deadline.saturating_duration_since(Instant::now());
-        if left.is_zero() {
+        if Instant::now() >= deadline {
             return Ok(Locked::NotGranted);
         }
-        // Beyond what `lock_timeout` can count, the terminator ends the wait.
-        let timeout = if left >= MAX_LEASE { 0 } else { millis(left) };
-        sqlx::raw_sql(AssertSqlSafe(format!("SET lock_timeout = {timeout}")))
-            .execute(&mut **conn)
-            .await
-            .map_err(fail)?;
+        if !first {
+            let timeout = lock_timeout(deadline);
+            sqlx::raw_sql(AssertSqlSafe(format!("SET lock_timeout = {timeout}")))
+                .execute(&mut **conn)
+                .await
+                .map_err(fail)?;
+        }
         let waited = sqlx::query("SELECT pg_advisory_lock($1)")
             .bind(id)
             .execute(&mut **conn)
@@ -807,23 +833,16 @@ async fn release(backend: &AdvisoryLocks, grant: &Grant) -> Result<Released> {
 /// lock is free.
 async fn clear_record(backend: &AdvisoryLocks, held: &Held) {
     let inner = &backend.inner;
-    let cleared = async {
-        let mut tx = inner.pool.begin().await?;
-        let done = query(&inner.sql.advisory_clear)
-            .bind(held.key.as_str().as_bytes())
-            .bind(held.owner.to_string())
-            .execute(&mut *tx)
-            .await?;
-        if done.rows_affected() == 1 {
-            query(&inner.sql.notify_release)
-                .bind(release_channel(&inner.config.table))
-                .bind(release_payload(held.key.as_str()))
-                .execute(&mut *tx)
-                .await?;
-        }
-        tx.commit().await
-    };
-    if let Err(error) = cleared.await {
+    // One statement: the announcement goes out only if the record was cleared, when the
+    // statement's own transaction commits.
+    let cleared = query(&inner.sql.advisory_clear)
+        .bind(held.key.as_str().as_bytes())
+        .bind(held.owner.to_string())
+        .bind(release_channel(&inner.config.table))
+        .bind(release_payload(held.key.as_str()))
+        .execute(&inner.pool)
+        .await;
+    if let Err(error) = cleared {
         tracing::debug!(%error, key = %held.key, "could not clear an advisory holder's record");
     }
 }

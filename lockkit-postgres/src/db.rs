@@ -365,8 +365,9 @@ impl Sql {
                  WHERE name = $2 AND owner = $3 AND expires_at = 'infinity'"
             )),
             advisory_clear: s(format!(
-                "UPDATE \"{t}\" SET owner = NULL, holds = 0, expires_at = NULL, attempts = NULL \
-                 WHERE name = $1 AND owner = $2 AND expires_at = 'infinity'"
+                "WITH cleared AS (UPDATE \"{t}\" SET owner = NULL, holds = 0, expires_at = NULL, \
+                 attempts = NULL WHERE name = $1 AND owner = $2 AND expires_at = 'infinity' \
+                 RETURNING 1) SELECT pg_notify($3, $4) FROM cleared"
             )),
             advisory_holder: s(format!(
                 "SELECT owner, holds, fence FROM \"{t}\" \

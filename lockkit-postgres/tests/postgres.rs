@@ -155,3 +155,174 @@ async fn a_retried_acquire_never_returns_an_expired_lease() {
     // Its lease now runs a second from the extension; a slow machine may see it out.
     let _ = backend.release(&retried).await;
 }
+
+// ---- mode=advisory
+
+const SHARED_TABLE: &str = "lockkit_test_modes";
+
+/// A client of `mode` on the table both modes share here.
+async fn client_of(mode: &str) -> Option<(Locker, PostgresBackend)> {
+    let url = env::service_url("LOCKKIT_TEST_POSTGRES_URL")?;
+    let backend = PostgresBackend::connect(&format!("{url}?mode={mode}&table={SHARED_TABLE}"))
+        .await
+        .unwrap();
+    Some((Locker::new(backend.clone()), backend))
+}
+
+/// The documented SQL expression computes the same lock id as lockkit.
+#[tokio::test]
+async fn the_advisory_id_is_computable_in_sql() {
+    let Some(url) = env::service_url("LOCKKIT_TEST_POSTGRES_URL") else {
+        return;
+    };
+    let admin = sqlx::PgPool::connect(&url).await.unwrap();
+    for key in ["a", "orders/42", "é-ü/日本", &"k".repeat(500)] {
+        let (in_sql,): (i64,) = sqlx::query_as(sqlx::AssertSqlSafe(format!(
+            "SELECT {}",
+            lockkit_postgres::advisory_id_sql()
+        )))
+        .bind(format!("lockkit:{SHARED_TABLE}:{key}"))
+        .fetch_one(&admin)
+        .await
+        .unwrap();
+        assert_eq!(
+            in_sql,
+            lockkit_postgres::advisory_id(SHARED_TABLE, key),
+            "{key}"
+        );
+    }
+}
+
+/// A session that is not lockkit's, holding the key's advisory lock with plain SQL, keeps
+/// lockkit out; a lockkit waiter queued behind it is granted the moment it unlocks.
+#[tokio::test]
+async fn a_plain_sql_holder_excludes_and_wakes_a_lockkit_waiter() {
+    let Some((locker, _)) = client_of("advisory").await else {
+        return;
+    };
+    let url = env::service_url("LOCKKIT_TEST_POSTGRES_URL").unwrap();
+    let k = key("plain-sql");
+    let id = lockkit_postgres::advisory_id(SHARED_TABLE, k.as_str());
+    let mut plain = <sqlx::PgConnection as sqlx::Connection>::connect(&url)
+        .await
+        .unwrap();
+    sqlx::query("SELECT pg_advisory_lock($1)")
+        .bind(id)
+        .execute(&mut plain)
+        .await
+        .unwrap();
+    assert!(
+        locker.try_acquire(&k).await.unwrap().is_none(),
+        "lockkit took a key a plain SQL session holds"
+    );
+    let info = locker.inspect(&k).await.unwrap().expect("held");
+    assert_eq!(info.owner, "an unknown holder");
+    let waiting = tokio::spawn({
+        let (locker, k) = (locker.clone(), k.clone());
+        async move { locker.acquire(&k).wait(Duration::from_secs(50)).await }
+    });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(
+        !waiting.is_finished(),
+        "granted while the plain session held the lock"
+    );
+    sqlx::query("SELECT pg_advisory_unlock($1)")
+        .bind(id)
+        .execute(&mut plain)
+        .await
+        .unwrap();
+    let granted = tokio::time::timeout(Duration::from_secs(20), waiting)
+        .await
+        .expect("the waiter was not granted when the plain session let go")
+        .unwrap()
+        .unwrap();
+    // And now the plain session is kept out.
+    let (got,): (bool,) = sqlx::query_as("SELECT pg_try_advisory_lock($1)")
+        .bind(id)
+        .fetch_one(&mut plain)
+        .await
+        .unwrap();
+    assert!(!got, "a plain session took the lock lockkit holds");
+    granted.release().await.unwrap();
+}
+
+/// Row mode and advisory mode on one table exclude each other, in both orders, and the
+/// fencing token grows across them.
+#[tokio::test]
+async fn the_two_modes_exclude_each_other_and_share_the_token() {
+    let (Some((row, _)), Some((advisory, _))) =
+        (client_of("row").await, client_of("advisory").await)
+    else {
+        return;
+    };
+    let k = key("modes");
+    let mut last = 0;
+    for (holder, rival, what) in [
+        (&row, &advisory, "a row lease keeps an advisory client out"),
+        (&advisory, &row, "an advisory hold keeps a row client out"),
+    ] {
+        let held = holder
+            .try_acquire(&k)
+            .ttl(Duration::from_secs(60))
+            .await
+            .unwrap()
+            .expect("a free key");
+        assert!(
+            held.token().get() > last,
+            "token {} after {last}",
+            held.token()
+        );
+        last = held.token().get();
+        assert!(rival.try_acquire(&k).await.unwrap().is_none(), "{what}");
+        // A waiter of the other mode gets it soon after the release, long before the
+        // holder's lease would have ended.
+        let waiting = tokio::spawn({
+            let (rival, k) = (rival.clone(), k.clone());
+            async move { rival.acquire(&k).wait(Duration::from_secs(50)).await }
+        });
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        assert!(!waiting.is_finished(), "{what} (waiting)");
+        held.release().await.unwrap();
+        let granted = tokio::time::timeout(Duration::from_secs(20), waiting)
+            .await
+            .expect("the other mode's waiter was not granted after the release")
+            .unwrap()
+            .unwrap();
+        assert!(
+            granted.token().get() > last,
+            "token {} after {last}",
+            granted.token()
+        );
+        last = granted.token().get();
+        granted.release().await.unwrap();
+    }
+}
+
+/// An advisory holder whose session ends (an operator's `take_away`, a server restart)
+/// is told at once, and the key is free.
+#[tokio::test]
+async fn an_ended_advisory_session_is_signalled_lost() {
+    let Some((locker, backend)) = client_of("advisory").await else {
+        return;
+    };
+    let k = key("session-ended");
+    let held = locker
+        .try_acquire(&k)
+        .ttl(Duration::from_secs(60))
+        .await
+        .unwrap()
+        .expect("a free key");
+    let lost = held.lost();
+    assert!(backend.take_away(&k).await.unwrap(), "no session to end");
+    tokio::time::timeout(Duration::from_secs(10), lost)
+        .await
+        .expect("the hold's loss was not signalled");
+    assert!(!held.is_valid());
+    let rival = locker
+        .try_acquire(&k)
+        .await
+        .unwrap()
+        .expect("the key is free again");
+    assert!(rival.token() > held.token());
+    rival.release().await.unwrap();
+}

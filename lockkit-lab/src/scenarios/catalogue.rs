@@ -126,6 +126,11 @@ pub const CATALOGUE: &[ScenarioDef] = &[
         "LOCKKIT_TEST_POSTGRES_URL",
         "?mode=row&table=lockkit_lab_row"
     ),
+    paused!(
+        "postgres-advisory",
+        "LOCKKIT_TEST_POSTGRES_URL",
+        "?mode=advisory&table=lockkit_lab_adv"
+    ),
     ScenarioDef {
         scenario: "server-paused",
         backend: "redis",
@@ -209,6 +214,18 @@ pub const CATALOGUE: &[ScenarioDef] = &[
         plan: Plan::DatabaseRestarted,
         url: ("LOCKKIT_TEST_MYSQL_URL", "?mode=row&table=lockkit_lab_row"),
         touches: &["mariadb"],
+    },
+    ScenarioDef {
+        scenario: "server-restarted",
+        backend: "postgres-advisory",
+        what: "PostgreSQL restarted (fast shutdown, then start) mid-hold: the hold is a session's advisory lock",
+        expect: LOST_FIRST,
+        plan: Plan::DatabaseRestarted,
+        url: (
+            "LOCKKIT_TEST_POSTGRES_URL",
+            "?mode=advisory&table=lockkit_lab_adv",
+        ),
+        touches: &["postgres"],
     },
     ScenarioDef {
         scenario: "server-restarted",

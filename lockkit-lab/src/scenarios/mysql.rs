@@ -7,7 +7,8 @@ use crate::{LabError, report::LostSignal};
 use super::{catalogue::ScenarioDef, ctx::*, steps::*};
 
 /// The database of `def.touches` restarted mid-hold: a hold that is a committed lease row
-/// is kept; one that is an open transaction ends with its connection.
+/// is kept; one that is an open transaction or a session's advisory lock ends with its
+/// connection.
 pub(super) async fn database_restarted(
     ctx: &mut Ctx<'_>,
     url: &str,
@@ -43,7 +44,11 @@ pub(super) async fn database_restarted(
             &rival,
             ttl,
             Duration::from_secs(20),
-            "the restart ended the holder's transaction",
+            if instance == "postgres" {
+                "the restart ended the holder's session"
+            } else {
+                "the restart ended the holder's transaction"
+            },
         )
         .await?;
         ctx.write("rival", guard.token()).await?;
