@@ -45,12 +45,12 @@ pub use file::FileBackend;
 pub use guard::LockGuard;
 pub use into_key::IntoLockKey;
 pub use key::LockKey;
-pub(crate) use locker::deadline_after;
-pub use locker::{Acquire, Locker, Owner, TryAcquire, WAIT_FOREVER};
+pub use locker::{Acquire, Locker, Owner, TryAcquire};
 pub use lost::LossSignal;
 pub use memory::MemoryBackend;
 pub use options::{DEFAULT_TTL, LockOptions};
 pub use owner::OwnerId;
+pub use wait::WAIT_FOREVER;
 
 /// Re-exported so backends implement [`LockBackend`] with the same macro version.
 pub use async_trait::async_trait;

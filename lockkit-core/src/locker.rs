@@ -19,19 +19,8 @@ use crate::{
     LockOptions, OwnerId, Result,
     guard::{Hold, LockGuard as Guard},
     lost::LossSignal,
+    wait::{Backoff, WAIT_FOREVER, deadline_after},
 };
-
-/// The wait used for "until granted": long enough to never end in practice, short enough
-/// that `Instant + WAIT_FOREVER` cannot overflow. Backends must add it with `checked_add`
-/// or [`deadline_after`].
-pub const WAIT_FOREVER: Duration = Duration::from_secs(100 * 365 * 24 * 3600);
-
-/// `now + wait`, saturating at a far-away instant instead of overflowing.
-pub fn deadline_after(wait: Duration) -> tokio::time::Instant {
-    let now = tokio::time::Instant::now();
-    now.checked_add(wait.min(WAIT_FOREVER))
-        .unwrap_or_else(|| now + Duration::from_secs(365 * 24 * 3600))
-}
 
 type Holds = Arc<Mutex<HashMap<LockKey, OwnedHold>>>;
 
@@ -323,8 +312,7 @@ impl Acquire {
         // holds the key is retried up to this deadline (see below).
         let started = tokio::time::Instant::now();
         let deadline = deadline_after(wait.unwrap_or(WAIT_FOREVER));
-        let mut refusal_pause =
-            crate::wait::Backoff::new(Duration::from_millis(5), Duration::from_millis(500));
+        let mut refusal_pause = Backoff::new(Duration::from_millis(5), Duration::from_millis(500));
         // Whether this call began with no live hold of its owner on the key: a retry may
         // then meet another task's hold, but the call stays a fresh acquisition.
         let mut began_fresh = None;

@@ -8,7 +8,19 @@ use std::{future::Future, pin::Pin, time::Duration};
 use async_trait::async_trait;
 use tokio::{sync::Notify, time::Instant};
 
-use crate::{Error, Grant, LockKey, Result, deadline_after};
+use crate::{Error, Grant, LockKey, Result};
+
+/// The wait used for "until granted": long enough to never end in practice, short enough
+/// that `Instant + WAIT_FOREVER` cannot overflow. Backends must add it with `checked_add`
+/// or [`deadline_after`].
+pub const WAIT_FOREVER: Duration = Duration::from_secs(100 * 365 * 24 * 3600);
+
+/// `now + wait`, saturating at a far-away instant instead of overflowing.
+pub fn deadline_after(wait: Duration) -> tokio::time::Instant {
+    let now = tokio::time::Instant::now();
+    now.checked_add(wait.min(WAIT_FOREVER))
+        .unwrap_or_else(|| now + Duration::from_secs(365 * 24 * 3600))
+}
 
 /// The outcome of one acquisition attempt.
 #[derive(Debug)]

@@ -41,7 +41,7 @@ use sqlx::{
 use tokio::time::Instant;
 
 use crate::db::{BACKEND, Db, db_error, query, release_channel, row_text, sql_state};
-use crate::notify::release_payload;
+use crate::row::notify::release_payload;
 
 /// The holds of this client, by owner and key (reentrancy is local in this mode).
 type Holds = Arc<LocalHolds<Held>>;

@@ -27,13 +27,12 @@ mod advisory;
 mod backend;
 mod config;
 mod db;
-mod notify;
 mod row;
 
 pub use backend::PostgresBackend;
 pub use config::{Mode, PostgresConfig, SCHEMES};
 pub use db::{advisory_id, advisory_id_sql, ddl};
-pub use notify::LISTENER_APPLICATION_NAME;
+pub use row::notify::LISTENER_APPLICATION_NAME;
 
 /// Connects to the database a `postgres://` URL (any of [`SCHEMES`]) names.
 ///

@@ -1,4 +1,6 @@
-//! mode=row: the lease table.
+//! mode=row: the lease table, and its waiters' wake-ups (`notify`).
+
+pub(crate) mod notify;
 
 use std::{sync::Arc, time::Duration};
 
@@ -14,10 +16,8 @@ use lockkit_core::{
 use sqlx::Row;
 use tokio::time::Instant;
 
-use crate::{
-    db::{BACKEND, Db, db_error, fence_of, micros, query, release_channel, row_text},
-    notify::{Releases, release_payload},
-};
+use crate::db::{BACKEND, Db, db_error, fence_of, micros, query, release_channel, row_text};
+use notify::{Releases, release_payload};
 
 /// The lease table's locks over one database.
 #[derive(Clone)]
