@@ -25,7 +25,7 @@ for i in $(seq 1 "$N"); do
   git clone -q "$repo" "$dir"
   commit=$(git -C "$dir" rev-parse --short HEAD)
   start=$(date +%s)
-  (cd "$dir" && CI=true LOCKKIT_PORT_OFFSET=$offset CARGO_TARGET_DIR=/tmp/stab-target \
+  (cd "$dir" && CI=true CARGO_INCREMENTAL=0 LOCKKIT_PORT_OFFSET=$offset CARGO_TARGET_DIR=/tmp/stab-target \
     bash .ci/run > "/tmp/stab-run-$i.log" 2>&1)
   rc=$?
   (cd "$dir" && LOCKKIT_PORT_OFFSET=$offset CARGO_TARGET_DIR=/tmp/stab-target \
