@@ -81,6 +81,11 @@ impl<H: Send + Sync + 'static> LocalHolds<H> {
         }
     }
 
+    /// Every registered hold (to end them all when the backend closes).
+    pub fn all(&self) -> Vec<Arc<H>> {
+        lock(&self.map).values().cloned().collect()
+    }
+
     /// Some registered hold on `key`, whoever owns it.
     pub fn any_on(&self, key: &LockKey) -> Option<Arc<H>> {
         lock(&self.map)

@@ -103,8 +103,12 @@ impl AdvisoryLocks {
         })
     }
 
-    /// Closes the dedicated connections (holds still open end with them).
+    /// Ends every hold of this client (each guard hears `SessionLost`) and closes the
+    /// dedicated connections.
     pub(crate) async fn close(&self) {
+        for held in self.held.all() {
+            end_stale(self, &held).await;
+        }
         self.holds_pool.close().await;
     }
 
@@ -112,22 +116,14 @@ impl AdvisoryLocks {
     /// Whether there was one.
     pub(crate) async fn take_away(&self, key: &LockKey) -> Result<bool> {
         let inner = &self.inner;
-        let pids: Vec<(i32,)> =
-            sqlx::query_as(AssertSqlSafe(inner.sql.advisory_holder_pid.clone()))
-                .bind(inner.advisory_id(key))
-                .fetch_all(&inner.pool)
-                .await
-                .map_err(|e| db_error("finding the holder's session", e))?;
-        let mut ended = false;
-        for (pid,) in pids {
-            let (done,): (bool,) = sqlx::query_as("SELECT pg_terminate_backend($1)")
-                .bind(pid)
-                .fetch_one(&inner.pool)
-                .await
-                .map_err(|e| db_error("ending the holder's session", e))?;
-            ended |= done;
-        }
-        Ok(ended)
+        // One statement: the session is ended while it holds the lock, never a session
+        // that let go (or a new one that reused its pid) after a separate look.
+        let (ended,): (i64,) = sqlx::query_as(AssertSqlSafe(inner.sql.advisory_take_away.clone()))
+            .bind(inner.advisory_id(key))
+            .fetch_one(&inner.pool)
+            .await
+            .map_err(|e| db_error("ending the holder's session", e))?;
+        Ok(ended > 0)
     }
 
     /// Advisory locks of keys under `prefix` held now, by any session. Only keys this
@@ -185,7 +181,9 @@ impl LockBackend for AdvisoryLocks {
             pushes_loss: true,
             // Waiters queue in the server's lock manager.
             queued_wait: true,
-            min_ttl: Duration::from_millis(1),
+            // The session's idle timeout is the lease from the moment it waits: a shorter
+            // one could end the session between two of its own statements.
+            min_ttl: Duration::from_secs(1),
             max_ttl: Some(MAX_LEASE),
             ..Capabilities::default()
         };
@@ -248,6 +246,16 @@ impl Held {
     }
 }
 
+impl Drop for Held {
+    /// A connection still here when the last reference goes (an `end_stale` whose caller
+    /// went away half-way) may hold the lock: close it, never pool it.
+    fn drop(&mut self) {
+        if let Some(mut conn) = self.conn.get_mut().take() {
+            conn.close_on_drop();
+        }
+    }
+}
+
 impl std::fmt::Debug for Held {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Held")
@@ -264,9 +272,26 @@ fn millis(d: Duration) -> u64 {
         .clamp(1, i32::MAX as u64)
 }
 
+/// `millis`, rounded up: a session's lease on the server never ends before the local one.
+fn millis_up(d: Duration) -> u64 {
+    millis(d + Duration::from_nanos(999_999))
+}
+
 /// The statement that sets a hold's lease on its session.
 fn lease_statement(lease: Duration) -> String {
-    format!("SET idle_session_timeout = {}", millis(lease))
+    format!("SET idle_session_timeout = {}", millis_up(lease))
+}
+
+/// `future`, unless `fired` says the terminator ended (or is ending) the session first:
+/// then `None`, and the caller closes the connection.
+async fn unless_fired<T>(
+    future: impl std::future::Future<Output = T>,
+    fired: &mut tokio::sync::watch::Receiver<bool>,
+) -> Option<T> {
+    tokio::select! {
+        out = future => Some(out),
+        _ = fired.wait_for(|fired| *fired) => None,
+    }
 }
 
 /// Errors after which the connection, and so its advisory locks, are gone.
@@ -410,6 +435,8 @@ async fn lock(
     interrupt: Interrupt,
 ) -> Result<Option<Grant>> {
     let inner = &backend.inner;
+    // The wait counts from the request, not from when a dedicated connection was free.
+    let deadline = deadline_after(wait);
     let mut conn = backend.holds_pool.acquire().await.map_err(|e| match e {
         sqlx::Error::PoolTimedOut => Error::backend(
             BACKEND,
@@ -423,40 +450,50 @@ async fn lock(
         ),
         e => db_error("opening a dedicated connection", e),
     })?;
-    let deadline = deadline_after(wait);
     let id = inner.advisory_id(&req.key);
     // The server ends the wait at the deadline (`lock_timeout`); the caller's going away,
     // or a wait the server did not end, is ended by terminating this connection's backend
     // from a connection opened for that (never one of the shared pools, which a partition
     // or busy holders can leave hanging). The terminator is stopped and awaited before the
     // connection is used again; a connection it fired at is closed, never reused.
-    // One round trip: the backend's pid, and the first wait's `lock_timeout`.
-    let pid = if wait.is_zero() {
-        sqlx::query_as::<_, (i32,)>("SELECT pg_backend_pid()")
-            .fetch_one(&mut *conn)
-            .await
-            .map(|(pid,)| pid)
-    } else {
-        sqlx::query_as::<_, (i32, String)>(
-            "SELECT pg_backend_pid(), set_config('lock_timeout', $1, false)",
-        )
-        .bind(lock_timeout(deadline).to_string())
-        .fetch_one(&mut *conn)
-        .await
-        .map(|(pid, _)| pid)
-    }
-    .map_err(|e| db_error("opening a dedicated connection", e))?;
+    // One round trip: the backend (its pid and start, which name it for the terminator),
+    // the first wait's `lock_timeout`, and the lease, already: a waiter paused once it is
+    // granted (before its record and confirm) must not keep the key past its lease.
+    let session = sqlx::query_as::<_, (i32, String, String, String)>(
+        "SELECT pid, backend_start::text, set_config('lock_timeout', $1, false), \
+         set_config('idle_session_timeout', $2, false) \
+         FROM pg_stat_activity WHERE pid = pg_backend_pid()",
+    )
+    .bind(lock_timeout(deadline).to_string())
+    .bind(millis_up(req.ttl).to_string())
+    .fetch_one(&mut *conn);
+    let (pid, started) = match tokio::time::timeout(inner.config.connect_timeout, session).await {
+        Ok(Ok((pid, started, _, _))) => (pid, started),
+        Ok(Err(e)) => {
+            conn.close_on_drop();
+            return Err(db_error("preparing a dedicated connection", e));
+        }
+        Err(_) => {
+            conn.close_on_drop();
+            return Err(Error::backend(
+                BACKEND,
+                true,
+                "a dedicated connection did not answer in time; is the server reachable?",
+            ));
+        }
+    };
     let (stop_terminator, stopped) = tokio::sync::oneshot::channel::<()>();
     let (fire, fired) = tokio::sync::watch::channel(false);
     let terminator = {
         let (options, bound) = (inner.config.connect.clone(), inner.config.connect_timeout);
         tokio::spawn(async move {
-            let deadline_passes = async {
-                if wait.is_zero() {
-                    std::future::pending::<()>().await;
-                }
-                tokio::time::sleep_until(deadline + DEADLINE_GRACE).await;
+            // A zero wait is a single try: ended only if it hangs (a link gone silent).
+            let grace = if wait.is_zero() {
+                bound
+            } else {
+                DEADLINE_GRACE
             };
+            let deadline_passes = tokio::time::sleep_until(deadline + grace);
             tokio::select! {
                 () = deadline_passes => {}
                 () = interrupt.interrupted() => {}
@@ -465,10 +502,15 @@ async fn lock(
             fire.send_replace(true);
             let terminate = async {
                 let mut control = PgConnection::connect_with(&options).await?;
-                sqlx::query("SELECT pg_terminate_backend($1)")
-                    .bind(pid)
-                    .execute(&mut control)
-                    .await?;
+                // That backend only: not another that reused its pid.
+                sqlx::query(
+                    "SELECT pg_terminate_backend(pid) FROM pg_stat_activity \
+                     WHERE pid = $1 AND backend_start::text = $2",
+                )
+                .bind(pid)
+                .bind(&started)
+                .execute(&mut control)
+                .await?;
                 control.close().await
             };
             match tokio::time::timeout(bound, terminate).await {
@@ -492,17 +534,15 @@ async fn lock(
             return Ok(None);
         }
         Ok(Some(granted)) => granted,
-        Ok(None) => return Ok(None),
+        Ok(None) => {
+            reset_or_close(conn, inner.config.connect_timeout).await;
+            return Ok(None);
+        }
         Err(e) => {
-            // A connection that may still hold the lock goes back to the pool only once it
-            // has let go.
-            let let_go = !e.connection_gone
-                && sqlx::raw_sql("SELECT pg_advisory_unlock_all(); SET idle_session_timeout = 0")
-                    .execute(&mut *conn)
-                    .await
-                    .is_ok();
-            if !let_go {
+            if e.connection_gone {
                 conn.close_on_drop();
+            } else {
+                reset_or_close(conn, inner.config.connect_timeout).await;
             }
             return Err(e.error);
         }
@@ -524,6 +564,16 @@ async fn lock(
         req.loss.clone(),
     ));
     Ok(Some(grant_for(req, &held, 1, granted_at)))
+}
+
+/// Lets go of any advisory lock `conn` holds and clears its lease, then gives it back to
+/// the pool; closes it instead if that fails or takes longer than `bound`.
+async fn reset_or_close(mut conn: PoolConnection<Postgres>, bound: Duration) {
+    let reset = sqlx::raw_sql("SELECT pg_advisory_unlock_all(); SET idle_session_timeout = 0")
+        .execute(&mut *conn);
+    if !matches!(tokio::time::timeout(bound, reset).await, Ok(Ok(_))) {
+        conn.close_on_drop();
+    }
 }
 
 /// Takes `id`'s advisory lock on `conn` (waiting in the server's queue), records this
@@ -587,13 +637,17 @@ async fn try_lock_once(
     first: bool,
     fired: &mut tokio::sync::watch::Receiver<bool>,
 ) -> std::result::Result<Locked, LockFailure> {
+    // Every statement on `conn` gives way to the terminator: on a link that went silent
+    // it would never answer, and the terminated connection is closed anyway.
     let fail = |e| LockFailure::new("taking the advisory lock", e);
     if wait.is_zero() {
-        let (got,): (bool,) = sqlx::query_as("SELECT pg_try_advisory_lock($1)")
+        let tried = sqlx::query_as::<_, (bool,)>("SELECT pg_try_advisory_lock($1)")
             .bind(id)
-            .fetch_one(&mut **conn)
-            .await
-            .map_err(fail)?;
+            .fetch_one(&mut **conn);
+        let Some(tried) = unless_fired(tried, fired).await else {
+            return Ok(Locked::NotGranted);
+        };
+        let (got,) = tried.map_err(fail)?;
         if !got {
             return Ok(Locked::NotGranted);
         }
@@ -603,15 +657,19 @@ async fn try_lock_once(
         }
         if !first {
             let timeout = lock_timeout(deadline);
-            sqlx::raw_sql(AssertSqlSafe(format!("SET lock_timeout = {timeout}")))
-                .execute(&mut **conn)
-                .await
-                .map_err(fail)?;
+            let set = sqlx::raw_sql(AssertSqlSafe(format!("SET lock_timeout = {timeout}")))
+                .execute(&mut **conn);
+            let Some(set) = unless_fired(set, fired).await else {
+                return Ok(Locked::NotGranted);
+            };
+            set.map_err(fail)?;
         }
         let waited = sqlx::query("SELECT pg_advisory_lock($1)")
             .bind(id)
-            .execute(&mut **conn)
-            .await;
+            .execute(&mut **conn);
+        let Some(waited) = unless_fired(waited, fired).await else {
+            return Ok(Locked::NotGranted);
+        };
         match waited {
             Ok(_) => {}
             // `lock_not_available`: the server's lock_timeout ended the wait.
@@ -633,21 +691,24 @@ async fn try_lock_once(
     };
     let recorded = recorded.map_err(|e| LockFailure::new("recording the holder", e))?;
     let Some(token) = recorded else {
-        sqlx::query("SELECT pg_advisory_unlock($1)")
+        let unlock = sqlx::query("SELECT pg_advisory_unlock($1)")
             .bind(id)
-            .execute(&mut **conn)
-            .await
-            .map_err(|e| LockFailure::new("letting go of the advisory lock", e))?;
+            .execute(&mut **conn);
+        let Some(unlocked) = unless_fired(unlock, fired).await else {
+            return Ok(Locked::NotGranted);
+        };
+        unlocked.map_err(|e| LockFailure::new("letting go of the advisory lock", e))?;
         return Ok(Locked::RowLease);
     };
     // The token was committed on another connection: confirm this one (and so the lock)
     // was still there afterwards, or the next holder could already have a smaller token.
     // The same statement sets the lease; the server counts it from its reply.
     let confirming_at = Instant::now();
-    sqlx::raw_sql(AssertSqlSafe(lease_statement(req.ttl)))
-        .execute(&mut **conn)
-        .await
-        .map_err(|e| LockFailure::new("confirming the advisory lock", e))?;
+    let confirm = sqlx::raw_sql(AssertSqlSafe(lease_statement(req.ttl))).execute(&mut **conn);
+    let Some(confirmed) = unless_fired(confirm, fired).await else {
+        return Ok(Locked::NotGranted);
+    };
+    confirmed.map_err(|e| LockFailure::new("confirming the advisory lock", e))?;
     Ok(Locked::Held(token, confirming_at))
 }
 
@@ -699,7 +760,13 @@ async fn watch(
             return;
         }
         let mut conn = held.conn.lock().await;
-        let Some(c) = conn.as_mut() else { return };
+        let Some(c) = conn.as_mut() else {
+            // Released (nothing to say), or ended elsewhere (the backend closed).
+            if held.broken.load(Ordering::SeqCst) {
+                loss.fire(LostReason::SessionLost);
+            }
+            return;
+        };
         // Read under the connection's lock: a re-entry or renewal that lengthened the lease
         // meanwhile has told the server, and this must not set a shorter timeout after it.
         let until = held.lease_until();
@@ -733,8 +800,14 @@ async fn record_depth(backend: &AdvisoryLocks, held: &Held, depth: u32) {
         .bind(i32::try_from(depth).unwrap_or(i32::MAX))
         .bind(held.key.as_str().as_bytes())
         .bind(held.owner.to_string())
+        .bind(token_param(held.token))
         .execute(&inner.pool)
         .await;
+}
+
+/// A fencing token as the `bigint` of the `fence` column.
+fn token_param(token: FencingToken) -> i64 {
+    i64::try_from(token.get()).unwrap_or(i64::MAX)
 }
 
 /// Sets the lease to `ttl` from now (never shorter than it is): the idle timeout on the
@@ -807,9 +880,20 @@ async fn release(backend: &AdvisoryLocks, grant: &Grant) -> Result<Released> {
     drop(conn);
     // Let go first: the record below only says who held it, and the next advisory holder
     // overwrites it anyway. The connection goes back to the pool without a lease.
-    let unlocked = sqlx::raw_sql("SELECT pg_advisory_unlock_all(); SET idle_session_timeout = 0")
-        .execute(&mut *c)
-        .await;
+    let unlock = sqlx::raw_sql("SELECT pg_advisory_unlock_all(); SET idle_session_timeout = 0")
+        .execute(&mut *c);
+    let unlocked = match tokio::time::timeout(backend.inner.config.connect_timeout, unlock).await {
+        Ok(unlocked) => unlocked,
+        Err(_) => {
+            c.close_on_drop();
+            return Err(Error::backend(
+                BACKEND,
+                true,
+                "the server did not answer the release; the lock ends with the session, \
+                     at the latest when its lease runs out",
+            ));
+        }
+    };
     let outcome = match unlocked {
         Ok(_) => Ok(Released::Fully),
         Err(e) => {
@@ -824,8 +908,32 @@ async fn release(backend: &AdvisoryLocks, grant: &Grant) -> Result<Released> {
         }
     };
     drop(c);
+    #[cfg(feature = "testing")]
+    clear_pause().await;
     clear_record(backend, &held).await;
     outcome
+}
+
+/// Test hook: a pause between a release's unlock and the clearing of its record.
+#[cfg(feature = "testing")]
+static CLEAR_PAUSE_MS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// Sets the pause of an advisory release between its unlock and the clearing of its
+/// holder record (test hook).
+#[cfg(feature = "testing")]
+pub fn set_clear_pause(pause: Duration) {
+    CLEAR_PAUSE_MS.store(
+        u64::try_from(pause.as_millis()).unwrap_or(u64::MAX),
+        Ordering::SeqCst,
+    );
+}
+
+#[cfg(feature = "testing")]
+async fn clear_pause() {
+    let ms = CLEAR_PAUSE_MS.load(Ordering::SeqCst);
+    if ms > 0 {
+        tokio::time::sleep(Duration::from_millis(ms)).await;
+    }
 }
 
 /// Clears the holder record (if it is still this hold's) and announces the release to
@@ -835,11 +943,13 @@ async fn clear_record(backend: &AdvisoryLocks, held: &Held) {
     let inner = &backend.inner;
     // One statement: the announcement goes out only if the record was cleared, when the
     // statement's own transaction commits.
+    // Only this hold's record (its token): the owner may hold the key again already.
     let cleared = query(&inner.sql.advisory_clear)
         .bind(held.key.as_str().as_bytes())
         .bind(held.owner.to_string())
         .bind(release_channel(&inner.config.table))
         .bind(release_payload(held.key.as_str()))
+        .bind(token_param(held.token))
         .execute(&inner.pool)
         .await;
     if let Err(error) = cleared {

@@ -268,7 +268,7 @@ pub(crate) struct Sql {
     pub(crate) advisory_clear: Arc<str>,
     pub(crate) advisory_holder: Arc<str>,
     pub(crate) advisory_locked: Arc<str>,
-    pub(crate) advisory_holder_pid: Arc<str>,
+    pub(crate) advisory_take_away: Arc<str>,
     #[cfg_attr(not(feature = "testing"), allow(dead_code))]
     pub(crate) live_under_prefix: Arc<str>,
 }
@@ -276,13 +276,15 @@ pub(crate) struct Sql {
 impl Sql {
     pub(crate) fn new(t: &str) -> Self {
         let s = |text: String| Arc::<str>::from(text);
-        // A row whose `expires_at` is `infinity` records a `mode=advisory` hold: it has no
-        // lease of its own, and is live while its advisory lock is held (by anyone else:
-        // `pg_try_advisory_xact_lock` succeeds for a lock this transaction may take, and
-        // then keeps advisory holders out until it commits).
+        // A key whose advisory lock another session holds is held (by a `mode=advisory`
+        // client, or any other): `pg_try_advisory_xact_lock` succeeds only for a lock this
+        // transaction may take, and then keeps advisory holders out until it commits. Past
+        // that, a row whose `expires_at` is `infinity` records an advisory hold that is over,
+        // and any other row is live while its lease runs.
         let left_us = "CASE WHEN expires_at = 'infinity' THEN NULL ELSE \
              (EXTRACT(EPOCH FROM (expires_at - clock_timestamp())) * 1000000)::bigint END";
-        let live = "CASE WHEN expires_at = 'infinity' THEN NOT pg_try_advisory_xact_lock($2) \
+        let live = "CASE WHEN NOT pg_try_advisory_xact_lock($2) THEN TRUE \
+             WHEN expires_at = 'infinity' THEN FALSE \
              ELSE COALESCE(expires_at > clock_timestamp(), FALSE) END";
         // A lease of mode=row, running now.
         let leased = "(expires_at <> 'infinity' AND expires_at > clock_timestamp())";
@@ -362,23 +364,25 @@ impl Sql {
             )),
             advisory_depth: s(format!(
                 "UPDATE \"{t}\" SET holds = $1 \
-                 WHERE name = $2 AND owner = $3 AND expires_at = 'infinity'"
+                 WHERE name = $2 AND owner = $3 AND fence = $4 AND expires_at = 'infinity'"
             )),
             advisory_clear: s(format!(
                 "WITH cleared AS (UPDATE \"{t}\" SET owner = NULL, holds = 0, expires_at = NULL, \
-                 attempts = NULL WHERE name = $1 AND owner = $2 AND expires_at = 'infinity' \
-                 RETURNING 1) SELECT pg_notify($3, $4) FROM cleared"
+                 attempts = NULL WHERE name = $1 AND owner = $2 AND fence = $5 \
+                 AND expires_at = 'infinity' RETURNING 1) SELECT pg_notify($3, $4) FROM cleared"
             )),
             advisory_holder: s(format!(
                 "SELECT owner, holds, fence FROM \"{t}\" \
                  WHERE name = $1 AND expires_at = 'infinity'"
             )),
             advisory_locked: s(format!("SELECT {}", advisory_held(1))),
-            advisory_holder_pid: s(
-                "SELECT pid FROM pg_locks WHERE locktype = 'advisory' AND granted \
+            // The function runs only on the rows the inner WHERE keeps.
+            advisory_take_away: s(
+                "SELECT count(*) FILTER (WHERE ended) FROM (SELECT pg_terminate_backend(pid) AS ended \
+                 FROM pg_locks WHERE locktype = 'advisory' AND granted \
                  AND database = (SELECT oid FROM pg_database WHERE datname = current_database()) \
                  AND classid = (($1 >> 32) & 4294967295)::oid \
-                 AND objid = ($1 & 4294967295)::oid AND objsubid = 1"
+                 AND objid = ($1 & 4294967295)::oid AND objsubid = 1) AS holders"
                     .to_owned(),
             ),
         }

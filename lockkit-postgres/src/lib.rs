@@ -15,7 +15,17 @@
 //! session `idle_session_timeout` (PostgreSQL 14+), so a paused or cut-off holder loses the
 //! lock when its lease runs out; a server restart ends every advisory hold, and the holder
 //! is told (`SessionLost`). The fencing token is the key's row in the lease table, shared
-//! with `mode=row`: the two modes exclude each other on the same table.
+//! with `mode=row`: the two modes exclude each other on the same table, and row mode also
+//! stays out of a key whose advisory lock any other session holds.
+//!
+//! Advisory mode's limits: it needs a session per hold, so a transaction-pooling
+//! PgBouncer (or any pooler that hands one server session to several clients) breaks it;
+//! session pooling with `DISCARD ALL` on release works. A server or proxy set to drop
+//! silent connections sooner than the lease (`tcp_keepalives_*`, `tcp_user_timeout`, an
+//! idle timeout) can end a holder's session, and so its lock, before the holder's next
+//! liveness check notices: keep such timeouts above the lease, and fence your writes. A
+//! client that is not lockkit and holds only a row-mode lease has nothing in the server's
+//! lock manager: plain `pg_advisory_lock` users do not see it.
 #![cfg_attr(docsrs, feature(doc_cfg))]
 #![warn(missing_docs)]
 #![cfg_attr(
@@ -43,6 +53,9 @@ pub async fn connect(
 ) -> lockkit_core::Result<std::sync::Arc<dyn lockkit_core::LockBackend>> {
     Ok(std::sync::Arc::new(PostgresBackend::connect(url).await?))
 }
+#[cfg(feature = "testing")]
+#[cfg_attr(docsrs, doc(cfg(feature = "testing")))]
+pub use advisory::set_clear_pause;
 #[cfg(feature = "testing")]
 #[cfg_attr(docsrs, doc(cfg(feature = "testing")))]
 pub use row::set_retry_pause;

@@ -326,3 +326,51 @@ async fn an_ended_advisory_session_is_signalled_lost() {
     assert!(rival.token() > held.token());
     rival.release().await.unwrap();
 }
+
+/// An advisory release whose record is cleared late, after its owner already holds the
+/// key again, must not clear the new hold's record: a row-mode client would then take the
+/// key beside it (review of the advisory mode, H1). And row mode respects the advisory
+/// lock whatever the row says.
+#[tokio::test]
+async fn a_late_record_clear_never_lets_row_mode_in_beside_an_advisory_hold() {
+    let (Some((advisory, _)), Some((row, _))) =
+        (client_of("advisory").await, client_of("row").await)
+    else {
+        return;
+    };
+    let k = key("late-clear");
+    let owner = advisory.owner();
+    let first = owner
+        .acquire(&k)
+        .ttl(Duration::from_secs(60))
+        .await
+        .unwrap();
+    lockkit_postgres::set_clear_pause(Duration::from_millis(1500));
+    let releasing = tokio::spawn(first.release());
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let second = owner
+        .acquire(&k)
+        .ttl(Duration::from_secs(60))
+        .wait(Duration::from_secs(20))
+        .await
+        .unwrap();
+    releasing.await.unwrap().unwrap();
+    lockkit_postgres::set_clear_pause(Duration::ZERO);
+    assert!(second.is_valid());
+    let rival = row
+        .try_acquire(&k)
+        .ttl(Duration::from_secs(60))
+        .await
+        .unwrap();
+    assert!(
+        rival.is_none(),
+        "a row-mode client took the key beside a valid advisory hold"
+    );
+    second.release().await.unwrap();
+    let after = row
+        .acquire(&k)
+        .wait(Duration::from_secs(20))
+        .await
+        .expect("the key is free after the advisory release");
+    after.release().await.unwrap();
+}

@@ -269,10 +269,11 @@ async fn run_acquire(backend: &RowLocks, req: &AcquireRequest) -> Result<Attempt
         let left: Option<i64> = row.try_get("left_us").map_err(fail)?;
         tx.rollback().await.map_err(fail)?;
         return Ok(Attempt::busy(match left {
-            Some(left) => Duration::from_micros(u64::try_from(left).unwrap_or(0)),
-            // A mode=advisory hold: no lease to wait out. Its release is announced; one
-            // that ends with its session is not, so look again now and then.
-            None => ADVISORY_RECHECK,
+            Some(left) if left > 0 => Duration::from_micros(u64::try_from(left).unwrap_or(0)),
+            // An advisory lock holds the key (a mode=advisory hold, or another client's):
+            // no lease to wait out. A lockkit release is announced; a session that ends, or
+            // another client's unlock, is not, so look again now and then.
+            _ => ADVISORY_RECHECK,
         }));
     }
     let taken: i64 = query(&sql.row_take)
