@@ -374,3 +374,34 @@ async fn a_late_record_clear_never_lets_row_mode_in_beside_an_advisory_hold() {
         .expect("the key is free after the advisory release");
     after.release().await.unwrap();
 }
+
+/// Closing an advisory client while it holds a lock ends the hold (its guard hears it)
+/// instead of waiting forever for the hold's connection (review of the advisory mode, M3).
+#[tokio::test]
+async fn closing_an_advisory_client_ends_its_holds() {
+    let (Some((locker, backend)), Some((rival, _))) =
+        (client_of("advisory").await, client_of("advisory").await)
+    else {
+        return;
+    };
+    let k = key("close");
+    let held = locker
+        .try_acquire(&k)
+        .ttl(Duration::from_secs(60))
+        .await
+        .unwrap()
+        .expect("a free key");
+    let lost = held.lost();
+    tokio::time::timeout(Duration::from_secs(10), backend.close())
+        .await
+        .expect("close() waited for a live hold");
+    tokio::time::timeout(Duration::from_secs(10), lost)
+        .await
+        .expect("the hold's guard was not told");
+    let after = rival
+        .acquire(&k)
+        .wait(Duration::from_secs(20))
+        .await
+        .expect("the key is free once its holder's client closed");
+    after.release().await.unwrap();
+}
