@@ -679,6 +679,8 @@ async fn try_lock_once(
             Err(e) => return Err(fail(e)),
         }
     }
+    #[cfg(feature = "testing")]
+    grant_pause(&req.key).await;
     // Held. Record the holder and its new token on a pooled connection, committed at once
     // (outside the lock: a token is never reused). The deadline and the caller's going
     // away end this too: the record may wait behind a row-mode transaction.
@@ -912,6 +914,38 @@ async fn release(backend: &AdvisoryLocks, grant: &Grant) -> Result<Released> {
     clear_pause().await;
     clear_record(backend, &held).await;
     outcome
+}
+
+/// Test hook: a pause, for the next acquisition of one key, between the server's grant of
+/// the advisory lock and anything after it (the holder paused there, as by SIGSTOP).
+#[cfg(feature = "testing")]
+static GRANT_PAUSE: std::sync::Mutex<Option<(String, Duration)>> = std::sync::Mutex::new(None);
+
+/// Pauses the next acquisition of `key` between the server's grant and the holder's
+/// record (test hook); `Duration::ZERO` clears it.
+#[cfg(feature = "testing")]
+pub fn set_grant_pause(key: &str, pause: Duration) {
+    *GRANT_PAUSE.lock().unwrap_or_else(|e| e.into_inner()) =
+        (!pause.is_zero()).then(|| (key.to_owned(), pause));
+}
+
+#[cfg(feature = "testing")]
+async fn grant_pause(key: &LockKey) {
+    // Once: the next acquisition of the key is not paused.
+    let pause = {
+        let mut set = GRANT_PAUSE.lock().unwrap_or_else(|e| e.into_inner());
+        match set.as_ref() {
+            Some((k, pause)) if k == key.as_str() => {
+                let pause = *pause;
+                *set = None;
+                Some(pause)
+            }
+            _ => None,
+        }
+    };
+    if let Some(pause) = pause {
+        tokio::time::sleep(pause).await;
+    }
 }
 
 /// Test hook: a pause between a release's unlock and the clearing of its record.

@@ -55,7 +55,7 @@ pub async fn connect(
 }
 #[cfg(feature = "testing")]
 #[cfg_attr(docsrs, doc(cfg(feature = "testing")))]
-pub use advisory::set_clear_pause;
+pub use advisory::{set_clear_pause, set_grant_pause};
 #[cfg(feature = "testing")]
 #[cfg_attr(docsrs, doc(cfg(feature = "testing")))]
 pub use row::set_retry_pause;

@@ -405,3 +405,52 @@ async fn closing_an_advisory_client_ends_its_holds() {
         .expect("the key is free once its holder's client closed");
     after.release().await.unwrap();
 }
+
+/// A waiter that pauses right after the server granted it the lock (before its record
+/// and confirm: a SIGSTOP, a GC pause) keeps the key no longer than its lease: its idle
+/// session is ended by the server, and a rival gets the key (review of the advisory mode,
+/// H2).
+#[tokio::test]
+async fn a_waiter_paused_once_granted_keeps_the_key_only_for_its_lease() {
+    let (Some((holder, _)), Some((waiter, _)), Some((rival, _))) = (
+        client_of("advisory").await,
+        client_of("advisory").await,
+        client_of("advisory").await,
+    ) else {
+        return;
+    };
+    let k = key("paused-waiter");
+    let held = holder
+        .try_acquire(&k)
+        .ttl(Duration::from_secs(60))
+        .await
+        .unwrap()
+        .expect("a free key");
+    // The waiter asks for a 1 s lease, and will sit 30 s between its grant and its record.
+    lockkit_postgres::set_grant_pause(k.as_str(), Duration::from_secs(30));
+    let waiting = tokio::spawn({
+        let k = k.clone();
+        async move {
+            waiter
+                .acquire(&k)
+                .ttl(Duration::from_secs(1))
+                .wait(Duration::from_secs(60))
+                .await
+        }
+    });
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    held.release().await.unwrap();
+    // The rival is granted once the paused waiter's lease has ended its session: long
+    // before the 30 s pause is over.
+    let started = std::time::Instant::now();
+    let granted = rival
+        .acquire(&k)
+        .ttl(Duration::from_secs(60))
+        .wait(Duration::from_secs(20))
+        .await;
+    lockkit_postgres::set_grant_pause(k.as_str(), Duration::ZERO);
+    let granted = granted.expect("a waiter paused after its grant kept the key past its lease");
+    assert!(started.elapsed() < Duration::from_secs(20));
+    granted.release().await.unwrap();
+    waiting.abort();
+}
