@@ -11,10 +11,10 @@
 //!   its lease runs out. A liveness check sets it to what is left of the lease every
 //!   `liveness`, and notices a connection that died.
 //! - **Fencing token.** The key's row in the lease table: its `fence` is raised and
-//!   committed on a pooled connection once the lock is held, and the lock's connection is
-//!   then confirmed alive. The row's `expires_at = 'infinity'` marks an advisory hold, so
-//!   `mode=row` clients respect it; a live row-mode lease makes an advisory holder let go
-//!   and wait it out.
+//!   committed by the lock's own connection once the lock is held (so a session that lost
+//!   the lock writes nothing). The row's `expires_at = 'infinity'` marks an advisory hold,
+//!   and `mode=row` clients also stay out of a key whose advisory lock any session holds;
+//!   a live row-mode lease makes an advisory holder let go and wait it out.
 
 use std::{
     sync::{
@@ -405,7 +405,7 @@ async fn acquire(
 
 /// How one try on the dedicated connection ended.
 enum Locked {
-    /// The lock is held, with this fencing token, confirmed at this instant.
+    /// The lock is held, with this fencing token; its lease runs from this instant.
     Held(u64, Instant),
     /// Not granted by the deadline (or the wait was interrupted).
     NotGranted,
@@ -458,7 +458,7 @@ async fn lock(
     // connection is used again; a connection it fired at is closed, never reused.
     // One round trip: the backend (its pid and start, which name it for the terminator),
     // the first wait's `lock_timeout`, and the lease, already: a waiter paused once it is
-    // granted (before its record and confirm) must not keep the key past its lease.
+    // granted (before its record) must not keep the key past its lease.
     let session = sqlx::query_as::<_, (i32, String, String, String)>(
         "SELECT pid, backend_start::text, set_config('lock_timeout', $1, false), \
          set_config('idle_session_timeout', $2, false) \
@@ -681,17 +681,22 @@ async fn try_lock_once(
     }
     #[cfg(feature = "testing")]
     grant_pause(&req.key).await;
-    // Held. Record the holder and its new token on a pooled connection, committed at once
-    // (outside the lock: a token is never reused). The deadline and the caller's going
-    // away end this too: the record may wait behind a row-mode transaction.
-    let recorded = tokio::select! {
-        recorded = record_holder(backend, req) => recorded,
-        _ = fired.wait_for(|fired| *fired) => {
-            // The connection is about to be ended; the caller closes it.
-            return Ok(Locked::NotGranted);
-        }
+    // Held. Record the holder and its new token on this very connection, committed at once
+    // (a token is never reused): its answer also proves the session, and so the lock,
+    // was there when the token was taken, and the lease (the session's idle timeout, set
+    // before the wait) runs from it. A session that lost the lock meanwhile writes
+    // nothing. The record may wait behind a row-mode transaction, as long as the wait
+    // may last (`lock_timeout`), and gives way to the terminator.
+    let recording_at = Instant::now();
+    let Some(recorded) = unless_fired(record_holder(backend, req, conn), fired).await else {
+        return Ok(Locked::NotGranted);
     };
-    let recorded = recorded.map_err(|e| LockFailure::new("recording the holder", e))?;
+    let recorded = match recorded {
+        Ok(recorded) => recorded,
+        // The row stayed locked past the wait's end (the caller lets go of the lock).
+        Err(e) if sql_state(&e).as_deref() == Some("55P03") => return Ok(Locked::NotGranted),
+        Err(e) => return Err(LockFailure::new("recording the holder", e)),
+    };
     let Some(token) = recorded else {
         let unlock = sqlx::query("SELECT pg_advisory_unlock($1)")
             .bind(id)
@@ -702,23 +707,16 @@ async fn try_lock_once(
         unlocked.map_err(|e| LockFailure::new("letting go of the advisory lock", e))?;
         return Ok(Locked::RowLease);
     };
-    // The token was committed on another connection: confirm this one (and so the lock)
-    // was still there afterwards, or the next holder could already have a smaller token.
-    // The same statement sets the lease; the server counts it from its reply.
-    let confirming_at = Instant::now();
-    let confirm = sqlx::raw_sql(AssertSqlSafe(lease_statement(req.ttl))).execute(&mut **conn);
-    let Some(confirmed) = unless_fired(confirm, fired).await else {
-        return Ok(Locked::NotGranted);
-    };
-    confirmed.map_err(|e| LockFailure::new("confirming the advisory lock", e))?;
-    Ok(Locked::Held(token, confirming_at))
+    Ok(Locked::Held(token, recording_at))
 }
 
-/// Records `req`'s owner as the key's advisory holder with a new fencing token. `Ok(None)`:
-/// a live row-mode lease holds the key; nothing was changed.
+/// Records `req`'s owner as the key's advisory holder with a new fencing token, on the
+/// lock's own connection. `Ok(None)`: a live row-mode lease holds the key; nothing was
+/// changed.
 async fn record_holder(
     backend: &AdvisoryLocks,
     req: &AcquireRequest,
+    conn: &mut PoolConnection<Postgres>,
 ) -> std::result::Result<Option<u64>, sqlx::Error> {
     let inner = &backend.inner;
     let (name, owner) = (req.key.as_str().as_bytes(), req.owner.to_string());
@@ -731,7 +729,7 @@ async fn record_holder(
         let fence: Option<i64> = query(statement)
             .bind(&owner)
             .bind(name)
-            .fetch_optional(&inner.pool)
+            .fetch_optional(&mut **conn)
             .await?
             .map(|row| row.try_get("fence"))
             .transpose()?;
