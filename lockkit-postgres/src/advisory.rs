@@ -40,7 +40,7 @@ use sqlx::{
 };
 use tokio::time::Instant;
 
-use crate::db::{BACKEND, Db, db_error, query, release_channel, row_text, sql_state};
+use crate::db::{BACKEND, Db, db_error, query, release_channel, sql_state};
 use crate::row::notify::release_payload;
 
 /// The holds of this client, by owner and key (reentrancy is local in this mode).
@@ -126,8 +126,9 @@ impl AdvisoryLocks {
         Ok(ended > 0)
     }
 
-    /// Advisory locks of keys under `prefix` held now, by any session. Only keys this
-    /// client has held or waited for can be named (the ids are hashes). For leak checks.
+    /// Keys under `prefix` held now: advisory locks (by any session) of the keys with a row
+    /// in the table, which every lockkit holder writes (the ids are hashes, so only named
+    /// keys can be looked up), and live row leases. For leak checks.
     #[cfg(feature = "testing")]
     pub(crate) async fn held_under(&self, prefix: &str) -> Result<u64> {
         let rows = sqlx::query(AssertSqlSafe(format!(
@@ -990,31 +991,14 @@ async fn clear_record(backend: &AdvisoryLocks, held: &Held) {
 }
 
 async fn inspect(backend: &AdvisoryLocks, key: &LockKey) -> Result<Option<HolderInfo>> {
-    let inner = &backend.inner;
-    if !backend.is_locked(key).await? {
-        // A row-mode lease on the key (the modes share the table) holds it too.
-        return inner.inspect_lease(key).await;
+    // The lease table's answer covers both modes: a live row lease, or an advisory hold's
+    // record while its lock is held (its lease is its session's own: not readable here).
+    if let Some(holder) = backend.inner.inspect_lease(key).await? {
+        return Ok(Some(holder));
     }
-    let row = query(&inner.sql.advisory_holder)
-        .bind(key.as_str().as_bytes())
-        .fetch_optional(&inner.pool)
-        .await
-        .map_err(|e| db_error("reading the holder record", e))?;
-    Ok(Some(match row {
-        Some(row) => HolderInfo::new(
-            row_text(&row, "owner").unwrap_or_else(|| "an unknown holder".into()),
-            row.try_get::<i32, _>("holds")
-                .ok()
-                .and_then(|h| u32::try_from(h).ok())
-                .unwrap_or(1),
-            row.try_get::<i64, _>("fence")
-                .ok()
-                .and_then(|f| u64::try_from(f).ok())
-                .map(FencingToken::new),
-            // The lease is the holder's session's own: not readable from here.
-            None,
-        ),
-        // Held by a session that is not lockkit's (a plain `pg_advisory_lock`).
-        None => HolderInfo::new("an unknown holder", 1, None, None),
-    }))
+    // Held by a session with no record: not lockkit's (a plain `pg_advisory_lock`).
+    Ok(backend
+        .is_locked(key)
+        .await?
+        .then(|| HolderInfo::new("an unknown holder", 1, None, None)))
 }

@@ -266,7 +266,6 @@ pub(crate) struct Sql {
     pub(crate) advisory_insert: Arc<str>,
     pub(crate) advisory_depth: Arc<str>,
     pub(crate) advisory_clear: Arc<str>,
-    pub(crate) advisory_holder: Arc<str>,
     pub(crate) advisory_locked: Arc<str>,
     pub(crate) advisory_take_away: Arc<str>,
     #[cfg_attr(not(feature = "testing"), allow(dead_code))]
@@ -370,10 +369,6 @@ impl Sql {
                 "WITH cleared AS (UPDATE \"{t}\" SET owner = NULL, holds = 0, expires_at = NULL, \
                  attempts = NULL WHERE name = $1 AND owner = $2 AND fence = $5 \
                  AND expires_at = 'infinity' RETURNING 1) SELECT pg_notify($3, $4) FROM cleared"
-            )),
-            advisory_holder: s(format!(
-                "SELECT owner, holds, fence FROM \"{t}\" \
-                 WHERE name = $1 AND expires_at = 'infinity'"
             )),
             advisory_locked: s(format!("SELECT {}", advisory_held(1))),
             // The function runs only on the rows the inner WHERE keeps.
