@@ -15,7 +15,8 @@
 #
 # Instances: the table in scripts/instances.tsv (name, kind, port, URL variable, URL form),
 # all bound to 127.0.0.1, all state/logs/pids under <repo>/target/services/<name>/. The
-# ZooKeeper ensemble's quorum ports are 12881..3 and its election ports 12884..6.
+# ZooKeeper ensemble's quorum ports are 12881..3 and its election ports 12884..6; each
+# etcd member's peer port is its client port + 1000.
 #
 # Environment knobs:
 #   LOCKKIT_PORT_OFFSET       added to every port above (default 0), for a second checkout on the same machine
@@ -36,7 +37,7 @@ TIMEOUT="${LOCKKIT_SERVICES_TIMEOUT:-60}"
 # instances.tsv beside this script; lockkit-lab reads the same file.
 INSTANCE_TABLE="$SCRIPT_DIR/instances.tsv"
 [[ -r "$INSTANCE_TABLE" ]] || { echo "[services] cannot read $INSTANCE_TABLE" >&2; exit 2; }
-ALL_INSTANCES=() CLUSTER_NODES=() ZK_NODES=() URL_VARS=()
+ALL_INSTANCES=() CLUSTER_NODES=() ZK_NODES=() ETCD_NODES=() URL_VARS=()
 declare -A KIND_OF PORT_OF URL_VAR_OF URL_FORM_OF
 while read -r _name _kind _port _var _form _extra || [[ -n "${_name:-}" ]]; do
   [[ -z "$_name" || "$_name" == \#* ]] && continue
@@ -46,6 +47,7 @@ while read -r _name _kind _port _var _form _extra || [[ -n "${_name:-}" ]]; do
   KIND_OF[$_name]=$_kind PORT_OF[$_name]=$_port URL_VAR_OF[$_name]=$_var URL_FORM_OF[$_name]=$_form
   [[ "$_kind" == cluster ]] && CLUSTER_NODES+=("$_name")
   [[ "$_kind" == zk-ensemble ]] && ZK_NODES+=("$_name")
+  [[ "$_kind" == etcd-cluster ]] && ETCD_NODES+=("$_name")
   [[ " ${URL_VARS[*]} " == *" $_var "* ]] || URL_VARS+=("$_var")
 done < "$INSTANCE_TABLE"
 unset _name _kind _port _var _form _extra
@@ -100,6 +102,7 @@ zk_quorum_port() { echo $((12880 + $1 + OFFSET)); }
 # election ports sit next to the quorum ports, so that checkouts whose LOCKKIT_PORT_OFFSET
 # differ by 1000 (or any amount above 6) never share a port
 zk_election_port() { echo $((12883 + $1 + OFFSET)); }
+etcd_peer_port() { echo $(($(port_of "$1") + 1000)); }
 
 dir_of() { echo "$SERVICES_DIR/$1"; }
 pidfile_of() { echo "$SERVICES_DIR/$1/pid"; }
@@ -132,6 +135,7 @@ marker_of() {
     mariadb) echo "$(dir_of mariadb)/my.cnf" ;;
     zk-*) echo "$(dir_of "$1")/zoo.cfg" ;;
     postgres) echo "$(dir_of "$1")/data" ;;
+    etcd-*) echo "$(dir_of "$1")/data" ;;
   esac
 }
 
@@ -195,6 +199,13 @@ zk_mode() {
   local out
   out="$(zk_4lw "$1" srvr)" || return 1
   sed -n 's/^Mode: *//p' <<<"$out" | tr -d '\r'
+}
+
+etcd_ctl() { # port args...
+  local port=$1
+  shift
+  ETCDCTL_API=3 timeout 5 "$(find_bin etcdctl)" --endpoints="http://$HOST:$port" \
+    --dial-timeout=2s --command-timeout=3s "$@"
 }
 
 mysql_client() {
@@ -264,6 +275,8 @@ answering() {
     redis|cluster) redis_ping "$port" ;;
     mariadb) mysql_tcp_ok ;;
     postgres) pg_ok "$name" ;;
+    # A member is healthy once a quorum read through it succeeds (a cluster has a leader).
+    etcd-*) etcd_ctl "$port" endpoint health >/dev/null 2>&1 ;;
     zk-standalone)
       [[ "$(zk_4lw "$port" ruok)" == imok ]] || return 1
       mode="$(zk_mode "$port")" || return 1
@@ -283,6 +296,7 @@ log_file_of() {
     mariadb) echo "$d/mariadb.log" ;;
     zk-*) echo "$d/zookeeper.log" ;;
     postgres) echo "$d/postgres.log" ;;
+    etcd-*) echo "$d/etcd.log" ;;
   esac
 }
 
@@ -327,6 +341,11 @@ missing_packages() {
   pg_bin postgres >/dev/null && pg_bin initdb >/dev/null || missing+=(postgresql)
   find_bin psql >/dev/null || missing+=(postgresql-client)
   find_bin setpriv >/dev/null || missing+=(util-linux)
+  find_bin etcd >/dev/null || missing+=(etcd-server)
+  find_bin etcdctl >/dev/null || missing+=(etcd-client)
+  # the etcd-client crate compiles etcd's protobuf definitions at build time
+  find_bin protoc >/dev/null || missing+=(protobuf-compiler)
+  [[ -f /usr/include/google/protobuf/descriptor.proto ]] || missing+=(libprotobuf-dev)
   echo "${missing[*]}"
 }
 
@@ -336,7 +355,7 @@ system_server_pids() {
   for p in /proc/[0-9]*; do
     comm="$(cat "$p/comm" 2>/dev/null)" || continue
     case "$comm" in
-      redis-server|mariadbd|mysqld) echo "${p#/proc/}" ;;
+      redis-server|mariadbd|mysqld|etcd) echo "${p#/proc/}" ;;
       # A system cluster's postmaster only, never a backend of a server of ours.
       postgres)
         if tr '\0' ' ' <"$p/cmdline" 2>/dev/null | grep -q -e /etc/postgresql -e /var/lib/postgresql; then
@@ -575,12 +594,37 @@ start_postgres() {
     -c log_destination=stderr -c shared_buffers=32MB
 }
 
+# etcd: a single member, or one member of the 3-member cluster (all of ETCD_NODES). Data
+# (and its 64 MB preallocated WAL) under the instance's directory; a restart with data
+# rejoins as before.
+start_etcd() {
+  local name=$1 d port peer cluster token n
+  d="$(dir_of "$name")"
+  port="$(port_of "$name")"
+  peer="$(etcd_peer_port "$name")"
+  mkdir -p "$d"
+  if [[ "$(kind_of "$name")" == etcd-cluster ]]; then
+    cluster="" token=lockkit-etcd-cluster
+    for n in "${ETCD_NODES[@]}"; do
+      cluster+="${cluster:+,}$n=http://$HOST:$(etcd_peer_port "$n")"
+    done
+  else
+    cluster="$name=http://$HOST:$peer" token="lockkit-$name"
+  fi
+  launch "$name" "$d/etcd.log" "$(find_bin etcd)" --name "$name" --data-dir "$d/data" \
+    --listen-client-urls "http://$HOST:$port" --advertise-client-urls "http://$HOST:$port" \
+    --listen-peer-urls "http://$HOST:$peer" --initial-advertise-peer-urls "http://$HOST:$peer" \
+    --initial-cluster "$cluster" --initial-cluster-state new --initial-cluster-token "$token" \
+    --logger zap --log-level warn
+}
+
 start_instance() {
   case "$(kind_of "$1")" in
     redis|cluster) start_redis "$1" ;;
     mariadb) start_mariadb ;;
     zk-*) start_zk "$1" ;;
     postgres) start_postgres "$1" ;;
+    etcd-*) start_etcd "$1" ;;
   esac
 }
 

@@ -28,7 +28,8 @@ const TABLE: &str = "instances.tsv";
 pub struct Instance {
     /// The instance's name (`redis-single`, `zk-2`), as `services.sh` takes it.
     pub name: String,
-    /// What runs there (`redis`, `cluster`, `mariadb`, `zk-standalone`, `zk-ensemble`).
+    /// What runs there (`redis`, `cluster`, `mariadb`, `zk-standalone`, `zk-ensemble`,
+    /// `postgres`, `etcd-single`, `etcd-cluster`).
     pub kind: String,
     /// Its port before `LOCKKIT_PORT_OFFSET`.
     pub port: u16,
@@ -361,8 +362,8 @@ mod tests {
     #[test]
     fn the_instance_table_parses_and_refuses_bad_rows() {
         let table = parse_instances(include_str!("../../scripts/instances.tsv")).expect("parses");
-        assert_eq!(table.len(), 19);
-        assert_eq!(url_vars(&table).len(), 11);
+        assert_eq!(table.len(), 23);
+        assert_eq!(url_vars(&table).len(), 13);
         let redlock: Vec<_> = table
             .iter()
             .filter(|i| i.url_var == "LOCKKIT_TEST_REDLOCK_URL")

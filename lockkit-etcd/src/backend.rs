@@ -1,0 +1,888 @@
+//! `EtcdBackend`: leased contender keys ordered by create revision, predecessor watches,
+//! keep-alives and loss.
+
+use std::{
+    sync::{
+        Arc,
+        atomic::{AtomicBool, AtomicU64, Ordering},
+    },
+    time::Duration,
+};
+
+use async_trait::async_trait;
+use etcd_client::{
+    Client, Compare, CompareOp, ConnectOptions, EventType, GetOptions, PutOptions, SortOrder,
+    SortTarget, Txn, TxnOp, TxnOpResponse, TxnResponse, WatchFilterType, WatchOptions,
+};
+use lockkit_core::spi::{
+    AcquireRequest, CountRelease, Grant, HoldCount, Interrupt, LocalHolds, Released,
+    deadline_after, detached_acquire,
+};
+use lockkit_core::{
+    BackendInfo, Capabilities, Consistency, Error, FencingToken, HolderInfo, LockBackend, LockKey,
+    LossSignal, LostReason, OwnerId, Result,
+};
+use tokio::time::Instant;
+
+use crate::{
+    EtcdConfig,
+    lease::{Lease, retry_backoff},
+    path::lock_range,
+};
+
+const BACKEND: &str = "etcd";
+
+/// How often HTTP/2 pings check a connection with streams open (etcd's
+/// `--grpc-keepalive-min-time` refuses anything under 5 s).
+const HTTP2_PING_EVERY: Duration = Duration::from_secs(6);
+
+/// Pause before asking again after a request failed on the way while waiting.
+const RETRY_PAUSE: Duration = Duration::from_millis(50);
+
+/// Whether `e` says the request failed on the way (the member is down, unreachable, has no
+/// leader or timed out): it may or may not have been applied, and asking again may work.
+fn transient(e: &etcd_client::Error) -> bool {
+    match e {
+        etcd_client::Error::GRpcStatus(status) => matches!(
+            status.code(),
+            tonic::Code::Unavailable
+                | tonic::Code::DeadlineExceeded
+                | tonic::Code::Cancelled
+                | tonic::Code::Unknown
+                | tonic::Code::Aborted
+        ),
+        etcd_client::Error::TransportError(_) | etcd_client::Error::IoError(_) => true,
+        _ => false,
+    }
+}
+
+fn etcd_error(doing: &str, e: etcd_client::Error) -> Error {
+    Error::backend_with_source(BACKEND, transient(&e), format!("{doing} failed: {e}"), e)
+}
+
+/// Why a waiter stopped waiting for a request's answer.
+enum Unanswered {
+    /// The caller went away.
+    Interrupted,
+    /// The request was still unanswered at its bound (see `EtcdBackend::request_end`).
+    TooLate,
+}
+
+/// The answer to `request`, unless the caller goes away or `end` passes first.
+async fn answer_by<T>(
+    request: impl std::future::Future<Output = T>,
+    end: Instant,
+    interrupt: &Interrupt,
+) -> std::result::Result<T, Unanswered> {
+    tokio::select! {
+        answer = request => Ok(answer),
+        () = tokio::time::sleep_until(end) => Err(Unanswered::TooLate),
+        () = interrupt.interrupted() => Err(Unanswered::Interrupted),
+    }
+}
+
+/// The error for a request the cluster left unanswered until the acquisition had to end.
+fn unanswered(doing: &str, limit: Duration) -> Error {
+    Error::backend(
+        BACKEND,
+        true,
+        format!(
+            "{doing}: etcd did not answer within {limit:?} (are the members up and reachable, \
+             and do they have a leader?)"
+        ),
+    )
+}
+
+/// The range answer of a transaction's `index`th operation.
+fn range_of(answer: &TxnResponse, index: usize) -> Vec<etcd_client::KeyValue> {
+    match answer.op_responses().into_iter().nth(index) {
+        Some(TxnOpResponse::Get(mut got)) => got.take_kvs(),
+        _ => Vec::new(),
+    }
+}
+
+fn revision_of(answer: &TxnResponse) -> i64 {
+    answer
+        .header()
+        .map_or(0, etcd_client::ResponseHeader::revision)
+}
+
+/// The contender just before the one created at `revision`: the key of the range with the
+/// highest create revision below it (etcd's `concurrency.Mutex` asks the same).
+fn predecessor_query(revision: i64) -> GetOptions {
+    GetOptions::new()
+        .with_prefix()
+        .with_sort(SortTarget::Create, SortOrder::Descend)
+        .with_max_create_revision(revision - 1)
+        .with_limit(1)
+}
+
+/// One hold: a contender key that became the first of its range.
+pub(crate) struct Held {
+    /// The contender key, `<range><lease id in hex>`.
+    name: String,
+    /// Its create revision: the fencing token.
+    revision: i64,
+    key: LockKey,
+    owner: OwnerId,
+    /// Depth, the acquisitions behind it and the lease.
+    count: HoldCount,
+    loss: LossSignal,
+    lease: Arc<Lease>,
+    released: AtomicBool,
+}
+
+impl std::fmt::Debug for Held {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Held").field("name", &self.name).finish()
+    }
+}
+
+impl Drop for Held {
+    /// A hold nobody refers to any more gives its lease (and so its key) up.
+    fn drop(&mut self) {
+        self.lease.end();
+    }
+}
+
+pub(crate) struct Inner {
+    config: EtcdConfig,
+    client: Client,
+    held: LocalHolds<Held>,
+    /// Predecessor watches that fired, for herd checks.
+    wakeups: AtomicU64,
+}
+
+/// An etcd lock service: the Raft-backed CP backend.
+///
+/// A contender is the key `<prefix>/<key>/<lease id in hex>` put under an etcd lease of
+/// its own, as etcd's `concurrency.Mutex` (and so `etcdctl lock`) names them, so etcdctl,
+/// Go services and lockkit exclude each other on the same lock. The first key of the range
+/// by create revision holds the lock; each waiter watches only the key just before its
+/// own. The fencing token is the holder key's create revision.
+///
+/// A hold ends when its lease runs out unrenewed (its etcd lease is revoked), when the
+/// cluster stops confirming keep-alives for two thirds of the etcd lease's TTL (counted on
+/// the local monotonic clock, so the holder hears of it before the cluster can expire the
+/// lease and grant the lock to anyone else), or when its key is deleted under it.
+#[derive(Clone)]
+pub struct EtcdBackend {
+    inner: Arc<Inner>,
+}
+
+impl std::fmt::Debug for EtcdBackend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EtcdBackend")
+            .field("endpoints", &self.inner.config.endpoints)
+            .field("prefix", &self.inner.config.prefix)
+            .finish()
+    }
+}
+
+impl EtcdBackend {
+    /// Connects as an `etcd://h1:2379,h2,h3?prefix=/lockkit&session_ttl=10s` URL says.
+    ///
+    /// # Errors
+    /// [`Error::Config`] for a bad URL or a session TTL the cluster will not grant;
+    /// [`Error::Backend`] when no member answers or the cluster has no leader.
+    pub async fn connect(url: &str) -> Result<Self> {
+        Self::from_config(EtcdConfig::parse(url)?).await
+    }
+
+    /// Connects as `config` says, and checks that the cluster answers and grants leases of
+    /// the session TTL asked.
+    ///
+    /// # Errors
+    /// As [`EtcdBackend::connect`].
+    pub async fn from_config(config: EtcdConfig) -> Result<Self> {
+        let options = ConnectOptions::new()
+            .with_connect_timeout(config.connect_timeout)
+            // HTTP/2 pings find a dead connection; etcd answers pings more often than every
+            // 5 s, or pings on a connection without streams, by closing the connection.
+            .with_keep_alive(HTTP2_PING_EVERY, config.connect_timeout)
+            .with_keep_alive_while_idle(false)
+            .with_require_leader(true);
+        let members = config.endpoints.join(",");
+        let mut client = Client::connect(&config.endpoints, Some(options))
+            .await
+            .map_err(|e| etcd_error(&format!("connecting to `{members}`"), e))?;
+        // The client connects lazily: a lease grant proves a member answers and the
+        // cluster has a leader, and says which TTL the cluster grants.
+        let asked = config.session_ttl.as_secs();
+        let granted = tokio::time::timeout(
+            config.connect_timeout,
+            client.lease_grant(i64::try_from(asked).unwrap_or(i64::MAX), None),
+        )
+        .await
+        .map_err(|_| {
+            Error::backend(
+                BACKEND,
+                true,
+                format!(
+                    "no etcd member of `{members}` answered within {:?}; are they running, \
+                     and does the cluster have a leader?",
+                    config.connect_timeout
+                ),
+            )
+        })?
+        .map_err(|e| etcd_error(&format!("granting a lease on `{members}`"), e))?;
+        let probe = granted.id();
+        let mut revoker = client.clone();
+        tokio::spawn(async move { revoker.lease_revoke(probe).await });
+        if u64::try_from(granted.ttl()).ok() != Some(asked) {
+            return Err(Error::Config(format!(
+                "the cluster granted a {} s lease for the {asked} s session_ttl asked: it \
+                 grants no lease shorter than its minimum (about 1.5 election timeouts); \
+                 choose a longer session_ttl",
+                granted.ttl()
+            )));
+        }
+        Ok(EtcdBackend {
+            inner: Arc::new(Inner {
+                config,
+                client,
+                held: LocalHolds::new(),
+                wakeups: AtomicU64::new(0),
+            }),
+        })
+    }
+
+    /// The configuration in force.
+    pub fn config(&self) -> &EtcdConfig {
+        &self.inner.config
+    }
+
+    /// The etcd client (for operators and tests).
+    pub fn client(&self) -> Client {
+        self.inner.client.clone()
+    }
+
+    /// How many times a waiter of this client was woken by its predecessor's deletion.
+    /// With predecessor watches, one release wakes exactly one waiter (no herd).
+    pub fn watch_wakeups(&self) -> u64 {
+        self.inner.wakeups.load(Ordering::SeqCst)
+    }
+
+    /// The key range whose keys are `key`'s contenders (ends with `/`).
+    pub fn lock_range(&self, key: &LockKey) -> String {
+        lock_range(&self.inner.config.prefix, key)
+    }
+
+    /// How long one request may stay unanswered: `connect_timeout`, but at most a third of
+    /// the session TTL.
+    fn request_limit(&self) -> Duration {
+        let config = &self.inner.config;
+        config
+            .connect_timeout
+            .min(config.session_ttl / 3)
+            .max(Duration::from_millis(100))
+    }
+
+    /// How long a request sent now may stay unanswered by an acquisition whose wait ends
+    /// at `deadline`: until the deadline, and one request limit of silence past it (or past
+    /// now, for a request sent after it).
+    fn request_end(&self, deadline: Instant) -> Instant {
+        let from = deadline.max(Instant::now());
+        from.checked_add(self.request_limit()).unwrap_or(from)
+    }
+
+    fn forget(&self, held: &Held) {
+        self.inner.held.forget(held.owner, &held.key, held);
+    }
+
+    /// The live hold behind `grant`, checking it belongs to this client, owner and key.
+    fn held_of(&self, grant: &Grant) -> Result<Arc<Held>> {
+        self.inner.held.held_of(grant)
+    }
+
+    /// Ends a contender that will not hold the lock, waiting at most one request limit for
+    /// its lease (and key) to be revoked; the revocation goes on in the background after.
+    async fn give_up(lease: &Lease) {
+        if !lease.end_and_revoke().await {
+            tracing::warn!(
+                lease = lease.id,
+                "could not revoke a contender's lease yet; retrying in the background"
+            );
+        }
+    }
+
+    /// Queues for the lock and waits to be first; `None` when `wait` ran out or the caller
+    /// went away (the contender's lease is revoked then).
+    async fn contend(
+        &self,
+        req: &AcquireRequest,
+        wait: Duration,
+        interrupt: Interrupt,
+    ) -> Result<Option<Grant>> {
+        let deadline = deadline_after(wait);
+        let range = self.lock_range(&req.key);
+        let session_ttl = i64::try_from(self.inner.config.session_ttl.as_secs()).unwrap_or(1);
+        // A request that failed on the way (a connection that broke while idle, a member
+        // that went down) is asked again while the wait, or one request limit, allows.
+        let retry_until = self.request_end(deadline);
+        // A lease granted whose answer never arrives carries no key and expires by itself.
+        let (granted, sent) = loop {
+            let sent = Instant::now();
+            match answer_by(
+                self.client().lease_grant(session_ttl, None),
+                retry_until,
+                &interrupt,
+            )
+            .await
+            {
+                Ok(Ok(granted)) => break (granted, sent),
+                Ok(Err(e)) if transient(&e) && Instant::now() < retry_until => {
+                    tokio::select! {
+                        () = tokio::time::sleep(RETRY_PAUSE) => {}
+                        () = interrupt.interrupted() => return Ok(None),
+                    }
+                }
+                Ok(Err(e)) => return Err(etcd_error("granting the contender's lease", e)),
+                Err(Unanswered::Interrupted) => return Ok(None),
+                Err(Unanswered::TooLate) => {
+                    return Err(unanswered("granting a lease", self.request_limit()));
+                }
+            }
+        };
+        let ttl = Duration::from_secs(u64::try_from(granted.ttl()).unwrap_or(0));
+        let lease = Lease::keep(self.client(), granted.id(), ttl, sent, self.request_limit());
+        let name = format!("{range}{:x}", granted.id());
+        // After a failure on the way, ask again while the deadline allows; past it the
+        // failure is the answer. The contender is given up either way.
+        let retry_or_fail = |e: etcd_client::Error, doing: &'static str| {
+            let (interrupt, lease) = (interrupt.clone(), lease.clone());
+            async move {
+                if transient(&e) && Instant::now() < retry_until {
+                    let pause =
+                        RETRY_PAUSE.min(retry_until.saturating_duration_since(Instant::now()));
+                    tokio::select! {
+                        () = tokio::time::sleep(pause) => return Ok(()),
+                        () = interrupt.interrupted() => {}
+                    }
+                    Self::give_up(&lease).await;
+                    return Err(None);
+                }
+                Self::give_up(&lease).await;
+                Err(Some(etcd_error(doing, e)))
+            }
+        };
+        let unanswered_wait = |why: Unanswered, doing: &str| match why {
+            Unanswered::Interrupted => Ok(None),
+            Unanswered::TooLate => Err(unanswered(doing, self.request_limit())),
+        };
+
+        // Create the contender key, unless an earlier try whose answer was lost did; the
+        // same transaction reads the key just before it.
+        let create = Txn::new()
+            .when([Compare::create_revision(name.clone(), CompareOp::Equal, 0)])
+            .and_then([
+                TxnOp::put(
+                    name.clone(),
+                    req.owner.to_string(),
+                    Some(PutOptions::new().with_lease(granted.id())),
+                ),
+                TxnOp::get(
+                    range.clone(),
+                    Some(
+                        GetOptions::new()
+                            .with_prefix()
+                            .with_sort(SortTarget::Create, SortOrder::Descend)
+                            .with_limit(2),
+                    ),
+                ),
+            ])
+            .or_else([TxnOp::get(name.clone(), None)]);
+        let (revision, mut look) = loop {
+            let sent = Instant::now();
+            let answer = match answer_by(
+                self.client().txn(create.clone()),
+                self.request_end(deadline),
+                &interrupt,
+            )
+            .await
+            {
+                Ok(Ok(answer)) => answer,
+                Ok(Err(e)) => match retry_or_fail(e, "creating the contender key").await {
+                    Ok(()) => continue,
+                    Err(None) => return Ok(None),
+                    Err(Some(e)) => return Err(e),
+                },
+                Err(why) => {
+                    Self::give_up(&lease).await;
+                    return unanswered_wait(why, "creating the contender key");
+                }
+            };
+            let at = revision_of(&answer);
+            if answer.succeeded() {
+                // Ours is the newest key of the range; the next one down precedes it.
+                let predecessor = range_of(&answer, 1)
+                    .into_iter()
+                    .find(|kv| kv.create_revision() < at)
+                    .map(|kv| kv.key().to_vec());
+                break (at, Some((sent, at, predecessor)));
+            }
+            match range_of(&answer, 0).first() {
+                Some(kv) if kv.lease() == granted.id() => break (kv.create_revision(), None),
+                _ => {
+                    Self::give_up(&lease).await;
+                    return Err(Error::backend(
+                        BACKEND,
+                        true,
+                        format!("the contender key `{name}` belongs to another lease"),
+                    ));
+                }
+            }
+        };
+
+        // The lease starts when the grant is observed (the request that found no key
+        // before ours was sent), not when the wait began: a wait longer than the TTL must
+        // not yield an expired grant.
+        let (granted_at, seen_at) = loop {
+            let (sent, at, predecessor) = match look.take() {
+                Some(seen) => seen,
+                None => {
+                    let sent = Instant::now();
+                    let check = Txn::new()
+                        .when([Compare::create_revision(
+                            name.clone(),
+                            CompareOp::Equal,
+                            revision,
+                        )])
+                        .and_then([TxnOp::get(range.clone(), Some(predecessor_query(revision)))]);
+                    let answer = match answer_by(
+                        self.client().txn(check),
+                        self.request_end(deadline),
+                        &interrupt,
+                    )
+                    .await
+                    {
+                        Ok(Ok(answer)) => answer,
+                        Ok(Err(e)) => match retry_or_fail(e, "looking for the predecessor").await {
+                            Ok(()) => continue,
+                            Err(None) => return Ok(None),
+                            Err(Some(e)) => return Err(e),
+                        },
+                        Err(why) => {
+                            Self::give_up(&lease).await;
+                            return unanswered_wait(why, "looking for the predecessor");
+                        }
+                    };
+                    if !answer.succeeded() {
+                        Self::give_up(&lease).await;
+                        return Err(Error::backend(
+                            BACKEND,
+                            true,
+                            "the contender key vanished while waiting (its lease expired, or \
+                             it was deleted)",
+                        ));
+                    }
+                    let predecessor = range_of(&answer, 0).first().map(|kv| kv.key().to_vec());
+                    (sent, revision_of(&answer), predecessor)
+                }
+            };
+            let Some(predecessor) = predecessor else {
+                break (sent, at);
+            };
+            if wait.is_zero() || Instant::now() >= deadline {
+                Self::give_up(&lease).await;
+                return Ok(None);
+            }
+            // Deletions of the predecessor after the revision that listed it.
+            let watch = WatchOptions::new()
+                .with_start_revision(at + 1)
+                .with_filters([WatchFilterType::NoPut]);
+            let mut stream = match answer_by(
+                self.client().watch(predecessor, Some(watch)),
+                self.request_end(deadline),
+                &interrupt,
+            )
+            .await
+            {
+                Ok(Ok(stream)) => stream,
+                Ok(Err(e)) => match retry_or_fail(e, "watching the predecessor").await {
+                    Ok(()) => continue,
+                    Err(None) => return Ok(None),
+                    Err(Some(e)) => return Err(e),
+                },
+                Err(why) => {
+                    Self::give_up(&lease).await;
+                    return unanswered_wait(why, "watching the predecessor");
+                }
+            };
+            loop {
+                tokio::select! {
+                    message = stream.message() => match message {
+                        Ok(Some(answer)) => {
+                            if answer.events().iter().any(|e| e.event_type() == EventType::Delete) {
+                                self.inner.wakeups.fetch_add(1, Ordering::SeqCst);
+                                break;
+                            }
+                            if answer.canceled() {
+                                // Compacted past, or the member lost its leader: look again.
+                                break;
+                            }
+                        }
+                        // The stream broke: look again (a retry is paced by the failure).
+                        Ok(None) | Err(_) => {
+                            tokio::time::sleep(Duration::from_millis(20)).await;
+                            break;
+                        }
+                    },
+                    () = tokio::time::sleep_until(deadline) => {
+                        Self::give_up(&lease).await;
+                        return Ok(None);
+                    }
+                    () = interrupt.interrupted() => {
+                        Self::give_up(&lease).await;
+                        return Ok(None);
+                    }
+                    () = lease.over() => break,
+                }
+            }
+        };
+        if lease.lost().is_some() {
+            Self::give_up(&lease).await;
+            return Err(Error::backend(
+                BACKEND,
+                true,
+                "the contender's lease was lost while waiting (the cluster stopped confirming \
+                 keep-alives)",
+            ));
+        }
+        let held = Arc::new(Held {
+            name: name.clone(),
+            revision,
+            key: req.key.clone(),
+            owner: req.owner,
+            count: HoldCount::new(req, granted_at),
+            loss: req.loss.clone(),
+            lease: lease.clone(),
+            released: AtomicBool::new(false),
+        });
+        self.inner
+            .held
+            .insert(req.owner, req.key.clone(), held.clone());
+        lease.attach(held.loss.clone());
+        tokio::spawn(watch_own_key(self.client(), lease, name, seen_at + 1));
+        tokio::spawn(enforce_lease(self.clone(), Arc::downgrade(&held)));
+        let token = FencingToken::new(u64::try_from(revision).unwrap_or(0));
+        Ok(Some(Grant::new(req, token, 1, granted_at).with_state(held)))
+    }
+
+    async fn acquire_within(&self, req: &AcquireRequest, wait: Duration) -> Result<Option<Grant>> {
+        let existing = self.inner.held.get(req.owner, &req.key);
+        if let Some(held) = existing.filter(|h| !h.loss.is_fired()) {
+            // Its own task, like a fresh acquisition: if the caller goes away while the
+            // depth is being recorded for `inspect`, the hold it added is given back.
+            let (request, giver, this) = (req.clone(), self.clone(), self.clone());
+            let reentered = detached_acquire(
+                BACKEND,
+                move |_| async move {
+                    let start = Instant::now();
+                    let Some(depth) = held.count.reenter(&request, start, held.loss.is_fired())
+                    else {
+                        return Ok(None);
+                    };
+                    this.record_depth(&held, depth).await;
+                    let token = FencingToken::new(u64::try_from(held.revision).unwrap_or(0));
+                    let grant = Grant::new(&request, token, depth, start);
+                    Ok(Some(grant.with_state(held)))
+                },
+                std::convert::identity,
+                move |grant| async move {
+                    let _ = giver.release(&grant).await;
+                },
+            )
+            .await?;
+            if let Some(grant) = reentered {
+                return Ok(Some(grant));
+            }
+            // Another task of this owner just released the last hold (its key is being
+            // deleted): the hold is over. Ask afresh.
+        }
+        let (this, request, giver) = (self.clone(), req.clone(), self.clone());
+        detached_acquire(
+            BACKEND,
+            move |interrupt| async move { this.contend(&request, wait, interrupt).await },
+            std::convert::identity,
+            move |grant| async move {
+                let _ = giver.release(&grant).await;
+            },
+        )
+        .await
+    }
+
+    /// Key value: the owner, and after a space the hold count when above one (best
+    /// effort, for `inspect`; a silent cluster does not hold the caller up).
+    async fn record_depth(&self, held: &Held, depth: u32) {
+        let data = if depth > 1 {
+            format!("{} {depth}", held.owner)
+        } else {
+            held.owner.to_string()
+        };
+        let write = Txn::new()
+            .when([Compare::create_revision(
+                held.name.clone(),
+                CompareOp::Equal,
+                held.revision,
+            )])
+            .and_then([TxnOp::put(
+                held.name.clone(),
+                data,
+                Some(PutOptions::new().with_lease(held.lease.id)),
+            )]);
+        let _ = tokio::time::timeout(self.request_limit(), self.client().txn(write)).await;
+    }
+}
+
+/// Tells the hold on `lease` when its key `name` is deleted under it (a DELETE event from
+/// revision `from` on), until the lease is over.
+async fn watch_own_key(client: Client, lease: Arc<Lease>, name: String, mut from: i64) {
+    let mut backoff = retry_backoff();
+    while !lease.is_over() {
+        let watch = WatchOptions::new()
+            .with_start_revision(from)
+            .with_filters([WatchFilterType::NoPut]);
+        let mut watcher = client.clone();
+        let opened = tokio::select! {
+            opened = watcher.watch(name.clone(), Some(watch)) => opened,
+            () = lease.over() => return,
+        };
+        let mut stream = match opened {
+            Ok(stream) => stream,
+            Err(e) => {
+                tracing::debug!(name, error = %e, "watching a held key failed; retrying");
+                tokio::select! {
+                    () = tokio::time::sleep(backoff.next_delay()) => continue,
+                    () = lease.over() => return,
+                }
+            }
+        };
+        loop {
+            tokio::select! {
+                message = stream.message() => match message {
+                    Ok(Some(answer)) => {
+                        if answer.events().iter().any(|e| e.event_type() == EventType::Delete) {
+                            lease.lose(LostReason::NotOurs);
+                            return;
+                        }
+                        if answer.canceled() {
+                            // Compacted past: ask whether the key is still there.
+                            let mut getter = client.clone();
+                            match getter.get(name.clone(), None).await {
+                                Ok(got) if got.kvs().is_empty() => {
+                                    lease.lose(LostReason::NotOurs);
+                                    return;
+                                }
+                                Ok(got) => {
+                                    from = got.header().map_or(from, |h| h.revision() + 1);
+                                }
+                                Err(_) => {}
+                            }
+                            break;
+                        }
+                        if let Some(header) = answer.header() {
+                            from = from.max(header.revision() + 1);
+                        }
+                    }
+                    Ok(None) | Err(_) => break,
+                },
+                () = lease.over() => return,
+            }
+        }
+        tokio::select! {
+            () = tokio::time::sleep(backoff.next_delay()) => {}
+            () = lease.over() => return,
+        }
+    }
+}
+
+/// Revokes a hold's lease when its lock lease runs out unrenewed: a live holder that
+/// stops renewing loses the lock just as a dead one does.
+async fn enforce_lease(backend: EtcdBackend, held: std::sync::Weak<Held>) {
+    loop {
+        let Some(until) = held.upgrade().map(|h| h.count.lease_until()) else {
+            return;
+        };
+        tokio::time::sleep_until(until).await;
+        let Some(h) = held.upgrade() else { return };
+        if h.released.load(Ordering::SeqCst) {
+            return;
+        }
+        if Instant::now() >= h.count.lease_until() {
+            backend.forget(&h);
+            h.lease.lose(LostReason::LeaseExpired);
+            h.loss.fire(LostReason::LeaseExpired);
+            return;
+        }
+    }
+}
+
+#[async_trait]
+impl LockBackend for EtcdBackend {
+    fn info(&self) -> BackendInfo {
+        BackendInfo::new(
+            BACKEND,
+            Consistency::Cp,
+            Capabilities {
+                pushes_loss: true,
+                // A crashed holder keeps the lock until its etcd lease expires.
+                min_ttl: self.inner.config.session_ttl,
+                // Each waiter watches only its predecessor.
+                queued_wait: true,
+                ..Capabilities::default()
+            },
+        )
+    }
+
+    async fn try_acquire(&self, req: &AcquireRequest) -> Result<Option<Grant>> {
+        self.acquire_within(req, Duration::ZERO).await
+    }
+
+    async fn acquire(&self, req: &AcquireRequest, wait: Duration) -> Result<Grant> {
+        let started = Instant::now();
+        self.acquire_within(req, wait)
+            .await?
+            .ok_or_else(|| Error::Timeout {
+                key: req.key.clone(),
+                waited: started.elapsed(),
+            })
+    }
+
+    /// Without a confirmed keep-alive for 2/3 of the etcd lease's TTL the cluster may
+    /// expire it, and the key with it: no hold is believed past that, whatever its TTL.
+    fn validity_bound(&self, grant: &Grant) -> Option<Instant> {
+        let held = self.held_of(grant).ok()?;
+        Some(held.lease.alive_until())
+    }
+
+    async fn renew(&self, grant: &Grant, ttl: Duration) -> Result<()> {
+        let held = self.held_of(grant)?;
+        let sent = Instant::now();
+        let mut client = self.client();
+        let asked = tokio::time::timeout(
+            self.request_limit(),
+            client.get(held.name.clone(), Some(GetOptions::new().with_keys_only())),
+        )
+        .await
+        .map_err(|_| unanswered("checking the lock key", self.request_limit()))?;
+        match asked {
+            Ok(got)
+                if got
+                    .kvs()
+                    .first()
+                    .is_some_and(|kv| kv.create_revision() == held.revision)
+                    && !held.loss.is_fired() =>
+            {
+                // Never shorten the lease: another guard of this hold may rely on it.
+                held.count.extend_lease(sent + ttl);
+                Ok(())
+            }
+            Ok(_) => {
+                self.forget(&held);
+                Err(Error::NotHeld {
+                    key: grant.key.clone(),
+                })
+            }
+            Err(e) => Err(etcd_error("checking the lock key", e)),
+        }
+    }
+
+    async fn release(&self, grant: &Grant) -> Result<Released> {
+        let held = self.held_of(grant)?;
+        match held.count.release(grant.attempt) {
+            // A retried release: it took effect already.
+            CountRelease::Retried { remaining } => return Ok(Released::Partially { remaining }),
+            CountRelease::Partial { remaining } => {
+                self.record_depth(&held, remaining).await;
+                return Ok(Released::Partially { remaining });
+            }
+            CountRelease::Empty => {
+                return Err(Error::NotHeld {
+                    key: grant.key.clone(),
+                });
+            }
+            CountRelease::Last => {}
+        }
+        held.released.store(true, Ordering::SeqCst);
+        self.forget(&held);
+        held.lease.releasing();
+        let lost = held.loss.is_fired();
+        // Delete the key if it is still ours (saying whether the hold lasted), then revoke
+        // the lease in the background (it carries nothing after that).
+        let delete = Txn::new()
+            .when([Compare::create_revision(
+                held.name.clone(),
+                CompareOp::Equal,
+                held.revision,
+            )])
+            .and_then([TxnOp::delete(held.name.clone(), None)]);
+        let mut client = self.client();
+        let deleted = tokio::time::timeout(self.request_limit(), client.txn(delete)).await;
+        held.lease.end();
+        match deleted {
+            Ok(Ok(answer)) if answer.succeeded() && !lost => Ok(Released::Fully),
+            Ok(Ok(_)) => Err(Error::NotHeld {
+                key: grant.key.clone(),
+            }),
+            Ok(Err(e)) => Err(etcd_error(
+                "deleting the lock key (its lease is revoked in the background)",
+                e,
+            )),
+            Err(_) => Err(unanswered(
+                "deleting the lock key (its lease is revoked in the background)",
+                self.request_limit(),
+            )),
+        }
+    }
+
+    async fn ping(&self) -> Result<()> {
+        let mut client = self.client();
+        tokio::time::timeout(
+            self.request_limit(),
+            client.get(
+                self.inner.config.prefix.clone(),
+                Some(GetOptions::new().with_count_only()),
+            ),
+        )
+        .await
+        .map_err(|_| unanswered("reading the prefix", self.request_limit()))?
+        .map_err(|e| etcd_error("reading the prefix", e))?;
+        Ok(())
+    }
+
+    async fn inspect(&self, key: &LockKey) -> Result<Option<HolderInfo>> {
+        let range = self.lock_range(key);
+        let mut client = self.client();
+        let first = GetOptions::new()
+            .with_prefix()
+            .with_sort(SortTarget::Create, SortOrder::Ascend)
+            .with_limit(1);
+        let got =
+            tokio::time::timeout(self.request_limit(), client.get(range.clone(), Some(first)))
+                .await
+                .map_err(|_| unanswered("reading the contenders", self.request_limit()))?
+                .map_err(|e| etcd_error("reading the contenders", e))?;
+        let Some(head) = got.kvs().first() else {
+            return Ok(None);
+        };
+        let text = String::from_utf8_lossy(head.value()).into_owned();
+        let (owner, depth) = match text.split_once(' ') {
+            Some((owner, depth)) => (owner.to_owned(), depth.parse().unwrap_or(1)),
+            None if text.is_empty() => {
+                let name = String::from_utf8_lossy(head.key());
+                let name = name.strip_prefix(&range).unwrap_or(&name);
+                (format!("another client's key {name}"), 1)
+            }
+            None => (text, 1),
+        };
+        Ok(Some(HolderInfo::new(
+            owner,
+            depth,
+            Some(FencingToken::new(
+                u64::try_from(head.create_revision()).unwrap_or(0),
+            )),
+            None,
+        )))
+    }
+}

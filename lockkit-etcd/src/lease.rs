@@ -1,0 +1,287 @@
+//! One etcd lease per contender: kept alive while the contender lives, revoked when it
+//! ends, and its loss told on the local monotonic clock before the cluster can expire it.
+
+use std::{
+    collections::VecDeque,
+    pin::pin,
+    sync::{Arc, Mutex},
+    time::Duration,
+};
+
+use etcd_client::Client;
+use lockkit_core::{LossSignal, LostReason, spi::Backoff};
+use tokio::{sync::Notify, time::Instant};
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// How reconnects and revoke retries are spaced: 20 ms doubling to a second.
+pub(crate) fn retry_backoff() -> Backoff {
+    Backoff::new(Duration::from_millis(20), Duration::from_secs(1))
+}
+
+/// Whether `e` says the lease is gone on the server (expired or revoked).
+pub(crate) fn lease_not_found(e: &etcd_client::Error) -> bool {
+    match e {
+        etcd_client::Error::GRpcStatus(status) => status.code() == tonic::Code::NotFound,
+        etcd_client::Error::LeaseKeepAliveError(message) => message.contains("not found"),
+        _ => false,
+    }
+}
+
+#[derive(Default)]
+struct State {
+    /// Why the lease was lost, once it was.
+    lost: Option<LostReason>,
+    /// The loss signal of the hold this lease carries, once it was granted.
+    signal: Option<LossSignal>,
+    /// The contender ended (released, or gave up waiting): stop keeping the lease alive.
+    ended: bool,
+    /// Its hold is being released: the deletion of its key that follows is no loss.
+    releasing: bool,
+}
+
+/// An etcd lease carrying one contender key.
+pub(crate) struct Lease {
+    pub(crate) id: i64,
+    /// The TTL the cluster granted.
+    pub(crate) ttl: Duration,
+    client: Client,
+    /// When the last keep-alive the server confirmed (or the grant) was sent: the cluster
+    /// cannot expire the lease before this plus the TTL.
+    confirmed: Mutex<Instant>,
+    /// When the last keep-alive was sent, confirmed or not: the cluster may keep the lease
+    /// until this plus the TTL (and longer after a leader change).
+    last_sent: Mutex<Instant>,
+    state: Mutex<State>,
+    changed: Notify,
+    /// How long one request may stay unanswered.
+    request_limit: Duration,
+}
+
+impl Lease {
+    /// Starts keeping lease `id` (granted with `ttl` by a request sent at `sent`) alive.
+    pub(crate) fn keep(
+        client: Client,
+        id: i64,
+        ttl: Duration,
+        sent: Instant,
+        request_limit: Duration,
+    ) -> Arc<Lease> {
+        let lease = Arc::new(Lease {
+            id,
+            ttl,
+            client,
+            confirmed: Mutex::new(sent),
+            last_sent: Mutex::new(sent),
+            state: Mutex::new(State::default()),
+            changed: Notify::new(),
+            request_limit,
+        });
+        tokio::spawn(keep_alive(lease.clone()));
+        lease
+    }
+
+    /// Until when the lease is surely alive on the cluster, with a third of its TTL to
+    /// spare for clock-rate differences and the time the loss signal takes to act: two
+    /// thirds of the TTL after the last confirmed keep-alive was sent.
+    pub(crate) fn alive_until(&self) -> Instant {
+        *lock(&self.confirmed) + self.ttl * 2 / 3
+    }
+
+    fn confirm(&self, sent: Instant) {
+        let mut confirmed = lock(&self.confirmed);
+        if sent > *confirmed {
+            *confirmed = sent;
+        }
+    }
+
+    /// Why the lease was lost, if it was.
+    pub(crate) fn lost(&self) -> Option<LostReason> {
+        lock(&self.state).lost
+    }
+
+    /// Whether the lease is lost or its contender ended.
+    pub(crate) fn is_over(&self) -> bool {
+        let state = lock(&self.state);
+        state.lost.is_some() || state.ended
+    }
+
+    /// Completes once the lease is lost or its contender ended.
+    pub(crate) async fn over(&self) {
+        loop {
+            let mut changed = pin!(self.changed.notified());
+            changed.as_mut().enable();
+            if self.is_over() {
+                return;
+            }
+            changed.await;
+        }
+    }
+
+    /// Ties the lease to a hold's loss signal; fires it at once if the lease is lost
+    /// already.
+    pub(crate) fn attach(&self, signal: LossSignal) {
+        let mut state = lock(&self.state);
+        if let Some(reason) = state.lost {
+            signal.fire(reason);
+        }
+        state.signal = Some(signal);
+    }
+
+    /// Records the loss of the lease (once, unless the contender ended first) and tells
+    /// its hold; the keeper stops keeping it alive and revokes it.
+    pub(crate) fn lose(&self, reason: LostReason) {
+        {
+            let mut state = lock(&self.state);
+            if state.lost.is_some() || state.ended || state.releasing {
+                return;
+            }
+            state.lost = Some(reason);
+            if let Some(signal) = &state.signal {
+                signal.fire(reason);
+            }
+        }
+        self.changed.notify_waiters();
+    }
+
+    /// Says its hold is being released: what happens to the key from now on is no loss.
+    pub(crate) fn releasing(&self) {
+        lock(&self.state).releasing = true;
+    }
+
+    /// Ends the contender: the keeper stops keeping the lease alive and revokes it
+    /// (deleting every key attached), retrying in the background.
+    pub(crate) fn end(&self) {
+        lock(&self.state).ended = true;
+        self.changed.notify_waiters();
+    }
+
+    /// Ends the contender and waits at most one request limit for the revocation; false
+    /// if it did not happen yet (the keeper retries it in the background).
+    pub(crate) async fn end_and_revoke(&self) -> bool {
+        self.end();
+        let mut client = self.client.clone();
+        match tokio::time::timeout(self.request_limit, client.lease_revoke(self.id)).await {
+            Ok(Ok(_)) => true,
+            Ok(Err(e)) => lease_not_found(&e),
+            Err(_) => false,
+        }
+    }
+
+    /// Revokes the lease until the cluster says it is gone, or until it has surely expired
+    /// there anyway (well past the last keep-alive sent, leader changes included).
+    async fn revoke_until_gone(&self) {
+        let give_up_at = *lock(&self.last_sent) + self.ttl + Duration::from_secs(60);
+        let mut backoff = retry_backoff();
+        loop {
+            let mut client = self.client.clone();
+            match tokio::time::timeout(self.request_limit, client.lease_revoke(self.id)).await {
+                Ok(Ok(_)) => return,
+                Ok(Err(e)) if lease_not_found(&e) => return,
+                outcome => tracing::debug!(lease = self.id, ?outcome, "revoking a lease failed"),
+            }
+            if Instant::now() >= give_up_at {
+                tracing::warn!(
+                    lease = self.id,
+                    "could not revoke a lock's lease; the cluster expires it"
+                );
+                return;
+            }
+            tokio::time::sleep(backoff.next_delay()).await;
+        }
+    }
+}
+
+/// Why a keep-alive stream stopped.
+enum Stopped {
+    /// The lease is lost or its contender ended: revoke it.
+    Over,
+    /// The stream failed: open another.
+    Failed,
+}
+
+/// Keeps `lease` alive every third of its TTL until it is lost or its contender ends, then
+/// revokes it. The lease is lost when the cluster says it is gone, or when no keep-alive
+/// was confirmed by [`Lease::alive_until`].
+async fn keep_alive(lease: Arc<Lease>) {
+    let mut backoff = retry_backoff();
+    while !lease.is_over() {
+        match keep_one_stream(&lease).await {
+            Stopped::Over => break,
+            Stopped::Failed => {
+                tokio::select! {
+                    () = tokio::time::sleep(backoff.next_delay()) => {}
+                    () = tokio::time::sleep_until(lease.alive_until()) => {
+                        lease.lose(LostReason::SessionLost);
+                    }
+                    () = lease.over() => {}
+                }
+            }
+        }
+    }
+    lease.revoke_until_gone().await;
+}
+
+/// Opens one keep-alive stream and keeps the lease alive through it while it works.
+async fn keep_one_stream(lease: &Lease) -> Stopped {
+    let every = (lease.ttl / 3).max(Duration::from_millis(100));
+    let sent = Instant::now();
+    *lock(&lease.last_sent) = sent;
+    let mut client = lease.client.clone();
+    let opened = tokio::select! {
+        opened = client.lease_keep_alive(lease.id) => opened,
+        () = tokio::time::sleep_until(lease.alive_until()) => {
+            lease.lose(LostReason::SessionLost);
+            return Stopped::Over;
+        }
+        () = lease.over() => return Stopped::Over,
+    };
+    let (mut keeper, mut stream) = match opened {
+        Ok(opened) => opened,
+        Err(e) if lease_not_found(&e) => {
+            lease.lose(LostReason::SessionLost);
+            return Stopped::Over;
+        }
+        Err(e) => {
+            tracing::debug!(lease = lease.id, error = %e, "opening a keep-alive stream failed");
+            return Stopped::Failed;
+        }
+    };
+    // Opening the stream sent a keep-alive and read its answer.
+    lease.confirm(sent);
+    let mut pending: VecDeque<Instant> = VecDeque::new();
+    let mut ticks = tokio::time::interval_at(sent + every, every);
+    ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = ticks.tick() => {
+                let sent = Instant::now();
+                *lock(&lease.last_sent) = sent;
+                if keeper.keep_alive().await.is_err() {
+                    return Stopped::Failed;
+                }
+                pending.push_back(sent);
+            }
+            answer = stream.message() => match answer {
+                Ok(Some(answer)) if answer.ttl() > 0 => {
+                    if let Some(sent) = pending.pop_front() {
+                        lease.confirm(sent);
+                    }
+                }
+                Ok(Some(_)) => {
+                    // The cluster no longer knows the lease: it expired or was revoked.
+                    lease.lose(LostReason::SessionLost);
+                    return Stopped::Over;
+                }
+                Ok(None) | Err(_) => return Stopped::Failed,
+            },
+            () = tokio::time::sleep_until(lease.alive_until()) => {
+                lease.lose(LostReason::SessionLost);
+                return Stopped::Over;
+            }
+            () = lease.over() => return Stopped::Over,
+        }
+    }
+}
