@@ -22,7 +22,7 @@ const LOST_EXIT: u8 = 75;
     about = "Distributed locks from the command line: flock(1) across machines",
     long_about = "Distributed locks from the command line.\n\nThe backend comes from --url or \
                   $LOCKKIT_URL (memory://, file:///dir, redis://, redis+cluster://, redlock://, \
-                  zk://, mysql://); without either, a lock directory under the system's \
+                  zk://, mysql://, postgres://, etcd://); without either, a lock directory under the system's \
                   temporary directory is used."
 )]
 struct Cli {

@@ -224,6 +224,8 @@ fn shell_loops_end_exact_on_every_backend() {
             "LOCKKIT_TEST_POSTGRES_URL",
             "?mode=advisory&table=lockkit_cli_adv",
         ),
+        ("LOCKKIT_TEST_ETCD_URL", "?session_ttl=5s"),
+        ("LOCKKIT_TEST_ETCD_CLUSTER_URL", "?session_ttl=5s"),
     ] {
         if let Some(url) = lockkit_conformance::env::service_url(var) {
             counter_loops(&format!("{url}{options}"), &dir);

@@ -11,6 +11,9 @@ use std::{future::Future, pin::Pin, sync::Arc};
 pub mod fence;
 
 pub use lockkit_core::*;
+#[cfg(feature = "etcd")]
+#[cfg_attr(docsrs, doc(cfg(feature = "etcd")))]
+pub use lockkit_etcd as etcd;
 #[cfg(feature = "mysql")]
 #[cfg_attr(docsrs, doc(cfg(feature = "mysql")))]
 pub use lockkit_mysql as mysql;
@@ -123,6 +126,20 @@ pub const DRIVERS: &[Driver] = &[
         feature: Some("postgres"),
         connect: None,
     },
+    #[cfg(feature = "etcd")]
+    Driver {
+        name: "etcd",
+        schemes: lockkit_etcd::SCHEMES,
+        feature: Some("etcd"),
+        connect: Some(|url| Box::pin(async move { lockkit_etcd::connect(&url).await })),
+    },
+    #[cfg(not(feature = "etcd"))]
+    Driver {
+        name: "etcd",
+        schemes: ETCD_SCHEMES,
+        feature: Some("etcd"),
+        connect: None,
+    },
 ];
 
 /// The schemes of lockkit-redis, known even when its feature is off (to say which feature
@@ -145,6 +162,9 @@ const MYSQL_SCHEMES: &[&str] = &["mysql", "mariadb"];
 /// The schemes of lockkit-postgres (see [`REDIS_SCHEMES`]).
 #[cfg_attr(feature = "postgres", allow(dead_code))]
 const POSTGRES_SCHEMES: &[&str] = &["postgres", "postgresql"];
+/// The schemes of lockkit-etcd (see [`REDIS_SCHEMES`]).
+#[cfg_attr(feature = "etcd", allow(dead_code))]
+const ETCD_SCHEMES: &[&str] = &["etcd"];
 
 /// Every scheme lockkit knows, with the feature that enables it (`None`: always there).
 pub fn schemes() -> impl Iterator<Item = (&'static str, Option<&'static str>)> {
@@ -262,11 +282,14 @@ mod tests {
         assert_eq!(MYSQL_SCHEMES, lockkit_mysql::SCHEMES);
         #[cfg(feature = "postgres")]
         assert_eq!(POSTGRES_SCHEMES, lockkit_postgres::SCHEMES);
+        #[cfg(feature = "etcd")]
+        assert_eq!(ETCD_SCHEMES, lockkit_etcd::SCHEMES);
         for scheme in REDIS_SCHEMES
             .iter()
             .chain(ZK_SCHEMES)
             .chain(MYSQL_SCHEMES)
             .chain(POSTGRES_SCHEMES)
+            .chain(ETCD_SCHEMES)
         {
             assert!(schemes().any(|(s, _)| s == *scheme), "{scheme}");
         }
@@ -312,6 +335,13 @@ mod tests {
                 .ttl,
             Some(Duration::from_secs(5))
         );
+        #[cfg(feature = "etcd")]
+        assert_eq!(
+            lockkit_etcd::EtcdConfig::parse("etcd://a,b:2?ttl=5s")
+                .unwrap()
+                .ttl,
+            Some(Duration::from_secs(5))
+        );
         assert!(matches!(
             connect("memory://?ttl=5").await,
             Err(Error::Config(_))
@@ -320,9 +350,9 @@ mod tests {
 
     #[test]
     fn unknown_schemes_list_the_known_ones() {
-        let err = driver_of("etcd://x").unwrap_err().to_string();
+        let err = driver_of("consul://x").unwrap_err().to_string();
         assert!(
-            err.contains("etcd") && err.contains("redlocks://") && err.contains("zk://"),
+            err.contains("consul") && err.contains("redlocks://") && err.contains("etcd://"),
             "{err}"
         );
         assert!(matches!(driver_of("no-scheme"), Err(Error::Config(_))));
@@ -342,6 +372,8 @@ mod tests {
             ("mysql", lockkit_mysql::SCHEMES),
             #[cfg(feature = "postgres")]
             ("postgres", lockkit_postgres::SCHEMES),
+            #[cfg(feature = "etcd")]
+            ("etcd", lockkit_etcd::SCHEMES),
         ];
         for (name, schemes) in backends {
             assert!(!schemes.is_empty(), "{name} declares no scheme");
