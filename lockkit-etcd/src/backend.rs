@@ -28,70 +28,12 @@ use crate::{
     EtcdConfig,
     lease::{Lease, retry_backoff},
     path::lock_range,
+    request::{BACKEND, RETRY_PAUSE, Unanswered, ask, etcd_error, unanswered},
 };
-
-const BACKEND: &str = "etcd";
 
 /// How often HTTP/2 pings check a connection with streams open (etcd's
 /// `--grpc-keepalive-min-time` refuses anything under 5 s).
 const HTTP2_PING_EVERY: Duration = Duration::from_secs(6);
-
-/// Pause before asking again after a request failed on the way while waiting.
-const RETRY_PAUSE: Duration = Duration::from_millis(50);
-
-/// Whether `e` says the request failed on the way (the member is down, unreachable, has no
-/// leader or timed out): it may or may not have been applied, and asking again may work.
-fn transient(e: &etcd_client::Error) -> bool {
-    match e {
-        etcd_client::Error::GRpcStatus(status) => matches!(
-            status.code(),
-            tonic::Code::Unavailable
-                | tonic::Code::DeadlineExceeded
-                | tonic::Code::Cancelled
-                | tonic::Code::Unknown
-                | tonic::Code::Aborted
-        ),
-        etcd_client::Error::TransportError(_) | etcd_client::Error::IoError(_) => true,
-        _ => false,
-    }
-}
-
-fn etcd_error(doing: &str, e: etcd_client::Error) -> Error {
-    Error::backend_with_source(BACKEND, transient(&e), format!("{doing} failed: {e}"), e)
-}
-
-/// Why a waiter stopped waiting for a request's answer.
-enum Unanswered {
-    /// The caller went away.
-    Interrupted,
-    /// The request was still unanswered at its bound (see `EtcdBackend::request_end`).
-    TooLate,
-}
-
-/// The answer to `request`, unless the caller goes away or `end` passes first.
-async fn answer_by<T>(
-    request: impl std::future::Future<Output = T>,
-    end: Instant,
-    interrupt: &Interrupt,
-) -> std::result::Result<T, Unanswered> {
-    tokio::select! {
-        answer = request => Ok(answer),
-        () = tokio::time::sleep_until(end) => Err(Unanswered::TooLate),
-        () = interrupt.interrupted() => Err(Unanswered::Interrupted),
-    }
-}
-
-/// The error for a request the cluster left unanswered until the acquisition had to end.
-fn unanswered(doing: &str, limit: Duration) -> Error {
-    Error::backend(
-        BACKEND,
-        true,
-        format!(
-            "{doing}: etcd did not answer within {limit:?} (are the members up and reachable, \
-             and do they have a leader?)"
-        ),
-    )
-}
 
 /// The range answer of a transaction's `index`th operation.
 fn range_of(answer: &TxnResponse, index: usize) -> Vec<etcd_client::KeyValue> {
@@ -306,6 +248,25 @@ impl EtcdBackend {
         }
     }
 
+    /// How long one try of a request may stay unanswered before it is sent again (perhaps
+    /// to another member): half the request limit.
+    fn per_try(&self) -> Duration {
+        (self.request_limit() / 2).max(Duration::from_millis(100))
+    }
+
+    /// Asks `request` (idempotent) with retries until one request limit from now.
+    async fn ask_within_limit<T, F, Fut>(&self, request: F, doing: &str) -> Result<T>
+    where
+        F: FnMut() -> Fut,
+        Fut: std::future::Future<Output = std::result::Result<T, etcd_client::Error>>,
+    {
+        let end = Instant::now() + self.request_limit();
+        match ask(request, end, self.per_try(), None).await {
+            Ok(answer) => answer.map_err(|e| etcd_error(doing, e)),
+            Err(_) => Err(unanswered(doing, self.request_limit())),
+        }
+    }
+
     /// Queues for the lock and waits to be first; `None` when `wait` ran out or the caller
     /// went away (the contender's lease is revoked then).
     async fn contend(
@@ -317,58 +278,48 @@ impl EtcdBackend {
         let deadline = deadline_after(wait);
         let range = self.lock_range(&req.key);
         let session_ttl = i64::try_from(self.inner.config.session_ttl.as_secs()).unwrap_or(1);
-        // A request that failed on the way (a connection that broke while idle, a member
-        // that went down) is asked again while the wait, or one request limit, allows.
-        let retry_until = self.request_end(deadline);
+        let per_try = self.per_try();
+        // Requests that fail on the way (a member down or frozen, a connection that broke
+        // while idle) are asked again until the wait ends, and one request limit past it.
         // A lease granted whose answer never arrives carries no key and expires by itself.
-        let (granted, sent) = loop {
-            let sent = Instant::now();
-            match answer_by(
-                self.client().lease_grant(session_ttl, None),
-                retry_until,
-                &interrupt,
-            )
-            .await
-            {
-                Ok(Ok(granted)) => break (granted, sent),
-                Ok(Err(e)) if transient(&e) && Instant::now() < retry_until => {
-                    tokio::select! {
-                        () = tokio::time::sleep(RETRY_PAUSE) => {}
-                        () = interrupt.interrupted() => return Ok(None),
-                    }
-                }
-                Ok(Err(e)) => return Err(etcd_error("granting the contender's lease", e)),
-                Err(Unanswered::Interrupted) => return Ok(None),
-                Err(Unanswered::TooLate) => {
-                    return Err(unanswered("granting a lease", self.request_limit()));
-                }
+        let sent = std::sync::Mutex::new(Instant::now());
+        let client = self.client();
+        let grant_lease = || {
+            let mut client = client.clone();
+            *sent.lock().unwrap_or_else(|e| e.into_inner()) = Instant::now();
+            async move { client.lease_grant(session_ttl, None).await }
+        };
+        let granted = match ask(
+            grant_lease,
+            self.request_end(deadline),
+            per_try,
+            Some(&interrupt),
+        )
+        .await
+        {
+            Ok(Ok(granted)) => granted,
+            Ok(Err(e)) => return Err(etcd_error("granting the contender's lease", e)),
+            Err(Unanswered::Interrupted) => return Ok(None),
+            Err(Unanswered::TooLate) => {
+                return Err(unanswered("granting a lease", self.request_limit()));
             }
         };
+        let sent = *sent.lock().unwrap_or_else(|e| e.into_inner());
         let ttl = Duration::from_secs(u64::try_from(granted.ttl()).unwrap_or(0));
         let lease = Lease::keep(self.client(), granted.id(), ttl, sent, self.request_limit());
         let name = format!("{range}{:x}", granted.id());
-        // After a failure on the way, ask again while the deadline allows; past it the
-        // failure is the answer. The contender is given up either way.
-        let retry_or_fail = |e: etcd_client::Error, doing: &'static str| {
-            let (interrupt, lease) = (interrupt.clone(), lease.clone());
+        // Any failure from here on gives the contender up (its lease revoked).
+        let failed = |why: std::result::Result<etcd_client::Error, Unanswered>, doing: &str| {
+            let lease = lease.clone();
+            let outcome = match why {
+                Ok(e) => Err(etcd_error(doing, e)),
+                Err(Unanswered::Interrupted) => Ok(None),
+                Err(Unanswered::TooLate) => Err(unanswered(doing, self.request_limit())),
+            };
             async move {
-                if transient(&e) && Instant::now() < retry_until {
-                    let pause =
-                        RETRY_PAUSE.min(retry_until.saturating_duration_since(Instant::now()));
-                    tokio::select! {
-                        () = tokio::time::sleep(pause) => return Ok(()),
-                        () = interrupt.interrupted() => {}
-                    }
-                    Self::give_up(&lease).await;
-                    return Err(None);
-                }
                 Self::give_up(&lease).await;
-                Err(Some(etcd_error(doing, e)))
+                outcome
             }
-        };
-        let unanswered_wait = |why: Unanswered, doing: &str| match why {
-            Unanswered::Interrupted => Ok(None),
-            Unanswered::TooLate => Err(unanswered(doing, self.request_limit())),
         };
 
         // Create the contender key, unless an earlier try whose answer was lost did; the
@@ -392,37 +343,37 @@ impl EtcdBackend {
                 ),
             ])
             .or_else([TxnOp::get(name.clone(), None)]);
-        let (revision, mut look) = loop {
-            let sent = Instant::now();
-            let answer = match answer_by(
-                self.client().txn(create.clone()),
-                self.request_end(deadline),
-                &interrupt,
-            )
-            .await
-            {
-                Ok(Ok(answer)) => answer,
-                Ok(Err(e)) => match retry_or_fail(e, "creating the contender key").await {
-                    Ok(()) => continue,
-                    Err(None) => return Ok(None),
-                    Err(Some(e)) => return Err(e),
-                },
-                Err(why) => {
-                    Self::give_up(&lease).await;
-                    return unanswered_wait(why, "creating the contender key");
-                }
-            };
-            let at = revision_of(&answer);
-            if answer.succeeded() {
-                // Ours is the newest key of the range; the next one down precedes it.
-                let predecessor = range_of(&answer, 1)
-                    .into_iter()
-                    .find(|kv| kv.create_revision() < at)
-                    .map(|kv| kv.key().to_vec());
-                break (at, Some((sent, at, predecessor)));
-            }
+        let sent = std::sync::Mutex::new(Instant::now());
+        let send_create = || {
+            let (mut client, create) = (client.clone(), create.clone());
+            *sent.lock().unwrap_or_else(|e| e.into_inner()) = Instant::now();
+            async move { client.txn(create).await }
+        };
+        let answer = match ask(
+            send_create,
+            self.request_end(deadline),
+            per_try,
+            Some(&interrupt),
+        )
+        .await
+        {
+            Ok(Ok(answer)) => answer,
+            Ok(Err(e)) => return failed(Ok(e), "creating the contender key").await,
+            Err(why) => return failed(Err(why), "creating the contender key").await,
+        };
+        let sent = *sent.lock().unwrap_or_else(|e| e.into_inner());
+        let at = revision_of(&answer);
+        let (revision, mut look) = if answer.succeeded() {
+            // Ours is the newest key of the range; the next one down precedes it.
+            let predecessor = range_of(&answer, 1)
+                .into_iter()
+                .find(|kv| kv.create_revision() < at)
+                .map(|kv| kv.key().to_vec());
+            (at, Some((sent, at, predecessor)))
+        } else {
             match range_of(&answer, 0).first() {
-                Some(kv) if kv.lease() == granted.id() => break (kv.create_revision(), None),
+                // An earlier try created it: look for its predecessor afresh.
+                Some(kv) if kv.lease() == granted.id() => (kv.create_revision(), None),
                 _ => {
                     Self::give_up(&lease).await;
                     return Err(Error::backend(
@@ -437,35 +388,37 @@ impl EtcdBackend {
         // The lease starts when the grant is observed (the request that found no key
         // before ours was sent), not when the wait began: a wait longer than the TTL must
         // not yield an expired grant.
+        let check = Txn::new()
+            .when([Compare::create_revision(
+                name.clone(),
+                CompareOp::Equal,
+                revision,
+            )])
+            .and_then([TxnOp::get(range.clone(), Some(predecessor_query(revision)))]);
+        // A watch that broke without a word (a frozen member) must not keep a waiter past
+        // its predecessor's release for longer than this.
+        let recheck_every = self.inner.config.session_ttl * 2;
         let (granted_at, seen_at) = loop {
             let (sent, at, predecessor) = match look.take() {
                 Some(seen) => seen,
                 None => {
-                    let sent = Instant::now();
-                    let check = Txn::new()
-                        .when([Compare::create_revision(
-                            name.clone(),
-                            CompareOp::Equal,
-                            revision,
-                        )])
-                        .and_then([TxnOp::get(range.clone(), Some(predecessor_query(revision)))]);
-                    let answer = match answer_by(
-                        self.client().txn(check),
+                    let sent = std::sync::Mutex::new(Instant::now());
+                    let send_check = || {
+                        let (mut client, check) = (client.clone(), check.clone());
+                        *sent.lock().unwrap_or_else(|e| e.into_inner()) = Instant::now();
+                        async move { client.txn(check).await }
+                    };
+                    let answer = match ask(
+                        send_check,
                         self.request_end(deadline),
-                        &interrupt,
+                        per_try,
+                        Some(&interrupt),
                     )
                     .await
                     {
                         Ok(Ok(answer)) => answer,
-                        Ok(Err(e)) => match retry_or_fail(e, "looking for the predecessor").await {
-                            Ok(()) => continue,
-                            Err(None) => return Ok(None),
-                            Err(Some(e)) => return Err(e),
-                        },
-                        Err(why) => {
-                            Self::give_up(&lease).await;
-                            return unanswered_wait(why, "looking for the predecessor");
-                        }
+                        Ok(Err(e)) => return failed(Ok(e), "looking for the predecessor").await,
+                        Err(why) => return failed(Err(why), "looking for the predecessor").await,
                     };
                     if !answer.succeeded() {
                         Self::give_up(&lease).await;
@@ -477,6 +430,7 @@ impl EtcdBackend {
                         ));
                     }
                     let predecessor = range_of(&answer, 0).first().map(|kv| kv.key().to_vec());
+                    let sent = *sent.lock().unwrap_or_else(|e| e.into_inner());
                     (sent, revision_of(&answer), predecessor)
                 }
             };
@@ -491,24 +445,24 @@ impl EtcdBackend {
             let watch = WatchOptions::new()
                 .with_start_revision(at + 1)
                 .with_filters([WatchFilterType::NoPut]);
-            let mut stream = match answer_by(
-                self.client().watch(predecessor, Some(watch)),
+            let open_watch = || {
+                let (mut client, predecessor, watch) =
+                    (client.clone(), predecessor.clone(), watch.clone());
+                async move { client.watch(predecessor, Some(watch)).await }
+            };
+            let mut stream = match ask(
+                open_watch,
                 self.request_end(deadline),
-                &interrupt,
+                per_try,
+                Some(&interrupt),
             )
             .await
             {
                 Ok(Ok(stream)) => stream,
-                Ok(Err(e)) => match retry_or_fail(e, "watching the predecessor").await {
-                    Ok(()) => continue,
-                    Err(None) => return Ok(None),
-                    Err(Some(e)) => return Err(e),
-                },
-                Err(why) => {
-                    Self::give_up(&lease).await;
-                    return unanswered_wait(why, "watching the predecessor");
-                }
+                Ok(Err(e)) => return failed(Ok(e), "watching the predecessor").await,
+                Err(why) => return failed(Err(why), "watching the predecessor").await,
             };
+            let recheck_at = Instant::now() + recheck_every;
             loop {
                 tokio::select! {
                     message = stream.message() => match message {
@@ -522,12 +476,13 @@ impl EtcdBackend {
                                 break;
                             }
                         }
-                        // The stream broke: look again (a retry is paced by the failure).
+                        // The stream broke: look again after a pause.
                         Ok(None) | Err(_) => {
-                            tokio::time::sleep(Duration::from_millis(20)).await;
+                            tokio::time::sleep(RETRY_PAUSE).await;
                             break;
                         }
                     },
+                    () = tokio::time::sleep_until(recheck_at) => break,
                     () = tokio::time::sleep_until(deadline) => {
                         Self::give_up(&lease).await;
                         return Ok(None);
@@ -631,7 +586,14 @@ impl EtcdBackend {
                 data,
                 Some(PutOptions::new().with_lease(held.lease.id)),
             )]);
-        let _ = tokio::time::timeout(self.request_limit(), self.client().txn(write)).await;
+        let client = self.client();
+        let send = || {
+            let (mut client, write) = (client.clone(), write.clone());
+            async move { client.txn(write).await }
+        };
+        let _ = self
+            .ask_within_limit(send, "recording the hold count")
+            .await;
     }
 }
 
@@ -758,33 +720,32 @@ impl LockBackend for EtcdBackend {
 
     async fn renew(&self, grant: &Grant, ttl: Duration) -> Result<()> {
         let held = self.held_of(grant)?;
-        let sent = Instant::now();
-        let mut client = self.client();
-        let asked = tokio::time::timeout(
-            self.request_limit(),
-            client.get(held.name.clone(), Some(GetOptions::new().with_keys_only())),
-        )
-        .await
-        .map_err(|_| unanswered("checking the lock key", self.request_limit()))?;
-        match asked {
-            Ok(got)
-                if got
-                    .kvs()
-                    .first()
-                    .is_some_and(|kv| kv.create_revision() == held.revision)
-                    && !held.loss.is_fired() =>
-            {
-                // Never shorten the lease: another guard of this hold may rely on it.
-                held.count.extend_lease(sent + ttl);
-                Ok(())
+        let client = self.client();
+        let sent = std::sync::Mutex::new(Instant::now());
+        let look = || {
+            let (mut client, name) = (client.clone(), held.name.clone());
+            *sent.lock().unwrap_or_else(|e| e.into_inner()) = Instant::now();
+            async move {
+                client
+                    .get(name, Some(GetOptions::new().with_keys_only()))
+                    .await
             }
-            Ok(_) => {
-                self.forget(&held);
-                Err(Error::NotHeld {
-                    key: grant.key.clone(),
-                })
-            }
-            Err(e) => Err(etcd_error("checking the lock key", e)),
+        };
+        let got = self.ask_within_limit(look, "checking the lock key").await?;
+        let sent = *sent.lock().unwrap_or_else(|e| e.into_inner());
+        let ours = got
+            .kvs()
+            .first()
+            .is_some_and(|kv| kv.create_revision() == held.revision);
+        if ours && !held.loss.is_fired() {
+            // Never shorten the lease: another guard of this hold may rely on it.
+            held.count.extend_lease(sent + ttl);
+            Ok(())
+        } else {
+            self.forget(&held);
+            Err(Error::NotHeld {
+                key: grant.key.clone(),
+            })
         }
     }
 
@@ -809,7 +770,8 @@ impl LockBackend for EtcdBackend {
         held.lease.releasing();
         let lost = held.loss.is_fired();
         // Delete the key if it is still ours (saying whether the hold lasted), then revoke
-        // the lease in the background (it carries nothing after that).
+        // the lease in the background (it carries nothing after that). A try that failed
+        // on the way may have deleted it: a later try that finds it gone is no loss.
         let delete = Txn::new()
             .when([Compare::create_revision(
                 held.name.clone(),
@@ -817,52 +779,58 @@ impl LockBackend for EtcdBackend {
                 held.revision,
             )])
             .and_then([TxnOp::delete(held.name.clone(), None)]);
-        let mut client = self.client();
-        let deleted = tokio::time::timeout(self.request_limit(), client.txn(delete)).await;
+        let client = self.client();
+        let tries = std::sync::atomic::AtomicU32::new(0);
+        let send = || {
+            let (mut client, delete) = (client.clone(), delete.clone());
+            tries.fetch_add(1, Ordering::SeqCst);
+            async move { client.txn(delete).await }
+        };
+        let deleted = self
+            .ask_within_limit(
+                send,
+                "deleting the lock key (its lease is revoked in the background)",
+            )
+            .await;
         held.lease.end();
-        match deleted {
-            Ok(Ok(answer)) if answer.succeeded() && !lost => Ok(Released::Fully),
-            Ok(Ok(_)) => Err(Error::NotHeld {
+        let retried = tries.load(Ordering::SeqCst) > 1;
+        match deleted? {
+            answer if (answer.succeeded() || retried) && !lost => Ok(Released::Fully),
+            _ => Err(Error::NotHeld {
                 key: grant.key.clone(),
             }),
-            Ok(Err(e)) => Err(etcd_error(
-                "deleting the lock key (its lease is revoked in the background)",
-                e,
-            )),
-            Err(_) => Err(unanswered(
-                "deleting the lock key (its lease is revoked in the background)",
-                self.request_limit(),
-            )),
         }
     }
 
     async fn ping(&self) -> Result<()> {
-        let mut client = self.client();
-        tokio::time::timeout(
-            self.request_limit(),
-            client.get(
-                self.inner.config.prefix.clone(),
-                Some(GetOptions::new().with_count_only()),
-            ),
-        )
-        .await
-        .map_err(|_| unanswered("reading the prefix", self.request_limit()))?
-        .map_err(|e| etcd_error("reading the prefix", e))?;
+        let client = self.client();
+        let prefix = self.inner.config.prefix.clone();
+        let read = || {
+            let (mut client, prefix) = (client.clone(), prefix.clone());
+            async move {
+                client
+                    .get(prefix, Some(GetOptions::new().with_count_only()))
+                    .await
+            }
+        };
+        self.ask_within_limit(read, "reading the prefix").await?;
         Ok(())
     }
 
     async fn inspect(&self, key: &LockKey) -> Result<Option<HolderInfo>> {
         let range = self.lock_range(key);
-        let mut client = self.client();
+        let client = self.client();
         let first = GetOptions::new()
             .with_prefix()
             .with_sort(SortTarget::Create, SortOrder::Ascend)
             .with_limit(1);
-        let got =
-            tokio::time::timeout(self.request_limit(), client.get(range.clone(), Some(first)))
-                .await
-                .map_err(|_| unanswered("reading the contenders", self.request_limit()))?
-                .map_err(|e| etcd_error("reading the contenders", e))?;
+        let read = || {
+            let (mut client, range, first) = (client.clone(), range.clone(), first.clone());
+            async move { client.get(range, Some(first)).await }
+        };
+        let got = self
+            .ask_within_limit(read, "reading the contenders")
+            .await?;
         let Some(head) = got.kvs().first() else {
             return Ok(None);
         };

@@ -10,6 +10,8 @@ use std::{
 
 use etcd_client::Client;
 use lockkit_core::{LossSignal, LostReason, spi::Backoff};
+
+use crate::request::ask;
 use tokio::{sync::Notify, time::Instant};
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -162,8 +164,12 @@ impl Lease {
     /// if it did not happen yet (the keeper retries it in the background).
     pub(crate) async fn end_and_revoke(&self) -> bool {
         self.end();
-        let mut client = self.client.clone();
-        match tokio::time::timeout(self.request_limit, client.lease_revoke(self.id)).await {
+        let revoke = || {
+            let mut client = self.client.clone();
+            async move { client.lease_revoke(self.id).await }
+        };
+        let end = Instant::now() + self.request_limit;
+        match ask(revoke, end, self.request_limit / 2, None).await {
             Ok(Ok(_)) => true,
             Ok(Err(e)) => lease_not_found(&e),
             Err(_) => false,
@@ -208,9 +214,14 @@ enum Stopped {
 async fn keep_alive(lease: Arc<Lease>) {
     let mut backoff = retry_backoff();
     while !lease.is_over() {
+        let confirmed = lease.alive_until();
         match keep_one_stream(&lease).await {
             Stopped::Over => break,
             Stopped::Failed => {
+                if lease.alive_until() > confirmed {
+                    // The stream worked for a while: this is a fresh failure.
+                    backoff = retry_backoff();
+                }
                 tokio::select! {
                     () = tokio::time::sleep(backoff.next_delay()) => {}
                     () = tokio::time::sleep_until(lease.alive_until()) => {
@@ -230,8 +241,10 @@ async fn keep_one_stream(lease: &Lease) -> Stopped {
     let sent = Instant::now();
     *lock(&lease.last_sent) = sent;
     let mut client = lease.client.clone();
+    // A stream opened on a frozen member never answers: try another after one interval.
     let opened = tokio::select! {
         opened = client.lease_keep_alive(lease.id) => opened,
+        () = tokio::time::sleep(every) => return Stopped::Failed,
         () = tokio::time::sleep_until(lease.alive_until()) => {
             lease.lose(LostReason::SessionLost);
             return Stopped::Over;
@@ -257,6 +270,11 @@ async fn keep_one_stream(lease: &Lease) -> Stopped {
     loop {
         tokio::select! {
             _ = ticks.tick() => {
+                if pending.front().is_some_and(|sent| sent.elapsed() >= every) {
+                    // A whole interval without an answer: the member may be frozen or the
+                    // connection dead without a word; open a stream afresh.
+                    return Stopped::Failed;
+                }
                 let sent = Instant::now();
                 *lock(&lease.last_sent) = sent;
                 if keeper.keep_alive().await.is_err() {

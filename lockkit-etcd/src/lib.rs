@@ -24,6 +24,7 @@ mod backend;
 mod config;
 mod lease;
 pub mod path;
+mod request;
 
 pub use backend::EtcdBackend;
 pub use config::{EtcdConfig, SCHEMES};

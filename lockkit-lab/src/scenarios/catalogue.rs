@@ -14,6 +14,8 @@ pub(super) enum Plan {
     RedisPaused,
     /// The ZooKeeper ensemble's leader is SIGSTOPped.
     ZkLeaderPaused,
+    /// The etcd cluster's leader is SIGSTOPped.
+    EtcdLeaderPaused,
     /// The holder's TCP link is cut by a proxy.
     CutOff,
     /// `redis-single` (no persistence) is SIGKILLed and restarted empty.
@@ -22,6 +24,8 @@ pub(super) enum Plan {
     RedisAofRestarted,
     /// The ZooKeeper ensemble's leader is SIGKILLed and restarted.
     ZkLeaderRestarted,
+    /// The etcd cluster's leader is SIGKILLed and restarted.
+    EtcdLeaderRestarted,
     /// The database (`touches`: MariaDB or PostgreSQL) is restarted.
     DatabaseRestarted,
     /// The primary dies before the grant reached the replica, which is promoted.
@@ -53,7 +57,7 @@ pub struct ScenarioDef {
 impl ScenarioDef {
     /// The store its holders write to, as a user of this backend would: Redis (a server
     /// the lab never breaks) for the Redis backends, the database itself for the MySQL and
-    /// PostgreSQL ones, a file for the file and ZooKeeper backends.
+    /// PostgreSQL ones, a file for the file, ZooKeeper and etcd backends.
     pub fn store(&self) -> StoreKind {
         if self.backend.starts_with("redis") || self.backend == "redlock" {
             StoreKind::Redis
@@ -131,6 +135,7 @@ pub const CATALOGUE: &[ScenarioDef] = &[
         "LOCKKIT_TEST_POSTGRES_URL",
         "?mode=advisory&table=lockkit_lab_adv"
     ),
+    paused!("etcd", "LOCKKIT_TEST_ETCD_URL", "?session_ttl=2s"),
     ScenarioDef {
         scenario: "server-paused",
         backend: "redis",
@@ -150,6 +155,15 @@ pub const CATALOGUE: &[ScenarioDef] = &[
         touches: &["zk-1", "zk-2", "zk-3"],
     },
     ScenarioDef {
+        scenario: "server-paused",
+        backend: "etcd-cluster",
+        what: "the cluster's leader SIGSTOPped for 8 s (past the 1 s election timeout); 20 s etcd leases",
+        expect: KEPT,
+        plan: Plan::EtcdLeaderPaused,
+        url: ("LOCKKIT_TEST_ETCD_CLUSTER_URL", "?session_ttl=20s"),
+        touches: &["etcd-1", "etcd-2", "etcd-3"],
+    },
+    ScenarioDef {
         scenario: "holder-cut-off",
         backend: "redis",
         what: "the holder's link stalls in a TCP proxy; 3 s lease",
@@ -165,6 +179,15 @@ pub const CATALOGUE: &[ScenarioDef] = &[
         expect: LOST_FIRST,
         plan: Plan::CutOff,
         url: ("LOCKKIT_TEST_ZK_URL", "?session_timeout=3s"),
+        touches: &[],
+    },
+    ScenarioDef {
+        scenario: "holder-cut-off",
+        backend: "etcd",
+        what: "the holder's link stalls in a TCP proxy; 3 s etcd lease",
+        expect: LOST_FIRST,
+        plan: Plan::CutOff,
+        url: ("LOCKKIT_TEST_ETCD_URL", "?session_ttl=3s"),
         touches: &[],
     },
     ScenarioDef {
@@ -193,6 +216,15 @@ pub const CATALOGUE: &[ScenarioDef] = &[
         plan: Plan::ZkLeaderRestarted,
         url: ("LOCKKIT_TEST_ZK_ENSEMBLE_URL", "?session_timeout=10s"),
         touches: &["zk-1", "zk-2", "zk-3"],
+    },
+    ScenarioDef {
+        scenario: "server-restarted",
+        backend: "etcd-cluster",
+        what: "one of three etcd members (the leader) SIGKILLed and restarted mid-hold",
+        expect: KEPT,
+        plan: Plan::EtcdLeaderRestarted,
+        url: ("LOCKKIT_TEST_ETCD_CLUSTER_URL", "?session_ttl=10s"),
+        touches: &["etcd-1", "etcd-2", "etcd-3"],
     },
     ScenarioDef {
         scenario: "server-restarted",

@@ -5,6 +5,7 @@
 mod any_backend;
 mod catalogue;
 mod ctx;
+mod etcd;
 mod mysql;
 mod redis;
 mod run;

@@ -207,8 +207,10 @@ pub(super) async fn play(ctx: &mut Ctx<'_>, def: &ScenarioDef, url: &str) -> Res
     match def.plan {
         Plan::HolderPaused => holder_paused(ctx, url).await,
         Plan::RedisPaused => redis_paused(ctx, url).await,
-        Plan::ZkLeaderPaused => zk_leader_outage(ctx, url, "pause").await,
-        Plan::ZkLeaderRestarted => zk_leader_outage(ctx, url, "kill").await,
+        Plan::ZkLeaderPaused => leader_outage(ctx, url, "pause", Quorum::Zk).await,
+        Plan::ZkLeaderRestarted => leader_outage(ctx, url, "kill", Quorum::Zk).await,
+        Plan::EtcdLeaderPaused => leader_outage(ctx, url, "pause", Quorum::Etcd).await,
+        Plan::EtcdLeaderRestarted => leader_outage(ctx, url, "kill", Quorum::Etcd).await,
         Plan::CutOff => cut_off(ctx, url).await,
         Plan::RedisRestarted => redis_restarted(ctx, url).await,
         Plan::RedisAofRestarted => redis_aof_restarted(ctx, url).await,

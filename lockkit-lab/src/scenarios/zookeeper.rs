@@ -1,4 +1,5 @@
-//! Plans for ZooKeeper: the ensemble's leader paused or killed.
+//! Plans for the Raft/Zab services (a ZooKeeper ensemble, an etcd cluster): the leader
+//! paused or killed.
 
 use std::time::Duration;
 
@@ -7,7 +8,7 @@ use tokio::time::Instant;
 use crate::LabError;
 use lockkit_conformance::env::{host_ports, zk_mode};
 
-use super::{ctx::*, steps::*};
+use super::{ctx::*, etcd::*, steps::*};
 
 /// The ZooKeeper instance (`zk-N`) that is the ensemble's leader.
 pub(super) async fn zk_leader(url: &str) -> Result<(String, String), LabError> {
@@ -45,29 +46,73 @@ pub(super) async fn zk_settled(url: &str) -> Result<String, LabError> {
     }
 }
 
+/// A replicated lock service whose leader the lab can find.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Quorum {
+    /// A ZooKeeper ensemble (`zk-N`).
+    Zk,
+    /// An etcd cluster (`etcd-N`).
+    Etcd,
+}
+
+impl Quorum {
+    /// The instance that leads, and its address.
+    async fn leader(self, url: &str) -> Result<(String, String), LabError> {
+        match self {
+            Quorum::Zk => zk_leader(url).await,
+            Quorum::Etcd => etcd_leader(url).await,
+        }
+    }
+
+    /// Waits until every member answers and one leads; says what each is.
+    async fn settled(self, url: &str) -> Result<String, LabError> {
+        match self {
+            Quorum::Zk => zk_settled(url).await,
+            Quorum::Etcd => etcd_settled(url).await,
+        }
+    }
+
+    /// What ends a dead holder's hold on this service.
+    fn session(self) -> &'static str {
+        match self {
+            Quorum::Zk => "session",
+            Quorum::Etcd => "etcd lease",
+        }
+    }
+
+    fn group(self) -> &'static str {
+        match self {
+            Quorum::Zk => "ensemble",
+            Quorum::Etcd => "cluster",
+        }
+    }
+}
+
 /// `action` is `pause` (SIGSTOP for 8 s, then SIGCONT) or `kill` (SIGKILL, then start).
-pub(super) async fn zk_leader_outage(
+pub(super) async fn leader_outage(
     ctx: &mut Ctx<'_>,
     url: &str,
     action: &str,
+    quorum: Quorum,
 ) -> Result<(), LabError> {
     let ttl = if action == "pause" {
         Duration::from_secs(20)
     } else {
         Duration::from_secs(10)
     };
-    zk_settled(url).await?;
+    quorum.settled(url).await?;
     let holder_locker = ctx.locker(url).await?;
     let rival = ctx.lab.locker(url).await?;
     let (holder, holder_open) = take(ctx, &holder_locker, ttl, true, "holder", |token| {
         format!(
-            "holder granted token {} ({} s session and lease)",
+            "holder granted token {} ({} s {} and lease)",
             token,
-            ttl.as_secs()
+            ttl.as_secs(),
+            quorum.session()
         )
     })
     .await?;
-    let (leader, addr) = zk_leader(url).await?;
+    let (leader, addr) = quorum.leader(url).await?;
     ctx.lab.services.act(action, &[leader.as_str()]).await?;
     let during = if action == "pause" {
         let resume_at = Instant::now() + Duration::from_secs(8);
@@ -89,8 +134,8 @@ pub(super) async fn zk_leader_outage(
         ctx.note(format!("{leader} restarted"));
         during
     };
-    let modes = zk_settled(url).await?;
-    ctx.note(format!("ensemble settled: {modes}"));
+    let modes = quorum.settled(url).await?;
+    ctx.note(format!("{} settled: {modes}", quorum.group()));
     let during = during.map(|g| ctx.open("rival (during the outage)", g));
     kept(ctx, (holder, holder_open), &rival, ttl, during).await
 }

@@ -1,0 +1,104 @@
+//! The 3-member cluster losing a member: holds are kept, and every request keeps working
+//! although the client still spreads requests over the dead member too (each failed or
+//! unanswered try is sent again, and may reach a live one).
+
+use std::{process::Command, time::Duration};
+
+use etcd_client::{Client, ConnectOptions};
+use lockkit_conformance::env;
+use lockkit_core::{LockKey, Locker};
+use lockkit_etcd::EtcdBackend;
+
+fn services(args: &[&str]) {
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/../scripts/services.sh");
+    let status = Command::new("bash")
+        .arg(script)
+        .args(args)
+        .status()
+        .unwrap();
+    assert!(status.success(), "services.sh {args:?} failed");
+}
+
+/// The instance names (`etcd-N`) of the leader and of one follower.
+async fn roles(members: &[String]) -> (String, String) {
+    for _ in 0..100 {
+        let (mut leader, mut follower) = (None, None);
+        for (i, addr) in members.iter().enumerate() {
+            let options = ConnectOptions::new()
+                .with_connect_timeout(Duration::from_secs(1))
+                .with_timeout(Duration::from_secs(1));
+            let Ok(mut client) = Client::connect([format!("http://{addr}")], Some(options)).await
+            else {
+                continue;
+            };
+            if let Ok(status) = client.status().await
+                && let Some(header) = status.header()
+            {
+                if header.member_id() == status.leader() {
+                    leader = Some(format!("etcd-{}", i + 1));
+                } else if status.leader() != 0 {
+                    follower = Some(format!("etcd-{}", i + 1));
+                }
+            }
+        }
+        if let (Some(l), Some(f)) = (leader, follower) {
+            return (l, f);
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    panic!("the cluster has no leader");
+}
+
+/// Ten acquire + release rounds by `locker` on `key`, all of which must succeed.
+async fn rounds(locker: &Locker, key: &LockKey, during: &str) {
+    for round in 0..10 {
+        let guard = locker
+            .acquire(key)
+            .wait(Duration::from_secs(20))
+            .await
+            .unwrap_or_else(|e| panic!("round {round} with {during}: {e}"));
+        guard
+            .release()
+            .await
+            .unwrap_or_else(|e| panic!("round {round} with {during}: release: {e}"));
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn holds_survive_and_requests_work_with_a_member_down() {
+    let Some(url) = env::service_url("LOCKKIT_TEST_ETCD_CLUSTER_URL") else {
+        return;
+    };
+    let members = env::host_ports(&url);
+    let url = format!("{url}?session_ttl=10s");
+    let holder = Locker::new(EtcdBackend::connect(&url).await.unwrap());
+    let rival = Locker::new(EtcdBackend::connect(&url).await.unwrap());
+    let unique = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_nanos();
+    let key = LockKey::new(format!("etcd-cluster/{unique}")).unwrap();
+    let other = LockKey::new(format!("etcd-cluster/{unique}-other")).unwrap();
+    let guard = holder
+        .acquire(&key)
+        .ttl(Duration::from_secs(10))
+        .await
+        .unwrap();
+
+    for role in ["follower", "leader"] {
+        let (leader, follower) = roles(&members).await;
+        let victim = if role == "leader" { leader } else { follower };
+        services(&["kill", &victim]);
+        // Past the holder's etcd lease: kept alive through the members left.
+        tokio::time::sleep(Duration::from_secs(12)).await;
+        assert!(guard.is_valid(), "lost the lock when the {role} died");
+        assert!(
+            rival.try_acquire(&key).await.unwrap().is_none(),
+            "a rival took the lock while the {role} was down"
+        );
+        rounds(&rival, &other, &format!("the {role} ({victim}) down")).await;
+        services(&["up", &victim]);
+    }
+    guard.release().await.unwrap();
+    rounds(&rival, &key, "every member back").await;
+}
