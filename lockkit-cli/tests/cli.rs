@@ -203,34 +203,71 @@ fn counter_loops(url: &str, dir: &str) {
     );
 }
 
-#[test]
-fn shell_loops_end_exact_on_every_backend() {
-    let dir = dir("loops");
-    counter_loops(&format!("file://{dir}/locks"), &dir);
-    for (var, options) in [
-        ("LOCKKIT_TEST_REDIS_URL", ""),
-        ("LOCKKIT_TEST_REDLOCK_URL", ""),
-        ("LOCKKIT_TEST_ZK_URL", "?session_timeout=5s"),
-        ("LOCKKIT_TEST_MYSQL_URL", "?mode=row&table=lockkit_cli_row"),
-        (
-            "LOCKKIT_TEST_MYSQL_URL",
-            "?mode=for-update&table=lockkit_cli_fu",
-        ),
-        (
-            "LOCKKIT_TEST_POSTGRES_URL",
-            "?mode=row&table=lockkit_cli_row",
-        ),
-        (
-            "LOCKKIT_TEST_POSTGRES_URL",
-            "?mode=advisory&table=lockkit_cli_adv",
-        ),
-        ("LOCKKIT_TEST_ETCD_URL", "?session_ttl=5s"),
-        ("LOCKKIT_TEST_ETCD_CLUSTER_URL", "?session_ttl=5s"),
-    ] {
+/// The counter loops on each backend named by its URL variable (with options), in a
+/// directory of their own: one test per group, so the groups run side by side.
+fn counter_loops_on(group: &str, backends: &[(&str, &str)]) {
+    let dir = dir(&format!("loops-{group}"));
+    for (var, options) in backends {
         if let Some(url) = lockkit_conformance::env::service_url(var) {
             counter_loops(&format!("{url}{options}"), &dir);
         }
     }
+}
+
+#[test]
+fn shell_loops_end_exact_on_file_and_redis() {
+    let dir = dir("loops-file");
+    counter_loops(&format!("file://{dir}/locks"), &dir);
+    counter_loops_on(
+        "redis",
+        &[
+            ("LOCKKIT_TEST_REDIS_URL", ""),
+            ("LOCKKIT_TEST_REDLOCK_URL", ""),
+        ],
+    );
+}
+
+#[test]
+fn shell_loops_end_exact_on_zookeeper_and_mysql() {
+    counter_loops_on(
+        "zk-mysql",
+        &[
+            ("LOCKKIT_TEST_ZK_URL", "?session_timeout=5s"),
+            ("LOCKKIT_TEST_MYSQL_URL", "?mode=row&table=lockkit_cli_row"),
+            (
+                "LOCKKIT_TEST_MYSQL_URL",
+                "?mode=for-update&table=lockkit_cli_fu",
+            ),
+        ],
+    );
+}
+
+#[test]
+fn shell_loops_end_exact_on_postgres() {
+    counter_loops_on(
+        "postgres",
+        &[
+            (
+                "LOCKKIT_TEST_POSTGRES_URL",
+                "?mode=row&table=lockkit_cli_row",
+            ),
+            (
+                "LOCKKIT_TEST_POSTGRES_URL",
+                "?mode=advisory&table=lockkit_cli_adv",
+            ),
+        ],
+    );
+}
+
+#[test]
+fn shell_loops_end_exact_on_etcd() {
+    counter_loops_on(
+        "etcd",
+        &[
+            ("LOCKKIT_TEST_ETCD_URL", "?session_ttl=5s"),
+            ("LOCKKIT_TEST_ETCD_CLUSTER_URL", "?session_ttl=5s"),
+        ],
+    );
 }
 
 #[tokio::test]
