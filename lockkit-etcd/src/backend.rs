@@ -267,6 +267,23 @@ impl EtcdBackend {
         }
     }
 
+    /// Whether `key` exists; `false` also when the cluster does not answer in time (the
+    /// caller then looks again).
+    async fn still_there(&self, key: &[u8]) -> bool {
+        let client = self.client();
+        let read = || {
+            let (mut client, key) = (client.clone(), key.to_vec());
+            async move {
+                client
+                    .get(key, Some(GetOptions::new().with_count_only()))
+                    .await
+            }
+        };
+        self.ask_within_limit(read, "reading the predecessor")
+            .await
+            .is_ok_and(|got| got.count() > 0)
+    }
+
     /// Queues for the lock and waits to be first; `None` when `wait` ran out or the caller
     /// went away (the contender's lease is revoked then).
     async fn contend(
@@ -441,10 +458,11 @@ impl EtcdBackend {
                 Self::give_up(&lease).await;
                 return Ok(None);
             }
-            // Deletions of the predecessor after the revision that listed it.
-            let watch = WatchOptions::new()
-                .with_start_revision(at + 1)
-                .with_filters([WatchFilterType::NoPut]);
+            // Deletions of the predecessor from now on. (A watch from the listing's revision
+            // would see the ones in between too, but etcd serves a watch that starts in the
+            // past from a catch-up loop that runs every 100 ms: a slow wake-up under load.
+            // The gap is closed below instead.)
+            let watch = WatchOptions::new().with_filters([WatchFilterType::NoPut]);
             let open_watch = || {
                 let (mut client, predecessor, watch) =
                     (client.clone(), predecessor.clone(), watch.clone());
@@ -472,7 +490,16 @@ impl EtcdBackend {
                                 break;
                             }
                             if answer.canceled() {
-                                // Compacted past, or the member lost its leader: look again.
+                                // The member lost its leader: look again.
+                                break;
+                            }
+                            let watched_from = answer.header().map_or(0, |h| h.revision());
+                            if answer.created()
+                                && watched_from > at
+                                && !self.still_there(&predecessor).await
+                            {
+                                // Deleted between the listing and the watch.
+                                self.inner.wakeups.fetch_add(1, Ordering::SeqCst);
                                 break;
                             }
                         }
