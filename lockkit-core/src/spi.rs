@@ -10,7 +10,7 @@ pub use crate::file::file_name;
 pub use crate::guard::local_validity;
 pub use crate::local_hold::{CountRelease, HoldCount, LocalHolds};
 pub use crate::options::validate_ttl;
-pub use crate::wait::deadline_after;
 pub use crate::wait::{
     Armed, Attempt, Backoff, Polling, WaitPolicy, Wake, armed, never, wait_for_grant,
 };
+pub use crate::wait::{deadline_after, granted_or_timeout};

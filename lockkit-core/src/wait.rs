@@ -15,6 +15,23 @@ use crate::{Error, Grant, LockKey, Result};
 /// or [`deadline_after`].
 pub const WAIT_FOREVER: Duration = Duration::from_secs(100 * 365 * 24 * 3600);
 
+/// The grant `acquisition` (an attempt that waits, `None` when its wait ran out) yields,
+/// or [`Error::Timeout`] for `key` saying how long it waited: the `acquire` of a backend
+/// whose own attempt returns `Option<Grant>`.
+///
+/// # Errors
+/// The acquisition's own error, or the timeout.
+pub async fn granted_or_timeout(
+    key: &LockKey,
+    acquisition: impl Future<Output = Result<Option<Grant>>>,
+) -> Result<Grant> {
+    let started = Instant::now();
+    acquisition.await?.ok_or_else(|| Error::Timeout {
+        key: key.clone(),
+        waited: started.elapsed(),
+    })
+}
+
 /// `now + wait`, saturating at a far-away instant instead of overflowing.
 pub fn deadline_after(wait: Duration) -> tokio::time::Instant {
     let now = tokio::time::Instant::now();

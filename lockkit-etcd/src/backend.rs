@@ -16,7 +16,7 @@ use etcd_client::{
 };
 use lockkit_core::spi::{
     AcquireRequest, CountRelease, Grant, HoldCount, Interrupt, LocalHolds, Released,
-    deadline_after, detached_acquire,
+    deadline_after, detached_acquire, granted_or_timeout,
 };
 use lockkit_core::{
     BackendInfo, Capabilities, Consistency, Error, FencingToken, HolderInfo, LockBackend, LockKey,
@@ -729,13 +729,7 @@ impl LockBackend for EtcdBackend {
     }
 
     async fn acquire(&self, req: &AcquireRequest, wait: Duration) -> Result<Grant> {
-        let started = Instant::now();
-        self.acquire_within(req, wait)
-            .await?
-            .ok_or_else(|| Error::Timeout {
-                key: req.key.clone(),
-                waited: started.elapsed(),
-            })
+        granted_or_timeout(&req.key, self.acquire_within(req, wait)).await
     }
 
     /// Without a confirmed keep-alive for 2/3 of the etcd lease's TTL the cluster may

@@ -12,7 +12,7 @@ use std::{
 use async_trait::async_trait;
 use lockkit_core::spi::{
     AcquireRequest, Backoff, CountRelease, Grant, HoldCount, Interrupt, LocalHolds, Released,
-    deadline_after, detached_acquire,
+    deadline_after, detached_acquire, granted_or_timeout,
 };
 use lockkit_core::{
     BackendInfo, Capabilities, Consistency, Error, FencingToken, HolderInfo, LockBackend, LockKey,
@@ -82,14 +82,7 @@ impl LockBackend for ForUpdateLocks {
     }
 
     async fn acquire(&self, req: &AcquireRequest, wait: Duration) -> Result<Grant> {
-        let started = Instant::now();
-        match acquire(self, req, wait).await? {
-            Some(grant) => Ok(grant),
-            None => Err(Error::Timeout {
-                key: req.key.clone(),
-                waited: started.elapsed(),
-            }),
-        }
+        granted_or_timeout(&req.key, acquire(self, req, wait)).await
     }
 
     async fn renew(&self, grant: &Grant, ttl: Duration) -> Result<()> {

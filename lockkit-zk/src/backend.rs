@@ -11,7 +11,7 @@ use std::{
 use async_trait::async_trait;
 use lockkit_core::spi::{
     AcquireRequest, Backoff, CountRelease, Grant, HoldCount, Interrupt, LocalHolds, Released,
-    deadline_after, detached_acquire,
+    deadline_after, detached_acquire, granted_or_timeout,
 };
 use lockkit_core::{
     BackendInfo, Capabilities, Consistency, Error, FencingToken, HolderInfo, LockBackend, LockKey,
@@ -841,13 +841,7 @@ impl LockBackend for ZkBackend {
     }
 
     async fn acquire(&self, req: &AcquireRequest, wait: Duration) -> Result<Grant> {
-        let started = Instant::now();
-        self.acquire_within(req, wait)
-            .await?
-            .ok_or_else(|| Error::Timeout {
-                key: req.key.clone(),
-                waited: started.elapsed(),
-            })
+        granted_or_timeout(&req.key, self.acquire_within(req, wait)).await
     }
 
     /// After 2/3 of the session timeout without an answer the session may be gone on the
