@@ -262,7 +262,7 @@ impl EtcdBackend {
     {
         let end = Instant::now() + self.request_limit();
         match ask(request, end, self.per_try(), None).await {
-            Ok(answer) => answer.map_err(|e| etcd_error(doing, e)),
+            Ok((answer, _)) => answer.map_err(|e| etcd_error(doing, e)),
             Err(_) => Err(unanswered(doing, self.request_limit())),
         }
     }
@@ -299,14 +299,12 @@ impl EtcdBackend {
         // Requests that fail on the way (a member down or frozen, a connection that broke
         // while idle) are asked again until the wait ends, and one request limit past it.
         // A lease granted whose answer never arrives carries no key and expires by itself.
-        let sent = std::sync::Mutex::new(Instant::now());
         let client = self.client();
         let grant_lease = || {
             let mut client = client.clone();
-            *sent.lock().unwrap_or_else(|e| e.into_inner()) = Instant::now();
             async move { client.lease_grant(session_ttl, None).await }
         };
-        let granted = match ask(
+        let (granted, sent) = match ask(
             grant_lease,
             self.request_end(deadline),
             per_try,
@@ -314,14 +312,13 @@ impl EtcdBackend {
         )
         .await
         {
-            Ok(Ok(granted)) => granted,
-            Ok(Err(e)) => return Err(etcd_error("granting the contender's lease", e)),
+            Ok((Ok(granted), sent)) => (granted, sent),
+            Ok((Err(e), _)) => return Err(etcd_error("granting the contender's lease", e)),
             Err(Unanswered::Interrupted) => return Ok(None),
             Err(Unanswered::TooLate) => {
                 return Err(unanswered("granting a lease", self.request_limit()));
             }
         };
-        let sent = *sent.lock().unwrap_or_else(|e| e.into_inner());
         let ttl = Duration::from_secs(u64::try_from(granted.ttl()).unwrap_or(0));
         let lease = Lease::keep(self.client(), granted.id(), ttl, sent, self.request_limit());
         let name = format!("{range}{:x}", granted.id());
@@ -360,13 +357,11 @@ impl EtcdBackend {
                 ),
             ])
             .or_else([TxnOp::get(name.clone(), None)]);
-        let sent = std::sync::Mutex::new(Instant::now());
         let send_create = || {
             let (mut client, create) = (client.clone(), create.clone());
-            *sent.lock().unwrap_or_else(|e| e.into_inner()) = Instant::now();
             async move { client.txn(create).await }
         };
-        let answer = match ask(
+        let (answer, sent) = match ask(
             send_create,
             self.request_end(deadline),
             per_try,
@@ -374,11 +369,10 @@ impl EtcdBackend {
         )
         .await
         {
-            Ok(Ok(answer)) => answer,
-            Ok(Err(e)) => return failed(Ok(e), "creating the contender key").await,
+            Ok((Ok(answer), sent)) => (answer, sent),
+            Ok((Err(e), _)) => return failed(Ok(e), "creating the contender key").await,
             Err(why) => return failed(Err(why), "creating the contender key").await,
         };
-        let sent = *sent.lock().unwrap_or_else(|e| e.into_inner());
         let at = revision_of(&answer);
         let (revision, mut look) = if answer.succeeded() {
             // Ours is the newest key of the range; the next one down precedes it.
@@ -419,13 +413,11 @@ impl EtcdBackend {
             let (sent, at, predecessor) = match look.take() {
                 Some(seen) => seen,
                 None => {
-                    let sent = std::sync::Mutex::new(Instant::now());
                     let send_check = || {
                         let (mut client, check) = (client.clone(), check.clone());
-                        *sent.lock().unwrap_or_else(|e| e.into_inner()) = Instant::now();
                         async move { client.txn(check).await }
                     };
-                    let answer = match ask(
+                    let (answer, sent) = match ask(
                         send_check,
                         self.request_end(deadline),
                         per_try,
@@ -433,8 +425,10 @@ impl EtcdBackend {
                     )
                     .await
                     {
-                        Ok(Ok(answer)) => answer,
-                        Ok(Err(e)) => return failed(Ok(e), "looking for the predecessor").await,
+                        Ok((Ok(answer), sent)) => (answer, sent),
+                        Ok((Err(e), _)) => {
+                            return failed(Ok(e), "looking for the predecessor").await;
+                        }
                         Err(why) => return failed(Err(why), "looking for the predecessor").await,
                     };
                     if !answer.succeeded() {
@@ -447,7 +441,6 @@ impl EtcdBackend {
                         ));
                     }
                     let predecessor = range_of(&answer, 0).first().map(|kv| kv.key().to_vec());
-                    let sent = *sent.lock().unwrap_or_else(|e| e.into_inner());
                     (sent, revision_of(&answer), predecessor)
                 }
             };
@@ -476,8 +469,8 @@ impl EtcdBackend {
             )
             .await
             {
-                Ok(Ok(stream)) => stream,
-                Ok(Err(e)) => return failed(Ok(e), "watching the predecessor").await,
+                Ok((Ok(stream), _)) => stream,
+                Ok((Err(e), _)) => return failed(Ok(e), "watching the predecessor").await,
                 Err(why) => return failed(Err(why), "watching the predecessor").await,
             };
             let recheck_at = Instant::now() + recheck_every;
@@ -742,18 +735,18 @@ impl LockBackend for EtcdBackend {
     async fn renew(&self, grant: &Grant, ttl: Duration) -> Result<()> {
         let held = self.held_of(grant)?;
         let client = self.client();
-        let sent = std::sync::Mutex::new(Instant::now());
+        let sent = Instant::now();
         let look = || {
             let (mut client, name) = (client.clone(), held.name.clone());
-            *sent.lock().unwrap_or_else(|e| e.into_inner()) = Instant::now();
             async move {
                 client
                     .get(name, Some(GetOptions::new().with_keys_only()))
                     .await
             }
         };
+        // The lease is extended from before the first try was sent: no later than the
+        // try that was answered.
         let got = self.ask_within_limit(look, "checking the lock key").await?;
-        let sent = *sent.lock().unwrap_or_else(|e| e.into_inner());
         let ours = got
             .kvs()
             .first()

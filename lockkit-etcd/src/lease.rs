@@ -170,8 +170,8 @@ impl Lease {
         };
         let end = Instant::now() + self.request_limit;
         match ask(revoke, end, self.request_limit / 2, None).await {
-            Ok(Ok(_)) => true,
-            Ok(Err(e)) => lease_not_found(&e),
+            Ok((Ok(_), _)) => true,
+            Ok((Err(e), _)) => lease_not_found(&e),
             Err(_) => false,
         }
     }

@@ -63,38 +63,39 @@ async fn interrupted(interrupt: Option<&Interrupt>) {
 /// Sends `request` (built afresh for each try) until an answer, asking again after a
 /// failure on the way or a try left unanswered for `per_try`: the client spreads requests
 /// over every member, a dead or frozen one included, and the next try may reach another.
-/// Only for requests that may be applied twice. At `end` the last failure is the answer
-/// (`TooLate` if no try was answered at all); a caller gone wants none.
+/// Only for requests that may be applied twice. Returns the answer and when the try that
+/// got it was sent. At `end` the last failure is the answer (`TooLate` if no try was
+/// answered at all); a caller gone wants none.
 pub(crate) async fn ask<T, F, Fut>(
     mut request: F,
     end: Instant,
     per_try: Duration,
     interrupt: Option<&Interrupt>,
-) -> Result<Result<T, etcd_client::Error>, Unanswered>
+) -> Result<(Result<T, etcd_client::Error>, Instant), Unanswered>
 where
     F: FnMut() -> Fut,
     Fut: Future<Output = Result<T, etcd_client::Error>>,
 {
     let mut failure = None;
     loop {
-        let now = Instant::now();
-        if now >= end {
-            return failure.map(Err).ok_or(Unanswered::TooLate);
+        let sent = Instant::now();
+        if sent >= end {
+            return failure.ok_or(Unanswered::TooLate);
         }
         let answer = tokio::select! {
             answer = request() => Some(answer),
-            () = tokio::time::sleep_until((now + per_try).min(end)) => None,
+            () = tokio::time::sleep_until((sent + per_try).min(end)) => None,
             () = interrupted(interrupt) => return Err(Unanswered::Interrupted),
         };
         match answer {
             Some(Err(e)) if transient(&e) => {
-                failure = Some(e);
+                failure = Some((Err(e), sent));
                 tokio::select! {
                     () = tokio::time::sleep_until((Instant::now() + RETRY_PAUSE).min(end)) => {}
                     () = interrupted(interrupt) => return Err(Unanswered::Interrupted),
                 }
             }
-            Some(answer) => return Ok(answer),
+            Some(answer) => return Ok((answer, sent)),
             None => {}
         }
     }
