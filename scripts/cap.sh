@@ -9,4 +9,4 @@
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 scripts/services.sh up >/dev/null
-cargo run -q -p lockkit-cli -- lab all --update docs/cap.md
+cargo run -q -p lockkit-cli --features etcd -- lab all --update docs/cap.md

@@ -1,38 +1,48 @@
-//! What the lab asks an etcd cluster: who leads, and whether it settled.
+//! What the lab asks an etcd cluster: who leads, and whether it settled. Through
+//! `etcdctl` (installed with the servers by `services.sh`), so the lab builds without
+//! etcd's client library.
 
 use std::time::Duration;
 
-use etcd_client::{Client, ConnectOptions};
-use tokio::time::Instant;
+use tokio::{process::Command, time::Instant};
 
 use crate::LabError;
 use lockkit_conformance::env::host_ports;
 
-/// One member's view: its own id and the leader's (`None` when it does not answer).
-async fn member_status(addr: &str) -> Option<(u64, u64)> {
-    let options = ConnectOptions::new()
-        .with_connect_timeout(Duration::from_secs(1))
-        .with_timeout(Duration::from_secs(1));
-    let ask = async {
-        let mut client = Client::connect([format!("http://{addr}")], Some(options))
-            .await
-            .ok()?;
-        let status = client.status().await.ok()?;
-        Some((status.header()?.member_id(), status.leader()))
-    };
-    tokio::time::timeout(Duration::from_secs(2), ask)
+/// Whether the member at `addr` says it leads (`None` when it does not answer).
+async fn leads(addr: &str) -> Option<bool> {
+    let status = Command::new("etcdctl")
+        .env("ETCDCTL_API", "3")
+        .args([
+            &format!("--endpoints={addr}"),
+            "--dial-timeout=1s",
+            "--command-timeout=1s",
+            "endpoint",
+            "status",
+        ])
+        .kill_on_drop(true)
+        .output();
+    let output = tokio::time::timeout(Duration::from_secs(3), status)
         .await
-        .ok()
-        .flatten()
+        .ok()?
+        .ok()?;
+    if !output.status.success() {
+        return None;
+    }
+    // `<endpoint>, <id>, <version>, <db size>, <is leader>, <is learner>, <term>, ...`
+    let line = String::from_utf8_lossy(&output.stdout);
+    match line.split(", ").nth(4)? {
+        "true" => Some(true),
+        "false" => Some(false),
+        _ => None,
+    }
 }
 
 /// The etcd instance (`etcd-N`) that leads the cluster, and its address.
 pub(super) async fn etcd_leader(url: &str) -> Result<(String, String), LabError> {
     for _ in 0..50 {
         for (i, addr) in host_ports(url).iter().enumerate() {
-            if let Some((me, leader)) = member_status(addr).await
-                && me == leader
-            {
+            if leads(addr).await == Some(true) {
                 return Ok((format!("etcd-{}", i + 1), addr.clone()));
             }
         }
@@ -41,28 +51,25 @@ pub(super) async fn etcd_leader(url: &str) -> Result<(String, String), LabError>
     Err(LabError::new(format!("no leader among {url}")))
 }
 
-/// Waits until every member answers and all name the same leader.
+/// Waits until every member answers and exactly one leads.
 pub(super) async fn etcd_settled(url: &str) -> Result<String, LabError> {
     let deadline = Instant::now() + Duration::from_secs(30);
     loop {
         let mut views = Vec::new();
         for addr in host_ports(url) {
-            views.push(member_status(&addr).await);
+            views.push(leads(&addr).await);
         }
-        let leaders: Vec<u64> = views.iter().flatten().map(|(_, l)| *l).collect();
-        let agreed = views.iter().all(Option::is_some)
-            && leaders
-                .first()
-                .is_some_and(|l| *l != 0 && leaders.iter().all(|x| x == l));
         let modes: Vec<&str> = views
             .iter()
             .map(|v| match v {
-                Some((me, leader)) if me == leader => "leader",
-                Some(_) => "follower",
+                Some(true) => "leader",
+                Some(false) => "follower",
                 None => "down",
             })
             .collect();
-        if agreed {
+        if views.iter().all(Option::is_some)
+            && views.iter().filter(|v| **v == Some(true)).count() == 1
+        {
             return Ok(modes.join(", "));
         }
         if Instant::now() > deadline {
