@@ -35,7 +35,7 @@ pub use harness::{Harness, HookError, HookResult};
 pub use history::{History, Violation};
 pub use lockkit_core;
 pub use memory_harness::MemoryHarness;
-pub use proxy::{FaultProxy, LinkState};
+pub use proxy::{FaultProxy, LinkState, ProxiedClients};
 pub use support::{Check, Space};
 
 /// How one case ended, when it did not fail (failing cases panic).

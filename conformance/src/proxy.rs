@@ -217,3 +217,151 @@ async fn pump(
         }
     }
 }
+
+/// The clients a harness made, each with the fault proxies in front of it (one per server)
+/// and its backend as its own type (for the backend's diagnostics): the link hooks of a
+/// [`Harness`](crate::Harness) whose clients all go through proxies.
+pub struct ProxiedClients<B> {
+    clients: std::sync::Mutex<Vec<ProxiedClient<B>>>,
+}
+
+struct ProxiedClient<B> {
+    shared: std::sync::Arc<dyn lockkit_core::LockBackend>,
+    proxies: Vec<FaultProxy>,
+    backend: B,
+}
+
+impl<B> std::fmt::Debug for ProxiedClients<B> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let clients = self.clients.lock().map_or(0, |c| c.len());
+        f.debug_struct("ProxiedClients")
+            .field("clients", &clients)
+            .finish()
+    }
+}
+
+impl<B: Clone> Default for ProxiedClients<B> {
+    fn default() -> Self {
+        ProxiedClients {
+            clients: std::sync::Mutex::new(Vec::new()),
+        }
+    }
+}
+
+impl<B: Clone> ProxiedClients<B> {
+    /// Starts one proxy in front of each `host:port` of `servers`; returns them and the
+    /// `host:port` clients should connect to instead, joined by commas.
+    ///
+    /// # Panics
+    /// If a server address does not parse or a proxy cannot start (test code).
+    pub async fn start_proxies(servers: &[String]) -> (Vec<FaultProxy>, String) {
+        let mut proxies = Vec::new();
+        for server in servers {
+            let upstream = server
+                .parse()
+                .unwrap_or_else(|e| panic!("server address `{server}`: {e}"));
+            let proxy = FaultProxy::start(upstream)
+                .await
+                .unwrap_or_else(|e| panic!("a proxy in front of {server}: {e}"));
+            proxies.push(proxy);
+        }
+        let hosts: Vec<String> = proxies.iter().map(|p| p.local_addr().to_string()).collect();
+        (proxies, hosts.join(","))
+    }
+
+    /// Records a client: `shared` as lockers see it, `proxies` in front of it, `backend`.
+    pub fn add(
+        &self,
+        shared: std::sync::Arc<dyn lockkit_core::LockBackend>,
+        proxies: Vec<FaultProxy>,
+        backend: B,
+    ) {
+        self.lock().push(ProxiedClient {
+            shared,
+            proxies,
+            backend,
+        });
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Vec<ProxiedClient<B>>> {
+        self.clients.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn find<T>(
+        &self,
+        client: &lockkit_core::Locker,
+        f: impl FnOnce(&ProxiedClient<B>) -> T,
+    ) -> crate::HookResult<T> {
+        let clients = self.lock();
+        clients
+            .iter()
+            .find(|c| {
+                std::ptr::addr_eq(
+                    std::sync::Arc::as_ptr(&c.shared),
+                    std::sync::Arc::as_ptr(client.backend()),
+                )
+            })
+            .map(f)
+            .ok_or_else(|| crate::HookError::Failed("unknown client".into()))
+    }
+
+    /// Runs `f` on the proxies in front of `client`.
+    ///
+    /// # Errors
+    /// [`HookError::Failed`](crate::HookError) for a client this harness did not make.
+    pub fn with_proxies<T>(
+        &self,
+        client: &lockkit_core::Locker,
+        f: impl FnOnce(&[FaultProxy]) -> T,
+    ) -> crate::HookResult<T> {
+        self.find(client, |c| f(&c.proxies))
+    }
+
+    /// `client`'s backend as its own type.
+    ///
+    /// # Errors
+    /// As [`ProxiedClients::with_proxies`].
+    pub fn backend_of(&self, client: &lockkit_core::Locker) -> crate::HookResult<B> {
+        self.find(client, |c| c.backend.clone())
+    }
+
+    /// Closes `client`'s connections and refuses new ones (the `kill_connection` hook).
+    ///
+    /// # Errors
+    /// As [`ProxiedClients::with_proxies`].
+    pub fn reset(&self, client: &lockkit_core::Locker) -> crate::HookResult {
+        self.with_proxies(client, |proxies| proxies.iter().for_each(FaultProxy::reset))
+    }
+
+    /// Requests `client` sent, over all its proxies (the `requests_sent` hook).
+    ///
+    /// # Errors
+    /// As [`ProxiedClients::with_proxies`].
+    pub fn requests_sent(&self, client: &lockkit_core::Locker) -> crate::HookResult<u64> {
+        self.with_proxies(client, |proxies| {
+            proxies.iter().map(FaultProxy::requests_seen).sum()
+        })
+    }
+
+    /// Delays everything `client` sends and receives (the `delay_link` hook).
+    ///
+    /// # Errors
+    /// As [`ProxiedClients::with_proxies`].
+    pub fn delay(&self, client: &lockkit_core::Locker, delay: Duration) -> crate::HookResult {
+        self.with_proxies(client, |proxies| {
+            proxies.iter().for_each(|p| p.set_delay(delay));
+        })
+    }
+
+    /// Stalls (`cut`) or heals `client`'s links (the `cut_link` hook).
+    ///
+    /// # Errors
+    /// As [`ProxiedClients::with_proxies`].
+    pub fn cut(&self, client: &lockkit_core::Locker, cut: bool) -> crate::HookResult {
+        self.with_proxies(client, |proxies| {
+            for proxy in proxies {
+                if cut { proxy.cut() } else { proxy.heal() }
+            }
+        })
+    }
+}

@@ -1,19 +1,12 @@
 //! The conformance suite against the private etcd servers from `scripts/services.sh`: the
 //! single member and the 3-member cluster.
 
-use std::{
-    sync::{Arc, Mutex},
-    time::Duration,
-};
+use std::{sync::Arc, time::Duration};
 
 use etcd_client::{GetOptions, SortOrder, SortTarget};
-use lockkit_conformance::{FaultProxy, Harness, HookError, HookResult, env};
+use lockkit_conformance::{Harness, HookError, HookResult, ProxiedClients, env};
 use lockkit_core::{LockBackend, LockKey, Locker, async_trait};
 use lockkit_etcd::{EtcdBackend, path::encode_str};
-
-/// A client's backend (shared, and as itself for its diagnostics) and its proxies, one per
-/// member.
-type Client = (Arc<dyn LockBackend>, Vec<FaultProxy>, EtcdBackend);
 
 /// The shortest etcd lease the servers grant (1.5 election timeouts, rounded up).
 const SESSION: Duration = Duration::from_secs(2);
@@ -22,7 +15,7 @@ const OPTIONS: &str = "session_ttl=2s&connect_timeout=1s";
 struct EtcdHarness {
     name: &'static str,
     url: String,
-    clients: Mutex<Vec<Client>>,
+    clients: ProxiedClients<EtcdBackend>,
 }
 
 impl EtcdHarness {
@@ -31,28 +24,12 @@ impl EtcdHarness {
         Some(EtcdHarness {
             name,
             url: format!("{url}?{OPTIONS}"),
-            clients: Mutex::new(Vec::new()),
+            clients: ProxiedClients::default(),
         })
     }
 
     async fn admin(&self) -> EtcdBackend {
         EtcdBackend::connect(&self.url).await.unwrap()
-    }
-
-    /// Runs `f` on the fault proxies in front of `client` (one per member).
-    fn with_proxies<T>(
-        &self,
-        client: &Locker,
-        f: impl FnOnce(&[FaultProxy]) -> T,
-    ) -> HookResult<T> {
-        let clients = self.clients.lock().unwrap();
-        let (_, proxies, _) = clients
-            .iter()
-            .find(|(shared, _, _)| {
-                std::ptr::addr_eq(Arc::as_ptr(shared), Arc::as_ptr(client.backend()))
-            })
-            .ok_or_else(|| HookError::Failed("unknown client".into()))?;
-        Ok(f(proxies))
     }
 }
 
@@ -68,18 +45,13 @@ impl Harness for EtcdHarness {
 
     async fn client(&self) -> Locker {
         // Each client reaches each member through its own fault proxy.
-        let mut proxies = Vec::new();
-        for member in env::host_ports(&self.url) {
-            proxies.push(FaultProxy::start(member.parse().unwrap()).await.unwrap());
-        }
-        let hosts: Vec<String> = proxies.iter().map(|p| p.local_addr().to_string()).collect();
-        let url = format!("etcd://{}?{OPTIONS}", hosts.join(","));
-        let backend = EtcdBackend::connect(&url).await.unwrap();
+        let (proxies, hosts) =
+            ProxiedClients::<EtcdBackend>::start_proxies(&env::host_ports(&self.url)).await;
+        let backend = EtcdBackend::connect(&format!("etcd://{hosts}?{OPTIONS}"))
+            .await
+            .unwrap();
         let shared: Arc<dyn LockBackend> = Arc::new(backend.clone());
-        self.clients
-            .lock()
-            .unwrap()
-            .push((shared.clone(), proxies, backend));
+        self.clients.add(shared.clone(), proxies, backend);
         Locker::from_arc(shared)
     }
 
@@ -138,38 +110,23 @@ impl Harness for EtcdHarness {
     async fn kill_connection(&self, client: &Locker) -> HookResult {
         // Cut the client off from every member for good: its leases expire on the cluster,
         // and the client must notice first.
-        self.with_proxies(client, |proxies| proxies.iter().for_each(FaultProxy::reset))
+        self.clients.reset(client)
     }
 
     async fn requests_sent(&self, client: &Locker) -> HookResult<u64> {
-        self.with_proxies(client, |proxies| {
-            proxies.iter().map(FaultProxy::requests_seen).sum()
-        })
+        self.clients.requests_sent(client)
     }
 
     async fn watch_wakeups(&self, client: &Locker) -> HookResult<u64> {
-        let clients = self.clients.lock().unwrap();
-        clients
-            .iter()
-            .find(|(shared, _, _)| {
-                std::ptr::addr_eq(Arc::as_ptr(shared), Arc::as_ptr(client.backend()))
-            })
-            .map(|(_, _, backend)| backend.watch_wakeups())
-            .ok_or_else(|| HookError::Failed("unknown client".into()))
+        Ok(self.clients.backend_of(client)?.watch_wakeups())
     }
 
     async fn delay_link(&self, client: &Locker, delay: Duration) -> HookResult {
-        self.with_proxies(client, |proxies| {
-            proxies.iter().for_each(|p| p.set_delay(delay));
-        })
+        self.clients.delay(client, delay)
     }
 
     async fn cut_link(&self, client: &Locker, cut: bool) -> HookResult {
-        self.with_proxies(client, |proxies| {
-            for proxy in proxies {
-                if cut { proxy.cut() } else { proxy.heal() }
-            }
-        })
+        self.clients.cut(client, cut)
     }
 
     async fn residue(&self, prefix: &str) -> HookResult<usize> {

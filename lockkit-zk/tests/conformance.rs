@@ -1,23 +1,16 @@
 //! The conformance suite against the private ZooKeeper servers from
 //! `scripts/services.sh`: the standalone server and the 3-node ensemble.
 
-use std::{
-    sync::{Arc, Mutex},
-    time::Duration,
-};
+use std::{sync::Arc, time::Duration};
 
-use lockkit_conformance::{FaultProxy, Harness, HookError, HookResult, env};
+use lockkit_conformance::{Harness, HookError, HookResult, ProxiedClients, env};
 use lockkit_core::{LockBackend, LockKey, Locker, async_trait};
 use lockkit_zk::{ZkBackend, path::encode_str};
-
-/// A client's backend (shared, and as itself for its diagnostics) and its proxies, one per
-/// server.
-type Client = (Arc<dyn LockBackend>, Vec<FaultProxy>, ZkBackend);
 
 struct ZkHarness {
     name: &'static str,
     url: String,
-    clients: Mutex<Vec<Client>>,
+    clients: ProxiedClients<ZkBackend>,
 }
 
 const SESSION: Duration = Duration::from_secs(2);
@@ -28,7 +21,7 @@ impl ZkHarness {
         Some(ZkHarness {
             name,
             url: format!("{url}?session_timeout=2s"),
-            clients: Mutex::new(Vec::new()),
+            clients: ProxiedClients::default(),
         })
     }
 
@@ -41,24 +34,6 @@ fn hook_error(e: impl std::fmt::Display) -> HookError {
     HookError::Failed(e.to_string())
 }
 
-impl ZkHarness {
-    /// Runs `f` on the fault proxies in front of `client` (one per server).
-    fn with_proxies<T>(
-        &self,
-        client: &Locker,
-        f: impl FnOnce(&[FaultProxy]) -> T,
-    ) -> HookResult<T> {
-        let clients = self.clients.lock().unwrap();
-        let (_, proxies, _) = clients
-            .iter()
-            .find(|(shared, _, _)| {
-                std::ptr::addr_eq(Arc::as_ptr(shared), Arc::as_ptr(client.backend()))
-            })
-            .ok_or_else(|| HookError::Failed("unknown client".into()))?;
-        Ok(f(proxies))
-    }
-}
-
 #[async_trait]
 impl Harness for ZkHarness {
     fn name(&self) -> String {
@@ -67,18 +42,13 @@ impl Harness for ZkHarness {
 
     async fn client(&self) -> Locker {
         // Each client reaches each server through its own fault proxy.
-        let mut proxies = Vec::new();
-        for server in env::host_ports(&self.url) {
-            proxies.push(FaultProxy::start(server.parse().unwrap()).await.unwrap());
-        }
-        let hosts: Vec<String> = proxies.iter().map(|p| p.local_addr().to_string()).collect();
-        let url = format!("zk://{}?session_timeout=2s", hosts.join(","));
-        let backend = ZkBackend::connect(&url).await.unwrap();
+        let (proxies, hosts) =
+            ProxiedClients::<ZkBackend>::start_proxies(&env::host_ports(&self.url)).await;
+        let backend = ZkBackend::connect(&format!("zk://{hosts}?session_timeout=2s"))
+            .await
+            .unwrap();
         let shared: Arc<dyn LockBackend> = Arc::new(backend.clone());
-        self.clients
-            .lock()
-            .unwrap()
-            .push((shared.clone(), proxies, backend));
+        self.clients.add(shared.clone(), proxies, backend);
         Locker::from_arc(shared)
     }
 
@@ -127,38 +97,23 @@ impl Harness for ZkHarness {
     async fn kill_connection(&self, client: &Locker) -> HookResult {
         // Cut the client off from every server for good: its session expires on the
         // servers, and the client must notice first.
-        self.with_proxies(client, |proxies| proxies.iter().for_each(FaultProxy::reset))
+        self.clients.reset(client)
     }
 
     async fn requests_sent(&self, client: &Locker) -> HookResult<u64> {
-        self.with_proxies(client, |proxies| {
-            proxies.iter().map(FaultProxy::requests_seen).sum()
-        })
+        self.clients.requests_sent(client)
     }
 
     async fn watch_wakeups(&self, client: &Locker) -> HookResult<u64> {
-        let clients = self.clients.lock().unwrap();
-        clients
-            .iter()
-            .find(|(shared, _, _)| {
-                std::ptr::addr_eq(Arc::as_ptr(shared), Arc::as_ptr(client.backend()))
-            })
-            .map(|(_, _, backend)| backend.watch_wakeups())
-            .ok_or_else(|| HookError::Failed("unknown client".into()))
+        Ok(self.clients.backend_of(client)?.watch_wakeups())
     }
 
     async fn delay_link(&self, client: &Locker, delay: Duration) -> HookResult {
-        self.with_proxies(client, |proxies| {
-            proxies.iter().for_each(|p| p.set_delay(delay));
-        })
+        self.clients.delay(client, delay)
     }
 
     async fn cut_link(&self, client: &Locker, cut: bool) -> HookResult {
-        self.with_proxies(client, |proxies| {
-            for proxy in proxies {
-                if cut { proxy.cut() } else { proxy.heal() }
-            }
-        })
+        self.clients.cut(client, cut)
     }
 
     async fn residue(&self, prefix: &str) -> HookResult<usize> {
