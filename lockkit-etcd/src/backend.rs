@@ -4,7 +4,7 @@
 use std::{
     sync::{
         Arc,
-        atomic::{AtomicBool, AtomicU64, Ordering},
+        atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering},
     },
     time::Duration,
 };
@@ -80,6 +80,15 @@ impl std::fmt::Debug for Held {
     }
 }
 
+/// Ends a lease when dropped: however its owner's future ends, even dropped mid-way.
+struct EndOnDrop<'a>(&'a Lease);
+
+impl Drop for EndOnDrop<'_> {
+    fn drop(&mut self) {
+        self.0.end();
+    }
+}
+
 impl Drop for Held {
     /// A hold nobody refers to any more gives its lease (and so its key) up.
     fn drop(&mut self) {
@@ -90,6 +99,11 @@ impl Drop for Held {
 pub(crate) struct Inner {
     config: EtcdConfig,
     client: Client,
+    /// One client per member (the same client when there is one member), for keep-alive
+    /// streams.
+    members: Arc<[Client]>,
+    /// Which member the next lease's keep-alives start on.
+    next_member: AtomicUsize,
     held: LocalHolds<Held>,
     /// Predecessor watches that fired, for herd checks.
     wakeups: AtomicU64,
@@ -145,9 +159,21 @@ impl EtcdBackend {
             .with_keep_alive_while_idle(false)
             .with_require_leader(true);
         let members = config.endpoints.join(",");
-        let mut client = Client::connect(&config.endpoints, Some(options))
+        let mut client = Client::connect(&config.endpoints, Some(options.clone()))
             .await
             .map_err(|e| etcd_error(&format!("connecting to `{members}`"), e))?;
+        // Each connects lazily, when a keep-alive stream first goes through it.
+        let mut member_clients = Vec::new();
+        if config.endpoints.len() > 1 {
+            for endpoint in &config.endpoints {
+                let member = Client::connect([endpoint], Some(options.clone()))
+                    .await
+                    .map_err(|e| etcd_error(&format!("connecting to `{endpoint}`"), e))?;
+                member_clients.push(member);
+            }
+        } else {
+            member_clients.push(client.clone());
+        }
         // The client connects lazily: a lease grant proves a member answers and the
         // cluster has a leader, and says which TTL the cluster grants.
         let asked = config.session_ttl.as_secs();
@@ -183,6 +209,8 @@ impl EtcdBackend {
             inner: Arc::new(Inner {
                 config,
                 client,
+                members: member_clients.into(),
+                next_member: AtomicUsize::new(0),
                 held: LocalHolds::new(),
                 wakeups: AtomicU64::new(0),
             }),
@@ -320,7 +348,15 @@ impl EtcdBackend {
             }
         };
         let ttl = Duration::from_secs(u64::try_from(granted.ttl()).unwrap_or(0));
-        let lease = Lease::keep(self.client(), granted.id(), ttl, sent, self.request_limit());
+        let first_member = self.inner.next_member.fetch_add(1, Ordering::Relaxed);
+        let lease = Lease::keep(
+            self.client(),
+            (self.inner.members.clone(), first_member),
+            granted.id(),
+            ttl,
+            sent,
+            self.request_limit(),
+        );
         let name = format!("{range}{:x}", granted.id());
         // Any failure from here on gives the contender up (its lease revoked).
         let failed = |why: std::result::Result<etcd_client::Error, Unanswered>, doing: &str| {
@@ -409,7 +445,21 @@ impl EtcdBackend {
         // A watch that broke without a word (a frozen member) must not keep a waiter past
         // its predecessor's release for longer than this.
         let recheck_every = self.inner.config.session_ttl * 2;
+        let lost_while_waiting = || {
+            Error::backend(
+                BACKEND,
+                true,
+                "the contender's lease was lost while waiting (the cluster stopped confirming \
+                 keep-alives)",
+            )
+        };
         let (granted_at, seen_at) = loop {
+            if lease.lost().is_some() {
+                // Looking again would find the key until the cluster expires it, and the
+                // watch would end at once: a loop of requests, not a wait.
+                Self::give_up(&lease).await;
+                return Err(lost_while_waiting());
+            }
             let (sent, at, predecessor) = match look.take() {
                 Some(seen) => seen,
                 None => {
@@ -483,7 +533,8 @@ impl EtcdBackend {
                                 break;
                             }
                             if answer.canceled() {
-                                // The member lost its leader: look again.
+                                // The member lost its leader: look again after a pause.
+                                tokio::time::sleep(RETRY_PAUSE).await;
                                 break;
                             }
                             let watched_from = answer.header().map_or(0, |h| h.revision());
@@ -517,12 +568,7 @@ impl EtcdBackend {
         };
         if lease.lost().is_some() {
             Self::give_up(&lease).await;
-            return Err(Error::backend(
-                BACKEND,
-                true,
-                "the contender's lease was lost while waiting (the cluster stopped confirming \
-                 keep-alives)",
-            ));
+            return Err(lost_while_waiting());
         }
         let held = Arc::new(Held {
             name: name.clone(),
@@ -538,7 +584,13 @@ impl EtcdBackend {
             .held
             .insert(req.owner, req.key.clone(), held.clone());
         lease.attach(held.loss.clone());
-        tokio::spawn(watch_own_key(self.client(), lease, name, seen_at + 1));
+        tokio::spawn(watch_own_key(
+            self.client(),
+            lease,
+            name,
+            revision,
+            seen_at + 1,
+        ));
         tokio::spawn(enforce_lease(self.clone(), Arc::downgrade(&held)));
         let token = FencingToken::new(u64::try_from(revision).unwrap_or(0));
         Ok(Some(Grant::new(req, token, 1, granted_at).with_state(held)))
@@ -617,9 +669,22 @@ impl EtcdBackend {
     }
 }
 
-/// Tells the hold on `lease` when its key `name` is deleted under it (a DELETE event from
-/// revision `from` on), until the lease is over.
-async fn watch_own_key(client: Client, lease: Arc<Lease>, name: String, mut from: i64) {
+/// Tells the hold on `lease` when its key `name` (created at `revision`) is deleted under
+/// it (a DELETE event from revision `from` on), until the lease is over.
+///
+/// A watch reopened after a break starts again from `from`, which moves only past what was
+/// surely seen: a header's revision says nothing of events still on their way (a watch's
+/// `created` answer carries the store's newest revision before any event it replays), so
+/// moving past it could skip the DELETE. Replaying from an old revision costs nothing (the
+/// server filters the PUTs); once that revision is compacted away, a read says whether the
+/// key is still the hold's own.
+async fn watch_own_key(
+    client: Client,
+    lease: Arc<Lease>,
+    name: String,
+    revision: i64,
+    mut from: i64,
+) {
     let mut backoff = retry_backoff();
     while !lease.is_over() {
         let watch = WatchOptions::new()
@@ -649,22 +714,25 @@ async fn watch_own_key(client: Client, lease: Arc<Lease>, name: String, mut from
                             return;
                         }
                         if answer.canceled() {
-                            // Compacted past: ask whether the key is still there.
+                            // Compacted past (or no leader): is the key still the one the
+                            // hold created? A linearizable read says so as of its revision.
                             let mut getter = client.clone();
-                            match getter.get(name.clone(), None).await {
-                                Ok(got) if got.kvs().is_empty() => {
+                            let read = tokio::time::timeout(
+                                lease.ttl / 3,
+                                getter.get(name.clone(), Some(GetOptions::new().with_keys_only())),
+                            );
+                            if let Ok(Ok(got)) = read.await {
+                                let ours = got
+                                    .kvs()
+                                    .first()
+                                    .is_some_and(|kv| kv.create_revision() == revision);
+                                if !ours {
                                     lease.lose(LostReason::NotOurs);
                                     return;
                                 }
-                                Ok(got) => {
-                                    from = got.header().map_or(from, |h| h.revision() + 1);
-                                }
-                                Err(_) => {}
+                                from = got.header().map_or(from, |h| from.max(h.revision() + 1));
                             }
                             break;
-                        }
-                        if let Some(header) = answer.header() {
-                            from = from.max(header.revision() + 1);
                         }
                     }
                     Ok(None) | Err(_) => break,
@@ -782,6 +850,10 @@ impl LockBackend for EtcdBackend {
         held.released.store(true, Ordering::SeqCst);
         self.forget(&held);
         held.lease.releasing();
+        // From here the hold is over whatever happens to this future: dropped mid-way, it
+        // still ends the lease (revoked in the background), although the caller keeps the
+        // grant.
+        let _end = EndOnDrop(&held.lease);
         let lost = held.loss.is_fired();
         // Delete the key if it is still ours (saying whether the hold lasted), then revoke
         // the lease in the background (it carries nothing after that). A try that failed
@@ -806,7 +878,6 @@ impl LockBackend for EtcdBackend {
                 "deleting the lock key (its lease is revoked in the background)",
             )
             .await;
-        held.lease.end();
         let retried = tries.load(Ordering::SeqCst) > 1;
         match deleted? {
             answer if (answer.succeeded() || retried) && !lost => Ok(Released::Fully),

@@ -50,6 +50,11 @@ pub(crate) struct Lease {
     /// The TTL the cluster granted.
     pub(crate) ttl: Duration,
     client: Client,
+    /// One client per member, for keep-alive streams: a stream that goes silent is opened
+    /// afresh on the next member, never again on a frozen one by chance.
+    members: Arc<[Client]>,
+    /// The member whose client opens the first stream.
+    first_member: usize,
     /// When the last keep-alive the server confirmed (or the grant) was sent: the cluster
     /// cannot expire the lease before this plus the TTL.
     confirmed: Mutex<Instant>,
@@ -63,9 +68,11 @@ pub(crate) struct Lease {
 }
 
 impl Lease {
-    /// Starts keeping lease `id` (granted with `ttl` by a request sent at `sent`) alive.
+    /// Starts keeping lease `id` (granted with `ttl` by a request sent at `sent`) alive,
+    /// through `members[first_member]` first.
     pub(crate) fn keep(
         client: Client,
+        (members, first_member): (Arc<[Client]>, usize),
         id: i64,
         ttl: Duration,
         sent: Instant,
@@ -75,6 +82,8 @@ impl Lease {
             id,
             ttl,
             client,
+            members,
+            first_member,
             confirmed: Mutex::new(sent),
             last_sent: Mutex::new(sent),
             state: Mutex::new(State::default()),
@@ -208,16 +217,24 @@ enum Stopped {
     Failed,
 }
 
-/// Keeps `lease` alive every third of its TTL until it is lost or its contender ends, then
+/// Keeps `lease` alive every sixth of its TTL until it is lost or its contender ends, then
 /// revokes it. The lease is lost when the cluster says it is gone, or when no keep-alive
 /// was confirmed by [`Lease::alive_until`].
+///
+/// A stream silent for a sixth of the TTL (its member frozen, or its connection dead
+/// without a word) is opened afresh on the next member: the silence is noticed a third of
+/// the TTL after the last confirmed keep-alive, which leaves another third before the
+/// loss deadline for the next member to answer.
 async fn keep_alive(lease: Arc<Lease>) {
     let mut backoff = retry_backoff();
+    let mut member = lease.first_member;
     while !lease.is_over() {
         let confirmed = lease.alive_until();
-        match keep_one_stream(&lease).await {
+        let client = &lease.members[member % lease.members.len()];
+        match keep_one_stream(&lease, client).await {
             Stopped::Over => break,
             Stopped::Failed => {
+                member = member.wrapping_add(1);
                 if lease.alive_until() > confirmed {
                     // The stream worked for a while: this is a fresh failure.
                     backoff = retry_backoff();
@@ -235,12 +252,13 @@ async fn keep_alive(lease: Arc<Lease>) {
     lease.revoke_until_gone().await;
 }
 
-/// Opens one keep-alive stream and keeps the lease alive through it while it works.
-async fn keep_one_stream(lease: &Lease) -> Stopped {
-    let every = (lease.ttl / 3).max(Duration::from_millis(100));
+/// Opens one keep-alive stream through `client` and keeps the lease alive through it
+/// while it works.
+async fn keep_one_stream(lease: &Lease, client: &Client) -> Stopped {
+    let every = (lease.ttl / 6).max(Duration::from_millis(100));
     let sent = Instant::now();
     *lock(&lease.last_sent) = sent;
-    let mut client = lease.client.clone();
+    let mut client = client.clone();
     // A stream opened on a frozen member never answers: try another after one interval.
     let opened = tokio::select! {
         opened = client.lease_keep_alive(lease.id) => opened,

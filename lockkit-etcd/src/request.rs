@@ -22,6 +22,8 @@ pub(crate) fn transient(e: &etcd_client::Error) -> bool {
                 | tonic::Code::Cancelled
                 | tonic::Code::Unknown
                 | tonic::Code::Aborted
+                // "too many requests": the member is busy applying; a later try may pass.
+                | tonic::Code::ResourceExhausted
         ),
         etcd_client::Error::TransportError(_) | etcd_client::Error::IoError(_) => true,
         _ => false,

@@ -9,6 +9,22 @@ use lockkit_conformance::env;
 use lockkit_core::{LockKey, Locker};
 use lockkit_etcd::EtcdBackend;
 
+/// The tests here kill and freeze members of the one cluster: one at a time.
+static ONE_FAULT_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
+/// Resumes and restarts every member when a test ends, passed or failed, so that a
+/// failure leaves no member frozen or down for the tests after it.
+struct RestoreMembers(usize);
+
+impl Drop for RestoreMembers {
+    fn drop(&mut self) {
+        let names: Vec<String> = (1..=self.0).map(|i| format!("etcd-{i}")).collect();
+        let names: Vec<&str> = names.iter().map(String::as_str).collect();
+        services(&[&["resume"], names.as_slice()].concat());
+        services(&[&["up"], names.as_slice()].concat());
+    }
+}
+
 fn services(args: &[&str]) {
     let script = concat!(env!("CARGO_MANIFEST_DIR"), "/../scripts/services.sh");
     let status = Command::new("bash")
@@ -69,7 +85,9 @@ async fn holds_survive_and_requests_work_with_a_member_down() {
     let Some(url) = env::service_url("LOCKKIT_TEST_ETCD_CLUSTER_URL") else {
         return;
     };
+    let _alone = ONE_FAULT_AT_A_TIME.lock().await;
     let members = env::host_ports(&url);
+    let _restore = RestoreMembers(members.len());
     let url = format!("{url}?session_ttl=10s");
     let holder = Locker::new(EtcdBackend::connect(&url).await.unwrap());
     let rival = Locker::new(EtcdBackend::connect(&url).await.unwrap());
@@ -99,6 +117,67 @@ async fn holds_survive_and_requests_work_with_a_member_down() {
         rounds(&rival, &other, &format!("the {role} ({victim}) down")).await;
         services(&["up", &victim]);
     }
+    guard.release().await.unwrap();
+    rounds(&rival, &key, "every member back").await;
+}
+
+/// A member frozen (SIGSTOP: its connections stay open and answer nothing) for longer than
+/// the holder's etcd lease, each member in turn, so that one of them carries the holder's
+/// keep-alive stream: the holder notices the silence in time, keeps its lease alive through
+/// another member, and keeps the lock; no rival gets it meanwhile.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hold_survives_each_member_frozen_in_turn() {
+    let Some(url) = env::service_url("LOCKKIT_TEST_ETCD_CLUSTER_URL") else {
+        return;
+    };
+    let _alone = ONE_FAULT_AT_A_TIME.lock().await;
+    let members = env::host_ports(&url);
+    let _restore = RestoreMembers(members.len());
+    let url = format!("{url}?session_ttl=6s");
+    let holder = Locker::new(EtcdBackend::connect(&url).await.unwrap());
+    let rival = Locker::new(EtcdBackend::connect(&url).await.unwrap());
+    let unique = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_nanos();
+    let key = LockKey::new(format!("etcd-frozen/{unique}")).unwrap();
+    // A lock lease far longer than the test: only the etcd lease can end the hold.
+    let guard = holder
+        .acquire(&key)
+        .ttl(Duration::from_secs(600))
+        .await
+        .unwrap();
+    for i in 1..=members.len() {
+        let victim = format!("etcd-{i}");
+        services(&["pause", &victim]);
+        // Past the etcd lease's TTL (6 s), with the victim silent throughout.
+        tokio::time::sleep(Duration::from_secs(8)).await;
+        let valid = guard.is_valid();
+        // The client spreads requests over the frozen member too: a try may go
+        // unanswered (an error), but none may be granted.
+        let mut tries = Vec::new();
+        for _ in 0..3 {
+            let taken = rival.try_acquire(&key).await;
+            let answered = matches!(taken, Ok(None));
+            tries.push(taken.map(|grant| grant.is_some()));
+            if answered {
+                break;
+            }
+        }
+        services(&["resume", &victim]);
+        assert!(valid, "the hold was lost while {victim} was frozen");
+        assert!(
+            tries.iter().any(|t| matches!(t, Ok(false)))
+                && !tries.iter().any(|t| matches!(t, Ok(true))),
+            "a rival's tries while {victim} was frozen: {tries:?}"
+        );
+        // Let the resumed member catch up before freezing the next one.
+        tokio::time::sleep(Duration::from_secs(2)).await;
+    }
+    assert!(
+        guard.is_valid(),
+        "the hold was lost after the members resumed"
+    );
     guard.release().await.unwrap();
     rounds(&rival, &key, "every member back").await;
 }

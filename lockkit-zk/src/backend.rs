@@ -160,6 +160,19 @@ async fn delete_until_gone(session: Arc<Session>, node: String) -> bool {
     false
 }
 
+/// Deletes its node until gone, in the background, when dropped still armed.
+struct DeleteOnDrop(Option<(Arc<Session>, String)>);
+
+impl Drop for DeleteOnDrop {
+    fn drop(&mut self) {
+        if let Some((session, node)) = self.0.take()
+            && let Ok(runtime) = tokio::runtime::Handle::try_current()
+        {
+            runtime.spawn(delete_until_gone(session, node));
+        }
+    }
+}
+
 impl Session {
     fn touch(&self, sent: Instant) {
         let mut last = lock(&self.last_contact);
@@ -891,7 +904,12 @@ impl LockBackend for ZkBackend {
         held.released.store(true, Ordering::SeqCst);
         self.forget(&held);
         let lost = held.loss.is_fired();
-        match held.session.client.delete(&held.node, None).await {
+        // Dropped before the answer (the caller went away), the deletion is still seen
+        // through in the background: the request sent may be lost with the connection.
+        let mut unanswered = DeleteOnDrop(Some((held.session.clone(), held.node.clone())));
+        let deleted = held.session.client.delete(&held.node, None).await;
+        unanswered.0 = None;
+        match deleted {
             Ok(()) if !lost => Ok(Released::Fully),
             Ok(())
             | Err(zookeeper_client::Error::NoNode | zookeeper_client::Error::SessionExpired) => {

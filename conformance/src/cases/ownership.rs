@@ -1,9 +1,9 @@
 //! Ownership: only the holder may release, renew or extend.
 
-use lockkit_core::spi::{Grant, Released};
-use lockkit_core::{Error, OwnerId};
+use lockkit_core::spi::{AcquireRequest, Grant, Released};
+use lockkit_core::{Error, LossSignal, OwnerId};
 
-use super::{LONG_TTL, assert_busy, assert_free, generous_wait};
+use super::{LONG_TTL, assert_busy, assert_free, generous_wait, hook};
 use crate::{Check, Harness, Outcome, Space, support::expect_err};
 
 /// A grant for `key` that names another owner, as a confused or malicious client would
@@ -92,6 +92,54 @@ pub async fn late_release_spares_next_holder<H: Harness>(h: &H) -> Outcome {
         next.release().await.check("next holder's release"),
         Released::Fully
     );
+    Outcome::Passed
+}
+
+/// A release dropped after its first poll (its caller timed out or went away, with the
+/// link cut so the request cannot have landed) still gives the lock up, although the
+/// caller keeps the grant: at the latest its lease runs out, and a rival gets the key.
+/// (Found on etcd, whose keep-alives went on for a hold whose release was dropped.)
+pub async fn a_dropped_release_leaves_no_orphan<H: Harness>(h: &H) -> Outcome {
+    let space = Space::new("a_dropped_release_leaves_no_orphan");
+    let key = space.key("k");
+    let (a, b) = (h.client().await, h.client().await);
+    let backend = a.backend().clone();
+    let request = AcquireRequest::new(
+        key.clone(),
+        a.owner().id(),
+        h.short_ttl(),
+        LossSignal::new(),
+    );
+    let grant = backend
+        .try_acquire(&request)
+        .await
+        .check("acquire")
+        .check("free key");
+    // Where the harness can cut the link, the release surely does not reach the server
+    // before it is dropped; elsewhere it may, which the case allows.
+    let cut = match h.cut_link(&a, true).await {
+        Ok(()) => true,
+        Err(crate::HookError::Unsupported(_)) => false,
+        Err(crate::HookError::Failed(why)) => panic!("fault hook failed: {why}"),
+    };
+    {
+        let mut release = std::pin::pin!(backend.release(&grant));
+        let polled =
+            std::future::poll_fn(|cx| std::task::Poll::Ready(release.as_mut().poll(cx))).await;
+        if let std::task::Poll::Ready(done) = polled {
+            done.check("a release that finished at once");
+        }
+    }
+    if cut {
+        hook!(h.cut_link(&a, false).await);
+    }
+    let rival = b
+        .acquire(&key)
+        .wait(generous_wait(h))
+        .await
+        .check("the key must be free once a dropped release's lease ran out");
+    rival.release().await.check("release the rival");
+    drop(grant);
     Outcome::Passed
 }
 
