@@ -12,6 +12,48 @@ mod demo;
 mod lab;
 mod supervisor;
 
+/// Sends the libraries' tracing to stderr: warnings and errors by default (a failed
+/// renewal, a lost lock), spans with `-v`, everything with `-vv`, errors only with `-q`;
+/// `RUST_LOG` (e.g. `RUST_LOG=lockkit=debug`) overrides the flags. Lock URLs never reach
+/// the output: the libraries log keys, backends and tokens, not credentials.
+fn install_diagnostics(verbose: u8, quiet: bool) {
+    use tracing_subscriber::{EnvFilter, fmt::format::FmtSpan};
+    let level = match (quiet, verbose) {
+        (true, _) => "error",
+        (false, 0) => "warn",
+        (false, 1) => "warn,lockkit=debug",
+        (false, _) => "debug,lockkit=trace",
+    };
+    let filter = std::env::var("RUST_LOG")
+        .ok()
+        .filter(|v| !v.trim().is_empty())
+        .and_then(|v| EnvFilter::try_new(v).ok())
+        // Targets match by prefix: `lockkit` covers lockkit_core, lockkit_redis, ...
+        .unwrap_or_else(|| EnvFilter::new(level));
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::stderr().is_terminal())
+        // A span is printed when it closes, with its fields and how long it took.
+        .with_span_events(FmtSpan::CLOSE)
+        .try_init();
+}
+
+/// Installs the Prometheus exporter: lockkit's metrics at `http://addr/metrics`, the
+/// `*_seconds` ones as histograms.
+fn serve_metrics(addr: std::net::SocketAddr) -> Result<(), String> {
+    use metrics_exporter_prometheus::{Matcher, PrometheusBuilder};
+    const SECONDS: [f64; 12] = [
+        0.000_5, 0.001, 0.002_5, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0, 10.0, 60.0,
+    ];
+    PrometheusBuilder::new()
+        .with_http_listener(addr)
+        .set_buckets_for_metric(Matcher::Suffix("_seconds".into()), &SECONDS)
+        .map_err(|e| e.to_string())?
+        .install()
+        .map_err(|e| e.to_string())
+}
+
 /// Exit code when the lock was lost while the command ran (EX_TEMPFAIL).
 const LOST_EXIT: u8 = 75;
 
@@ -29,6 +71,15 @@ struct Cli {
     /// Backend URL (default: $LOCKKIT_URL, else a lock directory in the temp directory).
     #[arg(long, global = true, env = "LOCKKIT_URL")]
     url: Option<String>,
+    /// More diagnostics on stderr: -v shows lockkit's spans (each acquire, renew and
+    /// release with its key, token, outcome and timing), -vv traces. `RUST_LOG`, when set,
+    /// decides instead.
+    #[arg(short, long, global = true, action = clap::ArgAction::Count)]
+    verbose: u8,
+    /// Only errors on stderr (a lost lock is one); by default warnings too (a failed
+    /// renewal).
+    #[arg(short, long, global = true, conflicts_with = "verbose")]
+    quiet: bool,
     #[command(subcommand)]
     command: Commands,
 }
@@ -68,6 +119,10 @@ enum Commands {
         /// Exit code when the lock could not be taken in time.
         #[arg(long, default_value_t = 1)]
         conflict_exit_code: u8,
+        /// Serve lockkit's metrics in Prometheus text form at http://ADDR/metrics while
+        /// the command runs (acquisitions, wait and hold times, renewals, losses).
+        #[arg(long, value_name = "ADDR")]
+        metrics_addr: Option<std::net::SocketAddr>,
         /// The command and its arguments.
         #[arg(required = true, trailing_var_arg = true, allow_hyphen_values = true)]
         command: Vec<String>,
@@ -345,6 +400,7 @@ async fn main() -> ExitCode {
         return ExitCode::from(u8::try_from(code).unwrap_or(1));
     }
     let cli = Cli::parse();
+    install_diagnostics(cli.verbose, cli.quiet);
     if let Commands::Supervise { grace_ms, command } = &cli.command {
         return supervisor::main(Duration::from_millis(*grace_ms), command).await;
     }
@@ -385,8 +441,15 @@ async fn main() -> ExitCode {
             max_hold,
             grace,
             conflict_exit_code,
+            metrics_addr,
             command,
         } => {
+            if let Some(addr) = metrics_addr
+                && let Err(e) = serve_metrics(addr)
+            {
+                eprintln!("lockkit: cannot serve metrics at {addr}: {e}");
+                return ExitCode::from(2);
+            }
             let ttl = ttl.unwrap_or(locker.options().ttl);
             run(
                 &locker,

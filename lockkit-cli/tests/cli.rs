@@ -742,3 +742,152 @@ fn fence_runs_the_write_under_the_fence() {
         assert_eq!(run("3", "true"), Some(1), "a successful one did");
     }
 }
+
+/// `RUST_LOG=lockkit=debug` (or `-v`) shows the acquire and release spans with the key,
+/// backend, token and outcome on stderr; by default nothing is printed for a lock that
+/// worked.
+#[test]
+fn debug_logging_shows_the_acquire_and_release_spans() {
+    let url = format!("file://{}", dir("spans"));
+    for (env_filter, flag) in [(Some("lockkit=debug"), None), (None, Some("-v"))] {
+        let mut args = vec!["run", "--key", "spanned", "--", "true"];
+        if let Some(flag) = flag {
+            args.insert(0, flag);
+        }
+        let mut cmd = lockkit(&url, &args);
+        match env_filter {
+            Some(filter) => cmd.env("RUST_LOG", filter),
+            None => cmd.env_remove("RUST_LOG"),
+        };
+        let out = cmd.output().unwrap();
+        assert_eq!(out.status.code(), Some(0));
+        let err = String::from_utf8_lossy(&out.stderr);
+        let span = |name: &str| {
+            err.lines()
+                .find(|l| l.contains(name))
+                .unwrap_or_else(|| panic!("no {name} span in: {err}"))
+                .to_owned()
+        };
+        let acquire = span("lockkit.acquire{");
+        for field in [
+            "key=spanned",
+            "backend=\"file\"",
+            "outcome=\"granted\"",
+            "token=",
+        ] {
+            assert!(acquire.contains(field), "{field} missing from: {acquire}");
+        }
+        let release = span("lockkit.release{");
+        assert!(release.contains("outcome=\"released\""), "{release}");
+    }
+    let quiet = lockkit(&url, &["run", "--key", "spanned", "--", "true"])
+        .env_remove("RUST_LOG")
+        .output()
+        .unwrap();
+    assert!(
+        quiet.stderr.is_empty(),
+        "a lock that worked printed: {}",
+        String::from_utf8_lossy(&quiet.stderr)
+    );
+}
+
+/// A lock lost while the command runs is told on stderr at `error`, with the key and the
+/// reason, without any flag.
+#[tokio::test]
+async fn a_lost_lock_is_logged_as_an_error() {
+    let dir = dir("lost-logged");
+    let url = format!("file://{dir}");
+    let child = lockkit(
+        &url,
+        &["run", "--key", "k", "--ttl", "600ms", "--", "sleep", "30"],
+    )
+    .env_remove("RUST_LOG")
+    .stderr(Stdio::piped())
+    .spawn()
+    .unwrap();
+    take_away_when_held(&dir).await;
+    let out = child.wait_with_output().unwrap();
+    assert_eq!(out.status.code(), Some(75));
+    let err = String::from_utf8_lossy(&out.stderr);
+    let line = err
+        .lines()
+        .find(|l| l.contains("lock lost while held"))
+        .unwrap_or_else(|| panic!("no loss logged: {err}"));
+    assert!(line.contains("ERROR") && line.contains("key=k"), "{line}");
+}
+
+/// One HTTP GET of `path` on `addr`, the body returned (`None` while nothing listens).
+fn http_get(addr: &str, path: &str) -> Option<String> {
+    use std::io::{Read, Write};
+    let mut stream = std::net::TcpStream::connect(addr).ok()?;
+    stream
+        .set_read_timeout(Some(Duration::from_secs(10)))
+        .ok()?;
+    write!(
+        stream,
+        "GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n"
+    )
+    .ok()?;
+    let mut answer = String::new();
+    stream.read_to_string(&mut answer).ok()?;
+    answer
+        .split_once("\r\n\r\n")
+        .map(|(_, body)| body.to_owned())
+}
+
+/// `lockkit run --metrics-addr` serves the acquisition counter and the wait histogram in
+/// Prometheus text form while the command runs.
+#[test]
+fn run_serves_metrics_while_the_command_runs() {
+    let url = format!("file://{}", dir("metrics"));
+    let addr = {
+        let free = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        free.local_addr().unwrap().to_string()
+    };
+    let mut child = lockkit(
+        &url,
+        &[
+            "run",
+            "--metrics-addr",
+            &addr,
+            "--key",
+            "m",
+            "--",
+            "sleep",
+            "30",
+        ],
+    )
+    .spawn()
+    .unwrap();
+    let started = Instant::now();
+    let body = loop {
+        if let Some(body) = http_get(&addr, "/metrics")
+            && body.contains("lockkit_acquisitions_total")
+        {
+            break body;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(20),
+            "no metrics served at {addr}"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let _ = nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(i32::try_from(child.id()).unwrap()),
+        nix::sys::signal::Signal::SIGTERM,
+    );
+    let _ = child.wait();
+    assert!(
+        body.contains(r#"lockkit_acquisitions_total{backend="file",outcome="granted"} 1"#),
+        "{body}"
+    );
+    assert!(
+        body.contains(r#"lockkit_acquire_wait_seconds_count{backend="file"} 1"#)
+            && body.contains("lockkit_acquire_wait_seconds_bucket"),
+        "{body}"
+    );
+    assert!(
+        body.contains(r#"lockkit_holds{backend="file"} 1"#),
+        "{body}"
+    );
+}

@@ -8,6 +8,7 @@ use std::{
 
 use tokio::{sync::Notify, time::Instant};
 use tokio_util::sync::CancellationToken;
+use tracing::Instrument;
 
 use crate::{
     AcquireRequest, Error, FencingToken, Grant, LockBackend, LockKey, LockOptions, LostReason,
@@ -56,6 +57,8 @@ pub(crate) struct HoldShared {
     /// The longest lease this hold ever asked the server for (ms): how long a record of
     /// it may outlive it there. Shared with the owner, which remembers it past the hold.
     longest_lease: Arc<std::sync::atomic::AtomicU64>,
+    /// Counts this hold in the `lockkit_holds` gauge while it lives.
+    _counted: crate::telemetry::Gauged,
 }
 
 impl HoldShared {
@@ -127,6 +130,7 @@ impl Hold {
             valid_until: grant.lease_start + local_validity(grant.ttl),
             released: false,
         };
+        let scheme = backend.info().scheme;
         let shared = Arc::new(HoldShared {
             backend,
             loss: grant.loss.clone(),
@@ -138,6 +142,7 @@ impl Hold {
             changed: Notify::new(),
             guards: std::sync::atomic::AtomicU32::new(0),
             longest_lease: Arc::default(),
+            _counted: crate::telemetry::Gauged::hold(scheme),
         });
         shared.asked_for(shared.grant.ttl);
         runtime.spawn(keep(shared.clone()));
@@ -183,6 +188,24 @@ impl Hold {
     }
 }
 
+/// Tells the operator, at `error`, that a hold was lost while it was held (not after its
+/// release).
+fn report_loss(shared: &HoldShared) {
+    if shared.lease().released || shared.stop.is_cancelled() {
+        return;
+    }
+    let reason = shared.loss.reason().unwrap_or(LostReason::NotOurs);
+    crate::telemetry::lost(shared.backend.info().scheme, reason);
+    tracing::error!(
+        key = %shared.grant.key,
+        backend = shared.backend.info().scheme,
+        owner = %shared.grant.owner,
+        token = shared.grant.token.get(),
+        %reason,
+        "lock lost while held"
+    );
+}
+
 /// The keeper: renews at the renewal period while the hold lives (watchdog), and fires
 /// the loss signal when the local lease deadline passes without a confirmed renewal.
 async fn keep(shared: Arc<HoldShared>) {
@@ -207,7 +230,10 @@ async fn keep(shared: Arc<HoldShared>) {
         tokio::select! {
             biased;
             _ = shared.stop.cancelled() => return,
-            _ = shared.loss.fired() => return,
+            _ = shared.loss.fired() => {
+                report_loss(&shared);
+                return;
+            }
             _ = shared.changed.notified() => {
                 // `extend` moved the lease and may have changed its TTL: count the next
                 // renewal from now, at the period of the TTL it set (not the old one, or a
@@ -223,6 +249,7 @@ async fn keep(shared: Arc<HoldShared>) {
         let now = Instant::now();
         if now >= shared.lease().valid_until {
             shared.loss.fire(LostReason::LeaseExpired);
+            report_loss(&shared);
             return;
         }
         let Some(due) = next_renew else { continue };
@@ -247,7 +274,27 @@ async fn keep(shared: Arc<HoldShared>) {
         }
         let start = Instant::now();
         let budget = shared.lease().valid_until.saturating_duration_since(start);
-        match tokio::time::timeout(budget, shared.backend.renew(&shared.grant, renew_ttl)).await {
+        let span = tracing::debug_span!(
+            "lockkit.renew",
+            key = %shared.grant.key,
+            backend = shared.backend.info().scheme,
+            token = shared.grant.token.get(),
+            ttl_ms = u64::try_from(renew_ttl.as_millis()).unwrap_or(u64::MAX),
+            outcome = tracing::field::Empty,
+        );
+        let renewal = tokio::time::timeout(budget, shared.backend.renew(&shared.grant, renew_ttl))
+            .instrument(span.clone())
+            .await;
+        let label = match &renewal {
+            Ok(Ok(())) => "renewed",
+            Ok(Err(Error::NotHeld { .. } | Error::Lost { .. })) => "not held",
+            Ok(Err(_)) => "failed",
+            Err(_) => "unanswered",
+        };
+        span.record("outcome", label);
+        crate::telemetry::renewal(shared.backend.info().scheme, label);
+        drop(span);
+        match renewal {
             Ok(Ok(())) => {
                 let mut lease = shared.lease();
                 lease.valid_until = start + local_validity(renew_ttl);
@@ -259,14 +306,21 @@ async fn keep(shared: Arc<HoldShared>) {
             }
             Ok(Err(Error::NotHeld { .. } | Error::Lost { .. })) => {
                 shared.loss.fire(LostReason::NotOurs);
+                report_loss(&shared);
                 return;
             }
             Ok(Err(error)) => {
-                tracing::warn!(key = %shared.grant.key, %error, "lease renewal failed; retrying");
+                tracing::warn!(
+                    key = %shared.grant.key,
+                    backend = shared.backend.info().scheme,
+                    %error,
+                    "lease renewal failed; retrying"
+                );
                 next_renew = Some(Instant::now() + retry_delay(period));
             }
             Err(_elapsed) => {
                 shared.loss.fire(LostReason::LeaseExpired);
+                report_loss(&shared);
                 return;
             }
         }
@@ -290,6 +344,10 @@ async fn release_one(hold: Arc<Hold>, grant: Grant) -> Result<Released> {
     }
     let outcome = shared.backend.release(&grant).await;
     if matches!(outcome, Ok(Released::Fully)) {
+        crate::telemetry::released(
+            shared.backend.info().scheme,
+            shared.grant.lease_start.elapsed(),
+        );
         // Read now, not before `op`: a sibling guard whose release went first is gone.
         if shared.guards.load(std::sync::atomic::Ordering::SeqCst) > 0 {
             // The server let go although other guards of this hold remain (it counted
@@ -518,6 +576,29 @@ impl LockGuard {
     /// The release runs as its own task: dropping this future does not stop it.
     pub async fn release(mut self) -> Result<Released> {
         self.done = true;
+        let span = tracing::debug_span!(
+            "lockkit.release",
+            key = %self.grant.key,
+            backend = self.shared().backend.info().scheme,
+            owner = %self.grant.owner,
+            token = self.grant.token.get(),
+            depth = self.grant.depth,
+            outcome = tracing::field::Empty,
+        );
+        let outcome = self.release_inner().instrument(span.clone()).await;
+        span.record(
+            "outcome",
+            match &outcome {
+                Ok(Released::Fully) => "released",
+                Ok(Released::Partially { .. }) => "partially",
+                Err(Error::Lost { .. }) => "lost",
+                Err(_) => "error",
+            },
+        );
+        outcome
+    }
+
+    async fn release_inner(&self) -> Result<Released> {
         let work = release_one(self.hold.clone(), self.grant.clone());
         match tokio::runtime::Handle::try_current() {
             Ok(rt) => rt.spawn(work).await.map_err(|e| {

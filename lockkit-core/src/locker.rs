@@ -295,6 +295,59 @@ impl Acquire {
         self
     }
 
+    /// [`Acquire::run`] inside a `lockkit.acquire` span (at `debug`, never `info`: it is
+    /// the hot path) that records the key, backend, owner, TTL and wait asked, and how it
+    /// ended: `outcome` (granted, busy, timeout, error), `token`, `depth`, `waited_ms`.
+    async fn run_traced(self, wait: Option<Duration>) -> Result<Option<LockGuard>> {
+        use tracing::{Instrument, field};
+        let span = tracing::debug_span!(
+            "lockkit.acquire",
+            key = field::Empty,
+            backend = self.locker.info.scheme,
+            owner = field::Empty,
+            ttl_ms = u64::try_from(self.options.ttl.as_millis()).unwrap_or(u64::MAX),
+            wait_ms = wait.map(|w| u64::try_from(w.as_millis()).unwrap_or(u64::MAX)),
+            outcome = field::Empty,
+            token = field::Empty,
+            depth = field::Empty,
+            waited_ms = field::Empty,
+        );
+        let backend = self.locker.info.scheme;
+        let started = tokio::time::Instant::now();
+        let waiting = crate::telemetry::Gauged::waiter(backend);
+        let outcome = if span.is_disabled() {
+            self.run(wait).await
+        } else {
+            if let Ok(key) = &self.key {
+                span.record("key", field::display(key));
+            }
+            self.run(wait).instrument(span.clone()).await
+        };
+        drop(waiting);
+        let waited = started.elapsed();
+        span.record(
+            "waited_ms",
+            u64::try_from(waited.as_millis()).unwrap_or(u64::MAX),
+        );
+        let label = match &outcome {
+            Ok(Some(guard)) => {
+                span.record("owner", field::display(guard.owner()));
+                span.record("token", guard.token().get());
+                span.record("depth", guard.depth());
+                "granted"
+            }
+            Ok(None) => "busy",
+            Err(Error::Timeout { .. }) => "timeout",
+            Err(error) => {
+                tracing::debug!(parent: &span, %error, "acquisition failed");
+                "error"
+            }
+        };
+        span.record("outcome", label);
+        crate::telemetry::acquisition(backend, label, waited);
+        outcome
+    }
+
     async fn run(self, wait: Option<Duration>) -> Result<Option<LockGuard>> {
         let key = self.key?;
         let locker = self.locker;
@@ -634,7 +687,7 @@ impl IntoFuture for Acquire {
         let wait = self.options.wait;
         Box::pin(async move {
             let key = self.key.as_ref().ok().cloned();
-            match (self.run(wait).await?, key) {
+            match (self.run_traced(wait).await?, key) {
                 (Some(guard), _) => Ok(guard),
                 // Only a zero wait comes back empty: the lock was busy.
                 (None, Some(key)) => Err(Error::Timeout {
@@ -680,6 +733,6 @@ impl IntoFuture for TryAcquire {
     type IntoFuture = Pin<Box<dyn Future<Output = Result<Option<LockGuard>>> + Send>>;
 
     fn into_future(self) -> Self::IntoFuture {
-        Box::pin(self.0.run(Some(Duration::ZERO)))
+        Box::pin(self.0.run_traced(Some(Duration::ZERO)))
     }
 }
