@@ -33,7 +33,7 @@ mod memory;
 mod options;
 mod owner;
 pub mod spi;
-mod telemetry;
+pub mod telemetry;
 mod wait;
 
 pub(crate) use attempts::AttemptLedger;
