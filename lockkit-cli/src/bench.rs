@@ -70,8 +70,10 @@ pub async fn run(url: &str, clients: u32, keys: u32, duration: Duration) -> Resu
     let locker = lockkit::connect(url).await?;
     let prefix = format!("bench/{}", std::process::id());
     let keys = keys.max(1);
+    let mut progress = crate::progress::Progress::new(4);
 
     // The backend's own round trip.
+    progress.step("the backend's round trip (500 pings)");
     let mut pings = Vec::new();
     for i in 0..600 {
         let start = Instant::now();
@@ -82,6 +84,7 @@ pub async fn run(url: &str, clients: u32, keys: u32, duration: Duration) -> Resu
     }
 
     // Uncontended acquire+release on one client.
+    progress.step("uncontended acquire + release (1,000 rounds)");
     let mut locks = Vec::new();
     for i in 0..1100u32 {
         let key = format!("{prefix}/u/{}", i % keys);
@@ -94,6 +97,9 @@ pub async fn run(url: &str, clients: u32, keys: u32, duration: Duration) -> Resu
     }
 
     // Throughput: `clients` clients over `keys` keys for `duration`.
+    progress.step(&format!(
+        "throughput: {clients} clients over {keys} keys for {duration:?}"
+    ));
     let deadline = Instant::now() + duration;
     let mut tasks = Vec::new();
     for c in 0..clients.max(1) {
@@ -122,6 +128,7 @@ pub async fn run(url: &str, clients: u32, keys: u32, duration: Duration) -> Resu
     let per_second = done as f64 / duration.as_secs_f64();
 
     // Handoff: `clients` waiters on one hot key.
+    progress.step(&format!("handoff: {clients} waiters on one key"));
     let hot = format!("{prefix}/hot");
     let mut handoffs = try_handoff(
         || lockkit::connect(url),
@@ -130,6 +137,7 @@ pub async fn run(url: &str, clients: u32, keys: u32, duration: Duration) -> Resu
         10,
     )
     .await?;
+    drop(progress);
 
     Ok(Figures {
         backend: lockkit::config::redact_url(url),

@@ -64,11 +64,15 @@ pub async fn main(
         }
     };
     let mut reports = Vec::new();
+    let mut progress = crate::progress::Progress::new(selected.len());
     for def in selected {
+        progress.step(&format!("{} on {}", def.scenario, def.backend));
         let report = lab::run(&lab, def).await;
+        progress.clear();
         print_verdict(&report);
         reports.push(report);
     }
+    drop(progress);
     let failed: Vec<String> = reports
         .iter()
         .filter(|r| !r.passed())

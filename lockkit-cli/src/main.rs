@@ -10,6 +10,7 @@ use tokio::signal::unix::SignalKind;
 mod bench;
 mod demo;
 mod lab;
+mod progress;
 mod supervisor;
 
 /// Sends the libraries' tracing to stderr: warnings and errors by default (a failed

@@ -345,6 +345,33 @@ fn bench_prints_json_with_ratios() {
             "{field} missing in {json}"
         );
     }
+    // Piped, no progress line.
+    assert!(
+        !String::from_utf8_lossy(&out.stderr).contains("[1/4]"),
+        "progress shown while piped"
+    );
+}
+
+/// On a terminal (a pseudo-terminal from script(1)) `bench` shows its progress, step by
+/// step, and clears the line before printing its figures.
+#[test]
+fn bench_shows_progress_on_a_terminal() {
+    let url = format!("file://{}", dir("bench-tty"));
+    let line = format!("LOCKKIT_URL={url} {BIN} bench --duration 100ms --clients 2 --keys 4");
+    let out = Command::new("script")
+        .args(["-qec", &line, "/dev/null"])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{out:?}");
+    let text = String::from_utf8_lossy(&out.stdout);
+    for step in [
+        "[1/4] the backend's round trip",
+        "[2/4] uncontended",
+        "[3/4] throughput",
+        "[4/4] handoff",
+    ] {
+        assert!(text.contains(step), "`{step}` missing from: {text}");
+    }
 }
 
 #[tokio::test]
@@ -422,6 +449,10 @@ fn lab_runs_a_scenario_and_prints_its_timeline() {
     ] {
         assert!(text.contains(line), "`{line}` missing from:\n{text}");
     }
+    assert!(
+        !String::from_utf8_lossy(&out.stderr).contains("[1/1]"),
+        "progress shown while piped"
+    );
 }
 
 /// Whether `pid` is a running process (a zombie waiting to be reaped is not).

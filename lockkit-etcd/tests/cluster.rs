@@ -65,6 +65,19 @@ async fn roles(members: &[String]) -> (String, String) {
     panic!("the cluster has no leader");
 }
 
+/// A holder's and a rival's client of the cluster at `url` with etcd leases of
+/// `session_ttl`, and a number no earlier run used, for key names.
+async fn clients(url: &str, session_ttl: &str) -> (Locker, Locker, u128) {
+    let url = format!("{url}?session_ttl={session_ttl}");
+    let holder = Locker::new(EtcdBackend::connect(&url).await.unwrap());
+    let rival = Locker::new(EtcdBackend::connect(&url).await.unwrap());
+    let unique = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_nanos();
+    (holder, rival, unique)
+}
+
 /// Ten acquire + release rounds by `locker` on `key`, all of which must succeed.
 async fn rounds(locker: &Locker, key: &LockKey, during: &str) {
     for round in 0..10 {
@@ -88,13 +101,7 @@ async fn holds_survive_and_requests_work_with_a_member_down() {
     let _alone = ONE_FAULT_AT_A_TIME.lock().await;
     let members = env::host_ports(&url);
     let _restore = RestoreMembers(members.len());
-    let url = format!("{url}?session_ttl=10s");
-    let holder = Locker::new(EtcdBackend::connect(&url).await.unwrap());
-    let rival = Locker::new(EtcdBackend::connect(&url).await.unwrap());
-    let unique = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap()
-        .as_nanos();
+    let (holder, rival, unique) = clients(&url, "10s").await;
     let key = LockKey::new(format!("etcd-cluster/{unique}")).unwrap();
     let other = LockKey::new(format!("etcd-cluster/{unique}-other")).unwrap();
     let guard = holder
@@ -133,13 +140,7 @@ async fn a_hold_survives_each_member_frozen_in_turn() {
     let _alone = ONE_FAULT_AT_A_TIME.lock().await;
     let members = env::host_ports(&url);
     let _restore = RestoreMembers(members.len());
-    let url = format!("{url}?session_ttl=6s");
-    let holder = Locker::new(EtcdBackend::connect(&url).await.unwrap());
-    let rival = Locker::new(EtcdBackend::connect(&url).await.unwrap());
-    let unique = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap()
-        .as_nanos();
+    let (holder, rival, unique) = clients(&url, "6s").await;
     let key = LockKey::new(format!("etcd-frozen/{unique}")).unwrap();
     // A lock lease far longer than the test: only the etcd lease can end the hold.
     let guard = holder
