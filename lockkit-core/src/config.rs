@@ -261,12 +261,13 @@ pub fn redact_url(text: &str) -> String {
 fn redact_word(word: &str) -> String {
     if !word.contains("://") {
         // Not a well-formed URL; hide whatever could be `user:password@`.
-        return match (word.find(':'), word.rfind('@')) {
+        let word = match (word.find(':'), word.rfind('@')) {
             (Some(colon), Some(at)) if colon < at => {
                 format!("{}:***{}", &word[..colon], &word[at..])
             }
             _ => word.to_owned(),
         };
+        return redact_query_secrets(&word);
     }
     let mut out = String::with_capacity(word.len());
     let mut rest = word;
@@ -298,6 +299,33 @@ fn redact_word(word: &str) -> String {
         rest = &tail[end..];
     }
     out.push_str(rest);
+    redact_query_secrets(&out)
+}
+
+/// Query parameters that carry a secret (libpq's `?password=`, `sslpassword=`, and their
+/// kin): their values become `***`.
+fn redact_query_secrets(url: &str) -> String {
+    const SECRET: [&str; 5] = ["password", "sslpassword", "passwd", "pwd", "pass"];
+    let mut out = String::with_capacity(url.len());
+    let mut rest = url;
+    // Each parameter starts after a `?` or `&` and runs to the next `&` (or `,`, where the
+    // next URL of a list starts; `#`; the backtick closing a quoted URL in a message) or
+    // the word's end: a password holding one of those shows what follows it.
+    while let Some(sep) = rest.find(['?', '&']) {
+        let (head, tail) = rest.split_at(sep + 1);
+        out.push_str(head);
+        let end = tail.find(['&', ',', '#', '`']).unwrap_or(tail.len());
+        let param = &tail[..end];
+        match param.split_once('=') {
+            Some((name, _)) if SECRET.iter().any(|s| name.eq_ignore_ascii_case(s)) => {
+                out.push_str(name);
+                out.push_str("=***");
+            }
+            _ => out.push_str(param),
+        }
+        rest = &tail[end..];
+    }
+    out.push_str(rest);
     out
 }
 
@@ -316,6 +344,19 @@ mod tests {
             "redis://u:***@h:1,redis://:***@h:2 and zk://h:3/x"
         );
         assert_eq!(redact_url("redis://h:1/0"), "redis://h:1/0");
+        assert_eq!(
+            redact_url("postgres://u@h/db?mode=row&password=s3cret&sslmode=disable"),
+            "postgres://u@h/db?mode=row&password=***&sslmode=disable"
+        );
+        assert_eq!(
+            redact_url("postgres://h/db?PASSWORD=x,postgres://h2/db?pwd=y"),
+            "postgres://h/db?PASSWORD=***,postgres://h2/db?pwd=***"
+        );
+        assert_eq!(
+            redact_url("etcd://h:1?prefix=/a&ttl=3s and token=5"),
+            "etcd://h:1?prefix=/a&ttl=3s and token=5"
+        );
+        assert_eq!(redact_url("`h/db?password=x`"), "`h/db?password=***`");
         assert_eq!(redact_url("redis://u:pa/ss@h:1/0"), "redis://u:***@h:1/0");
         assert_eq!(redact_url("redis://u:pa?ss@h"), "redis://u:***@h");
         assert_eq!(
