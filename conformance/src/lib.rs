@@ -106,6 +106,7 @@ macro_rules! __with_catalogue {
             waiting::zero_wait_returns_at_once,
             waiting::wait_times_out_near_deadline,
             waiting::waiter_is_woken_promptly_by_release,
+            waiting::inspect_counts_waiters,
             waiting::waiter_acquires_after_holder_expires,
             waiting::cancelled_waiter_leaves_no_residue,
             waiting::cancelled_acquire_leaves_no_orphan,

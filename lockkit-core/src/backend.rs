@@ -6,7 +6,7 @@ use async_trait::async_trait;
 use tokio::time::Instant;
 use uuid::Uuid;
 
-use crate::{FencingToken, LockKey, OwnerId, Result, lost::LossSignal};
+use crate::{FencingToken, HolderIdentity, LockKey, OwnerId, Result, lost::LossSignal};
 
 /// Whether a backend favours consistency or availability when the network fails.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -41,6 +41,9 @@ pub struct Capabilities {
     /// Waiters queue: a release wakes only the next waiter (ZooKeeper's predecessor watch,
     /// a server's lock queue), not every waiter at once (pub/sub, polling).
     pub queued_wait: bool,
+    /// [`HolderInfo::waiters`] is reported: the backend can count the contenders waiting
+    /// behind a holder (exactly, or as an estimate where its docs say so).
+    pub counts_waiters: bool,
 }
 
 impl Default for Capabilities {
@@ -54,6 +57,7 @@ impl Default for Capabilities {
             pushes_loss: false,
             cross_process: true,
             queued_wait: false,
+            counts_waiters: false,
         }
     }
 }
@@ -100,6 +104,10 @@ pub struct AcquireRequest {
     /// retry) take effect once: the same attempt id never adds a second hold. The
     /// [`Grant`] carries it on, so a release can be made idempotent the same way.
     pub attempt: Uuid,
+    /// Who is asking (host, pid, program, when): a backend stores it beside a new hold
+    /// (never over an existing one on re-entry) and reports it in
+    /// [`HolderInfo::identity`].
+    pub identity: HolderIdentity,
 }
 
 impl AcquireRequest {
@@ -111,6 +119,7 @@ impl AcquireRequest {
             ttl,
             loss,
             attempt: Uuid::new_v4(),
+            identity: HolderIdentity::now(),
         }
     }
 }
@@ -141,6 +150,8 @@ pub struct Grant {
     /// that is retried must take effect once, and gives back only a hold this attempt
     /// added. The nil uuid asks to give back one hold of the owner whatever acquired it.
     pub attempt: Uuid,
+    /// The identity the granting request carried (see [`AcquireRequest::identity`]).
+    pub identity: HolderIdentity,
 }
 
 impl Grant {
@@ -161,6 +172,7 @@ impl Grant {
             loss: req.loss.clone(),
             state: None,
             attempt: req.attempt,
+            identity: req.identity.clone(),
         }
     }
 
@@ -196,6 +208,13 @@ pub struct HolderInfo {
     pub token: Option<FencingToken>,
     /// Lease left, when the backend can tell.
     pub ttl_left: Option<Duration>,
+    /// The process that took the hold, when it was stored beside it (holds made by lockkit;
+    /// not those of other clients, such as Redisson, Curator or etcdctl).
+    pub identity: Option<HolderIdentity>,
+    /// Contenders waiting behind the holder, where the backend can tell: exact on
+    /// ZooKeeper, etcd and the memory backend, an estimate on Redis (clients subscribed to
+    /// the lock's release channel), `None` where the server does not say.
+    pub waiters: Option<u32>,
 }
 
 impl HolderInfo {
@@ -211,7 +230,21 @@ impl HolderInfo {
             depth,
             token,
             ttl_left,
+            identity: None,
+            waiters: None,
         }
+    }
+
+    /// With the holder's stored identity (`None`: not identified).
+    pub fn with_identity(mut self, identity: Option<HolderIdentity>) -> Self {
+        self.identity = identity;
+        self
+    }
+
+    /// With the number of waiters behind the holder.
+    pub fn with_waiters(mut self, waiters: u32) -> Self {
+        self.waiters = Some(waiters);
+        self
     }
 }
 

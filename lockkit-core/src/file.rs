@@ -14,7 +14,7 @@ use tokio::{sync::Notify, time::Instant};
 
 use crate::{
     AcquireRequest, AttemptLedger, BackendInfo, Capabilities, Consistency, Error, FencingToken,
-    Grant, HolderInfo, LockBackend, LockKey, OwnerId, Released, Result, detached_acquire,
+    Grant, HolderIdentity, HolderInfo, LockBackend, LockKey, OwnerId, Released, Result, detached_acquire,
     wait::{Armed, Attempt, Backoff, WaitPolicy, Wake, armed, wait_for_grant},
 };
 
@@ -102,6 +102,8 @@ struct State {
     expires: u64,
     /// The acquisitions behind `depth`.
     attempts: AttemptLedger,
+    /// Who took the hold, encoded ([`HolderIdentity::encode`]) on the file's second line.
+    identity: Option<String>,
 }
 
 /// Reads a lock file's text as of this boot: an expiry written in another boot is over.
@@ -118,7 +120,8 @@ fn load(text: &str) -> State {
 
 impl State {
     fn parse(text: &str) -> State {
-        let mut parts = text.split_whitespace();
+        let mut lines = text.lines();
+        let mut parts = lines.next().unwrap_or("").split_whitespace();
         let token = parts.next().and_then(|t| t.parse().ok()).unwrap_or(0);
         let owner = parts
             .next()
@@ -127,25 +130,36 @@ impl State {
         let depth = parts.next().and_then(|d| d.parse().ok()).unwrap_or(0);
         let expires = parts.next().and_then(|e| e.parse().ok()).unwrap_or(0);
         let attempts = parts.nth(1).map(AttemptLedger::parse).unwrap_or_default();
+        let identity = lines
+            .next()
+            .map(str::trim)
+            .filter(|line| !line.is_empty())
+            .map(str::to_owned);
         State {
             token,
             owner,
             depth,
             expires,
             attempts,
+            identity,
         }
     }
 
     fn render(&self) -> String {
         let owner = self.owner.map_or_else(|| "-".to_owned(), |o| o.to_string());
-        format!(
+        let mut text = format!(
             "{} {owner} {} {} {} {}\n",
             self.token,
             self.depth,
             self.expires,
             boot_id(),
             self.attempts.render()
-        )
+        );
+        if let Some(identity) = self.identity.as_deref().filter(|_| self.owner.is_some()) {
+            text.push_str(identity);
+            text.push('\n');
+        }
+        text
     }
 
     fn holder(&self, now: u64) -> Option<OwnerId> {
@@ -434,6 +448,7 @@ impl FileBackend {
                         None => {
                             state.token += 1;
                             state.owner = Some(req.owner);
+                            state.identity = Some(req.identity.encode());
                             state.depth = 1;
                             state.attempts.clear();
                             state.attempts.add(req.attempt);
@@ -554,6 +569,7 @@ impl LockBackend for FileBackend {
                     Some(FencingToken::new(state.token)),
                     Some(Duration::from_nanos(state.expires - now)),
                 )
+                .with_identity(state.identity.as_deref().and_then(HolderIdentity::decode))
             }))
         })
         .await
@@ -576,6 +592,7 @@ mod tests {
                 uuid::Uuid::new_v4(),
                 uuid::Uuid::new_v4()
             )),
+            identity: Some(HolderIdentity::now().encode()),
         };
         assert_eq!(State::parse(&state.render()), state);
         // A file from before attempts were stored: released unconditionally.

@@ -440,6 +440,12 @@ impl LockGuard {
         self.grant.depth
     }
 
+    /// The process identity stored beside this hold: the one its first grant wrote (a
+    /// re-entry keeps the outer hold's, as the backend does).
+    pub fn holder(&self) -> &crate::HolderIdentity {
+        &self.shared().grant.identity
+    }
+
     /// The backend's grant behind this guard, for driving the backend SPI directly.
     pub fn grant(&self) -> &Grant {
         &self.grant

@@ -14,6 +14,7 @@ use tokio::{sync::Notify, time::Instant};
 
 use crate::{
     AcquireRequest, AttemptLedger, BackendInfo, Capabilities, Consistency, Error, FencingToken,
+    HolderIdentity,
     Grant, HolderInfo, LockBackend, LockKey, LostReason, OwnerId, Released, Result, WAIT_FOREVER,
     lost::LossSignal,
     wait::{Armed, Attempt, Backoff, WaitPolicy, Wake, armed, wait_for_grant},
@@ -31,6 +32,8 @@ struct Entry {
     loss: LossSignal,
     /// The acquisitions behind `depth`, so retries take effect once.
     attempts: AttemptLedger,
+    /// Who took the hold.
+    identity: HolderIdentity,
 }
 
 /// Waiters on one key; removed when the last waiter leaves. `waiters` changes only
@@ -277,6 +280,7 @@ impl MemoryBackend {
                 attempts.add(req.attempt);
                 attempts
             },
+            identity: req.identity.clone(),
         };
         state.locks.insert(req.key.clone(), entry);
         Ok(Grant::new(req, FencingToken::new(token), 1, now))
@@ -303,6 +307,7 @@ impl LockBackend for MemoryBackend {
             Capabilities {
                 pushes_loss: true,
                 cross_process: false,
+                counts_waiters: true,
                 ..Capabilities::default()
             },
         )
@@ -378,6 +383,9 @@ impl LockBackend for MemoryBackend {
     async fn inspect(&self, key: &LockKey) -> Result<Option<HolderInfo>> {
         let now = Instant::now();
         let state = lock(&self.server.state);
+        let waiters = state.waits.get(key).map_or(0, |slot| {
+            u32::try_from(slot.waiters.load(Ordering::Relaxed)).unwrap_or(u32::MAX)
+        });
         Ok(state.live(key, now).map(|e| {
             HolderInfo::new(
                 e.owner.to_string(),
@@ -385,6 +393,8 @@ impl LockBackend for MemoryBackend {
                 Some(FencingToken::new(e.token)),
                 Some(e.expires.saturating_duration_since(now)),
             )
+            .with_identity(Some(e.identity.clone()))
+            .with_waiters(waiters)
         }))
     }
 }

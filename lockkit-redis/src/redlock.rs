@@ -433,6 +433,7 @@ impl LockBackend for RedlockBackend {
             Capabilities {
                 min_ttl: Duration::from_millis(10),
                 max_ttl: Some(Duration::from_millis(wire::MAX_TTL_MS)),
+                counts_waiters: true,
                 ..Capabilities::default()
             },
         )
@@ -589,11 +590,16 @@ impl LockBackend for RedlockBackend {
         if same.len() < self.quorum() {
             return Ok(None);
         }
-        Ok(Some(HolderInfo::new(
+        let info = HolderInfo::new(
             owner,
             same.iter().map(|i| i.depth).max().unwrap_or(1),
             same.iter().filter_map(|i| i.token).max(),
             same.iter().filter_map(|i| i.ttl_left).min(),
-        )))
+        )
+        .with_identity(same.iter().find_map(|i| i.identity.clone()));
+        Ok(Some(match same.iter().filter_map(|i| i.waiters).max() {
+            Some(waiters) => info.with_waiters(waiters),
+            None => info,
+        }))
     }
 }

@@ -7,7 +7,7 @@ use lockkit_core::spi::{
     AcquireRequest, Attempt, Backoff, Grant, Released, WaitPolicy, wait_for_grant,
 };
 use lockkit_core::{
-    BackendInfo, Capabilities, Consistency, Error, FencingToken, HolderInfo, LockBackend, LockKey,
+    BackendInfo, Capabilities, Consistency, Error, FencingToken, HolderIdentity, HolderInfo, LockBackend, LockKey,
     Result,
 };
 use redis::{
@@ -240,6 +240,7 @@ impl RedisBackend {
                 .arg(ttl_millis(req.ttl))
                 .arg(req.owner.to_string())
                 .arg(attempt_field(req.attempt))
+                .arg(req.identity.encode())
                 .invoke_async(&mut conn)
                 .await
                 .map_err(|e| self.fail("running the acquire script", e))?;
@@ -256,6 +257,7 @@ impl RedisBackend {
                 .arg(ttl_millis(req.ttl))
                 .arg(req.owner.to_string())
                 .arg(attempt_field(req.attempt))
+                .arg(req.identity.encode())
                 .cmd("WAIT")
                 .arg(wanted)
                 .arg(ttl_millis(self.inner.config.wait_replicas_timeout));
@@ -355,6 +357,7 @@ impl LockBackend for RedisBackend {
             Capabilities {
                 min_ttl: Duration::from_millis(1),
                 max_ttl: Some(Duration::from_millis(wire::MAX_TTL_MS)),
+                counts_waiters: !self.inner.cluster,
                 ..Capabilities::default()
             },
         )
@@ -421,7 +424,23 @@ impl LockBackend for RedisBackend {
             .invoke_async(&mut self.conn())
             .await
             .map_err(|e| self.fail("running the inspect script", e))?;
-        Ok(parse_inspect(&reply))
+        let Some(info) = parse_inspect(&reply) else {
+            return Ok(None);
+        };
+        if self.inner.cluster {
+            // A cluster's subscribers are spread over its nodes: one node cannot count them.
+            return Ok(Some(info));
+        }
+        // Waiting clients subscribe to the release channel (Redisson's too): an estimate, as
+        // one connection may carry several waiters and a client may listen between waits.
+        let counts: Vec<(String, i64)> = redis::cmd("PUBSUB")
+            .arg("NUMSUB")
+            .arg(&names.channel)
+            .query_async(&mut self.conn())
+            .await
+            .map_err(|e| self.fail("PUBSUB NUMSUB", e))?;
+        let waiters = counts.first().map_or(0, |(_, n)| *n);
+        Ok(Some(info.with_waiters(u32::try_from(waiters).unwrap_or(0))))
     }
 }
 
@@ -458,17 +477,24 @@ pub(crate) fn parse_inspect(reply: &[Value]) -> Option<HolderInfo> {
     match kind.as_str() {
         "none" => None,
         "hash" => {
-            let (owner, depth) = rest
-                .chunks(2)
-                .filter_map(|pair| Some((text(pair.first()?)?, number(pair.get(1)?)?)))
-                .filter(|(field, _)| !field.starts_with(wire::ATTEMPT_FIELD_PREFIX))
+            let fields = || {
+                rest.chunks(2)
+                    .filter_map(|pair| Some((text(pair.first()?)?, pair.get(1)?)))
+            };
+            let identity = fields()
+                .find(|(field, _)| field == wire::HOLDER_FIELD)
+                .and_then(|(_, value)| text(value))
+                .and_then(|value| HolderIdentity::decode(&value));
+            let (owner, depth) = fields()
+                .filter(|(field, _)| {
+                    !field.starts_with(wire::ATTEMPT_FIELD_PREFIX) && field != wire::HOLDER_FIELD
+                })
+                .filter_map(|(field, value)| Some((field, number(value)?)))
                 .max_by_key(|(_, depth)| *depth)?;
-            Some(HolderInfo::new(
-                owner,
-                u32::try_from(depth).unwrap_or(1),
-                token,
-                ttl_left,
-            ))
+            Some(
+                HolderInfo::new(owner, u32::try_from(depth).unwrap_or(1), token, ttl_left)
+                    .with_identity(identity),
+            )
         }
         other => {
             let value = rest.first().and_then(text).unwrap_or_default();

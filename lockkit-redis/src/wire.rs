@@ -81,11 +81,17 @@ impl LockNames {
 /// they go with the hash when the lock is released or expires.
 pub(crate) const ATTEMPT_FIELD_PREFIX: &str = "lockkit-attempt:";
 
+/// The hash field that stores who took the hold ([`lockkit_core::HolderIdentity`], encoded),
+/// written with a new holder's first count and gone with the hash. Redisson ignores it, as it
+/// ignores the attempt fields.
+pub(crate) const HOLDER_FIELD: &str = "lockkit-holder";
+
 /// Longest lease the scripts accept, in ms (about 31 years): checked before anything is
 /// written, so an absurd TTL never leaves a lock without an expiry.
 pub(crate) const MAX_TTL_MS: u64 = 1_000_000_000_000;
 
-/// KEYS: lock, token. ARGV: ttl ms, owner field, attempt field (`''`: none).
+/// KEYS: lock, token. ARGV: ttl ms, owner field, attempt field (`''`: none), the holder's
+/// identity (`''`: none; stored in [`HOLDER_FIELD`] by a new holder only).
 /// Returns `{1, token, depth}` when granted, `{0, pttl, 0}` when held by someone else in
 /// Redisson's layout (who publishes on release), `{0, pttl, 1}` when held in another format
 /// (a plain `SET NX PX` string: nobody publishes its release), or an error (before any
@@ -115,6 +121,7 @@ local t = redis.call('type', KEYS[1]).ok
 if t == 'none' then
   redis.call('hincrby', KEYS[1], ARGV[2], 1)
   if ARGV[3] ~= '' then redis.call('hset', KEYS[1], ARGV[3], 1) end
+  if ARGV[4] and ARGV[4] ~= '' then redis.call('hset', KEYS[1], 'lockkit-holder', ARGV[4]) end
   redis.call('pexpire', KEYS[1], ttl)
   local now = redis.call('time')
   local floor = now[1] .. string.format('%06d', tonumber(now[2]))
@@ -225,6 +232,11 @@ mod tests {
 
     fn names(key: &str, cluster: bool) -> Result<LockNames> {
         LockNames::new("", &LockKey::new(key).unwrap(), cluster)
+    }
+
+    #[test]
+    fn the_scripts_name_the_holder_field() {
+        assert!(ACQUIRE_LUA.contains(&format!("'{HOLDER_FIELD}'")));
     }
 
     #[test]

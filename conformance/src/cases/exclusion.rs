@@ -171,6 +171,14 @@ pub async fn child_process_hold_blocks_parent<H: Harness>(h: &H) -> Outcome {
     .await;
     let parent = h.client().await;
     assert_busy(&parent, &key, "the child's hold must exclude the parent").await;
+    // The stored identity names the child process, not the one asking.
+    let holder = parent
+        .inspect(&key)
+        .await
+        .check("inspect the child's hold")
+        .check("the child holds the key");
+    let identity = holder.identity.check("the child's hold names its process");
+    assert_eq!(identity.pid, child.pid(), "the holder's pid is the child's");
     expect_err(
         parent.acquire(&key).wait(h.short_ttl() * 3).await,
         "waiting past several leases while the child renews",

@@ -1,7 +1,7 @@
 //! Ownership: only the holder may release, renew or extend.
 
 use lockkit_core::spi::{AcquireRequest, Grant, Released};
-use lockkit_core::{Error, LossSignal, OwnerId};
+use lockkit_core::{Error, HolderIdentity, LossSignal, OwnerId};
 
 use super::{LONG_TTL, assert_busy, assert_free, generous_wait, hook};
 use crate::{Check, Harness, Outcome, Space, support::expect_err};
@@ -200,6 +200,20 @@ pub async fn inspect_reports_holder<H: Harness>(h: &H) -> Outcome {
     if let Some(left) = info.ttl_left {
         assert!(left <= LONG_TTL && !left.is_zero(), "lease left {left:?}");
     }
+    // Who holds it: this process, as the guard says it wrote.
+    let identity = info
+        .identity
+        .clone()
+        .check("inspect must name the holder's host and process");
+    let this = HolderIdentity::now();
+    assert_eq!(identity.host, this.host, "holder host");
+    assert_eq!(identity.pid, std::process::id(), "holder pid");
+    assert_eq!(identity.program, this.program, "holder program");
+    assert_eq!(
+        identity.acquired_at_ms(),
+        held.holder().acquired_at_ms(),
+        "acquired-at as the guard wrote it"
+    );
     if h.client().await.info().capabilities.reentrant {
         let nested = owner
             .try_acquire(&key)
@@ -207,9 +221,17 @@ pub async fn inspect_reports_holder<H: Harness>(h: &H) -> Outcome {
             .await
             .check("reenter")
             .check("reentrant");
+        let info = b.inspect(&key).await.check("inspect").check("held");
+        assert_eq!(info.depth, 2);
         assert_eq!(
-            b.inspect(&key).await.check("inspect").check("held").depth,
-            2
+            info.identity.map(|i| i.acquired_at_ms()),
+            Some(identity.acquired_at_ms()),
+            "a re-entry keeps the first hold's identity"
+        );
+        assert_eq!(
+            nested.holder().acquired_at_ms(),
+            identity.acquired_at_ms(),
+            "a re-entered guard reports the hold's identity"
         );
         nested.release().await.check("release nested");
     }

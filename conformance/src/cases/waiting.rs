@@ -108,6 +108,45 @@ pub async fn waiter_is_woken_promptly_by_release<H: Harness>(h: &H) -> Outcome {
     Outcome::Passed
 }
 
+/// `inspect` counts a waiter behind the holder on a backend that says it counts waiters
+/// (exactly or, on Redis, as the clients listening for the release).
+pub async fn inspect_counts_waiters<H: Harness>(h: &H) -> Outcome {
+    let (a, b) = (h.client().await, h.client().await);
+    if !a.info().capabilities.counts_waiters {
+        return Outcome::Skipped("the backend does not count waiters".into());
+    }
+    let space = Space::new("inspect_counts_waiters");
+    let key = space.key("k");
+    let held = a
+        .try_acquire(&key)
+        .ttl(LONG_TTL)
+        .await
+        .check("acquire")
+        .check("free key");
+    let before = a.inspect(&key).await.check("inspect").check("held");
+    assert_eq!(before.waiters, Some(0), "nobody waits yet");
+    let waiter = {
+        let key = key.clone();
+        tokio::spawn(async move { b.acquire(&key).wait(Duration::from_secs(60)).await })
+    };
+    let give_up = Instant::now() + Duration::from_secs(30);
+    loop {
+        let info = a.inspect(&key).await.check("inspect").check("held");
+        if info.waiters.is_some_and(|n| n >= 1) {
+            break;
+        }
+        assert!(
+            Instant::now() < give_up,
+            "a waiter was never counted: {info:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    held.release().await.check("release");
+    let guard = waiter.await.check("waiter task").check("waiter");
+    guard.release().await.check("release waiter");
+    Outcome::Passed
+}
+
 /// A waiter gets the key once a dead holder's lease runs out, without any release.
 pub async fn waiter_acquires_after_holder_expires<H: Harness>(h: &H) -> Outcome {
     let space = Space::new("waiter_acquires_after_holder_expires");

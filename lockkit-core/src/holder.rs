@@ -1,0 +1,191 @@
+//! Who took a hold: host, process, program, when, and with which lockkit. Backends store it
+//! beside each hold (a side key, a node's data, a column) so that an operator asking "who
+//! holds this key?" gets a process to look at, not an opaque owner id.
+
+use std::{
+    sync::OnceLock,
+    time::{Duration, SystemTime, UNIX_EPOCH},
+};
+
+/// The longest host or program name stored; longer ones are cut (at a character
+/// boundary), so a record always fits the backends' columns and values.
+pub const MAX_NAME_BYTES: usize = 255;
+
+/// The process that took a hold, as stored beside it.
+///
+/// Backends write it when a hold is first granted (a re-entry keeps the first one) and
+/// [`crate::Locker::inspect`] reads it back in [`crate::HolderInfo::identity`]. Stored as
+/// one line of compact JSON (see [`HolderIdentity::encode`]) so other tools can read it:
+/// `{"host":"web-3","pid":4242,"program":"report","acquired_at_ms":1764000000000,"lockkit":"0.1.0"}`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct HolderIdentity {
+    /// The holder's host name.
+    pub host: String,
+    /// The holder's process id on that host.
+    pub pid: u32,
+    /// The holder's program (the executable's file name).
+    pub program: String,
+    /// When the hold was requested, by the holder's wall clock (for people, never for
+    /// lease arithmetic).
+    pub acquired_at: SystemTime,
+    /// The lockkit version that took it.
+    pub version: String,
+}
+
+/// The parts of an identity that do not change during a process's life.
+#[derive(Debug)]
+struct ThisProcess {
+    host: String,
+    pid: u32,
+    program: String,
+}
+
+fn this_process() -> &'static ThisProcess {
+    static THIS: OnceLock<ThisProcess> = OnceLock::new();
+    THIS.get_or_init(|| ThisProcess {
+        host: cut(&host_name()),
+        pid: std::process::id(),
+        program: cut(&program_name()),
+    })
+}
+
+fn host_name() -> String {
+    let name = rustix::system::uname();
+    let name = name.nodename().to_string_lossy().into_owned();
+    if name.is_empty() {
+        "unknown-host".to_owned()
+    } else {
+        name
+    }
+}
+
+fn program_name() -> String {
+    std::env::current_exe()
+        .ok()
+        .and_then(|exe| exe.file_name().map(|n| n.to_string_lossy().into_owned()))
+        .or_else(|| {
+            std::env::args_os().next().and_then(|arg| {
+                std::path::Path::new(&arg)
+                    .file_name()
+                    .map(|n| n.to_string_lossy().into_owned())
+            })
+        })
+        .unwrap_or_else(|| "unknown-program".to_owned())
+}
+
+/// `text` cut to at most [`MAX_NAME_BYTES`] bytes at a character boundary.
+fn cut(text: &str) -> String {
+    if text.len() <= MAX_NAME_BYTES {
+        return text.to_owned();
+    }
+    let mut end = MAX_NAME_BYTES;
+    while !text.is_char_boundary(end) {
+        end -= 1;
+    }
+    text[..end].to_owned()
+}
+
+impl HolderIdentity {
+    /// This process, acquiring now.
+    pub fn now() -> Self {
+        let this = this_process();
+        HolderIdentity {
+            host: this.host.clone(),
+            pid: this.pid,
+            program: this.program.clone(),
+            acquired_at: SystemTime::now(),
+            version: env!("CARGO_PKG_VERSION").to_owned(),
+        }
+    }
+
+    /// Describes a holder (for tools that store identities of their own).
+    pub fn new(host: &str, pid: u32, program: &str, acquired_at: SystemTime) -> Self {
+        HolderIdentity {
+            host: cut(host),
+            pid,
+            program: cut(program),
+            acquired_at,
+            version: env!("CARGO_PKG_VERSION").to_owned(),
+        }
+    }
+
+    /// Milliseconds since the Unix epoch of [`HolderIdentity::acquired_at`] (0 before it).
+    pub fn acquired_at_ms(&self) -> u64 {
+        self.acquired_at
+            .duration_since(UNIX_EPOCH)
+            .map(|d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+            .unwrap_or(0)
+    }
+
+    /// One line of compact JSON, at most about 600 bytes: what backends store.
+    pub fn encode(&self) -> String {
+        serde_json::json!({
+            "host": self.host,
+            "pid": self.pid,
+            "program": self.program,
+            "acquired_at_ms": self.acquired_at_ms(),
+            "lockkit": cut(&self.version),
+        })
+        .to_string()
+    }
+
+    /// Reads what [`HolderIdentity::encode`] wrote. Anything else (another client's data,
+    /// such as the IP address Curator writes into its lock nodes, or an empty value) is
+    /// `None`: the holder is then simply not identified.
+    pub fn decode(stored: &str) -> Option<Self> {
+        let value: serde_json::Value = serde_json::from_str(stored.trim()).ok()?;
+        let host = value.get("host")?.as_str()?;
+        let pid = u32::try_from(value.get("pid")?.as_u64()?).ok()?;
+        let program = value.get("program")?.as_str()?;
+        let at = value.get("acquired_at_ms")?.as_u64()?;
+        let version = value.get("lockkit").and_then(|v| v.as_str()).unwrap_or("");
+        Some(HolderIdentity {
+            host: cut(host),
+            pid,
+            program: cut(program),
+            acquired_at: UNIX_EPOCH + Duration::from_millis(at),
+            version: cut(version),
+        })
+    }
+
+    /// [`HolderIdentity::decode`] of raw bytes (a ZooKeeper node's data, an etcd value).
+    pub fn decode_bytes(stored: &[u8]) -> Option<Self> {
+        std::str::from_utf8(stored).ok().and_then(Self::decode)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_identity_round_trips_to_the_millisecond() {
+        let identity = HolderIdentity::now();
+        assert_eq!(identity.pid, std::process::id());
+        assert!(!identity.host.is_empty());
+        let back = HolderIdentity::decode(&identity.encode()).unwrap();
+        assert_eq!(back.host, identity.host);
+        assert_eq!(back.program, identity.program);
+        assert_eq!(back.acquired_at_ms(), identity.acquired_at_ms());
+        assert_eq!(back.version, env!("CARGO_PKG_VERSION"));
+    }
+
+    #[test]
+    fn names_with_quotes_and_long_names_survive() {
+        let long = "é".repeat(400);
+        let identity = HolderIdentity::new("h\"o\nst", 7, &long, UNIX_EPOCH);
+        assert!(identity.program.len() <= MAX_NAME_BYTES);
+        let encoded = identity.encode();
+        assert!(!encoded.contains('\n'), "one line: {encoded}");
+        assert_eq!(HolderIdentity::decode(&encoded), Some(identity));
+    }
+
+    #[test]
+    fn foreign_data_is_not_an_identity() {
+        for foreign in ["", "127.0.0.1", "{}", "{\"host\":1}", "\u{0}"] {
+            assert_eq!(HolderIdentity::decode(foreign), None, "{foreign:?}");
+        }
+        assert_eq!(HolderIdentity::decode_bytes(&[0xff, 0xfe]), None);
+    }
+}
