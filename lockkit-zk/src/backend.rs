@@ -14,8 +14,8 @@ use lockkit_core::spi::{
     deadline_after, detached_acquire, granted_or_timeout,
 };
 use lockkit_core::{
-    BackendInfo, Capabilities, Consistency, Error, FencingToken, HolderInfo, LockBackend, LockKey,
-    LossSignal, LostReason, OwnerId, Result,
+    BackendInfo, Capabilities, Consistency, Error, FencingToken, HolderIdentity, HolderInfo,
+    LockBackend, LockKey, LossSignal, LostReason, OwnerId, Result,
 };
 use tokio::time::Instant;
 use uuid::Uuid;
@@ -110,6 +110,8 @@ pub(crate) struct Held {
     loss: LossSignal,
     session: Arc<Session>,
     released: AtomicBool,
+    /// Who took the hold, encoded: the second line of the node's data.
+    identity: String,
 }
 
 impl std::fmt::Debug for Held {
@@ -362,7 +364,7 @@ impl ZkBackend {
             });
         };
         let prefix = format!("{dir}/{unique}");
-        let data = req.owner.to_string();
+        let data = node_data(&req.owner.to_string(), &req.identity.encode());
         let acls = Acls::anyone_all();
         let ephemeral = CreateMode::EphemeralSequential.with_acls(acls);
         // Once a create is sent, its outcome is unknown until answered: a request left
@@ -623,6 +625,7 @@ impl ZkBackend {
             loss: req.loss.clone(),
             session: session.clone(),
             released: AtomicBool::new(false),
+            identity: req.identity.encode(),
         });
         {
             // Ended holds go as new ones come, so the list stays as long as what is held.
@@ -687,10 +690,31 @@ impl ZkBackend {
     }
 }
 
-/// Node data: the owner, and after a space the hold count when above one (best effort,
-/// for `inspect`).
+/// A contender node's data: the owner on the first line (after a space, the hold count when
+/// above one), the holder's identity ([`lockkit_core::HolderIdentity::encode`]) on the second.
+fn node_data(owner: &str, identity: &str) -> String {
+    format!("{owner}\n{identity}")
+}
+
+/// Reads [`node_data`]: owner, depth and identity. Data another client wrote (Curator's IP
+/// address, kazoo's identifier, nothing) is reported as the owner, with no identity.
+fn parse_node_data(data: &[u8], node: &str) -> (String, u32, Option<HolderIdentity>) {
+    let text = String::from_utf8_lossy(data);
+    let (first, rest) = text.split_once('\n').unwrap_or((&text, ""));
+    let identity = HolderIdentity::decode(rest);
+    let (owner, depth) = match first.split_once(' ') {
+        Some((owner, depth)) if identity.is_some() || depth.parse::<u32>().is_ok() => {
+            (owner.to_owned(), depth.parse().unwrap_or(1))
+        }
+        _ if first.is_empty() => (format!("another client's node {node}"), 1),
+        _ => (first.to_owned(), 1),
+    };
+    (owner, depth, identity)
+}
+
+/// Node data with the hold count when above one (best effort, for `inspect`).
 async fn record_depth(held: &Held, depth: u32) {
-    let data = format!("{} {depth}", held.owner);
+    let data = node_data(&format!("{} {depth}", held.owner), &held.identity);
     let _ = held
         .session
         .client
@@ -844,6 +868,7 @@ impl LockBackend for ZkBackend {
                 min_ttl: self.inner.config.session_timeout,
                 // Each waiter watches only its predecessor.
                 queued_wait: true,
+                counts_waiters: true,
                 ..Capabilities::default()
             },
         )
@@ -948,21 +973,21 @@ impl LockBackend for ZkBackend {
             Err(e) => return Err(zk_error("listing contenders", e)),
         };
         let queue = contenders_in_order(&children);
-        for head in queue {
+        for (position, head) in queue.iter().enumerate() {
             match client.get_data(&format!("{dir}/{head}")).await {
                 Ok((data, stat)) => {
-                    let text = String::from_utf8_lossy(&data).into_owned();
-                    let (owner, depth) = match text.split_once(' ') {
-                        Some((owner, depth)) => (owner.to_owned(), depth.parse().unwrap_or(1)),
-                        None if text.is_empty() => (format!("another client's node {head}"), 1),
-                        None => (text, 1),
-                    };
-                    return Ok(Some(HolderInfo::new(
-                        owner,
-                        depth,
-                        Some(FencingToken::new(u64::try_from(stat.czxid).unwrap_or(0))),
-                        None,
-                    )));
+                    let (owner, depth, identity) = parse_node_data(&data, head);
+                    let waiters = u32::try_from(queue.len() - position - 1).unwrap_or(u32::MAX);
+                    return Ok(Some(
+                        HolderInfo::new(
+                            owner,
+                            depth,
+                            Some(FencingToken::new(u64::try_from(stat.czxid).unwrap_or(0))),
+                            None,
+                        )
+                        .with_identity(identity)
+                        .with_waiters(waiters),
+                    ));
                 }
                 Err(zookeeper_client::Error::NoNode) => continue,
                 Err(e) => return Err(zk_error("reading the holder node", e)),
@@ -975,6 +1000,21 @@ impl LockBackend for ZkBackend {
 #[cfg(test)]
 mod queue_tests {
     use super::*;
+
+    #[test]
+    fn node_data_round_trips_and_foreign_data_is_an_owner() {
+        let identity = HolderIdentity::now();
+        let (owner, depth, back) =
+            parse_node_data(node_data("u:1 3", &identity.encode()).as_bytes(), "n");
+        assert_eq!((owner.as_str(), depth), ("u:1", 3));
+        assert_eq!(back.map(|b| b.pid), Some(identity.pid));
+        let (owner, depth, back) = parse_node_data(b"u:1", "n");
+        assert_eq!((owner.as_str(), depth, back), ("u:1", 1, None));
+        let (owner, _, back) = parse_node_data(b"10.0.0.7", "n");
+        assert_eq!((owner.as_str(), back), ("10.0.0.7", None));
+        let (owner, _, _) = parse_node_data(b"", "n");
+        assert_eq!(owner, "another client's node n");
+    }
 
     #[test]
     fn every_sequential_child_is_a_contender_in_sequence_order() {
