@@ -155,9 +155,60 @@ impl HolderIdentity {
     }
 }
 
+/// The value a contender node or key carries (ZooKeeper, etcd): the owner on the first line,
+/// followed after a space by the hold count when above one, and the holder's identity
+/// ([`HolderIdentity::encode`]) on the second line.
+pub fn contender_record(owner: &str, depth: u32, identity: &str) -> String {
+    if depth > 1 {
+        format!("{owner} {depth}\n{identity}")
+    } else {
+        format!("{owner}\n{identity}")
+    }
+}
+
+/// Reads a [`contender_record`]: owner, depth and identity. What another client wrote
+/// (Curator's IP address, kazoo's identifier, nothing at all) is reported as the owner, with
+/// depth 1 and no identity; an empty value as `another client's <name>`.
+pub fn parse_contender_record(data: &[u8], name: &str) -> (String, u32, Option<HolderIdentity>) {
+    let text = String::from_utf8_lossy(data);
+    let (first, rest) = text.split_once('\n').unwrap_or((&text, ""));
+    let identity = HolderIdentity::decode(rest);
+    let (owner, depth) = match first.split_once(' ') {
+        Some((owner, depth)) if depth.parse::<u32>().is_ok() => {
+            (owner.to_owned(), depth.parse().unwrap_or(1))
+        }
+        _ if first.is_empty() => (format!("another client's {name}"), 1),
+        _ => (first.to_owned(), 1),
+    };
+    (owner, depth, identity)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn contender_records_round_trip_and_foreign_data_is_an_owner() {
+        let identity = HolderIdentity::now();
+        let record = contender_record("u:1", 3, &identity.encode());
+        let (owner, depth, back) = parse_contender_record(record.as_bytes(), "n");
+        assert_eq!((owner.as_str(), depth), ("u:1", 3));
+        assert_eq!(back.map(|b| b.pid), Some(identity.pid));
+        let record = contender_record("u:1", 1, &identity.encode());
+        assert_eq!(parse_contender_record(record.as_bytes(), "n").1, 1);
+        // Records written before identities were stored.
+        assert_eq!(
+            parse_contender_record(b"u:1 2", "n"),
+            ("u:1".into(), 2, None)
+        );
+        assert_eq!(parse_contender_record(b"u:1", "n"), ("u:1".into(), 1, None));
+        let (owner, _, back) = parse_contender_record(b"10.0.0.7", "n");
+        assert_eq!((owner.as_str(), back), ("10.0.0.7", None));
+        assert_eq!(
+            parse_contender_record(b"", "node n").0,
+            "another client's node n"
+        );
+    }
 
     #[test]
     fn an_identity_round_trips_to_the_millisecond() {

@@ -16,7 +16,7 @@ use etcd_client::{
 };
 use lockkit_core::spi::{
     AcquireRequest, CountRelease, Grant, HoldCount, Interrupt, LocalHolds, Released,
-    deadline_after, detached_acquire, granted_or_timeout,
+    contender_record, deadline_after, detached_acquire, granted_or_timeout, parse_contender_record,
 };
 use lockkit_core::{
     BackendInfo, Capabilities, Consistency, Error, FencingToken, HolderInfo, LockBackend, LockKey,
@@ -72,6 +72,8 @@ pub(crate) struct Held {
     loss: LossSignal,
     lease: Arc<Lease>,
     released: AtomicBool,
+    /// Who took the hold, encoded: the second line of the key's value.
+    identity: String,
 }
 
 impl std::fmt::Debug for Held {
@@ -379,7 +381,7 @@ impl EtcdBackend {
             .and_then([
                 TxnOp::put(
                     name.clone(),
-                    req.owner.to_string(),
+                    contender_record(&req.owner.to_string(), 1, &req.identity.encode()),
                     Some(PutOptions::new().with_lease(granted.id())),
                 ),
                 TxnOp::get(
@@ -579,6 +581,7 @@ impl EtcdBackend {
             loss: req.loss.clone(),
             lease: lease.clone(),
             released: AtomicBool::new(false),
+            identity: req.identity.encode(),
         });
         self.inner
             .held
@@ -639,14 +642,10 @@ impl EtcdBackend {
         .await
     }
 
-    /// Key value: the owner, and after a space the hold count when above one (best
-    /// effort, for `inspect`; a silent cluster does not hold the caller up).
+    /// Key value ([`contender_record`]) with the hold count (best effort, for `inspect`; a
+    /// silent cluster does not hold the caller up).
     async fn record_depth(&self, held: &Held, depth: u32) {
-        let data = if depth > 1 {
-            format!("{} {depth}", held.owner)
-        } else {
-            held.owner.to_string()
-        };
+        let data = contender_record(&held.owner.to_string(), depth, &held.identity);
         let write = Txn::new()
             .when([Compare::create_revision(
                 held.name.clone(),
@@ -780,6 +779,7 @@ impl LockBackend for EtcdBackend {
                 min_ttl: self.inner.config.session_ttl,
                 // Each waiter watches only its predecessor.
                 queued_wait: true,
+                counts_waiters: true,
                 ..Capabilities::default()
             },
         )
@@ -919,23 +919,22 @@ impl LockBackend for EtcdBackend {
         let Some(head) = got.kvs().first() else {
             return Ok(None);
         };
-        let text = String::from_utf8_lossy(head.value()).into_owned();
-        let (owner, depth) = match text.split_once(' ') {
-            Some((owner, depth)) => (owner.to_owned(), depth.parse().unwrap_or(1)),
-            None if text.is_empty() => {
-                let name = String::from_utf8_lossy(head.key());
-                let name = name.strip_prefix(&range).unwrap_or(&name);
-                (format!("another client's key {name}"), 1)
-            }
-            None => (text, 1),
-        };
-        Ok(Some(HolderInfo::new(
-            owner,
-            depth,
-            Some(FencingToken::new(
-                u64::try_from(head.create_revision()).unwrap_or(0),
-            )),
-            None,
-        )))
+        let name = String::from_utf8_lossy(head.key());
+        let name = format!("key {}", name.strip_prefix(&range).unwrap_or(&name));
+        let (owner, depth, identity) = parse_contender_record(head.value(), &name);
+        // The count is of the whole range, whatever the limit.
+        let waiters = u32::try_from(got.count().saturating_sub(1)).unwrap_or(u32::MAX);
+        Ok(Some(
+            HolderInfo::new(
+                owner,
+                depth,
+                Some(FencingToken::new(
+                    u64::try_from(head.create_revision()).unwrap_or(0),
+                )),
+                None,
+            )
+            .with_identity(identity)
+            .with_waiters(waiters),
+        ))
     }
 }

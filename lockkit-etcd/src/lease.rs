@@ -144,6 +144,12 @@ impl Lease {
     /// Records the loss of the lease (once, unless the contender ended first) and tells
     /// its hold; the keeper stops keeping it alive and revokes it.
     pub(crate) fn lose(&self, reason: LostReason) {
+        eprintln!(
+            "DBG {:x} {:?} lose({reason:?}) called from {}",
+            self.id,
+            crate::lease::dbg_t(),
+            std::backtrace::Backtrace::force_capture()
+        );
         {
             let mut state = lock(&self.state);
             if state.lost.is_some() || state.ended || state.releasing {
@@ -165,6 +171,7 @@ impl Lease {
     /// Ends the contender: the keeper stops keeping the lease alive and revokes it
     /// (deleting every key attached), retrying in the background.
     pub(crate) fn end(&self) {
+        eprintln!("DBG {:x} {:?} end() called", self.id, crate::lease::dbg_t());
         lock(&self.state).ended = true;
         self.changed.notify_waiters();
     }
@@ -231,6 +238,12 @@ async fn keep_alive(lease: Arc<Lease>) {
     while !lease.is_over() {
         let confirmed = lease.alive_until();
         let client = &lease.members[member % lease.members.len()];
+        eprintln!(
+            "DBG {:x} {:?} open on member {}",
+            lease.id,
+            crate::lease::dbg_t(),
+            member % lease.members.len()
+        );
         match keep_one_stream(&lease, client).await {
             Stopped::Over => break,
             Stopped::Failed => {
@@ -242,6 +255,7 @@ async fn keep_alive(lease: Arc<Lease>) {
                 tokio::select! {
                     () = tokio::time::sleep(backoff.next_delay()) => {}
                     () = tokio::time::sleep_until(lease.alive_until()) => {
+                        eprintln!("DBG {:x} {:?} LOST in backoff", lease.id, crate::lease::dbg_t());
                         lease.lose(LostReason::SessionLost);
                     }
                     () = lease.over() => {}
@@ -262,8 +276,9 @@ async fn keep_one_stream(lease: &Lease, client: &Client) -> Stopped {
     // A stream opened on a frozen member never answers: try another after one interval.
     let opened = tokio::select! {
         opened = client.lease_keep_alive(lease.id) => opened,
-        () = tokio::time::sleep(every) => return Stopped::Failed,
+        () = tokio::time::sleep(every) => { eprintln!("DBG {:x} {:?} open timed out", lease.id, crate::lease::dbg_t()); return Stopped::Failed },
         () = tokio::time::sleep_until(lease.alive_until()) => {
+            eprintln!("DBG {:x} {:?} LOST while opening", lease.id, crate::lease::dbg_t());
             lease.lose(LostReason::SessionLost);
             return Stopped::Over;
         }
@@ -276,11 +291,17 @@ async fn keep_one_stream(lease: &Lease, client: &Client) -> Stopped {
             return Stopped::Over;
         }
         Err(e) => {
+            eprintln!(
+                "DBG {:x} {:?} open failed {e}",
+                lease.id,
+                crate::lease::dbg_t()
+            );
             tracing::debug!(lease = lease.id, error = %e, "opening a keep-alive stream failed");
             return Stopped::Failed;
         }
     };
     // Opening the stream sent a keep-alive and read its answer.
+    eprintln!("DBG {:x} {:?} opened", lease.id, crate::lease::dbg_t());
     lease.confirm(sent);
     let mut pending: VecDeque<Instant> = VecDeque::new();
     let mut ticks = tokio::time::interval_at(sent + every, every);
@@ -291,17 +312,21 @@ async fn keep_one_stream(lease: &Lease, client: &Client) -> Stopped {
                 if pending.front().is_some_and(|sent| sent.elapsed() >= every) {
                     // A whole interval without an answer: the member may be frozen or the
                     // connection dead without a word; open a stream afresh.
+                    eprintln!("DBG {:x} {:?} silent, pending {}", lease.id, crate::lease::dbg_t(), pending.len());
                     return Stopped::Failed;
                 }
                 let sent = Instant::now();
+                eprintln!("DBG {:x} {:?} sending", lease.id, crate::lease::dbg_t());
                 *lock(&lease.last_sent) = sent;
                 if keeper.keep_alive().await.is_err() {
                     return Stopped::Failed;
                 }
                 pending.push_back(sent);
+                eprintln!("DBG {:x} {:?} sent, pending {}", lease.id, crate::lease::dbg_t(), pending.len());
             }
             answer = stream.message() => match answer {
                 Ok(Some(answer)) if answer.ttl() > 0 => {
+                    eprintln!("DBG {:x} {:?} answer ttl {}", lease.id, crate::lease::dbg_t(), answer.ttl());
                     if let Some(sent) = pending.pop_front() {
                         lease.confirm(sent);
                     }
@@ -311,13 +336,21 @@ async fn keep_one_stream(lease: &Lease, client: &Client) -> Stopped {
                     lease.lose(LostReason::SessionLost);
                     return Stopped::Over;
                 }
-                Ok(None) | Err(_) => return Stopped::Failed,
+                Ok(None) | Err(_) => { eprintln!("DBG {:x} {:?} stream ended {answer:?}", lease.id, crate::lease::dbg_t()); return Stopped::Failed },
             },
             () = tokio::time::sleep_until(lease.alive_until()) => {
+                eprintln!("DBG {:x} {:?} LOST on stream, pending {}", lease.id, crate::lease::dbg_t(), pending.len());
                 lease.lose(LostReason::SessionLost);
                 return Stopped::Over;
             }
             () = lease.over() => return Stopped::Over,
         }
     }
+}
+
+pub(crate) fn dbg_t() -> f64 {
+    let d = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap_or_default();
+    (d.as_secs() % 1000) as f64 + f64::from(d.subsec_millis()) / 1000.0
 }

@@ -148,8 +148,40 @@ async fn a_hold_survives_each_member_frozen_in_turn() {
         .ttl(Duration::from_secs(600))
         .await
         .unwrap();
+    {
+        let members = members.clone();
+        tokio::spawn(async move {
+            let mut last: Vec<String> = vec![String::new(); members.len()];
+            loop {
+                for (i, addr) in members.iter().enumerate() {
+                    let options = ConnectOptions::new()
+                        .with_connect_timeout(Duration::from_millis(100))
+                        .with_timeout(Duration::from_millis(100));
+                    let now = match Client::connect([format!("http://{addr}")], Some(options)).await
+                    {
+                        Ok(mut c) => match c.status().await {
+                            Ok(s) => format!(
+                                "me {:x} leader {:x}",
+                                s.header().map(|h| h.member_id()).unwrap_or(0),
+                                s.leader()
+                            ),
+                            Err(_) => "no answer".to_string(),
+                        },
+                        Err(_) => "no conn".to_string(),
+                    };
+                    if now != last[i] {
+                        eprintln!("DBG {:?} etcd-{} says {now}", dbg_t(), i + 1);
+                        last[i] = now;
+                    }
+                }
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        });
+    }
     for i in 1..=members.len() {
         let victim = format!("etcd-{i}");
+        let (l, _) = roles(&members).await;
+        eprintln!("DBG {:?} pausing {victim}, leader {l}", dbg_t());
         services(&["pause", &victim]);
         // Past the etcd lease's TTL (6 s), with the victim silent throughout.
         tokio::time::sleep(Duration::from_secs(8)).await;
@@ -181,4 +213,11 @@ async fn a_hold_survives_each_member_frozen_in_turn() {
     );
     guard.release().await.unwrap();
     rounds(&rival, &key, "every member back").await;
+}
+
+fn dbg_t() -> f64 {
+    let d = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap_or_default();
+    (d.as_secs() % 1000) as f64 + f64::from(d.subsec_millis()) / 1000.0
 }

@@ -11,11 +11,11 @@ use std::{
 use async_trait::async_trait;
 use lockkit_core::spi::{
     AcquireRequest, Backoff, CountRelease, Grant, HoldCount, Interrupt, LocalHolds, Released,
-    deadline_after, detached_acquire, granted_or_timeout,
+    contender_record, deadline_after, detached_acquire, granted_or_timeout, parse_contender_record,
 };
 use lockkit_core::{
-    BackendInfo, Capabilities, Consistency, Error, FencingToken, HolderIdentity, HolderInfo,
-    LockBackend, LockKey, LossSignal, LostReason, OwnerId, Result,
+    BackendInfo, Capabilities, Consistency, Error, FencingToken, HolderInfo, LockBackend, LockKey,
+    LossSignal, LostReason, OwnerId, Result,
 };
 use tokio::time::Instant;
 use uuid::Uuid;
@@ -364,7 +364,7 @@ impl ZkBackend {
             });
         };
         let prefix = format!("{dir}/{unique}");
-        let data = node_data(&req.owner.to_string(), &req.identity.encode());
+        let data = contender_record(&req.owner.to_string(), 1, &req.identity.encode());
         let acls = Acls::anyone_all();
         let ephemeral = CreateMode::EphemeralSequential.with_acls(acls);
         // Once a create is sent, its outcome is unknown until answered: a request left
@@ -690,31 +690,9 @@ impl ZkBackend {
     }
 }
 
-/// A contender node's data: the owner on the first line (after a space, the hold count when
-/// above one), the holder's identity ([`lockkit_core::HolderIdentity::encode`]) on the second.
-fn node_data(owner: &str, identity: &str) -> String {
-    format!("{owner}\n{identity}")
-}
-
-/// Reads [`node_data`]: owner, depth and identity. Data another client wrote (Curator's IP
-/// address, kazoo's identifier, nothing) is reported as the owner, with no identity.
-fn parse_node_data(data: &[u8], node: &str) -> (String, u32, Option<HolderIdentity>) {
-    let text = String::from_utf8_lossy(data);
-    let (first, rest) = text.split_once('\n').unwrap_or((&text, ""));
-    let identity = HolderIdentity::decode(rest);
-    let (owner, depth) = match first.split_once(' ') {
-        Some((owner, depth)) if identity.is_some() || depth.parse::<u32>().is_ok() => {
-            (owner.to_owned(), depth.parse().unwrap_or(1))
-        }
-        _ if first.is_empty() => (format!("another client's node {node}"), 1),
-        _ => (first.to_owned(), 1),
-    };
-    (owner, depth, identity)
-}
-
 /// Node data with the hold count when above one (best effort, for `inspect`).
 async fn record_depth(held: &Held, depth: u32) {
-    let data = node_data(&format!("{} {depth}", held.owner), &held.identity);
+    let data = contender_record(&held.owner.to_string(), depth, &held.identity);
     let _ = held
         .session
         .client
@@ -976,7 +954,8 @@ impl LockBackend for ZkBackend {
         for (position, head) in queue.iter().enumerate() {
             match client.get_data(&format!("{dir}/{head}")).await {
                 Ok((data, stat)) => {
-                    let (owner, depth, identity) = parse_node_data(&data, head);
+                    let (owner, depth, identity) =
+                        parse_contender_record(&data, &format!("node {head}"));
                     let waiters = u32::try_from(queue.len() - position - 1).unwrap_or(u32::MAX);
                     return Ok(Some(
                         HolderInfo::new(
@@ -1000,21 +979,6 @@ impl LockBackend for ZkBackend {
 #[cfg(test)]
 mod queue_tests {
     use super::*;
-
-    #[test]
-    fn node_data_round_trips_and_foreign_data_is_an_owner() {
-        let identity = HolderIdentity::now();
-        let (owner, depth, back) =
-            parse_node_data(node_data("u:1 3", &identity.encode()).as_bytes(), "n");
-        assert_eq!((owner.as_str(), depth), ("u:1", 3));
-        assert_eq!(back.map(|b| b.pid), Some(identity.pid));
-        let (owner, depth, back) = parse_node_data(b"u:1", "n");
-        assert_eq!((owner.as_str(), depth, back), ("u:1", 1, None));
-        let (owner, _, back) = parse_node_data(b"10.0.0.7", "n");
-        assert_eq!((owner.as_str(), back), ("10.0.0.7", None));
-        let (owner, _, _) = parse_node_data(b"", "n");
-        assert_eq!(owner, "another client's node n");
-    }
 
     #[test]
     fn every_sequential_child_is_a_contender_in_sequence_order() {
