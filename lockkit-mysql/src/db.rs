@@ -4,7 +4,7 @@
 
 use std::{sync::Arc, time::Duration};
 
-use lockkit_core::{Error, FencingToken, HolderInfo, LockKey, Result};
+use lockkit_core::{Error, FencingToken, HolderIdentity, HolderInfo, LockKey, Result};
 use sqlx::{
     AssertSqlSafe, MySqlPool, Row,
     mysql::{MySqlPoolOptions, MySqlRow},
@@ -142,44 +142,48 @@ impl Db {
                         Err(e) => return Err(db_error(&format!("checking table `{table}`"), e)),
                     }
                 }
-                self.ensure_attempts_column().await
+                self.ensure_columns().await
             })
             .await
             .map(|_| ())
     }
 
-    /// Tables made before the `attempts` column existed get it (or, with
+    /// Tables made before a column existed (`attempts`, `holder`) get it (or, with
     /// create_schema=false, an error with the statement to run).
-    async fn ensure_attempts_column(&self) -> Result<()> {
+    async fn ensure_columns(&self) -> Result<()> {
         let inner = self;
         let table = &inner.config.table;
-        let (present,): (i64,) =
-            sqlx::query_as(AssertSqlSafe(inner.sql.attempts_column_exists.clone()))
+        for (column, add) in [
+            ("attempts", &inner.sql.add_attempts_column),
+            ("holder", &inner.sql.add_holder_column),
+        ] {
+            let (present,): (i64,) = sqlx::query_as(AssertSqlSafe(inner.sql.column_exists.clone()))
                 .bind(table)
+                .bind(column)
                 .fetch_one(&inner.pool)
                 .await
                 .map_err(|e| db_error(&format!("checking the columns of `{table}`"), e))?;
-        if present > 0 {
-            return Ok(());
+            if present > 0 {
+                continue;
+            }
+            if !inner.config.create_schema {
+                return Err(Error::Config(format!(
+                    "table `{table}` lacks the `{column}` column and create_schema=false; add it with:\n{add};"
+                )));
+            }
+            match query(add).execute(&inner.pool).await {
+                // 1060: another client added it first.
+                Ok(_) => {}
+                Err(e) if error_number(&e) == Some(1060) => {}
+                Err(e) => {
+                    return Err(db_error(
+                        &format!("adding the {column} column to `{table}`"),
+                        e,
+                    ));
+                }
+            }
         }
-        if !inner.config.create_schema {
-            return Err(Error::Config(format!(
-                "table `{table}` lacks the `attempts` column and create_schema=false; add it with:\n{};",
-                inner.sql.add_attempts_column
-            )));
-        }
-        match query(&inner.sql.add_attempts_column)
-            .execute(&inner.pool)
-            .await
-        {
-            // 1060: another client added it first.
-            Ok(_) => Ok(()),
-            Err(e) if error_number(&e) == Some(1060) => Ok(()),
-            Err(e) => Err(db_error(
-                &format!("adding the attempts column to `{table}`"),
-                e,
-            )),
-        }
+        Ok(())
     }
 
     /// One round trip to the server.
@@ -221,13 +225,16 @@ impl Db {
             // The record of a for-update holder whose transaction has ended.
             return Ok(None);
         }
-        Ok(Some(HolderInfo::new(
-            row_text(&row, "owner").unwrap_or_default(),
-            row.try_get("holds").unwrap_or(1),
-            row.try_get::<u64, _>("fence").ok().map(FencingToken::new),
-            left.and_then(|us| u64::try_from(us).ok())
-                .map(Duration::from_micros),
-        )))
+        Ok(Some(
+            HolderInfo::new(
+                row_text(&row, "owner").unwrap_or_default(),
+                row.try_get("holds").unwrap_or(1),
+                row.try_get::<u64, _>("fence").ok().map(FencingToken::new),
+                left.and_then(|us| u64::try_from(us).ok())
+                    .map(Duration::from_micros),
+            )
+            .with_identity(holder_identity(&row)),
+        ))
     }
 }
 
@@ -238,6 +245,11 @@ async fn read_committed(conn: &mut sqlx::MySqlConnection) -> std::result::Result
         .execute(conn)
         .await
         .map(|_| ())
+}
+
+/// The `holder` column of `row`, decoded.
+pub(crate) fn holder_identity(row: &MySqlRow) -> Option<HolderIdentity> {
+    row_text(row, "holder").and_then(|text| HolderIdentity::decode(&text))
 }
 
 pub(crate) fn row_text(row: &MySqlRow, column: &str) -> Option<String> {
@@ -256,6 +268,7 @@ pub fn ddl(table: &str) -> String {
            fence BIGINT UNSIGNED NOT NULL DEFAULT 0,\n  \
            expires_at DATETIME(6) NULL,\n  \
            attempts TEXT NULL,\n  \
+           holder VARCHAR(1024) NULL,\n  \
            PRIMARY KEY (name)\n\
          ) ENGINE=InnoDB;\n\
          CREATE TABLE IF NOT EXISTS `{table}_mutex` (\n  \
@@ -270,12 +283,19 @@ pub(crate) fn add_attempts_column(table: &str) -> String {
     format!("ALTER TABLE `{table}` ADD COLUMN attempts TEXT NULL AFTER expires_at")
 }
 
+/// The change that brings a table made before the `holder` column (who holds the lock:
+/// [`lockkit_core::HolderIdentity`], encoded) existed up to date.
+pub(crate) fn add_holder_column(table: &str) -> String {
+    format!("ALTER TABLE `{table}` ADD COLUMN holder VARCHAR(1024) NULL")
+}
+
 /// Every statement, prepared once per connection by the driver's statement cache.
 #[derive(Debug)]
 pub(crate) struct Sql {
     pub(crate) table_exists: Arc<str>,
-    pub(crate) attempts_column_exists: Arc<str>,
+    pub(crate) column_exists: Arc<str>,
     pub(crate) add_attempts_column: Arc<str>,
+    pub(crate) add_holder_column: Arc<str>,
     pub(crate) row_select_for_update: Arc<str>,
     pub(crate) row_insert: Arc<str>,
     pub(crate) row_take: Arc<str>,
@@ -305,22 +325,23 @@ impl Sql {
         let s = |text: String| Arc::<str>::from(text);
         Sql {
             table_exists: s(format!("SELECT 1 FROM `{t}` JOIN `{t}_mutex` LIMIT 0")),
-            attempts_column_exists: s("SELECT COUNT(*) FROM information_schema.COLUMNS \
-                 WHERE TABLE_SCHEMA = DATABASE() AND TABLE_NAME = ? AND COLUMN_NAME = 'attempts'"
+            column_exists: s("SELECT COUNT(*) FROM information_schema.COLUMNS \
+                 WHERE TABLE_SCHEMA = DATABASE() AND TABLE_NAME = ? AND COLUMN_NAME = ?"
                 .to_owned()),
             add_attempts_column: s(add_attempts_column(t)),
+            add_holder_column: s(add_holder_column(t)),
             row_select_for_update: s(format!(
                 "SELECT owner, holds, fence, attempts, expires_at > UTC_TIMESTAMP(6) AS live, \
                  TIMESTAMPDIFF(MICROSECOND, UTC_TIMESTAMP(6), expires_at) AS left_us \
                  FROM `{t}` WHERE name = ? FOR UPDATE"
             )),
             row_insert: s(format!(
-                "INSERT INTO `{t}` (name, owner, holds, fence, expires_at, attempts) \
-                 VALUES (?, ?, 1, 1, UTC_TIMESTAMP(6) + INTERVAL ? MICROSECOND, ?)"
+                "INSERT INTO `{t}` (name, owner, holds, fence, expires_at, attempts, holder) \
+                 VALUES (?, ?, 1, 1, UTC_TIMESTAMP(6) + INTERVAL ? MICROSECOND, ?, ?)"
             )),
             row_take: s(format!(
                 "UPDATE `{t}` SET owner = ?, holds = 1, fence = fence + 1, \
-                 expires_at = UTC_TIMESTAMP(6) + INTERVAL ? MICROSECOND, attempts = ? WHERE name = ?"
+                 expires_at = UTC_TIMESTAMP(6) + INTERVAL ? MICROSECOND, attempts = ?, holder = ? WHERE name = ?"
             )),
             row_reenter: s(format!(
                 "UPDATE `{t}` SET holds = holds + 1, attempts = ?, \
@@ -340,14 +361,14 @@ impl Sql {
                 "UPDATE `{t}` SET holds = holds - 1, attempts = ? WHERE name = ?"
             )),
             row_release_all: s(format!(
-                "UPDATE `{t}` SET owner = NULL, holds = 0, expires_at = NULL, attempts = NULL WHERE name = ?"
+                "UPDATE `{t}` SET owner = NULL, holds = 0, expires_at = NULL, attempts = NULL, holder = NULL WHERE name = ?"
             )),
             row_clear_live: s(format!(
-                "UPDATE `{t}` SET owner = NULL, holds = 0, expires_at = NULL, attempts = NULL \
+                "UPDATE `{t}` SET owner = NULL, holds = 0, expires_at = NULL, attempts = NULL, holder = NULL \
                  WHERE name = ? AND expires_at > UTC_TIMESTAMP(6)"
             )),
             inspect: s(format!(
-                "SELECT owner, holds, fence, TIMESTAMPDIFF(MICROSECOND, UTC_TIMESTAMP(6), expires_at) AS left_us \
+                "SELECT owner, holds, fence, holder, TIMESTAMPDIFF(MICROSECOND, UTC_TIMESTAMP(6), expires_at) AS left_us \
                  FROM `{t}` WHERE name = ? AND owner IS NOT NULL \
                  AND (expires_at IS NULL OR expires_at > UTC_TIMESTAMP(6))"
             )),
@@ -362,19 +383,19 @@ impl Sql {
             // live on the key (both modes share the table).
             holder_take: s(format!(
                 "UPDATE `{t}` SET fence = LAST_INSERT_ID(fence + 1), owner = ?, holds = 1, \
-                 expires_at = NULL, attempts = NULL WHERE name = ? AND NOT COALESCE(expires_at > UTC_TIMESTAMP(6), FALSE)"
+                 expires_at = NULL, attempts = NULL, holder = ? WHERE name = ? AND NOT COALESCE(expires_at > UTC_TIMESTAMP(6), FALSE)"
             )),
             holder_insert: s(format!(
-                "INSERT INTO `{t}` (name, owner, holds, fence) VALUES (?, ?, 1, 1)"
+                "INSERT INTO `{t}` (name, owner, holds, fence, holder) VALUES (?, ?, 1, 1, ?)"
             )),
             holder_read: s(format!(
-                "SELECT owner, holds, fence FROM `{t}` WHERE name = ?"
+                "SELECT owner, holds, fence, holder FROM `{t}` WHERE name = ?"
             )),
             holder_depth: s(format!(
                 "UPDATE `{t}` SET holds = ? WHERE name = ? AND owner = ?"
             )),
             holder_clear: s(format!(
-                "UPDATE `{t}` SET owner = NULL, holds = 0 WHERE name = ? AND owner = ?"
+                "UPDATE `{t}` SET owner = NULL, holds = 0, holder = NULL WHERE name = ? AND owner = ?"
             )),
             live_under_prefix: s(format!(
                 "SELECT COUNT(*) FROM `{t}` WHERE name LIKE CONCAT(?, '%') AND expires_at > UTC_TIMESTAMP(6)"

@@ -22,7 +22,8 @@ use sqlx::{AssertSqlSafe, Connection, MySql, Row, pool::PoolConnection};
 use tokio::time::Instant;
 
 use crate::db::{
-    BACKEND, Db, LOCK_NOWAIT, LOCK_WAIT_TIMEOUT, db_error, error_number, query, row_text,
+    BACKEND, Db, LOCK_NOWAIT, LOCK_WAIT_TIMEOUT, db_error, error_number, holder_identity, query,
+    row_text,
 };
 
 /// The holds of this client, by owner and key (reentrancy is local in this mode).
@@ -518,8 +519,10 @@ async fn record_holder(
 ) -> std::result::Result<Option<u64>, sqlx::Error> {
     let inner = &backend.inner;
     let (name, owner) = (req.key.as_str().as_bytes(), req.owner.to_string());
+    let identity = req.identity.encode();
     let taken = query(&inner.sql.holder_take)
         .bind(&owner)
+        .bind(&identity)
         .bind(name)
         .execute(&inner.pool)
         .await?;
@@ -530,6 +533,7 @@ async fn record_holder(
     match query(&inner.sql.holder_insert)
         .bind(name)
         .bind(&owner)
+        .bind(&identity)
         .execute(&inner.pool)
         .await
     {
@@ -713,7 +717,8 @@ async fn inspect(backend: &ForUpdateLocks, key: &LockKey) -> Result<Option<Holde
             row.try_get("holds").unwrap_or(1),
             row.try_get::<u64, _>("fence").ok().map(FencingToken::new),
             None,
-        ),
+        )
+        .with_identity(holder_identity(&row)),
         None => HolderInfo::new("an unknown holder", 1, None, None),
     }))
 }

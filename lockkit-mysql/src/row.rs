@@ -141,6 +141,7 @@ async fn run_acquire(backend: &RowLocks, req: &AcquireRequest) -> Result<Attempt
             .bind(&owner)
             .bind(ttl)
             .bind(first_attempt(req))
+            .bind(req.identity.encode())
             .execute(&mut *tx)
             .await
         {
@@ -243,6 +244,7 @@ async fn run_acquire(backend: &RowLocks, req: &AcquireRequest) -> Result<Attempt
         .bind(&owner)
         .bind(ttl)
         .bind(first_attempt(req))
+        .bind(req.identity.encode())
         .bind(name)
         .execute(&mut *tx)
         .await

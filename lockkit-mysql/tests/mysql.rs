@@ -272,8 +272,9 @@ async fn a_deadline_kill_never_hits_the_next_user_of_the_connection() {
     }
 }
 
-/// A table made before the `attempts` column existed is brought up to date when the client
-/// may change the schema, and named with the statement to run when it may not.
+/// A table made before the `attempts` and `holder` columns existed is brought up to date
+/// when the client may change the schema, and named with the statement to run when it may
+/// not (each missing column in turn).
 #[tokio::test]
 async fn a_table_without_the_attempts_column_is_upgraded_or_reported() {
     let table = format!("old_{}", &Uuid::new_v4().simple().to_string()[..8]);
@@ -281,8 +282,13 @@ async fn a_table_without_the_attempts_column_is_upgraded_or_reported() {
         return;
     };
     let admin = sqlx::MySqlPool::connect(&base).await.unwrap();
-    let old_ddl = lockkit_mysql::ddl(&table).replace("  attempts TEXT NULL,\n", "");
-    assert!(!old_ddl.contains("attempts"), "{old_ddl}");
+    let old_ddl = lockkit_mysql::ddl(&table)
+        .replace("  attempts TEXT NULL,\n", "")
+        .replace("  holder VARCHAR(1024) NULL,\n", "");
+    assert!(
+        !old_ddl.contains("attempts") && !old_ddl.contains("holder"),
+        "{old_ddl}"
+    );
     for statement in old_ddl.split(';').map(str::trim).filter(|s| !s.is_empty()) {
         sqlx::raw_sql(sqlx::AssertSqlSafe(statement.to_owned()))
             .execute(&admin)
@@ -297,12 +303,29 @@ async fn a_table_without_the_attempts_column_is_upgraded_or_reported() {
         refused.to_string().contains("ADD COLUMN attempts"),
         "{refused}"
     );
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+        "ALTER TABLE `{table}` ADD COLUMN attempts TEXT NULL AFTER expires_at"
+    )))
+    .execute(&admin)
+    .await
+    .unwrap();
+    let refused =
+        MysqlBackend::connect(&url(&format!("table={table}&create_schema=false")).unwrap())
+            .await
+            .unwrap_err();
+    assert!(
+        refused.to_string().contains("ADD COLUMN holder"),
+        "{refused}"
+    );
     let locker = Locker::new(
         MysqlBackend::connect(&url(&format!("table={table}")).unwrap())
             .await
             .unwrap(),
     );
-    let guard = locker.try_acquire(key()).await.unwrap().expect("free key");
+    let key = key();
+    let guard = locker.try_acquire(&key).await.unwrap().expect("free key");
+    let holder = locker.inspect(&key).await.unwrap().expect("held");
+    assert_eq!(holder.identity.map(|i| i.pid), Some(std::process::id()));
     guard.release().await.unwrap();
     for suffix in ["", "_mutex"] {
         sqlx::raw_sql(sqlx::AssertSqlSafe(format!("DROP TABLE `{table}{suffix}`")))
