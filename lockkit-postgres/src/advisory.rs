@@ -182,6 +182,7 @@ impl LockBackend for AdvisoryLocks {
             pushes_loss: true,
             // Waiters queue in the server's lock manager.
             queued_wait: true,
+            counts_waiters: true,
             // The session's idle timeout is the lease from the moment it waits: a shorter
             // one could end the session between two of its own statements.
             min_ttl: Duration::from_secs(1),
@@ -714,6 +715,7 @@ async fn record_holder(
 ) -> std::result::Result<Option<u64>, sqlx::Error> {
     let inner = &backend.inner;
     let (name, owner) = (req.key.as_str().as_bytes(), req.owner.to_string());
+    let identity = req.identity.encode();
     // Take the row, or create it; once more if another client created it meanwhile.
     for statement in [
         &inner.sql.advisory_take,
@@ -723,6 +725,7 @@ async fn record_holder(
         let fence: Option<i64> = query(statement)
             .bind(&owner)
             .bind(name)
+            .bind(&identity)
             .fetch_optional(&mut **conn)
             .await?
             .map(|row| row.try_get("fence"))
@@ -986,12 +989,22 @@ async fn clear_record(backend: &AdvisoryLocks, held: &Held) {
 async fn inspect(backend: &AdvisoryLocks, key: &LockKey) -> Result<Option<HolderInfo>> {
     // The lease table's answer covers both modes: a live row lease, or an advisory hold's
     // record while its lock is held (its lease is its session's own: not readable here).
-    if let Some(holder) = backend.inner.inspect_lease(key).await? {
-        return Ok(Some(holder));
-    }
-    // Held by a session with no record: not lockkit's (a plain `pg_advisory_lock`).
-    Ok(backend
-        .is_locked(key)
-        .await?
-        .then(|| HolderInfo::new("an unknown holder", 1, None, None)))
+    let holder = match backend.inner.inspect_lease(key).await? {
+        Some(holder) => holder,
+        // Held by a session with no record: not lockkit's (a plain `pg_advisory_lock`).
+        None if backend.is_locked(key).await? => {
+            HolderInfo::new("an unknown holder", 1, None, None)
+        }
+        None => return Ok(None),
+    };
+    // The server's queue for the lock: every session waiting in `pg_advisory_lock`.
+    let (waiters,): (i64,) =
+        sqlx::query_as(AssertSqlSafe(backend.inner.sql.advisory_waiters.clone()))
+            .bind(backend.inner.advisory_id(key))
+            .fetch_one(&backend.inner.pool)
+            .await
+            .map_err(|e| db_error("counting the lock's waiters", e))?;
+    Ok(Some(
+        holder.with_waiters(u32::try_from(waiters).unwrap_or(0)),
+    ))
 }

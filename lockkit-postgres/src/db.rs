@@ -3,7 +3,7 @@
 
 use std::{sync::Arc, time::Duration};
 
-use lockkit_core::{Error, FencingToken, HolderInfo, LockKey, Result};
+use lockkit_core::{Error, FencingToken, HolderIdentity, HolderInfo, LockKey, Result};
 use sqlx::{
     AssertSqlSafe, PgPool, Row,
     postgres::{PgPoolOptions, PgRow},
@@ -19,6 +19,7 @@ pub(crate) mod state {
     pub(crate) const UNIQUE_VIOLATION: &str = "23505";
     /// `undefined_table`.
     pub(crate) const UNDEFINED_TABLE: &str = "42P01";
+    pub(crate) const UNDEFINED_COLUMN: &str = "42703";
     /// `serialization_failure`, `deadlock_detected`: the server asks for a retry.
     pub(crate) const SERIALIZATION_FAILURE: &str = "40001";
     pub(crate) const DEADLOCK: &str = "40P01";
@@ -138,7 +139,7 @@ impl Db {
         let table = &self.config.table;
         let missing = |e: &sqlx::Error| sql_state(e).as_deref() == Some(state::UNDEFINED_TABLE);
         match query(&self.sql.table_exists).execute(&self.pool).await {
-            Ok(_) => return Ok(()),
+            Ok(_) => return self.ensure_holder_column().await,
             Err(e) if missing(&e) && self.config.create_schema => {}
             Err(e) if missing(&e) => {
                 return Err(Error::Config(format!(
@@ -157,6 +158,31 @@ impl Db {
             Ok(_) => Ok(()),
             Err(e) if sql_state(&e).as_deref() == Some(state::UNIQUE_VIOLATION) => Ok(()),
             Err(e) => Err(db_error(&format!("creating table `{table}`"), e)),
+        }
+    }
+
+    /// A table made before the `holder` column existed gets it (or, with
+    /// create_schema=false, an error with the statement to run).
+    async fn ensure_holder_column(&self) -> Result<()> {
+        let table = &self.config.table;
+        let undefined = |e: &sqlx::Error| sql_state(e).as_deref() == Some(state::UNDEFINED_COLUMN);
+        match query(&self.sql.holder_column_exists)
+            .execute(&self.pool)
+            .await
+        {
+            Ok(_) => Ok(()),
+            Err(e) if undefined(&e) && self.config.create_schema => {
+                query(&self.sql.add_holder_column)
+                    .execute(&self.pool)
+                    .await
+                    .map(|_| ())
+                    .map_err(|e| db_error(&format!("adding the holder column to `{table}`"), e))
+            }
+            Err(e) if undefined(&e) => Err(Error::Config(format!(
+                "table `{table}` lacks the `holder` column and create_schema=false; add it with:\n{};",
+                self.sql.add_holder_column
+            ))),
+            Err(e) => Err(db_error(&format!("checking the columns of `{table}`"), e)),
         }
     }
 
@@ -195,16 +221,19 @@ impl Db {
             .map_err(|e| db_error("inspecting the lease", e))?;
         let Some(row) = row else { return Ok(None) };
         let left = row.try_get::<Option<i64>, _>("left_us").ok().flatten();
-        Ok(Some(HolderInfo::new(
-            row_text(&row, "owner").unwrap_or_default(),
-            row.try_get::<i32, _>("holds")
-                .ok()
-                .and_then(|h| u32::try_from(h).ok())
-                .unwrap_or(1),
-            fence_of(&row).ok().map(FencingToken::new),
-            left.and_then(|us| u64::try_from(us).ok())
-                .map(Duration::from_micros),
-        )))
+        Ok(Some(
+            HolderInfo::new(
+                row_text(&row, "owner").unwrap_or_default(),
+                row.try_get::<i32, _>("holds")
+                    .ok()
+                    .and_then(|h| u32::try_from(h).ok())
+                    .unwrap_or(1),
+                fence_of(&row).ok().map(FencingToken::new),
+                left.and_then(|us| u64::try_from(us).ok())
+                    .map(Duration::from_micros),
+            )
+            .with_identity(row_text(&row, "holder").and_then(|h| HolderIdentity::decode(&h))),
+        ))
     }
 }
 
@@ -230,7 +259,8 @@ pub fn ddl(table: &str) -> String {
            holds INTEGER NOT NULL DEFAULT 0,\n  \
            fence BIGINT NOT NULL DEFAULT 0,\n  \
            expires_at TIMESTAMPTZ NULL,\n  \
-           attempts TEXT NULL\n\
+           attempts TEXT NULL,\n  \
+           holder TEXT NULL\n\
          )"
     )
 }
@@ -250,6 +280,9 @@ fn from_now(param: u8) -> String {
 /// Every statement, prepared once per connection by the driver's statement cache.
 #[derive(Debug)]
 pub(crate) struct Sql {
+    pub(crate) holder_column_exists: Arc<str>,
+    pub(crate) add_holder_column: Arc<str>,
+    pub(crate) advisory_waiters: Arc<str>,
     pub(crate) table_exists: Arc<str>,
     pub(crate) row_select_for_update: Arc<str>,
     pub(crate) row_insert: Arc<str>,
@@ -297,6 +330,18 @@ impl Sql {
             )
         };
         Sql {
+            holder_column_exists: s(format!("SELECT holder FROM \"{t}\" LIMIT 0")),
+            add_holder_column: s(format!(
+                "ALTER TABLE \"{t}\" ADD COLUMN IF NOT EXISTS holder TEXT NULL"
+            )),
+            // Sessions queued for the advisory lock `$1` (not granted yet).
+            advisory_waiters: s(
+                "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted \
+                 AND database = (SELECT oid FROM pg_database WHERE datname = current_database()) \
+                 AND classid = (($1 >> 32) & 4294967295)::oid \
+                 AND objid = ($1 & 4294967295)::oid AND objsubid = 1"
+                    .to_owned(),
+            ),
             table_exists: s(format!(
                 "SELECT name, owner, holds, fence, expires_at, attempts FROM \"{t}\" LIMIT 0"
             )),
@@ -305,13 +350,13 @@ impl Sql {
                  FROM \"{t}\" WHERE name = $1 FOR UPDATE"
             )),
             row_insert: s(format!(
-                "INSERT INTO \"{t}\" (name, owner, holds, fence, expires_at, attempts) \
-                 VALUES ($1, $2, 1, 1, {}, $4) ON CONFLICT (name) DO NOTHING",
+                "INSERT INTO \"{t}\" (name, owner, holds, fence, expires_at, attempts, holder) \
+                 VALUES ($1, $2, 1, 1, {}, $4, $5) ON CONFLICT (name) DO NOTHING",
                 from_now(3)
             )),
             row_take: s(format!(
                 "UPDATE \"{t}\" SET owner = $1, holds = 1, fence = fence + 1, expires_at = {}, \
-                 attempts = $3 WHERE name = $4 RETURNING fence",
+                 attempts = $3, holder = $5 WHERE name = $4 RETURNING fence",
                 from_now(2)
             )),
             row_reenter: s(format!(
@@ -335,16 +380,16 @@ impl Sql {
                 "UPDATE \"{t}\" SET holds = holds - 1, attempts = $1 WHERE name = $2"
             )),
             row_release_all: s(format!(
-                "UPDATE \"{t}\" SET owner = NULL, holds = 0, expires_at = NULL, attempts = NULL \
-                 WHERE name = $1"
+                "UPDATE \"{t}\" SET owner = NULL, holds = 0, expires_at = NULL, attempts = NULL, \
+                 holder = NULL WHERE name = $1"
             )),
             row_clear_live: s(format!(
-                "UPDATE \"{t}\" SET owner = NULL, holds = 0, expires_at = NULL, attempts = NULL \
-                 WHERE name = $1 AND {leased}"
+                "UPDATE \"{t}\" SET owner = NULL, holds = 0, expires_at = NULL, attempts = NULL, \
+                 holder = NULL WHERE name = $1 AND {leased}"
             )),
             notify_release: s("SELECT pg_notify($1, $2)".to_owned()),
             inspect: s(format!(
-                "SELECT owner, holds, fence, {left_us} AS left_us FROM \"{t}\" \
+                "SELECT owner, holds, fence, holder, {left_us} AS left_us FROM \"{t}\" \
                  WHERE name = $1 AND owner IS NOT NULL \
                  AND ({leased} OR (expires_at = 'infinity' AND {}))",
                 advisory_held(2)
@@ -354,12 +399,12 @@ impl Sql {
             )),
             advisory_take: s(format!(
                 "UPDATE \"{t}\" SET fence = fence + 1, owner = $1, holds = 1, \
-                 expires_at = 'infinity', attempts = NULL \
+                 expires_at = 'infinity', attempts = NULL, holder = $3 \
                  WHERE name = $2 AND NOT COALESCE({leased}, FALSE) RETURNING fence"
             )),
             advisory_insert: s(format!(
-                "INSERT INTO \"{t}\" (name, owner, holds, fence, expires_at) \
-                 VALUES ($2, $1, 1, 1, 'infinity') ON CONFLICT (name) DO NOTHING RETURNING fence"
+                "INSERT INTO \"{t}\" (name, owner, holds, fence, expires_at, holder) \
+                 VALUES ($2, $1, 1, 1, 'infinity', $3) ON CONFLICT (name) DO NOTHING RETURNING fence"
             )),
             advisory_depth: s(format!(
                 "UPDATE \"{t}\" SET holds = $1 \
@@ -367,7 +412,7 @@ impl Sql {
             )),
             advisory_clear: s(format!(
                 "WITH cleared AS (UPDATE \"{t}\" SET owner = NULL, holds = 0, expires_at = NULL, \
-                 attempts = NULL WHERE name = $1 AND owner = $2 AND fence = $5 \
+                 attempts = NULL, holder = NULL WHERE name = $1 AND owner = $2 AND fence = $5 \
                  AND expires_at = 'infinity' RETURNING 1) SELECT pg_notify($3, $4) FROM cleared"
             )),
             advisory_locked: s(format!("SELECT {}", advisory_held(1))),
