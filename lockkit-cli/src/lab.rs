@@ -9,13 +9,19 @@ pub fn connector() -> Connect {
     Arc::new(|url: String| Box::pin(async move { lockkit::backend(&url).await }))
 }
 
+/// Where `lockkit lab` writes what it saw, besides the terminal.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Output<'a> {
+    /// The Markdown document whose generated parts are rewritten (pictures go to `lab/`
+    /// beside it).
+    pub update: Option<&'a Path>,
+    /// A directory for each run's timeline picture.
+    pub svg: Option<&'a Path>,
+}
+
 /// Runs the selected scenarios one at a time, printing each timeline as it happens.
-pub async fn main(
-    scenario: &str,
-    backend: Option<&str>,
-    list: bool,
-    update: Option<&Path>,
-) -> ExitCode {
+pub async fn main(scenario: &str, backend: Option<&str>, list: bool, out: Output<'_>) -> ExitCode {
+    let update = out.update;
     if list {
         for def in CATALOGUE {
             println!(
@@ -88,16 +94,33 @@ pub async fn main(
             );
             return ExitCode::FAILURE;
         }
-        let written = std::fs::read_to_string(path)
-            .map_err(|e| e.to_string())
-            .and_then(|doc| lab::splice_table(&doc, &lab::render_table(&reports)))
-            .and_then(|doc| std::fs::write(path, doc).map_err(|e| e.to_string()));
-        match written {
-            Ok(()) => println!("updated {}", path.display()),
+        match lab::update_document(path, &reports) {
+            Ok(pictures) => println!(
+                "updated {} and {} timeline pictures beside it",
+                path.display(),
+                pictures.len()
+            ),
             Err(e) => {
                 eprintln!("lockkit: cannot update {}: {e}", path.display());
                 return ExitCode::FAILURE;
             }
+        }
+    }
+    if let Some(dir) = out.svg {
+        let drawn = std::fs::create_dir_all(dir).and_then(|()| {
+            reports.iter().try_for_each(|r| {
+                let file = dir.join(lab::svg::file_name(r.scenario, r.backend));
+                std::fs::write(&file, lab::svg::render(r))?;
+                println!("timeline picture: {}", file.display());
+                Ok(())
+            })
+        });
+        if let Err(e) = drawn {
+            eprintln!(
+                "lockkit: cannot write the pictures into {}: {e}",
+                dir.display()
+            );
+            return ExitCode::FAILURE;
         }
     }
     if failed.is_empty() {

@@ -3,7 +3,9 @@
 use std::{io::IsTerminal, path::PathBuf, process::ExitCode, time::Duration};
 
 use clap::{Parser, Subcommand};
-use lockkit::{Error, FencingToken, LockGuard, Locker, config::parse_duration};
+use lockkit::{
+    Error, FencingToken, HolderIdentity, HolderInfo, LockGuard, Locker, config::parse_duration,
+};
 use nix::sys::signal::Signal;
 use tokio::signal::unix::SignalKind;
 
@@ -19,10 +21,12 @@ mod supervisor;
 /// the output: the libraries log keys, backends and tokens, not credentials.
 fn install_diagnostics(verbose: u8, quiet: bool) {
     use tracing_subscriber::{EnvFilter, fmt::format::FmtSpan};
+    // sqlx warns of every statement slower than a second, and a wait queued in the server
+    // (`pg_advisory_lock`, `SELECT ... FOR UPDATE`) is one by design: not a warning here.
     let level = match (quiet, verbose) {
         (true, _) => "error",
-        (false, 0) => "warn",
-        (false, 1) => "warn,lockkit=debug",
+        (false, 0) => "warn,sqlx::query=error",
+        (false, 1) => "warn,sqlx::query=error,lockkit=debug",
         (false, _) => "debug,lockkit=trace",
     };
     let filter = std::env::var("RUST_LOG")
@@ -165,10 +169,15 @@ enum Commands {
         /// List the scenarios and backends.
         #[arg(long)]
         list: bool,
-        /// Write the table of results into this Markdown file, between its lab markers
-        /// (scripts/cap.sh uses it for docs/cap.md); needs a run of every scenario.
+        /// Write the table of results into this Markdown file, between its lab markers,
+        /// and each run's timeline picture into lab/ beside it (scripts/cap.sh uses it for
+        /// docs/cap.md and docs/lab/); needs a run of every scenario.
         #[arg(long)]
         update: Option<PathBuf>,
+        /// Also draw each run's timeline as an SVG picture in this directory
+        /// (SCENARIO-BACKEND.svg).
+        #[arg(long, value_name = "DIR")]
+        svg: Option<PathBuf>,
     },
     /// Fence a write from a shell job: run CMD only if TOKEN is not older than the newest
     /// token accepted for RESOURCE, with the fence held while CMD runs, so no stale writer
@@ -193,14 +202,19 @@ enum Commands {
         #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
         command: Vec<String>,
     },
-    /// Show who holds KEY: holder, depth, token, lease left.
+    /// Show who holds KEY: the holder's host, pid and program, when it took the lock,
+    /// depth, token, lease left, and waiters where the backend can count them.
     Status {
         /// The lock's name.
         #[arg(long)]
         key: String,
-        /// Print JSON.
+        /// Print one JSON object (one per line with --watch).
         #[arg(long)]
         json: bool,
+        /// Keep watching: print again whenever the answer changes, checking every
+        /// interval (e.g. `1s`), until interrupted.
+        #[arg(long, value_name = "INTERVAL", num_args = 0..=1, default_missing_value = "1s", value_parser = duration)]
+        watch: Option<Duration>,
     },
 }
 
@@ -410,9 +424,14 @@ async fn main() -> ExitCode {
         backend,
         list,
         update,
+        svg,
     } = &cli.command
     {
-        return lab::main(scenario, backend.as_deref(), *list, update.as_deref()).await;
+        let out = lab::Output {
+            update: update.as_deref(),
+            svg: svg.as_deref(),
+        };
+        return lab::main(scenario, backend.as_deref(), *list, out).await;
     }
     let url = cli
         .url
@@ -464,7 +483,10 @@ async fn main() -> ExitCode {
             )
             .await
         }
-        Commands::Status { key, json } => status(&locker, &key, json).await,
+        Commands::Status { key, json, watch } => match watch {
+            None => status(&locker, &key, json).await,
+            Some(every) => watch_status(&locker, &key, json, every).await,
+        },
         Commands::Lab { .. } | Commands::Supervise { .. } | Commands::Fence { .. } => {
             ExitCode::from(2)
         }
@@ -497,43 +519,105 @@ async fn main() -> ExitCode {
 
 async fn status(locker: &Locker, key: &str, json: bool) -> ExitCode {
     match locker.inspect(key).await {
-        Ok(holder) if json => {
-            let value = match holder {
-                None => serde_json::json!({ "key": key, "held": false }),
-                Some(info) => serde_json::json!({
-                    "key": key,
-                    "held": true,
-                    "holder": info.owner,
-                    "depth": info.depth,
-                    "token": info.token.map(|t| t.get()),
-                    "lease_left_ms": info.ttl_left.map(|d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX)),
-                }),
-            };
-            println!("{value}");
-            ExitCode::SUCCESS
-        }
-        Ok(None) => {
-            println!("{}: free", key.escape_debug());
-            ExitCode::SUCCESS
-        }
-        Ok(Some(info)) => {
-            let token = info.token.map_or_else(|| "?".into(), |t| t.to_string());
-            let left = info
-                .ttl_left
-                .map_or_else(|| "?".into(), |d| d.as_millis().to_string());
-            // Keys and holders may carry any printable text (a foreign client's value):
-            // escape what a terminal would otherwise interpret.
-            println!(
-                "{}: held by {} (depth {}, token {token}, lease left {left} ms)",
-                key.escape_debug(),
-                info.owner.escape_debug(),
-                info.depth
-            );
+        Ok(holder) => {
+            println!("{}", describe(key, holder.as_ref(), json));
             ExitCode::SUCCESS
         }
         Err(e) => {
             eprintln!("lockkit: {e}");
             ExitCode::from(2)
+        }
+    }
+}
+
+/// `status --watch`: prints the answer at once and again each time it changes (the lease
+/// left aside, which changes on every look), until interrupted. A failed look is reported
+/// once and retried.
+async fn watch_status(locker: &Locker, key: &str, json: bool, every: Duration) -> ExitCode {
+    let every = every.max(Duration::from_millis(50));
+    let mut last: Option<String> = None;
+    let mut failing = false;
+    loop {
+        match locker.inspect(key).await {
+            Ok(holder) => {
+                failing = false;
+                let mut steady = holder.clone();
+                if let Some(info) = steady.as_mut() {
+                    info.ttl_left = None;
+                }
+                let fingerprint = format!("{steady:?}");
+                if last.as_deref() != Some(fingerprint.as_str()) {
+                    println!("{}", describe(key, holder.as_ref(), json));
+                    last = Some(fingerprint);
+                }
+            }
+            Err(e) if !failing => {
+                eprintln!("lockkit: {e} (still watching)");
+                failing = true;
+            }
+            Err(_) => {}
+        }
+        tokio::select! {
+            () = tokio::time::sleep(every) => {}
+            _ = tokio::signal::ctrl_c() => return ExitCode::SUCCESS,
+        }
+    }
+}
+
+/// One line about `key`'s holder: JSON, or text for people.
+fn describe(key: &str, holder: Option<&HolderInfo>, json: bool) -> String {
+    let ms = |d: Duration| u64::try_from(d.as_millis()).unwrap_or(u64::MAX);
+    match holder {
+        None if json => serde_json::json!({ "key": key, "held": false }).to_string(),
+        None => format!("{}: free", key.escape_debug()),
+        Some(info) if json => {
+            let identity = info.identity.as_ref();
+            serde_json::json!({
+                "key": key,
+                "held": true,
+                "holder": info.owner,
+                "host": identity.map(|i| i.host.as_str()),
+                "pid": identity.map(|i| i.pid),
+                "program": identity.map(|i| i.program.as_str()),
+                "acquired_at_ms": identity.map(HolderIdentity::acquired_at_ms),
+                "lockkit_version": identity.map(|i| i.version.as_str()),
+                "depth": info.depth,
+                "token": info.token.map(|t| t.get()),
+                "lease_left_ms": info.ttl_left.map(ms),
+                "waiters": info.waiters,
+            })
+            .to_string()
+        }
+        Some(info) => {
+            let token = info.token.map_or_else(|| "?".into(), |t| t.to_string());
+            let left = info
+                .ttl_left
+                .map_or_else(|| "?".into(), |d| format!("{} ms", d.as_millis()));
+            // Keys and holders may carry any printable text (a foreign client's value):
+            // escape what a terminal would otherwise interpret.
+            let who = match &info.identity {
+                Some(identity) => {
+                    let held_for = std::time::SystemTime::now()
+                        .duration_since(identity.acquired_at)
+                        .map_or_else(|_| "?".into(), |d| format!("{} s", d.as_secs()));
+                    format!(
+                        "{} pid {} on {} (owner {}, held for {held_for})",
+                        identity.program.escape_debug(),
+                        identity.pid,
+                        identity.host.escape_debug(),
+                        info.owner.escape_debug()
+                    )
+                }
+                None => format!("{} (not identified)", info.owner.escape_debug()),
+            };
+            let waiters = info
+                .waiters
+                .map_or_else(String::new, |n| format!(", {n} waiting"));
+            format!(
+                "{}: held by {who}, depth {}, token {token}, lease left {left}{waiters}",
+                key.escape_debug(),
+                info.depth
+            )
         }
     }
 }

@@ -922,3 +922,145 @@ fn run_serves_metrics_while_the_command_runs() {
         "{body}"
     );
 }
+
+/// Every backend this machine runs, as `lockkit` URLs.
+fn every_backend_url(dir: &str) -> Vec<String> {
+    let mut urls = vec![format!("file://{dir}/locks")];
+    for (var, options) in [
+        ("LOCKKIT_TEST_REDIS_URL", ""),
+        ("LOCKKIT_TEST_REDIS_CLUSTER_URL", ""),
+        ("LOCKKIT_TEST_REDLOCK_URL", ""),
+        ("LOCKKIT_TEST_ZK_URL", ""),
+        ("LOCKKIT_TEST_MYSQL_URL", "?mode=row&table=lockkit_cli_row"),
+        (
+            "LOCKKIT_TEST_MYSQL_URL",
+            "?mode=for-update&table=lockkit_cli_fu",
+        ),
+        (
+            "LOCKKIT_TEST_POSTGRES_URL",
+            "?mode=row&table=lockkit_cli_row",
+        ),
+        (
+            "LOCKKIT_TEST_POSTGRES_URL",
+            "?mode=advisory&table=lockkit_cli_adv",
+        ),
+        ("LOCKKIT_TEST_ETCD_URL", ""),
+    ] {
+        if let Some(url) = lockkit_conformance::env::service_url(var) {
+            urls.push(format!("{url}{options}"));
+        }
+    }
+    urls
+}
+
+/// `lockkit run` holding `key` under `url` until killed; returns once CMD has started.
+fn hold_with_run(url: &str, key: &str) -> std::process::Child {
+    use std::io::BufRead;
+    let mut run = lockkit(
+        url,
+        &[
+            "run",
+            "--key",
+            key,
+            "--wait",
+            "30s",
+            "--",
+            "sh",
+            "-c",
+            "echo held; sleep 60",
+        ],
+    )
+    .stdout(Stdio::piped())
+    .spawn()
+    .unwrap();
+    let mut line = String::new();
+    std::io::BufReader::new(run.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    assert_eq!(
+        line.trim(),
+        "held",
+        "`lockkit run` under {url} never held {key}"
+    );
+    run
+}
+
+/// SIGTERM to `lockkit run`: it stops CMD and releases the lock.
+fn stop(run: &mut std::process::Child) {
+    let _ = Command::new("kill").arg(run.id().to_string()).status();
+    let _ = run.wait();
+}
+
+fn this_host() -> String {
+    String::from_utf8(Command::new("uname").arg("-n").output().unwrap().stdout)
+        .unwrap()
+        .trim()
+        .to_owned()
+}
+
+/// `lockkit status --json` names the holding process (host, pid, program) on every backend,
+/// in JSON a parser reads; the text form names them too.
+#[test]
+fn status_names_the_holders_host_and_pid_on_every_backend() {
+    let dir = dir("status-holder");
+    let host = this_host();
+    for url in every_backend_url(&dir) {
+        let key = format!(
+            "status-holder/{}-{}",
+            std::process::id(),
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .unwrap()
+                .as_nanos()
+        );
+        let mut run = hold_with_run(&url, &key);
+        let out = lockkit(&url, &["status", "--key", &key, "--json"])
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&out.stdout);
+        let value: serde_json::Value = serde_json::from_str(text.trim())
+            .unwrap_or_else(|e| panic!("invalid JSON under {url} ({e}): {text}"));
+        let text_form = lockkit(&url, &["status", "--key", &key]).output().unwrap();
+        let text_form = String::from_utf8_lossy(&text_form.stdout).into_owned();
+        stop(&mut run);
+        assert_eq!(value["held"], true, "{url}: {value}");
+        assert_eq!(value["host"], host.as_str(), "{url}: {value}");
+        assert_eq!(value["pid"], run.id(), "{url}: {value}");
+        assert_eq!(value["program"], "lockkit", "{url}: {value}");
+        assert!(value["acquired_at_ms"].as_u64().is_some(), "{url}: {value}");
+        assert!(
+            text_form.contains(&format!("lockkit pid {} on {host}", run.id())),
+            "{url}: {text_form}"
+        );
+    }
+}
+
+/// `lockkit status --watch` prints the free key, then the holder once one takes it.
+#[test]
+fn status_watch_prints_each_change() {
+    use std::io::BufRead;
+    let dir = dir("status-watch");
+    let url = format!("file://{dir}/locks");
+    let mut watch = lockkit(
+        &url,
+        &["status", "--key", "w", "--json", "--watch", "100ms"],
+    )
+    .stdout(Stdio::piped())
+    .spawn()
+    .unwrap();
+    let mut lines = std::io::BufReader::new(watch.stdout.take().unwrap()).lines();
+    let first: serde_json::Value = serde_json::from_str(&lines.next().unwrap().unwrap()).unwrap();
+    assert_eq!(first["held"], false);
+    let mut run = hold_with_run(&url, "w");
+    let second: serde_json::Value = serde_json::from_str(&lines.next().unwrap().unwrap()).unwrap();
+    stop(&mut run);
+    let third: serde_json::Value = serde_json::from_str(&lines.next().unwrap().unwrap()).unwrap();
+    let _ = watch.kill();
+    let _ = watch.wait();
+    assert_eq!(second["held"], true, "{second}");
+    assert_eq!(second["pid"], run.id(), "{second}");
+    assert_eq!(
+        third["held"], false,
+        "a stopped holder's lock is freed: {third}"
+    );
+}
