@@ -14,7 +14,8 @@ use tokio::{sync::Notify, time::Instant};
 
 use crate::{
     AcquireRequest, AttemptLedger, BackendInfo, Capabilities, Consistency, Error, FencingToken,
-    Grant, HolderIdentity, HolderInfo, LockBackend, LockKey, OwnerId, Released, Result, detached_acquire,
+    Grant, HolderIdentity, HolderInfo, LockBackend, LockKey, OwnerId, Released, Result,
+    detached_acquire,
     wait::{Armed, Attempt, Backoff, WaitPolicy, Wake, armed, wait_for_grant},
 };
 

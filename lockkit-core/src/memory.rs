@@ -14,8 +14,8 @@ use tokio::{sync::Notify, time::Instant};
 
 use crate::{
     AcquireRequest, AttemptLedger, BackendInfo, Capabilities, Consistency, Error, FencingToken,
-    HolderIdentity,
-    Grant, HolderInfo, LockBackend, LockKey, LostReason, OwnerId, Released, Result, WAIT_FOREVER,
+    Grant, HolderIdentity, HolderInfo, LockBackend, LockKey, LostReason, OwnerId, Released, Result,
+    WAIT_FOREVER,
     lost::LossSignal,
     wait::{Armed, Attempt, Backoff, WaitPolicy, Wake, armed, wait_for_grant},
 };

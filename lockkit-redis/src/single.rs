@@ -7,8 +7,8 @@ use lockkit_core::spi::{
     AcquireRequest, Attempt, Backoff, Grant, Released, WaitPolicy, wait_for_grant,
 };
 use lockkit_core::{
-    BackendInfo, Capabilities, Consistency, Error, FencingToken, HolderIdentity, HolderInfo, LockBackend, LockKey,
-    Result,
+    BackendInfo, Capabilities, Consistency, Error, FencingToken, HolderIdentity, HolderInfo,
+    LockBackend, LockKey, Result,
 };
 use redis::{
     Value,
