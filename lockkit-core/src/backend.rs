@@ -107,7 +107,7 @@ pub struct AcquireRequest {
     /// Who is asking (host, pid, program, when): a backend stores it beside a new hold
     /// (never over an existing one on re-entry) and reports it in
     /// [`HolderInfo::identity`].
-    pub identity: HolderIdentity,
+    pub identity: Arc<HolderIdentity>,
 }
 
 impl AcquireRequest {
@@ -119,7 +119,7 @@ impl AcquireRequest {
             ttl,
             loss,
             attempt: Uuid::new_v4(),
-            identity: HolderIdentity::now(),
+            identity: Arc::new(HolderIdentity::now()),
         }
     }
 }
@@ -151,7 +151,7 @@ pub struct Grant {
     /// added. The nil uuid asks to give back one hold of the owner whatever acquired it.
     pub attempt: Uuid,
     /// The identity the granting request carried (see [`AcquireRequest::identity`]).
-    pub identity: HolderIdentity,
+    pub identity: Arc<HolderIdentity>,
 }
 
 impl Grant {

@@ -33,7 +33,7 @@ struct Entry {
     /// The acquisitions behind `depth`, so retries take effect once.
     attempts: AttemptLedger,
     /// Who took the hold.
-    identity: HolderIdentity,
+    identity: Arc<HolderIdentity>,
 }
 
 /// Waiters on one key; removed when the last waiter leaves. `waiters` changes only
@@ -393,7 +393,7 @@ impl LockBackend for MemoryBackend {
                 Some(FencingToken::new(e.token)),
                 Some(e.expires.saturating_duration_since(now)),
             )
-            .with_identity(Some(e.identity.clone()))
+            .with_identity(Some(HolderIdentity::clone(&e.identity)))
             .with_waiters(waiters)
         }))
     }
