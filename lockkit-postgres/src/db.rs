@@ -20,6 +20,7 @@ pub(crate) mod state {
     /// `undefined_table`.
     pub(crate) const UNDEFINED_TABLE: &str = "42P01";
     pub(crate) const UNDEFINED_COLUMN: &str = "42703";
+    pub(crate) const DUPLICATE_COLUMN: &str = "42701";
     /// `serialization_failure`, `deadlock_detected`: the server asks for a retry.
     pub(crate) const SERIALIZATION_FAILURE: &str = "40001";
     pub(crate) const DEADLOCK: &str = "40P01";
@@ -172,11 +173,23 @@ impl Db {
         {
             Ok(_) => Ok(()),
             Err(e) if undefined(&e) && self.config.create_schema => {
-                query(&self.sql.add_holder_column)
-                    .execute(&self.pool)
-                    .await
-                    .map(|_| ())
-                    .map_err(|e| db_error(&format!("adding the holder column to `{table}`"), e))
+                match query(&self.sql.add_holder_column).execute(&self.pool).await {
+                    Ok(_) => Ok(()),
+                    // Another client added it at the same moment (IF NOT EXISTS checks
+                    // before it locks): what this wanted.
+                    Err(e)
+                        if matches!(
+                            sql_state(&e).as_deref(),
+                            Some(state::DUPLICATE_COLUMN | state::UNIQUE_VIOLATION)
+                        ) =>
+                    {
+                        Ok(())
+                    }
+                    Err(e) => Err(db_error(
+                        &format!("adding the holder column to `{table}`"),
+                        e,
+                    )),
+                }
             }
             Err(e) if undefined(&e) => Err(Error::Config(format!(
                 "table `{table}` lacks the `holder` column and create_schema=false; add it with:\n{};",

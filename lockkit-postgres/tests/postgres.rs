@@ -454,3 +454,50 @@ async fn a_waiter_paused_once_granted_keeps_the_key_only_for_its_lease() {
     granted.release().await.unwrap();
     waiting.abort();
 }
+
+/// A table made before the `holder` column existed is named with the statement to run when
+/// the client may not change the schema, and brought up to date when it may; holds then
+/// name their process in both modes.
+#[tokio::test]
+async fn a_table_without_the_holder_column_is_upgraded_or_reported() {
+    let Some(base) = env::service_url("LOCKKIT_TEST_POSTGRES_URL") else {
+        return;
+    };
+    let table = format!("old_{}", &uuid::Uuid::new_v4().simple().to_string()[..8]);
+    let admin = sqlx::PgPool::connect(&base).await.unwrap();
+    let old_ddl = lockkit_postgres::ddl(&table).replace(",\n  holder TEXT NULL", "");
+    assert!(!old_ddl.contains("holder"), "{old_ddl}");
+    sqlx::raw_sql(sqlx::AssertSqlSafe(old_ddl))
+        .execute(&admin)
+        .await
+        .unwrap();
+    let refused = PostgresBackend::connect(&format!("{base}?table={table}&create_schema=false"))
+        .await
+        .unwrap_err();
+    assert!(
+        refused
+            .to_string()
+            .contains("ADD COLUMN IF NOT EXISTS holder"),
+        "{refused}"
+    );
+    for mode in ["row", "advisory"] {
+        let locker = Locker::new(
+            PostgresBackend::connect(&format!("{base}?table={table}&mode={mode}"))
+                .await
+                .unwrap(),
+        );
+        let key = key("old-table");
+        let guard = locker.try_acquire(&key).await.unwrap().expect("free key");
+        let holder = locker.inspect(&key).await.unwrap().expect("held");
+        assert_eq!(
+            holder.identity.map(|i| i.pid),
+            Some(std::process::id()),
+            "{mode}"
+        );
+        guard.release().await.unwrap();
+    }
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!("DROP TABLE \"{table}\"")))
+        .execute(&admin)
+        .await
+        .unwrap();
+}
