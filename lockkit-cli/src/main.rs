@@ -531,12 +531,15 @@ async fn status(locker: &Locker, key: &str, json: bool) -> ExitCode {
 }
 
 /// `status --watch`: prints the answer at once and again each time it changes (the lease
-/// left aside, which changes on every look), until interrupted. A failed look is reported
+/// left aside, which changes on every look), until interrupted (Ctrl-C). A failed look is reported
 /// once and retried.
 async fn watch_status(locker: &Locker, key: &str, json: bool, every: Duration) -> ExitCode {
     let every = every.max(Duration::from_millis(50));
     let mut last: Option<String> = None;
     let mut failing = false;
+    // One Ctrl-C future for the whole watch: a signal during a slow look is not missed.
+    let interrupted = tokio::signal::ctrl_c();
+    tokio::pin!(interrupted);
     loop {
         match locker.inspect(key).await {
             Ok(holder) => {
@@ -559,7 +562,7 @@ async fn watch_status(locker: &Locker, key: &str, json: bool, every: Duration) -
         }
         tokio::select! {
             () = tokio::time::sleep(every) => {}
-            _ = tokio::signal::ctrl_c() => return ExitCode::SUCCESS,
+            _ = &mut interrupted => return ExitCode::SUCCESS,
         }
     }
 }
@@ -579,7 +582,7 @@ fn describe(key: &str, holder: Option<&HolderInfo>, json: bool) -> String {
                 "host": identity.map(|i| i.host.as_str()),
                 "pid": identity.map(|i| i.pid),
                 "program": identity.map(|i| i.program.as_str()),
-                "acquired_at_ms": identity.map(HolderIdentity::acquired_at_ms),
+                "requested_at_ms": identity.map(HolderIdentity::requested_at_ms),
                 "lockkit_version": identity.map(|i| i.version.as_str()),
                 "depth": info.depth,
                 "token": info.token.map(|t| t.get()),
@@ -597,11 +600,11 @@ fn describe(key: &str, holder: Option<&HolderInfo>, json: bool) -> String {
             // escape what a terminal would otherwise interpret.
             let who = match &info.identity {
                 Some(identity) => {
-                    let held_for = std::time::SystemTime::now()
-                        .duration_since(identity.acquired_at)
+                    let asked = std::time::SystemTime::now()
+                        .duration_since(identity.requested_at)
                         .map_or_else(|_| "?".into(), |d| format!("{} s", d.as_secs()));
                     format!(
-                        "{} pid {} on {} (owner {}, held for {held_for})",
+                        "{} pid {} on {} (owner {}, asked {asked} ago)",
                         identity.program.escape_debug(),
                         identity.pid,
                         identity.host.escape_debug(),

@@ -1027,7 +1027,10 @@ fn status_names_the_holders_host_and_pid_on_every_backend() {
         assert_eq!(value["host"], host.as_str(), "{url}: {value}");
         assert_eq!(value["pid"], run.id(), "{url}: {value}");
         assert_eq!(value["program"], "lockkit", "{url}: {value}");
-        assert!(value["acquired_at_ms"].as_u64().is_some(), "{url}: {value}");
+        assert!(
+            value["requested_at_ms"].as_u64().is_some(),
+            "{url}: {value}"
+        );
         assert!(
             text_form.contains(&format!("lockkit pid {} on {host}", run.id())),
             "{url}: {text_form}"

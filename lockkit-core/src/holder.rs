@@ -16,7 +16,7 @@ pub const MAX_NAME_BYTES: usize = 255;
 /// Backends write it when a hold is first granted (a re-entry keeps the first one) and
 /// [`crate::Locker::inspect`] reads it back in [`crate::HolderInfo::identity`]. Stored as
 /// one line of compact JSON (see [`HolderIdentity::encode`]) so other tools can read it:
-/// `{"host":"web-3","pid":4242,"program":"report","acquired_at_ms":1764000000000,"lockkit":"0.1.0"}`.
+/// `{"host":"web-3","pid":4242,"program":"report","requested_at_ms":1764000000000,"lockkit":"0.1.0"}`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct HolderIdentity {
@@ -26,9 +26,11 @@ pub struct HolderIdentity {
     pub pid: u32,
     /// The holder's program (the executable's file name).
     pub program: String,
-    /// When the hold was requested, by the holder's wall clock (for people, never for
-    /// lease arithmetic).
-    pub acquired_at: SystemTime,
+    /// When the holder asked for the lock, by its wall clock (for people, never for lease
+    /// arithmetic). A wait is included: ZooKeeper and etcd store a contender's record when
+    /// it joins the queue, and the other backends store what the request carried, so this
+    /// is when the holder started to want the lock, at most its wait before the grant.
+    pub requested_at: SystemTime,
     /// The lockkit version that took it.
     pub version: String,
 }
@@ -37,7 +39,6 @@ pub struct HolderIdentity {
 #[derive(Debug)]
 struct ThisProcess {
     host: String,
-    pid: u32,
     program: String,
 }
 
@@ -45,7 +46,6 @@ fn this_process() -> &'static ThisProcess {
     static THIS: OnceLock<ThisProcess> = OnceLock::new();
     THIS.get_or_init(|| ThisProcess {
         host: cut(&host_name()),
-        pid: std::process::id(),
         program: cut(&program_name()),
     })
 }
@@ -74,6 +74,27 @@ fn program_name() -> String {
         .unwrap_or_else(|| "unknown-program".to_owned())
 }
 
+/// The longest [`HolderIdentity::encode`] can be: two names of [`MAX_NAME_BYTES`], each
+/// character escaped at worst to 6 bytes (`\u001f`) per byte, with the rest of the record.
+pub const MAX_ENCODED_BYTES: usize = 2 * 6 * MAX_NAME_BYTES + 6 * MAX_NAME_BYTES / 8 + 128;
+
+/// `json` with every non-ASCII character escaped (`\uXXXX`, surrogate pairs above the
+/// BMP): the same JSON value, in ASCII. Non-ASCII characters only occur inside strings.
+fn ascii_json(json: &str) -> String {
+    let mut out = String::with_capacity(json.len());
+    for c in json.chars() {
+        if c.is_ascii() {
+            out.push(c);
+        } else {
+            let mut units = [0u16; 2];
+            for unit in c.encode_utf16(&mut units) {
+                out.push_str(&format!("\\u{unit:04x}"));
+            }
+        }
+    }
+    out
+}
+
 /// `text` cut to at most [`MAX_NAME_BYTES`] bytes at a character boundary.
 fn cut(text: &str) -> String {
     if text.len() <= MAX_NAME_BYTES {
@@ -92,42 +113,45 @@ impl HolderIdentity {
         let this = this_process();
         HolderIdentity {
             host: this.host.clone(),
-            pid: this.pid,
+            pid: std::process::id(),
             program: this.program.clone(),
-            acquired_at: SystemTime::now(),
+            requested_at: SystemTime::now(),
             version: env!("CARGO_PKG_VERSION").to_owned(),
         }
     }
 
     /// Describes a holder (for tools that store identities of their own).
-    pub fn new(host: &str, pid: u32, program: &str, acquired_at: SystemTime) -> Self {
+    pub fn new(host: &str, pid: u32, program: &str, requested_at: SystemTime) -> Self {
         HolderIdentity {
             host: cut(host),
             pid,
             program: cut(program),
-            acquired_at,
+            requested_at,
             version: env!("CARGO_PKG_VERSION").to_owned(),
         }
     }
 
-    /// Milliseconds since the Unix epoch of [`HolderIdentity::acquired_at`] (0 before it).
-    pub fn acquired_at_ms(&self) -> u64 {
-        self.acquired_at
+    /// Milliseconds since the Unix epoch of [`HolderIdentity::requested_at`] (0 before it).
+    pub fn requested_at_ms(&self) -> u64 {
+        self.requested_at
             .duration_since(UNIX_EPOCH)
             .map(|d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
             .unwrap_or(0)
     }
 
-    /// One line of compact JSON, at most about 600 bytes: what backends store.
+    /// One line of compact JSON in ASCII (every other character escaped as `\uXXXX`, so a
+    /// column or value of any character set takes it), at most [`MAX_ENCODED_BYTES`]: what
+    /// backends store.
     pub fn encode(&self) -> String {
-        serde_json::json!({
+        let json = serde_json::json!({
             "host": self.host,
             "pid": self.pid,
             "program": self.program,
-            "acquired_at_ms": self.acquired_at_ms(),
+            "requested_at_ms": self.requested_at_ms(),
             "lockkit": cut(&self.version),
         })
-        .to_string()
+        .to_string();
+        ascii_json(&json)
     }
 
     /// Reads what [`HolderIdentity::encode`] wrote. Anything else (another client's data,
@@ -138,13 +162,13 @@ impl HolderIdentity {
         let host = value.get("host")?.as_str()?;
         let pid = u32::try_from(value.get("pid")?.as_u64()?).ok()?;
         let program = value.get("program")?.as_str()?;
-        let at = value.get("acquired_at_ms")?.as_u64()?;
+        let at = value.get("requested_at_ms")?.as_u64()?;
         let version = value.get("lockkit").and_then(|v| v.as_str()).unwrap_or("");
         Some(HolderIdentity {
             host: cut(host),
             pid,
             program: cut(program),
-            acquired_at: UNIX_EPOCH + Duration::from_millis(at),
+            requested_at: UNIX_EPOCH + Duration::from_millis(at),
             version: cut(version),
         })
     }
@@ -218,7 +242,7 @@ mod tests {
         let back = HolderIdentity::decode(&identity.encode()).unwrap();
         assert_eq!(back.host, identity.host);
         assert_eq!(back.program, identity.program);
-        assert_eq!(back.acquired_at_ms(), identity.acquired_at_ms());
+        assert_eq!(back.requested_at_ms(), identity.requested_at_ms());
         assert_eq!(back.version, env!("CARGO_PKG_VERSION"));
     }
 
@@ -229,7 +253,25 @@ mod tests {
         assert!(identity.program.len() <= MAX_NAME_BYTES);
         let encoded = identity.encode();
         assert!(!encoded.contains('\n'), "one line: {encoded}");
+        assert!(encoded.is_ascii(), "ASCII: {encoded}");
         assert_eq!(HolderIdentity::decode(&encoded), Some(identity));
+    }
+
+    #[test]
+    fn the_worst_names_stay_within_the_bound() {
+        let controls = "\u{1}".repeat(MAX_NAME_BYTES);
+        let emoji = "🔒".repeat(MAX_NAME_BYTES);
+        for (host, program) in [
+            (&controls, &emoji),
+            (&emoji, &controls),
+            (&controls, &controls),
+        ] {
+            let identity = HolderIdentity::new(host, u32::MAX, program, UNIX_EPOCH);
+            let encoded = identity.encode();
+            assert!(encoded.is_ascii());
+            assert!(encoded.len() <= MAX_ENCODED_BYTES, "{}", encoded.len());
+            assert_eq!(HolderIdentity::decode(&encoded), Some(identity));
+        }
     }
 
     #[test]

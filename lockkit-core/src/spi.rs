@@ -8,7 +8,9 @@ pub use crate::backend::{AcquireRequest, Grant, Released};
 pub use crate::detach::{Interrupt, detached, detached_acquire};
 pub use crate::file::file_name;
 pub use crate::guard::local_validity;
-pub use crate::holder::{contender_record, parse_contender_record};
+pub use crate::holder::{
+    MAX_ENCODED_BYTES, MAX_NAME_BYTES, contender_record, parse_contender_record,
+};
 pub use crate::local_hold::{CountRelease, HoldCount, LocalHolds};
 pub use crate::options::validate_ttl;
 pub use crate::wait::{

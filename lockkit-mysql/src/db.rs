@@ -171,19 +171,49 @@ impl Db {
                     "table `{table}` lacks the `{column}` column and create_schema=false; add it with:\n{add};"
                 )));
             }
-            match query(add).execute(&inner.pool).await {
+            match self.alter_briefly(add).await {
                 // 1060: another client added it first.
-                Ok(_) => {}
+                Ok(()) => {}
                 Err(e) if error_number(&e) == Some(1060) => {}
+                Err(e) if error_number(&e) == Some(LOCK_WAIT_TIMEOUT) => {
+                    return Err(Error::Config(format!(
+                        "could not add the `{column}` column to `{table}` within {} s: another \
+                         session holds the table (a long transaction or a dump); run this at a \
+                         quiet moment, then connect again:\n{add};",
+                        ALTER_LOCK_WAIT.as_secs()
+                    )));
+                }
                 Err(e) => {
                     return Err(db_error(
-                        &format!("adding the {column} column to `{table}`"),
+                        &format!(
+                            "adding the {column} column to `{table}` (or run it yourself: {add})"
+                        ),
                         e,
                     ));
                 }
             }
         }
         Ok(())
+    }
+
+    /// Runs `alter` on a connection of its own that waits at most [`ALTER_LOCK_WAIT`] for
+    /// the table's metadata lock: queued behind a long transaction, an `ALTER` would hold
+    /// up every statement on the table (renewals too) for as long as it waits. The
+    /// connection is closed afterwards, so its session setting never reaches the pool.
+    async fn alter_briefly(&self, alter: &Arc<str>) -> std::result::Result<(), sqlx::Error> {
+        let mut conn = self.pool.acquire().await?.detach();
+        let outcome = async {
+            sqlx::raw_sql(AssertSqlSafe(format!(
+                "SET SESSION lock_wait_timeout = {}",
+                ALTER_LOCK_WAIT.as_secs()
+            )))
+            .execute(&mut conn)
+            .await?;
+            query(alter).execute(&mut conn).await.map(|_| ())
+        }
+        .await;
+        let _ = sqlx::Connection::close(conn).await;
+        outcome
     }
 
     /// One round trip to the server.
@@ -268,7 +298,7 @@ pub fn ddl(table: &str) -> String {
            fence BIGINT UNSIGNED NOT NULL DEFAULT 0,\n  \
            expires_at DATETIME(6) NULL,\n  \
            attempts TEXT NULL,\n  \
-           holder VARCHAR(1024) NULL,\n  \
+           holder TEXT CHARACTER SET ascii NULL,\n  \
            PRIMARY KEY (name)\n\
          ) ENGINE=InnoDB;\n\
          CREATE TABLE IF NOT EXISTS `{table}_mutex` (\n  \
@@ -283,10 +313,13 @@ pub(crate) fn add_attempts_column(table: &str) -> String {
     format!("ALTER TABLE `{table}` ADD COLUMN attempts TEXT NULL AFTER expires_at")
 }
 
+/// The longest a schema change waits for its table lock before it gives up.
+pub(crate) const ALTER_LOCK_WAIT: Duration = Duration::from_secs(5);
+
 /// The change that brings a table made before the `holder` column (who holds the lock:
 /// [`lockkit_core::HolderIdentity`], encoded) existed up to date.
 pub(crate) fn add_holder_column(table: &str) -> String {
-    format!("ALTER TABLE `{table}` ADD COLUMN holder VARCHAR(1024) NULL")
+    format!("ALTER TABLE `{table}` ADD COLUMN holder TEXT CHARACTER SET ascii NULL")
 }
 
 /// Every statement, prepared once per connection by the driver's statement cache.

@@ -284,7 +284,7 @@ async fn a_table_without_the_attempts_column_is_upgraded_or_reported() {
     let admin = sqlx::MySqlPool::connect(&base).await.unwrap();
     let old_ddl = lockkit_mysql::ddl(&table)
         .replace("  attempts TEXT NULL,\n", "")
-        .replace("  holder VARCHAR(1024) NULL,\n", "");
+        .replace("  holder TEXT CHARACTER SET ascii NULL,\n", "");
     assert!(
         !old_ddl.contains("attempts") && !old_ddl.contains("holder"),
         "{old_ddl}"

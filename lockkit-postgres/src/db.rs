@@ -21,6 +21,7 @@ pub(crate) mod state {
     pub(crate) const UNDEFINED_TABLE: &str = "42P01";
     pub(crate) const UNDEFINED_COLUMN: &str = "42703";
     pub(crate) const DUPLICATE_COLUMN: &str = "42701";
+    pub(crate) const LOCK_NOT_AVAILABLE: &str = "55P03";
     /// `serialization_failure`, `deadlock_detected`: the server asks for a retry.
     pub(crate) const SERIALIZATION_FAILURE: &str = "40001";
     pub(crate) const DEADLOCK: &str = "40P01";
@@ -173,8 +174,17 @@ impl Db {
         {
             Ok(_) => Ok(()),
             Err(e) if undefined(&e) && self.config.create_schema => {
-                match query(&self.sql.add_holder_column).execute(&self.pool).await {
-                    Ok(_) => Ok(()),
+                match self.alter_briefly(&self.sql.add_holder_column).await {
+                    Ok(()) => Ok(()),
+                    Err(e) if sql_state(&e).as_deref() == Some(state::LOCK_NOT_AVAILABLE) => {
+                        Err(Error::Config(format!(
+                            "could not add the `holder` column to `{table}` within {} s: \
+                             another session holds the table (a long transaction or a dump); \
+                             run this at a quiet moment, then connect again:\n{};",
+                            ALTER_LOCK_WAIT.as_secs(),
+                            self.sql.add_holder_column
+                        )))
+                    }
                     // Another client added it at the same moment (IF NOT EXISTS checks
                     // before it locks): what this wanted.
                     Err(e)
@@ -186,7 +196,10 @@ impl Db {
                         Ok(())
                     }
                     Err(e) => Err(db_error(
-                        &format!("adding the holder column to `{table}`"),
+                        &format!(
+                            "adding the holder column to `{table}` (or run it yourself: {})",
+                            self.sql.add_holder_column
+                        ),
                         e,
                     )),
                 }
@@ -197,6 +210,21 @@ impl Db {
             ))),
             Err(e) => Err(db_error(&format!("checking the columns of `{table}`"), e)),
         }
+    }
+
+    /// Runs `alter` in a transaction that waits at most [`ALTER_LOCK_WAIT`] for the table's
+    /// lock: queued behind a long transaction, an `ALTER` would hold up every statement on
+    /// the table (renewals too) for as long as it waits.
+    async fn alter_briefly(&self, alter: &Arc<str>) -> std::result::Result<(), sqlx::Error> {
+        let mut tx = self.pool.begin().await?;
+        sqlx::raw_sql(AssertSqlSafe(format!(
+            "SET LOCAL lock_timeout = '{}s'",
+            ALTER_LOCK_WAIT.as_secs()
+        )))
+        .execute(&mut *tx)
+        .await?;
+        query(alter).execute(&mut *tx).await?;
+        tx.commit().await
     }
 
     /// Live row-mode leases on keys under `prefix`. For leak checks.
@@ -259,6 +287,9 @@ pub(crate) fn fence_of(row: &PgRow) -> std::result::Result<u64, sqlx::Error> {
     let fence: i64 = row.try_get("fence")?;
     Ok(u64::try_from(fence).unwrap_or(0))
 }
+
+/// The longest a schema change waits for its table lock before it gives up.
+pub(crate) const ALTER_LOCK_WAIT: Duration = Duration::from_secs(5);
 
 // ---- the table and its statements
 

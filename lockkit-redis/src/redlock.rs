@@ -596,10 +596,21 @@ impl LockBackend for RedlockBackend {
             same.iter().filter_map(|i| i.token).max(),
             same.iter().filter_map(|i| i.ttl_left).min(),
         )
-        .with_identity(same.iter().find_map(|i| i.identity.clone()));
+        .with_identity(majority_identity(&same));
         Ok(Some(match same.iter().filter_map(|i| i.waiters).max() {
             Some(waiters) => info.with_waiters(waiters),
             None => info,
         }))
     }
+}
+
+/// The identity most of `holds` (one per master) report: a master whose copy of the hold
+/// lapsed and was made again by a re-entry carries that re-entry's identity instead.
+fn majority_identity(holds: &[&HolderInfo]) -> Option<lockkit_core::HolderIdentity> {
+    let identities: Vec<&lockkit_core::HolderIdentity> =
+        holds.iter().filter_map(|i| i.identity.as_ref()).collect();
+    identities
+        .iter()
+        .max_by_key(|candidate| identities.iter().filter(|i| i == candidate).count())
+        .map(|i| (*i).clone())
 }
