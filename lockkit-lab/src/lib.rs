@@ -31,6 +31,8 @@ mod report;
 mod scenarios;
 mod servers;
 mod store;
+pub mod svg;
+mod timeline;
 
 use std::{
     collections::BTreeMap,
@@ -46,11 +48,15 @@ use lockkit_core::{LockBackend, Locker};
 
 pub use child::{CHILD_VAR, child_main, child_requested};
 pub use lockkit_conformance::env::zk_mode;
-pub use markdown::{DOC_BEGIN, DOC_END, render_table, splice_table};
+pub use markdown::{
+    DOC_BEGIN, DOC_END, PICTURES_DIR, TIMELINES_BEGIN, TIMELINES_END, render_document,
+    render_table, render_timelines, splice_table, update_document,
+};
 pub use report::{Expect, LostSignal, Observed, Report, Stale};
 pub use scenarios::{CATALOGUE, ScenarioDef};
 pub use servers::{Instance, Services, parse_instances, redis_command, url_vars};
 pub use store::{FencedStore, StaleWrite, StoreKind};
+pub use timeline::{Actor, Event, Mark, WriteOutcome};
 
 /// Builds a backend from a URL (the facade's `lockkit::backend`).
 pub type Connect = Arc<

@@ -6,6 +6,8 @@ use lockkit_core::Consistency;
 
 use lockkit_conformance::Violation;
 
+use crate::timeline::Event;
+
 /// When the first holder's guard fired lost, relative to a rival's grant.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum LostSignal {
@@ -86,8 +88,8 @@ pub struct Report {
     pub expect: Expect,
     /// What was seen, if the run got far enough to judge.
     pub observed: Option<Observed>,
-    /// The timeline: offset from the start, and what happened.
-    pub timeline: Vec<(Duration, String)>,
+    /// The timeline: offset from the start, what kind of thing happened, and what.
+    pub timeline: Vec<Event>,
     /// Why the run failed (empty when it passed).
     pub problems: Vec<String>,
     /// How long it took, restoring the servers included.
@@ -151,8 +153,8 @@ pub(crate) fn judge(expect: &Expect, seen: &Observed) -> Vec<String> {
 impl fmt::Display for Report {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         writeln!(f, "== {} ==", self.name())?;
-        for (at, what) in &self.timeline {
-            writeln!(f, "  {:>7.3}s  {what}", at.as_secs_f64())?;
+        for event in &self.timeline {
+            writeln!(f, "  {:>7.3}s  {}", event.at.as_secs_f64(), event.text)?;
         }
         match &self.observed {
             Some(seen) => {

@@ -8,6 +8,7 @@ use crate::{
     Context, LabError,
     child::{CHILD_VALUE, spawn_child},
     report::Stale,
+    timeline::{Actor, Mark, WriteOutcome},
 };
 use lockkit_conformance::{FaultProxy, env::host_ports, history::HoldRecord};
 
@@ -18,12 +19,18 @@ pub(super) async fn holder_paused(ctx: &mut Ctx<'_>, url: &str) -> Result<(), La
     let key = ctx.key.clone();
     let store = ctx.store()?.clone();
     let mut child = spawn_child(ctx.lab, url, &key, ttl, &store).await?;
-    ctx.note(format!(
-        "holder (pid {}) granted token {} with a {} s lease, watchdog on",
-        child.pid(),
-        child.token,
-        ttl.as_secs()
-    ));
+    let (held_at, token) = (child.held_at, child.token);
+    ctx.granted_at(
+        held_at,
+        Actor::Holder,
+        token,
+        format!(
+            "holder (pid {}) granted token {} with a {} s lease, watchdog on",
+            child.pid(),
+            token,
+            ttl.as_secs()
+        ),
+    );
     let rival = ctx.locker(url).await?;
     tokio::time::sleep(ttl / 2).await;
     let early = child.drain(Duration::from_millis(50)).await;
@@ -34,7 +41,11 @@ pub(super) async fn holder_paused(ctx: &mut Ctx<'_>, url: &str) -> Result<(), La
     }
     child.signal("STOP").await.map_err(LabError::new)?;
     let paused = Instant::now();
-    ctx.note("holder SIGSTOPped: no watchdog, no I/O (a GC pause, a swapped-out VM)");
+    let frozen = ctx.fault_at(
+        paused,
+        "holder frozen (SIGSTOP)",
+        "holder SIGSTOPped: no watchdog, no I/O (a GC pause, a swapped-out VM)",
+    );
     let early = child.drain(Duration::from_millis(100)).await;
     if !early.is_empty() {
         return Err(LabError::new(format!(
@@ -42,8 +53,9 @@ pub(super) async fn holder_paused(ctx: &mut Ctx<'_>, url: &str) -> Result<(), La
         )));
     }
     if let Some(until) = child.valid_until {
-        ctx.note_at(
+        ctx.mark_at(
             until,
+            Mark::LeaseEnds { who: Actor::Holder },
             "the frozen holder's lease deadline passes (on its own clock)",
         );
     }
@@ -59,13 +71,17 @@ pub(super) async fn holder_paused(ctx: &mut Ctx<'_>, url: &str) -> Result<(), La
         paused.elapsed().as_secs_f64()
     ));
     let rival_open = ctx.history.begin("rival", &guard);
-    ctx.write("rival", guard.token()).await?;
+    ctx.write(Actor::Rival, guard.token()).await?;
     child.request_write().await.map_err(LabError::new)?;
     child.signal("CONT").await.map_err(LabError::new)?;
-    ctx.note(format!(
-        "holder SIGCONTed; it writes with token {} as it meant to before the pause",
-        child.token
-    ));
+    ctx.fault_ends(
+        frozen,
+        "resumed (SIGCONT)",
+        format!(
+            "holder SIGCONTed; it writes with token {} as it meant to before the pause",
+            child.token
+        ),
+    );
     let (mut wrote, mut lost) = (false, false);
     let deadline = Instant::now() + ttl * 3 + Duration::from_secs(10);
     while !(wrote && lost) {
@@ -74,20 +90,30 @@ pub(super) async fn holder_paused(ctx: &mut Ctx<'_>, url: &str) -> Result<(), La
         };
         if let Some(rest) = event.strip_prefix("WROTE ") {
             wrote = true;
-            ctx.stale = if rest.starts_with("refused") {
-                Stale::Refused
+            let outcome = if rest.starts_with("refused") {
+                ctx.stale = Stale::Refused;
+                WriteOutcome::Refused
             } else if rest.starts_with("accepted") {
                 ctx.accepted_writes
                     .push((child.token.get(), CHILD_VALUE.to_owned()));
-                Stale::Accepted
+                ctx.stale = Stale::Accepted;
+                WriteOutcome::StaleAccepted
             } else {
                 return Err(LabError::new(format!("the holder could not write: {rest}")));
             };
-            ctx.note(format!("holder's write: {rest}"));
+            ctx.wrote(
+                Actor::Holder,
+                child.token,
+                outcome,
+                format!("holder's write: {rest}"),
+            );
         } else if let Some(reason) = event.strip_prefix("LOST ") {
             lost = true;
             ctx.holder_lost_at.get_or_insert(Instant::now());
-            ctx.note(format!("holder's guard fired lost on resume ({reason})"));
+            ctx.mark(
+                Mark::Lost { who: Actor::Holder },
+                format!("holder's guard fired lost on resume ({reason})"),
+            );
         } else {
             ctx.note(format!("holder says: {event}"));
         }
@@ -139,12 +165,18 @@ pub(super) async fn cut_off(ctx: &mut Ctx<'_>, url: &str) -> Result<(), LabError
     .await?;
     tokio::time::sleep(Duration::from_millis(500)).await;
     proxy.cut();
-    ctx.note("link cut: the holder's packets stall, the server hears nothing");
+    let cut = ctx.fault(
+        "holder's link cut",
+        "link cut: the holder's packets stall, the server hears nothing",
+    );
     if let Ok(Some(info)) = rival.inspect(&key).await
         && let Some(left) = info.ttl_left
     {
-        ctx.note_at(
+        ctx.mark_at(
             Instant::now() + left,
+            Mark::Server {
+                label: "holder's lease runs out on the server".to_owned(),
+            },
             "the holder's lease runs out on the server (its TTL as read after the cut)",
         );
     }
@@ -157,9 +189,10 @@ pub(super) async fn cut_off(ctx: &mut Ctx<'_>, url: &str) -> Result<(), LabError
         "the server let the lease run out",
     )
     .await?;
-    ctx.write("rival", guard.token()).await?;
-    ctx.stale_write("holder", holder.token()).await?;
+    ctx.write(Actor::Rival, guard.token()).await?;
+    ctx.stale_write(Actor::Holder, holder.token()).await?;
     proxy.heal();
+    ctx.fault_ends(cut, "link healed", "link healed");
     finish(ctx, Some((holder, holder_open)), Some((guard, rival_open))).await;
     Ok(())
 }

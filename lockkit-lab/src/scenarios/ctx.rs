@@ -9,6 +9,7 @@ use crate::{
     Lab, LabError,
     report::{LostSignal, Observed, Stale},
     store::FencedStore,
+    timeline::{Actor, Event, Mark, WriteOutcome},
 };
 use lockkit_conformance::{History, history::OpenHold};
 
@@ -16,7 +17,9 @@ use lockkit_conformance::{History, history::OpenHold};
 pub(super) struct Ctx<'a> {
     pub(super) lab: &'a Lab,
     pub(super) t0: Instant,
-    pub(super) timeline: Vec<(Duration, String)>,
+    pub(super) timeline: Vec<Event>,
+    /// The next [`Mark::FaultBegins`] id.
+    pub(super) faults: u32,
     pub(super) history: History,
     /// Where holders write (opened once the servers are up).
     pub(super) store: Option<FencedStore>,
@@ -30,18 +33,98 @@ pub(super) struct Ctx<'a> {
 }
 
 impl Ctx<'_> {
+    /// Notes context (drawn in no picture) that happens now.
     pub(super) fn note(&mut self, text: impl Into<String>) {
-        self.note_at(Instant::now(), text);
+        self.mark_at(Instant::now(), Mark::Note, text);
     }
 
-    /// Notes something that happened at `instant` (the timeline is sorted by time).
-    pub(super) fn note_at(&mut self, instant: Instant, text: impl Into<String>) {
+    /// Records `mark`, said as `text`, now.
+    pub(super) fn mark(&mut self, mark: Mark, text: impl Into<String>) {
+        self.mark_at(Instant::now(), mark, text);
+    }
+
+    /// Records `mark`, said as `text`, at `instant` (the timeline is sorted by time).
+    pub(super) fn mark_at(&mut self, instant: Instant, mark: Mark, text: impl Into<String>) {
         let text = text.into();
         let at = instant.saturating_duration_since(self.t0);
         if self.lab.live {
             println!("  {:>7.3}s  {text}", at.as_secs_f64());
         }
-        self.timeline.push((at, text));
+        self.timeline.push(Event::new(at, mark, text));
+    }
+
+    /// Records that the lab broke something at `instant` (`label`: a few words for the
+    /// picture, `text`: the timeline's sentence); returns the id that ends it.
+    pub(super) fn fault_at(
+        &mut self,
+        instant: Instant,
+        label: &str,
+        text: impl Into<String>,
+    ) -> u32 {
+        let id = self.faults;
+        self.faults += 1;
+        let label = label.to_owned();
+        self.mark_at(instant, Mark::FaultBegins { id, label }, text);
+        id
+    }
+
+    /// Records that the lab broke something now; see [`Ctx::fault_at`].
+    pub(super) fn fault(&mut self, label: &str, text: impl Into<String>) -> u32 {
+        self.fault_at(Instant::now(), label, text)
+    }
+
+    /// Records that the fault `id` is over now.
+    pub(super) fn fault_ends(&mut self, id: u32, label: &str, text: impl Into<String>) {
+        let label = label.to_owned();
+        self.mark(Mark::FaultEnds { id, label }, text);
+    }
+
+    /// Records something the servers did now.
+    pub(super) fn server(&mut self, label: &str, text: impl Into<String>) {
+        let label = label.to_owned();
+        self.mark(Mark::Server { label }, text);
+    }
+
+    /// Records `who`'s grant of `token`, now.
+    pub(super) fn granted(&mut self, who: Actor, token: FencingToken, text: impl Into<String>) {
+        self.granted_at(Instant::now(), who, token, text);
+    }
+
+    /// Records `who`'s grant of `token`, at `instant`.
+    pub(super) fn granted_at(
+        &mut self,
+        instant: Instant,
+        who: Actor,
+        token: FencingToken,
+        text: impl Into<String>,
+    ) {
+        let token = token.get();
+        self.mark_at(instant, Mark::Granted { who, token }, text);
+    }
+
+    /// Records `who`'s attempt that did not get the key.
+    pub(super) fn denied(&mut self, who: Actor, label: &str, text: impl Into<String>) {
+        let label = label.to_owned();
+        self.mark(Mark::Denied { who, label }, text);
+    }
+
+    /// Records a write to the fenced store.
+    pub(super) fn wrote(
+        &mut self,
+        who: Actor,
+        token: FencingToken,
+        outcome: WriteOutcome,
+        text: impl Into<String>,
+    ) {
+        let token = token.get();
+        self.mark(
+            Mark::Write {
+                who,
+                token,
+                outcome,
+            },
+            text,
+        );
     }
 
     pub(super) async fn locker(&mut self, url: &str) -> Result<Locker, LabError> {
@@ -58,15 +141,22 @@ impl Ctx<'_> {
     }
 
     /// A fenced write by a current holder: must be accepted.
-    pub(super) async fn write(&mut self, who: &str, token: FencingToken) -> Result<(), LabError> {
-        match self.store()?.write(token, who).await? {
+    pub(super) async fn write(&mut self, who: Actor, token: FencingToken) -> Result<(), LabError> {
+        let who_name = who.name();
+        match self.store()?.write(token, who_name).await? {
             Ok(()) => {
-                self.accepted_writes.push((token.get(), who.to_owned()));
-                self.note(format!("{who} writes with token {token}: accepted"));
+                self.accepted_writes
+                    .push((token.get(), who_name.to_owned()));
+                self.wrote(
+                    who,
+                    token,
+                    WriteOutcome::Accepted,
+                    format!("{who_name} writes with token {token}: accepted"),
+                );
                 Ok(())
             }
             Err(stale) => Err(LabError::new(format!(
-                "{who} holds the lock but its write was refused: {stale}"
+                "{who_name} holds the lock but its write was refused: {stale}"
             ))),
         }
     }
@@ -74,22 +164,32 @@ impl Ctx<'_> {
     /// A fenced write by a holder that has been superseded.
     pub(super) async fn stale_write(
         &mut self,
-        who: &str,
+        who: Actor,
         token: FencingToken,
     ) -> Result<(), LabError> {
-        match self.store()?.write(token, who).await? {
+        let who_name = who.name();
+        match self.store()?.write(token, who_name).await? {
             Ok(()) => {
-                self.accepted_writes.push((token.get(), who.to_owned()));
+                self.accepted_writes
+                    .push((token.get(), who_name.to_owned()));
                 self.stale = Stale::Accepted;
-                self.note(format!(
-                    "{who} writes with stale token {token}: ACCEPTED (fencing failed)"
-                ));
+                self.wrote(
+                    who,
+                    token,
+                    WriteOutcome::StaleAccepted,
+                    format!(
+                        "{who_name} writes with stale token {token}: ACCEPTED (fencing failed)"
+                    ),
+                );
             }
             Err(stale) => {
                 self.stale = Stale::Refused;
-                self.note(format!(
-                    "{who} writes with token {token}: refused ({stale})"
-                ));
+                self.wrote(
+                    who,
+                    token,
+                    WriteOutcome::Refused,
+                    format!("{who_name} writes with token {token}: refused ({stale})"),
+                );
             }
         }
         Ok(())
@@ -105,14 +205,23 @@ impl Ctx<'_> {
     pub(super) fn rival_granted(&mut self, guard: &LockGuard) {
         let now = Instant::now();
         self.rival_at.get_or_insert(now);
-        self.note(format!("rival granted, token {}", guard.token()));
+        self.granted_at(
+            now,
+            Actor::Rival,
+            guard.token(),
+            format!("rival granted, token {}", guard.token()),
+        );
     }
 
     /// The holder's guard fired (or was found) lost.
     pub(super) fn holder_lost(&mut self, guard: &LockGuard, reason: LostReason) {
         let at = guard.lost_at().unwrap_or_else(Instant::now);
         self.holder_lost_at.get_or_insert(at);
-        self.note_at(at, format!("holder's guard fired lost ({reason:?})"));
+        self.mark_at(
+            at,
+            Mark::Lost { who: Actor::Holder },
+            format!("holder's guard fired lost ({reason:?})"),
+        );
     }
 
     /// Tries to take the key during an outage, for at most `limit`; notes the outcome and
@@ -132,14 +241,18 @@ impl Ctx<'_> {
                 Some(guard)
             }
             Ok(Err(e)) => {
-                self.note(format!("rival refused: {e}"));
+                self.denied(Actor::Rival, "refused", format!("rival refused: {e}"));
                 None
             }
             Err(_) => {
-                self.note(format!(
-                    "rival got no answer within {:.0} s (attempt cancelled)",
-                    limit.as_secs_f64()
-                ));
+                self.denied(
+                    Actor::Rival,
+                    "no answer",
+                    format!(
+                        "rival got no answer within {:.0} s (attempt cancelled)",
+                        limit.as_secs_f64()
+                    ),
+                );
                 None
             }
         }

@@ -2,7 +2,9 @@
 
 use std::time::Duration;
 
-use crate::{LabError, report::LostSignal};
+use tokio::time::Instant;
+
+use crate::{LabError, report::LostSignal, timeline::Actor};
 
 use super::{catalogue::ScenarioDef, ctx::*, steps::*};
 
@@ -33,8 +35,14 @@ pub(super) async fn database_restarted(
         )
     })
     .await?;
+    let stopped = Instant::now();
     ctx.lab.services.act("restart", &[instance]).await?;
-    ctx.note(format!("{name} restarted"));
+    let restart = ctx.fault_at(
+        stopped,
+        &format!("{name} restarting"),
+        format!("{name} stopped and started"),
+    );
+    ctx.fault_ends(restart, "back", format!("{name} restarted"));
     let rival = ctx.lab.locker(url).await?;
     if for_update {
         // The rival asks at once; the holder's guard races it.
@@ -51,8 +59,8 @@ pub(super) async fn database_restarted(
             },
         )
         .await?;
-        ctx.write("rival", guard.token()).await?;
-        ctx.stale_write("holder", holder.token()).await?;
+        ctx.write(Actor::Rival, guard.token()).await?;
+        ctx.stale_write(Actor::Holder, holder.token()).await?;
         finish(ctx, Some((holder, holder_open)), Some((guard, rival_open))).await;
         return Ok(());
     }

@@ -4,7 +4,7 @@ use std::{net::SocketAddr, time::Duration};
 
 use tokio::time::Instant;
 
-use crate::{Context, LabError, servers::redis_command};
+use crate::{Context, LabError, servers::redis_command, timeline::Actor};
 use lockkit_conformance::{FaultProxy, env::host_ports};
 
 use super::{ctx::*, steps::*};
@@ -21,9 +21,9 @@ pub(super) async fn redis_paused(ctx: &mut Ctx<'_>, url: &str) -> Result<(), Lab
         )
     })
     .await?;
-    ctx.lab.services.act("pause", &["redis-single"]).await?;
     let paused = Instant::now();
-    ctx.note("Redis server SIGSTOPped");
+    ctx.lab.services.act("pause", &["redis-single"]).await?;
+    let frozen = ctx.fault_at(paused, "Redis frozen (SIGSTOP)", "Redis server SIGSTOPped");
     let during = ctx
         .attempt(&rival, ttl, Duration::from_secs(2), Duration::from_secs(5))
         .await;
@@ -32,7 +32,11 @@ pub(super) async fn redis_paused(ctx: &mut Ctx<'_>, url: &str) -> Result<(), Lab
     let resume_at = paused + ttl + Duration::from_secs(1);
     tokio::time::sleep_until(resume_at).await;
     ctx.lab.services.act("resume", &["redis-single"]).await?;
-    ctx.note("Redis server SIGCONTed (its clock moved on: the lease has run out)");
+    ctx.fault_ends(
+        frozen,
+        "resumed (SIGCONT)",
+        "Redis server SIGCONTed (its clock moved on: the lease has run out)",
+    );
     let rival_hold = match during {
         Some(hold) => hold,
         None => {
@@ -47,8 +51,8 @@ pub(super) async fn redis_paused(ctx: &mut Ctx<'_>, url: &str) -> Result<(), Lab
             (guard, open)
         }
     };
-    ctx.write("rival", rival_hold.0.token()).await?;
-    ctx.stale_write("holder", holder.token()).await?;
+    ctx.write(Actor::Rival, rival_hold.0.token()).await?;
+    ctx.stale_write(Actor::Holder, holder.token()).await?;
     finish(ctx, Some((holder, holder_open)), Some(rival_hold)).await;
     Ok(())
 }
@@ -63,10 +67,15 @@ pub(super) async fn redis_restarted(ctx: &mut Ctx<'_>, url: &str) -> Result<(), 
         )
     })
     .await?;
+    let killed = Instant::now();
     ctx.lab.services.act("kill", &["redis-single"]).await?;
-    ctx.note("Redis SIGKILLed (no RDB, no AOF: the lock lived only in memory)");
+    let down = ctx.fault_at(
+        killed,
+        "Redis killed (SIGKILL)",
+        "Redis SIGKILLed (no RDB, no AOF: the lock lived only in memory)",
+    );
     ctx.lab.services.up(&["redis-single"]).await?;
-    ctx.note("Redis restarted, empty");
+    ctx.fault_ends(down, "restarted, empty", "Redis restarted, empty");
     let rival = ctx.lab.locker(url).await?;
     let (guard, rival_open) = rival_takes(
         ctx,
@@ -76,9 +85,9 @@ pub(super) async fn redis_restarted(ctx: &mut Ctx<'_>, url: &str) -> Result<(), 
         "the rival after the restart",
     )
     .await?;
-    ctx.write("rival", guard.token()).await?;
+    ctx.write(Actor::Rival, guard.token()).await?;
     renew_through(ctx, &holder, ttl).await;
-    ctx.stale_write("holder", holder.token()).await?;
+    ctx.stale_write(Actor::Holder, holder.token()).await?;
     finish(ctx, Some((holder, holder_open)), Some((guard, rival_open))).await;
     Ok(())
 }
@@ -93,10 +102,19 @@ pub(super) async fn redis_aof_restarted(ctx: &mut Ctx<'_>, url: &str) -> Result<
         )
     })
     .await?;
+    let killed = Instant::now();
     ctx.lab.services.act("kill", &["redis-aof"]).await?;
-    ctx.note("Redis (appendfsync always) SIGKILLed");
+    let down = ctx.fault_at(
+        killed,
+        "Redis killed (SIGKILL)",
+        "Redis (appendfsync always) SIGKILLed",
+    );
     ctx.lab.services.up(&["redis-aof"]).await?;
-    ctx.note("Redis restarted from its append-only file");
+    ctx.fault_ends(
+        down,
+        "restarted from its AOF",
+        "Redis restarted from its append-only file",
+    );
     let rival = ctx.lab.locker(url).await?;
     kept(ctx, (holder, holder_open), &rival, ttl, None).await
 }
@@ -132,7 +150,10 @@ pub(super) async fn failover(ctx: &mut Ctx<'_>, url: &str, lagging: bool) -> Res
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    ctx.note("the replica follows the primary through a TCP proxy, in sync");
+    ctx.server(
+        "replica in sync",
+        "the replica follows the primary through a TCP proxy, in sync",
+    );
     let holder_locker = ctx.locker(url).await?;
     // An earlier holder's grant reaches the replica, fencing counter included, so the
     // promoted replica starts from an old counter rather than none.
@@ -160,10 +181,15 @@ pub(super) async fn failover(ctx: &mut Ctx<'_>, url: &str, lagging: bool) -> Res
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     ctx.note("it released; the replica has its lock's fencing counter");
-    if lagging {
+    let stalled = if lagging {
         link.cut();
-        ctx.note("replication link stalls: the replica receives nothing more (lag, partition)");
-    }
+        Some(ctx.fault(
+            "replication stalled",
+            "replication link stalls: the replica receives nothing more (lag, partition)",
+        ))
+    } else {
+        None
+    };
     let (holder, holder_open) = take(
         ctx,
         &holder_locker,
@@ -184,11 +210,16 @@ pub(super) async fn failover(ctx: &mut Ctx<'_>, url: &str, lagging: bool) -> Res
         },
     )
     .await?;
+    let killed = Instant::now();
     ctx.lab.services.act("kill", &["redis-primary"]).await?;
-    ctx.note("primary SIGKILLed");
+    ctx.fault_at(killed, "primary killed (SIGKILL)", "primary SIGKILLed");
     redis_command(&replica_addr, &["REPLICAOF", "NO", "ONE"]).await?;
     drop(link);
-    ctx.note("replica promoted (REPLICAOF NO ONE); clients move to it");
+    let promoted = "replica promoted (REPLICAOF NO ONE); clients move to it";
+    match stalled {
+        Some(id) => ctx.fault_ends(id, "replica promoted", promoted),
+        None => ctx.server("replica promoted", promoted),
+    }
     let rival = ctx.lab.locker(&replica_url).await?;
     let rival_hold = if lagging {
         let (guard, open) = rival_takes(
@@ -199,7 +230,7 @@ pub(super) async fn failover(ctx: &mut Ctx<'_>, url: &str, lagging: bool) -> Res
             "the rival on the promoted replica",
         )
         .await?;
-        ctx.write("rival", guard.token()).await?;
+        ctx.write(Actor::Rival, guard.token()).await?;
         await_lost(ctx, &holder, ttl + Duration::from_secs(5)).await;
         (guard, open)
     } else {
@@ -217,12 +248,12 @@ pub(super) async fn failover(ctx: &mut Ctx<'_>, url: &str, lagging: bool) -> Res
                     "the replicated lease ran out on the new primary",
                 )
                 .await?;
-                ctx.write("rival", guard.token()).await?;
+                ctx.write(Actor::Rival, guard.token()).await?;
                 (guard, open)
             }
         }
     };
-    ctx.stale_write("holder", holder.token()).await?;
+    ctx.stale_write(Actor::Holder, holder.token()).await?;
     finish(ctx, Some((holder, holder_open)), Some(rival_hold)).await;
     Ok(())
 }
@@ -239,11 +270,16 @@ pub(super) async fn redlock_two_down(ctx: &mut Ctx<'_>, url: &str) -> Result<(),
         )
     })
     .await?;
+    let killed = Instant::now();
     ctx.lab
         .services
         .act("kill", &["redlock-4", "redlock-5"])
         .await?;
-    ctx.note("masters 4 and 5 SIGKILLed (3 of 5 left: still a quorum)");
+    ctx.fault_at(
+        killed,
+        "masters 4, 5 killed",
+        "masters 4 and 5 SIGKILLed (3 of 5 left: still a quorum)",
+    );
     let during = ctx
         .attempt(&rival, ttl, Duration::from_secs(2), Duration::from_secs(6))
         .await;
@@ -253,11 +289,12 @@ pub(super) async fn redlock_two_down(ctx: &mut Ctx<'_>, url: &str) -> Result<(),
 
 pub(super) async fn redlock_restarted_empty(ctx: &mut Ctx<'_>, url: &str) -> Result<(), LabError> {
     let ttl = Duration::from_secs(30);
+    let killed = Instant::now();
     ctx.lab
         .services
         .act("kill", &["redlock-4", "redlock-5"])
         .await?;
-    ctx.note("masters 4 and 5 SIGKILLed");
+    let two_down = ctx.fault_at(killed, "masters 4, 5 killed", "masters 4 and 5 SIGKILLed");
     let holder_locker = ctx.locker(url).await?;
     let (holder, holder_open) = take(
         ctx,
@@ -274,10 +311,16 @@ pub(super) async fn redlock_restarted_empty(ctx: &mut Ctx<'_>, url: &str) -> Res
     )
     .await?;
     ctx.lab.services.up(&["redlock-4", "redlock-5"]).await?;
-    ctx.note("masters 4 and 5 back, empty");
+    ctx.fault_ends(two_down, "4, 5 back, empty", "masters 4 and 5 back, empty");
+    let killed = Instant::now();
     ctx.lab.services.act("kill", &["redlock-3"]).await?;
+    let three = ctx.fault_at(killed, "master 3 killed", "master 3 SIGKILLed");
     ctx.lab.services.up(&["redlock-3"]).await?;
-    ctx.note("master 3 SIGKILLed and restarted without persistence: it forgot the grant");
+    ctx.fault_ends(
+        three,
+        "3 back, empty",
+        "master 3 restarted without persistence: it forgot the grant",
+    );
     let rival = ctx.lab.locker(url).await?;
     let (guard, rival_open) = rival_takes(
         ctx,
@@ -287,9 +330,9 @@ pub(super) async fn redlock_restarted_empty(ctx: &mut Ctx<'_>, url: &str) -> Res
         "the rival on masters 3, 4, 5",
     )
     .await?;
-    ctx.write("rival", guard.token()).await?;
+    ctx.write(Actor::Rival, guard.token()).await?;
     renew_through(ctx, &holder, ttl).await;
-    ctx.stale_write("holder", holder.token()).await?;
+    ctx.stale_write(Actor::Holder, holder.token()).await?;
     finish(ctx, Some((holder, holder_open)), Some((guard, rival_open))).await;
     Ok(())
 }

@@ -52,6 +52,7 @@ pub(crate) async fn run(lab: &Lab, def: &ScenarioDef) -> Report {
         lab,
         t0: Instant::now(),
         timeline: Vec::new(),
+        faults: 0,
         history: History::new(),
         store: None,
         accepted_writes: Vec::new(),
@@ -121,7 +122,7 @@ pub(crate) async fn run(lab: &Lab, def: &ScenarioDef) -> Report {
     }
     .await;
     let restored = restore(lab, def).await;
-    ctx.timeline.sort_by_key(|(at, _)| *at);
+    ctx.timeline.sort_by_key(|e| e.at);
     report.timeline = std::mem::take(&mut ctx.timeline);
     report.consistency = ctx.consistency;
     match outcome {

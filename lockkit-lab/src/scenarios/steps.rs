@@ -5,7 +5,10 @@ use std::time::Duration;
 use lockkit_core::{FencingToken, LockGuard, Locker};
 use tokio::time::Instant;
 
-use crate::{Context, LabError};
+use crate::{
+    Context, LabError,
+    timeline::{Actor, Mark},
+};
 
 use super::ctx::*;
 
@@ -28,11 +31,17 @@ pub(super) async fn renew_through(ctx: &mut Ctx<'_>, guard: &LockGuard, ttl: Dur
     loop {
         match guard.extend(ttl).await {
             Ok(()) => {
-                ctx.note(format!("holder renews its lease ({} s): ok", ttl.as_secs()));
+                ctx.mark(
+                    Mark::Renewed { who: Actor::Holder },
+                    format!("holder renews its lease ({} s): ok", ttl.as_secs()),
+                );
                 return true;
             }
             Err(e) if !guard.is_valid() || Instant::now() > deadline => {
-                ctx.note(format!("holder renews its lease: {e}"));
+                ctx.mark(
+                    Mark::RenewFailed { who: Actor::Holder },
+                    format!("holder renews its lease: {e}"),
+                );
                 if !guard.is_valid() {
                     let reason = guard.lost().await;
                     ctx.holder_lost(guard, reason);
@@ -54,7 +63,11 @@ pub(super) async fn expect_busy(
     loop {
         match rival.try_acquire(&key).await {
             Ok(None) => {
-                ctx.note("rival tries: busy (the holder still has it)");
+                ctx.denied(
+                    Actor::Rival,
+                    "busy",
+                    "rival tries: busy (the holder still has it)",
+                );
                 return Ok(None);
             }
             Ok(Some(guard)) => {
@@ -84,9 +97,9 @@ pub(super) async fn take(
         acquire = acquire.no_watchdog();
     }
     let guard = acquire.await.context(what)?;
-    ctx.note(describe(guard.token()));
+    ctx.granted(Actor::Holder, guard.token(), describe(guard.token()));
     let hold = ctx.open("holder", guard);
-    ctx.write("holder", hold.0.token()).await?;
+    ctx.write(Actor::Holder, hold.0.token()).await?;
     Ok(hold)
 }
 
@@ -103,7 +116,7 @@ pub(super) async fn kept(
     let busy = busy.map(|g| ctx.open("rival", g));
     if holder.0.is_valid() {
         if renew_through(ctx, &holder.0, ttl).await {
-            ctx.write("holder", holder.0.token()).await?;
+            ctx.write(Actor::Holder, holder.0.token()).await?;
         }
     } else {
         let reason = holder.0.lost().await;
@@ -111,7 +124,6 @@ pub(super) async fn kept(
     }
     let token = holder.0.token();
     finish(ctx, Some(holder), during.or(busy)).await;
-    ctx.note("holder released");
     let next = handoff(ctx, rival, ttl, token).await?;
     finish(ctx, None, Some(next)).await;
     Ok(())
@@ -163,17 +175,31 @@ pub(super) async fn race(
     let (guard, at) = granted;
     let guard = guard.context(format!("the rival ({why})"))?;
     ctx.rival_at.get_or_insert(at);
-    ctx.note_at(at, format!("rival granted token {} ({why})", guard.token()));
+    ctx.granted_at(
+        at,
+        Actor::Rival,
+        guard.token(),
+        format!("rival granted token {} ({why})", guard.token()),
+    );
     // The record starts when the grant came back, not after the holder's side settled.
     let open = ctx.history.begin_at("rival", &guard, at);
     Ok((guard, open))
 }
 
-/// Closes both holds in the history and releases them.
+/// Closes both holds in the history and releases them; a release of a hold still valid is
+/// recorded.
 pub(super) async fn finish(ctx: &mut Ctx<'_>, holder: Option<Hold>, rival: Option<Hold>) {
-    for (guard, open) in [holder, rival].into_iter().flatten() {
+    let holds = [(Actor::Holder, holder), (Actor::Rival, rival)];
+    for (who, (guard, open)) in holds
+        .into_iter()
+        .filter_map(|(who, hold)| hold.map(|h| (who, h)))
+    {
         ctx.history.end(open, &guard);
-        let _ = tokio::time::timeout(Duration::from_secs(5), guard.release()).await;
+        let valid = guard.is_valid();
+        let released = tokio::time::timeout(Duration::from_secs(5), guard.release()).await;
+        if valid && matches!(released, Ok(Ok(_))) {
+            ctx.mark(Mark::Released { who }, format!("{} released", who.name()));
+        }
     }
 }
 

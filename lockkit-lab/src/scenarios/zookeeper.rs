@@ -113,29 +113,39 @@ pub(super) async fn leader_outage(
     })
     .await?;
     let (leader, addr) = quorum.leader(url).await?;
+    let broken = Instant::now();
     ctx.lab.services.act(action, &[leader.as_str()]).await?;
     let during = if action == "pause" {
         let resume_at = Instant::now() + Duration::from_secs(8);
-        ctx.note(format!("leader {leader} ({addr}) SIGSTOPped"));
+        let frozen = ctx.fault_at(
+            broken,
+            "leader frozen (SIGSTOP)",
+            format!("leader {leader} ({addr}) SIGSTOPped"),
+        );
         tokio::time::sleep(Duration::from_secs(4)).await;
         let during = ctx
             .attempt(&rival, ttl, Duration::from_secs(3), Duration::from_secs(4))
             .await;
         tokio::time::sleep_until(resume_at).await;
         ctx.lab.services.act("resume", &[leader.as_str()]).await?;
-        ctx.note(format!("{leader} SIGCONTed"));
+        ctx.fault_ends(frozen, "resumed (SIGCONT)", format!("{leader} SIGCONTed"));
         during
     } else {
-        ctx.note(format!("leader {leader} ({addr}) SIGKILLed"));
+        let down = ctx.fault_at(
+            broken,
+            "leader killed (SIGKILL)",
+            format!("leader {leader} ({addr}) SIGKILLed"),
+        );
         let during = ctx
             .attempt(&rival, ttl, Duration::from_secs(3), Duration::from_secs(6))
             .await;
         ctx.lab.services.up(&[leader.as_str()]).await?;
-        ctx.note(format!("{leader} restarted"));
+        ctx.fault_ends(down, "restarted", format!("{leader} restarted"));
         during
     };
     let modes = quorum.settled(url).await?;
-    ctx.note(format!("{} settled: {modes}", quorum.group()));
+    let settled = format!("{} settled", quorum.group());
+    ctx.server(&settled, format!("{settled}: {modes}"));
     let during = during.map(|g| ctx.open("rival (during the outage)", g));
     kept(ctx, (holder, holder_open), &rival, ttl, during).await
 }
