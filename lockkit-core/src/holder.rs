@@ -154,6 +154,28 @@ impl HolderIdentity {
         ascii_json(&json)
     }
 
+    /// [`HolderIdentity::encode`] with the owner it belongs to, for a store where a client
+    /// that knows nothing of identities (an older lockkit) may take the hold over without
+    /// clearing it: [`HolderIdentity::decode_for`] then refuses the stale identity.
+    pub fn encode_for(&self, owner: &str) -> String {
+        let mut record = self.encode();
+        record.pop(); // the closing brace
+        record.push_str(",\"owner\":");
+        record.push_str(&ascii_json(&serde_json::Value::from(owner).to_string()));
+        record.push('}');
+        record
+    }
+
+    /// Reads what [`HolderIdentity::encode_for`] wrote, only if it was written for `owner`
+    /// (a record without an owner is accepted).
+    pub fn decode_for(stored: &str, owner: &str) -> Option<Self> {
+        let value: serde_json::Value = serde_json::from_str(stored.trim()).ok()?;
+        match value.get("owner") {
+            Some(written_for) if written_for.as_str() != Some(owner) => None,
+            _ => Self::decode(stored),
+        }
+    }
+
     /// Reads what [`HolderIdentity::encode`] wrote. Anything else (another client's data,
     /// such as the IP address Curator writes into its lock nodes, or an empty value) is
     /// `None`: the holder is then simply not identified.
@@ -272,6 +294,20 @@ mod tests {
             assert!(encoded.len() <= MAX_ENCODED_BYTES, "{}", encoded.len());
             assert_eq!(HolderIdentity::decode(&encoded), Some(identity));
         }
+    }
+
+    #[test]
+    fn an_identity_written_for_another_owner_is_refused() {
+        let identity = HolderIdentity::now();
+        let record = identity.encode_for("a:1");
+        assert!(record.is_ascii());
+        assert_eq!(
+            HolderIdentity::decode_for(&record, "a:1").map(|i| i.pid),
+            Some(identity.pid)
+        );
+        assert_eq!(HolderIdentity::decode_for(&record, "b:1"), None);
+        assert!(HolderIdentity::decode_for(&identity.encode(), "b:1").is_some());
+        assert!(HolderIdentity::decode(&record).is_some());
     }
 
     #[test]

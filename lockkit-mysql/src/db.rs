@@ -277,9 +277,11 @@ async fn read_committed(conn: &mut sqlx::MySqlConnection) -> std::result::Result
         .map(|_| ())
 }
 
-/// The `holder` column of `row`, decoded.
+/// The `holder` column of `row`, decoded, if it was written for the row's `owner` (a client
+/// that does not know the column, an older lockkit, leaves a previous holder's there).
 pub(crate) fn holder_identity(row: &MySqlRow) -> Option<HolderIdentity> {
-    row_text(row, "holder").and_then(|text| HolderIdentity::decode(&text))
+    let owner = row_text(row, "owner")?;
+    row_text(row, "holder").and_then(|text| HolderIdentity::decode_for(&text, &owner))
 }
 
 pub(crate) fn row_text(row: &MySqlRow, column: &str) -> Option<String> {

@@ -519,7 +519,7 @@ async fn record_holder(
 ) -> std::result::Result<Option<u64>, sqlx::Error> {
     let inner = &backend.inner;
     let (name, owner) = (req.key.as_str().as_bytes(), req.owner.to_string());
-    let identity = req.identity.encode();
+    let identity = req.identity.encode_for(&owner);
     let taken = query(&inner.sql.holder_take)
         .bind(&owner)
         .bind(&identity)

@@ -141,7 +141,7 @@ async fn run_acquire(backend: &RowLocks, req: &AcquireRequest) -> Result<Attempt
             .bind(&owner)
             .bind(ttl)
             .bind(first_attempt(req))
-            .bind(req.identity.encode())
+            .bind(req.identity.encode_for(&owner))
             .execute(&mut *tx)
             .await
         {
@@ -244,7 +244,7 @@ async fn run_acquire(backend: &RowLocks, req: &AcquireRequest) -> Result<Attempt
         .bind(&owner)
         .bind(ttl)
         .bind(first_attempt(req))
-        .bind(req.identity.encode())
+        .bind(req.identity.encode_for(&owner))
         .bind(name)
         .execute(&mut *tx)
         .await

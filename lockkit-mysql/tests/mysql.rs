@@ -583,3 +583,48 @@ async fn a_retried_row_acquire_never_returns_an_expired_lease() {
     // Its lease now runs a second from the extension; a slow machine may see it out.
     let _ = backend.release(&retried).await;
 }
+
+/// A client that does not know the `holder` column (an older lockkit) takes over an expired
+/// lease with its own UPDATE: the previous holder's identity, still in the column, is not
+/// reported as the new holder's.
+#[tokio::test]
+async fn a_takeover_that_leaves_the_holder_column_is_not_misreported() {
+    let table = "lockkit_test_stale_holder";
+    let (Some(row_url), Some(raw)) = (
+        url(&format!("mode=row&table={table}")),
+        env::service_url("LOCKKIT_TEST_MYSQL_URL"),
+    ) else {
+        return;
+    };
+    let locker = Locker::new(MysqlBackend::connect(&row_url).await.unwrap());
+    let key = key();
+    let guard = locker
+        .try_acquire(&key)
+        .ttl(Duration::from_secs(60))
+        .await
+        .unwrap()
+        .expect("free key");
+    let before = locker.inspect(&key).await.unwrap().expect("held");
+    assert_eq!(before.identity.map(|i| i.pid), Some(std::process::id()));
+    // The older client's take-over: owner, holds, fence and lease, not `holder`.
+    let admin = sqlx::MySqlPool::connect(&raw).await.unwrap();
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "UPDATE `{table}` SET owner = 'older-client:1', holds = 1, fence = fence + 1, \
+         expires_at = UTC_TIMESTAMP(6) + INTERVAL 60 SECOND WHERE name = ?"
+    )))
+    .bind(key.as_str().as_bytes())
+    .execute(&admin)
+    .await
+    .unwrap();
+    let after = locker.inspect(&key).await.unwrap().expect("held");
+    assert_eq!(after.owner, "older-client:1");
+    assert_eq!(after.identity, None, "a stale identity was reported: {after:?}");
+    drop(guard);
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "UPDATE `{table}` SET owner = NULL, holds = 0, expires_at = NULL WHERE name = ?"
+    )))
+    .bind(key.as_str().as_bytes())
+    .execute(&admin)
+    .await
+    .unwrap();
+}

@@ -715,7 +715,7 @@ async fn record_holder(
 ) -> std::result::Result<Option<u64>, sqlx::Error> {
     let inner = &backend.inner;
     let (name, owner) = (req.key.as_str().as_bytes(), req.owner.to_string());
-    let identity = req.identity.encode();
+    let identity = req.identity.encode_for(&owner);
     // Take the row, or create it; once more if another client created it meanwhile.
     for statement in [
         &inner.sql.advisory_take,

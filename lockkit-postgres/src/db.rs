@@ -273,7 +273,11 @@ impl Db {
                 left.and_then(|us| u64::try_from(us).ok())
                     .map(Duration::from_micros),
             )
-            .with_identity(row_text(&row, "holder").and_then(|h| HolderIdentity::decode(&h))),
+            // Only if written for this owner: a client that does not know the column (an
+            // older lockkit) leaves a previous holder's there.
+            .with_identity(row_text(&row, "owner").and_then(|owner| {
+                row_text(&row, "holder").and_then(|h| HolderIdentity::decode_for(&h, &owner))
+            })),
         ))
     }
 }

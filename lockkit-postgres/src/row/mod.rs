@@ -204,7 +204,7 @@ async fn run_acquire(backend: &RowLocks, req: &AcquireRequest) -> Result<Attempt
             .bind(&owner)
             .bind(ttl)
             .bind(first_attempt(req))
-            .bind(req.identity.encode())
+            .bind(req.identity.encode_for(&owner))
             .execute(&mut *tx)
             .await
             .map_err(fail)?;
@@ -282,7 +282,7 @@ async fn run_acquire(backend: &RowLocks, req: &AcquireRequest) -> Result<Attempt
         .bind(ttl)
         .bind(first_attempt(req))
         .bind(name)
-        .bind(req.identity.encode())
+        .bind(req.identity.encode_for(&owner))
         .fetch_one(&mut *tx)
         .await
         .map_err(fail)?
