@@ -144,12 +144,6 @@ impl Lease {
     /// Records the loss of the lease (once, unless the contender ended first) and tells
     /// its hold; the keeper stops keeping it alive and revokes it.
     pub(crate) fn lose(&self, reason: LostReason) {
-        eprintln!(
-            "DBG {:x} {:?} lose({reason:?}) called from {}",
-            self.id,
-            crate::lease::dbg_t(),
-            std::backtrace::Backtrace::force_capture()
-        );
         {
             let mut state = lock(&self.state);
             if state.lost.is_some() || state.ended || state.releasing {
@@ -171,7 +165,6 @@ impl Lease {
     /// Ends the contender: the keeper stops keeping the lease alive and revokes it
     /// (deleting every key attached), retrying in the background.
     pub(crate) fn end(&self) {
-        eprintln!("DBG {:x} {:?} end() called", self.id, crate::lease::dbg_t());
         lock(&self.state).ended = true;
         self.changed.notify_waiters();
     }
@@ -228,22 +221,17 @@ enum Stopped {
 /// revokes it. The lease is lost when the cluster says it is gone, or when no keep-alive
 /// was confirmed by [`Lease::alive_until`].
 ///
-/// A stream silent for a sixth of the TTL (its member frozen, or its connection dead
-/// without a word) is opened afresh on the next member: the silence is noticed a third of
-/// the TTL after the last confirmed keep-alive, which leaves another third before the
-/// loss deadline for the next member to answer.
+/// A stream that leaves a keep-alive unanswered for a sixth of the TTL (its member frozen,
+/// its connection dead without a word, or the member stuck forwarding it to a frozen
+/// leader) is opened afresh on the next member: the silence is noticed at most a third of
+/// the TTL after the last confirmed keep-alive was sent, which leaves another third before
+/// the loss deadline for the next member (or the one after it) to answer.
 async fn keep_alive(lease: Arc<Lease>) {
     let mut backoff = retry_backoff();
     let mut member = lease.first_member;
     while !lease.is_over() {
         let confirmed = lease.alive_until();
         let client = &lease.members[member % lease.members.len()];
-        eprintln!(
-            "DBG {:x} {:?} open on member {}",
-            lease.id,
-            crate::lease::dbg_t(),
-            member % lease.members.len()
-        );
         match keep_one_stream(&lease, client).await {
             Stopped::Over => break,
             Stopped::Failed => {
@@ -255,7 +243,6 @@ async fn keep_alive(lease: Arc<Lease>) {
                 tokio::select! {
                     () = tokio::time::sleep(backoff.next_delay()) => {}
                     () = tokio::time::sleep_until(lease.alive_until()) => {
-                        eprintln!("DBG {:x} {:?} LOST in backoff", lease.id, crate::lease::dbg_t());
                         lease.lose(LostReason::SessionLost);
                     }
                     () = lease.over() => {}
@@ -266,8 +253,18 @@ async fn keep_alive(lease: Arc<Lease>) {
     lease.revoke_until_gone().await;
 }
 
+/// Completes at `at`, or never when there is none.
+async fn sleep_until_some(at: Option<Instant>) {
+    match at {
+        Some(at) => tokio::time::sleep_until(at).await,
+        None => std::future::pending().await,
+    }
+}
+
 /// Opens one keep-alive stream through `client` and keeps the lease alive through it
-/// while it works.
+/// while it works: a keep-alive every sixth of the TTL; [`Stopped::Failed`] as soon as the
+/// oldest unanswered one has waited a whole interval (exactly then, not at the next tick: a
+/// tick that comes a hair early would let the silence run a second interval).
 async fn keep_one_stream(lease: &Lease, client: &Client) -> Stopped {
     let every = (lease.ttl / 6).max(Duration::from_millis(100));
     let sent = Instant::now();
@@ -276,9 +273,8 @@ async fn keep_one_stream(lease: &Lease, client: &Client) -> Stopped {
     // A stream opened on a frozen member never answers: try another after one interval.
     let opened = tokio::select! {
         opened = client.lease_keep_alive(lease.id) => opened,
-        () = tokio::time::sleep(every) => { eprintln!("DBG {:x} {:?} open timed out", lease.id, crate::lease::dbg_t()); return Stopped::Failed },
+        () = tokio::time::sleep(every) => return Stopped::Failed,
         () = tokio::time::sleep_until(lease.alive_until()) => {
-            eprintln!("DBG {:x} {:?} LOST while opening", lease.id, crate::lease::dbg_t());
             lease.lose(LostReason::SessionLost);
             return Stopped::Over;
         }
@@ -291,42 +287,34 @@ async fn keep_one_stream(lease: &Lease, client: &Client) -> Stopped {
             return Stopped::Over;
         }
         Err(e) => {
-            eprintln!(
-                "DBG {:x} {:?} open failed {e}",
-                lease.id,
-                crate::lease::dbg_t()
-            );
             tracing::debug!(lease = lease.id, error = %e, "opening a keep-alive stream failed");
             return Stopped::Failed;
         }
     };
     // Opening the stream sent a keep-alive and read its answer.
-    eprintln!("DBG {:x} {:?} opened", lease.id, crate::lease::dbg_t());
     lease.confirm(sent);
     let mut pending: VecDeque<Instant> = VecDeque::new();
     let mut ticks = tokio::time::interval_at(sent + every, every);
     ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tokio::select! {
+            () = sleep_until_some(pending.front().map(|sent| *sent + every)) => {
+                // A whole interval without an answer: the member may be frozen, the
+                // connection dead without a word, or the member stuck forwarding the
+                // keep-alive to a frozen leader (etcd answers the stream's requests in
+                // order, so nothing behind it gets through either); open a stream afresh.
+                return Stopped::Failed;
+            }
             _ = ticks.tick() => {
-                if pending.front().is_some_and(|sent| sent.elapsed() >= every) {
-                    // A whole interval without an answer: the member may be frozen or the
-                    // connection dead without a word; open a stream afresh.
-                    eprintln!("DBG {:x} {:?} silent, pending {}", lease.id, crate::lease::dbg_t(), pending.len());
-                    return Stopped::Failed;
-                }
                 let sent = Instant::now();
-                eprintln!("DBG {:x} {:?} sending", lease.id, crate::lease::dbg_t());
                 *lock(&lease.last_sent) = sent;
                 if keeper.keep_alive().await.is_err() {
                     return Stopped::Failed;
                 }
                 pending.push_back(sent);
-                eprintln!("DBG {:x} {:?} sent, pending {}", lease.id, crate::lease::dbg_t(), pending.len());
             }
             answer = stream.message() => match answer {
                 Ok(Some(answer)) if answer.ttl() > 0 => {
-                    eprintln!("DBG {:x} {:?} answer ttl {}", lease.id, crate::lease::dbg_t(), answer.ttl());
                     if let Some(sent) = pending.pop_front() {
                         lease.confirm(sent);
                     }
@@ -336,21 +324,13 @@ async fn keep_one_stream(lease: &Lease, client: &Client) -> Stopped {
                     lease.lose(LostReason::SessionLost);
                     return Stopped::Over;
                 }
-                Ok(None) | Err(_) => { eprintln!("DBG {:x} {:?} stream ended {answer:?}", lease.id, crate::lease::dbg_t()); return Stopped::Failed },
+                Ok(None) | Err(_) => return Stopped::Failed,
             },
             () = tokio::time::sleep_until(lease.alive_until()) => {
-                eprintln!("DBG {:x} {:?} LOST on stream, pending {}", lease.id, crate::lease::dbg_t(), pending.len());
                 lease.lose(LostReason::SessionLost);
                 return Stopped::Over;
             }
             () = lease.over() => return Stopped::Over,
         }
     }
-}
-
-pub(crate) fn dbg_t() -> f64 {
-    let d = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap_or_default();
-    (d.as_secs() % 1000) as f64 + f64::from(d.subsec_millis()) / 1000.0
 }

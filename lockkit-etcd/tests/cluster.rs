@@ -65,10 +65,10 @@ async fn roles(members: &[String]) -> (String, String) {
     panic!("the cluster has no leader");
 }
 
-/// A holder's and a rival's client of the cluster at `url` with etcd leases of
-/// `session_ttl`, and a number no earlier run used, for key names.
-async fn clients(url: &str, session_ttl: &str) -> (Locker, Locker, u128) {
-    let url = format!("{url}?session_ttl={session_ttl}");
+/// A holder's and a rival's client of the cluster at `url` with the options in `query`
+/// (`session_ttl=10s`, ...), and a number no earlier run used, for key names.
+async fn clients(url: &str, query: &str) -> (Locker, Locker, u128) {
+    let url = format!("{url}?{query}");
     let holder = Locker::new(EtcdBackend::connect(&url).await.unwrap());
     let rival = Locker::new(EtcdBackend::connect(&url).await.unwrap());
     let unique = std::time::SystemTime::now()
@@ -101,7 +101,7 @@ async fn holds_survive_and_requests_work_with_a_member_down() {
     let _alone = ONE_FAULT_AT_A_TIME.lock().await;
     let members = env::host_ports(&url);
     let _restore = RestoreMembers(members.len());
-    let (holder, rival, unique) = clients(&url, "10s").await;
+    let (holder, rival, unique) = clients(&url, "session_ttl=10s").await;
     let key = LockKey::new(format!("etcd-cluster/{unique}")).unwrap();
     let other = LockKey::new(format!("etcd-cluster/{unique}-other")).unwrap();
     let guard = holder
@@ -128,10 +128,49 @@ async fn holds_survive_and_requests_work_with_a_member_down() {
     rounds(&rival, &key, "every member back").await;
 }
 
-/// A member frozen (SIGSTOP: its connections stay open and answer nothing) for longer than
-/// the holder's etcd lease, each member in turn, so that one of them carries the holder's
+/// The frozen-members test's etcd lease TTL: the holder's loss deadline is two thirds of
+/// it (8 s) after its last confirmed keep-alive, its keep-alives go every sixth (2 s).
+const FROZEN_TTL: Duration = Duration::from_secs(12);
+/// How long a follower stays frozen before the checks: past the TTL, so that a lease not
+/// kept alive elsewhere would be gone on the cluster too, and a rival would get the lock.
+const FOLLOWER_FROZEN: Duration = Duration::from_secs(14);
+/// How long the leader stays frozen before the checks (and is resumed right after them):
+/// past the holder's loss deadline (8 s), so that a keep-alive stream left on it, or on a
+/// member stuck forwarding to it, would end the hold; but short of the TTL less one
+/// keep-alive interval (10 s), because a leader frozen past a lease's TTL revokes that
+/// lease when it resumes (see [`a_hold_survives_each_member_frozen_in_turn`]).
+const LEADER_FROZEN: Duration = Duration::from_secs(9);
+/// When the rival starts trying while the leader is frozen: after the election (about
+/// 1-2 s with etcd's default 1 s election timeout), so that some member can answer.
+const LEADER_FROZEN_TRIES_FROM: Duration = Duration::from_secs(4);
+/// How long one try of the rival's may take at most: a grant, a transaction and a
+/// revocation, each asked for at most its 1 s request limit (`connect_timeout=1s`).
+const ONE_TRY: Duration = Duration::from_secs(3);
+
+/// A member frozen (SIGSTOP: its connections stay open and answer nothing) past the
+/// holder's loss deadline, each member in turn, so that one of them carries the holder's
 /// keep-alive stream: the holder notices the silence in time, keeps its lease alive through
 /// another member, and keeps the lock; no rival gets it meanwhile.
+///
+/// What the cluster needs for this, and why the timing is what it is:
+/// - A frozen leader stops every keep-alive, not only those on its own stream: a follower
+///   forwards each keep-alive to the leader and, with the leader frozen, waits for its
+///   answer up to etcd's request timeout (5 s + 2 election timeouts = 7 s), answering the
+///   stream's later keep-alives only after it. Only a keep-alive sent on a fresh stream
+///   after the election (1-2 s with the default 1 s election timeout; `scripts/services.sh`
+///   sets none) is answered, so the TTL must leave room for the election and a reopen
+///   within two thirds of it; the new leader extends every lease by its TTL.
+/// - The leader is frozen for less than the TTL less one keep-alive interval: etcd before
+///   the fix of etcd-io/etcd#15247 (etcd-io/etcd#16822; Debian's 3.4.23 runs here) lets a
+///   leader frozen past a lease's TTL revoke it when it resumes, although the new leader
+///   kept it alive: its lessor still thinks itself primary and sees the lease expired,
+///   and the revocation it proposes is forwarded to the new leader and applied. No client
+///   can keep a lease alive through that; the holder is told (the key's deletion is seen)
+///   but the hold is gone. A follower's lessor revokes nothing, so followers are frozen
+///   past the TTL.
+/// - Hence a 12 s TTL rather than 6 s: the leader's freeze must end after the holder's
+///   loss deadline (2/3 TTL) and before the TTL less a keep-alive interval (5/6 TTL): a
+///   window of 2 s here, of 1 s with 6 s, too little for the timing of a busy machine.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_hold_survives_each_member_frozen_in_turn() {
     let Some(url) = env::service_url("LOCKKIT_TEST_ETCD_CLUSTER_URL") else {
@@ -140,7 +179,8 @@ async fn a_hold_survives_each_member_frozen_in_turn() {
     let _alone = ONE_FAULT_AT_A_TIME.lock().await;
     let members = env::host_ports(&url);
     let _restore = RestoreMembers(members.len());
-    let (holder, rival, unique) = clients(&url, "6s").await;
+    let query = format!("session_ttl={}s&connect_timeout=1s", FROZEN_TTL.as_secs());
+    let (holder, rival, unique) = clients(&url, &query).await;
     let key = LockKey::new(format!("etcd-frozen/{unique}")).unwrap();
     // A lock lease far longer than the test: only the etcd lease can end the hold.
     let guard = holder
@@ -148,61 +188,50 @@ async fn a_hold_survives_each_member_frozen_in_turn() {
         .ttl(Duration::from_secs(600))
         .await
         .unwrap();
-    {
-        let members = members.clone();
-        tokio::spawn(async move {
-            let mut last: Vec<String> = vec![String::new(); members.len()];
-            loop {
-                for (i, addr) in members.iter().enumerate() {
-                    let options = ConnectOptions::new()
-                        .with_connect_timeout(Duration::from_millis(100))
-                        .with_timeout(Duration::from_millis(100));
-                    let now = match Client::connect([format!("http://{addr}")], Some(options)).await
-                    {
-                        Ok(mut c) => match c.status().await {
-                            Ok(s) => format!(
-                                "me {:x} leader {:x}",
-                                s.header().map(|h| h.member_id()).unwrap_or(0),
-                                s.leader()
-                            ),
-                            Err(_) => "no answer".to_string(),
-                        },
-                        Err(_) => "no conn".to_string(),
-                    };
-                    if now != last[i] {
-                        eprintln!("DBG {:?} etcd-{} says {now}", dbg_t(), i + 1);
-                        last[i] = now;
-                    }
-                }
-                tokio::time::sleep(Duration::from_millis(100)).await;
-            }
-        });
-    }
     for i in 1..=members.len() {
         let victim = format!("etcd-{i}");
-        let (l, _) = roles(&members).await;
-        eprintln!("DBG {:?} pausing {victim}, leader {l}", dbg_t());
+        let (leader, _) = roles(&members).await;
+        let role = if victim == leader {
+            "leader"
+        } else {
+            "follower"
+        };
         services(&["pause", &victim]);
-        // Past the etcd lease's TTL (6 s), with the victim silent throughout.
-        tokio::time::sleep(Duration::from_secs(8)).await;
-        let valid = guard.is_valid();
-        // The client spreads requests over the frozen member too: a try may go
-        // unanswered (an error), but none may be granted.
+        let frozen_at = tokio::time::Instant::now();
         let mut tries = Vec::new();
-        for _ in 0..3 {
-            let taken = rival.try_acquire(&key).await;
-            let answered = matches!(taken, Ok(None));
-            tries.push(taken.map(|grant| grant.is_some()));
-            if answered {
-                break;
+        if role == "leader" {
+            // Tried while the leader is frozen, ending before the checks: a longer freeze
+            // would let it revoke the lease when it resumes.
+            tokio::time::sleep_until(frozen_at + LEADER_FROZEN_TRIES_FROM).await;
+            while tries.len() < 3
+                && tokio::time::Instant::now() + ONE_TRY <= frozen_at + LEADER_FROZEN
+            {
+                if rival_try(&rival, &key, &mut tries).await {
+                    break;
+                }
+            }
+            tokio::time::sleep_until(frozen_at + LEADER_FROZEN).await;
+        } else {
+            // Past the etcd lease's TTL, with the victim silent throughout.
+            tokio::time::sleep_until(frozen_at + FOLLOWER_FROZEN).await;
+        }
+        let valid = guard.is_valid();
+        if role == "follower" {
+            for _ in 0..3 {
+                if rival_try(&rival, &key, &mut tries).await {
+                    break;
+                }
             }
         }
         services(&["resume", &victim]);
-        assert!(valid, "the hold was lost while {victim} was frozen");
+        assert!(
+            valid,
+            "the hold was lost while {victim} ({role}) was frozen"
+        );
         assert!(
             tries.iter().any(|t| matches!(t, Ok(false)))
                 && !tries.iter().any(|t| matches!(t, Ok(true))),
-            "a rival's tries while {victim} was frozen: {tries:?}"
+            "a rival's tries while {victim} ({role}) was frozen: {tries:?}"
         );
         // Let the resumed member catch up before freezing the next one.
         tokio::time::sleep(Duration::from_secs(2)).await;
@@ -215,9 +244,16 @@ async fn a_hold_survives_each_member_frozen_in_turn() {
     rounds(&rival, &key, "every member back").await;
 }
 
-fn dbg_t() -> f64 {
-    let d = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap_or_default();
-    (d.as_secs() % 1000) as f64 + f64::from(d.subsec_millis()) / 1000.0
+/// One try of `rival` for `key`, its outcome (granted or not, or the error) added to
+/// `tries`; true if the cluster answered it (not granted). The client spreads requests over
+/// a frozen member too: a try may go unanswered (an error), but none may be granted.
+async fn rival_try(
+    rival: &Locker,
+    key: &LockKey,
+    tries: &mut Vec<Result<bool, lockkit_core::Error>>,
+) -> bool {
+    let taken = rival.try_acquire(key).await;
+    let answered = matches!(taken, Ok(None));
+    tries.push(taken.map(|grant| grant.is_some()));
+    answered
 }
