@@ -618,7 +618,10 @@ async fn a_takeover_that_leaves_the_holder_column_is_not_misreported() {
     .unwrap();
     let after = locker.inspect(&key).await.unwrap().expect("held");
     assert_eq!(after.owner, "older-client:1");
-    assert_eq!(after.identity, None, "a stale identity was reported: {after:?}");
+    assert_eq!(
+        after.identity, None,
+        "a stale identity was reported: {after:?}"
+    );
     drop(guard);
     sqlx::query(sqlx::AssertSqlSafe(format!(
         "UPDATE `{table}` SET owner = NULL, holds = 0, expires_at = NULL WHERE name = ?"
