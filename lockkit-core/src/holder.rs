@@ -78,21 +78,149 @@ fn program_name() -> String {
 /// character escaped at worst to 6 bytes (`\u001f`) per byte, with the rest of the record.
 pub const MAX_ENCODED_BYTES: usize = 2 * 6 * MAX_NAME_BYTES + 6 * MAX_NAME_BYTES / 8 + 128;
 
-/// `json` with every non-ASCII character escaped (`\uXXXX`, surrogate pairs above the
-/// BMP): the same JSON value, in ASCII. Non-ASCII characters only occur inside strings.
-fn ascii_json(json: &str) -> String {
-    let mut out = String::with_capacity(json.len());
-    for c in json.chars() {
-        if c.is_ascii() {
-            out.push(c);
-        } else {
-            let mut units = [0u16; 2];
-            for unit in c.encode_utf16(&mut units) {
-                out.push_str(&format!("\\u{unit:04x}"));
+/// Appends `text` as a JSON string in ASCII: quotes, backslashes, control and non-ASCII
+/// characters escaped (`\uXXXX`, surrogate pairs above the BMP).
+fn push_json_string(out: &mut String, text: &str) {
+    out.push('"');
+    for c in text.chars() {
+        match c {
+            '"' => out.push_str("\\\""),
+            '\\' => out.push_str("\\\\"),
+            ' '..='~' => out.push(c),
+            _ => {
+                let mut units = [0u16; 2];
+                for unit in c.encode_utf16(&mut units) {
+                    out.push_str(&format!("\\u{unit:04x}"));
+                }
             }
         }
     }
-    out
+    out.push('"');
+}
+
+/// A value of a flat JSON object, as [`parse_flat_json`] reads it.
+#[derive(Debug, PartialEq)]
+enum Flat {
+    Text(String),
+    Number(u64),
+    Other,
+}
+
+/// Reads a flat JSON object (string, unsigned integer, `true`/`false`/`null` values; no
+/// nesting) into its fields, or `None` for anything else. Enough for identity records,
+/// without a JSON library in the core crate.
+fn parse_flat_json(text: &str) -> Option<Vec<(String, Flat)>> {
+    let mut chars = text.trim().chars().peekable();
+    let skip_space = |chars: &mut std::iter::Peekable<std::str::Chars<'_>>| {
+        while chars.peek().is_some_and(|c| c.is_ascii_whitespace()) {
+            chars.next();
+        }
+    };
+    // UTF-16 units, so escaped surrogate pairs join and lone surrogates are refused.
+    let read_string = |chars: &mut std::iter::Peekable<std::str::Chars<'_>>| -> Option<String> {
+        if chars.next()? != '"' {
+            return None;
+        }
+        let mut units: Vec<u16> = Vec::new();
+        let mut buffer = [0u16; 2];
+        loop {
+            let c = match chars.next()? {
+                '"' => break,
+                '\\' => match chars.next()? {
+                    'u' => {
+                        let hex: String = (0..4).map(|_| chars.next()).collect::<Option<_>>()?;
+                        units.push(u16::from_str_radix(&hex, 16).ok()?);
+                        continue;
+                    }
+                    '"' => '"',
+                    '\\' => '\\',
+                    '/' => '/',
+                    'b' => '\u{8}',
+                    'f' => '\u{c}',
+                    'n' => '\n',
+                    'r' => '\r',
+                    't' => '\t',
+                    _ => return None,
+                },
+                c if u32::from(c) < 0x20 => return None,
+                c => c,
+            };
+            units.extend_from_slice(c.encode_utf16(&mut buffer));
+        }
+        String::from_utf16(&units).ok()
+    };
+    skip_space(&mut chars);
+    if chars.next()? != '{' {
+        return None;
+    }
+    let mut fields = Vec::new();
+    skip_space(&mut chars);
+    if chars.peek() == Some(&'}') {
+        chars.next();
+    } else {
+        loop {
+            skip_space(&mut chars);
+            let name = read_string(&mut chars)?;
+            skip_space(&mut chars);
+            if chars.next()? != ':' {
+                return None;
+            }
+            skip_space(&mut chars);
+            let value = match chars.peek()? {
+                '"' => Flat::Text(read_string(&mut chars)?),
+                '0'..='9' => {
+                    let mut digits = String::new();
+                    while let Some(d) = chars.peek().copied().filter(char::is_ascii_digit) {
+                        digits.push(d);
+                        chars.next();
+                    }
+                    Flat::Number(digits.parse().ok()?)
+                }
+                't' | 'f' | 'n' => {
+                    let word: String = std::iter::from_fn(|| {
+                        chars
+                            .peek()
+                            .copied()
+                            .filter(char::is_ascii_alphabetic)
+                            .inspect(|_| {
+                                chars.next();
+                            })
+                    })
+                    .collect();
+                    if !matches!(word.as_str(), "true" | "false" | "null") {
+                        return None;
+                    }
+                    Flat::Other
+                }
+                _ => return None,
+            };
+            fields.push((name, value));
+            skip_space(&mut chars);
+            match chars.next()? {
+                ',' => continue,
+                '}' => break,
+                _ => return None,
+            }
+        }
+    }
+    skip_space(&mut chars);
+    chars.next().is_none().then_some(fields)
+}
+
+/// The text field `name` of `fields`.
+fn text_field<'a>(fields: &'a [(String, Flat)], name: &str) -> Option<&'a str> {
+    fields.iter().find_map(|(n, v)| match v {
+        Flat::Text(t) if n == name => Some(t.as_str()),
+        _ => None,
+    })
+}
+
+/// The number field `name` of `fields`.
+fn number_field(fields: &[(String, Flat)], name: &str) -> Option<u64> {
+    fields.iter().find_map(|(n, v)| match v {
+        Flat::Number(x) if n == name => Some(*x),
+        _ => None,
+    })
 }
 
 /// `text` cut to at most [`MAX_NAME_BYTES`] bytes at a character boundary.
@@ -143,36 +271,42 @@ impl HolderIdentity {
     /// column or value of any character set takes it), at most [`MAX_ENCODED_BYTES`]: what
     /// backends store.
     pub fn encode(&self) -> String {
-        let json = serde_json::json!({
-            "host": self.host,
-            "pid": self.pid,
-            "program": self.program,
-            "requested_at_ms": self.requested_at_ms(),
-            "lockkit": cut(&self.version),
-        })
-        .to_string();
-        ascii_json(&json)
+        self.encode_with_owner(None)
+    }
+
+    fn encode_with_owner(&self, owner: Option<&str>) -> String {
+        let mut out = String::with_capacity(160);
+        out.push_str("{\"host\":");
+        push_json_string(&mut out, &self.host);
+        out.push_str(&format!(",\"pid\":{},\"program\":", self.pid));
+        push_json_string(&mut out, &self.program);
+        out.push_str(&format!(
+            ",\"requested_at_ms\":{},\"lockkit\":",
+            self.requested_at_ms()
+        ));
+        push_json_string(&mut out, &cut(&self.version));
+        if let Some(owner) = owner {
+            out.push_str(",\"owner\":");
+            push_json_string(&mut out, &cut(owner));
+        }
+        out.push('}');
+        out
     }
 
     /// [`HolderIdentity::encode`] with the owner it belongs to, for a store where a client
     /// that knows nothing of identities (an older lockkit) may take the hold over without
     /// clearing it: [`HolderIdentity::decode_for`] then refuses the stale identity.
     pub fn encode_for(&self, owner: &str) -> String {
-        let mut record = self.encode();
-        record.pop(); // the closing brace
-        record.push_str(",\"owner\":");
-        record.push_str(&ascii_json(&serde_json::Value::from(owner).to_string()));
-        record.push('}');
-        record
+        self.encode_with_owner(Some(owner))
     }
 
     /// Reads what [`HolderIdentity::encode_for`] wrote, only if it was written for `owner`
     /// (a record without an owner is accepted).
     pub fn decode_for(stored: &str, owner: &str) -> Option<Self> {
-        let value: serde_json::Value = serde_json::from_str(stored.trim()).ok()?;
-        match value.get("owner") {
-            Some(written_for) if written_for.as_str() != Some(owner) => None,
-            _ => Self::decode(stored),
+        let fields = parse_flat_json(stored)?;
+        match fields.iter().find(|(name, _)| name == "owner") {
+            Some((_, written_for)) if *written_for != Flat::Text(owner.to_owned()) => None,
+            _ => Self::from_fields(&fields),
         }
     }
 
@@ -180,12 +314,15 @@ impl HolderIdentity {
     /// such as the IP address Curator writes into its lock nodes, or an empty value) is
     /// `None`: the holder is then simply not identified.
     pub fn decode(stored: &str) -> Option<Self> {
-        let value: serde_json::Value = serde_json::from_str(stored.trim()).ok()?;
-        let host = value.get("host")?.as_str()?;
-        let pid = u32::try_from(value.get("pid")?.as_u64()?).ok()?;
-        let program = value.get("program")?.as_str()?;
-        let at = value.get("requested_at_ms")?.as_u64()?;
-        let version = value.get("lockkit").and_then(|v| v.as_str()).unwrap_or("");
+        Self::from_fields(&parse_flat_json(stored)?)
+    }
+
+    fn from_fields(fields: &[(String, Flat)]) -> Option<Self> {
+        let host = text_field(fields, "host")?;
+        let pid = u32::try_from(number_field(fields, "pid")?).ok()?;
+        let program = text_field(fields, "program")?;
+        let at = number_field(fields, "requested_at_ms")?;
+        let version = text_field(fields, "lockkit").unwrap_or("");
         Some(HolderIdentity {
             host: cut(host),
             pid,
@@ -308,6 +445,24 @@ mod tests {
         assert_eq!(HolderIdentity::decode_for(&record, "b:1"), None);
         assert!(HolderIdentity::decode_for(&identity.encode(), "b:1").is_some());
         assert!(HolderIdentity::decode(&record).is_some());
+    }
+
+    #[test]
+    fn the_reader_takes_escapes_spaces_and_unknown_fields() {
+        let stored = " { \"host\" : \"h\\u00e9\\ud83d\\udd12\\n\\\"\", \"pid\":7, \"x\":null, \"program\":\"p\\/q\",\"requested_at_ms\":5, \"y\": true} ";
+        let identity = HolderIdentity::decode(stored).unwrap();
+        assert_eq!(identity.host, "h\u{e9}\u{1f512}\n\"");
+        assert_eq!(identity.program, "p/q");
+        assert_eq!((identity.pid, identity.requested_at_ms()), (7, 5));
+        for broken in [
+            "{\"host\":\"\\ud83d\",\"pid\":1,\"program\":\"p\",\"requested_at_ms\":1}",
+            "{\"host\":\"h\",\"pid\":-1,\"program\":\"p\",\"requested_at_ms\":1}",
+            "{\"host\":\"h\",\"pid\":1,\"program\":\"p\",\"requested_at_ms\":1} trailing",
+            "{\"host\":{\"a\":1},\"pid\":1,\"program\":\"p\",\"requested_at_ms\":1}",
+            "{\"host\":\"h\",\"pid\":1,\"program\":\"p\",\"requested_at_ms\":1",
+        ] {
+            assert_eq!(HolderIdentity::decode(broken), None, "{broken}");
+        }
     }
 
     #[test]
