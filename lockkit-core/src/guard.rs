@@ -195,7 +195,7 @@ fn report_loss(shared: &HoldShared) {
         return;
     }
     let reason = shared.loss.reason().unwrap_or(LostReason::NotOurs);
-    crate::telemetry::lost(shared.backend.info().scheme, reason);
+    crate::telemetry::lost(shared.backend.info().scheme, &shared.grant.key, reason);
     tracing::error!(
         key = %shared.grant.key,
         backend = shared.backend.info().scheme,
@@ -292,7 +292,7 @@ async fn keep(shared: Arc<HoldShared>) {
             Err(_) => "unanswered",
         };
         span.record("outcome", label);
-        crate::telemetry::renewal(shared.backend.info().scheme, label);
+        crate::telemetry::renewal(shared.backend.info().scheme, &shared.grant.key, label);
         drop(span);
         match renewal {
             Ok(Ok(())) => {
@@ -346,6 +346,7 @@ async fn release_one(hold: Arc<Hold>, grant: Grant) -> Result<Released> {
     if matches!(outcome, Ok(Released::Fully)) {
         crate::telemetry::released(
             shared.backend.info().scheme,
+            &shared.grant.key,
             shared.grant.lease_start.elapsed(),
         );
         // Read now, not before `op`: a sibling guard whose release went first is gone.

@@ -315,6 +315,7 @@ impl Acquire {
         let backend = self.locker.info.scheme;
         let started = tokio::time::Instant::now();
         let waiting = crate::telemetry::Gauged::waiter(backend);
+        let key_label = self.key.as_ref().ok().and_then(crate::telemetry::key_label);
         let outcome = if span.is_disabled() {
             self.run(wait).await
         } else {
@@ -344,7 +345,7 @@ impl Acquire {
             }
         };
         span.record("outcome", label);
-        crate::telemetry::acquisition(backend, label, waited);
+        crate::telemetry::acquisition(backend, key_label.as_deref(), label, waited);
         outcome
     }
 

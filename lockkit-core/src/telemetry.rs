@@ -2,8 +2,10 @@
 //! application installs (a Prometheus exporter, say) receives them; without the feature, or
 //! without a recorder, recording costs nothing.
 //!
-//! Every metric is labelled by `backend` (the URL scheme). Keys are not labels: they are
-//! unbounded.
+//! Every metric is labelled by `backend` (the URL scheme). Keys are not labels unless
+//! [`label_keys`] turns them on: they are unbounded (a series per key), so do that only
+//! when the keys are few and fixed. Then the counters and histograms (not the gauges) also
+//! carry `key`.
 //!
 //! | metric | kind | labels |
 //! |---|---|---|
@@ -15,47 +17,83 @@
 //! | `lockkit_holds` | gauge | `backend` (holds alive in this process) |
 //! | `lockkit_waiters` | gauge | `backend` (acquisitions under way in this process) |
 
-use std::time::Duration;
+use std::{
+    sync::atomic::{AtomicBool, Ordering},
+    time::Duration,
+};
 
-use crate::LostReason;
+use crate::{LockKey, LostReason};
+
+static KEY_LABELS: AtomicBool = AtomicBool::new(false);
+
+/// Whether the counters and histograms recorded from now on carry a `key` label (off by
+/// default; process-wide). Every distinct key becomes a series of its own in each metric:
+/// turn it on only for a small, fixed set of keys.
+pub fn label_keys(on: bool) {
+    KEY_LABELS.store(on, Ordering::Relaxed);
+}
+
+/// The `key` label for `key`, when [`label_keys`] is on.
+pub(crate) fn key_label(key: &LockKey) -> Option<String> {
+    KEY_LABELS
+        .load(Ordering::Relaxed)
+        .then(|| key.as_str().to_owned())
+}
+
+/// Records with the labels given, plus `key` when there is one.
+#[cfg(feature = "metrics")]
+macro_rules! with_key {
+    ($kind:ident, $name:expr, $key:expr, $($label:expr => $value:expr),*) => {
+        match $key {
+            Some(key) => metrics::$kind!($name, $($label => $value,)* "key" => key.to_owned()),
+            None => metrics::$kind!($name, $($label => $value),*),
+        }
+    };
+}
 
 /// An acquisition ended with `outcome` after `waited`.
-pub(crate) fn acquisition(backend: &'static str, outcome: &'static str, waited: Duration) {
+pub(crate) fn acquisition(
+    backend: &'static str,
+    key: Option<&str>,
+    outcome: &'static str,
+    waited: Duration,
+) {
     #[cfg(feature = "metrics")]
     {
-        metrics::counter!("lockkit_acquisitions_total", "backend" => backend, "outcome" => outcome)
+        with_key!(counter, "lockkit_acquisitions_total", key, "backend" => backend, "outcome" => outcome)
             .increment(1);
-        metrics::histogram!("lockkit_acquire_wait_seconds", "backend" => backend)
+        with_key!(histogram, "lockkit_acquire_wait_seconds", key, "backend" => backend)
             .record(waited.as_secs_f64());
     }
     #[cfg(not(feature = "metrics"))]
-    let _ = (backend, outcome, waited);
+    let _ = (backend, key, outcome, waited);
 }
 
 /// A hold was given up after `held` (the last release of a guard).
-pub(crate) fn released(backend: &'static str, held: Duration) {
+pub(crate) fn released(backend: &'static str, key: &LockKey, held: Duration) {
     #[cfg(feature = "metrics")]
-    metrics::histogram!("lockkit_hold_seconds", "backend" => backend).record(held.as_secs_f64());
+    with_key!(histogram, "lockkit_hold_seconds", key_label(key), "backend" => backend)
+        .record(held.as_secs_f64());
     #[cfg(not(feature = "metrics"))]
-    let _ = (backend, held);
+    let _ = (backend, key, held);
 }
 
 /// A renewal ended with `outcome`.
-pub(crate) fn renewal(backend: &'static str, outcome: &'static str) {
+pub(crate) fn renewal(backend: &'static str, key: &LockKey, outcome: &'static str) {
     #[cfg(feature = "metrics")]
-    metrics::counter!("lockkit_renewals_total", "backend" => backend, "outcome" => outcome)
+    with_key!(counter, "lockkit_renewals_total", key_label(key), "backend" => backend, "outcome" => outcome)
         .increment(1);
     #[cfg(not(feature = "metrics"))]
-    let _ = (backend, outcome);
+    let _ = (backend, key, outcome);
 }
 
 /// A hold was lost while held.
-pub(crate) fn lost(backend: &'static str, reason: LostReason) {
+pub(crate) fn lost(backend: &'static str, key: &LockKey, reason: LostReason) {
     #[cfg(feature = "metrics")]
-    metrics::counter!("lockkit_losses_total", "backend" => backend, "reason" => reason_label(reason))
+    with_key!(counter, "lockkit_losses_total", key_label(key), "backend" => backend, "reason" => reason_label(reason))
         .increment(1);
     #[cfg(not(feature = "metrics"))]
-    let _ = (backend, reason);
+    let _ = (backend, key, reason);
 }
 
 #[cfg(feature = "metrics")]
