@@ -56,16 +56,27 @@ async fn layout_matches_redisson_rlock_at_every_step() {
         .unwrap();
     let fields: Vec<(String, String)> = s.admin.hgetall(&hash).await.unwrap();
     // The owner's hold count (Redisson's field), plus one marker per acquisition that
-    // makes a retried request take effect once (Redisson ignores other fields).
+    // makes a retried request take effect once and the holder's identity (Redisson
+    // ignores other fields).
     assert_eq!(
         fields
             .iter()
-            .filter(|(f, _)| !f.starts_with("lockkit-attempt:"))
+            .filter(|(f, _)| !f.starts_with("lockkit-attempt:") && f != "lockkit-holder")
             .cloned()
             .collect::<Vec<_>>(),
         vec![(field.clone(), "1".to_owned())]
     );
-    assert_eq!(fields.len(), 2, "one attempt marker: {fields:?}");
+    assert_eq!(
+        fields.len(),
+        3,
+        "one attempt marker, one holder: {fields:?}"
+    );
+    let holder = fields
+        .iter()
+        .find(|(f, _)| f == "lockkit-holder")
+        .and_then(|(_, v)| lockkit_core::HolderIdentity::decode(v))
+        .expect("the holder field names this process");
+    assert_eq!(holder.pid, std::process::id());
     let pttl: i64 = s.admin.pttl(&hash).await.unwrap();
     assert!(
         (1..=30_000).contains(&pttl),
