@@ -7,7 +7,9 @@
 //! ```
 //!
 //! Prints, and writes as one JSON line:
-//! - uncontended acquire+release median and p99 on one connection, next to `PING`;
+//! - uncontended acquire+release median and p99 on one connection, next to `PING` and
+//!   next to the peer rslock (in-process, on the same masters, in interleaved batches so
+//!   both see the same machine noise);
 //! - hot-key handoff with 16 waiters: release-to-next-grant median and p99;
 //! - throughput over 1,000 keys with 32 tasks, next to the server's `SET` rate.
 
@@ -45,6 +47,23 @@ async fn lock_samples(locker: &Locker, n: usize) -> Vec<Duration> {
         samples.push(start.elapsed());
     }
     samples.sort();
+    samples
+}
+
+/// rslock's uncontended lock+unlock on the masters of `url` (one for `redis://`, all of
+/// them for `redlock://`).
+async fn rslock_samples(manager: &rslock::LockManager, n: usize) -> Vec<Duration> {
+    let mut samples = Vec::with_capacity(n);
+    for i in 0..n {
+        let key = format!("bench/rslock/{}", i % 100);
+        let start = Instant::now();
+        let lock = manager
+            .lock(key.as_bytes(), Duration::from_secs(30))
+            .await
+            .expect("rslock lock");
+        manager.unlock(&lock).await;
+        samples.push(start.elapsed());
+    }
     samples
 }
 
@@ -152,8 +171,27 @@ async fn main() {
     let _ = ping_samples(&first_node, 200).await;
     let _ = lock_samples(&locker, 200).await;
 
-    let mut ping = ping_samples(&first_node, 3000).await;
-    let mut lock = lock_samples(&locker, 3000).await;
+    let masters: Vec<String> = lockkit_conformance::env::host_ports(&url)
+        .iter()
+        .map(|n| format!("redis://{n}"))
+        .collect();
+    let peer = (!url.starts_with("redis+cluster://")).then(|| rslock::LockManager::new(masters));
+    if let Some(peer) = &peer {
+        let _ = rslock_samples(peer, 200).await;
+    }
+
+    // Interleaved batches: lockkit, rslock and PING see the same moments of the machine.
+    let (mut ping, mut lock, mut rslock) = (Vec::new(), Vec::new(), Vec::new());
+    for _ in 0..10 {
+        ping.extend(ping_samples(&first_node, 300).await);
+        lock.extend(lock_samples(&locker, 300).await);
+        if let Some(peer) = &peer {
+            rslock.extend(rslock_samples(peer, 300).await);
+        }
+    }
+    ping.sort();
+    lock.sort();
+    rslock.sort();
     let mut handoff = handoff_samples(&url, 16, 40).await;
     let run = Duration::from_secs(3);
     let locks_per_sec = lock_throughput(&url, 32, 1000, run).await;
@@ -176,6 +214,19 @@ async fn main() {
         micros(lock50) / micros(ping50),
         micros(lock99)
     );
+    let (peer50, peer99) = if rslock.is_empty() {
+        (Duration::ZERO, Duration::ZERO)
+    } else {
+        (percentile(&mut rslock, 0.5), percentile(&mut rslock, 0.99))
+    };
+    if !rslock.is_empty() {
+        println!(
+            "rslock lock+unlock median     {:>9.1} us  p99 {:.1} us   lockkit/rslock {:.2}x",
+            micros(peer50),
+            micros(peer99),
+            micros(lock50) / micros(peer50)
+        );
+    }
     println!(
         "handoff (16 waiters) median  {:>9.1} us  p99 {:.1} us  ({} handoffs)",
         micros(hand50),
@@ -189,11 +240,13 @@ async fn main() {
         locks_per_sec / sets_per_sec
     );
     println!(
-        "{{\"backend\":\"{url}\",\"ping_p50_us\":{:.1},\"lock_p50_us\":{:.1},\"lock_p99_us\":{:.1},\"ratio_to_ping\":{:.2},\"handoff_p50_us\":{:.1},\"handoff_p99_us\":{:.1},\"locks_per_s\":{:.0},\"sets_per_s\":{:.0}}}",
+        "{{\"backend\":\"{url}\",\"ping_p50_us\":{:.1},\"lock_p50_us\":{:.1},\"lock_p99_us\":{:.1},\"ratio_to_ping\":{:.2},\"rslock_p50_us\":{:.1},\"rslock_p99_us\":{:.1},\"handoff_p50_us\":{:.1},\"handoff_p99_us\":{:.1},\"locks_per_s\":{:.0},\"sets_per_s\":{:.0}}}",
         micros(ping50),
         micros(lock50),
         micros(lock99),
         micros(lock50) / micros(ping50),
+        micros(peer50),
+        micros(peer99),
         micros(hand50),
         micros(hand99),
         locks_per_sec,
