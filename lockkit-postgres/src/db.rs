@@ -21,6 +21,7 @@ pub(crate) mod state {
     pub(crate) const UNDEFINED_TABLE: &str = "42P01";
     pub(crate) const UNDEFINED_COLUMN: &str = "42703";
     pub(crate) const DUPLICATE_COLUMN: &str = "42701";
+    pub(crate) const DUPLICATE_OBJECT: &str = "42710";
     pub(crate) const LOCK_NOT_AVAILABLE: &str = "55P03";
     /// `serialization_failure`, `deadlock_detected`: the server asks for a retry.
     pub(crate) const SERIALIZATION_FAILURE: &str = "40001";
@@ -152,13 +153,22 @@ impl Db {
             Err(e) => return Err(db_error(&format!("checking table `{table}`"), e)),
         }
         // Concurrent `CREATE TABLE IF NOT EXISTS` can still collide on the catalog's unique
-        // index: the other client made it, which is all this wanted.
+        // index (23505) or on the table's row type (42710, "type ... already exists"): the
+        // other client made it, which is all this wanted.
         match sqlx::raw_sql(AssertSqlSafe(ddl(table)))
             .execute(&self.pool)
             .await
         {
             Ok(_) => Ok(()),
-            Err(e) if sql_state(&e).as_deref() == Some(state::UNIQUE_VIOLATION) => Ok(()),
+            // The catalog's unique index, or the table's row type, says it first.
+            Err(e)
+                if matches!(
+                    sql_state(&e).as_deref(),
+                    Some(state::UNIQUE_VIOLATION | state::DUPLICATE_OBJECT)
+                ) =>
+            {
+                Ok(())
+            }
             Err(e) => Err(db_error(&format!("creating table `{table}`"), e)),
         }
     }
