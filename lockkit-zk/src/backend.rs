@@ -945,6 +945,13 @@ impl LockBackend for ZkBackend {
         let session = self.session().await?;
         let client = &session.client;
         let dir = self.lock_dir(key);
+        // A follower may serve reads that lag the leader: catch up first, so the answer
+        // includes every change another session made before this call (a new holder, a
+        // re-entry's depth).
+        client
+            .sync("/")
+            .await
+            .map_err(|e| zk_error("syncing before inspecting", e))?;
         let children = match client.list_children(&dir).await {
             Ok(children) => children,
             Err(zookeeper_client::Error::NoNode) => return Ok(None),
