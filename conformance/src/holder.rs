@@ -33,6 +33,7 @@ pub const PREFIX: &str = "LOCKKIT-HOLDER";
 const KEY_VAR: &str = "LOCKKIT_HOLDER_KEY";
 const TTL_VAR: &str = "LOCKKIT_HOLDER_TTL_MS";
 const WATCHDOG_VAR: &str = "LOCKKIT_HOLDER_WATCHDOG";
+const PERMITS_VAR: &str = "LOCKKIT_HOLDER_PERMITS";
 /// How long a child holds at most.
 const GIVE_UP: Duration = Duration::from_secs(300);
 
@@ -65,6 +66,8 @@ pub struct HolderSpec {
     pub ttl: Duration,
     /// Whether the child's watchdog renews.
     pub watchdog: bool,
+    /// A permit of a semaphore of this many permits instead of the plain lock (0: the lock).
+    pub permits: u32,
 }
 
 impl HolderSpec {
@@ -76,14 +79,24 @@ impl HolderSpec {
             .and_then(|v| v.parse().ok())
             .map_or(Duration::from_secs(30), Duration::from_millis);
         let watchdog = std::env::var(WATCHDOG_VAR).map_or(true, |v| v == "1");
-        Some(HolderSpec { key, ttl, watchdog })
+        let permits = std::env::var(PERMITS_VAR)
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(0);
+        Some(HolderSpec {
+            key,
+            ttl,
+            watchdog,
+            permits,
+        })
     }
 
     fn apply(&self, command: &mut Command) {
         command
             .env(KEY_VAR, self.key.as_str())
             .env(TTL_VAR, self.ttl.as_millis().to_string())
-            .env(WATCHDOG_VAR, if self.watchdog { "1" } else { "0" });
+            .env(WATCHDOG_VAR, if self.watchdog { "1" } else { "0" })
+            .env(PERMITS_VAR, self.permits.to_string());
     }
 }
 
@@ -128,10 +141,13 @@ pub async fn serve(
     spec: &HolderSpec,
     mut write: impl AsyncFnMut(FencingToken) -> String,
 ) -> i32 {
-    let mut acquire = locker
-        .acquire(spec.key.clone())
-        .ttl(spec.ttl)
-        .wait(Duration::from_secs(30));
+    let mut acquire = if spec.permits == 0 {
+        locker.acquire(spec.key.clone())
+    } else {
+        locker.semaphore(spec.key.clone(), spec.permits).acquire()
+    }
+    .ttl(spec.ttl)
+    .wait(Duration::from_secs(30));
     if !spec.watchdog {
         acquire = acquire.no_watchdog();
     }

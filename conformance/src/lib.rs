@@ -133,6 +133,19 @@ macro_rules! __with_catalogue {
             bad_input::invalid_options_are_refused,
             bad_input::bad_url_is_refused,
             randomized::histories_stay_linear,
+            rw::unsupported_kinds_are_refused,
+            rw::readers_share,
+            rw::writer_excludes_readers_and_writers,
+            rw::reads_reenter_and_writes_downgrade,
+            rw::upgrade_is_refused,
+            rw::waiting_writer_blocks_new_readers,
+            rw::writer_is_not_starved_by_readers,
+            rw::read_write_histories_stay_exclusive,
+            semaphore::permits_bound_the_holders,
+            semaphore::a_different_permit_count_is_refused,
+            semaphore::permits_never_exceed_the_limit,
+            semaphore::a_waiter_gets_the_permit_given_back,
+            semaphore::a_killed_holders_permit_comes_back,
         }
     };
 }

@@ -6,7 +6,7 @@ use async_trait::async_trait;
 use tokio::time::Instant;
 use uuid::Uuid;
 
-use crate::{FencingToken, HolderIdentity, LockKey, OwnerId, Result, lost::LossSignal};
+use crate::{FencingToken, HolderIdentity, LockKey, LockKind, OwnerId, Result, lost::LossSignal};
 
 /// Whether a backend favours consistency or availability when the network fails.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -44,6 +44,14 @@ pub struct Capabilities {
     /// [`HolderInfo::waiters`] is reported: the backend can count the contenders waiting
     /// behind a holder (exactly, or as an estimate where its docs say so).
     pub counts_waiters: bool,
+    /// Read-write locks: [`LockKind::Read`] and [`LockKind::Write`] requests. The
+    /// [`crate::Locker`] answers [`crate::Error::Unsupported`] for them without I/O when false.
+    pub read_write: bool,
+    /// A waiting writer blocks new readers of other owners (among lockkit clients; a
+    /// peer's readers may not honour it, as the backend's docs say).
+    pub writer_preference: bool,
+    /// Counting semaphores: [`LockKind::Permit`] requests.
+    pub semaphore: bool,
 }
 
 impl Default for Capabilities {
@@ -58,6 +66,9 @@ impl Default for Capabilities {
             cross_process: true,
             queued_wait: false,
             counts_waiters: false,
+            read_write: false,
+            writer_preference: false,
+            semaphore: false,
         }
     }
 }
@@ -108,6 +119,11 @@ pub struct AcquireRequest {
     /// (never over an existing one on re-entry) and reports it in
     /// [`HolderInfo::identity`].
     pub identity: Arc<HolderIdentity>,
+    /// The kind of hold asked for ([`LockKind::Exclusive`] unless built
+    /// [`AcquireRequest::with_kind`]). The [`crate::Locker`] sends a backend only kinds its
+    /// [`Capabilities`] name. Reentrancy is per owner *and* kind: an owner's write and read
+    /// holds of one key are separate holds; a permit is never reentrant.
+    pub kind: LockKind,
 }
 
 impl AcquireRequest {
@@ -120,7 +136,14 @@ impl AcquireRequest {
             loss,
             attempt: Uuid::new_v4(),
             identity: Arc::new(HolderIdentity::now()),
+            kind: LockKind::Exclusive,
         }
+    }
+
+    /// The same request for another kind of hold.
+    pub fn with_kind(mut self, kind: LockKind) -> Self {
+        self.kind = kind;
+        self
     }
 }
 
@@ -152,6 +175,8 @@ pub struct Grant {
     pub attempt: Uuid,
     /// The identity the granting request carried (see [`AcquireRequest::identity`]).
     pub identity: Arc<HolderIdentity>,
+    /// The kind of hold granted (the request's).
+    pub kind: LockKind,
 }
 
 impl Grant {
@@ -173,6 +198,7 @@ impl Grant {
             state: None,
             attempt: req.attempt,
             identity: req.identity.clone(),
+            kind: req.kind,
         }
     }
 
@@ -215,6 +241,9 @@ pub struct HolderInfo {
     /// ZooKeeper, etcd and the memory backend, an estimate on Redis (clients subscribed to
     /// the lock's release channel), `None` where the server does not say.
     pub waiters: Option<u32>,
+    /// The kind of hold, where the backend tells kinds apart (`None`: a plain lock, or
+    /// not known).
+    pub kind: Option<LockKind>,
 }
 
 impl HolderInfo {
@@ -232,7 +261,14 @@ impl HolderInfo {
             ttl_left,
             identity: None,
             waiters: None,
+            kind: None,
         }
+    }
+
+    /// With the kind of hold.
+    pub fn with_kind(mut self, kind: LockKind) -> Self {
+        self.kind = Some(kind);
+        self
     }
 
     /// With the holder's stored identity (`None`: not identified).
@@ -301,8 +337,15 @@ pub trait LockBackend: Send + Sync + Debug + 'static {
     /// released already, or taken over): nothing is changed then.
     async fn release(&self, grant: &Grant) -> Result<Released>;
 
-    /// Reports who holds `key`, if anyone.
+    /// Reports who holds `key`, if anyone (for a key held by several readers or permits,
+    /// one of them; [`LockBackend::holders`] lists them all).
     async fn inspect(&self, key: &LockKey) -> Result<Option<HolderInfo>>;
+
+    /// Every live hold of `key`: one entry per owner and kind (a reentrant hold is one
+    /// entry with its depth), one per permit. Default: what [`LockBackend::inspect`] reports.
+    async fn holders(&self, key: &LockKey) -> Result<Vec<HolderInfo>> {
+        Ok(self.inspect(key).await?.into_iter().collect())
+    }
 
     /// The latest instant `grant` can be trusted on what the backend last heard from the
     /// server, whatever its lease (ZooKeeper: the last answered request plus 2/3 of the

@@ -89,6 +89,36 @@ pub enum Error {
         newer: FencingToken,
     },
 
+    /// The owner reads `key` and asked to write it: the write would wait for the owner's
+    /// own read hold forever (an upgrade deadlock). Nothing was sent or written.
+    #[error(
+        "owner holds {held} on `{key}` and asked for {asked}: it would wait for itself; \
+         release the read lock first, or take the write lock first and then read (downgrade)"
+    )]
+    WouldDeadlock {
+        /// The key.
+        key: LockKey,
+        /// What the owner holds.
+        held: crate::LockKind,
+        /// What it asked for.
+        asked: crate::LockKind,
+    },
+
+    /// The key is used as another kind of lock than the one asked for: a semaphore with a
+    /// different permit count, a read-write lock asked for as a plain lock, or the other
+    /// way round. Use one kind (and one permit count) per key.
+    #[error(
+        "`{key}` {found}; asked for {asked}: use one kind of lock (and one permit count) per key"
+    )]
+    KindMismatch {
+        /// The key.
+        key: LockKey,
+        /// What the key is used as, e.g. "is a semaphore of 5 permits".
+        found: String,
+        /// What was asked for.
+        asked: crate::LockKind,
+    },
+
     /// The backend cannot do what was asked.
     #[error("`{backend}` does not support {what}")]
     Unsupported {

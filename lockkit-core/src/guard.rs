@@ -441,6 +441,11 @@ impl LockGuard {
         self.grant.depth
     }
 
+    /// The kind of hold: a plain lock, a read or write hold, or a semaphore permit.
+    pub fn kind(&self) -> crate::LockKind {
+        self.grant.kind
+    }
+
     /// The process identity stored beside this hold: the one its first grant wrote (a
     /// re-entry keeps the outer hold's, as the backend does).
     pub fn holder(&self) -> &crate::HolderIdentity {
@@ -541,13 +546,20 @@ impl LockGuard {
         if let Some(reason) = shared.check_lost() {
             return Err(shared.lost_error(reason));
         }
+        if !self.grant.kind.is_reentrant() {
+            return Err(crate::Error::Unsupported {
+                backend: shared.backend.info().scheme,
+                what: "re-entering a semaphore permit (every acquisition is a new permit)".into(),
+            });
+        }
         let ttl = shared.lease().ttl;
         let req = AcquireRequest::new(
             self.grant.key.clone(),
             self.grant.owner,
             ttl,
             shared.loss.clone(),
-        );
+        )
+        .with_kind(self.grant.kind);
         match shared.backend.try_acquire(&req).await? {
             Some(grant)
                 if grant.depth > 1 && grant.token == shared.grant.token && self.hold.is_live() =>

@@ -4,6 +4,7 @@ use std::{
     collections::HashMap,
     fmt,
     future::{Future, IntoFuture},
+    num::NonZeroU32,
     pin::Pin,
     sync::{
         Arc, Mutex, Weak,
@@ -16,13 +17,14 @@ use uuid::Uuid;
 
 use crate::{
     AcquireRequest, BackendInfo, Error, HolderInfo, IntoLockKey, LockBackend, LockGuard, LockKey,
-    LockOptions, OwnerId, Result,
+    LockKind, LockOptions, OwnerId, Result,
     guard::{Hold, LockGuard as Guard},
     lost::LossSignal,
     wait::{Backoff, WAIT_FOREVER, deadline_after},
 };
 
-type Holds = Arc<Mutex<HashMap<LockKey, OwnedHold>>>;
+/// An owner's holds, by key and kind: its read and write holds of a key are separate.
+type Holds = Arc<Mutex<HashMap<(LockKey, LockKind), OwnedHold>>>;
 
 /// What an owner remembers of its latest hold on a key: the hold while it lives, and its
 /// fencing token for as long as a record of it may linger on a server after it ended
@@ -183,6 +185,72 @@ impl Locker {
             key: key.into_lock_key(),
             options: self.defaults.clone(),
             owner: None,
+            kind: LockKind::Exclusive,
+        }
+    }
+
+    /// Starts building a *read* acquisition of the read-write lock `key` (for a fresh owner;
+    /// use [`Owner::read`] for re-entry and downgrade). Many readers share the key; a
+    /// writer excludes them, and a waiting writer blocks new readers where the backend's
+    /// [`crate::Capabilities::writer_preference`] says so. Same builder and guard as
+    /// [`Locker::acquire`].
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() -> lockkit_core::Result<()> {
+    /// use lockkit_core::{Locker, MemoryBackend};
+    ///
+    /// let locker = Locker::new(MemoryBackend::new());
+    /// let one = locker.read("catalog").await?;
+    /// let two = locker.read("catalog").await?; // readers share
+    /// assert!(locker.write("catalog").try_now().await?.is_none()); // a writer waits
+    /// one.release().await?;
+    /// two.release().await?;
+    /// let writer = locker.write("catalog").await?;
+    /// writer.release().await?;
+    /// # Ok(()) }
+    /// ```
+    ///
+    /// # Errors
+    /// As [`Locker::acquire`], and [`Error::Unsupported`] (before any I/O) on a backend
+    /// without read-write locks, [`Error::KindMismatch`] when the key is used as another
+    /// kind of lock.
+    pub fn read(&self, key: impl IntoLockKey) -> Acquire {
+        self.acquire(key).kind(LockKind::Read)
+    }
+
+    /// Starts building a *write* acquisition of the read-write lock `key` (for a fresh
+    /// owner; use [`Owner::write`] for re-entry). A writer excludes every other holder.
+    ///
+    /// # Errors
+    /// As [`Locker::read`].
+    pub fn write(&self, key: impl IntoLockKey) -> Acquire {
+        self.acquire(key).kind(LockKind::Write)
+    }
+
+    /// A counting semaphore of `permits` permits on `key`: at most that many holds at once,
+    /// each with its own guard, lease, fencing token and loss signal. Every client of the key
+    /// must use the same count; one that does not is refused with [`Error::KindMismatch`]
+    /// where the backend stores the count.
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() -> lockkit_core::Result<()> {
+    /// use lockkit_core::{Locker, MemoryBackend};
+    ///
+    /// let locker = Locker::new(MemoryBackend::new());
+    /// let connections = locker.semaphore("db-connections", 2);
+    /// let a = connections.acquire().await?;
+    /// let b = connections.acquire().await?;
+    /// assert!(connections.try_acquire().await?.is_none()); // both permits are out
+    /// assert!(b.token() > a.token()); // every permit has its own token
+    /// a.release().await?;
+    /// let c = connections.try_acquire().await?.expect("a permit is free again");
+    /// # drop((b, c)); Ok(()) }
+    /// ```
+    pub fn semaphore(&self, key: impl IntoLockKey, permits: u32) -> Semaphore {
+        Semaphore {
+            locker: self.clone(),
+            key: key.into_lock_key().map_err(|e| e.to_string()),
+            permits,
         }
     }
 
@@ -230,6 +298,121 @@ impl Owner {
     pub fn try_acquire(&self, key: impl IntoLockKey) -> TryAcquire {
         TryAcquire(self.acquire(key))
     }
+
+    /// Builds a read acquisition of `key` by this owner: a re-entry if it reads the key
+    /// already, a downgrade (granted at once, a separate hold) if it writes it.
+    pub fn read(&self, key: impl IntoLockKey) -> Acquire {
+        self.locker.read(key).owner(self)
+    }
+
+    /// Builds a write acquisition of `key` by this owner: a re-entry if it writes the key
+    /// already.
+    ///
+    /// # Errors
+    /// Awaiting it fails at once with [`Error::WouldDeadlock`] if the owner reads the key
+    /// and does not write it (an upgrade would wait for itself), as [`Locker::write`]
+    /// otherwise.
+    pub fn write(&self, key: impl IntoLockKey) -> Acquire {
+        self.locker.write(key).owner(self)
+    }
+
+    /// Refuses a request of `kind` on `key` that this owner's live holds make impossible:
+    /// an upgrade (it reads, does not write, and asks to write) or a change of kind (it
+    /// holds the key as a plain lock and asks for a read-write hold, or the other way round).
+    fn check_kind(&self, key: &LockKey, kind: LockKind) -> Result<()> {
+        let holds = self.holds.lock().unwrap_or_else(|e| e.into_inner());
+        let live = |held: LockKind| {
+            holds
+                .get(&(key.clone(), held))
+                .and_then(|owned| owned.hold.upgrade())
+                .is_some_and(|hold| hold.is_live())
+        };
+        let mismatch = |found: &str| Error::KindMismatch {
+            key: key.clone(),
+            found: format!("is held by this owner as {found}"),
+            asked: kind,
+        };
+        match kind {
+            LockKind::Write if live(LockKind::Read) && !live(LockKind::Write) => {
+                Err(Error::WouldDeadlock {
+                    key: key.clone(),
+                    held: LockKind::Read,
+                    asked: kind,
+                })
+            }
+            LockKind::Write | LockKind::Read if live(LockKind::Exclusive) => {
+                Err(mismatch("an exclusive lock"))
+            }
+            LockKind::Exclusive if live(LockKind::Read) || live(LockKind::Write) => {
+                Err(mismatch("a read-write lock"))
+            }
+            _ => Ok(()),
+        }
+    }
+}
+
+/// A counting semaphore: a key with at most [`Semaphore::permits`] holds at once. Made by
+/// [`Locker::semaphore`]; cheap to clone. Each [`Semaphore::acquire`] takes a new permit
+/// (permits are never reentrant), with its own [`LockGuard`].
+#[derive(Debug, Clone)]
+pub struct Semaphore {
+    locker: Locker,
+    key: std::result::Result<LockKey, String>,
+    permits: u32,
+}
+
+impl Semaphore {
+    /// The number of permits.
+    pub fn permits(&self) -> u32 {
+        self.permits
+    }
+
+    /// Starts building the acquisition of one permit: same builder as
+    /// [`Locker::acquire`] (ttl, wait, max_hold, watchdog); await it for the permit's guard.
+    ///
+    /// # Errors
+    /// As [`Locker::acquire`]; [`Error::Config`] for a semaphore of zero permits,
+    /// [`Error::Unsupported`] (before any I/O) on a backend without semaphores,
+    /// [`Error::KindMismatch`] when the key is used with another permit count or as a lock.
+    pub fn acquire(&self) -> Acquire {
+        let mut kind = LockKind::Exclusive;
+        let key = match (&self.key, NonZeroU32::new(self.permits)) {
+            (Err(reason), _) => Err(Error::InvalidKey {
+                reason: reason.clone(),
+            }),
+            (Ok(_), None) => Err(Error::Config(
+                "a semaphore needs at least one permit; ask for 1 or more".into(),
+            )),
+            (Ok(key), Some(limit)) => {
+                kind = LockKind::Permit { limit };
+                Ok(key.clone())
+            }
+        };
+        Acquire {
+            locker: self.locker.clone(),
+            key,
+            options: self.locker.defaults.clone(),
+            owner: None,
+            kind,
+        }
+    }
+
+    /// Like [`Semaphore::acquire`] but never waits: `Ok(None)` when every permit is out.
+    pub fn try_acquire(&self) -> TryAcquire {
+        TryAcquire(self.acquire())
+    }
+
+    /// The permits held now, one entry each, as the backend sees them.
+    ///
+    /// # Errors
+    /// [`Error::InvalidKey`], or the backend's error.
+    pub async fn holders(&self) -> Result<Vec<HolderInfo>> {
+        let key = self
+            .key
+            .clone()
+            .map_err(|reason| Error::InvalidKey { reason })?;
+        self.locker.backend.holders(&key).await
+    }
 }
 
 /// Builder for a waiting acquisition; `.await` it. Created by [`Locker::acquire`] and
@@ -248,9 +431,22 @@ pub struct Acquire {
     key: Result<LockKey>,
     options: LockOptions,
     owner: Option<Owner>,
+    kind: LockKind,
 }
 
 impl Acquire {
+    /// The kind of hold to take (see [`Locker::read`], [`Locker::write`],
+    /// [`Locker::semaphore`]).
+    fn kind(mut self, kind: LockKind) -> Self {
+        self.kind = kind;
+        self
+    }
+
+    /// Tries once, without waiting, like [`Locker::try_acquire`]: `Ok(None)` when busy.
+    pub fn try_now(self) -> TryAcquire {
+        TryAcquire(self)
+    }
+
     /// The lease (default 30 s). The watchdog renews it while the guard lives.
     pub fn ttl(mut self, ttl: Duration) -> Self {
         self.options.ttl = ttl;
@@ -283,7 +479,8 @@ impl Acquire {
         self
     }
 
-    /// Acquires as `owner`, reentrantly.
+    /// Acquires as `owner`, reentrantly. Ignored for a semaphore permit, which is never
+    /// reentrant.
     pub fn owner(mut self, owner: &Owner) -> Self {
         self.owner = Some(owner.clone());
         self
@@ -358,7 +555,28 @@ impl Acquire {
                 "lockkit needs a Tokio runtime for its watchdog; call it from within one".into(),
             )
         })?;
-        let owner_id = match &self.owner {
+        let kind = self.kind;
+        let capabilities = &locker.info.capabilities;
+        let unsupported = match kind {
+            LockKind::Read | LockKind::Write => !capabilities.read_write,
+            LockKind::Permit { .. } => !capabilities.semaphore,
+            _ => false,
+        };
+        if unsupported {
+            return Err(Error::Unsupported {
+                backend: locker.info.scheme,
+                what: match kind {
+                    LockKind::Permit { .. } => "counting semaphores".into(),
+                    _ => "read-write locks".into(),
+                },
+            });
+        }
+        // A permit is never reentrant: every acquisition is a holder of its own.
+        let owner = self.owner.filter(|_| kind.is_reentrant());
+        if let Some(owner) = &owner {
+            owner.check_kind(&key, kind)?;
+        }
+        let owner_id = match &owner {
             Some(owner) => owner.id,
             None => locker.fresh_owner_id(),
         };
@@ -371,13 +589,14 @@ impl Acquire {
         // then meet another task's hold, but the call stays a fresh acquisition.
         let mut began_fresh = None;
         loop {
-            let existing = self.owner.as_ref().and_then(|owner| owner.live_hold(&key));
+            let existing = owner.as_ref().and_then(|owner| owner.live_hold(&key, kind));
             let began_fresh = *began_fresh.get_or_insert(existing.is_none());
             // A fresh signal even beside a live hold: a backend that finds the hold keeps the
             // signal it was given with it (the hold's own), and one that makes a new hold
             // (the owner's last release won a race with this re-entry) gives that hold this one.
             let request =
-                AcquireRequest::new(key.clone(), owner_id, self.options.ttl, LossSignal::new());
+                AcquireRequest::new(key.clone(), owner_id, self.options.ttl, LossSignal::new())
+                    .with_kind(kind);
             let backend = &locker.backend;
             // If this future is dropped before the outcome is seen, or the outcome is one the
             // client cannot know (a retryable error, a deadline passed while an attempt was
@@ -438,7 +657,7 @@ impl Acquire {
             // the request (another task of the owner let the old one go and took a new one
             // meanwhile): the backend counted it on that hold, so its guard joins that hold and
             // hears that hold's loss signal.
-            let current = self.owner.as_ref().and_then(|owner| owner.live_hold(&key));
+            let current = owner.as_ref().and_then(|owner| owner.live_hold(&key, kind));
             if let Some(hold) =
                 current.filter(|hold| grant.depth > 1 && grant.token == hold.token())
             {
@@ -478,15 +697,14 @@ impl Acquire {
             // Any grant left starts a hold, and a new hold's token must not be below one this
             // owner already held on the key (see `OwnedHold`). Equal is a continuation: the
             // server kept this owner's hold throughout, so nobody else held it in between.
-            let floor = self
-                .owner
+            let floor = owner
                 .as_ref()
-                .and_then(|owner| owner.token_floor(&key));
+                .and_then(|owner| owner.token_floor(&key, kind));
             if let Some(floor) = floor.filter(|floor| grant.token < *floor) {
-                if let Some(owner) = self.owner.as_ref() {
+                if let Some(owner) = owner.as_ref() {
                     // The refused request reached the server as a re-entry of the stale record
                     // and may have lengthened its lease to this TTL: the floor must outlive that.
-                    owner.keep_floor(&key, grant.ttl);
+                    owner.keep_floor(&key, kind, grant.ttl);
                 }
                 let lease = grant.ttl;
                 let (error, given_back) = refuse_older_token(&locker, grant, floor, &runtime);
@@ -496,10 +714,9 @@ impl Acquire {
                 // the grant came from a stale record of the owner, and asking again would
                 // only lengthen that record's lease (a refused request reaches the server as
                 // its re-entry): the caller gets the (retryable) refusal, as does a zero wait.
-                let other_hold = self
-                    .owner
+                let other_hold = owner
                     .as_ref()
-                    .is_some_and(|owner| owner.live_hold(&key).is_some());
+                    .is_some_and(|owner| owner.live_hold(&key, kind).is_some());
                 if !other_hold || wait.is_some_and(|wait| wait.is_zero()) {
                     return Err(error);
                 }
@@ -520,10 +737,9 @@ impl Acquire {
                 }
                 continue;
             }
-            let owner = self.owner.as_ref();
             return Ok(Some(start_hold(
                 &locker,
-                owner,
+                owner.as_ref(),
                 self.options,
                 key,
                 grant,
@@ -585,29 +801,29 @@ fn give_back_attempt(
 
 impl Owner {
     /// This owner's hold on `key`, if it has one that is still live.
-    fn live_hold(&self, key: &LockKey) -> Option<Arc<Hold>> {
+    fn live_hold(&self, key: &LockKey, kind: LockKind) -> Option<Arc<Hold>> {
         let holds = self.holds.lock().unwrap_or_else(|e| e.into_inner());
         holds
-            .get(key)
+            .get(&(key.clone(), kind))
             .and_then(|owned| owned.hold.upgrade())
             .filter(|hold| hold.is_live())
     }
 
     /// The lowest token a new hold of this owner on `key` may carry: the token of its
     /// latest hold there, while a record of that hold may linger on a server.
-    fn token_floor(&self, key: &LockKey) -> Option<crate::FencingToken> {
+    fn token_floor(&self, key: &LockKey, kind: LockKind) -> Option<crate::FencingToken> {
         let mut holds = self.holds.lock().unwrap_or_else(|e| e.into_inner());
         let now = tokio::time::Instant::now();
-        let owned = holds.get_mut(key)?;
+        let owned = holds.get_mut(&(key.clone(), kind))?;
         owned.remember(now).then_some(owned.token)
     }
 }
 
 impl Owner {
     /// Remembers the floor on `key` for at least twice `ttl` from now.
-    fn keep_floor(&self, key: &LockKey, ttl: Duration) {
+    fn keep_floor(&self, key: &LockKey, kind: LockKind, ttl: Duration) {
         let mut holds = self.holds.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(owned) = holds.get_mut(key) {
+        if let Some(owned) = holds.get_mut(&(key.clone(), kind)) {
             let ms = u64::try_from(ttl.as_millis()).unwrap_or(u64::MAX);
             owned
                 .longest_lease
@@ -664,11 +880,12 @@ fn start_hold(
         let mut holds = owner.holds.lock().unwrap_or_else(|e| e.into_inner());
         let now = tokio::time::Instant::now();
         holds.retain(|_, owned| owned.remember(now));
+        let entry = (key, grant.kind);
         let token = holds
-            .get(&key)
+            .get(&entry)
             .map_or(grant.token, |before| before.token.max(grant.token));
         holds.insert(
-            key,
+            entry,
             OwnedHold {
                 hold: Arc::downgrade(&hold),
                 token,
@@ -726,6 +943,10 @@ impl TryAcquire {
     /// See [`Acquire::owner`].
     pub fn owner(self, owner: &Owner) -> Self {
         TryAcquire(self.0.owner(owner))
+    }
+    /// See [`Acquire::options`].
+    pub fn options(self, options: LockOptions) -> Self {
+        TryAcquire(self.0.options(options))
     }
 }
 

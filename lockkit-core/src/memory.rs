@@ -14,8 +14,8 @@ use tokio::{sync::Notify, time::Instant};
 
 use crate::{
     AcquireRequest, AttemptLedger, BackendInfo, Capabilities, Consistency, Error, FencingToken,
-    Grant, HolderIdentity, HolderInfo, LockBackend, LockKey, LostReason, OwnerId, Released, Result,
-    WAIT_FOREVER,
+    Grant, HolderIdentity, HolderInfo, LockBackend, LockKey, LockKind, LostReason, OwnerId,
+    Released, Result, WAIT_FOREVER,
     lost::LossSignal,
     wait::{Armed, Attempt, Backoff, WaitPolicy, Wake, armed, wait_for_grant},
 };
@@ -25,6 +25,9 @@ const SCHEME: &str = "memory";
 #[derive(Debug)]
 struct Entry {
     owner: OwnerId,
+    /// A plain lock, a read or write hold, or a permit: an owner's holds of one key are
+    /// one entry per kind.
+    kind: LockKind,
     depth: u32,
     token: u64,
     expires: Instant,
@@ -46,15 +49,30 @@ struct WaitSlot {
 
 #[derive(Debug, Default)]
 struct State {
-    locks: HashMap<LockKey, Entry>,
+    /// Every hold of a key: one plain lock or writer, or readers, or permits.
+    locks: HashMap<LockKey, Vec<Entry>>,
     waits: HashMap<LockKey, Arc<WaitSlot>>,
+    /// Writers (and plain lockers) waiting for a key, by owner: new readers of other owners
+    /// stay out while there are any (writer preference).
+    writers: HashMap<LockKey, HashMap<OwnerId, u32>>,
     /// One counter for all keys: strictly growing per key as well.
     last_token: u64,
 }
 
 impl State {
-    fn live(&self, key: &LockKey, now: Instant) -> Option<&Entry> {
-        self.locks.get(key).filter(|e| e.expires > now)
+    fn live(&self, key: &LockKey, now: Instant) -> impl Iterator<Item = &Entry> {
+        self.locks
+            .get(key)
+            .into_iter()
+            .flatten()
+            .filter(move |e| e.expires > now)
+    }
+
+    fn held_by(&mut self, grant: &Grant, now: Instant) -> Option<&mut Entry> {
+        self.locks
+            .get_mut(&grant.key)?
+            .iter_mut()
+            .find(|e| e.expires > now && e.owner == grant.owner && e.kind == grant.kind)
     }
 
     fn wake(&self, key: &LockKey) {
@@ -101,6 +119,8 @@ struct Registration<'a> {
     server: &'a Server,
     key: LockKey,
     slot: Arc<WaitSlot>,
+    /// Set for a waiting writer: the owner whose waiting keeps new readers out.
+    writer: Option<OwnerId>,
 }
 
 #[async_trait]
@@ -118,6 +138,21 @@ impl Wake for Registration<'_> {
 impl Drop for Registration<'_> {
     fn drop(&mut self) {
         let mut state = lock(&self.server.state);
+        if let Some(owner) = self.writer
+            && let Some(writers) = state.writers.get_mut(&self.key)
+        {
+            if let Some(count) = writers.get_mut(&owner) {
+                *count -= 1;
+                if *count == 0 {
+                    writers.remove(&owner);
+                }
+            }
+            if writers.is_empty() {
+                state.writers.remove(&self.key);
+            }
+            // Readers the writer kept out may enter now.
+            state.wake(&self.key);
+        }
         if self.slot.waiters.fetch_sub(1, Ordering::Relaxed) == 1 {
             state.waits.remove(&self.key);
         }
@@ -189,12 +224,17 @@ impl MemoryBackend {
         let doomed: Vec<LockKey> = state
             .locks
             .iter()
-            .filter(|(_, e)| e.session == old)
+            .filter(|(_, entries)| entries.iter().any(|e| e.session == old))
             .map(|(k, _)| k.clone())
             .collect();
         for key in doomed {
-            if let Some(entry) = state.locks.remove(&key) {
-                entry.loss.fire(LostReason::SessionLost);
+            if let Some(entries) = state.locks.get_mut(&key) {
+                entries.retain(|entry| {
+                    if entry.session == old {
+                        entry.loss.fire(LostReason::SessionLost);
+                    }
+                    entry.session != old
+                });
             }
             state.wake(&key);
         }
@@ -208,10 +248,11 @@ impl MemoryBackend {
     /// None for this backend; the `Result` keeps the signature of the others.
     pub async fn take_away(&self, key: &LockKey) -> Result<bool> {
         let mut state = lock(&self.server.state);
+        let now = Instant::now();
         let was = state
             .locks
             .remove(key)
-            .is_some_and(|e| e.expires > Instant::now());
+            .is_some_and(|entries| entries.iter().any(|e| e.expires > now));
         state.wake(key);
         Ok(was)
     }
@@ -226,38 +267,40 @@ impl MemoryBackend {
         let locks = state
             .locks
             .iter()
-            .filter(|(k, e)| k.as_str().starts_with(prefix) && e.expires > now)
+            .filter(|(k, _)| k.as_str().starts_with(prefix))
+            .map(|(_, entries)| entries.iter().filter(|e| e.expires > now).count())
+            .sum::<usize>();
+        let writers = state
+            .writers
+            .keys()
+            .filter(|k| k.as_str().starts_with(prefix))
             .count();
         let waits = state
             .waits
             .keys()
             .filter(|k| k.as_str().starts_with(prefix))
             .count();
-        locks + waits
+        locks + waits + writers
     }
 
-    /// One atomic grant attempt. `Err(expiry)` when held by another owner until `expiry`.
-    fn try_grant(&self, req: &AcquireRequest) -> std::result::Result<Grant, Instant> {
+    /// One atomic grant attempt, by the rules of [`LockKind`].
+    fn try_grant(&self, req: &AcquireRequest) -> std::result::Result<Grant, Refusal> {
         let now = Instant::now();
-        let mut state = lock(&self.server.state);
-        if let Some(entry) = state.locks.get_mut(&req.key).filter(|e| e.expires > now) {
-            if entry.owner != req.owner {
-                return Err(entry.expires);
+        let mut guard = lock(&self.server.state);
+        let state = &mut *guard;
+        let entries = state.locks.entry(req.key.clone()).or_default();
+        entries.retain(|e| e.expires > now);
+        if let Some(entry) = entries
+            .iter_mut()
+            .find(|e| e.owner == req.owner && e.kind == req.kind)
+        {
+            if !entry.attempts.has(req.attempt) {
+                // A re-entry (a retry of one that took effect adds nothing).
+                entry.depth += 1;
+                entry.attempts.add(req.attempt);
             }
-            if entry.attempts.has(req.attempt) {
-                // A retry of an acquisition that took effect: the same grant again. Its
-                // guard counts the lease from now, so the lease runs at least that long.
-                entry.expires = entry.expires.max(now + req.ttl);
-                return Ok(Grant::new(
-                    req,
-                    FencingToken::new(entry.token),
-                    entry.depth,
-                    now,
-                ));
-            }
-            entry.depth += 1;
-            entry.attempts.add(req.attempt);
-            // Never shorten the lease an outer guard of this hold relies on.
+            // Never shorten the lease an outer guard of this hold relies on; a retried
+            // grant's guard counts the lease from now, so it runs at least that long.
             entry.expires = entry.expires.max(now + req.ttl);
             return Ok(Grant::new(
                 req,
@@ -266,10 +309,17 @@ impl MemoryBackend {
                 now,
             ));
         }
+        if let Err(refusal) = conflict(req, entries, state.writers.get(&req.key)) {
+            if state.locks.get(&req.key).is_some_and(Vec::is_empty) {
+                state.locks.remove(&req.key);
+            }
+            return Err(refusal);
+        }
         state.last_token += 1;
         let token = state.last_token;
         let entry = Entry {
             owner: req.owner,
+            kind: req.kind,
             depth: 1,
             token,
             expires: now + req.ttl,
@@ -282,18 +332,129 @@ impl MemoryBackend {
             },
             identity: req.identity.clone(),
         };
-        state.locks.insert(req.key.clone(), entry);
+        state.locks.entry(req.key.clone()).or_default().push(entry);
         Ok(Grant::new(req, FencingToken::new(token), 1, now))
     }
 
-    fn register(&self, key: &LockKey) -> Registration<'_> {
+    /// Registers a waiter; a writer (or plain locker) also keeps new readers out while it
+    /// waits.
+    fn register(&self, req: &AcquireRequest) -> Registration<'_> {
         let mut state = lock(&self.server.state);
+        let key = &req.key;
         let slot = state.waits.entry(key.clone()).or_default().clone();
         slot.waiters.fetch_add(1, Ordering::Relaxed);
+        let writer = req.kind.is_exclusive().then_some(req.owner);
+        if let Some(owner) = writer {
+            *state
+                .writers
+                .entry(key.clone())
+                .or_default()
+                .entry(owner)
+                .or_default() += 1;
+        }
         Registration {
             server: &self.server,
             key: key.clone(),
             slot,
+            writer,
+        }
+    }
+}
+
+/// Why a grant attempt was refused.
+enum Refusal {
+    /// Held by others: retry when woken, or after this instant (the earliest lease end).
+    Busy(Instant),
+    /// Never grantable as asked (an upgrade, a change of kind).
+    Refused(Error),
+}
+
+/// Whether `req`, which holds nothing of its kind on the key yet, conflicts with the live
+/// `entries` or the waiting `writers` of the key.
+fn conflict(
+    req: &AcquireRequest,
+    entries: &[Entry],
+    writers: Option<&HashMap<OwnerId, u32>>,
+) -> std::result::Result<(), Refusal> {
+    let mine = |kind: LockKind| {
+        entries
+            .iter()
+            .any(|e| e.owner == req.owner && e.kind == kind)
+    };
+    let mismatch = |found: String| {
+        Refusal::Refused(Error::KindMismatch {
+            key: req.key.clone(),
+            found,
+            asked: req.kind,
+        })
+    };
+    // What the key is used as, by anyone.
+    match (req.kind, entries.first().map(|e| e.kind)) {
+        (LockKind::Permit { limit }, Some(LockKind::Permit { limit: theirs }))
+            if limit != theirs =>
+        {
+            return Err(mismatch(format!("is a semaphore of {theirs} permits")));
+        }
+        (LockKind::Permit { .. }, Some(other)) if !matches!(other, LockKind::Permit { .. }) => {
+            return Err(mismatch(format!("is held as {other}")));
+        }
+        (asked, Some(LockKind::Permit { limit })) if !matches!(asked, LockKind::Permit { .. }) => {
+            return Err(mismatch(format!("is a semaphore of {limit} permits")));
+        }
+        _ => {}
+    }
+    let busy = |blocking: &mut dyn Iterator<Item = &Entry>| {
+        Refusal::Busy(
+            blocking
+                .map(|e| e.expires)
+                .min()
+                .unwrap_or_else(|| Instant::now() + Duration::from_secs(1)),
+        )
+    };
+    match req.kind {
+        LockKind::Write if mine(LockKind::Read) && !mine(LockKind::Write) => {
+            Err(Refusal::Refused(Error::WouldDeadlock {
+                key: req.key.clone(),
+                held: LockKind::Read,
+                asked: req.kind,
+            }))
+        }
+        LockKind::Write | LockKind::Read if mine(LockKind::Exclusive) => Err(mismatch(
+            "is held by this owner as an exclusive lock".into(),
+        )),
+        LockKind::Exclusive if mine(LockKind::Read) || mine(LockKind::Write) => Err(mismatch(
+            "is held by this owner as a read-write lock".into(),
+        )),
+        // A downgrade: the owner writes, so nobody else holds the key.
+        LockKind::Read if mine(LockKind::Write) => Ok(()),
+        LockKind::Read => {
+            let mut writing = entries
+                .iter()
+                .filter(|e| e.owner != req.owner && e.kind.is_exclusive());
+            if let Some(first) = writing.next() {
+                return Err(busy(&mut std::iter::once(first).chain(writing)));
+            }
+            let writer_waits =
+                writers.is_some_and(|writers| writers.keys().any(|owner| *owner != req.owner));
+            if writer_waits {
+                // Woken when the writer is granted and releases, or gives up waiting.
+                return Err(Refusal::Busy(Instant::now() + Duration::from_secs(1)));
+            }
+            Ok(())
+        }
+        LockKind::Permit { limit } => {
+            let held = entries.len();
+            if held >= limit.get() as usize {
+                return Err(busy(&mut entries.iter()));
+            }
+            Ok(())
+        }
+        _ => {
+            let mut others = entries.iter().filter(|e| e.owner != req.owner);
+            match others.next() {
+                Some(first) => Err(busy(&mut std::iter::once(first).chain(others))),
+                None => Ok(()),
+            }
         }
     }
 }
@@ -308,28 +469,38 @@ impl LockBackend for MemoryBackend {
                 pushes_loss: true,
                 cross_process: false,
                 counts_waiters: true,
+                read_write: true,
+                writer_preference: true,
+                semaphore: true,
                 ..Capabilities::default()
             },
         )
     }
 
     async fn try_acquire(&self, req: &AcquireRequest) -> Result<Option<Grant>> {
-        Ok(self.try_grant(req).ok())
+        match self.try_grant(req) {
+            Ok(grant) => Ok(Some(grant)),
+            Err(Refusal::Busy(_)) => Ok(None),
+            Err(Refusal::Refused(error)) => Err(error),
+        }
     }
 
     async fn acquire(&self, req: &AcquireRequest, wait: Duration) -> Result<Grant> {
         // Woken by a release, or at the instant the holder's lease runs out.
-        let mut registration = self.register(&req.key);
+        let mut registration = self.register(req);
         let policy = WaitPolicy::new(Backoff::new(
             Duration::from_millis(1),
             Duration::from_millis(50),
         ))
         .notified_cap(WAIT_FOREVER);
         wait_for_grant(&req.key, wait, policy, &mut registration, || async {
-            Ok(match self.try_grant(req) {
-                Ok(grant) => Attempt::Granted(grant),
-                Err(expires) => Attempt::busy(expires.saturating_duration_since(Instant::now())),
-            })
+            match self.try_grant(req) {
+                Ok(grant) => Ok(Attempt::Granted(grant)),
+                Err(Refusal::Busy(until)) => Ok(Attempt::busy(
+                    until.saturating_duration_since(Instant::now()),
+                )),
+                Err(Refusal::Refused(error)) => Err(error),
+            }
         })
         .await
     }
@@ -337,12 +508,12 @@ impl LockBackend for MemoryBackend {
     async fn renew(&self, grant: &Grant, ttl: Duration) -> Result<()> {
         let now = Instant::now();
         let mut state = lock(&self.server.state);
-        match state.locks.get_mut(&grant.key) {
-            Some(e) if e.expires > now && e.owner == grant.owner => {
+        match state.held_by(grant, now) {
+            Some(e) => {
                 e.expires = e.expires.max(now + ttl);
                 Ok(())
             }
-            _ => Err(Error::NotHeld {
+            None => Err(Error::NotHeld {
                 key: grant.key.clone(),
             }),
         }
@@ -351,13 +522,10 @@ impl LockBackend for MemoryBackend {
     async fn release(&self, grant: &Grant) -> Result<Released> {
         let now = Instant::now();
         let mut state = lock(&self.server.state);
-        let entry = match state.locks.get_mut(&grant.key) {
-            Some(e) if e.expires > now && e.owner == grant.owner => e,
-            _ => {
-                return Err(Error::NotHeld {
-                    key: grant.key.clone(),
-                });
-            }
+        let Some(entry) = state.held_by(grant, now) else {
+            return Err(Error::NotHeld {
+                key: grant.key.clone(),
+            });
         };
         if !entry.attempts.take(grant.attempt, entry.depth) {
             // A retried release: it took effect already.
@@ -371,7 +539,13 @@ impl LockBackend for MemoryBackend {
                 remaining: entry.depth,
             });
         }
-        state.locks.remove(&grant.key);
+        if let Some(entries) = state.locks.get_mut(&grant.key) {
+            entries
+                .retain(|e| !(e.owner == grant.owner && e.kind == grant.kind) && e.expires > now);
+            if entries.is_empty() {
+                state.locks.remove(&grant.key);
+            }
+        }
         state.wake(&grant.key);
         Ok(Released::Fully)
     }
@@ -381,21 +555,36 @@ impl LockBackend for MemoryBackend {
     }
 
     async fn inspect(&self, key: &LockKey) -> Result<Option<HolderInfo>> {
+        Ok(self.holders(key).await?.into_iter().next())
+    }
+
+    async fn holders(&self, key: &LockKey) -> Result<Vec<HolderInfo>> {
         let now = Instant::now();
         let state = lock(&self.server.state);
         let waiters = state.waits.get(key).map_or(0, |slot| {
             u32::try_from(slot.waiters.load(Ordering::Relaxed)).unwrap_or(u32::MAX)
         });
-        Ok(state.live(key, now).map(|e| {
-            HolderInfo::new(
-                e.owner.to_string(),
-                e.depth,
-                Some(FencingToken::new(e.token)),
-                Some(e.expires.saturating_duration_since(now)),
-            )
-            .with_identity(Some(HolderIdentity::clone(&e.identity)))
-            .with_waiters(waiters)
-        }))
+        let mut holders: Vec<&Entry> = state.live(key, now).collect();
+        // The writer first, then by token.
+        holders.sort_by_key(|e| (!e.kind.is_exclusive(), e.token));
+        Ok(holders
+            .into_iter()
+            .map(|e| {
+                let info = HolderInfo::new(
+                    e.owner.to_string(),
+                    e.depth,
+                    Some(FencingToken::new(e.token)),
+                    Some(e.expires.saturating_duration_since(now)),
+                )
+                .with_identity(Some(HolderIdentity::clone(&e.identity)))
+                .with_waiters(waiters);
+                if e.kind == LockKind::Exclusive {
+                    info
+                } else {
+                    info.with_kind(e.kind)
+                }
+            })
+            .collect())
     }
 }
 

@@ -84,6 +84,7 @@ pub(crate) async fn spawn_child(
         key: key.clone(),
         ttl,
         watchdog: true,
+        permits: 0,
     };
     HolderProcess::start(command, &spec, Duration::from_secs(30))
         .await

@@ -27,6 +27,7 @@ pub async fn killed_holder_frees_key_within_ttl<H: Harness>(h: &H) -> Outcome {
         key: key.clone(),
         ttl,
         watchdog: true,
+        permits: 0,
     })
     .await;
     let parent = h.client().await;
@@ -62,6 +63,7 @@ pub async fn stopped_holder_loses_key_and_reports_lost<H: Harness>(h: &H) -> Out
         key: key.clone(),
         ttl,
         watchdog: true,
+        permits: 0,
     })
     .await;
     child.pause().await;

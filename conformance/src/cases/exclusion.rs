@@ -167,6 +167,7 @@ pub async fn child_process_hold_blocks_parent<H: Harness>(h: &H) -> Outcome {
         key: key.clone(),
         ttl: h.short_ttl(),
         watchdog: true,
+        permits: 0,
     })
     .await;
     let parent = h.client().await;

@@ -121,6 +121,7 @@ pub async fn tokens_grow_after_holder_crash<H: Harness>(h: &H) -> Outcome {
             key: key.clone(),
             ttl: h.short_ttl(),
             watchdog: true,
+            permits: 0,
         })
         .await;
         child.kill().await;

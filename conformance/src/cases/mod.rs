@@ -24,6 +24,8 @@ pub mod lost;
 pub mod ownership;
 pub mod randomized;
 pub mod reentrancy;
+pub mod rw;
+pub mod semaphore;
 pub mod waiting;
 
 /// Runs a fault hook; returns `Skipped` from the case when the harness lacks it.
@@ -75,6 +77,9 @@ impl LockBackend for CountingBackend {
     }
     async fn try_acquire(&self, req: &AcquireRequest) -> Result<Option<Grant>> {
         self.inner.try_acquire(req).await
+    }
+    async fn holders(&self, key: &LockKey) -> Result<Vec<HolderInfo>> {
+        self.inner.holders(key).await
     }
     async fn acquire(&self, req: &AcquireRequest, wait: Duration) -> Result<Grant> {
         self.inner.acquire(req, wait).await

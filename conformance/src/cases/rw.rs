@@ -1,0 +1,433 @@
+//! Read-write locks: readers share, a writer excludes everyone, a waiting writer keeps new
+//! readers out, an owner may downgrade but never upgrade, and every new holder's token grows.
+//! Every case is skipped on a backend whose capabilities leave read-write locks out, except
+//! the first, which checks such a backend refuses them before any I/O.
+
+use std::{
+    sync::{
+        Arc, Mutex,
+        atomic::{AtomicBool, AtomicU32, Ordering},
+    },
+    time::Duration,
+};
+
+use lockkit_core::spi::{AcquireRequest, Released};
+use lockkit_core::{Error, FencingToken, LockKind, LossSignal};
+
+use super::{LONG_TTL, assert_busy, generous_wait};
+use crate::{Check, Harness, Outcome, Space, support::expect_err};
+
+async fn needs_read_write<H: Harness>(h: &H) -> Option<Outcome> {
+    let client = h.client().await;
+    (!client.info().capabilities.read_write)
+        .then(|| Outcome::Skipped("the backend has no read-write locks".into()))
+}
+
+/// A backend without read-write locks or semaphores answers `Unsupported` for them at
+/// once; one with them grants a read.
+pub async fn unsupported_kinds_are_refused<H: Harness>(h: &H) -> Outcome {
+    let space = Space::new("unsupported_kinds_are_refused");
+    let key = space.key("k");
+    let client = h.client().await;
+    let capabilities = client.info().capabilities.clone();
+    let read = client.read(&key).ttl(LONG_TTL).try_now().await;
+    if capabilities.read_write {
+        let guard = read.check("read").check("a free key");
+        assert_eq!(guard.kind(), LockKind::Read);
+        guard.release().await.check("release");
+    } else {
+        expect_err(read, "a read-write lock where unsupported", |e| {
+            matches!(e, Error::Unsupported { .. })
+        });
+        expect_err(
+            client.write(&key).ttl(LONG_TTL).await,
+            "a write lock where unsupported",
+            |e| matches!(e, Error::Unsupported { .. }),
+        );
+    }
+    let permit = client.semaphore(&key, 2).try_acquire().ttl(LONG_TTL).await;
+    if capabilities.semaphore {
+        let guard = permit.check("permit").check("a free semaphore");
+        assert!(matches!(guard.kind(), LockKind::Permit { .. }));
+        guard.release().await.check("release");
+    } else {
+        expect_err(permit, "a semaphore where unsupported", |e| {
+            matches!(e, Error::Unsupported { .. })
+        });
+    }
+    let refused = client.semaphore(&key, 0).acquire().await;
+    expect_err(refused, "a semaphore of zero permits", |e| {
+        matches!(e, Error::Config(_) | Error::Unsupported { .. })
+    });
+    Outcome::Passed
+}
+
+/// Readers of different clients share a key; a writer is refused while they read and
+/// granted, with a greater token, once they are gone.
+pub async fn readers_share<H: Harness>(h: &H) -> Outcome {
+    if let Some(skip) = needs_read_write(h).await {
+        return skip;
+    }
+    let space = Space::new("readers_share");
+    let key = space.key("k");
+    let (a, b, c) = (h.client().await, h.client().await, h.client().await);
+    let one = a
+        .read(&key)
+        .ttl(LONG_TTL)
+        .try_now()
+        .await
+        .check("first read");
+    let one = one.check("a free key");
+    let two = b
+        .read(&key)
+        .ttl(LONG_TTL)
+        .try_now()
+        .await
+        .check("second read");
+    let two = two.check("readers must share the key");
+    assert_eq!((one.kind(), two.kind()), (LockKind::Read, LockKind::Read));
+    assert_ne!(one.token(), two.token(), "each reader is a new holder");
+    assert!(
+        c.write(&key)
+            .ttl(LONG_TTL)
+            .try_now()
+            .await
+            .check("write")
+            .is_none(),
+        "a writer was granted while two readers held the key"
+    );
+    assert_busy(&c, &key, "a plain lock counts as a writer").await;
+    let holders = c.backend().holders(&key).await.check("holders");
+    assert!(
+        holders.len() >= 2,
+        "holders() should list both readers, got {holders:?}"
+    );
+    let newest = one.token().max(two.token());
+    one.release().await.check("release one");
+    assert!(
+        c.write(&key)
+            .ttl(LONG_TTL)
+            .try_now()
+            .await
+            .check("write")
+            .is_none(),
+        "a writer was granted while a reader held the key"
+    );
+    two.release().await.check("release two");
+    let writer = c.write(&key).ttl(LONG_TTL).try_now().await.check("write");
+    let writer = writer.check("the key is free of readers");
+    assert!(writer.token() > newest, "a new writer's token must grow");
+    writer.release().await.check("release writer");
+    Outcome::Passed
+}
+
+/// A writer excludes readers and writers of every other client, and a plain lock excludes
+/// readers.
+pub async fn writer_excludes_readers_and_writers<H: Harness>(h: &H) -> Outcome {
+    if let Some(skip) = needs_read_write(h).await {
+        return skip;
+    }
+    let space = Space::new("writer_excludes_readers_and_writers");
+    let key = space.key("k");
+    let (a, b) = (h.client().await, h.client().await);
+    let writer = a.write(&key).ttl(LONG_TTL).try_now().await.check("write");
+    let writer = writer.check("a free key");
+    assert_eq!(writer.kind(), LockKind::Write);
+    assert!(b.read(&key).try_now().await.check("read").is_none());
+    assert!(b.write(&key).try_now().await.check("write").is_none());
+    assert_busy(&b, &key, "a writer excludes a plain lock").await;
+    let token = writer.token();
+    writer.release().await.check("release");
+    let reader = b.read(&key).ttl(LONG_TTL).try_now().await.check("read");
+    let reader = reader.check("free after the writer left");
+    assert!(reader.token() > token, "a new reader's token must grow");
+    reader.release().await.check("release reader");
+    let plain = a.try_acquire(&key).ttl(LONG_TTL).await.check("plain lock");
+    let plain = plain.check("free");
+    assert!(b.read(&key).try_now().await.check("read").is_none());
+    plain.release().await.check("release plain lock");
+    Outcome::Passed
+}
+
+/// An owner's reads are reentrant (same token, as many releases) and its write may be
+/// downgraded: it reads while it writes, and once the write is gone other readers join
+/// while writers stay out.
+pub async fn reads_reenter_and_writes_downgrade<H: Harness>(h: &H) -> Outcome {
+    if let Some(skip) = needs_read_write(h).await {
+        return skip;
+    }
+    let space = Space::new("reads_reenter_and_writes_downgrade");
+    let key = space.key("k");
+    let (a, b) = (h.client().await, h.client().await);
+    let owner = a.owner();
+    let write = owner
+        .write(&key)
+        .ttl(LONG_TTL)
+        .try_now()
+        .await
+        .check("write");
+    let write = write.check("a free key");
+    let read = owner
+        .read(&key)
+        .ttl(LONG_TTL)
+        .try_now()
+        .await
+        .check("downgrade");
+    let read = read.check("a writer may read at once (downgrade)");
+    assert_eq!(read.depth(), 1, "a downgrade is a hold of its own");
+    let again = owner
+        .read(&key)
+        .ttl(LONG_TTL)
+        .try_now()
+        .await
+        .check("re-read");
+    let again = again.check("reads are reentrant");
+    assert_eq!(again.depth(), 2);
+    assert_eq!(again.token(), read.token(), "a re-entry keeps its token");
+    assert!(
+        b.read(&key).try_now().await.check("read").is_none(),
+        "another reader entered while the owner wrote"
+    );
+    assert_eq!(
+        write.release().await.check("release write"),
+        Released::Fully
+    );
+    let other = b.read(&key).ttl(LONG_TTL).try_now().await.check("read");
+    let other = other.check("readers join once the write is gone");
+    assert!(b.write(&key).try_now().await.check("write").is_none());
+    assert_eq!(
+        again.release().await.check("release re-read"),
+        Released::Partially { remaining: 1 }
+    );
+    read.release().await.check("release read");
+    assert!(b.write(&key).try_now().await.check("write").is_none());
+    other.release().await.check("release other");
+    let last = b.write(&key).ttl(LONG_TTL).try_now().await.check("write");
+    last.check("free at the end")
+        .release()
+        .await
+        .check("release");
+    Outcome::Passed
+}
+
+/// An owner that reads and asks to write is refused at once with `WouldDeadlock`, by the
+/// locker and by the backend itself (a request that bypasses the locker), and nothing is
+/// left behind.
+pub async fn upgrade_is_refused<H: Harness>(h: &H) -> Outcome {
+    if let Some(skip) = needs_read_write(h).await {
+        return skip;
+    }
+    let space = Space::new("upgrade_is_refused");
+    let key = space.key("k");
+    let (a, b) = (h.client().await, h.client().await);
+    let owner = a.owner();
+    let read = owner.read(&key).ttl(LONG_TTL).try_now().await.check("read");
+    let read = read.check("a free key");
+    let started = tokio::time::Instant::now();
+    expect_err(
+        owner.write(&key).wait(generous_wait(h)).await,
+        "an upgrade",
+        |e| matches!(e, Error::WouldDeadlock { .. }),
+    );
+    assert!(
+        started.elapsed() < generous_wait(h),
+        "the upgrade waited instead of failing"
+    );
+    let request = AcquireRequest::new(key.clone(), read.owner(), LONG_TTL, LossSignal::new())
+        .with_kind(LockKind::Write);
+    expect_err(
+        a.backend().try_acquire(&request).await,
+        "an upgrade sent to the backend directly",
+        |e| matches!(e, Error::WouldDeadlock { .. }),
+    );
+    let other = b.read(&key).ttl(LONG_TTL).try_now().await.check("read");
+    let other = other.check("no writer marker was left behind by the refused upgrade");
+    read.release().await.check("release");
+    other.release().await.check("release other");
+    Outcome::Passed
+}
+
+/// While a writer waits, new readers of other owners stay out, a reader that already reads
+/// may re-enter (no deadlock), and the writer gets the key when the readers leave.
+pub async fn waiting_writer_blocks_new_readers<H: Harness>(h: &H) -> Outcome {
+    if let Some(skip) = needs_read_write(h).await {
+        return skip;
+    }
+    if !h.client().await.info().capabilities.writer_preference {
+        return Outcome::Skipped("the backend has no writer preference".into());
+    }
+    let space = Space::new("waiting_writer_blocks_new_readers");
+    let key = space.key("k");
+    let (a, w, c) = (h.client().await, h.client().await, h.client().await);
+    let reader = a.owner();
+    let first = reader
+        .read(&key)
+        .ttl(LONG_TTL)
+        .try_now()
+        .await
+        .check("read");
+    let first = first.check("a free key");
+    let wait = generous_wait(h);
+    let writer = tokio::spawn({
+        let key = key.clone();
+        async move { w.write(&key).ttl(LONG_TTL).wait(wait).await }
+    });
+    // New readers enter until the writer's wait is known to the backend, then stay out.
+    let deadline = tokio::time::Instant::now() + wait;
+    loop {
+        match c.read(&key).ttl(LONG_TTL).try_now().await.check("read") {
+            None => break,
+            Some(guard) => {
+                guard.release().await.check("release probe");
+            }
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "new readers kept entering while a writer waited"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let again = reader
+        .read(&key)
+        .ttl(LONG_TTL)
+        .try_now()
+        .await
+        .check("re-read");
+    let again = again.check("a reader re-entering behind a waiting writer must pass");
+    again.release().await.check("release re-read");
+    assert!(
+        !writer.is_finished(),
+        "the writer was granted beside a reader"
+    );
+    first.release().await.check("release read");
+    let granted = writer
+        .await
+        .check("writer task")
+        .check("the waiting writer");
+    assert_eq!(granted.kind(), LockKind::Write);
+    assert!(c.read(&key).try_now().await.check("read").is_none());
+    granted.release().await.check("release writer");
+    let last = c
+        .read(&key)
+        .ttl(LONG_TTL)
+        .wait(wait)
+        .await
+        .check("read after");
+    last.release().await.check("release");
+    Outcome::Passed
+}
+
+/// Readers that keep coming, each overlapping the last, never starve a writer.
+pub async fn writer_is_not_starved_by_readers<H: Harness>(h: &H) -> Outcome {
+    if let Some(skip) = needs_read_write(h).await {
+        return skip;
+    }
+    if !h.client().await.info().capabilities.writer_preference {
+        return Outcome::Skipped("the backend has no writer preference".into());
+    }
+    let space = Space::new("writer_is_not_starved_by_readers");
+    let key = space.key("k");
+    let stop = Arc::new(AtomicBool::new(false));
+    let mut readers = Vec::new();
+    for _ in 0..3 {
+        let (client, key, stop) = (h.client().await, key.clone(), stop.clone());
+        readers.push(tokio::spawn(async move {
+            while !stop.load(Ordering::SeqCst) {
+                let wait = Duration::from_secs(60);
+                if let Ok(guard) = client.read(&key).ttl(LONG_TTL).wait(wait).await {
+                    tokio::time::sleep(Duration::from_millis(30)).await;
+                    let _ = guard.release().await;
+                }
+            }
+        }));
+    }
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let writer = h.client().await;
+    let granted = writer
+        .write(&key)
+        .ttl(LONG_TTL)
+        .wait(generous_wait(h))
+        .await;
+    stop.store(true, Ordering::SeqCst);
+    let granted = granted.check("a writer behind a stream of readers");
+    granted.release().await.check("release writer");
+    for reader in readers {
+        reader.await.check("reader task");
+    }
+    Outcome::Passed
+}
+
+/// Randomized: several clients read and write one key at random; a writer never holds
+/// beside anyone, and writers' tokens grow in the order they were granted.
+pub async fn read_write_histories_stay_exclusive<H: Harness>(h: &H) -> Outcome {
+    if let Some(skip) = needs_read_write(h).await {
+        return skip;
+    }
+    let space = Space::new("read_write_histories_stay_exclusive");
+    let key = space.key("k");
+    let readers = Arc::new(AtomicU32::new(0));
+    let writers = Arc::new(AtomicU32::new(0));
+    let last_writer = Arc::new(Mutex::new(FencingToken::new(0)));
+    let mut tasks = Vec::new();
+    for task in 0..5u64 {
+        let client = h.client().await;
+        let (key, readers, writers, last_writer) = (
+            key.clone(),
+            readers.clone(),
+            writers.clone(),
+            last_writer.clone(),
+        );
+        let wait = generous_wait(h);
+        tasks.push(tokio::spawn(async move {
+            let mut seed = 0x9E37_79B9_7F4A_7C15u64.wrapping_mul(task + 1);
+            for _ in 0..12 {
+                seed ^= seed << 13;
+                seed ^= seed >> 7;
+                seed ^= seed << 17;
+                let write = seed.is_multiple_of(3);
+                let hold = Duration::from_millis(seed % 7);
+                if write {
+                    let guard = client.write(&key).ttl(LONG_TTL).wait(wait).await;
+                    let guard = guard.check("write");
+                    assert_eq!(writers.fetch_add(1, Ordering::SeqCst), 0, "two writers");
+                    assert_eq!(readers.load(Ordering::SeqCst), 0, "a writer beside readers");
+                    {
+                        let mut last = last_writer.lock().unwrap_or_else(|e| e.into_inner());
+                        assert!(guard.token() > *last, "writer tokens must grow");
+                        *last = guard.token();
+                    }
+                    tokio::time::sleep(hold).await;
+                    writers.fetch_sub(1, Ordering::SeqCst);
+                    guard.release().await.check("release write");
+                } else {
+                    let guard = client.read(&key).ttl(LONG_TTL).wait(wait).await;
+                    let guard = guard.check("read");
+                    readers.fetch_add(1, Ordering::SeqCst);
+                    assert_eq!(
+                        writers.load(Ordering::SeqCst),
+                        0,
+                        "a reader beside a writer"
+                    );
+                    tokio::time::sleep(hold).await;
+                    readers.fetch_sub(1, Ordering::SeqCst);
+                    guard.release().await.check("release read");
+                }
+            }
+        }));
+    }
+    for task in tasks {
+        task.await.check("task");
+    }
+    let client = h.client().await;
+    let free = client
+        .write(&key)
+        .ttl(LONG_TTL)
+        .try_now()
+        .await
+        .check("write");
+    free.check("nothing left held")
+        .release()
+        .await
+        .check("release");
+    Outcome::Passed
+}
