@@ -5,7 +5,10 @@ use std::{
     fs::{File, OpenOptions},
     io::{Read, Seek, SeekFrom, Write},
     path::{Path, PathBuf},
-    sync::{Arc, Mutex},
+    sync::{
+        Arc, Mutex,
+        atomic::{AtomicBool, Ordering},
+    },
     time::Duration,
 };
 
@@ -14,8 +17,9 @@ use tokio::{sync::Notify, time::Instant};
 
 use crate::{
     AcquireRequest, AttemptLedger, BackendInfo, Capabilities, Consistency, Error, FencingToken,
-    Grant, HolderIdentity, HolderInfo, LockBackend, LockKey, OwnerId, Released, Result,
+    Grant, HolderIdentity, HolderInfo, LockBackend, LockKey, LockKind, OwnerId, Released, Result,
     detached_acquire,
+    kind::{HoldView, Refusal, admit},
     wait::{Armed, Attempt, Backoff, WaitPolicy, Wake, armed, wait_for_grant},
 };
 
@@ -94,6 +98,13 @@ fn encoded_name(key: &LockKey) -> String {
 /// version may still be running, and a double grant is worse than a key that stays held
 /// until that expiry. A file without attempts has an empty ledger: its holds are released
 /// unconditionally.
+///
+/// Read-write locks and semaphores add lines after the identity line: one per reader
+/// (`r`) or permit (`p<limit>`), `<tag> owner depth expires token attempts identity`, and
+/// one per waiting writer (`q owner expires`), whose marker keeps new readers out. The first
+/// line's seventh field says what its holder is: `x` a plain lock, `w` a writer, `s` a
+/// summary of the shared holders (their latest expiry under one of their owners), written
+/// so that a lockkit version that reads only the first line still sees the key held.
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
 struct State {
     token: u64,
@@ -105,7 +116,73 @@ struct State {
     attempts: AttemptLedger,
     /// Who took the hold, encoded ([`HolderIdentity::encode`]) on the file's second line.
     identity: Option<String>,
+    /// What the first line's holder holds: [`LockKind::Exclusive`] or [`LockKind::Write`].
+    kind: LockKind,
+    /// Readers or permits.
+    shared: Vec<SharedHold>,
+    /// Writers waiting, with the expiry of their marker.
+    writers: Vec<(OwnerId, u64)>,
 }
+
+/// A reader's or a permit's hold, on a line of its own.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct SharedHold {
+    kind: LockKind,
+    owner: OwnerId,
+    depth: u32,
+    expires: u64,
+    token: u64,
+    attempts: AttemptLedger,
+    identity: Option<String>,
+}
+
+impl SharedHold {
+    /// Parses a line `tag owner depth expires token attempts identity` (the identity is the
+    /// rest of the line, spaces and all).
+    fn parse(line: &str) -> Option<SharedHold> {
+        let mut parts = line.splitn(7, ' ');
+        let tag = parts.next()?;
+        let kind = match tag {
+            "r" => LockKind::Read,
+            _ => LockKind::Permit {
+                limit: tag.strip_prefix('p')?.parse().ok()?,
+            },
+        };
+        Some(SharedHold {
+            kind,
+            owner: parts.next()?.parse().ok()?,
+            depth: parts.next()?.parse().ok()?,
+            expires: parts.next()?.parse().ok()?,
+            token: parts.next()?.parse().ok()?,
+            attempts: AttemptLedger::parse(parts.next()?),
+            identity: parts
+                .next()
+                .map(str::trim)
+                .filter(|i| !i.is_empty() && *i != "-")
+                .map(str::to_owned),
+        })
+    }
+
+    fn render(&self) -> String {
+        let tag = match self.kind.limit() {
+            Some(limit) => format!("p{limit}"),
+            None => "r".to_owned(),
+        };
+        format!(
+            "{tag} {} {} {} {} {} {}\n",
+            self.owner,
+            self.depth,
+            self.expires,
+            self.token,
+            self.attempts.render(),
+            self.identity.as_deref().unwrap_or("-")
+        )
+    }
+}
+
+/// How long a waiting writer's marker keeps readers out unless its wait renews it (every
+/// poll does): a writer that dies while waiting blocks readers at most this long.
+const WRITER_MARKER: Duration = Duration::from_secs(3);
 
 /// Reads a lock file's text as of this boot: an expiry written in another boot is over.
 fn load(text: &str) -> State {
@@ -115,6 +192,8 @@ fn load(text: &str) -> State {
     let ours = boot_id();
     if boot.is_some_and(|b| b != "-" && ours != "-" && b != ours) {
         state.expires = 0;
+        state.shared.clear();
+        state.writers.clear();
     }
     state
 }
@@ -131,34 +210,97 @@ impl State {
         let depth = parts.next().and_then(|d| d.parse().ok()).unwrap_or(0);
         let expires = parts.next().and_then(|e| e.parse().ok()).unwrap_or(0);
         let attempts = parts.nth(1).map(AttemptLedger::parse).unwrap_or_default();
+        let tag = parts.next();
         let identity = lines
             .next()
             .map(str::trim)
-            .filter(|line| !line.is_empty())
+            .filter(|line| !line.is_empty() && *line != "-")
             .map(str::to_owned);
-        State {
+        let mut state = State {
             token,
             owner,
             depth,
             expires,
             attempts,
             identity,
+            kind: if tag == Some("w") {
+                LockKind::Write
+            } else {
+                LockKind::Exclusive
+            },
+            shared: Vec::new(),
+            writers: Vec::new(),
+        };
+        if tag == Some("s") {
+            // A summary for older versions, not a holder.
+            state.owner = None;
+            state.depth = 0;
+            state.expires = 0;
+            state.attempts.clear();
+            state.identity = None;
         }
+        for line in lines {
+            let mut parts = line.split_whitespace();
+            match parts.next() {
+                Some("q") => {
+                    let owner = parts.next().and_then(|o| o.parse().ok());
+                    let expires = parts.next().and_then(|e| e.parse().ok());
+                    if let (Some(owner), Some(expires)) = (owner, expires) {
+                        state.writers.push((owner, expires));
+                    }
+                }
+                Some(_) => state.shared.extend(SharedHold::parse(line)),
+                None => {}
+            }
+        }
+        state
     }
 
     fn render(&self) -> String {
-        let owner = self.owner.map_or_else(|| "-".to_owned(), |o| o.to_string());
+        let extra = !self.shared.is_empty() || !self.writers.is_empty();
+        let summary = self
+            .shared
+            .iter()
+            .max_by_key(|hold| hold.expires)
+            .filter(|_| self.owner.is_none());
+        let (owner, depth, expires, attempts, tag) = match summary {
+            Some(latest) => (
+                latest.owner.to_string(),
+                1,
+                latest.expires,
+                "-".to_owned(),
+                " s",
+            ),
+            None => (
+                self.owner.map_or_else(|| "-".to_owned(), |o| o.to_string()),
+                self.depth,
+                self.expires,
+                self.attempts.render(),
+                match (self.kind, extra) {
+                    (LockKind::Write, _) => " w",
+                    (_, true) => " x",
+                    _ => "",
+                },
+            ),
+        };
         let mut text = format!(
-            "{} {owner} {} {} {} {}\n",
+            "{} {owner} {depth} {expires} {} {attempts}{tag}\n",
             self.token,
-            self.depth,
-            self.expires,
             boot_id(),
-            self.attempts.render()
         );
-        if let Some(identity) = self.identity.as_deref().filter(|_| self.owner.is_some()) {
-            text.push_str(identity);
-            text.push('\n');
+        match self.identity.as_deref().filter(|_| self.owner.is_some()) {
+            Some(identity) => {
+                text.push_str(identity);
+                text.push('\n');
+            }
+            None if extra => text.push_str("-\n"),
+            None => {}
+        }
+        for hold in &self.shared {
+            text.push_str(&hold.render());
+        }
+        for (owner, expires) in &self.writers {
+            text.push_str(&format!("q {owner} {expires}\n"));
         }
         text
     }
@@ -166,6 +308,76 @@ impl State {
     fn holder(&self, now: u64) -> Option<OwnerId> {
         self.owner.filter(|_| self.depth > 0 && self.expires > now)
     }
+
+    /// Forgets shared holds and writer markers whose time is over.
+    fn prune(&mut self, now: u64) {
+        self.shared.retain(|hold| hold.expires > now);
+        self.writers.retain(|(_, expires)| *expires > now);
+    }
+
+    /// Every live hold, for the rules of [`admit`].
+    fn views(&self, now: u64) -> Vec<HoldView<u64>> {
+        let first = self.holder(now).map(|owner| HoldView {
+            owner,
+            kind: self.kind,
+            expires: self.expires,
+        });
+        first
+            .into_iter()
+            .chain(
+                self.shared
+                    .iter()
+                    .filter(|hold| hold.expires > now)
+                    .map(|hold| HoldView {
+                        owner: hold.owner,
+                        kind: hold.kind,
+                        expires: hold.expires,
+                    }),
+            )
+            .collect()
+    }
+
+    /// The live hold of `grant`'s owner and kind, as (depth, expires, attempts).
+    fn hold_of(&mut self, grant: &Grant, now: u64) -> Option<HeldRef<'_>> {
+        if grant.kind.is_exclusive() {
+            return (self.holder(now) == Some(grant.owner) && self.kind == grant.kind).then_some(
+                HeldRef {
+                    depth: &mut self.depth,
+                    expires: &mut self.expires,
+                    attempts: &mut self.attempts,
+                },
+            );
+        }
+        self.shared
+            .iter_mut()
+            .find(|h| h.owner == grant.owner && h.kind == grant.kind && h.expires > now)
+            .map(|hold| HeldRef {
+                depth: &mut hold.depth,
+                expires: &mut hold.expires,
+                attempts: &mut hold.attempts,
+            })
+    }
+
+    /// Ends the hold of `grant`'s owner and kind.
+    fn end(&mut self, grant: &Grant) {
+        if grant.kind.is_exclusive() {
+            self.owner = None;
+            self.depth = 0;
+            self.expires = 0;
+            self.attempts.clear();
+            self.kind = LockKind::Exclusive;
+        } else {
+            self.shared
+                .retain(|h| !(h.owner == grant.owner && h.kind == grant.kind));
+        }
+    }
+}
+
+/// The counts of one hold in a [`State`], whichever line it is on.
+struct HeldRef<'a> {
+    depth: &'a mut u32,
+    expires: &'a mut u64,
+    attempts: &'a mut AttemptLedger,
 }
 
 /// One lock file, locked (`flock`) for the duration of one operation.
@@ -319,11 +531,12 @@ impl FileBackend {
     /// File errors.
     pub async fn take_away(&self, key: &LockKey) -> Result<bool> {
         self.with_file(key, "clearing", |file, now| {
-            let held = file.state.holder(now).is_some();
+            let held = !file.state.views(now).is_empty();
             file.state.owner = None;
             file.state.depth = 0;
             file.state.expires = 0;
             file.state.attempts.clear();
+            file.state.shared.clear();
             Ok(held)
         })
         .await
@@ -351,7 +564,7 @@ impl FileBackend {
                 continue;
             }
             let text = std::fs::read_to_string(entry.path()).unwrap_or_default();
-            held += u64::from(load(&text).holder(now).is_some());
+            held += u64::from(!load(&text).views(now).is_empty());
         }
         Ok(held)
     }
@@ -412,7 +625,13 @@ impl FileBackend {
         })?
     }
 
-    async fn attempt(&self, req: &AcquireRequest) -> Result<Attempt> {
+    /// One grant attempt. `waiting`: the caller waits, so a writer that is refused leaves
+    /// (or renews) its marker, and `marked` learns that it did.
+    async fn attempt(
+        &self,
+        req: &AcquireRequest,
+        waiting: Option<Arc<AtomicBool>>,
+    ) -> Result<Attempt> {
         let (this, request, giver) = (self.clone(), req.clone(), self.clone());
         detached_acquire(
             SCHEME,
@@ -420,48 +639,7 @@ impl FileBackend {
                 let start = Instant::now();
                 let req = request.clone();
                 this.with_file(&request.key, "acquiring", move |file, now| {
-                    let state = &mut file.state;
-                    match state.holder(now) {
-                        Some(owner) if owner == req.owner && state.attempts.has(req.attempt) => {
-                            // A retry of an acquisition that took effect: the same grant.
-                            // Its guard counts the lease from now: the lease runs that long.
-                            state.expires = state.expires.max(now.saturating_add(nanos(req.ttl)));
-                            Ok(Attempt::Granted(Grant::new(
-                                &req,
-                                FencingToken::new(state.token),
-                                state.depth,
-                                start,
-                            )))
-                        }
-                        Some(owner) if owner == req.owner => {
-                            state.depth += 1;
-                            state.attempts.add(req.attempt);
-                            // Never shorten the lease an outer guard relies on.
-                            state.expires = state.expires.max(now.saturating_add(nanos(req.ttl)));
-                            Ok(Attempt::Granted(Grant::new(
-                                &req,
-                                FencingToken::new(state.token),
-                                state.depth,
-                                start,
-                            )))
-                        }
-                        Some(_) => Ok(Attempt::busy(Duration::from_nanos(state.expires - now))),
-                        None => {
-                            state.token += 1;
-                            state.owner = Some(req.owner);
-                            state.identity = Some(req.identity.encode());
-                            state.depth = 1;
-                            state.attempts.clear();
-                            state.attempts.add(req.attempt);
-                            state.expires = now.saturating_add(nanos(req.ttl));
-                            Ok(Attempt::Granted(Grant::new(
-                                &req,
-                                FencingToken::new(state.token),
-                                1,
-                                start,
-                            )))
-                        }
-                    }
+                    grant_in(&mut file.state, &req, now, start, waiting.as_deref())
                 })
                 .await
             },
@@ -471,6 +649,131 @@ impl FileBackend {
             },
         )
         .await
+    }
+
+    /// Removes `owner`'s writer marker from `key`, in the background.
+    fn unmark(&self, key: &LockKey, owner: OwnerId) {
+        let (this, key) = (self.clone(), key.clone());
+        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            runtime.spawn(async move {
+                let removed = this
+                    .with_file(&key, "unmarking", move |file, _| {
+                        let before = file.state.writers.len();
+                        file.state.writers.retain(|(o, _)| *o != owner);
+                        Ok(file.state.writers.len() != before)
+                    })
+                    .await;
+                if matches!(removed, Ok(true)) {
+                    this.wake(&key);
+                }
+            });
+        }
+    }
+}
+
+/// Decides `req` on the state of its key's file (locked): a re-entry, a new hold by the
+/// rules of [`admit`], or busy.
+fn grant_in(
+    state: &mut State,
+    req: &AcquireRequest,
+    now: u64,
+    start: Instant,
+    waiting: Option<&AtomicBool>,
+) -> Result<Attempt> {
+    state.prune(now);
+    let lease_end = now.saturating_add(nanos(req.ttl));
+    let mine = if req.kind.is_exclusive() {
+        (state.holder(now) == Some(req.owner) && state.kind == req.kind).then_some((
+            &mut state.depth,
+            &mut state.expires,
+            &mut state.attempts,
+            state.token,
+        ))
+    } else {
+        state
+            .shared
+            .iter_mut()
+            .find(|h| h.owner == req.owner && h.kind == req.kind)
+            .map(|h| (&mut h.depth, &mut h.expires, &mut h.attempts, h.token))
+    };
+    if let Some((depth, expires, attempts, token)) = mine {
+        if !attempts.has(req.attempt) {
+            // A re-entry (a retry of one that took effect adds nothing).
+            *depth += 1;
+            attempts.add(req.attempt);
+        }
+        // Never shorten the lease an outer guard relies on; a retried grant's guard counts
+        // the lease from now, so it runs at least that long.
+        *expires = (*expires).max(lease_end);
+        return Ok(Attempt::Granted(Grant::new(
+            req,
+            FencingToken::new(token),
+            *depth,
+            start,
+        )));
+    }
+    let writer_waits = state.writers.iter().any(|(owner, _)| *owner != req.owner);
+    match admit(req, &state.views(now), writer_waits) {
+        Err(Refusal::Refused(error)) => Err(error),
+        Err(Refusal::Busy(until)) => {
+            if let Some(marked) = waiting.filter(|_| req.kind.is_exclusive()) {
+                let marker = now.saturating_add(nanos(WRITER_MARKER));
+                state.writers.retain(|(owner, _)| *owner != req.owner);
+                state.writers.push((req.owner, marker));
+                marked.store(true, Ordering::SeqCst);
+            }
+            Ok(match until {
+                Some(until) => Attempt::busy(Duration::from_nanos(until.saturating_sub(now))),
+                None => Attempt::Busy { lease_left: None },
+            })
+        }
+        Ok(()) => {
+            state.token += 1;
+            state.writers.retain(|(owner, _)| *owner != req.owner);
+            let mut attempts = AttemptLedger::new();
+            attempts.add(req.attempt);
+            let identity = Some(req.identity.encode());
+            if req.kind.is_exclusive() {
+                state.owner = Some(req.owner);
+                state.kind = req.kind;
+                state.identity = identity;
+                state.depth = 1;
+                state.attempts = attempts;
+                state.expires = lease_end;
+            } else {
+                state.shared.push(SharedHold {
+                    kind: req.kind,
+                    owner: req.owner,
+                    depth: 1,
+                    expires: lease_end,
+                    token: state.token,
+                    attempts,
+                    identity,
+                });
+            }
+            Ok(Attempt::Granted(Grant::new(
+                req,
+                FencingToken::new(state.token),
+                1,
+                start,
+            )))
+        }
+    }
+}
+
+/// Takes a waiting writer's marker away when its wait ends without a grant (a grant takes
+/// it in the same file operation).
+struct WriterMark<'a> {
+    backend: &'a FileBackend,
+    req: &'a AcquireRequest,
+    marked: Arc<AtomicBool>,
+}
+
+impl Drop for WriterMark<'_> {
+    fn drop(&mut self) {
+        if self.marked.load(Ordering::SeqCst) {
+            self.backend.unmark(&self.req.key, self.req.owner);
+        }
     }
 }
 
@@ -482,13 +785,16 @@ impl LockBackend for FileBackend {
             Consistency::Cp,
             Capabilities {
                 notified_wait: false,
+                read_write: true,
+                writer_preference: true,
+                semaphore: true,
                 ..Capabilities::default()
             },
         )
     }
 
     async fn try_acquire(&self, req: &AcquireRequest) -> Result<Option<Grant>> {
-        Ok(self.attempt(req).await?.into_grant())
+        Ok(self.attempt(req, None).await?.into_grant())
     }
 
     async fn acquire(&self, req: &AcquireRequest, wait: Duration) -> Result<Grant> {
@@ -497,45 +803,55 @@ impl LockBackend for FileBackend {
             Duration::from_millis(1),
             Duration::from_millis(50),
         ));
-        wait_for_grant(&req.key, wait, policy, &mut waker, || self.attempt(req)).await
+        let mark = WriterMark {
+            backend: self,
+            req,
+            marked: Arc::default(),
+        };
+        let granted = wait_for_grant(&req.key, wait, policy, &mut waker, || {
+            self.attempt(req, Some(mark.marked.clone()))
+        })
+        .await;
+        if granted.is_ok() {
+            // The grant took the marker with it.
+            mark.marked.store(false, Ordering::SeqCst);
+        }
+        granted
     }
 
     async fn renew(&self, grant: &Grant, ttl: Duration) -> Result<()> {
-        let (key, owner) = (grant.key.clone(), grant.owner);
+        let held = grant.clone();
         self.with_file(&grant.key, "renewing", move |file, now| {
-            let state = &mut file.state;
-            if state.holder(now) != Some(owner) {
-                return Err(Error::NotHeld { key });
-            }
-            state.expires = state.expires.max(now.saturating_add(nanos(ttl)));
+            let Some(hold) = file.state.hold_of(&held, now) else {
+                return Err(Error::NotHeld { key: held.key });
+            };
+            *hold.expires = (*hold.expires).max(now.saturating_add(nanos(ttl)));
             Ok(())
         })
         .await
     }
 
     async fn release(&self, grant: &Grant) -> Result<Released> {
-        let (key, owner, attempt) = (grant.key.clone(), grant.owner, grant.attempt);
+        let held = grant.clone();
         let outcome = self
             .with_file(&grant.key, "releasing", move |file, now| {
-                let state = &mut file.state;
-                if state.holder(now) != Some(owner) {
-                    return Err(Error::NotHeld { key });
-                }
-                if !state.attempts.take(attempt, state.depth) {
+                let Some(hold) = file.state.hold_of(&held, now) else {
+                    return Err(Error::NotHeld { key: held.key });
+                };
+                if !hold.attempts.take(held.attempt, *hold.depth) {
                     // A retried release: it took effect already.
                     return Ok(Released::Partially {
-                        remaining: state.depth,
+                        remaining: *hold.depth,
                     });
                 }
-                state.depth -= 1;
-                if state.depth > 0 {
+                *hold.depth -= 1;
+                if *hold.depth > 0 {
                     return Ok(Released::Partially {
-                        remaining: state.depth,
+                        remaining: *hold.depth,
                     });
                 }
-                state.owner = None;
-                state.expires = 0;
-                state.attempts.clear();
+                file.state.end(&held);
+                file.state.prune(now);
                 Ok(Released::Fully)
             })
             .await;
@@ -557,21 +873,42 @@ impl LockBackend for FileBackend {
     }
 
     async fn inspect(&self, key: &LockKey) -> Result<Option<HolderInfo>> {
+        Ok(self.holders(key).await?.into_iter().next())
+    }
+
+    async fn holders(&self, key: &LockKey) -> Result<Vec<HolderInfo>> {
         let path = self.path(key);
         if !path.exists() {
-            return Ok(None);
+            return Ok(Vec::new());
         }
         self.with_file(key, "inspecting", move |file, now| {
             let state = &file.state;
-            Ok(state.holder(now).map(|owner| {
+            let info = |owner: OwnerId, depth, token, expires: u64, identity: Option<&str>| {
                 HolderInfo::new(
                     owner.to_string(),
-                    state.depth,
-                    Some(FencingToken::new(state.token)),
-                    Some(Duration::from_nanos(state.expires - now)),
+                    depth,
+                    Some(FencingToken::new(token)),
+                    Some(Duration::from_nanos(expires.saturating_sub(now))),
                 )
-                .with_identity(state.identity.as_deref().and_then(HolderIdentity::decode))
-            }))
+                .with_identity(identity.and_then(HolderIdentity::decode))
+            };
+            let first = state.holder(now).map(|owner| {
+                let holder = info(
+                    owner,
+                    state.depth,
+                    state.token,
+                    state.expires,
+                    state.identity.as_deref(),
+                );
+                match state.kind {
+                    LockKind::Exclusive => holder,
+                    kind => holder.with_kind(kind),
+                }
+            });
+            let shared = state.shared.iter().filter(|h| h.expires > now).map(|h| {
+                info(h.owner, h.depth, h.token, h.expires, h.identity.as_deref()).with_kind(h.kind)
+            });
+            Ok(first.into_iter().chain(shared).collect())
         })
         .await
     }
@@ -594,6 +931,7 @@ mod tests {
                 uuid::Uuid::new_v4()
             )),
             identity: Some(HolderIdentity::now().encode()),
+            ..State::default()
         };
         assert_eq!(State::parse(&state.render()), state);
         // A file from before attempts were stored: released unconditionally.
@@ -602,6 +940,47 @@ mod tests {
         assert_eq!((legacy.token, legacy.depth), (7, 2));
         assert!(legacy.attempts.take(uuid::Uuid::new_v4(), legacy.depth));
         assert_eq!(State::parse(""), State::default());
+    }
+
+    /// Readers, permits and waiting writers round-trip, and a file held only by readers
+    /// shows a live holder on its first line, which is all an older lockkit reads.
+    #[test]
+    fn shared_holds_round_trip_and_look_held_to_older_versions() {
+        let reader = |kind| SharedHold {
+            kind,
+            owner: OwnerId::random(),
+            depth: 2,
+            expires: 500,
+            token: 8,
+            attempts: AttemptLedger::parse(&uuid::Uuid::new_v4().to_string()),
+            identity: Some(HolderIdentity::now().encode()),
+        };
+        let permit = LockKind::Permit {
+            limit: std::num::NonZeroU32::new(4).unwrap(),
+        };
+        let state = State {
+            token: 9,
+            shared: vec![reader(LockKind::Read), reader(permit)],
+            writers: vec![(OwnerId::random(), 700)],
+            ..State::default()
+        };
+        let text = state.render();
+        assert_eq!(State::parse(&text), state);
+        let first: Vec<&str> = text.lines().next().unwrap().split_whitespace().collect();
+        assert!(
+            state.shared.iter().any(|h| first[1] == h.owner.to_string()),
+            "{text}"
+        );
+        assert_eq!((first[2], first[3]), ("1", "500"), "{text}");
+        let writer = State {
+            token: 3,
+            owner: Some(OwnerId::random()),
+            depth: 1,
+            expires: 99,
+            kind: LockKind::Write,
+            ..State::default()
+        };
+        assert_eq!(State::parse(&writer.render()), writer);
     }
 
     fn temp_dir(name: &str) -> PathBuf {

@@ -16,6 +16,7 @@ use crate::{
     AcquireRequest, AttemptLedger, BackendInfo, Capabilities, Consistency, Error, FencingToken,
     Grant, HolderIdentity, HolderInfo, LockBackend, LockKey, LockKind, LostReason, OwnerId,
     Released, Result, WAIT_FOREVER,
+    kind::{HoldView, Refusal, admit},
     lost::LossSignal,
     wait::{Armed, Attempt, Backoff, WaitPolicy, Wake, armed, wait_for_grant},
 };
@@ -284,7 +285,7 @@ impl MemoryBackend {
     }
 
     /// One atomic grant attempt, by the rules of [`LockKind`].
-    fn try_grant(&self, req: &AcquireRequest) -> std::result::Result<Grant, Refusal> {
+    fn try_grant(&self, req: &AcquireRequest) -> std::result::Result<Grant, Refusal<Instant>> {
         let now = Instant::now();
         let mut guard = lock(&self.server.state);
         let state = &mut *guard;
@@ -309,11 +310,29 @@ impl MemoryBackend {
                 now,
             ));
         }
-        if let Err(refusal) = conflict(req, entries, state.writers.get(&req.key)) {
+        let holds: Vec<HoldView<Instant>> = entries
+            .iter()
+            .map(|e| HoldView {
+                owner: e.owner,
+                kind: e.kind,
+                expires: e.expires,
+            })
+            .collect();
+        let writer_waits = state
+            .writers
+            .get(&req.key)
+            .is_some_and(|writers| writers.keys().any(|owner| *owner != req.owner));
+        if let Err(refusal) = admit(req, &holds, writer_waits) {
             if state.locks.get(&req.key).is_some_and(Vec::is_empty) {
                 state.locks.remove(&req.key);
             }
-            return Err(refusal);
+            return Err(match refusal {
+                // Woken when the writer is granted and releases, or gives up waiting.
+                Refusal::Busy(until) => {
+                    Refusal::Busy(Some(until.unwrap_or(now + Duration::from_secs(1))))
+                }
+                refused => refused,
+            });
         }
         state.last_token += 1;
         let token = state.last_token;
@@ -361,104 +380,6 @@ impl MemoryBackend {
     }
 }
 
-/// Why a grant attempt was refused.
-enum Refusal {
-    /// Held by others: retry when woken, or after this instant (the earliest lease end).
-    Busy(Instant),
-    /// Never grantable as asked (an upgrade, a change of kind).
-    Refused(Error),
-}
-
-/// Whether `req`, which holds nothing of its kind on the key yet, conflicts with the live
-/// `entries` or the waiting `writers` of the key.
-fn conflict(
-    req: &AcquireRequest,
-    entries: &[Entry],
-    writers: Option<&HashMap<OwnerId, u32>>,
-) -> std::result::Result<(), Refusal> {
-    let mine = |kind: LockKind| {
-        entries
-            .iter()
-            .any(|e| e.owner == req.owner && e.kind == kind)
-    };
-    let mismatch = |found: String| {
-        Refusal::Refused(Error::KindMismatch {
-            key: req.key.clone(),
-            found,
-            asked: req.kind,
-        })
-    };
-    // What the key is used as, by anyone.
-    match (req.kind, entries.first().map(|e| e.kind)) {
-        (LockKind::Permit { limit }, Some(LockKind::Permit { limit: theirs }))
-            if limit != theirs =>
-        {
-            return Err(mismatch(format!("is a semaphore of {theirs} permits")));
-        }
-        (LockKind::Permit { .. }, Some(other)) if !matches!(other, LockKind::Permit { .. }) => {
-            return Err(mismatch(format!("is held as {other}")));
-        }
-        (asked, Some(LockKind::Permit { limit })) if !matches!(asked, LockKind::Permit { .. }) => {
-            return Err(mismatch(format!("is a semaphore of {limit} permits")));
-        }
-        _ => {}
-    }
-    let busy = |blocking: &mut dyn Iterator<Item = &Entry>| {
-        Refusal::Busy(
-            blocking
-                .map(|e| e.expires)
-                .min()
-                .unwrap_or_else(|| Instant::now() + Duration::from_secs(1)),
-        )
-    };
-    match req.kind {
-        LockKind::Write if mine(LockKind::Read) && !mine(LockKind::Write) => {
-            Err(Refusal::Refused(Error::WouldDeadlock {
-                key: req.key.clone(),
-                held: LockKind::Read,
-                asked: req.kind,
-            }))
-        }
-        LockKind::Write | LockKind::Read if mine(LockKind::Exclusive) => Err(mismatch(
-            "is held by this owner as an exclusive lock".into(),
-        )),
-        LockKind::Exclusive if mine(LockKind::Read) || mine(LockKind::Write) => Err(mismatch(
-            "is held by this owner as a read-write lock".into(),
-        )),
-        // A downgrade: the owner writes, so nobody else holds the key.
-        LockKind::Read if mine(LockKind::Write) => Ok(()),
-        LockKind::Read => {
-            let mut writing = entries
-                .iter()
-                .filter(|e| e.owner != req.owner && e.kind.is_exclusive());
-            if let Some(first) = writing.next() {
-                return Err(busy(&mut std::iter::once(first).chain(writing)));
-            }
-            let writer_waits =
-                writers.is_some_and(|writers| writers.keys().any(|owner| *owner != req.owner));
-            if writer_waits {
-                // Woken when the writer is granted and releases, or gives up waiting.
-                return Err(Refusal::Busy(Instant::now() + Duration::from_secs(1)));
-            }
-            Ok(())
-        }
-        LockKind::Permit { limit } => {
-            let held = entries.len();
-            if held >= limit.get() as usize {
-                return Err(busy(&mut entries.iter()));
-            }
-            Ok(())
-        }
-        _ => {
-            let mut others = entries.iter().filter(|e| e.owner != req.owner);
-            match others.next() {
-                Some(first) => Err(busy(&mut std::iter::once(first).chain(others))),
-                None => Ok(()),
-            }
-        }
-    }
-}
-
 #[async_trait]
 impl LockBackend for MemoryBackend {
     fn info(&self) -> BackendInfo {
@@ -496,9 +417,11 @@ impl LockBackend for MemoryBackend {
         wait_for_grant(&req.key, wait, policy, &mut registration, || async {
             match self.try_grant(req) {
                 Ok(grant) => Ok(Attempt::Granted(grant)),
-                Err(Refusal::Busy(until)) => Ok(Attempt::busy(
-                    until.saturating_duration_since(Instant::now()),
-                )),
+                Err(Refusal::Busy(until)) => {
+                    Ok(Attempt::busy(until.map_or(Duration::ZERO, |until| {
+                        until.saturating_duration_since(Instant::now())
+                    })))
+                }
                 Err(Refusal::Refused(error)) => Err(error),
             }
         })
