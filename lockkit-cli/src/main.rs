@@ -4,7 +4,8 @@ use std::{io::IsTerminal, path::PathBuf, process::ExitCode, time::Duration};
 
 use clap::{Parser, Subcommand};
 use lockkit::{
-    Error, FencingToken, HolderIdentity, HolderInfo, LockGuard, Locker, config::parse_duration,
+    Error, FencingToken, HolderIdentity, HolderInfo, LockGuard, LockKind, Locker,
+    config::parse_duration,
 };
 use nix::sys::signal::Signal;
 use tokio::signal::unix::SignalKind;
@@ -124,6 +125,17 @@ enum Commands {
         /// Exit code when the lock could not be taken in time.
         #[arg(long, default_value_t = 1)]
         conflict_exit_code: u8,
+        /// Take KEY as a read lock: other `--read` runs share it, a `--write` run (or a
+        /// plain one) excludes them, and a waiting writer keeps new readers out.
+        #[arg(long, conflicts_with_all = ["write", "permits"])]
+        read: bool,
+        /// Take KEY as the write lock of a read-write lock (excludes readers and writers).
+        #[arg(long, conflicts_with = "permits")]
+        write: bool,
+        /// Take one of N permits of the semaphore KEY: at most N such runs at once (every
+        /// run must give the same N).
+        #[arg(long, value_name = "N")]
+        permits: Option<u32>,
         /// Serve lockkit's metrics in Prometheus text form at http://ADDR/metrics while
         /// the command runs (acquisitions, wait and hold times, renewals, losses).
         #[arg(long, value_name = "ADDR")]
@@ -461,6 +473,9 @@ async fn main() -> ExitCode {
             max_hold,
             grace,
             conflict_exit_code,
+            read,
+            write,
+            permits,
             metrics_addr,
             command,
         } => {
@@ -471,17 +486,22 @@ async fn main() -> ExitCode {
                 return ExitCode::from(2);
             }
             let ttl = ttl.unwrap_or(locker.options().ttl);
-            run(
-                &locker,
-                &key,
+            let kind = match (read, write, permits) {
+                (true, _, _) => Hold::Read,
+                (_, true, _) => Hold::Write,
+                (_, _, Some(permits)) => Hold::Permit(permits),
+                _ => Hold::Lock,
+            };
+            let job = Job {
+                key: &key,
+                kind,
                 ttl,
                 wait,
                 max_hold,
                 grace,
                 conflict_exit_code,
-                &command,
-            )
-            .await
+            };
+            run(&locker, &job, &command).await
         }
         Commands::Status { key, json, watch } => match watch {
             None => status(&locker, &key, json).await,
@@ -518,9 +538,9 @@ async fn main() -> ExitCode {
 }
 
 async fn status(locker: &Locker, key: &str, json: bool) -> ExitCode {
-    match locker.inspect(key).await {
-        Ok(holder) => {
-            println!("{}", describe(key, holder.as_ref(), json));
+    match locker.holders(key).await {
+        Ok(holders) => {
+            println!("{}", describe(key, &holders, json));
             ExitCode::SUCCESS
         }
         Err(e) => {
@@ -541,16 +561,16 @@ async fn watch_status(locker: &Locker, key: &str, json: bool, every: Duration) -
     let interrupted = tokio::signal::ctrl_c();
     tokio::pin!(interrupted);
     loop {
-        match locker.inspect(key).await {
-            Ok(holder) => {
+        match locker.holders(key).await {
+            Ok(holders) => {
                 failing = false;
-                let mut steady = holder.clone();
-                if let Some(info) = steady.as_mut() {
+                let mut steady = holders.clone();
+                for info in &mut steady {
                     info.ttl_left = None;
                 }
                 let fingerprint = format!("{steady:?}");
                 if last.as_deref() != Some(fingerprint.as_str()) {
-                    println!("{}", describe(key, holder.as_ref(), json));
+                    println!("{}", describe(key, &holders, json));
                     last = Some(fingerprint);
                 }
             }
@@ -567,76 +587,138 @@ async fn watch_status(locker: &Locker, key: &str, json: bool, every: Duration) -
     }
 }
 
-/// One line about `key`'s holder: JSON, or text for people.
-fn describe(key: &str, holder: Option<&HolderInfo>, json: bool) -> String {
-    let ms = |d: Duration| u64::try_from(d.as_millis()).unwrap_or(u64::MAX);
-    match holder {
-        None if json => serde_json::json!({ "key": key, "held": false }).to_string(),
-        None => format!("{}: free", key.escape_debug()),
-        Some(info) if json => {
-            let identity = info.identity.as_ref();
-            serde_json::json!({
-                "key": key,
-                "held": true,
-                "holder": info.owner,
-                "host": identity.map(|i| i.host.as_str()),
-                "pid": identity.map(|i| i.pid),
-                "program": identity.map(|i| i.program.as_str()),
-                "requested_at_ms": identity.map(HolderIdentity::requested_at_ms),
-                "lockkit_version": identity.map(|i| i.version.as_str()),
-                "depth": info.depth,
-                "token": info.token.map(|t| t.get()),
-                "lease_left_ms": info.ttl_left.map(ms),
-                "waiters": info.waiters,
-            })
-            .to_string()
+/// One line about `key`'s holders (a lock's holder or writer, readers, permits): JSON, or
+/// text for people. The JSON keeps the first holder's fields at the top level, as before
+/// read-write locks and semaphores, and lists every holder under `holders`.
+fn describe(key: &str, holders: &[HolderInfo], json: bool) -> String {
+    let Some(first) = holders.first() else {
+        return if json {
+            serde_json::json!({ "key": key, "held": false, "holders": [] }).to_string()
+        } else {
+            format!("{}: free", key.escape_debug())
+        };
+    };
+    if json {
+        let mut object = holder_json(first);
+        object["key"] = key.into();
+        object["held"] = true.into();
+        object["holders"] = holders.iter().map(holder_json).collect();
+        if let Some(limit) = first.kind.and_then(LockKind::limit) {
+            object["permits"] = limit.into();
         }
-        Some(info) => {
-            let token = info.token.map_or_else(|| "?".into(), |t| t.to_string());
-            let left = info
-                .ttl_left
-                .map_or_else(|| "?".into(), |d| format!("{} ms", d.as_millis()));
-            // Keys and holders may carry any printable text (a foreign client's value):
-            // escape what a terminal would otherwise interpret.
-            let who = match &info.identity {
-                Some(identity) => {
-                    let asked = std::time::SystemTime::now()
-                        .duration_since(identity.requested_at)
-                        .map_or_else(|_| "?".into(), |d| format!("{} s", d.as_secs()));
-                    format!(
-                        "{} pid {} on {} (owner {}, asked {asked} ago)",
-                        identity.program.escape_debug(),
-                        identity.pid,
-                        identity.host.escape_debug(),
-                        info.owner.escape_debug()
-                    )
-                }
-                None => format!("{} (not identified)", info.owner.escape_debug()),
-            };
-            let waiters = info
-                .waiters
-                .map_or_else(String::new, |n| format!(", {n} waiting"));
-            format!(
-                "{}: held by {who}, depth {}, token {token}, lease left {left}{waiters}",
-                key.escape_debug(),
-                info.depth
-            )
-        }
+        return object.to_string();
     }
+    let waiters = first
+        .waiters
+        .map_or_else(String::new, |n| format!(", {n} waiting"));
+    let what = match first.kind {
+        None | Some(LockKind::Exclusive) => "held".to_owned(),
+        Some(LockKind::Write) => "held for writing".to_owned(),
+        Some(LockKind::Read) => format!(
+            "read by {} holder{}",
+            holders.len(),
+            if holders.len() == 1 { "" } else { "s" }
+        ),
+        Some(kind) => format!(
+            "{} of {} permits held",
+            holders.len(),
+            kind.limit().map_or_else(|| "?".into(), |n| n.to_string())
+        ),
+    };
+    let each: Vec<String> = holders.iter().map(holder_text).collect();
+    let by = if holders.len() == 1 { "by" } else { "by:" };
+    format!(
+        "{}: {what} {by} {}{waiters}",
+        key.escape_debug(),
+        each.join("; ")
+    )
 }
 
-#[allow(clippy::too_many_arguments)]
-async fn run(
-    locker: &Locker,
-    key: &str,
+/// One holder as a JSON object.
+fn holder_json(info: &HolderInfo) -> serde_json::Value {
+    let ms = |d: Duration| u64::try_from(d.as_millis()).unwrap_or(u64::MAX);
+    let identity = info.identity.as_ref();
+    serde_json::json!({
+        "holder": info.owner,
+        "kind": info.kind.map_or("lock", LockKind::name),
+        "host": identity.map(|i| i.host.as_str()),
+        "pid": identity.map(|i| i.pid),
+        "program": identity.map(|i| i.program.as_str()),
+        "requested_at_ms": identity.map(HolderIdentity::requested_at_ms),
+        "lockkit_version": identity.map(|i| i.version.as_str()),
+        "depth": info.depth,
+        "token": info.token.map(|t| t.get()),
+        "lease_left_ms": info.ttl_left.map(ms),
+        "waiters": info.waiters,
+    })
+}
+
+/// One holder for people: who, depth, token, lease left.
+fn holder_text(info: &HolderInfo) -> String {
+    let token = info.token.map_or_else(|| "?".into(), |t| t.to_string());
+    let left = info
+        .ttl_left
+        .map_or_else(|| "?".into(), |d| format!("{} ms", d.as_millis()));
+    // Keys and holders may carry any printable text (a foreign client's value): escape
+    // what a terminal would otherwise interpret.
+    let who = match &info.identity {
+        Some(identity) => {
+            let asked = std::time::SystemTime::now()
+                .duration_since(identity.requested_at)
+                .map_or_else(|_| "?".into(), |d| format!("{} s", d.as_secs()));
+            format!(
+                "{} pid {} on {} (owner {}, asked {asked} ago)",
+                identity.program.escape_debug(),
+                identity.pid,
+                identity.host.escape_debug(),
+                info.owner.escape_debug()
+            )
+        }
+        None => format!("{} (not identified)", info.owner.escape_debug()),
+    };
+    format!(
+        "{who}, depth {}, token {token}, lease left {left}",
+        info.depth
+    )
+}
+
+/// What `lockkit run` takes.
+#[derive(Debug, Clone, Copy)]
+enum Hold {
+    Lock,
+    Read,
+    Write,
+    Permit(u32),
+}
+
+/// The options of one `lockkit run`.
+struct Job<'a> {
+    key: &'a str,
+    kind: Hold,
     ttl: Duration,
     wait: Option<Duration>,
     max_hold: Option<Duration>,
     grace: Duration,
     conflict_exit_code: u8,
-    command: &[String],
-) -> ExitCode {
-    let mut acquire = locker.acquire(key).ttl(ttl);
+}
+
+async fn run(locker: &Locker, job: &Job<'_>, command: &[String]) -> ExitCode {
+    let Job {
+        key,
+        kind,
+        ttl,
+        wait,
+        max_hold,
+        grace,
+        conflict_exit_code,
+    } = *job;
+    let acquire = match kind {
+        Hold::Lock => locker.acquire(key),
+        Hold::Read => locker.read(key),
+        Hold::Write => locker.write(key),
+        Hold::Permit(permits) => locker.semaphore(key, permits).acquire(),
+    };
+    let mut acquire = acquire.ttl(ttl);
     if let Some(wait) = wait {
         acquire = acquire.wait(wait);
     }

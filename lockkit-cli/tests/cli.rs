@@ -955,24 +955,16 @@ fn every_backend_url(dir: &str) -> Vec<String> {
 
 /// `lockkit run` holding `key` under `url` until killed; returns once CMD has started.
 fn hold_with_run(url: &str, key: &str) -> std::process::Child {
+    hold_with_run_as(url, key, &[])
+}
+
+/// [`hold_with_run`] with more options for `run` (`--read`, `--permits N`).
+fn hold_with_run_as(url: &str, key: &str, options: &[&str]) -> std::process::Child {
     use std::io::BufRead;
-    let mut run = lockkit(
-        url,
-        &[
-            "run",
-            "--key",
-            key,
-            "--wait",
-            "30s",
-            "--",
-            "sh",
-            "-c",
-            "echo held; sleep 60",
-        ],
-    )
-    .stdout(Stdio::piped())
-    .spawn()
-    .unwrap();
+    let mut args = vec!["run", "--key", key, "--wait", "30s"];
+    args.extend_from_slice(options);
+    args.extend_from_slice(&["--", "sh", "-c", "echo held; sleep 60"]);
+    let mut run = lockkit(url, &args).stdout(Stdio::piped()).spawn().unwrap();
     let mut line = String::new();
     std::io::BufReader::new(run.stdout.take().unwrap())
         .read_line(&mut line)
@@ -1066,4 +1058,88 @@ fn status_watch_prints_each_change() {
         third["held"], false,
         "a stopped holder's lock is freed: {third}"
     );
+}
+
+/// `run --read` jobs share a key, `status` lists each reader, and a `--write` job (or a
+/// plain one) cannot start beside them; `--permits 2` lets two jobs run and refuses a
+/// third until one ends.
+#[test]
+fn read_runs_share_a_key_and_permits_bound_the_runs() {
+    let dir = dir("rw-runs");
+    let url = format!("file://{dir}/locks");
+    let try_run = |key: &str, options: &[&str]| {
+        let mut args = vec!["run", "--key", key, "--wait", "0"];
+        args.extend_from_slice(options);
+        args.extend_from_slice(&["--", "true"]);
+        lockkit(&url, &args).status().unwrap().code()
+    };
+    let status = |key: &str| {
+        let out = lockkit(&url, &["status", "--key", key, "--json"])
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&out.stdout).into_owned();
+        let value: serde_json::Value = serde_json::from_str(text.trim())
+            .unwrap_or_else(|e| panic!("invalid JSON ({e}): {text}"));
+        let words = lockkit(&url, &["status", "--key", key]).output().unwrap();
+        (value, String::from_utf8_lossy(&words.stdout).into_owned())
+    };
+    let mut readers = [
+        hold_with_run_as(&url, "rw", &["--read"]),
+        hold_with_run_as(&url, "rw", &["--read"]),
+    ];
+    let (value, words) = status("rw");
+    assert_eq!(value["kind"], "read", "{value}");
+    let pids: Vec<_> = value["holders"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|h| h["pid"].as_u64().unwrap())
+        .collect();
+    let mut expected: Vec<_> = readers.iter().map(|r| u64::from(r.id())).collect();
+    let mut got = pids.clone();
+    expected.sort_unstable();
+    got.sort_unstable();
+    assert_eq!(got, expected, "{value}");
+    assert!(words.contains("read by 2 holders"), "{words}");
+    assert_eq!(
+        try_run("rw", &["--write"]),
+        Some(1),
+        "a writer beside readers"
+    );
+    assert_eq!(try_run("rw", &[]), Some(1), "a plain lock beside readers");
+    assert_eq!(try_run("rw", &["--read"]), Some(0), "a third reader");
+    for reader in &mut readers {
+        stop(reader);
+    }
+    assert_eq!(
+        try_run("rw", &["--write"]),
+        Some(0),
+        "a writer once they left"
+    );
+
+    let mut permits = [
+        hold_with_run_as(&url, "sem", &["--permits", "2"]),
+        hold_with_run_as(&url, "sem", &["--permits", "2"]),
+    ];
+    let (value, words) = status("sem");
+    assert_eq!(value["permits"], 2, "{value}");
+    assert_eq!(value["holders"].as_array().unwrap().len(), 2, "{value}");
+    assert!(words.contains("2 of 2 permits held"), "{words}");
+    assert_eq!(
+        try_run("sem", &["--permits", "2"]),
+        Some(1),
+        "a third permit"
+    );
+    assert_eq!(
+        try_run("sem", &["--permits", "3"]),
+        Some(2),
+        "another permit count is refused as an error"
+    );
+    stop(&mut permits[0]);
+    assert_eq!(
+        try_run("sem", &["--permits", "2"]),
+        Some(0),
+        "a permit came back"
+    );
+    stop(&mut permits[1]);
 }

@@ -267,6 +267,16 @@ impl Locker {
         let key = key.into_lock_key()?;
         self.backend.inspect(&key).await
     }
+
+    /// Every hold of `key` now: the holder of a lock or the writer, each reader, each
+    /// permit ([`HolderInfo::kind`] says which), as the backend sees them.
+    ///
+    /// # Errors
+    /// [`Error::InvalidKey`], or the backend's error.
+    pub async fn holders(&self, key: impl IntoLockKey) -> Result<Vec<HolderInfo>> {
+        let key = key.into_lock_key()?;
+        self.backend.holders(&key).await
+    }
 }
 
 /// An owner identity: acquisitions through one `Owner` (and its clones) are reentrant.
