@@ -23,6 +23,15 @@ async fn needs_read_write<H: Harness>(h: &H) -> Option<Outcome> {
         .then(|| Outcome::Skipped("the backend has no read-write locks".into()))
 }
 
+async fn needs_writer_preference<H: Harness>(h: &H) -> Option<Outcome> {
+    if let Some(skip) = needs_read_write(h).await {
+        return Some(skip);
+    }
+    let client = h.client().await;
+    (!client.info().capabilities.writer_preference)
+        .then(|| Outcome::Skipped("the backend has no writer preference".into()))
+}
+
 /// A backend without read-write locks or semaphores answers `Unsupported` for them at
 /// once; one with them grants a read.
 pub async fn unsupported_kinds_are_refused<H: Harness>(h: &H) -> Outcome {
@@ -250,11 +259,8 @@ pub async fn upgrade_is_refused<H: Harness>(h: &H) -> Outcome {
 /// While a writer waits, new readers of other owners stay out, a reader that already reads
 /// may re-enter (no deadlock), and the writer gets the key when the readers leave.
 pub async fn waiting_writer_blocks_new_readers<H: Harness>(h: &H) -> Outcome {
-    if let Some(skip) = needs_read_write(h).await {
+    if let Some(skip) = needs_writer_preference(h).await {
         return skip;
-    }
-    if !h.client().await.info().capabilities.writer_preference {
-        return Outcome::Skipped("the backend has no writer preference".into());
     }
     let space = Space::new("waiting_writer_blocks_new_readers");
     let key = space.key("k");
@@ -319,11 +325,8 @@ pub async fn waiting_writer_blocks_new_readers<H: Harness>(h: &H) -> Outcome {
 
 /// Readers that keep coming, each overlapping the last, never starve a writer.
 pub async fn writer_is_not_starved_by_readers<H: Harness>(h: &H) -> Outcome {
-    if let Some(skip) = needs_read_write(h).await {
+    if let Some(skip) = needs_writer_preference(h).await {
         return skip;
-    }
-    if !h.client().await.info().capabilities.writer_preference {
-        return Outcome::Skipped("the backend has no writer preference".into());
     }
     let space = Space::new("writer_is_not_starved_by_readers");
     let key = space.key("k");
