@@ -716,7 +716,11 @@ fn grant_in(
     match admit(req, &state.views(now), writer_waits) {
         Err(Refusal::Refused(error)) => Err(error),
         Err(Refusal::Busy(until)) => {
-            if let Some(marked) = waiting.filter(|_| req.kind.is_exclusive()) {
+            // A plain locker counts as a writer, but marks only where readers come: a
+            // plain lock's poll then rewrites nothing.
+            let marks = req.kind == LockKind::Write
+                || (req.kind == LockKind::Exclusive && !state.shared.is_empty());
+            if let Some(marked) = waiting.filter(|_| marks) {
                 let marker = now.saturating_add(nanos(WRITER_MARKER));
                 state.writers.retain(|(owner, _)| *owner != req.owner);
                 state.writers.push((req.owner, marker));
