@@ -258,22 +258,27 @@ pub(crate) struct Subscription {
     pub(crate) channel: Arc<Channel>,
 }
 
-/// A waiter's wake-ups: release messages on its key's channel, once subscribed. The first
+/// A waiter's wake-ups: release messages on its key's channels, once subscribed. The first
 /// [`Wake::ready`] subscribes (a failure leaves the waiter polling); later ones reconnect a
 /// subscriber connection that died, and answer whether messages can be relied on.
 pub(crate) struct ReleaseMessages {
     wakeups: Arc<Wakeups>,
-    name: String,
-    subscription: Option<Subscription>,
+    names: Vec<String>,
+    subscriptions: Vec<Subscription>,
     tried: bool,
 }
 
 impl ReleaseMessages {
     pub(crate) fn new(wakeups: Arc<Wakeups>, name: String) -> Self {
+        Self::on(wakeups, vec![name])
+    }
+
+    /// Wake-ups from a message on any of `names`.
+    pub(crate) fn on(wakeups: Arc<Wakeups>, names: Vec<String>) -> Self {
         ReleaseMessages {
             wakeups,
-            name,
-            subscription: None,
+            names,
+            subscriptions: Vec::new(),
             tried: false,
         }
     }
@@ -283,18 +288,20 @@ impl ReleaseMessages {
 impl Wake for ReleaseMessages {
     async fn ready(&mut self) -> bool {
         if !std::mem::replace(&mut self.tried, true) {
-            return match self.wakeups.subscribe(&self.name).await {
-                Ok(subscription) => {
-                    self.subscription = Some(subscription);
-                    true
+            for name in &self.names {
+                match self.wakeups.subscribe(name).await {
+                    Ok(subscription) => self.subscriptions.push(subscription),
+                    Err(error) => {
+                        // All or nothing: a waiter deaf to one channel polls.
+                        self.subscriptions.clear();
+                        tracing::warn!(%error, "no release notifications; falling back to timed retries");
+                        return false;
+                    }
                 }
-                Err(error) => {
-                    tracing::warn!(%error, "no release notifications; falling back to timed retries");
-                    false
-                }
-            };
+            }
+            return true;
         }
-        if self.subscription.is_none() {
+        if self.subscriptions.is_empty() {
             return false;
         }
         match self.wakeups.ensure_connected().await {
@@ -307,9 +314,17 @@ impl Wake for ReleaseMessages {
     }
 
     fn arm(&self) -> Armed<'_> {
-        match &self.subscription {
-            Some(subscription) => armed(&subscription.channel.notify),
-            None => never(),
+        match self.subscriptions.as_slice() {
+            [] => never(),
+            [one] => armed(&one.channel.notify),
+            several => {
+                // Each armed at once, so a message that comes before the first poll counts.
+                let all: Vec<Armed<'_>> =
+                    several.iter().map(|s| armed(&s.channel.notify)).collect();
+                Box::pin(async move {
+                    futures_util::future::select_all(all).await;
+                })
+            }
         }
     }
 }

@@ -1,5 +1,7 @@
 //! `RedisBackend`: one Redis server, or one Redis Cluster.
 
+mod kinds;
+
 use std::{sync::Arc, time::Duration};
 
 use async_trait::async_trait;
@@ -8,7 +10,7 @@ use lockkit_core::spi::{
 };
 use lockkit_core::{
     BackendInfo, Capabilities, Consistency, Error, FencingToken, HolderIdentity, HolderInfo,
-    LockBackend, LockKey, Result,
+    LockBackend, LockKey, LockKind, Result,
 };
 use redis::{
     Value,
@@ -30,7 +32,7 @@ const FOREIGN_HOLDER_POLL: Duration = Duration::from_millis(100);
 /// How a waiter paces its retries: without a live subscription (or after an error) it
 /// polls every 50 ms, backing off to 160–240 ms; with one it sleeps until the holder's
 /// lease ends (a second when the key has no expiry), woken earlier by the release.
-fn wait_policy() -> WaitPolicy {
+pub(super) fn wait_policy() -> WaitPolicy {
     WaitPolicy::new(Backoff::new(
         Duration::from_millis(50),
         Duration::from_millis(160),
@@ -226,6 +228,20 @@ impl RedisBackend {
         req: &AcquireRequest,
         interrupt: Option<&lockkit_core::spi::Interrupt>,
     ) -> Result<Attempt> {
+        self.run_acquire_marking(req, interrupt, false).await
+    }
+
+    /// [`Self::run_acquire`] for any kind; with `marker`, a busy writer registers as a
+    /// waiting writer (see [`Self::attempt_marking`]).
+    async fn run_acquire_marking(
+        &self,
+        req: &AcquireRequest,
+        interrupt: Option<&lockkit_core::spi::Interrupt>,
+        marker: bool,
+    ) -> Result<Attempt> {
+        if req.kind != LockKind::Exclusive {
+            return self.run_kind_acquire(req, interrupt, marker).await;
+        }
         let names = self.names(&req.key)?;
         let config = &self.inner.config;
         let within = config.response_timeout + config.wait_replicas_timeout;
@@ -267,6 +283,13 @@ impl RedisBackend {
                 .map_err(|e| self.fail("running the acquire script with WAIT", e))?;
             (outcome, Some(confirmed))
         };
+        if granted == -1 {
+            return Err(Error::KindMismatch {
+                key: req.key.clone(),
+                found: "is held by this owner as a read-write lock".into(),
+                asked: req.kind,
+            });
+        }
         if granted != 1 {
             let mut left = u64::try_from(value).ok().map(Duration::from_millis);
             if depth == 1 {
@@ -318,10 +341,19 @@ impl RedisBackend {
     /// One cancel-safe acquire attempt: the script runs in its own task, and if the caller
     /// goes away before the answer arrives, a grant that arrives anyway is given back.
     pub(crate) async fn attempt(&self, req: &AcquireRequest) -> Result<Attempt> {
+        self.attempt_marking(req, false).await
+    }
+
+    /// [`Self::attempt`]; with `marker`, a write that finds the key busy also registers
+    /// (or refreshes) its owner as a waiting writer, which keeps new readers out.
+    async fn attempt_marking(&self, req: &AcquireRequest, marker: bool) -> Result<Attempt> {
         let (this, request, giver) = (self.clone(), req.clone(), self.clone());
         lockkit_core::spi::detached_acquire(
             crate::conn::BACKEND,
-            move |interrupt| async move { this.run_acquire(&request, Some(&interrupt)).await },
+            move |interrupt| async move {
+                this.run_acquire_marking(&request, Some(&interrupt), marker)
+                    .await
+            },
             Attempt::into_grant,
             move |grant| async move {
                 if let Err(error) = giver.release(&grant).await {
@@ -335,6 +367,9 @@ impl RedisBackend {
     /// Waits for `req`, woken by release messages on the key's channel, retrying transient
     /// errors until the deadline.
     async fn acquire_waiting(&self, req: &AcquireRequest, wait: Duration) -> Result<Grant> {
+        if req.kind != LockKind::Exclusive {
+            return self.acquire_kind_waiting(req, wait).await;
+        }
         let names = self.names(&req.key)?;
         let mut messages = ReleaseMessages::new(self.inner.wakeups.clone(), names.channel);
         wait_for_grant(&req.key, wait, wait_policy(), &mut messages, || {
@@ -358,6 +393,9 @@ impl LockBackend for RedisBackend {
                 min_ttl: Duration::from_millis(1),
                 max_ttl: Some(Duration::from_millis(wire::MAX_TTL_MS)),
                 counts_waiters: !self.inner.cluster,
+                read_write: true,
+                writer_preference: true,
+                semaphore: true,
                 ..Capabilities::default()
             },
         )
@@ -372,6 +410,9 @@ impl LockBackend for RedisBackend {
     }
 
     async fn renew(&self, grant: &Grant, ttl: Duration) -> Result<()> {
+        if grant.kind != LockKind::Exclusive {
+            return self.renew_kind(grant, ttl).await;
+        }
         let names = self.names(&grant.key)?;
         let renewed: i64 = wire::RENEW
             .key(&names.lock)
@@ -390,6 +431,9 @@ impl LockBackend for RedisBackend {
     }
 
     async fn release(&self, grant: &Grant) -> Result<Released> {
+        if grant.kind != LockKind::Exclusive {
+            return self.release_kind(grant).await;
+        }
         let names = self.names(&grant.key)?;
         let left: i64 = wire::RELEASE
             .key(&names.lock)
@@ -424,8 +468,29 @@ impl LockBackend for RedisBackend {
             .invoke_async(&mut self.conn())
             .await
             .map_err(|e| self.fail("running the inspect script", e))?;
-        let Some(info) = parse_inspect(&reply) else {
-            return Ok(None);
+        let (info, channel) = if may_be_kinds(&reply) {
+            let holders = self.kind_holders(key).await?;
+            match holders {
+                Some(holders) => {
+                    let Some(first) = holders.into_iter().next() else {
+                        return Ok(None);
+                    };
+                    let channel = match first.kind {
+                        Some(LockKind::Permit { .. }) => self.kind_names(key)?.sem_channel,
+                        _ => names.channel.clone(),
+                    };
+                    (first, channel)
+                }
+                None => match parse_inspect(&reply) {
+                    Some(info) => (info, names.channel.clone()),
+                    None => return Ok(None),
+                },
+            }
+        } else {
+            match parse_inspect(&reply) {
+                Some(info) => (info, names.channel.clone()),
+                None => return Ok(None),
+            }
         };
         if self.inner.cluster {
             // A cluster's subscribers are spread over its nodes: one node cannot count them.
@@ -437,7 +502,7 @@ impl LockBackend for RedisBackend {
         // who holds the key; only the estimate is missing.
         let counts: std::result::Result<Vec<(String, i64)>, _> = redis::cmd("PUBSUB")
             .arg("NUMSUB")
-            .arg(&names.channel)
+            .arg(&channel)
             .query_async(&mut self.conn())
             .await;
         Ok(Some(match counts {
@@ -450,6 +515,26 @@ impl LockBackend for RedisBackend {
                 info
             }
         }))
+    }
+
+    async fn holders(&self, key: &LockKey) -> Result<Vec<HolderInfo>> {
+        match self.kind_holders(key).await? {
+            Some(holders) => Ok(holders),
+            None => Ok(self.inspect(key).await?.into_iter().collect()),
+        }
+    }
+}
+
+/// Whether an inspect reply may be a read-write lock (a hash with `mode`) or a semaphore
+/// (a number string), which the holders script describes.
+fn may_be_kinds(reply: &[Value]) -> bool {
+    let rest = reply.get(3..).unwrap_or_default();
+    match reply.first().and_then(text).as_deref() {
+        Some("hash") => rest
+            .chunks(2)
+            .any(|pair| pair.first().and_then(text).as_deref() == Some("mode")),
+        Some("string") => rest.first().and_then(number).is_some(),
+        _ => false,
     }
 }
 

@@ -20,6 +20,9 @@ use std::sync::LazyLock;
 use lockkit_core::{Error, LockKey, Result};
 use redis::Script;
 
+mod rw;
+pub(crate) use rw::*;
+
 /// The three Redis names of one lock.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct LockNames {
@@ -94,8 +97,10 @@ pub(crate) const MAX_TTL_MS: u64 = 1_000_000_000_000;
 /// identity (`''`: none; stored in [`HOLDER_FIELD`] by a new holder only).
 /// Returns `{1, token, depth}` when granted, `{0, pttl, 0}` when held by someone else in
 /// Redisson's layout (who publishes on release), `{0, pttl, 1}` when held in another format
-/// (a plain `SET NX PX` string: nobody publishes its release), or an error (before any
-/// write) for a TTL out of range.
+/// (a plain `SET NX PX` string: nobody publishes its release), `{-1, 2, 0}` when the owner
+/// holds the key as a read-write lock (a hash with a `mode` field, where the owner's read
+/// count must never pass for a mutex hold), or an error (before any write) for a TTL out of
+/// range. A read-write lock of other owners is busy.
 ///
 /// A new holder's token is the incremented counter, raised to the server's clock in
 /// microseconds since the epoch when the counter is behind it. So a server that lost the
@@ -131,6 +136,12 @@ if t == 'none' then
     token = tonumber(floor)
   end
   return {1, token, 1}
+end
+if t == 'hash' and redis.call('hexists', KEYS[1], 'mode') == 1 then
+  if redis.call('hexists', KEYS[1], ARGV[2]) == 1 or redis.call('hexists', KEYS[1], ARGV[2] .. ':write') == 1 then
+    return {-1, 2, 0}
+  end
+  return {0, redis.call('pttl', KEYS[1]), 0}
 end
 if t == 'hash' and redis.call('hexists', KEYS[1], ARGV[2]) == 1 then
   local depth
