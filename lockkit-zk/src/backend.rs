@@ -1,6 +1,7 @@
 //! `ZkBackend`: sessions, contenders, predecessor watches, leases and loss.
 
 use std::{
+    collections::HashMap,
     sync::{
         Arc, Mutex, Weak,
         atomic::{AtomicBool, Ordering},
@@ -15,17 +16,22 @@ use lockkit_core::spi::{
 };
 use lockkit_core::{
     BackendInfo, Capabilities, Consistency, Error, FencingToken, HolderInfo, LockBackend, LockKey,
-    LossSignal, LostReason, OwnerId, Result,
+    LockKind, LossSignal, LostReason, OwnerId, Result,
 };
 use tokio::time::Instant;
 use uuid::Uuid;
 use zookeeper_client::{Acls, Client, CreateMode, SessionState};
 
-use crate::{ZkConfig, path::encode};
+use crate::{
+    ZkConfig,
+    path::encode,
+    queue::{
+        LEASES_DIR, LOCK_LABEL, LOCKS_DIR, PERMITS_DIR, Standing, contenders_in_order,
+        downgrade_name, holding, kind_of_node, label_of, sequence_of, standing,
+    },
+};
 
 const BACKEND: &str = "zk";
-/// Apache Curator's InterProcessMutex lock name.
-const LOCK_NAME: &str = "-lock-";
 
 /// An error that says the connection failed, not what the server did: the request may or
 /// may not have been applied, and the session may well live on (the client reconnects).
@@ -112,6 +118,12 @@ pub(crate) struct Held {
     released: AtomicBool,
     /// Who took the hold, encoded: the second line of the node's data.
     identity: String,
+    /// The kind of hold (which registry it is in).
+    kind: LockKind,
+    /// The attempt that made the hold (a permit's key in the registry of permits).
+    attempt: Uuid,
+    /// A node that goes with the hold: a permit's child of `lockkit-permits`.
+    marker: Option<String>,
 }
 
 impl std::fmt::Debug for Held {
@@ -195,7 +207,16 @@ impl Session {
 pub(crate) struct Inner {
     config: ZkConfig,
     session: tokio::sync::Mutex<Arc<Session>>,
+    /// Plain (exclusive) holds.
     held: LocalHolds<Held>,
+    /// Read holds of read-write locks: an owner's read and write holds of a key are two
+    /// holds (a writer may read: downgrade).
+    reads: LocalHolds<Held>,
+    /// Write holds of read-write locks.
+    writes: LocalHolds<Held>,
+    /// Semaphore permits, by the attempt that took them: never reentrant, so one hold per
+    /// acquisition, whatever its owner.
+    permits: Mutex<HashMap<Uuid, Arc<Held>>>,
     /// Predecessor watches that fired, for herd checks.
     wakeups: std::sync::atomic::AtomicU64,
 }
@@ -247,6 +268,9 @@ impl ZkBackend {
                 config,
                 session: tokio::sync::Mutex::new(session),
                 held: LocalHolds::new(),
+                reads: LocalHolds::new(),
+                writes: LocalHolds::new(),
+                permits: Mutex::new(HashMap::new()),
                 wakeups: std::sync::atomic::AtomicU64::new(0),
             }),
         })
@@ -313,13 +337,86 @@ impl ZkBackend {
         Ok(current.clone())
     }
 
+    /// The registry of an owner's holds of `kind`; `None` for permits, which are kept by
+    /// attempt (see [`Inner::permits`]).
+    fn registry(&self, kind: LockKind) -> Option<&LocalHolds<Held>> {
+        match kind {
+            LockKind::Read => Some(&self.inner.reads),
+            LockKind::Write => Some(&self.inner.writes),
+            LockKind::Permit { .. } => None,
+            _ => Some(&self.inner.held),
+        }
+    }
+
+    /// Forgets `held` if it is still the registered hold (a newer one stays).
     fn forget(&self, held: &Held) {
-        self.inner.held.forget(held.owner, &held.key, held);
+        match self.registry(held.kind) {
+            Some(registry) => registry.forget(held.owner, &held.key, held),
+            None => {
+                let mut permits = lock(&self.inner.permits);
+                if permits
+                    .get(&held.attempt)
+                    .is_some_and(|h| std::ptr::eq(Arc::as_ptr(h), held))
+                {
+                    permits.remove(&held.attempt);
+                }
+            }
+        }
     }
 
     /// The live hold behind `grant`, checking it belongs to this client, owner and key.
     fn held_of(&self, grant: &Grant) -> Result<Arc<Held>> {
-        self.inner.held.held_of(grant)
+        if let Some(registry) = self.registry(grant.kind) {
+            return registry.held_of(grant);
+        }
+        let held = grant
+            .state
+            .clone()
+            .and_then(|state| state.downcast::<Held>().ok())
+            .filter(|held| held.key == grant.key && held.owner == grant.owner);
+        match (held, lock(&self.inner.permits).get(&grant.attempt)) {
+            (Some(held), Some(current)) if Arc::ptr_eq(&held, current) => Ok(held),
+            _ => Err(Error::NotHeld {
+                key: grant.key.clone(),
+            }),
+        }
+    }
+
+    /// `owner`'s registered hold of `kind` on `key`, unless it is known to be lost.
+    fn live(&self, kind: LockKind, owner: OwnerId, key: &LockKey) -> Option<Arc<Held>> {
+        self.registry(kind)?
+            .get(owner, key)
+            .filter(|h| !h.loss.is_fired() && !h.released.load(Ordering::SeqCst))
+    }
+
+    /// Refuses, before any I/O, what `req`'s owner can never get beside what it holds in
+    /// this client: a write while it only reads (it would wait for itself), and a mix of
+    /// a plain lock with a read-write lock on one key.
+    fn refuse_conflicting_kinds(&self, req: &AcquireRequest) -> Result<()> {
+        let holds = |kind| self.live(kind, req.owner, &req.key).is_some();
+        let mismatch = |found: &str| {
+            Err(Error::KindMismatch {
+                key: req.key.clone(),
+                found: found.into(),
+                asked: req.kind,
+            })
+        };
+        match req.kind {
+            LockKind::Write if holds(LockKind::Read) && !holds(LockKind::Write) => {
+                Err(Error::WouldDeadlock {
+                    key: req.key.clone(),
+                    held: LockKind::Read,
+                    asked: req.kind,
+                })
+            }
+            LockKind::Read | LockKind::Write if holds(LockKind::Exclusive) => {
+                mismatch("is held by this owner as an exclusive lock")
+            }
+            LockKind::Exclusive if holds(LockKind::Read) || holds(LockKind::Write) => {
+                mismatch("is held by this owner as a read-write lock")
+            }
+            _ => Ok(()),
+        }
     }
 
     /// Creates this attempt's contender node, finding it after a connection loss instead
@@ -330,12 +427,13 @@ impl ZkBackend {
         &self,
         session: &Arc<Session>,
         dir: &str,
+        label: &str,
         req: &AcquireRequest,
         deadline: Instant,
         interrupt: &Interrupt,
     ) -> Result<Option<(String, u64)>> {
         let client = &session.client;
-        let unique = format!("_c_{}{LOCK_NAME}", Uuid::new_v4());
+        let unique = format!("_c_{}{label}", Uuid::new_v4());
         // After a lost reply a create may have happened without our knowing: any node of
         // ours but the one we use must go, or it would hold the key while the session lives.
         let mut uncertain = false;
@@ -412,10 +510,11 @@ impl ZkBackend {
                             .mkdir(&self.inner.config.root, &persistent)
                             .await
                             .map_err(|e| zk_error("creating the root node", e))?;
-                        match client.create(dir, &[], &container).await {
-                            Ok(_) | Err(zookeeper_client::Error::NodeExists) => Ok(()),
-                            Err(e) => Err(zk_error("creating the lock's container node", e)),
-                        }
+                        // A semaphore's `locks` and `leases` are containers in the key's.
+                        client
+                            .mkdir(dir, &container)
+                            .await
+                            .map_err(|e| zk_error("creating the lock's container node", e))
                     };
                     match answer_by(directories, self.request_end(deadline), interrupt).await {
                         Ok(made) => made?,
@@ -464,20 +563,34 @@ impl ZkBackend {
         ))
     }
 
-    /// Queues for the lock and waits at the head; `None` when `wait` ran out or the caller
-    /// went away (the node is deleted then).
-    async fn contend(
+    /// Queues `req` in `dir` as a contender named `label` and waits until the queue rule
+    /// ([`standing`]) says it holds, watching only the one node it waits for. `None` when
+    /// the wait ran out or the caller went away (the node is deleted then). In the key's
+    /// own directory, a key in use as a semaphore is refused with `KindMismatch`.
+    async fn queue_for(
         &self,
+        attempt: &Attempting<'_>,
+        dir: &str,
+        label: &str,
         req: &AcquireRequest,
-        wait: Duration,
-        interrupt: Interrupt,
-    ) -> Result<Option<Grant>> {
-        let deadline = deadline_after(wait);
-        let session = self.session().await?;
+    ) -> Result<Option<Queued>> {
+        let Attempting {
+            session,
+            deadline,
+            patient,
+            interrupt,
+        } = *attempt;
         let client = session.client.clone();
-        let dir = self.lock_dir(&req.key);
+        let mut check_semaphore = dir == self.lock_dir(&req.key);
         let Some((node, czxid)) = self
-            .create_contender(&session, &dir, req, self.request_end(deadline), &interrupt)
+            .create_contender(
+                session,
+                dir,
+                label,
+                req,
+                self.request_end(deadline),
+                interrupt,
+            )
             .await?
         else {
             return Ok(None);
@@ -532,9 +645,9 @@ impl ZkBackend {
         let granted_at = loop {
             let sent = Instant::now();
             let listed = match answer_by(
-                client.list_children(&dir),
+                client.list_children(dir),
                 self.request_end(deadline),
-                &interrupt,
+                interrupt,
             )
             .await
             {
@@ -558,6 +671,37 @@ impl ZkBackend {
                 }
             };
             session.touch(sent);
+            if check_semaphore && children.iter().any(|c| c == LEASES_DIR || c == PERMITS_DIR) {
+                check_semaphore = false;
+                let found = match answer_by(
+                    semaphore_in_use(&client, dir),
+                    self.request_end(deadline),
+                    interrupt,
+                )
+                .await
+                {
+                    Ok(found) => found,
+                    Err(why) => {
+                        give_up(node).await;
+                        return unanswered_wait(why, "reading the semaphore's nodes");
+                    }
+                };
+                match found {
+                    Ok(None) => {}
+                    Ok(Some(found)) => {
+                        give_up(node).await;
+                        return Err(Error::KindMismatch {
+                            key: req.key.clone(),
+                            found,
+                            asked: req.kind,
+                        });
+                    }
+                    Err(e) => {
+                        give_up(node).await;
+                        return Err(e);
+                    }
+                }
+            }
             let queue = contenders_in_order(&children);
             let Some(position) = queue.iter().position(|c| **c == name) else {
                 // Our node vanished: the session expired while we waited.
@@ -567,18 +711,18 @@ impl ZkBackend {
                     "the contender node vanished (session expired?)",
                 ));
             };
-            if position == 0 {
+            let Standing::Behind(blocker) = standing(&queue, position) else {
                 break sent;
-            }
-            if wait.is_zero() || Instant::now() >= deadline {
+            };
+            if !patient || Instant::now() >= deadline {
                 give_up(node).await;
                 return Ok(None);
             }
-            let predecessor = format!("{dir}/{}", queue[position - 1]);
+            let predecessor = format!("{dir}/{}", queue[blocker]);
             let watched = match answer_by(
                 client.check_and_watch_stat(&predecessor),
                 self.request_end(deadline),
-                &interrupt,
+                interrupt,
             )
             .await
             {
@@ -616,16 +760,70 @@ impl ZkBackend {
                 }
             }
         };
-        let held = Arc::new(Held {
+        Ok(Some(Queued {
             node,
+            czxid,
+            granted_at,
+        }))
+    }
+
+    /// Takes `req`'s hold anew (no hold of its owner and kind is live in this client):
+    /// a downgrade at once beside the owner's write, a permit, or a place in the key's
+    /// queue. `None` when the wait ran out or the caller went away.
+    async fn contend(
+        &self,
+        req: &AcquireRequest,
+        wait: Duration,
+        interrupt: Interrupt,
+    ) -> Result<Option<Grant>> {
+        let deadline = deadline_after(wait);
+        if req.kind == LockKind::Read
+            && let Some(writer) = self.live(LockKind::Write, req.owner, &req.key)
+        {
+            return self.downgrade(req, &writer, deadline, &interrupt).await;
+        }
+        let session = self.session().await?;
+        let attempt = Attempting {
+            session: &session,
+            deadline,
+            patient: !wait.is_zero(),
+            interrupt: &interrupt,
+        };
+        if let LockKind::Permit { limit } = req.kind {
+            return self.take_permit(&attempt, req, limit.get()).await;
+        }
+        let dir = self.lock_dir(&req.key);
+        let Some(queued) = self
+            .queue_for(&attempt, &dir, label_of(req.kind), req)
+            .await?
+        else {
+            return Ok(None);
+        };
+        Ok(Some(self.register(req, &session, queued, None)))
+    }
+
+    /// Makes the hold `req` was granted with `queued`'s node: tracked by its session (loss
+    /// fires with it), registered for re-entry and release, its lease enforced.
+    fn register(
+        &self,
+        req: &AcquireRequest,
+        session: &Arc<Session>,
+        queued: Queued,
+        marker: Option<String>,
+    ) -> Grant {
+        let held = Arc::new(Held {
+            node: queued.node,
             key: req.key.clone(),
             owner: req.owner,
-            token: FencingToken::new(czxid),
-            count: HoldCount::new(req, granted_at),
+            token: FencingToken::new(queued.czxid),
+            count: HoldCount::new(req, queued.granted_at),
             loss: req.loss.clone(),
             session: session.clone(),
             released: AtomicBool::new(false),
             identity: req.identity.encode(),
+            kind: req.kind,
+            attempt: req.attempt,
+            marker,
         });
         {
             // Ended holds go as new ones come, so the list stays as long as what is held.
@@ -633,20 +831,352 @@ impl ZkBackend {
             holds.retain(|h| h.strong_count() > 0);
             holds.push(Arc::downgrade(&held));
         }
-        self.inner
-            .held
-            .insert(req.owner, req.key.clone(), held.clone());
+        match self.registry(req.kind) {
+            Some(registry) => registry.insert(req.owner, req.key.clone(), held.clone()),
+            None => {
+                lock(&self.inner.permits).insert(req.attempt, held.clone());
+            }
+        }
         if session.dead.load(Ordering::SeqCst) {
             held.loss.fire(LostReason::SessionLost);
         }
         tokio::spawn(enforce_lease(self.clone(), Arc::downgrade(&held)));
-        Ok(Some(
-            Grant::new(req, held.token, 1, granted_at).with_state(held),
+        Grant::new(req, held.token, 1, queued.granted_at).with_state(held)
+    }
+
+    /// A read beside the owner's own write (downgrade), granted at once: a plain
+    /// `EPHEMERAL` read node that carries the writer's sequence (the fixed form of
+    /// CURATOR-621), so it keeps the writer's place when the write is released: readers
+    /// queued behind may then enter, writers queued behind stay behind. Its token is its
+    /// own node's `czxid`. A retried create after a lost reply finds the node it made.
+    async fn downgrade(
+        &self,
+        req: &AcquireRequest,
+        writer: &Held,
+        deadline: Instant,
+        interrupt: &Interrupt,
+    ) -> Result<Option<Grant>> {
+        let session = writer.session.clone();
+        let client = &session.client;
+        let dir = self.lock_dir(&req.key);
+        let writer_name = writer.node.rsplit('/').next().unwrap_or_default();
+        let Some(name) = downgrade_name(writer_name, &Uuid::new_v4().to_string()) else {
+            return Err(Error::backend(
+                BACKEND,
+                false,
+                format!("the write node `{writer_name}` has no sequence to downgrade with"),
+            ));
+        };
+        let node = format!("{dir}/{name}");
+        let data = contender_record(&req.owner.to_string(), 1, &req.identity.encode());
+        let ephemeral = CreateMode::Ephemeral.with_acls(Acls::anyone_all());
+        // Once sent, a create's outcome is unknown until answered: delete the node unless
+        // the hold is made.
+        let mut unknown = DeleteOnDrop(Some((session.clone(), node.clone())));
+        for _ in 0..5 {
+            let sent = Instant::now();
+            let created = match answer_by(
+                client.create(&node, data.as_bytes(), &ephemeral),
+                self.request_end(deadline),
+                interrupt,
+            )
+            .await
+            {
+                Ok(created) => created,
+                Err(Unanswered::Interrupted) => return Ok(None),
+                Err(Unanswered::TooLate) => {
+                    return Err(unanswered("creating the read node", self.request_limit()));
+                }
+            };
+            let czxid = match created {
+                Ok((stat, _)) => stat.czxid,
+                // Ours (its name is new): the reply to an earlier try was lost.
+                Err(zookeeper_client::Error::NodeExists) => match client.check_stat(&node).await {
+                    Ok(Some(stat)) => stat.czxid,
+                    Ok(None) => continue,
+                    Err(e) => return Err(zk_error("reading the read node", e)),
+                },
+                Err(e) if connection_failed(&e) => {
+                    if !pause_unless_interrupted(self.request_end(deadline), interrupt).await {
+                        return Ok(None);
+                    }
+                    continue;
+                }
+                Err(e) => return Err(zk_error("creating the read node", e)),
+            };
+            session.touch(sent);
+            if writer.loss.is_fired() || writer.released.load(Ordering::SeqCst) {
+                // The write ended meanwhile: the read must queue like any other.
+                return Ok(None);
+            }
+            unknown.0 = None;
+            let queued = Queued {
+                node,
+                czxid: u64::try_from(czxid).unwrap_or(0),
+                granted_at: sent,
+            };
+            return Ok(Some(self.register(req, &session, queued, None)));
+        }
+        Err(Error::backend(
+            BACKEND,
+            true,
+            format!("could not create a read node for `{}`", req.key),
+        ))
+    }
+
+    /// One permit, as Curator's InterProcessSemaphoreV2 takes a lease: register in
+    /// `lockkit-permits` (which checks the permit count), take the semaphore's mutex in
+    /// `<key>/locks` (the FIFO queue, with predecessor watches), create the lease
+    /// `<key>/leases/_c_<uuid>-lease-<seq>`, and wait (watching `leases`) until at most
+    /// `limit` leases exist, the own one included. The mutex is let go in every case; on
+    /// a timeout, an error or cancellation the lease and the registration are deleted too.
+    async fn take_permit(
+        &self,
+        attempt: &Attempting<'_>,
+        req: &AcquireRequest,
+        limit: u32,
+    ) -> Result<Option<Grant>> {
+        let Attempting {
+            session,
+            deadline,
+            patient,
+            interrupt,
+        } = *attempt;
+        let client = &session.client;
+        let dir = self.lock_dir(&req.key);
+        let marker = format!("{dir}/{PERMITS_DIR}/{}", Uuid::new_v4());
+        let mut unmark = DeleteOnDrop(Some((session.clone(), marker.clone())));
+        match answer_by(
+            self.mark_permit(client, &dir, &marker, req, limit),
+            self.request_end(deadline),
+            interrupt,
+        )
+        .await
+        {
+            Ok(marked) => marked?,
+            Err(Unanswered::Interrupted) => return Ok(None),
+            Err(Unanswered::TooLate) => {
+                return Err(unanswered("registering the permit", self.request_limit()));
+            }
+        }
+        let leases = format!("{dir}/{LEASES_DIR}");
+        // First without the mutex: a lease that finds at most `limit` leases, its own
+        // included, holds. That is safe whoever else takes leases at once (each checks a
+        // count that includes every lease granted before its check), and it lets permits
+        // be taken concurrently while the semaphore has room. Only when it is full does a
+        // waiter queue on the mutex, as Curator's do: a lease taken this way backs off at
+        // once when it sees one too many, so queued waiters keep their turn.
+        let queued = match self.lease(attempt, &leases, req, limit, false).await? {
+            Leased::Granted(queued) => queued,
+            Leased::GaveUp => return Ok(None),
+            Leased::Full if !patient => return Ok(None),
+            Leased::Full => {
+                let locks = format!("{dir}/{LOCKS_DIR}");
+                let Some(mutex) = self.queue_for(attempt, &locks, LOCK_LABEL, req).await? else {
+                    return Ok(None);
+                };
+                // Let go of when this returns, whatever happens (as Curator's `finally`).
+                let _unlock = DeleteOnDrop(Some((session.clone(), mutex.node)));
+                match self.lease(attempt, &leases, req, limit, true).await? {
+                    Leased::Granted(queued) => queued,
+                    Leased::Full | Leased::GaveUp => return Ok(None),
+                }
+            }
+        };
+        unmark.0 = None;
+        Ok(Some(self.register(req, session, queued, Some(marker))))
+    }
+
+    /// Creates a lease in `leases` and, while `wait`ing (and the deadline allows), waits
+    /// (watching `leases`) until at most `limit` leases exist, its own included. A lease
+    /// that does not hold is deleted.
+    async fn lease(
+        &self,
+        attempt: &Attempting<'_>,
+        leases: &str,
+        req: &AcquireRequest,
+        limit: u32,
+        wait: bool,
+    ) -> Result<Leased> {
+        let Attempting {
+            session,
+            deadline,
+            interrupt,
+            ..
+        } = *attempt;
+        let client = &session.client;
+        let Some((lease, czxid)) = self
+            .create_contender(
+                session,
+                leases,
+                label_of(req.kind),
+                req,
+                self.request_end(deadline),
+                interrupt,
+            )
+            .await?
+        else {
+            return Ok(Leased::GaveUp);
+        };
+        let mut unlease = DeleteOnDrop(Some((session.clone(), lease.clone())));
+        let name = lease[leases.len() + 1..].to_owned();
+        let granted_at = loop {
+            let sent = Instant::now();
+            let listed = match answer_by(
+                client.list_and_watch_children(leases),
+                self.request_end(deadline),
+                interrupt,
+            )
+            .await
+            {
+                Ok(listed) => listed,
+                Err(Unanswered::Interrupted) => return Ok(Leased::GaveUp),
+                Err(Unanswered::TooLate) => {
+                    return Err(unanswered("listing leases", self.request_limit()));
+                }
+            };
+            let (children, watcher) = match listed {
+                Ok(listed) => listed,
+                Err(e) if connection_failed(&e) && Instant::now() < deadline => {
+                    if !pause_unless_interrupted(deadline, interrupt).await {
+                        return Ok(Leased::GaveUp);
+                    }
+                    continue;
+                }
+                Err(e) => return Err(zk_error("listing leases", e)),
+            };
+            session.touch(sent);
+            if !children.contains(&name) {
+                return Err(Error::backend(
+                    BACKEND,
+                    true,
+                    "the lease node vanished (session expired?)",
+                ));
+            }
+            if children.len() <= usize::try_from(limit).unwrap_or(usize::MAX) {
+                break sent;
+            }
+            if !wait || Instant::now() >= deadline {
+                // Gone before anyone queues behind it, so the count it inflated is right
+                // again when this returns.
+                unlease.0 = None;
+                let limit = self.request_limit();
+                let _ =
+                    tokio::time::timeout(limit, delete_until_gone(session.clone(), lease)).await;
+                return Ok(if wait { Leased::GaveUp } else { Leased::Full });
+            }
+            tokio::select! {
+                _ = watcher.changed() => {
+                    self.inner.wakeups.fetch_add(1, Ordering::SeqCst);
+                }
+                _ = tokio::time::sleep_until(deadline) => return Ok(Leased::GaveUp),
+                _ = interrupt.interrupted() => return Ok(Leased::GaveUp),
+            }
+        };
+        unlease.0 = None;
+        Ok(Leased::Granted(Queued {
+            node: lease,
+            czxid,
+            granted_at,
+        }))
+    }
+
+    /// Registers a permit of a `limit`-permit semaphore as the ephemeral node `marker`
+    /// under `<dir>/lockkit-permits`: a container whose data is the permit count (Curator
+    /// stores none), so lockkit clients can check they agree on it. A container left by
+    /// a semaphore nobody uses any more (no registration) is replaced.
+    ///
+    /// # Errors
+    /// [`Error::KindMismatch`] when lockkit permits of another count are out, or the key
+    /// is queued for as a lock; [`Error::Backend`] when ZooKeeper fails (the marker may
+    /// exist then: the caller deletes it).
+    async fn mark_permit(
+        &self,
+        client: &Client,
+        dir: &str,
+        marker: &str,
+        req: &AcquireRequest,
+        limit: u32,
+    ) -> Result<()> {
+        let mismatch = |found: String| Error::KindMismatch {
+            key: req.key.clone(),
+            found,
+            asked: req.kind,
+        };
+        let permits = format!("{dir}/{PERMITS_DIR}");
+        // Both asked at once: one round trip.
+        let (listed, first) = tokio::join!(client.list_children(dir), client.get_data(&permits));
+        match listed {
+            Ok(children) if !contenders_in_order(&children).is_empty() => {
+                return Err(mismatch("is used as a lock".into()));
+            }
+            Ok(_) | Err(zookeeper_client::Error::NoNode) => {}
+            Err(e) => return Err(zk_error("listing the key's nodes", e)),
+        }
+        let mut first = Some(first);
+        let acls = Acls::anyone_all();
+        let container = CreateMode::Container.with_acls(acls);
+        let ephemeral = CreateMode::Ephemeral.with_acls(acls);
+        for _ in 0..8 {
+            let read = match first.take() {
+                Some(read) => read,
+                None => client.get_data(&permits).await,
+            };
+            match read {
+                Ok((data, stat)) => {
+                    let stored = String::from_utf8_lossy(&data).trim().to_owned();
+                    if stored != limit.to_string() {
+                        if stat.num_children > 0 {
+                            return Err(mismatch(format!("is a semaphore of {stored} permits")));
+                        }
+                        // Nobody's: a container the server has not removed yet.
+                        let _ = client.delete(&permits, Some(stat.version)).await;
+                        continue;
+                    }
+                    match client.create(marker, &[], &ephemeral).await {
+                        Ok(_) | Err(zookeeper_client::Error::NodeExists) => return Ok(()),
+                        Err(zookeeper_client::Error::NoNode) => continue,
+                        Err(e) => return Err(zk_error("registering the permit", e)),
+                    }
+                }
+                Err(zookeeper_client::Error::NoNode) => {
+                    let persistent = CreateMode::Persistent.with_acls(acls);
+                    client
+                        .mkdir(&self.inner.config.root, &persistent)
+                        .await
+                        .map_err(|e| zk_error("creating the root node", e))?;
+                    client
+                        .mkdir(dir, &container)
+                        .await
+                        .map_err(|e| zk_error("creating the key's container node", e))?;
+                    match client
+                        .create(&permits, limit.to_string().as_bytes(), &container)
+                        .await
+                    {
+                        Ok(_)
+                        | Err(
+                            zookeeper_client::Error::NodeExists | zookeeper_client::Error::NoNode,
+                        ) => {}
+                        Err(e) => return Err(zk_error("creating the permit count node", e)),
+                    }
+                }
+                Err(e) => return Err(zk_error("reading the permit count", e)),
+            }
+        }
+        Err(Error::backend(
+            BACKEND,
+            true,
+            format!("could not register a permit of `{}`", req.key),
         ))
     }
 
     async fn acquire_within(&self, req: &AcquireRequest, wait: Duration) -> Result<Option<Grant>> {
-        let existing = self.inner.held.get(req.owner, &req.key);
+        self.refuse_conflicting_kinds(req)?;
+        let existing = match self.registry(req.kind) {
+            Some(registry) => registry.get(req.owner, &req.key),
+            // A permit is never re-entered; only a retried attempt finds its own.
+            None => lock(&self.inner.permits).get(&req.attempt).cloned(),
+        };
         if let Some(held) = existing.filter(|h| !h.loss.is_fired()) {
             // Its own task, like a fresh acquisition: if the caller goes away while the
             // depth is being recorded for `inspect`, the hold it added is given back.
@@ -690,6 +1220,117 @@ impl ZkBackend {
     }
 }
 
+/// What one acquisition works with: its session, its deadline, whether it may wait at
+/// all (`false` for a try), and its caller's interrupt.
+#[derive(Clone, Copy)]
+struct Attempting<'a> {
+    session: &'a Arc<Session>,
+    deadline: Instant,
+    patient: bool,
+    interrupt: &'a Interrupt,
+}
+
+/// What one try for a lease came to.
+enum Leased {
+    /// The lease holds.
+    Granted(Queued),
+    /// The semaphore was full (the lease is deleted).
+    Full,
+    /// The wait ran out or the caller went away (the lease is deleted).
+    GaveUp,
+}
+
+/// A contender node that reached the point where it holds.
+struct Queued {
+    node: String,
+    czxid: u64,
+    /// When the request that saw it hold was sent: the lease counts from here.
+    granted_at: Instant,
+}
+
+/// The holders at `nodes` (path and kind), each with `waiters`; `None` when a node is gone
+/// (the queue moved: list it again).
+async fn read_holders(
+    client: &Client,
+    nodes: Vec<(String, LockKind)>,
+    waiters: u32,
+) -> Result<Option<Vec<HolderInfo>>> {
+    let mut found = Vec::with_capacity(nodes.len());
+    for (node, kind) in nodes {
+        let name = node.rsplit('/').next().unwrap_or_default();
+        match client.get_data(&node).await {
+            Ok((data, stat)) => {
+                let (owner, depth, identity) =
+                    parse_contender_record(&data, &format!("node {name}"));
+                let token = FencingToken::new(u64::try_from(stat.czxid).unwrap_or(0));
+                let info = HolderInfo::new(owner, depth, Some(token), None)
+                    .with_identity(identity)
+                    .with_waiters(waiters);
+                // A plain lock is reported as before: no kind.
+                found.push(match kind {
+                    LockKind::Exclusive => info,
+                    kind => info.with_kind(kind),
+                });
+            }
+            Err(zookeeper_client::Error::NoNode) => return Ok(None),
+            Err(e) => return Err(zk_error("reading the holder node", e)),
+        }
+    }
+    Ok(Some(found))
+}
+
+/// A semaphore's holders: its leases in sequence order, the first `limit` of them when
+/// lockkit stored the count (more exist only while a waiter checks), all otherwise.
+async fn permit_holders(client: &Client, dir: &str) -> Result<Option<Vec<HolderInfo>>> {
+    let limit = match client.get_data(&format!("{dir}/{PERMITS_DIR}")).await {
+        Ok((data, _)) => String::from_utf8_lossy(&data).trim().parse::<u32>().ok(),
+        Err(zookeeper_client::Error::NoNode) => None,
+        Err(e) => return Err(zk_error("reading the permit count", e)),
+    };
+    let leases = format!("{dir}/{LEASES_DIR}");
+    let mut children = match client.list_children(&leases).await {
+        Ok(children) => children,
+        Err(zookeeper_client::Error::NoNode) => return Ok(Some(Vec::new())),
+        Err(e) => return Err(zk_error("listing leases", e)),
+    };
+    children.sort_by_key(|c| (sequence_of(c), c.clone()));
+    let total = u32::try_from(children.len()).unwrap_or(u32::MAX);
+    let holding = limit.unwrap_or(total).min(total);
+    let kind =
+        std::num::NonZeroU32::new(limit.unwrap_or(total)).map(|limit| LockKind::Permit { limit });
+    let nodes = children
+        .iter()
+        .take(usize::try_from(holding).unwrap_or(usize::MAX))
+        .filter_map(|c| Some((format!("{leases}/{c}"), kind?)))
+        .collect();
+    read_holders(client, nodes, total - holding).await
+}
+
+/// Whether the key whose directory is `dir` is in use as a semaphore (leases or lockkit
+/// permit registrations exist), and as what.
+async fn semaphore_in_use(client: &Client, dir: &str) -> Result<Option<String>> {
+    let leases = match client.list_children(&format!("{dir}/{LEASES_DIR}")).await {
+        Ok(leases) => leases.len(),
+        Err(zookeeper_client::Error::NoNode) => 0,
+        Err(e) => return Err(zk_error("listing leases", e)),
+    };
+    let (count, marked) = match client.get_data(&format!("{dir}/{PERMITS_DIR}")).await {
+        Ok((data, stat)) => (
+            Some(String::from_utf8_lossy(&data).trim().to_owned()),
+            stat.num_children,
+        ),
+        Err(zookeeper_client::Error::NoNode) => (None, 0),
+        Err(e) => return Err(zk_error("reading the permit count", e)),
+    };
+    if leases == 0 && marked == 0 {
+        return Ok(None);
+    }
+    Ok(Some(match count {
+        Some(count) if marked > 0 => format!("is a semaphore of {count} permits"),
+        _ => "is used as a semaphore".into(),
+    }))
+}
+
 /// Node data with the hold count when above one (best effort, for `inspect`).
 async fn record_depth(held: &Held, depth: u32) {
     let data = contender_record(&held.owner.to_string(), depth, &held.identity);
@@ -698,31 +1339,6 @@ async fn record_depth(held: &Held, depth: u32) {
         .client
         .set_data(&held.node, data.as_bytes(), None)
         .await;
-}
-
-/// The sequence number ZooKeeper appended to a sequential node's name: its last 10 digits
-/// (one counter per parent, so it orders every contender in a lock's directory), or `None`
-/// for a node that is not sequential.
-fn sequence_of(name: &str) -> Option<u64> {
-    let digits = name.get(name.len().checked_sub(10)?..)?;
-    if digits.bytes().all(|b| b.is_ascii_digit()) {
-        digits.parse().ok()
-    } else {
-        None
-    }
-}
-
-/// The contenders in a lock's directory, in queue order: every sequential child, whoever
-/// made it (lockkit's and Curator's `_c_<uuid>-lock-N`, kazoo's `<uuid>__lock__N`, read
-/// locks of read-write recipes such as `__rlock__` or `__READ__`, which exclude a mutex
-/// too, the ZooKeeper recipe's `x-<session>-N`), so mixed fleets exclude each other.
-fn contenders_in_order(children: &[String]) -> Vec<&String> {
-    let mut queue: Vec<(u64, &String)> = children
-        .iter()
-        .filter_map(|c| Some((sequence_of(c)?, c)))
-        .collect();
-    queue.sort();
-    queue.into_iter().map(|(_, c)| c).collect()
 }
 
 async fn open_session(config: &ZkConfig) -> Result<Arc<Session>> {
@@ -829,6 +1445,9 @@ async fn enforce_lease(backend: ZkBackend, held: Weak<Held>) {
             backend.forget(&h);
             h.loss.fire(LostReason::LeaseExpired);
             delete_until_gone(h.session.clone(), h.node.clone()).await;
+            if let Some(marker) = &h.marker {
+                delete_until_gone(h.session.clone(), marker.clone()).await;
+            }
             return;
         }
     }
@@ -847,6 +1466,12 @@ impl LockBackend for ZkBackend {
                 // Each waiter watches only its predecessor.
                 queued_wait: true,
                 counts_waiters: true,
+                // Curator's read-write lock layout; FIFO, so a waiting writer keeps new
+                // readers out.
+                read_write: true,
+                writer_preference: true,
+                // Curator's InterProcessSemaphoreV2 layout.
+                semaphore: true,
                 ..Capabilities::default()
             },
         )
@@ -912,6 +1537,10 @@ impl LockBackend for ZkBackend {
         let mut unanswered = DeleteOnDrop(Some((held.session.clone(), held.node.clone())));
         let deleted = held.session.client.delete(&held.node, None).await;
         unanswered.0 = None;
+        if let Some(marker) = &held.marker {
+            // Only lockkit's count check depends on it: deleted in the background.
+            drop(DeleteOnDrop(Some((held.session.clone(), marker.clone()))));
+        }
         match deleted {
             Ok(()) if !lost => Ok(Released::Fully),
             Ok(())
@@ -942,6 +1571,15 @@ impl LockBackend for ZkBackend {
     }
 
     async fn inspect(&self, key: &LockKey) -> Result<Option<HolderInfo>> {
+        Ok(self.holders(key).await?.into_iter().next())
+    }
+
+    /// Every holder: the readers (or the writer or mutex holder) at the front of the key's
+    /// queue, or a semaphore's leases (the first `limit` by sequence when more exist: the
+    /// rest wait), each with its kind, its node's `czxid` as token and the identity lockkit
+    /// stored in the node (a peer's nodes carry none). `waiters` counts the contenders
+    /// that do not hold.
+    async fn holders(&self, key: &LockKey) -> Result<Vec<HolderInfo>> {
         let session = self.session().await?;
         let client = &session.client;
         let dir = self.lock_dir(key);
@@ -952,66 +1590,34 @@ impl LockBackend for ZkBackend {
             .sync("/")
             .await
             .map_err(|e| zk_error("syncing before inspecting", e))?;
-        let children = match client.list_children(&dir).await {
-            Ok(children) => children,
-            Err(zookeeper_client::Error::NoNode) => return Ok(None),
-            Err(e) => return Err(zk_error("listing contenders", e)),
-        };
-        let queue = contenders_in_order(&children);
-        for (position, head) in queue.iter().enumerate() {
-            match client.get_data(&format!("{dir}/{head}")).await {
-                Ok((data, stat)) => {
-                    let (owner, depth, identity) =
-                        parse_contender_record(&data, &format!("node {head}"));
-                    let waiters = u32::try_from(queue.len() - position - 1).unwrap_or(u32::MAX);
-                    return Ok(Some(
-                        HolderInfo::new(
-                            owner,
-                            depth,
-                            Some(FencingToken::new(u64::try_from(stat.czxid).unwrap_or(0))),
-                            None,
-                        )
-                        .with_identity(identity)
-                        .with_waiters(waiters),
-                    ));
-                }
-                Err(zookeeper_client::Error::NoNode) => continue,
-                Err(e) => return Err(zk_error("reading the holder node", e)),
+        // A holder deleted between the listing and the read of its node: list again, so
+        // the contender behind it is seen as the holder it now is.
+        for _ in 0..3 {
+            let children = match client.list_children(&dir).await {
+                Ok(children) => children,
+                Err(zookeeper_client::Error::NoNode) => return Ok(Vec::new()),
+                Err(e) => return Err(zk_error("listing contenders", e)),
+            };
+            let queue = contenders_in_order(&children);
+            let found = if queue.is_empty() && children.iter().any(|c| c == LEASES_DIR) {
+                permit_holders(client, &dir).await?
+            } else {
+                let holding = holding(&queue);
+                let waiters = u32::try_from(queue.len() - holding.len()).unwrap_or(u32::MAX);
+                let nodes = holding
+                    .into_iter()
+                    .map(|i| (format!("{dir}/{}", queue[i]), kind_of_node(queue[i])))
+                    .collect();
+                read_holders(client, nodes, waiters).await?
+            };
+            if let Some(found) = found {
+                return Ok(found);
             }
         }
-        Ok(None)
-    }
-}
-
-#[cfg(test)]
-mod queue_tests {
-    use super::*;
-
-    #[test]
-    fn every_sequential_child_is_a_contender_in_sequence_order() {
-        let children: Vec<String> = [
-            "_c_0b5e-lock-0000000007",
-            "f00d__lock__0000000003",
-            "beef__rlock__0000000009",
-            "x-1234-0000000005",
-            "not-a-contender",
-            "_c_aa-lock-0000000001",
-        ]
-        .map(String::from)
-        .to_vec();
-        let order: Vec<&str> = contenders_in_order(&children)
-            .into_iter()
-            .map(String::as_str)
-            .collect();
-        assert_eq!(
-            order,
-            [
-                "_c_aa-lock-0000000001",
-                "f00d__lock__0000000003",
-                "x-1234-0000000005",
-                "_c_0b5e-lock-0000000007",
-                "beef__rlock__0000000009",
-            ]
-        );
+        Err(Error::backend(
+            BACKEND,
+            true,
+            format!("the holders of `{key}` kept changing while being read"),
+        ))
     }
 }

@@ -21,6 +21,7 @@
 mod backend;
 mod config;
 pub mod path;
+mod queue;
 
 pub use backend::ZkBackend;
 pub use config::{SCHEMES, ZkConfig};
