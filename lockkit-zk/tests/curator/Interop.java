@@ -2,23 +2,59 @@ import org.apache.curator.framework.CuratorFramework;
 import org.apache.curator.framework.CuratorFrameworkFactory;
 import org.apache.curator.retry.RetryOneTime;
 import org.apache.curator.framework.recipes.locks.InterProcessMutex;
+import org.apache.curator.framework.recipes.locks.InterProcessReadWriteLock;
+import org.apache.curator.framework.recipes.locks.InterProcessSemaphoreV2;
+import org.apache.curator.framework.recipes.locks.Lease;
 import java.util.concurrent.TimeUnit;
 
+/**
+ * Curator's side of the interop tests: args are connect string, path, mode, milliseconds
+ * (how long to hold, or to wait), and for a semaphore its number of leases.
+ *
+ * Modes: hold / try (InterProcessMutex), rw-read-hold / rw-read-try / rw-write-hold /
+ * rw-write-try (InterProcessReadWriteLock), sem-hold / sem-try (InterProcessSemaphoreV2).
+ * A hold prints HELD, then RELEASED; a try prints GOT or BUSY.
+ */
 public class Interop {
+  static void say(String s) { System.out.println(s); System.out.flush(); }
+
   public static void main(String[] a) throws Exception {
     CuratorFramework c = CuratorFrameworkFactory.newClient(a[0], new RetryOneTime(100));
     c.start();
-    InterProcessMutex m = new InterProcessMutex(c, a[1]);
-    if (a[2].equals("hold")) {
-      m.acquire();
-      System.out.println("HELD"); System.out.flush();
-      Thread.sleep(Long.parseLong(a[3]));
-      m.release();
-      System.out.println("RELEASED"); System.out.flush();
+    String mode = a[2];
+    long ms = Long.parseLong(a[3]);
+    if (mode.startsWith("sem-")) {
+      InterProcessSemaphoreV2 s = new InterProcessSemaphoreV2(c, a[1], Integer.parseInt(a[4]));
+      if (mode.equals("sem-hold")) {
+        Lease l = s.acquire();
+        say("HELD");
+        Thread.sleep(ms);
+        s.returnLease(l);
+        say("RELEASED");
+      } else {
+        Lease l = s.acquire(ms, TimeUnit.MILLISECONDS);
+        say(l != null ? "GOT" : "BUSY");
+        if (l != null) s.returnLease(l);
+      }
     } else {
-      boolean got = m.acquire(Long.parseLong(a[3]), TimeUnit.MILLISECONDS);
-      System.out.println(got ? "GOT" : "BUSY"); System.out.flush();
-      if (got) m.release();
+      InterProcessMutex m;
+      if (mode.startsWith("rw-")) {
+        InterProcessReadWriteLock rw = new InterProcessReadWriteLock(c, a[1]);
+        m = mode.startsWith("rw-read-") ? rw.readLock() : rw.writeLock();
+      } else {
+        m = new InterProcessMutex(c, a[1]);
+      }
+      if (mode.endsWith("hold")) {
+        m.acquire();
+        say("HELD");
+        Thread.sleep(ms);
+        m.release();
+        say("RELEASED");
+      } else {
+        boolean got = m.acquire(ms, TimeUnit.MILLISECONDS);
+        say(got ? "GOT" : "BUSY");
+        if (got) m.release();
+      }
     }
     c.close();
   }
