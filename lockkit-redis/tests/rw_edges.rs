@@ -264,3 +264,29 @@ async fn renewals_and_releases_of_readers_interleave_safely() {
     let exists: bool = s.admin.exists(&s.name).await.unwrap();
     assert!(!exists);
 }
+
+/// A stale mutex grant of an owner that now reads the key (its field in the hash is a read
+/// count) can neither renew nor release anything there: the readers' hash stays.
+#[tokio::test]
+async fn a_stale_mutex_grant_never_touches_a_read_hold() {
+    let Some(mut s) = setup().await else { return };
+    let owner = s.locker.owner();
+    let read = owner.read(s.name.as_str()).ttl(TTL).await.unwrap();
+    let other = s.locker.read(s.name.as_str()).ttl(TTL).await.unwrap();
+    let req = AcquireRequest::new(s.key.clone(), owner.id(), TTL, LossSignal::new());
+    let mut stale =
+        lockkit_core::spi::Grant::new(&req, lockkit_core::FencingToken::new(1), 1, Instant::now());
+    stale.attempt = Uuid::nil();
+    assert!(matches!(
+        s.backend.renew(&stale, TTL).await,
+        Err(lockkit_core::Error::NotHeld { .. })
+    ));
+    assert!(matches!(
+        s.backend.release(&stale).await,
+        Err(lockkit_core::Error::NotHeld { .. })
+    ));
+    let count: String = s.admin.hget(&s.name, owner.id().to_string()).await.unwrap();
+    assert_eq!(count, "1", "the read count was taken by a mutex release");
+    read.release().await.unwrap();
+    other.release().await.unwrap();
+}

@@ -284,16 +284,17 @@ impl RedisBackend {
             super::wait_policy(),
             &mut messages,
             || async move {
-                let attempt = self.attempt_marking(req, writer).await;
-                if let (Some(marker), Ok(Attempt::Busy { .. })) = (marker_ref, &attempt) {
+                // Set before the attempt: if this future is dropped while the attempt is
+                // out, the script may still mark the writer, and the marker must go.
+                if let Some(marker) = marker_ref {
                     marker.set.store(true, Ordering::SeqCst);
                 }
-                attempt
+                self.attempt_marking(req, writer).await
             },
         )
         .await;
         if let (Some(marker), Ok(_)) = (&marker, &outcome) {
-            // The grant removed the marker.
+            // The grant removed the marker (in its script, atomically).
             marker.set.store(false, Ordering::SeqCst);
         }
         drop(marker);

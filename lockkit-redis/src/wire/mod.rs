@@ -161,12 +161,15 @@ end
 return {0, redis.call('pttl', KEYS[1]), 1}
 ";
 
-/// KEYS: lock. ARGV: ttl ms, owner field. Returns 1 if renewed, 0 if not ours. The lease
-/// becomes the longer of what is left and `ttl`: a renewal never shortens it.
+/// KEYS: lock. ARGV: ttl ms, owner field. Returns 1 if renewed, 0 if not ours (also when
+/// the hash is a read-write lock, where the owner's field is a read count, not a mutex
+/// hold). The lease becomes the longer of what is left and `ttl`: a renewal never shortens
+/// it.
 pub(crate) static RENEW: LazyLock<Script> = LazyLock::new(|| {
     Script::new(
         r"
-if redis.call('type', KEYS[1]).ok == 'hash' and redis.call('hexists', KEYS[1], ARGV[2]) == 1 then
+if redis.call('type', KEYS[1]).ok == 'hash' and redis.call('hexists', KEYS[1], ARGV[2]) == 1
+  and redis.call('hexists', KEYS[1], 'mode') == 0 then
   if redis.call('pttl', KEYS[1]) < tonumber(ARGV[1]) then
     redis.call('pexpire', KEYS[1], ARGV[1])
   end
@@ -178,14 +181,17 @@ return 0
 });
 
 /// KEYS: lock, channel. ARGV: owner field, the grant's attempt field (`''`: release one hold
-/// whatever acquired it). Returns -1 if not ours, else the holds left (0: released and
+/// whatever acquired it). Returns -1 if not ours (also on a read-write lock's hash: a stale
+/// mutex grant must never take the owner's read count, nor delete other readers' hash),
+/// else the holds left (0: released and
 /// published). A partial release leaves the lease as it is. With an attempt field, only a
 /// hold that attempt added is given back, once: a retried release, or a give-back on a
 /// master whose vote failed, changes nothing and reports the holds left.
 pub(crate) static RELEASE: LazyLock<Script> = LazyLock::new(|| {
     Script::new(
         r"
-if redis.call('type', KEYS[1]).ok ~= 'hash' or redis.call('hexists', KEYS[1], ARGV[1]) == 0 then
+if redis.call('type', KEYS[1]).ok ~= 'hash' or redis.call('hexists', KEYS[1], ARGV[1]) == 0
+  or redis.call('hexists', KEYS[1], 'mode') == 1 then
   return -1
 end
 if ARGV[2] ~= '' then
