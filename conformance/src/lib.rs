@@ -138,6 +138,7 @@ macro_rules! __with_catalogue {
             rw::writer_excludes_readers_and_writers,
             rw::reads_reenter_and_writes_downgrade,
             rw::upgrade_is_refused,
+            rw::a_cancelled_writer_leaves_no_marker,
             rw::waiting_writer_blocks_new_readers,
             rw::writer_is_not_starved_by_readers,
             rw::read_write_histories_stay_exclusive,

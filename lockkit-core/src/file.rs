@@ -19,7 +19,7 @@ use crate::{
     AcquireRequest, AttemptLedger, BackendInfo, Capabilities, Consistency, Error, FencingToken,
     Grant, HolderIdentity, HolderInfo, LockBackend, LockKey, LockKind, OwnerId, Released, Result,
     detached_acquire,
-    kind::{HoldView, Refusal, admit},
+    kind::{HoldView, Refusal, admit, same_hold},
     wait::{Armed, Attempt, Backoff, WaitPolicy, Wake, armed, wait_for_grant},
 };
 
@@ -310,9 +310,25 @@ impl State {
     }
 
     /// Forgets shared holds and writer markers whose time is over.
+    /// Forgets the first line's holder too once its lease is over, so that a file with
+    /// readers never goes out with an expired holder on its first line where the summary
+    /// belongs (an older lockkit would read that line as free). The token stays.
     fn prune(&mut self, now: u64) {
         self.shared.retain(|hold| hold.expires > now);
         self.writers.retain(|(_, expires)| *expires > now);
+        if self.owner.is_some() && self.holder(now).is_none() {
+            self.clear_first();
+        }
+    }
+
+    /// Empties the first line but for the token.
+    fn clear_first(&mut self) {
+        self.owner = None;
+        self.depth = 0;
+        self.expires = 0;
+        self.attempts.clear();
+        self.identity = None;
+        self.kind = LockKind::Exclusive;
     }
 
     /// Every live hold, for the rules of [`admit`].
@@ -350,7 +366,15 @@ impl State {
         }
         self.shared
             .iter_mut()
-            .find(|h| h.owner == grant.owner && h.kind == grant.kind && h.expires > now)
+            .find(|h| {
+                h.expires > now
+                    && same_hold(
+                        (h.owner, h.kind),
+                        (grant.owner, grant.kind),
+                        &h.attempts,
+                        grant.attempt,
+                    )
+            })
             .map(|hold| HeldRef {
                 depth: &mut hold.depth,
                 expires: &mut hold.expires,
@@ -361,14 +385,9 @@ impl State {
     /// Ends the hold of `grant`'s owner and kind.
     fn end(&mut self, grant: &Grant) {
         if grant.kind.is_exclusive() {
-            self.owner = None;
-            self.depth = 0;
-            self.expires = 0;
-            self.attempts.clear();
-            self.kind = LockKind::Exclusive;
+            self.clear_first();
         } else {
-            self.shared
-                .retain(|h| !(h.owner == grant.owner && h.kind == grant.kind));
+            self.shared.retain(|h| h.depth > 0);
         }
     }
 }
@@ -532,11 +551,9 @@ impl FileBackend {
     pub async fn take_away(&self, key: &LockKey) -> Result<bool> {
         self.with_file(key, "clearing", |file, now| {
             let held = !file.state.views(now).is_empty();
-            file.state.owner = None;
-            file.state.depth = 0;
-            file.state.expires = 0;
-            file.state.attempts.clear();
+            file.state.clear_first();
             file.state.shared.clear();
+            file.state.writers.clear();
             Ok(held)
         })
         .await
@@ -610,8 +627,11 @@ impl FileBackend {
         let path = self.path(key);
         let work = tokio::task::spawn_blocking(move || {
             let mut locked = Locked::open(&path).map_err(|e| io_error(doing, &path, e))?;
+            let now = host_now();
+            // Every write leaves the file pruned (see `State::prune`).
+            locked.state.prune(now);
             let before = locked.state.clone();
-            let outcome = op(&mut locked, host_now());
+            let outcome = op(&mut locked, now);
             if outcome.is_ok() && locked.state != before {
                 let durable = locked.state.token != before.token;
                 locked
@@ -626,12 +646,8 @@ impl FileBackend {
     }
 
     /// One grant attempt. `waiting`: the caller waits, so a writer that is refused leaves
-    /// (or renews) its marker, and `marked` learns that it did.
-    async fn attempt(
-        &self,
-        req: &AcquireRequest,
-        waiting: Option<Arc<AtomicBool>>,
-    ) -> Result<Attempt> {
+    /// (or renews) its marker, as its [`Marker`] records.
+    async fn attempt(&self, req: &AcquireRequest, waiting: Option<Marker>) -> Result<Attempt> {
         let (this, request, giver) = (self.clone(), req.clone(), self.clone());
         detached_acquire(
             SCHEME,
@@ -639,7 +655,7 @@ impl FileBackend {
                 let start = Instant::now();
                 let req = request.clone();
                 this.with_file(&request.key, "acquiring", move |file, now| {
-                    grant_in(&mut file.state, &req, now, start, waiting.as_deref())
+                    grant_in(&mut file.state, &req, now, start, waiting.as_ref())
                 })
                 .await
             },
@@ -678,7 +694,7 @@ fn grant_in(
     req: &AcquireRequest,
     now: u64,
     start: Instant,
-    waiting: Option<&AtomicBool>,
+    waiting: Option<&Marker>,
 ) -> Result<Attempt> {
     state.prune(now);
     let lease_end = now.saturating_add(nanos(req.ttl));
@@ -693,7 +709,14 @@ fn grant_in(
         state
             .shared
             .iter_mut()
-            .find(|h| h.owner == req.owner && h.kind == req.kind)
+            .find(|h| {
+                same_hold(
+                    (h.owner, h.kind),
+                    (req.owner, req.kind),
+                    &h.attempts,
+                    req.attempt,
+                )
+            })
             .map(|h| (&mut h.depth, &mut h.expires, &mut h.attempts, h.token))
     };
     if let Some((depth, expires, attempts, token)) = mine {
@@ -712,7 +735,7 @@ fn grant_in(
             start,
         )));
     }
-    let writer_waits = state.writers.iter().any(|(owner, _)| *owner != req.owner);
+    let writer_waits = !state.writers.is_empty();
     match admit(req, &state.views(now), writer_waits) {
         Err(Refusal::Refused(error)) => Err(error),
         Err(Refusal::Busy(until)) => {
@@ -720,11 +743,17 @@ fn grant_in(
             // plain lock's poll then rewrites nothing.
             let marks = req.kind == LockKind::Write
                 || (req.kind == LockKind::Exclusive && !state.shared.is_empty());
-            if let Some(marked) = waiting.filter(|_| marks) {
-                let marker = now.saturating_add(nanos(WRITER_MARKER));
+            if let Some(marker) = waiting.filter(|_| marks) {
                 state.writers.retain(|(owner, _)| *owner != req.owner);
-                state.writers.push((req.owner, marker));
-                marked.store(true, Ordering::SeqCst);
+                // Said before the caller's flag is read, and the caller sets its flag before
+                // it reads this one: either this attempt sees that the caller left (and
+                // marks nothing), or the caller sees the mark and takes it away (after this
+                // file operation, whose flock it waits for).
+                marker.marked.store(true, Ordering::SeqCst);
+                if !marker.cancelled.load(Ordering::SeqCst) {
+                    let until = now.saturating_add(nanos(WRITER_MARKER));
+                    state.writers.push((req.owner, until));
+                }
             }
             Ok(match until {
                 Some(until) => Attempt::busy(Duration::from_nanos(until.saturating_sub(now))),
@@ -765,17 +794,28 @@ fn grant_in(
     }
 }
 
+/// A waiting writer's marker, as its attempts and its caller know it.
+#[derive(Debug, Clone, Default)]
+struct Marker {
+    /// An attempt has written (or may write) the marker.
+    marked: Arc<AtomicBool>,
+    /// The wait is over: attempts still running must not write it.
+    cancelled: Arc<AtomicBool>,
+}
+
 /// Takes a waiting writer's marker away when its wait ends without a grant (a grant takes
-/// it in the same file operation).
+/// it in the same file operation), also when the wait is dropped with an attempt still
+/// running (see [`grant_in`]).
 struct WriterMark<'a> {
     backend: &'a FileBackend,
     req: &'a AcquireRequest,
-    marked: Arc<AtomicBool>,
+    marker: Marker,
 }
 
 impl Drop for WriterMark<'_> {
     fn drop(&mut self) {
-        if self.marked.load(Ordering::SeqCst) {
+        self.marker.cancelled.store(true, Ordering::SeqCst);
+        if self.marker.marked.load(Ordering::SeqCst) {
             self.backend.unmark(&self.req.key, self.req.owner);
         }
     }
@@ -810,15 +850,15 @@ impl LockBackend for FileBackend {
         let mark = WriterMark {
             backend: self,
             req,
-            marked: Arc::default(),
+            marker: Marker::default(),
         };
         let granted = wait_for_grant(&req.key, wait, policy, &mut waker, || {
-            self.attempt(req, Some(mark.marked.clone()))
+            self.attempt(req, Some(mark.marker.clone()))
         })
         .await;
         if granted.is_ok() {
             // The grant took the marker with it.
-            mark.marked.store(false, Ordering::SeqCst);
+            mark.marker.marked.store(false, Ordering::SeqCst);
         }
         granted
     }

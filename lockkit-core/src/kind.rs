@@ -15,7 +15,7 @@ use crate::{AcquireRequest, Error, OwnerId};
 ///   so a stream of readers cannot starve it; a reader that already reads (re-entry) or
 ///   writes (downgrade) is not blocked.
 /// - An owner that writes may also read (downgrade: a separate hold, granted at once). An
-///   owner that only reads and asks to write is refused with
+///   owner that only reads and asks to write (or for a plain lock) is refused with
 ///   [`Error::WouldDeadlock`](crate::Error::WouldDeadlock): it would wait for itself.
 /// - At most `limit` [`LockKind::Permit`] holds exist on a key at once. A permit is never
 ///   reentrant: every acquisition is a new permit with its own lease, token and loss signal.
@@ -96,10 +96,24 @@ pub(crate) enum Refusal<E> {
     Refused(Error),
 }
 
+/// Whether a stored hold of `held` (owner, kind), whose acquisitions are `attempts`, is the
+/// hold that `attempt` of `asked` asks for again: the owner's hold of that kind (a re-entry
+/// or a retry), or, for a permit, which is never reentrant, only the permit that attempt
+/// took.
+pub(crate) fn same_hold(
+    held: (OwnerId, LockKind),
+    asked: (OwnerId, LockKind),
+    attempts: &crate::AttemptLedger,
+    attempt: uuid::Uuid,
+) -> bool {
+    held == asked && (held.1.is_reentrant() || attempts.has(attempt))
+}
+
 /// The rules of [`LockKind`] for a backend that sees every live hold of a key at once
 /// (memory, file): may `req`, whose owner has no hold of `req.kind` on the key yet (that
 /// would be a re-entry), be granted beside `holds`? `writer_waits`: a writer (or plain
-/// locker) of another owner is waiting for the key.
+/// locker) of any owner is waiting for the key: a new read of the writer's own owner waits
+/// too, or that writer would wait for its own owner's read.
 pub(crate) fn admit<E: Ord + Copy>(
     req: &AcquireRequest,
     holds: &[HoldView<E>],
@@ -132,7 +146,7 @@ pub(crate) fn admit<E: Ord + Copy>(
         Refusal::Busy(blocking.map(|h| h.expires).min())
     };
     match req.kind {
-        LockKind::Write if mine(LockKind::Read) && !mine(LockKind::Write) => {
+        LockKind::Write | LockKind::Exclusive if mine(LockKind::Read) && !mine(LockKind::Write) => {
             Err(Refusal::Refused(Error::WouldDeadlock {
                 key: req.key.clone(),
                 held: LockKind::Read,
@@ -142,7 +156,7 @@ pub(crate) fn admit<E: Ord + Copy>(
         LockKind::Write | LockKind::Read if mine(LockKind::Exclusive) => Err(mismatch(
             "is held by this owner as an exclusive lock".into(),
         )),
-        LockKind::Exclusive if mine(LockKind::Read) || mine(LockKind::Write) => Err(mismatch(
+        LockKind::Exclusive if mine(LockKind::Write) => Err(mismatch(
             "is held by this owner as a read-write lock".into(),
         )),
         // A downgrade: the owner writes, so nobody else holds the key.

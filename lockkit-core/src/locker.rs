@@ -343,7 +343,9 @@ impl Owner {
             asked: kind,
         };
         match kind {
-            LockKind::Write if live(LockKind::Read) && !live(LockKind::Write) => {
+            LockKind::Write | LockKind::Exclusive
+                if live(LockKind::Read) && !live(LockKind::Write) =>
+            {
                 Err(Error::WouldDeadlock {
                     key: key.clone(),
                     held: LockKind::Read,
@@ -353,9 +355,7 @@ impl Owner {
             LockKind::Write | LockKind::Read if live(LockKind::Exclusive) => {
                 Err(mismatch("an exclusive lock"))
             }
-            LockKind::Exclusive if live(LockKind::Read) || live(LockKind::Write) => {
-                Err(mismatch("a read-write lock"))
-            }
+            LockKind::Exclusive if live(LockKind::Write) => Err(mismatch("a read-write lock")),
             _ => Ok(()),
         }
     }
@@ -707,9 +707,7 @@ impl Acquire {
             // Any grant left starts a hold, and a new hold's token must not be below one this
             // owner already held on the key (see `OwnedHold`). Equal is a continuation: the
             // server kept this owner's hold throughout, so nobody else held it in between.
-            let floor = owner
-                .as_ref()
-                .and_then(|owner| owner.token_floor(&key, kind));
+            let floor = owner.as_ref().and_then(|owner| owner.token_floor(&key));
             if let Some(floor) = floor.filter(|floor| grant.token < *floor) {
                 if let Some(owner) = owner.as_ref() {
                     // The refused request reached the server as a re-entry of the stale record
@@ -821,11 +819,17 @@ impl Owner {
 
     /// The lowest token a new hold of this owner on `key` may carry: the token of its
     /// latest hold there, while a record of that hold may linger on a server.
-    fn token_floor(&self, key: &LockKey, kind: LockKind) -> Option<crate::FencingToken> {
+    ///
+    /// Over every kind the owner held the key as: a stale write record that a new write
+    /// re-enters must not hand out a token below a read the owner held since.
+    fn token_floor(&self, key: &LockKey) -> Option<crate::FencingToken> {
         let mut holds = self.holds.lock().unwrap_or_else(|e| e.into_inner());
         let now = tokio::time::Instant::now();
-        let owned = holds.get_mut(&(key.clone(), kind))?;
-        owned.remember(now).then_some(owned.token)
+        holds
+            .iter_mut()
+            .filter(|((held, _), _)| held == key)
+            .filter_map(|(_, owned)| owned.remember(now).then_some(owned.token))
+            .max()
     }
 }
 

@@ -16,7 +16,7 @@ use crate::{
     AcquireRequest, AttemptLedger, BackendInfo, Capabilities, Consistency, Error, FencingToken,
     Grant, HolderIdentity, HolderInfo, LockBackend, LockKey, LockKind, LostReason, OwnerId,
     Released, Result, WAIT_FOREVER,
-    kind::{HoldView, Refusal, admit},
+    kind::{HoldView, Refusal, admit, same_hold},
     lost::LossSignal,
     wait::{Armed, Attempt, Backoff, WaitPolicy, Wake, armed, wait_for_grant},
 };
@@ -70,10 +70,15 @@ impl State {
     }
 
     fn held_by(&mut self, grant: &Grant, now: Instant) -> Option<&mut Entry> {
-        self.locks
-            .get_mut(&grant.key)?
-            .iter_mut()
-            .find(|e| e.expires > now && e.owner == grant.owner && e.kind == grant.kind)
+        self.locks.get_mut(&grant.key)?.iter_mut().find(|e| {
+            e.expires > now
+                && same_hold(
+                    (e.owner, e.kind),
+                    (grant.owner, grant.kind),
+                    &e.attempts,
+                    grant.attempt,
+                )
+        })
     }
 
     fn wake(&self, key: &LockKey) {
@@ -291,10 +296,14 @@ impl MemoryBackend {
         let state = &mut *guard;
         let entries = state.locks.entry(req.key.clone()).or_default();
         entries.retain(|e| e.expires > now);
-        if let Some(entry) = entries
-            .iter_mut()
-            .find(|e| e.owner == req.owner && e.kind == req.kind)
-        {
+        if let Some(entry) = entries.iter_mut().find(|e| {
+            same_hold(
+                (e.owner, e.kind),
+                (req.owner, req.kind),
+                &e.attempts,
+                req.attempt,
+            )
+        }) {
             if !entry.attempts.has(req.attempt) {
                 // A re-entry (a retry of one that took effect adds nothing).
                 entry.depth += 1;
@@ -318,10 +327,7 @@ impl MemoryBackend {
                 expires: e.expires,
             })
             .collect();
-        let writer_waits = state
-            .writers
-            .get(&req.key)
-            .is_some_and(|writers| writers.keys().any(|owner| *owner != req.owner));
+        let writer_waits = state.writers.contains_key(&req.key);
         if let Err(refusal) = admit(req, &holds, writer_waits) {
             if state.locks.get(&req.key).is_some_and(Vec::is_empty) {
                 state.locks.remove(&req.key);
@@ -463,8 +469,7 @@ impl LockBackend for MemoryBackend {
             });
         }
         if let Some(entries) = state.locks.get_mut(&grant.key) {
-            entries
-                .retain(|e| !(e.owner == grant.owner && e.kind == grant.kind) && e.expires > now);
+            entries.retain(|e| e.depth > 0 && e.expires > now);
             if entries.is_empty() {
                 state.locks.remove(&grant.key);
             }

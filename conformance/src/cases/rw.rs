@@ -249,10 +249,64 @@ pub async fn upgrade_is_refused<H: Harness>(h: &H) -> Outcome {
         "an upgrade sent to the backend directly",
         |e| matches!(e, Error::WouldDeadlock { .. }),
     );
+    expect_err(
+        a.backend().acquire(&request, generous_wait(h)).await,
+        "a waiting upgrade sent to the backend directly",
+        |e| matches!(e, Error::WouldDeadlock { .. }),
+    );
+    expect_err(
+        owner.acquire(&key).wait(generous_wait(h)).await,
+        "a plain lock asked by a reader",
+        |e| matches!(e, Error::WouldDeadlock { .. }),
+    );
     let other = b.read(&key).ttl(LONG_TTL).try_now().await.check("read");
     let other = other.check("no writer marker was left behind by the refused upgrade");
     read.release().await.check("release");
     other.release().await.check("release other");
+    Outcome::Passed
+}
+
+/// Writers that stop waiting (their futures dropped at random points, mid-request
+/// included) leave nothing that keeps readers out: a new reader enters long before any
+/// writer marker's own lease could have run out, and no residue is left.
+pub async fn a_cancelled_writer_leaves_no_marker<H: Harness>(h: &H) -> Outcome {
+    if let Some(skip) = needs_read_write(h).await {
+        return skip;
+    }
+    let space = Space::new("a_cancelled_writer_leaves_no_marker");
+    let key = space.key("k");
+    let (a, w, c) = (h.client().await, h.client().await, h.client().await);
+    let reader = a.read(&key).ttl(LONG_TTL).try_now().await.check("read");
+    let reader = reader.check("a free key");
+    for round in 0..30u64 {
+        let write = w.write(&key).ttl(LONG_TTL).wait(generous_wait(h));
+        let cut = Duration::from_micros(round * 300);
+        let outcome = tokio::time::timeout(cut, write).await;
+        assert!(
+            !matches!(outcome, Ok(Ok(_))),
+            "a writer was granted beside a reader"
+        );
+    }
+    // Markers carry leases of seconds: a reader admitted within one second was admitted
+    // because nothing was left, not because a marker ran out.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(1);
+    let second = loop {
+        if let Some(guard) = c.read(&key).ttl(LONG_TTL).try_now().await.check("read") {
+            break guard;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "readers were kept out after every writer had stopped waiting"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    second.release().await.check("release");
+    reader.release().await.check("release reader");
+    match h.residue(space.prefix()).await {
+        Ok(left) => assert_eq!(left, 0, "state left behind under {}", space.prefix()),
+        Err(crate::HookError::Unsupported(_)) => {}
+        Err(crate::HookError::Failed(why)) => panic!("residue hook failed: {why}"),
+    }
     Outcome::Passed
 }
 

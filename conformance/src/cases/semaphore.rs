@@ -95,7 +95,18 @@ pub async fn a_different_permit_count_is_refused<H: Harness>(h: &H) -> Outcome {
         matches!(plain, Ok(None) | Err(Error::KindMismatch { .. })),
         "a plain lock on a semaphore's key must be refused, got {plain:?}"
     );
+    let mut rest = Vec::new();
+    for _ in 0..2 {
+        let more = a.semaphore(&key, 3).try_acquire().ttl(LONG_TTL).await;
+        rest.push(
+            more.check("permit")
+                .check("the refused clients took no permit"),
+        );
+    }
     permit.release().await.check("release");
+    for more in rest {
+        more.release().await.check("release");
+    }
     Outcome::Passed
 }
 
