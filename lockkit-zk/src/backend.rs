@@ -228,6 +228,12 @@ pub(crate) struct Inner {
 /// so Curator and lockkit exclude each other on the same path. Each waiter watches only
 /// its predecessor. The fencing token is the holder node's `czxid`.
 ///
+/// Read and write holds queue in the same directory under Curator's read-write lock names
+/// (`__READ__`, `__WRIT__`); a waiting reader watches only the nearest writer before it.
+/// Permits follow Curator's InterProcessSemaphoreV2 (`<key>/locks`, `<key>/leases`), with
+/// the permit count in lockkit's `<key>/lockkit-permits`. Each read, write or permit is a
+/// hold of its own node, lease and loss signal.
+///
 /// A hold ends when its lease runs out unrenewed (its node is deleted), when its session
 /// expires, or when the client stays disconnected for two thirds of the session timeout,
 /// counted on the local monotonic clock from the last request the server answered: the

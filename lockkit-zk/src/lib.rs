@@ -6,7 +6,17 @@
 //! - Contenders are `EPHEMERAL_SEQUENTIAL` nodes named as Apache Curator's
 //!   InterProcessMutex names them (`<root>/<key>/_c_<uuid>-lock-<seq>`), under a container
 //!   node per key; each waiter watches only its predecessor (no herd).
-//! - The fencing token is the holder node's `czxid`.
+//! - Read-write locks use Curator's InterProcessReadWriteLock names
+//!   (`_c_<uuid>-__READ__<seq>`, `_c_<uuid>-__WRIT__<seq>`) in the same queue: a reader
+//!   holds when no writer comes before it (a waiting writer keeps new readers out), a
+//!   writer at the head. A writer may read at once (downgrade: a read node that keeps the
+//!   writer's sequence, CURATOR-621's fixed form); a reader asking to write is refused
+//!   with `WouldDeadlock`.
+//! - Semaphores use Curator's InterProcessSemaphoreV2 layout (`<key>/locks`,
+//!   `<key>/leases/_c_<uuid>-lease-<seq>`), so Curator's leases and lockkit's permits count
+//!   together; the permit count, which Curator does not store, is kept in lockkit's own
+//!   `<key>/lockkit-permits` and checked among lockkit clients (`KindMismatch`).
+//! - The fencing token is the holder node's `czxid` (a reader's, a lease's).
 //! - Leases: a hold whose lease runs out unrenewed is given up (its node deleted); a dead,
 //!   paused or cut-off holder's node goes with its session, so leases are at least the
 //!   session timeout (`?session_timeout=`, default 10 s).

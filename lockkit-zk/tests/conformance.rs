@@ -128,10 +128,24 @@ impl Harness for ZkHarness {
         let encoded = encode_str(prefix);
         let mut contenders = 0;
         for dir in dirs.iter().filter(|d| d.starts_with(&encoded)) {
-            match client.list_children(&format!("{root}/{dir}")).await {
-                Ok(children) => contenders += children.len(),
-                Err(zookeeper_client::Error::NoNode) => {}
+            let dir = format!("{root}/{dir}");
+            let children = match client.list_children(&dir).await {
+                Ok(children) => children,
+                Err(zookeeper_client::Error::NoNode) => continue,
                 Err(e) => return Err(hook_error(e)),
+            };
+            for child in children {
+                // A semaphore's containers (which the server removes once empty) count
+                // by what is in them: leases, its mutex's nodes, permit registrations.
+                if !["leases", "locks", "lockkit-permits"].contains(&child.as_str()) {
+                    contenders += 1;
+                    continue;
+                }
+                match client.list_children(&format!("{dir}/{child}")).await {
+                    Ok(inside) => contenders += inside.len(),
+                    Err(zookeeper_client::Error::NoNode) => {}
+                    Err(e) => return Err(hook_error(e)),
+                }
             }
         }
         Ok(contenders)
