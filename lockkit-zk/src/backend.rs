@@ -396,8 +396,9 @@ impl ZkBackend {
     }
 
     /// Refuses, before any I/O, what `req`'s owner can never get beside what it holds in
-    /// this client: a write while it only reads (it would wait for itself), and a mix of
-    /// a plain lock with a read-write lock on one key.
+    /// this client: a write or a plain lock while it only reads (`WouldDeadlock`: it would
+    /// wait for itself), and a plain lock beside its write or a read or write beside its
+    /// plain lock (`KindMismatch`).
     fn refuse_conflicting_kinds(&self, req: &AcquireRequest) -> Result<()> {
         let holds = |kind| self.live(kind, req.owner, &req.key).is_some();
         let mismatch = |found: &str| {
@@ -408,7 +409,9 @@ impl ZkBackend {
             })
         };
         match req.kind {
-            LockKind::Write if holds(LockKind::Read) && !holds(LockKind::Write) => {
+            LockKind::Write | LockKind::Exclusive
+                if holds(LockKind::Read) && !holds(LockKind::Write) =>
+            {
                 Err(Error::WouldDeadlock {
                     key: req.key.clone(),
                     held: LockKind::Read,
@@ -418,7 +421,7 @@ impl ZkBackend {
             LockKind::Read | LockKind::Write if holds(LockKind::Exclusive) => {
                 mismatch("is held by this owner as an exclusive lock")
             }
-            LockKind::Exclusive if holds(LockKind::Read) || holds(LockKind::Write) => {
+            LockKind::Exclusive if holds(LockKind::Write) => {
                 mismatch("is held by this owner as a read-write lock")
             }
             _ => Ok(()),

@@ -285,3 +285,38 @@ async fn cut_off_readers_and_permit_holders_know_they_lost() {
     next.release().await.unwrap();
     drop(proxies);
 }
+
+/// The backend itself (not only the locker) refuses a reader's write or plain lock with
+/// `WouldDeadlock`, waiting or not, and a writer's plain lock with `KindMismatch`, and
+/// creates no node for them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_backend_refuses_what_would_wait_for_itself() {
+    let Some(url) = env::service_url("LOCKKIT_TEST_ZK_URL") else {
+        return;
+    };
+    let backend = connect(&url).await;
+    let locker = Locker::new(backend.clone());
+    let owner = locker.owner();
+    let key = key("refuse");
+    let dir = backend.lock_dir(&key);
+    let read = owner.read(&key).ttl(TTL).await.unwrap();
+    for kind in [LockKind::Write, LockKind::Exclusive] {
+        let request =
+            AcquireRequest::new(key.clone(), owner.id(), TTL, LossSignal::new()).with_kind(kind);
+        let refused = backend.acquire(&request, Duration::from_secs(5)).await;
+        assert!(
+            matches!(refused, Err(lockkit_core::Error::WouldDeadlock { .. })),
+            "{kind:?} asked by a reader: {refused:?}"
+        );
+    }
+    assert_eq!(children(&backend, &dir).await.len(), 1);
+    read.release().await.unwrap();
+    let write = owner.write(&key).ttl(TTL).await.unwrap();
+    let request = AcquireRequest::new(key.clone(), owner.id(), TTL, LossSignal::new());
+    let refused = backend.try_acquire(&request).await;
+    assert!(
+        matches!(refused, Err(lockkit_core::Error::KindMismatch { .. })),
+        "a plain lock asked by a writer: {refused:?}"
+    );
+    write.release().await.unwrap();
+}
