@@ -19,7 +19,7 @@ use crate::{
     AcquireRequest, AttemptLedger, BackendInfo, Capabilities, Consistency, Error, FencingToken,
     Grant, HolderIdentity, HolderInfo, LockBackend, LockKey, LockKind, OwnerId, Released, Result,
     detached_acquire,
-    kind::{HoldView, Refusal, admit, same_hold},
+    rules::{HoldView, Refusal, admit, same_hold},
     wait::{Armed, Attempt, Backoff, WaitPolicy, Wake, armed, wait_for_grant},
 };
 

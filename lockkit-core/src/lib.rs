@@ -34,6 +34,7 @@ mod lost;
 mod memory;
 mod options;
 mod owner;
+mod rules;
 pub mod spi;
 pub mod telemetry;
 mod wait;

@@ -16,8 +16,8 @@ use crate::{
     AcquireRequest, AttemptLedger, BackendInfo, Capabilities, Consistency, Error, FencingToken,
     Grant, HolderIdentity, HolderInfo, LockBackend, LockKey, LockKind, LostReason, OwnerId,
     Released, Result, WAIT_FOREVER,
-    kind::{HoldView, Refusal, admit, same_hold},
     lost::LossSignal,
+    rules::{HoldView, Refusal, admit, same_hold},
     wait::{Armed, Attempt, Backoff, WaitPolicy, Wake, armed, wait_for_grant},
 };
 
