@@ -2,11 +2,7 @@
 //! scripts are in [`crate::wire`]): acquire with writer preference, renew, release, and
 //! the list of every holder.
 
-use std::{
-    num::NonZeroU32,
-    sync::atomic::{AtomicBool, Ordering},
-    time::Duration,
-};
+use std::{num::NonZeroU32, time::Duration};
 
 use lockkit_core::spi::{AcquireRequest, Attempt, Grant, Interrupt, Released, wait_for_grant};
 use lockkit_core::{Error, FencingToken, HolderIdentity, HolderInfo, LockKey, LockKind, Result};
@@ -56,29 +52,82 @@ fn write_field(owner: &str) -> String {
     format!("{owner}:write")
 }
 
-/// A waiting writer's marker: set by its busy attempts, removed (in the background) when
-/// the wait ends without a grant, also when the waiting future is dropped. A grant removes
-/// it by itself.
+/// What a waiting writer and its attempts know of its marker. An attempt runs in a task of
+/// its own and may still reach the server (and mark the writer) after the waiting future
+/// was dropped: so the marker is forgotten by whichever ends last, the wait or the attempts
+/// out, and never before the script of the last attempt has run.
+#[derive(Debug, Default)]
+pub(super) struct MarkShare(std::sync::Mutex<MarkState>);
+
+#[derive(Debug, Default)]
+struct MarkState {
+    /// Attempts started and not finished.
+    in_flight: u32,
+    /// An attempt may have marked the writer (and no grant removed it since).
+    set: bool,
+    /// The wait is over without a grant.
+    cancelled: bool,
+}
+
+impl MarkShare {
+    fn state(&self) -> std::sync::MutexGuard<'_, MarkState> {
+        self.0.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// An attempt is about to be sent (called before its task is spawned).
+    pub(super) fn start(&self) {
+        let mut state = self.state();
+        state.in_flight += 1;
+        state.set = true;
+    }
+
+    /// An attempt's script has answered (or failed): whether the marker must go now.
+    pub(super) fn finish(&self) -> bool {
+        let mut state = self.state();
+        state.in_flight = state.in_flight.saturating_sub(1);
+        state.cancelled && state.set && state.in_flight == 0
+    }
+
+    /// The wait is over without a grant: whether the marker must go now (else the last
+    /// attempt out takes it away).
+    fn cancel(&self) -> bool {
+        let mut state = self.state();
+        state.cancelled = true;
+        state.set && state.in_flight == 0
+    }
+
+    /// A grant removed the marker in its own script.
+    fn granted(&self) {
+        self.state().set = false;
+    }
+}
+
+/// Forgets the waiting writer's marker when its wait ends without a grant, also when the
+/// waiting future is dropped (see [`MarkShare`]).
 struct WriterMarker {
     backend: RedisBackend,
-    names: KindNames,
-    owner: String,
-    set: AtomicBool,
+    req: AcquireRequest,
+    share: std::sync::Arc<MarkShare>,
 }
 
 impl Drop for WriterMarker {
     fn drop(&mut self) {
-        if !self.set.load(Ordering::SeqCst) {
-            return;
+        if self.share.cancel() {
+            self.backend.forget_writer_later(&self.req);
         }
+    }
+}
+
+impl RedisBackend {
+    /// Removes `req`'s owner's waiting-writer marker, in the background.
+    pub(super) fn forget_writer_later(&self, req: &AcquireRequest) {
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
             return;
         };
-        let (backend, names, owner) = (
-            self.backend.clone(),
-            self.names.clone(),
-            std::mem::take(&mut self.owner),
-        );
+        let Ok(names) = self.kind_names(&req.key) else {
+            return;
+        };
+        let (backend, owner) = (self.clone(), req.owner.to_string());
         runtime.spawn(async move {
             let forgot: std::result::Result<i64, _> = wire::FORGET_WRITER
                 .key(&names.waiting_writers)
@@ -272,30 +321,18 @@ impl RedisBackend {
         let writer = req.kind == LockKind::Write;
         let marker = writer.then(|| WriterMarker {
             backend: self.clone(),
-            names: names.clone(),
-            owner: req.owner.to_string(),
-            set: AtomicBool::new(false),
+            req: req.clone(),
+            share: std::sync::Arc::default(),
         });
         let mut messages = ReleaseMessages::on(self.inner.wakeups.clone(), channels);
-        let marker_ref = marker.as_ref();
-        let outcome = wait_for_grant(
-            &req.key,
-            wait,
-            super::wait_policy(),
-            &mut messages,
-            || async move {
-                // Set before the attempt: if this future is dropped while the attempt is
-                // out, the script may still mark the writer, and the marker must go.
-                if let Some(marker) = marker_ref {
-                    marker.set.store(true, Ordering::SeqCst);
-                }
-                self.attempt_marking(req, writer).await
-            },
-        )
+        let share = marker.as_ref().map(|marker| marker.share.clone());
+        let outcome = wait_for_grant(&req.key, wait, super::wait_policy(), &mut messages, || {
+            self.attempt_marking(req, share.clone())
+        })
         .await;
         if let (Some(marker), Ok(_)) = (&marker, &outcome) {
             // The grant removed the marker (in its script, atomically).
-            marker.set.store(false, Ordering::SeqCst);
+            marker.share.granted();
         }
         drop(marker);
         outcome

@@ -341,18 +341,35 @@ impl RedisBackend {
     /// One cancel-safe acquire attempt: the script runs in its own task, and if the caller
     /// goes away before the answer arrives, a grant that arrives anyway is given back.
     pub(crate) async fn attempt(&self, req: &AcquireRequest) -> Result<Attempt> {
-        self.attempt_marking(req, false).await
+        self.attempt_marking(req, None).await
     }
 
     /// [`Self::attempt`]; with `marker`, a write that finds the key busy also registers
-    /// (or refreshes) its owner as a waiting writer, which keeps new readers out.
-    async fn attempt_marking(&self, req: &AcquireRequest, marker: bool) -> Result<Attempt> {
+    /// (or refreshes) its owner as a waiting writer, which keeps new readers out, and the
+    /// attempt tells `marker` when its script has run (see [`kinds::MarkShare`]).
+    async fn attempt_marking(
+        &self,
+        req: &AcquireRequest,
+        marker: Option<std::sync::Arc<kinds::MarkShare>>,
+    ) -> Result<Attempt> {
         let (this, request, giver) = (self.clone(), req.clone(), self.clone());
         lockkit_core::spi::detached_acquire(
             crate::conn::BACKEND,
-            move |interrupt| async move {
-                this.run_acquire_marking(&request, Some(&interrupt), marker)
-                    .await
+            move |interrupt| {
+                // Counted before the attempt's task is spawned (in the same poll), so a
+                // wait dropped from here on leaves the marker to this attempt.
+                if let Some(share) = &marker {
+                    share.start();
+                }
+                async move {
+                    let outcome = this
+                        .run_acquire_marking(&request, Some(&interrupt), marker.is_some())
+                        .await;
+                    if marker.as_ref().is_some_and(|share| share.finish()) {
+                        this.forget_writer_later(&request);
+                    }
+                    outcome
+                }
             },
             Attempt::into_grant,
             move |grant| async move {
