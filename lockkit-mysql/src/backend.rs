@@ -10,7 +10,7 @@ use sqlx::AssertSqlSafe;
 
 use crate::{
     Mode, MysqlConfig,
-    db::{BACKEND, Db, db_error, query},
+    db::{BACKEND, Db, db_error},
     for_update::ForUpdateLocks,
     row::RowLocks,
 };
@@ -97,8 +97,9 @@ impl MysqlBackend {
         }
     }
 
-    /// Operator action (row mode): takes `key` away from its holder, clearing its lease as
-    /// if it had expired; the holder finds out at its next renewal. Returns whether there
+    /// Operator action (row mode): takes `key` away from its holders (the plain lock's, and
+    /// every read, write and permit hold), clearing their leases as if they had expired;
+    /// each holder finds out at its next renewal. Returns whether there
     /// was a live lease. Every backend that can do this names it `take_away`, with this
     /// signature. (A for-update hold is ended by killing its connection:
     /// [`MysqlBackend::connection_holding`], [`MysqlBackend::kill_connection`].)
@@ -109,12 +110,7 @@ impl MysqlBackend {
     /// says so, rather than answering that nothing was held. Database errors.
     pub async fn take_away(&self, key: &LockKey) -> Result<bool> {
         let name = key.as_str().as_bytes();
-        let done = query(&self.db.sql.row_clear_live)
-            .bind(name)
-            .execute(&self.db.pool)
-            .await
-            .map_err(|e| db_error("clearing a lease", e))?;
-        if done.rows_affected() == 1 {
+        if self.db.clear_live(name).await? {
             return Ok(true);
         }
         if self.db.is_locked(name).await? {
@@ -186,6 +182,10 @@ impl LockBackend for MysqlBackend {
 
     async fn inspect(&self, key: &LockKey) -> Result<Option<HolderInfo>> {
         self.locks().inspect(key).await
+    }
+
+    async fn holders(&self, key: &LockKey) -> Result<Vec<HolderInfo>> {
+        self.locks().holders(key).await
     }
 
     fn validity_bound(&self, grant: &Grant) -> Option<tokio::time::Instant> {

@@ -12,10 +12,13 @@ use sqlx::mysql::MySqlConnectOptions;
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Mode {
     /// A lease table: one row per key with owner, hold count, fence and expiry, changed by
-    /// short transactions on the server's clock. Survives client and server restarts.
+    /// short transactions on the server's clock, and a row per reader, writer and permit
+    /// in `<table>_holds`. Survives client and server restarts. Read-write locks and
+    /// counting semaphores are available in this mode only.
     Row,
     /// A dedicated connection holds a transaction with `SELECT ... FOR UPDATE` on the key's
-    /// row; waiters queue inside the server. Ends when that connection ends.
+    /// row; waiters queue inside the server. Ends when that connection ends. Plain locks
+    /// only (read-write locks and semaphores: use [`Mode::Row`]).
     ForUpdate,
 }
 

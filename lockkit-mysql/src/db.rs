@@ -142,7 +142,8 @@ impl Db {
                         Err(e) => return Err(db_error(&format!("checking table `{table}`"), e)),
                     }
                 }
-                self.ensure_columns().await
+                self.ensure_columns().await?;
+                self.ensure_holds_table().await
             })
             .await
             .map(|_| ())
@@ -194,6 +195,55 @@ impl Db {
             }
         }
         Ok(())
+    }
+
+    /// Checks that `<table>_holds` exists (it is created with the others when the client
+    /// may change the schema; a table made before read-write locks existed lacks it).
+    ///
+    /// # Errors
+    /// [`Error::Config`] with the statement to run when it is missing and
+    /// create_schema=false; database errors.
+    async fn ensure_holds_table(&self) -> Result<()> {
+        let table = &self.config.table;
+        match query(&self.sql.holds_table_exists)
+            .fetch_optional(&self.pool)
+            .await
+        {
+            Ok(_) => Ok(()),
+            Err(e) if error_number(&e) == Some(1146) => Err(Error::Config(format!(
+                "table `{table}_holds` (read-write locks and semaphores) does not exist and \
+                 create_schema=false; create it with:\n{}",
+                holds_ddl(table)
+            ))),
+            Err(e) => Err(db_error(&format!("checking table `{table}_holds`"), e)),
+        }
+    }
+
+    /// Takes `key` away from whoever holds it in row mode (the mutex lease and every read,
+    /// write and permit hold), as if their leases had run out; waiting writers' markers
+    /// stay. Returns whether anything live was there.
+    pub(crate) async fn clear_live(&self, key: &[u8]) -> Result<bool> {
+        let fail = |e| db_error("clearing a lease", e);
+        let mut tx = self.pool.begin().await.map_err(fail)?;
+        // The key's row first, as every lock transaction does: no deadlock with them, and
+        // no acquisition is halfway through its decision while the holds go.
+        query(&self.sql.row_select_for_update)
+            .bind(key)
+            .fetch_optional(&mut *tx)
+            .await
+            .map_err(fail)?;
+        let lease = query(&self.sql.row_clear_live)
+            .bind(key)
+            .execute(&mut *tx)
+            .await
+            .map_err(fail)?;
+        let holds = query(&self.sql.holds_clear_live)
+            .bind(key)
+            .execute(&mut *tx)
+            .await
+            .map_err(fail)?;
+        tx.commit().await.map_err(fail)?;
+        Ok(lease.rows_affected() + holds.rows_affected() > 0)
     }
 
     /// Runs `alter` on a connection of its own that waits at most [`ALTER_LOCK_WAIT`] for
@@ -290,7 +340,8 @@ pub(crate) fn row_text(row: &MySqlRow, column: &str) -> Option<String> {
 
 // ---- the tables and their statements
 
-/// The DDL for `table` (and `<table>_mutex`, used by for-update mode).
+/// The DDL for `table`, `<table>_mutex` (used by for-update mode) and `<table>_holds`
+/// (read, write and permit holds, and waiting writers, of row mode).
 pub fn ddl(table: &str) -> String {
     format!(
         "CREATE TABLE IF NOT EXISTS `{table}` (\n  \
@@ -306,6 +357,28 @@ pub fn ddl(table: &str) -> String {
          CREATE TABLE IF NOT EXISTS `{table}_mutex` (\n  \
            name VARBINARY(512) NOT NULL,\n  \
            PRIMARY KEY (name)\n\
+         ) ENGINE=InnoDB;\n\
+         {}",
+        holds_ddl(table)
+    )
+}
+
+/// The table of read, write and permit holds and of waiting writers' markers (row mode;
+/// for-update mode reads it so that it never takes a key a row-mode reader holds).
+pub(crate) fn holds_ddl(table: &str) -> String {
+    format!(
+        "CREATE TABLE IF NOT EXISTS `{table}_holds` (\n  \
+           name VARBINARY(512) NOT NULL,\n  \
+           kind CHAR(1) CHARACTER SET ascii COLLATE ascii_bin NOT NULL,\n  \
+           holder VARCHAR(80) CHARACTER SET ascii COLLATE ascii_bin NOT NULL,\n  \
+           owner VARCHAR(80) NOT NULL,\n  \
+           holds INT UNSIGNED NOT NULL DEFAULT 1,\n  \
+           token BIGINT UNSIGNED NOT NULL DEFAULT 0,\n  \
+           permits INT UNSIGNED NULL,\n  \
+           expires_at DATETIME(6) NOT NULL,\n  \
+           attempts TEXT NULL,\n  \
+           identity TEXT CHARACTER SET ascii NULL,\n  \
+           PRIMARY KEY (name, kind, holder)\n\
          ) ENGINE=InnoDB;"
     )
 }
@@ -349,6 +422,24 @@ pub(crate) struct Sql {
     pub(crate) holder_read: Arc<str>,
     pub(crate) holder_depth: Arc<str>,
     pub(crate) holder_clear: Arc<str>,
+    pub(crate) holds_table_exists: Arc<str>,
+    pub(crate) row_insert_free: Arc<str>,
+    pub(crate) fence_next: Arc<str>,
+    pub(crate) holds_of_key: Arc<str>,
+    pub(crate) holds_delete: Arc<str>,
+    pub(crate) holds_insert: Arc<str>,
+    pub(crate) holds_reenter: Arc<str>,
+    pub(crate) holds_extend_locked: Arc<str>,
+    pub(crate) holds_renew: Arc<str>,
+    pub(crate) holds_select_one: Arc<str>,
+    pub(crate) holds_select_permit_of: Arc<str>,
+    pub(crate) holds_release_one: Arc<str>,
+    pub(crate) holds_live: Arc<str>,
+    pub(crate) holds_clear_live: Arc<str>,
+    pub(crate) holds_delete_expired: Arc<str>,
+    pub(crate) marker_insert: Arc<str>,
+    pub(crate) marker_refresh: Arc<str>,
+    pub(crate) marker_delete: Arc<str>,
     #[cfg_attr(not(feature = "testing"), allow(dead_code))]
     pub(crate) live_under_prefix: Arc<str>,
     #[cfg_attr(not(feature = "testing"), allow(dead_code))]
@@ -358,6 +449,11 @@ pub(crate) struct Sql {
 impl Sql {
     pub(crate) fn new(t: &str) -> Self {
         let s = |text: String| Arc::<str>::from(text);
+        // For the mutex statements on `t` (aliased `t`): no live read, write or permit.
+        let no_live_holds = format!(
+            "NOT EXISTS (SELECT 1 FROM `{t}_holds` h WHERE h.name = t.name \
+             AND h.kind IN ('r', 'w', 'p') AND h.expires_at > UTC_TIMESTAMP(6))"
+        );
         Sql {
             table_exists: s(format!("SELECT 1 FROM `{t}` JOIN `{t}_mutex` LIMIT 0")),
             column_exists: s("SELECT COUNT(*) FROM information_schema.COLUMNS \
@@ -374,9 +470,12 @@ impl Sql {
                 "INSERT INTO `{t}` (name, owner, holds, fence, expires_at, attempts, holder) \
                  VALUES (?, ?, 1, 1, UTC_TIMESTAMP(6) + INTERVAL ? MICROSECOND, ?, ?)"
             )),
+            // Never over a live read, write or permit hold (the caller has checked under the
+            // row lock; this keeps the rule in the statement too).
             row_take: s(format!(
-                "UPDATE `{t}` SET owner = ?, holds = 1, fence = fence + 1, \
-                 expires_at = UTC_TIMESTAMP(6) + INTERVAL ? MICROSECOND, attempts = ?, holder = ? WHERE name = ?"
+                "UPDATE `{t}` t SET owner = ?, holds = 1, fence = fence + 1, \
+                 expires_at = UTC_TIMESTAMP(6) + INTERVAL ? MICROSECOND, attempts = ?, holder = ? \
+                 WHERE name = ? AND {no_live_holds}"
             )),
             row_reenter: s(format!(
                 "UPDATE `{t}` SET holds = holds + 1, attempts = ?, \
@@ -416,9 +515,13 @@ impl Sql {
             )),
             // A for-update holder: a new token and no expiry, unless a row-mode lease is
             // live on the key (both modes share the table).
+            // Nor over a row-mode read, write or permit hold. (Under READ COMMITTED the
+            // subquery reads after the row lock is granted: it sees the holds committed by
+            // the row-mode transaction it waited for.)
             holder_take: s(format!(
-                "UPDATE `{t}` SET fence = LAST_INSERT_ID(fence + 1), owner = ?, holds = 1, \
-                 expires_at = NULL, attempts = NULL, holder = ? WHERE name = ? AND NOT COALESCE(expires_at > UTC_TIMESTAMP(6), FALSE)"
+                "UPDATE `{t}` t SET fence = LAST_INSERT_ID(fence + 1), owner = ?, holds = 1, \
+                 expires_at = NULL, attempts = NULL, holder = ? WHERE name = ? \
+                 AND NOT COALESCE(expires_at > UTC_TIMESTAMP(6), FALSE) AND {no_live_holds}"
             )),
             holder_insert: s(format!(
                 "INSERT INTO `{t}` (name, owner, holds, fence, holder) VALUES (?, ?, 1, 1, ?)"
@@ -433,7 +536,78 @@ impl Sql {
                 "UPDATE `{t}` SET owner = NULL, holds = 0, holder = NULL WHERE name = ? AND owner = ?"
             )),
             live_under_prefix: s(format!(
-                "SELECT COUNT(*) FROM `{t}` WHERE name LIKE CONCAT(?, '%') AND expires_at > UTC_TIMESTAMP(6)"
+                "SELECT CAST((SELECT COUNT(*) FROM `{t}` WHERE name LIKE CONCAT(?, '%') AND expires_at > UTC_TIMESTAMP(6)) \
+                 + (SELECT COUNT(*) FROM `{t}_holds` WHERE name LIKE CONCAT(?, '%') AND expires_at > UTC_TIMESTAMP(6)) AS SIGNED)"
+            )),
+            holds_table_exists: s(format!("SELECT 1 FROM `{t}_holds` LIMIT 0")),
+            // A key's row with no mutex holder, for its first read, write or permit.
+            row_insert_free: s(format!("INSERT INTO `{t}` (name) VALUES (?)")),
+            fence_next: s(format!("UPDATE `{t}` SET fence = fence + 1 WHERE name = ?")),
+            holds_of_key: s(format!(
+                "SELECT kind, holder, owner, holds, token, permits, attempts, \
+                 expires_at > UTC_TIMESTAMP(6) AS live, \
+                 TIMESTAMPDIFF(MICROSECOND, UTC_TIMESTAMP(6), expires_at) AS left_us \
+                 FROM `{t}_holds` WHERE name = ?"
+            )),
+            holds_delete: s(format!(
+                "DELETE FROM `{t}_holds` WHERE name = ? AND kind = ? AND holder = ?"
+            )),
+            holds_insert: s(format!(
+                "INSERT INTO `{t}_holds` (name, kind, holder, owner, holds, token, permits, expires_at, attempts, identity) \
+                 VALUES (?, ?, ?, ?, 1, ?, ?, UTC_TIMESTAMP(6) + INTERVAL ? MICROSECOND, ?, ?)"
+            )),
+            holds_reenter: s(format!(
+                "UPDATE `{t}_holds` SET holds = holds + 1, attempts = ?, \
+                 expires_at = GREATEST(expires_at, UTC_TIMESTAMP(6) + INTERVAL ? MICROSECOND) \
+                 WHERE name = ? AND kind = ? AND holder = ?"
+            )),
+            // Under the key's row lock, for a hold just seen live: see row_extend_locked.
+            holds_extend_locked: s(format!(
+                "UPDATE `{t}_holds` SET expires_at = GREATEST(expires_at, UTC_TIMESTAMP(6) + INTERVAL ? MICROSECOND) \
+                 WHERE name = ? AND kind = ? AND holder = ?"
+            )),
+            holds_renew: s(format!(
+                "UPDATE `{t}_holds` SET expires_at = GREATEST(expires_at, UTC_TIMESTAMP(6) + INTERVAL ? MICROSECOND) \
+                 WHERE name = ? AND kind = ? AND holder = ? AND expires_at > UTC_TIMESTAMP(6)"
+            )),
+            holds_select_one: s(format!(
+                "SELECT holder, holds, attempts FROM `{t}_holds` \
+                 WHERE name = ? AND kind = ? AND holder = ? AND expires_at > UTC_TIMESTAMP(6) FOR UPDATE"
+            )),
+            holds_select_permit_of: s(format!(
+                "SELECT holder, holds, attempts FROM `{t}_holds` \
+                 WHERE name = ? AND kind = 'p' AND owner = ? AND expires_at > UTC_TIMESTAMP(6) LIMIT 1 FOR UPDATE"
+            )),
+            holds_release_one: s(format!(
+                "UPDATE `{t}_holds` SET holds = holds - 1, attempts = ? WHERE name = ? AND kind = ? AND holder = ?"
+            )),
+            holds_live: s(format!(
+                "SELECT kind, owner, holds, token, permits, identity, \
+                 TIMESTAMPDIFF(MICROSECOND, UTC_TIMESTAMP(6), expires_at) AS left_us \
+                 FROM `{t}_holds` WHERE name = ? AND kind IN ('r', 'w', 'p') \
+                 AND expires_at > UTC_TIMESTAMP(6) ORDER BY kind = 'w' DESC, token"
+            )),
+            holds_clear_live: s(format!(
+                "DELETE FROM `{t}_holds` WHERE name = ? AND kind IN ('r', 'w', 'p') AND expires_at > UTC_TIMESTAMP(6)"
+            )),
+            // A locking delete: it sees a renewal that committed after the holds were read.
+            holds_delete_expired: s(format!(
+                "DELETE FROM `{t}_holds` WHERE name = ? AND kind = ? AND holder = ? \
+                 AND expires_at <= UTC_TIMESTAMP(6)"
+            )),
+            // Plain INSERT and UPDATE by key, never INSERT ... ON DUPLICATE KEY UPDATE, whose
+            // next-key lock on a duplicate would lock the gap before it (a neighbouring key's
+            // rows) even under READ COMMITTED.
+            marker_insert: s(format!(
+                "INSERT INTO `{t}_holds` (name, kind, holder, owner, holds, token, expires_at) \
+                 VALUES (?, 'q', ?, ?, 1, 0, UTC_TIMESTAMP(6) + INTERVAL ? MICROSECOND)"
+            )),
+            marker_refresh: s(format!(
+                "UPDATE `{t}_holds` SET expires_at = UTC_TIMESTAMP(6) + INTERVAL ? MICROSECOND \
+                 WHERE name = ? AND kind = 'q' AND holder = ?"
+            )),
+            marker_delete: s(format!(
+                "DELETE FROM `{t}_holds` WHERE name = ? AND kind = 'q' AND holder = ?"
             )),
             mutex_rows_under_prefix: s(format!(
                 "SELECT name FROM `{t}_mutex` WHERE name LIKE CONCAT(?, '%')"

@@ -7,13 +7,17 @@
 //!   expiry). Acquire, renew and release are short transactions on the **server's** clock
 //!   (`UTC_TIMESTAMP(6)`, whatever the session time zone), so client clocks do not matter. Rows are never deleted, so the fence only
 //!   grows. Leases survive client and server restarts. Waiters poll with capped
-//!   exponential backoff and jitter.
+//!   exponential backoff and jitter. Read-write locks and counting semaphores too: each
+//!   reader, writer and permit is a row of `<table>_holds` with its own lease and a fresh
+//!   token from the key's counter, decided under the lock of the key's row; a waiting
+//!   writer keeps new readers out with a marker row whose short lease its polls renew.
 //! - **for-update** ([`Mode::ForUpdate`]): a dedicated connection holds a transaction with
 //!   `SELECT ... FOR UPDATE` on the key's row in `<table>_mutex`; waiters queue inside the
 //!   server and wake the instant it commits. The session's `wait_timeout` (the lease,
 //!   rounded up to whole seconds) bounds a dead or paused holder; the watchdog's renewals
 //!   keep a live one's connection busy. The fence is committed outside the lock
-//!   transaction, so a rolled-back holder's token is never handed out again.
+//!   transaction, so a rolled-back holder's token is never handed out again. Plain locks
+//!   only: read-write locks and semaphores are `Unsupported` here (use mode=row).
 //!
 //! Keys are stored as `VARBINARY(512)`: compared byte for byte, so no two keys collide
 //! under a collation.

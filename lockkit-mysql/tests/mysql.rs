@@ -272,9 +272,10 @@ async fn a_deadline_kill_never_hits_the_next_user_of_the_connection() {
     }
 }
 
-/// A table made before the `attempts` and `holder` columns existed is brought up to date
-/// when the client may change the schema, and named with the statement to run when it may
-/// not (each missing column in turn).
+/// A table made before the `attempts` and `holder` columns (and the `_holds` table of
+/// read-write locks and semaphores) existed is brought up to date when the client may
+/// change the schema, and named with the statement to run when it may not (each missing
+/// column and table in turn).
 #[tokio::test]
 async fn a_table_without_the_attempts_column_is_upgraded_or_reported() {
     let table = format!("old_{}", &Uuid::new_v4().simple().to_string()[..8]);
@@ -283,6 +284,10 @@ async fn a_table_without_the_attempts_column_is_upgraded_or_reported() {
     };
     let admin = sqlx::MySqlPool::connect(&base).await.unwrap();
     let old_ddl = lockkit_mysql::ddl(&table)
+        .split(';')
+        .filter(|statement| !statement.contains("_holds"))
+        .collect::<Vec<_>>()
+        .join(";")
         .replace("  attempts TEXT NULL,\n", "")
         .replace("  holder TEXT CHARACTER SET ascii NULL,\n", "");
     assert!(
@@ -317,6 +322,23 @@ async fn a_table_without_the_attempts_column_is_upgraded_or_reported() {
         refused.to_string().contains("ADD COLUMN holder"),
         "{refused}"
     );
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+        "ALTER TABLE `{table}` ADD COLUMN holder TEXT CHARACTER SET ascii NULL"
+    )))
+    .execute(&admin)
+    .await
+    .unwrap();
+    let refused =
+        MysqlBackend::connect(&url(&format!("table={table}&create_schema=false")).unwrap())
+            .await
+            .unwrap_err();
+    assert!(matches!(refused, Error::Config(_)), "{refused}");
+    assert!(
+        refused
+            .to_string()
+            .contains(&format!("CREATE TABLE IF NOT EXISTS `{table}_holds`")),
+        "{refused}"
+    );
     let locker = Locker::new(
         MysqlBackend::connect(&url(&format!("table={table}")).unwrap())
             .await
@@ -327,7 +349,15 @@ async fn a_table_without_the_attempts_column_is_upgraded_or_reported() {
     let holder = locker.inspect(&key).await.unwrap().expect("held");
     assert_eq!(holder.identity.map(|i| i.pid), Some(std::process::id()));
     guard.release().await.unwrap();
-    for suffix in ["", "_mutex"] {
+    let read = locker
+        .read(&key)
+        .try_now()
+        .await
+        .unwrap()
+        .expect("free key");
+    assert_eq!(locker.holders(&key).await.unwrap().len(), 1);
+    read.release().await.unwrap();
+    for suffix in ["", "_mutex", "_holds"] {
         sqlx::raw_sql(sqlx::AssertSqlSafe(format!("DROP TABLE `{table}{suffix}`")))
             .execute(&admin)
             .await
@@ -630,4 +660,194 @@ async fn a_takeover_that_leaves_the_holder_column_is_not_misreported() {
     .execute(&admin)
     .await
     .unwrap();
+}
+
+/// Read-write locks and semaphores in row mode: `holders()` lists every reader and permit
+/// with its kind, token, lease and identity, and `inspect` reports one of them.
+#[tokio::test]
+async fn holders_lists_every_reader_and_permit() {
+    use lockkit_core::LockKind;
+    let Some(url) = url("mode=row&table=lockkit_test_row") else {
+        return;
+    };
+    let (a, b) = (
+        Locker::new(MysqlBackend::connect(&url).await.unwrap()),
+        Locker::new(MysqlBackend::connect(&url).await.unwrap()),
+    );
+    let ttl = Duration::from_secs(30);
+    let k = key();
+    let owner = a.owner();
+    let one = owner.read(&k).ttl(ttl).try_now().await.unwrap().unwrap();
+    let two = b.read(&k).ttl(ttl).try_now().await.unwrap().unwrap();
+    let again = owner.read(&k).ttl(ttl).try_now().await.unwrap().unwrap();
+    assert_eq!(again.depth(), 2);
+    let holders = a.holders(&k).await.unwrap();
+    assert_eq!(holders.len(), 2, "one entry per reader: {holders:?}");
+    assert_eq!(holders.iter().map(|h| h.depth).max(), Some(2));
+    for h in &holders {
+        assert_eq!(h.kind, Some(LockKind::Read));
+        assert!(h.token.is_some());
+        assert!(h.ttl_left.is_some_and(|left| left <= ttl && left > ttl / 2));
+        assert_eq!(h.identity.as_ref().map(|i| i.pid), Some(std::process::id()));
+    }
+    let tokens: Vec<_> = holders.iter().filter_map(|h| h.token).collect();
+    assert!(tokens.contains(&one.token()) && tokens.contains(&two.token()));
+    let shown = a
+        .inspect(&k)
+        .await
+        .unwrap()
+        .expect("one holder is reported");
+    assert_eq!(shown.kind, Some(LockKind::Read));
+    again.release().await.unwrap();
+    one.release().await.unwrap();
+    two.release().await.unwrap();
+
+    let s = key();
+    let semaphore = a.semaphore(&s, 2);
+    let p1 = semaphore.try_acquire().ttl(ttl).await.unwrap().unwrap();
+    let p2 = semaphore.try_acquire().ttl(ttl).await.unwrap().unwrap();
+    let holders = semaphore.holders().await.unwrap();
+    assert_eq!(holders.len(), 2, "{holders:?}");
+    assert!(
+        holders
+            .iter()
+            .all(|h| h.kind.and_then(LockKind::limit) == Some(2))
+    );
+    p1.release().await.unwrap();
+    p2.release().await.unwrap();
+    assert!(a.holders(&s).await.unwrap().is_empty());
+}
+
+/// A retried read or permit acquisition (same attempt id, as after a lost COMMIT answer)
+/// is the same hold again: one reader at depth 1, one permit, the same token.
+#[tokio::test]
+async fn a_retried_read_or_permit_takes_effect_once() {
+    use lockkit_core::{LockBackend, LockKind, LossSignal, OwnerId, spi::AcquireRequest};
+    use std::num::NonZeroU32;
+    let Some(url) = url("mode=row&table=lockkit_test_row") else {
+        return;
+    };
+    let backend = MysqlBackend::connect(&url).await.unwrap();
+    for kind in [
+        LockKind::Read,
+        LockKind::Write,
+        LockKind::Permit {
+            limit: NonZeroU32::new(2).unwrap(),
+        },
+    ] {
+        let k = key();
+        let req = AcquireRequest::new(
+            k.clone(),
+            OwnerId::random(),
+            Duration::from_secs(30),
+            LossSignal::new(),
+        )
+        .with_kind(kind);
+        let first = backend.try_acquire(&req).await.unwrap().expect("free");
+        let again = backend.try_acquire(&req).await.unwrap().expect("a retry");
+        assert_eq!((again.token, again.depth), (first.token, 1), "{kind:?}");
+        assert_eq!(backend.holders(&k).await.unwrap().len(), 1, "{kind:?}");
+        backend.release(&first).await.unwrap();
+        assert!(
+            matches!(backend.release(&again).await, Err(Error::NotHeld { .. })),
+            "{kind:?}: the retry added no second hold"
+        );
+    }
+}
+
+/// A reader that dies (no release, no renewal) holds the key only until its lease runs
+/// out on the server's clock; a writer then gets it with a larger token.
+#[tokio::test]
+async fn a_dead_readers_hold_ends_with_its_lease() {
+    let Some(url) = url("mode=row&table=lockkit_test_row") else {
+        return;
+    };
+    let (a, b) = (
+        Locker::new(MysqlBackend::connect(&url).await.unwrap()),
+        Locker::new(MysqlBackend::connect(&url).await.unwrap()),
+    );
+    let k = key();
+    let reader = a
+        .read(&k)
+        .ttl(Duration::from_millis(500))
+        .no_watchdog()
+        .try_now()
+        .await
+        .unwrap()
+        .unwrap();
+    let token = reader.token();
+    std::mem::forget(reader);
+    assert!(b.write(&k).try_now().await.unwrap().is_none());
+    let started = Instant::now();
+    let writer = b
+        .write(&k)
+        .ttl(Duration::from_secs(30))
+        .wait(Duration::from_secs(10))
+        .await
+        .unwrap();
+    assert!(started.elapsed() < Duration::from_secs(3));
+    assert!(writer.token() > token);
+    writer.release().await.unwrap();
+}
+
+/// A plain lock and a read lock asked at once on fresh keys (both find no row and create
+/// it) are never both granted.
+#[tokio::test]
+async fn a_plain_lock_and_a_reader_racing_on_a_fresh_key_exclude_each_other() {
+    let Some(url) = url("mode=row&table=lockkit_test_row") else {
+        return;
+    };
+    let (a, b) = (
+        Locker::new(MysqlBackend::connect(&url).await.unwrap()),
+        Locker::new(MysqlBackend::connect(&url).await.unwrap()),
+    );
+    let ttl = Duration::from_secs(30);
+    for _ in 0..40 {
+        let k = key();
+        let (plain, read) = tokio::join!(async { a.try_acquire(&k).ttl(ttl).await }, async {
+            b.read(&k).ttl(ttl).try_now().await
+        });
+        let (plain, read) = (plain.unwrap(), read.unwrap());
+        assert!(
+            plain.is_none() || read.is_none(),
+            "a plain lock and a reader were both granted"
+        );
+        if let Some(g) = plain {
+            g.release().await.unwrap();
+        }
+        if let Some(g) = read {
+            g.release().await.unwrap();
+        }
+    }
+}
+
+/// Row mode's readers and for-update mode's plain locks share a table: each keeps the
+/// other out, and for-update mode refuses read-write locks and semaphores, saying so.
+#[tokio::test]
+async fn row_readers_and_for_update_locks_exclude_each_other() {
+    let table = "lockkit_test_mixed_modes";
+    let (Some(row_url), Some(fu_url)) = (
+        url(&format!("mode=row&table={table}")),
+        url(&format!("mode=for-update&table={table}")),
+    ) else {
+        return;
+    };
+    let row = Locker::new(MysqlBackend::connect(&row_url).await.unwrap());
+    let for_update = Locker::new(MysqlBackend::connect(&fu_url).await.unwrap());
+    let ttl = Duration::from_secs(30);
+    let k = key();
+    let reader = row.read(&k).ttl(ttl).try_now().await.unwrap().unwrap();
+    assert!(
+        for_update.try_acquire(&k).await.unwrap().is_none(),
+        "for-update mode was granted a key a row-mode reader holds"
+    );
+    reader.release().await.unwrap();
+    let held = for_update.acquire(&k).ttl(ttl).await.unwrap();
+    assert!(
+        row.read(&k).try_now().await.unwrap().is_none(),
+        "row mode granted a read of a key held in for-update mode"
+    );
+    held.release().await.unwrap();
+    let refused = for_update.read(&k).try_now().await.unwrap_err();
+    assert!(matches!(refused, Error::Unsupported { .. }), "{refused}");
 }
