@@ -65,14 +65,16 @@ pub async fn child_main(connect: Connect) -> i32 {
 /// The parent's handle on the lab's child holder.
 pub(crate) type ChildHolder = HolderProcess;
 
-/// Starts the lab's child holding `key` on `url` with a watchdog, writing to `store`, and
-/// waits (up to 30 s) until it holds the lock.
+/// Starts the lab's child holding `key` on `url` with a watchdog (a permit of a semaphore
+/// of `permits` permits when not 0), writing to `store`, and waits (up to 30 s) until it
+/// holds the lock.
 pub(crate) async fn spawn_child(
     lab: &Lab,
     url: &str,
     key: &LockKey,
     ttl: Duration,
     store: &FencedStore,
+    permits: u32,
 ) -> Result<ChildHolder, LabError> {
     let mut command = Command::new(&lab.child.program);
     command
@@ -84,7 +86,7 @@ pub(crate) async fn spawn_child(
         key: key.clone(),
         ttl,
         watchdog: true,
-        permits: 0,
+        permits,
     };
     HolderProcess::start(command, &spec, Duration::from_secs(30))
         .await

@@ -14,11 +14,17 @@ use lockkit_conformance::{FaultProxy, env::host_ports, history::HoldRecord};
 
 use super::{ctx::*, steps::*};
 
-pub(super) async fn holder_paused(ctx: &mut Ctx<'_>, url: &str) -> Result<(), LabError> {
+/// A holder frozen past its lease: of the lock, or of the only permit of a semaphore of
+/// `permits` = 1 permit (0: the lock).
+pub(super) async fn holder_paused(
+    ctx: &mut Ctx<'_>,
+    url: &str,
+    permits: u32,
+) -> Result<(), LabError> {
     let ttl = Duration::from_secs(2);
     let key = ctx.key.clone();
     let store = ctx.store()?.clone();
-    let mut child = spawn_child(ctx.lab, url, &key, ttl, &store).await?;
+    let mut child = spawn_child(ctx.lab, url, &key, ttl, &store, permits).await?;
     let (held_at, token) = (child.held_at, child.token);
     ctx.granted_at(
         held_at,
@@ -59,8 +65,12 @@ pub(super) async fn holder_paused(ctx: &mut Ctx<'_>, url: &str) -> Result<(), La
             "the frozen holder's lease deadline passes (on its own clock)",
         );
     }
-    let guard = rival
-        .acquire(&key)
+    let acquire = if permits == 0 {
+        rival.acquire(&key)
+    } else {
+        rival.semaphore(&key, permits).acquire()
+    };
+    let guard = acquire
         .ttl(ttl)
         .wait(Duration::from_secs(30))
         .await

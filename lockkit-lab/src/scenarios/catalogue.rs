@@ -10,6 +10,8 @@ use crate::{
 pub(super) enum Plan {
     /// A holder in a child process is SIGSTOPped past its lease.
     HolderPaused,
+    /// The same with the only permit of a one-permit semaphore.
+    PermitPaused,
     /// `redis-single` is SIGSTOPped past the lease.
     RedisPaused,
     /// The ZooKeeper ensemble's leader is SIGSTOPped.
@@ -92,6 +94,22 @@ pub(super) const HAZARD: Expect = Expect {
     stale: Stale::Refused,
 };
 
+pub(super) const PERMIT_WHAT: &str = "holder (another process) of the only permit of a 1-permit semaphore SIGSTOPped past its 2 s lease; a rival takes the permit; the holder resumes and writes";
+
+macro_rules! permit_paused {
+    ($backend:literal, $var:literal, $extra:literal) => {
+        ScenarioDef {
+            scenario: "permit-paused",
+            backend: $backend,
+            what: PERMIT_WHAT,
+            expect: SAFE_PAUSED,
+            plan: Plan::PermitPaused,
+            url: ($var, $extra),
+            touches: &[],
+        }
+    };
+}
+
 pub(super) const PAUSED_WHAT: &str = "holder (another process) SIGSTOPped past its 2 s lease; a rival takes the lock; the holder resumes and writes";
 
 macro_rules! paused {
@@ -136,6 +154,9 @@ pub const CATALOGUE: &[ScenarioDef] = &[
         "?mode=advisory&table=lockkit_lab_adv"
     ),
     paused!("etcd", "LOCKKIT_TEST_ETCD_URL", "?session_ttl=2s"),
+    permit_paused!("file", "file", ""),
+    permit_paused!("redis", "LOCKKIT_TEST_REDIS_URL", ""),
+    permit_paused!("zk", "LOCKKIT_TEST_ZK_URL", "?session_timeout=2s"),
     ScenarioDef {
         scenario: "server-paused",
         backend: "redis",

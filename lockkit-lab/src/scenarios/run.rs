@@ -206,7 +206,8 @@ pub(super) async fn restore(lab: &Lab, def: &ScenarioDef) -> Result<(), LabError
 
 pub(super) async fn play(ctx: &mut Ctx<'_>, def: &ScenarioDef, url: &str) -> Result<(), LabError> {
     match def.plan {
-        Plan::HolderPaused => holder_paused(ctx, url).await,
+        Plan::HolderPaused => holder_paused(ctx, url, 0).await,
+        Plan::PermitPaused => holder_paused(ctx, url, 1).await,
         Plan::RedisPaused => redis_paused(ctx, url).await,
         Plan::ZkLeaderPaused => leader_outage(ctx, url, "pause", Quorum::Zk).await,
         Plan::ZkLeaderRestarted => leader_outage(ctx, url, "kill", Quorum::Zk).await,
