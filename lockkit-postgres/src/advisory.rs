@@ -31,7 +31,7 @@ use lockkit_core::spi::{
 };
 use lockkit_core::{
     BackendInfo, Capabilities, Consistency, Error, FencingToken, HolderInfo, LockBackend, LockKey,
-    LostReason, Result,
+    LockKind, LostReason, Result,
 };
 use sqlx::{
     AssertSqlSafe, Connection, PgPool, Postgres, Row,
@@ -193,10 +193,12 @@ impl LockBackend for AdvisoryLocks {
     }
 
     async fn try_acquire(&self, req: &AcquireRequest) -> Result<Option<Grant>> {
+        only_plain_locks(req)?;
         acquire(self, req, Duration::ZERO).await
     }
 
     async fn acquire(&self, req: &AcquireRequest, wait: Duration) -> Result<Grant> {
+        only_plain_locks(req)?;
         granted_or_timeout(&req.key, acquire(self, req, wait)).await
     }
 
@@ -215,6 +217,21 @@ impl LockBackend for AdvisoryLocks {
     async fn inspect(&self, key: &LockKey) -> Result<Option<HolderInfo>> {
         inspect(self, key).await
     }
+}
+
+/// Refuses a read, write or permit request (its capabilities name none, so only a request
+/// sent past the `Locker` can ask).
+fn only_plain_locks(req: &AcquireRequest) -> Result<()> {
+    if req.kind == LockKind::Exclusive {
+        return Ok(());
+    }
+    Err(Error::Unsupported {
+        backend: BACKEND,
+        what: format!(
+            "{} in mode=advisory; use mode=row for read-write locks and semaphores",
+            req.kind
+        ),
+    })
 }
 
 /// One advisory hold: its connection (holding the lock) and local depth.

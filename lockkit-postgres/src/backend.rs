@@ -149,4 +149,8 @@ impl LockBackend for PostgresBackend {
     async fn inspect(&self, key: &LockKey) -> Result<Option<HolderInfo>> {
         self.locks().inspect(key).await
     }
+
+    async fn holders(&self, key: &LockKey) -> Result<Vec<HolderInfo>> {
+        self.locks().holders(key).await
+    }
 }

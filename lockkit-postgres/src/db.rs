@@ -22,6 +22,7 @@ pub(crate) mod state {
     pub(crate) const UNDEFINED_COLUMN: &str = "42703";
     pub(crate) const DUPLICATE_COLUMN: &str = "42701";
     pub(crate) const DUPLICATE_OBJECT: &str = "42710";
+    pub(crate) const DUPLICATE_TABLE: &str = "42P07";
     pub(crate) const LOCK_NOT_AVAILABLE: &str = "55P03";
     /// `serialization_failure`, `deadlock_detected`: the server asks for a retry.
     pub(crate) const SERIALIZATION_FAILURE: &str = "40001";
@@ -142,7 +143,10 @@ impl Db {
         let table = &self.config.table;
         let missing = |e: &sqlx::Error| sql_state(e).as_deref() == Some(state::UNDEFINED_TABLE);
         match query(&self.sql.table_exists).execute(&self.pool).await {
-            Ok(_) => return self.ensure_holder_column().await,
+            Ok(_) => {
+                self.ensure_holder_column().await?;
+                return self.ensure_holds_table().await;
+            }
             Err(e) if missing(&e) && self.config.create_schema => {}
             Err(e) if missing(&e) => {
                 return Err(Error::Config(format!(
@@ -159,18 +163,17 @@ impl Db {
             .execute(&self.pool)
             .await
         {
-            Ok(_) => Ok(()),
+            Ok(_) => {}
             // The catalog's unique index, or the table's row type, says it first.
             Err(e)
                 if matches!(
                     sql_state(&e).as_deref(),
                     Some(state::UNIQUE_VIOLATION | state::DUPLICATE_OBJECT)
-                ) =>
-            {
-                Ok(())
-            }
-            Err(e) => Err(db_error(&format!("creating table `{table}`"), e)),
+                ) => {}
+            Err(e) => return Err(db_error(&format!("creating table `{table}`"), e)),
         }
+        // Whoever created the tables, both must be there now.
+        self.ensure_holds_table().await
     }
 
     /// A table made before the `holder` column existed gets it (or, with
@@ -219,6 +222,48 @@ impl Db {
                 self.sql.add_holder_column
             ))),
             Err(e) => Err(db_error(&format!("checking the columns of `{table}`"), e)),
+        }
+    }
+
+    /// A table made before read-write locks and semaphores existed gets its holds table
+    /// (`<table>_holds`), or, with create_schema=false, an error with the statement to run.
+    async fn ensure_holds_table(&self) -> Result<()> {
+        let table = holds_table(&self.config.table);
+        let missing = |e: &sqlx::Error| sql_state(e).as_deref() == Some(state::UNDEFINED_TABLE);
+        match query(&self.sql.holds.exist).execute(&self.pool).await {
+            Ok(_) => Ok(()),
+            Err(e) if missing(&e) && self.config.create_schema => {
+                let statement = holds_ddl(&self.config.table);
+                match sqlx::raw_sql(AssertSqlSafe(statement.clone()))
+                    .execute(&self.pool)
+                    .await
+                {
+                    Ok(_) => Ok(()),
+                    // Another client created it at the same moment: what this wanted.
+                    Err(e)
+                        if matches!(
+                            sql_state(&e).as_deref(),
+                            Some(
+                                state::UNIQUE_VIOLATION
+                                    | state::DUPLICATE_OBJECT
+                                    | state::DUPLICATE_TABLE
+                            )
+                        ) =>
+                    {
+                        Ok(())
+                    }
+                    Err(e) => Err(db_error(
+                        &format!("creating table `{table}` (or run it yourself: {statement})"),
+                        e,
+                    )),
+                }
+            }
+            Err(e) if missing(&e) => Err(Error::Config(format!(
+                "table `{table}` (holds of read-write locks and semaphores, which every lock \
+                 checks) does not exist and create_schema=false; create it with:\n{};",
+                holds_ddl(&self.config.table)
+            ))),
+            Err(e) => Err(db_error(&format!("checking table `{table}`"), e)),
         }
     }
 
@@ -308,7 +353,8 @@ pub(crate) const ALTER_LOCK_WAIT: Duration = Duration::from_secs(5);
 // ---- the table and its statements
 
 /// The DDL for `table` (quoted as given): one row per key, never deleted, so its fence only
-/// grows.
+/// grows; then its holds table, `<table>_holds` (read and write holds, permits, waiting
+/// writers' markers), separated by `;\n`.
 pub fn ddl(table: &str) -> String {
     format!(
         "CREATE TABLE IF NOT EXISTS \"{table}\" (\n  \
@@ -319,6 +365,34 @@ pub fn ddl(table: &str) -> String {
            expires_at TIMESTAMPTZ NULL,\n  \
            attempts TEXT NULL,\n  \
            holder TEXT NULL\n\
+         );\n{}",
+        holds_ddl(table)
+    )
+}
+
+/// The holds table of `table`: `<table>_holds`.
+pub(crate) fn holds_table(table: &str) -> String {
+    format!("{table}_holds")
+}
+
+/// The DDL of `table`'s holds table: one row per read or write hold (per owner), per
+/// permit (per acquisition) and per waiting writer's marker. The key's row in `table`
+/// stays the point every change of its holds is serialized on, and its fencing counter.
+fn holds_ddl(table: &str) -> String {
+    let holds = holds_table(table);
+    format!(
+        "CREATE TABLE IF NOT EXISTS \"{holds}\" (\n  \
+           name BYTEA NOT NULL CHECK (octet_length(name) <= 512),\n  \
+           kind TEXT NOT NULL CHECK (kind IN ('r', 'w', 'p', 'q')),\n  \
+           holder TEXT NOT NULL,\n  \
+           owner TEXT NOT NULL,\n  \
+           holds INTEGER NOT NULL DEFAULT 1,\n  \
+           token BIGINT NOT NULL DEFAULT 0,\n  \
+           expires_at TIMESTAMPTZ NOT NULL,\n  \
+           attempts TEXT NULL,\n  \
+           identity TEXT NULL,\n  \
+           permits INTEGER NULL,\n  \
+           PRIMARY KEY (name, kind, holder)\n\
          )"
     )
 }
@@ -361,19 +435,134 @@ pub(crate) struct Sql {
     pub(crate) advisory_take_away: Arc<str>,
     #[cfg_attr(not(feature = "testing"), allow(dead_code))]
     pub(crate) live_under_prefix: Arc<str>,
+    /// The statements on the holds table (read-write locks and semaphores).
+    pub(crate) holds: HoldsSql,
+}
+
+/// The statements on `<table>_holds`. Every one that adds a hold or a marker runs under the
+/// lock of the key's row in the main table (taken by `row_select_for_update`, or
+/// `key_lock`), so one transaction at a time decides over a key's holds.
+#[derive(Debug)]
+pub(crate) struct HoldsSql {
+    pub(crate) exist: Arc<str>,
+    /// Creates the key's row in the main table, free, if it has none.
+    pub(crate) key_row: Arc<str>,
+    /// Locks the key's row in the main table.
+    pub(crate) key_lock: Arc<str>,
+    /// Every hold and marker of a key, locked, with its lease left (µs; <= 0: over).
+    pub(crate) lock_all: Arc<str>,
+    pub(crate) prune: Arc<str>,
+    /// A new hold: the key's fence + 1 is its token; the asking wait's marker goes.
+    pub(crate) grant: Arc<str>,
+    pub(crate) reenter: Arc<str>,
+    pub(crate) extend: Arc<str>,
+    pub(crate) mark: Arc<str>,
+    pub(crate) unmark: Arc<str>,
+    pub(crate) renew: Arc<str>,
+    pub(crate) lock_one: Arc<str>,
+    pub(crate) release_one: Arc<str>,
+    pub(crate) delete: Arc<str>,
+    pub(crate) list: Arc<str>,
+    pub(crate) clear_live: Arc<str>,
+}
+
+impl HoldsSql {
+    fn new(t: &str) -> Self {
+        let s = |text: String| Arc::<str>::from(text);
+        let h = holds_table(t);
+        let left_us = "(EXTRACT(EPOCH FROM (expires_at - clock_timestamp())) * 1000000)::bigint";
+        HoldsSql {
+            exist: s(format!(
+                "SELECT name, kind, holder, owner, holds, token, expires_at, attempts, identity, \
+                 permits FROM \"{h}\" LIMIT 0"
+            )),
+            key_row: s(format!(
+                "INSERT INTO \"{t}\" (name) VALUES ($1) ON CONFLICT (name) DO NOTHING"
+            )),
+            key_lock: s(format!("SELECT 1 FROM \"{t}\" WHERE name = $1 FOR UPDATE")),
+            lock_all: s(format!(
+                "SELECT kind, holder, owner, holds, token, attempts, permits, {left_us} AS left_us \
+                 FROM \"{h}\" WHERE name = $1 FOR UPDATE"
+            )),
+            prune: s(format!(
+                "DELETE FROM \"{h}\" WHERE name = $1 AND expires_at <= clock_timestamp()"
+            )),
+            grant: s(format!(
+                "WITH fenced AS (UPDATE \"{t}\" SET fence = fence + 1 WHERE name = $1 RETURNING fence), \
+                 unmarked AS (DELETE FROM \"{h}\" WHERE name = $1 AND kind = 'q' AND holder = $9) \
+                 INSERT INTO \"{h}\" (name, kind, holder, owner, holds, token, expires_at, attempts, \
+                 identity, permits) SELECT $1, $2, $3, $4, 1, fence, {}, $6, $7, $8 FROM fenced \
+                 ON CONFLICT (name, kind, holder) DO UPDATE SET owner = EXCLUDED.owner, holds = 1, \
+                 token = EXCLUDED.token, expires_at = EXCLUDED.expires_at, \
+                 attempts = EXCLUDED.attempts, identity = EXCLUDED.identity, \
+                 permits = EXCLUDED.permits RETURNING token",
+                from_now(5)
+            )),
+            reenter: s(format!(
+                "UPDATE \"{h}\" SET holds = holds + 1, attempts = $1, \
+                 expires_at = GREATEST(expires_at, {}) WHERE name = $3 AND kind = $4 AND holder = $5",
+                from_now(2)
+            )),
+            // Under the row locks of a transaction that just saw the hold live: extended even
+            // if it ran out meanwhile (nobody else decided over the key since).
+            extend: s(format!(
+                "UPDATE \"{h}\" SET expires_at = GREATEST(expires_at, {}) \
+                 WHERE name = $2 AND kind = $3 AND holder = $4",
+                from_now(1)
+            )),
+            mark: s(format!(
+                "INSERT INTO \"{h}\" (name, kind, holder, owner, holds, token, expires_at) \
+                 VALUES ($1, 'q', $2, $3, 1, 0, {}) ON CONFLICT (name, kind, holder) \
+                 DO UPDATE SET expires_at = EXCLUDED.expires_at",
+                from_now(4)
+            )),
+            unmark: s(format!(
+                "DELETE FROM \"{h}\" WHERE name = $1 AND kind = 'q' AND holder = $2"
+            )),
+            renew: s(format!(
+                "UPDATE \"{h}\" SET expires_at = GREATEST(expires_at, {}) \
+                 WHERE name = $2 AND kind = $3 AND holder = $4 AND owner = $5 \
+                 AND expires_at > clock_timestamp()",
+                from_now(1)
+            )),
+            lock_one: s(format!(
+                "SELECT holds, attempts FROM \"{h}\" WHERE name = $1 AND kind = $2 AND holder = $3 \
+                 AND owner = $4 AND expires_at > clock_timestamp() FOR UPDATE"
+            )),
+            release_one: s(format!(
+                "UPDATE \"{h}\" SET holds = holds - 1, attempts = $1 \
+                 WHERE name = $2 AND kind = $3 AND holder = $4"
+            )),
+            delete: s(format!(
+                "DELETE FROM \"{h}\" WHERE name = $1 AND kind = $2 AND holder = $3"
+            )),
+            list: s(format!(
+                "SELECT kind, owner, holds, token, identity, permits, {left_us} AS left_us \
+                 FROM \"{h}\" WHERE name = $1 AND kind <> 'q' AND expires_at > clock_timestamp() \
+                 ORDER BY kind <> 'w', token"
+            )),
+            clear_live: s(format!(
+                "DELETE FROM \"{h}\" WHERE name = $1 AND kind <> 'q' \
+                 AND expires_at > clock_timestamp()"
+            )),
+        }
+    }
 }
 
 impl Sql {
     pub(crate) fn new(t: &str) -> Self {
         let s = |text: String| Arc::<str>::from(text);
         // A key whose advisory lock another session holds is held (by a `mode=advisory`
-        // client, or any other): `pg_try_advisory_xact_lock` succeeds only for a lock this
-        // transaction may take, and then keeps advisory holders out until it commits. Past
-        // that, a row whose `expires_at` is `infinity` records an advisory hold that is over,
-        // and any other row is live while its lease runs.
+        // client, or any other): `pg_try_advisory_xact_lock_shared` succeeds only for a lock
+        // this transaction may take, and then keeps advisory holders (exclusive) out until it
+        // commits. Shared, because it is taken before the row lock is granted (a `SELECT ...
+        // FOR UPDATE` computes its columns first): two row-mode transactions on one key, one
+        // waiting for the other's row lock, must not take each other for an advisory holder.
+        // Past that, a row whose `expires_at` is `infinity` records an advisory hold that is
+        // over, and any other row is live while its lease runs.
         let left_us = "CASE WHEN expires_at = 'infinity' THEN NULL ELSE \
              (EXTRACT(EPOCH FROM (expires_at - clock_timestamp())) * 1000000)::bigint END";
-        let live = "CASE WHEN NOT pg_try_advisory_xact_lock($2) THEN TRUE \
+        let live = "CASE WHEN NOT pg_try_advisory_xact_lock_shared($2) THEN TRUE \
              WHEN expires_at = 'infinity' THEN FALSE \
              ELSE COALESCE(expires_at > clock_timestamp(), FALSE) END";
         // A lease of mode=row, running now.
@@ -387,7 +576,9 @@ impl Sql {
                  AND objid = (${n} & 4294967295)::oid AND objsubid = 1)"
             )
         };
+        let h = holds_table(t);
         Sql {
+            holds: HoldsSql::new(t),
             holder_column_exists: s(format!("SELECT holder FROM \"{t}\" LIMIT 0")),
             add_holder_column: s(format!(
                 "ALTER TABLE \"{t}\" ADD COLUMN IF NOT EXISTS holder TEXT NULL"
@@ -452,13 +643,21 @@ impl Sql {
                  AND ({leased} OR (expires_at = 'infinity' AND {}))",
                 advisory_held(2)
             )),
+            // Leases, holds and waiting writers' markers.
             live_under_prefix: s(format!(
-                "SELECT COUNT(*) FROM \"{t}\" WHERE position($1 in name) = 1 AND {leased}"
+                "SELECT (SELECT COUNT(*) FROM \"{t}\" WHERE position($1 in name) = 1 AND {leased}) \
+                 + (SELECT COUNT(*) FROM \"{h}\" WHERE position($1 in name) = 1 \
+                 AND expires_at > clock_timestamp())"
             )),
+            // Not beside a live row-mode lease, nor beside row-mode holds of a read-write lock
+            // or a semaphore (its statement begins after the advisory lock was granted, so it
+            // sees every hold committed before: row mode adds none while the lock is held).
             advisory_take: s(format!(
                 "UPDATE \"{t}\" SET fence = fence + 1, owner = $1, holds = 1, \
                  expires_at = 'infinity', attempts = NULL, holder = $3 \
-                 WHERE name = $2 AND NOT COALESCE({leased}, FALSE) RETURNING fence"
+                 WHERE name = $2 AND NOT COALESCE({leased}, FALSE) \
+                 AND NOT EXISTS (SELECT 1 FROM \"{h}\" h WHERE h.name = $2 AND h.kind <> 'q' \
+                 AND h.expires_at > clock_timestamp()) RETURNING fence"
             )),
             advisory_insert: s(format!(
                 "INSERT INTO \"{t}\" (name, owner, holds, fence, expires_at, holder) \

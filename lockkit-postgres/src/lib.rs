@@ -8,6 +8,14 @@
 //! retry the moment it commits; a holder that dies unannounced is waited out to the end of
 //! its lease.
 //!
+//! Row mode also has read-write locks and counting semaphores: one row per read or write
+//! hold, per permit and per waiting writer in `<table>_holds` (made beside the table, and
+//! beside an older one on connect), decided under the lock of the key's row in the table,
+//! which stays the key's one fencing counter. A plain lock, a read-write lock and a
+//! semaphore on one key exclude each other. A waiting writer leaves a marker with a lease
+//! of seconds that keeps new readers out (writer preference); its release, and the removal
+//! of a marker when its wait ends, are announced as a release is.
+//!
 //! `mode=advisory`: `pg_advisory_lock` held by a dedicated connection per hold, waiters
 //! queued in the server's lock manager (no polling, no herd). The key's lock id is
 //! [`advisory_id`] (64 bits of SHA-256 of `lockkit:<table>:<key>`; [`advisory_id_sql`]
@@ -25,7 +33,9 @@
 //! idle timeout) can end a holder's session, and so its lock, before the holder's next
 //! liveness check notices: keep such timeouts above the lease, and fence your writes. A
 //! client that is not lockkit and holds only a row-mode lease has nothing in the server's
-//! lock manager: plain `pg_advisory_lock` users do not see it.
+//! lock manager: plain `pg_advisory_lock` users do not see it. Read-write locks and
+//! semaphores are not offered in this mode (`Unsupported`; use `mode=row`); an advisory
+//! holder stays out of a key that row-mode readers, writers or permits hold.
 #![cfg_attr(docsrs, feature(doc_cfg))]
 #![warn(missing_docs)]
 #![cfg_attr(

@@ -298,6 +298,56 @@ async fn the_two_modes_exclude_each_other_and_share_the_token() {
     }
 }
 
+/// Row mode's readers and permits keep an advisory client out of the key (its record
+/// refuses to go beside them), and an advisory hold keeps row-mode readers and permits
+/// out; an advisory waiter gets the key once the last reader is gone, with a greater
+/// token. Advisory mode itself refuses read-write locks and semaphores.
+#[tokio::test]
+async fn row_mode_readers_and_advisory_holds_exclude_each_other() {
+    let (Some((row, _)), Some((advisory, _))) =
+        (client_of("row").await, client_of("advisory").await)
+    else {
+        return;
+    };
+    let k = key("modes-rw");
+    let read = row
+        .read(&k)
+        .ttl(Duration::from_secs(60))
+        .try_now()
+        .await
+        .unwrap()
+        .expect("a free key");
+    assert!(
+        advisory.try_acquire(&k).await.unwrap().is_none(),
+        "an advisory hold beside a row-mode reader"
+    );
+    let waiting = tokio::spawn({
+        let (advisory, k) = (advisory.clone(), k.clone());
+        async move { advisory.acquire(&k).wait(Duration::from_secs(50)).await }
+    });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(!waiting.is_finished(), "an advisory waiter beside a reader");
+    let token = read.token();
+    read.release().await.unwrap();
+    let held = tokio::time::timeout(Duration::from_secs(20), waiting)
+        .await
+        .expect("the advisory waiter was not granted after the reader left")
+        .unwrap()
+        .unwrap();
+    assert!(held.token() > token);
+    assert!(row.read(&k).try_now().await.unwrap().is_none());
+    // A plain lock holds the key: a permit is another kind of lock.
+    assert!(matches!(
+        row.semaphore(&k, 2).try_acquire().await,
+        Err(lockkit_core::Error::KindMismatch { .. })
+    ));
+    held.release().await.unwrap();
+    assert!(matches!(
+        advisory.read(&k).try_now().await,
+        Err(lockkit_core::Error::Unsupported { .. })
+    ));
+}
+
 /// An advisory holder whose session ends (an operator's `take_away`, a server restart)
 /// is told at once, and the key is free.
 #[tokio::test]
@@ -465,7 +515,12 @@ async fn a_table_without_the_holder_column_is_upgraded_or_reported() {
     };
     let table = format!("old_{}", &uuid::Uuid::new_v4().simple().to_string()[..8]);
     let admin = sqlx::PgPool::connect(&base).await.unwrap();
-    let old_ddl = lockkit_postgres::ddl(&table).replace(",\n  holder TEXT NULL", "");
+    // The main table as it was before the holder column and the holds table.
+    let old_ddl = lockkit_postgres::ddl(&table)
+        .split(";\n")
+        .next()
+        .unwrap()
+        .replace(",\n  holder TEXT NULL", "");
     assert!(!old_ddl.contains("holder"), "{old_ddl}");
     sqlx::raw_sql(sqlx::AssertSqlSafe(old_ddl))
         .execute(&admin)
@@ -496,8 +551,169 @@ async fn a_table_without_the_holder_column_is_upgraded_or_reported() {
         );
         guard.release().await.unwrap();
     }
-    sqlx::raw_sql(sqlx::AssertSqlSafe(format!("DROP TABLE \"{table}\"")))
+    // Row mode's read-write locks work on the upgraded table (its holds table was made).
+    let locker = Locker::new(
+        PostgresBackend::connect(&format!("{base}?table={table}"))
+            .await
+            .unwrap(),
+    );
+    let read = locker
+        .read(key("old-table-read"))
+        .try_now()
+        .await
+        .unwrap()
+        .expect("free key");
+    read.release().await.unwrap();
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+        "DROP TABLE \"{table}\"; DROP TABLE \"{table}_holds\""
+    )))
+    .execute(&admin)
+    .await
+    .unwrap();
+}
+
+/// A table made before read-write locks and semaphores (it has the holder column but no
+/// holds table): create_schema=false names the statement that makes the holds table, and
+/// nothing is created; otherwise it is made, and reads, writes and permits work on it.
+#[tokio::test]
+async fn a_missing_holds_table_is_reported_or_created() {
+    let Some(base) = env::service_url("LOCKKIT_TEST_POSTGRES_URL") else {
+        return;
+    };
+    let table = format!("nohold_{}", &uuid::Uuid::new_v4().simple().to_string()[..8]);
+    let admin = sqlx::PgPool::connect(&base).await.unwrap();
+    let main_only = lockkit_postgres::ddl(&table)
+        .split(";\n")
+        .next()
+        .unwrap()
+        .to_owned();
+    assert!(main_only.contains("holder TEXT NULL"), "{main_only}");
+    sqlx::raw_sql(sqlx::AssertSqlSafe(main_only))
         .execute(&admin)
         .await
         .unwrap();
+    let refused = PostgresBackend::connect(&format!("{base}?table={table}&create_schema=false"))
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(&refused, lockkit_core::Error::Config(m)
+            if m.contains(&format!("CREATE TABLE IF NOT EXISTS \"{table}_holds\""))),
+        "{refused}"
+    );
+    let (exists,): (bool,) = sqlx::query_as("SELECT to_regclass($1) IS NOT NULL")
+        .bind(format!("{table}_holds"))
+        .fetch_one(&admin)
+        .await
+        .unwrap();
+    assert!(!exists, "create_schema=false created the holds table");
+    let (a, b) = (
+        Locker::new(
+            PostgresBackend::connect(&format!("{base}?table={table}"))
+                .await
+                .unwrap(),
+        ),
+        Locker::new(
+            PostgresBackend::connect(&format!("{base}?table={table}&create_schema=false"))
+                .await
+                .unwrap(),
+        ),
+    );
+    let k = key("holds-table");
+    let one = a.read(&k).try_now().await.unwrap().expect("free key");
+    let two = b.read(&k).try_now().await.unwrap().expect("readers share");
+    assert!(b.write(&k).try_now().await.unwrap().is_none());
+    let holders = b.backend().holders(&k).await.unwrap();
+    assert_eq!(holders.len(), 2, "{holders:?}");
+    for holder in &holders {
+        assert_eq!(holder.kind, Some(lockkit_core::LockKind::Read));
+        assert_eq!(
+            holder.identity.as_ref().map(|i| i.pid),
+            Some(std::process::id())
+        );
+        assert!(holder.token.is_some() && holder.ttl_left.is_some());
+    }
+    one.release().await.unwrap();
+    two.release().await.unwrap();
+    let s = key("holds-table-permits");
+    let permit = a
+        .semaphore(&s, 1)
+        .try_acquire()
+        .await
+        .unwrap()
+        .expect("free");
+    assert!(b.semaphore(&s, 1).try_acquire().await.unwrap().is_none());
+    permit.release().await.unwrap();
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+        "DROP TABLE \"{table}\"; DROP TABLE \"{table}_holds\""
+    )))
+    .execute(&admin)
+    .await
+    .unwrap();
+}
+
+/// A plain lock and a read racing for keys nobody used before (both make the key's row):
+/// never both granted.
+#[tokio::test]
+async fn a_plain_lock_and_a_read_racing_on_a_fresh_key_never_both_win() {
+    let Some((a, _)) = locker().await else {
+        return;
+    };
+    let (b, _) = locker().await.unwrap();
+    for round in 0..20 {
+        let k = key(&format!("fresh-race-{round}"));
+        let (plain, read) = tokio::join!(a.try_acquire(&k), b.read(&k).try_now());
+        let (plain, read) = (plain.unwrap(), read.unwrap());
+        assert!(
+            plain.is_none() || read.is_none(),
+            "a plain lock and a read were both granted on a fresh key"
+        );
+        assert!(plain.is_some() || read.is_some(), "neither was granted");
+        if let Some(g) = plain {
+            g.release().await.unwrap();
+        }
+        if let Some(g) = read {
+            g.release().await.unwrap();
+        }
+    }
+}
+
+/// A read, write or permit acquisition retried with the same attempt (its reply lost)
+/// takes effect once: the same token and depth, one hold, and one release frees the key.
+#[tokio::test]
+async fn a_retried_shared_acquisition_takes_effect_once() {
+    use lockkit_core::{LockBackend, LockKind, LossSignal, OwnerId, spi::AcquireRequest};
+    let Some((_, backend)) = locker().await else {
+        return;
+    };
+    let permit = LockKind::Permit {
+        limit: std::num::NonZeroU32::new(2).unwrap(),
+    };
+    for kind in [LockKind::Read, LockKind::Write, permit] {
+        let k = key("retried-shared");
+        let req = AcquireRequest::new(
+            k.clone(),
+            OwnerId::random(),
+            Duration::from_secs(30),
+            LossSignal::new(),
+        )
+        .with_kind(kind);
+        let first = backend.try_acquire(&req).await.unwrap().expect("free key");
+        let again = backend.try_acquire(&req).await.unwrap().expect("the retry");
+        assert_eq!((again.token, again.depth), (first.token, 1), "{kind:?}");
+        let holders = backend.holders(&k).await.unwrap();
+        assert_eq!(holders.len(), 1, "{kind:?}: {holders:?}");
+        assert_eq!(holders[0].depth, 1, "{kind:?}");
+        assert_eq!(
+            backend.release(&first).await.unwrap(),
+            lockkit_core::spi::Released::Fully
+        );
+        assert!(backend.holders(&k).await.unwrap().is_empty(), "{kind:?}");
+        assert!(
+            matches!(
+                backend.release(&first).await,
+                Err(lockkit_core::Error::NotHeld { .. })
+            ),
+            "{kind:?}: a second release"
+        );
+    }
 }

@@ -1,5 +1,7 @@
-//! mode=row: the lease table, and its waiters' wake-ups (`notify`).
+//! mode=row: the lease table, its holds table for read-write locks and semaphores
+//! (`holds`), and its waiters' wake-ups (`notify`).
 
+pub(crate) mod holds;
 pub(crate) mod notify;
 
 use std::{sync::Arc, time::Duration};
@@ -11,12 +13,15 @@ use lockkit_core::spi::{
 };
 use lockkit_core::{
     BackendInfo, Capabilities, Consistency, Error, FencingToken, HolderInfo, LockBackend, LockKey,
-    Result,
+    LockKind, Result,
 };
 use sqlx::Row;
 use tokio::time::Instant;
 
-use crate::db::{BACKEND, Db, db_error, fence_of, micros, query, release_channel, row_text};
+use crate::db::{
+    BACKEND, Db, db_error, fence_of, micros, query, release_channel, row_text, sql_state, state,
+};
+use holds::{Decision, Marker, Plain, WriterMark};
 use notify::{Releases, release_payload};
 
 /// The lease table's locks over one database.
@@ -56,22 +61,36 @@ impl RowLocks {
         self.releases.waiting_keys()
     }
 
-    /// Clears `key`'s live lease as if it had expired, and announces the release. Whether
-    /// there was one.
+    /// Clears `key`'s live lease, and its live read, write and permit holds, as if they had
+    /// expired, and announces the release. Whether there was any.
     pub(crate) async fn take_away(&self, key: &LockKey) -> Result<bool> {
         let inner = &self.inner;
         let fail = |e| db_error("clearing a lease", e);
+        let name = key.as_str().as_bytes();
         let mut tx = inner.pool.begin().await.map_err(fail)?;
+        // The key's row first, then its holds, as every transaction over them does: no
+        // acquisition is half-way through its decision while they go.
+        query(&inner.sql.holds.key_lock)
+            .bind(name)
+            .fetch_optional(&mut *tx)
+            .await
+            .map_err(fail)?;
         let done = query(&inner.sql.row_clear_live)
-            .bind(key.as_str().as_bytes())
+            .bind(name)
             .execute(&mut *tx)
             .await
             .map_err(fail)?;
-        if done.rows_affected() == 1 {
+        let shared = query(&inner.sql.holds.clear_live)
+            .bind(name)
+            .execute(&mut *tx)
+            .await
+            .map_err(fail)?;
+        let cleared = done.rows_affected() == 1 || shared.rows_affected() > 0;
+        if cleared {
             announce_release(inner, key, &mut tx).await.map_err(fail)?;
         }
         tx.commit().await.map_err(fail)?;
-        Ok(done.rows_affected() == 1)
+        Ok(cleared)
     }
 }
 
@@ -88,6 +107,10 @@ impl LockBackend for RowLocks {
     fn info(&self) -> BackendInfo {
         let capabilities = Capabilities {
             notified_wait: true,
+            read_write: true,
+            // Waiting writers' markers (see `holds`).
+            writer_preference: true,
+            semaphore: true,
             min_ttl: Duration::from_millis(1),
             // `timestamptz` ends in the year 294276: keep leases well inside it.
             max_ttl: Some(Duration::from_secs(100 * 365 * 24 * 3600)),
@@ -105,7 +128,10 @@ impl LockBackend for RowLocks {
     }
 
     async fn renew(&self, grant: &Grant, ttl: Duration) -> Result<()> {
-        renew(self, grant, ttl).await
+        match grant.kind {
+            LockKind::Exclusive => renew(self, grant, ttl).await,
+            _ => holds::renew(self, grant, ttl).await,
+        }
     }
 
     async fn release(&self, grant: &Grant) -> Result<Released> {
@@ -117,7 +143,11 @@ impl LockBackend for RowLocks {
     }
 
     async fn inspect(&self, key: &LockKey) -> Result<Option<HolderInfo>> {
-        self.inner.inspect_lease(key).await
+        Ok(self.holders(key).await?.into_iter().next())
+    }
+
+    async fn holders(&self, key: &LockKey) -> Result<Vec<HolderInfo>> {
+        holds::holders(self, key).await
     }
 }
 
@@ -181,8 +211,26 @@ async fn announce_release(
     Ok(())
 }
 
-/// One acquire transaction: lock the key's row, decide, write, commit.
-async fn run_acquire(backend: &RowLocks, req: &AcquireRequest) -> Result<Attempt> {
+/// Locks `key`'s row of the main table, if it has one, and reads its plain lock.
+async fn lock_key_row(
+    inner: &Db,
+    conn: &mut sqlx::PgConnection,
+    key: &LockKey,
+) -> std::result::Result<Option<sqlx::postgres::PgRow>, sqlx::Error> {
+    query(&inner.sql.row_select_for_update)
+        .bind(key.as_str().as_bytes())
+        .bind(inner.advisory_id(key))
+        .fetch_optional(conn)
+        .await
+}
+
+/// One acquire transaction: lock the key's row, decide, write, commit. `marker`: the
+/// caller waits, and a writer refused leaves (or renews) its marker.
+async fn run_acquire(
+    backend: &RowLocks,
+    req: &AcquireRequest,
+    marker: Option<&Marker>,
+) -> Result<Attempt> {
     let inner = &backend.inner;
     let sql = &inner.sql;
     let name = req.key.as_str().as_bytes();
@@ -191,14 +239,24 @@ async fn run_acquire(backend: &RowLocks, req: &AcquireRequest) -> Result<Attempt
     let start = Instant::now();
     let fail = |e| db_error("the acquire transaction", e);
     let mut tx = inner.pool.begin().await.map_err(fail)?;
-    let row = query(&sql.row_select_for_update)
-        .bind(name)
-        .bind(inner.advisory_id(&req.key))
-        .fetch_optional(&mut *tx)
-        .await
-        .map_err(fail)?;
+    let mut row = lock_key_row(inner, &mut tx, &req.key).await.map_err(fail)?;
+    if row.is_none() && req.kind != LockKind::Exclusive {
+        // First use of this key, by a reader, writer or permit: make its row (free), then
+        // lock it; a statement of its own sees the row whoever made it.
+        query(&sql.holds.key_row)
+            .bind(name)
+            .execute(&mut *tx)
+            .await
+            .map_err(fail)?;
+        row = lock_key_row(inner, &mut tx, &req.key).await.map_err(fail)?;
+    }
     let Some(row) = row else {
-        // First use of this key: create its row, already held.
+        if req.kind != LockKind::Exclusive {
+            tx.rollback().await.map_err(fail)?;
+            return Ok(Attempt::busy(Duration::ZERO));
+        }
+        // First use of this key: create its row, already held (a key without a row has no
+        // holds either: they are added under its row's lock).
         let created = query(&sql.row_insert)
             .bind(name)
             .bind(&owner)
@@ -226,6 +284,21 @@ async fn run_acquire(backend: &RowLocks, req: &AcquireRequest) -> Result<Attempt
     let holds: i32 = row.try_get("holds").map_err(fail)?;
     let holds = u32::try_from(holds).unwrap_or(0);
     let holder = row_text(&row, "owner");
+    let left: Option<i64> = row.try_get("left_us").map_err(fail)?;
+    if req.kind != LockKind::Exclusive {
+        let plain = live.then(|| {
+            let left = left
+                .filter(|left| *left > 0)
+                .map(|left| Duration::from_micros(u64::try_from(left).unwrap_or(0)));
+            // A lease of row mode names its holder; an advisory lock (no lease here) may be
+            // any session's.
+            Plain {
+                owner: left.and(holder.clone()),
+                left,
+            }
+        });
+        return holds::acquire(inner, tx, req, plain, marker, start).await;
+    }
     if live && holder.as_deref() == Some(owner.as_str()) {
         let mut attempts = AttemptLedger::parse(&row_text(&row, "attempts").unwrap_or_default());
         if attempts.has(req.attempt) {
@@ -267,7 +340,6 @@ async fn run_acquire(backend: &RowLocks, req: &AcquireRequest) -> Result<Attempt
         )));
     }
     if live {
-        let left: Option<i64> = row.try_get("left_us").map_err(fail)?;
         tx.rollback().await.map_err(fail)?;
         return Ok(Attempt::busy(match left {
             Some(left) if left > 0 => Duration::from_micros(u64::try_from(left).unwrap_or(0)),
@@ -276,6 +348,20 @@ async fn run_acquire(backend: &RowLocks, req: &AcquireRequest) -> Result<Attempt
             // another client's unlock, is not, so look again now and then.
             _ => ADVISORY_RECHECK,
         }));
+    }
+    // No plain lock: the key may still be held as a read-write lock or a semaphore.
+    let shared = holds::live_holds(inner, &mut tx, name)
+        .await
+        .map_err(fail)?;
+    match holds::decide(req, None, &shared) {
+        Decision::New | Decision::Again(_) => {}
+        Decision::Busy { left, mark } => {
+            return holds::busy(inner, tx, req, left, mark, marker).await;
+        }
+        Decision::Refused(error) => {
+            tx.rollback().await.map_err(fail)?;
+            return Err(error);
+        }
     }
     let taken: i64 = query(&sql.row_take)
         .bind(&owner)
@@ -288,6 +374,12 @@ async fn run_acquire(backend: &RowLocks, req: &AcquireRequest) -> Result<Attempt
         .map_err(fail)?
         .try_get("fence")
         .map_err(fail)?;
+    if marker.is_some_and(Marker::is_marked) {
+        // The wait's marker goes with the grant.
+        holds::unmark_in(inner, &mut tx, &req.key, &req.attempt.to_string())
+            .await
+            .map_err(fail)?;
+    }
     tx.commit().await.map_err(fail)?;
     Ok(Attempt::Granted(Grant::new(
         req,
@@ -297,12 +389,32 @@ async fn run_acquire(backend: &RowLocks, req: &AcquireRequest) -> Result<Attempt
     )))
 }
 
+/// Whether `error` is the server's request to run the transaction again (a serialization
+/// failure or a deadlock it broke): the transaction was rolled back, nothing was taken.
+fn server_asks_retry(error: &Error) -> bool {
+    let Error::Backend {
+        source: Some(source),
+        ..
+    } = error
+    else {
+        return false;
+    };
+    source
+        .downcast_ref::<sqlx::Error>()
+        .and_then(sql_state)
+        .is_some_and(|c| c == state::SERIALIZATION_FAILURE || c == state::DEADLOCK)
+}
+
 /// A cancel-safe attempt: a grant whose caller has gone is given back.
-async fn attempt(backend: &RowLocks, req: &AcquireRequest) -> Result<Attempt> {
+async fn attempt(
+    backend: &RowLocks,
+    req: &AcquireRequest,
+    marker: Option<Marker>,
+) -> Result<Attempt> {
     let (this, request, giver) = (backend.clone(), req.clone(), backend.clone());
-    detached_acquire(
+    let outcome = detached_acquire(
         BACKEND,
-        move |_| async move { run_acquire(&this, &request).await },
+        move |_| async move { run_acquire(&this, &request, marker.as_ref()).await },
         Attempt::into_grant,
         move |grant| async move {
             if let Err(error) = release(&giver, &grant).await {
@@ -310,13 +422,21 @@ async fn attempt(backend: &RowLocks, req: &AcquireRequest) -> Result<Attempt> {
             }
         },
     )
-    .await
+    .await;
+    match outcome {
+        // Retry at once, as after a lost race to create the key's row.
+        Err(error) if server_asks_retry(&error) => {
+            tracing::debug!(%error, "the server asks for the acquire transaction again");
+            Ok(Attempt::busy(Duration::ZERO))
+        }
+        outcome => outcome,
+    }
 }
 
 async fn try_acquire(backend: &RowLocks, req: &AcquireRequest) -> Result<Option<Grant>> {
     // A row created by a racing client is not contention: retry that once.
     for _ in 0..2 {
-        match attempt(backend, req).await? {
+        match attempt(backend, req, None).await? {
             Attempt::Granted(grant) => return Ok(Some(grant)),
             Attempt::Busy {
                 lease_left: Some(left),
@@ -334,26 +454,37 @@ const MAX_POLL: Duration = Duration::from_millis(100);
 
 /// Waits for the holder's release announcement or the end of its lease, whichever comes
 /// first, never past the deadline; polls with capped backoff while the listener is down.
+/// A writer (or a plain locker behind readers) keeps a marker while it waits, which keeps
+/// new readers out; the marker goes when the wait ends, however it ends.
 async fn acquire(backend: &RowLocks, req: &AcquireRequest, wait: Duration) -> Result<Grant> {
     let policy = WaitPolicy::new(Backoff::new(FIRST_POLL, MAX_POLL));
     let mut wake = backend.releases.waiter(req.key.as_str());
     let deadline = deadline_after(wait);
+    let mark = WriterMark::new(backend, req);
+    let marker = (!wait.is_zero()).then(|| mark.marker());
     // An attempt stuck behind another client's open transaction ends at the deadline (the
     // server's lock_timeout ends it too); dropped, it gives back a grant it still gets.
-    wait_for_grant(&req.key, wait, policy, &mut wake, || async move {
-        if wait.is_zero() {
-            return attempt(backend, req).await;
-        }
-        match tokio::time::timeout_at(deadline, attempt(backend, req)).await {
-            Ok(outcome) => outcome,
-            Err(_) => Err(Error::backend(
-                BACKEND,
-                true,
-                "the acquire attempt did not finish by the deadline",
-            )),
+    let granted = wait_for_grant(&req.key, wait, policy, &mut wake, || {
+        let marker = marker.clone();
+        async move {
+            if wait.is_zero() {
+                return attempt(backend, req, marker).await;
+            }
+            match tokio::time::timeout_at(deadline, attempt(backend, req, marker)).await {
+                Ok(outcome) => outcome,
+                Err(_) => Err(Error::backend(
+                    BACKEND,
+                    true,
+                    "the acquire attempt did not finish by the deadline",
+                )),
+            }
         }
     })
-    .await
+    .await;
+    if granted.is_ok() {
+        mark.granted();
+    }
+    granted
 }
 
 async fn renew(backend: &RowLocks, grant: &Grant, ttl: Duration) -> Result<()> {
@@ -375,6 +506,9 @@ async fn renew(backend: &RowLocks, grant: &Grant, ttl: Duration) -> Result<()> {
 }
 
 async fn release(backend: &RowLocks, grant: &Grant) -> Result<Released> {
+    if grant.kind != LockKind::Exclusive {
+        return holds::release(backend, grant).await;
+    }
     let inner = &backend.inner;
     let sql = &inner.sql;
     let name = grant.key.as_str().as_bytes();
