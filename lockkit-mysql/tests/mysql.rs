@@ -579,39 +579,50 @@ async fn take_away_refuses_a_for_update_hold_instead_of_finding_nothing() {
 
 /// A retried row-mode acquisition (same attempt id, as after a lost COMMIT answer) whose
 /// lease runs out between its look at the row and its extension is still extended, under
-/// the row lock: the grant it returns never rests on an expired lease (review 17, M1).
+/// the row lock: the grant it returns never rests on an expired lease (review 17, M1). The
+/// same for a read, a write and a permit, whose holds are rows of `<table>_holds`.
 #[tokio::test]
 async fn a_retried_row_acquire_never_returns_an_expired_lease() {
-    use lockkit_core::{LockBackend, LossSignal, OwnerId, spi::AcquireRequest};
+    use lockkit_core::{LockBackend, LockKind, LossSignal, OwnerId, spi::AcquireRequest};
     let Some(url) = url("mode=row&table=lockkit_test_retry") else {
         return;
     };
     let backend = MysqlBackend::connect(&url).await.unwrap();
-    let k = key();
-    let req = AcquireRequest::new(
-        k.clone(),
-        OwnerId::random(),
-        Duration::from_secs(1),
-        LossSignal::new(),
-    );
-    backend
-        .try_acquire(&req)
-        .await
-        .unwrap()
-        .expect("a free key");
-    // The retry sees the lease live, then waits past its end before extending it.
-    lockkit_mysql::set_retry_pause(Duration::from_millis(1500));
-    let retried = backend.try_acquire(&req).await;
-    lockkit_mysql::set_retry_pause(Duration::ZERO);
-    let retried = retried.unwrap().expect("the retry is the same grant");
-    let held = backend.inspect(&k).await.unwrap();
-    assert!(
-        held.is_some(),
-        "the retried grant went out while the server's lease had run out"
-    );
-    assert_eq!(retried.depth, 1, "a retry is not a second hold");
-    // Its lease now runs a second from the extension; a slow machine may see it out.
-    let _ = backend.release(&retried).await;
+    for kind in [
+        LockKind::Exclusive,
+        LockKind::Read,
+        LockKind::Write,
+        LockKind::Permit {
+            limit: std::num::NonZeroU32::MIN,
+        },
+    ] {
+        let k = key();
+        let req = AcquireRequest::new(
+            k.clone(),
+            OwnerId::random(),
+            Duration::from_secs(1),
+            LossSignal::new(),
+        )
+        .with_kind(kind);
+        backend
+            .try_acquire(&req)
+            .await
+            .unwrap()
+            .expect("a free key");
+        // The retry sees the lease live, then waits past its end before extending it.
+        lockkit_mysql::set_retry_pause(Duration::from_millis(1500));
+        let retried = backend.try_acquire(&req).await;
+        lockkit_mysql::set_retry_pause(Duration::ZERO);
+        let retried = retried.unwrap().expect("the retry is the same grant");
+        let held = backend.inspect(&k).await.unwrap();
+        assert!(
+            held.is_some(),
+            "{kind:?}: the retried grant went out while the server's lease had run out"
+        );
+        assert_eq!(retried.depth, 1, "{kind:?}: a retry is not a second hold");
+        // Its lease now runs a second from the extension; a slow machine may see it out.
+        let _ = backend.release(&retried).await;
+    }
 }
 
 /// A client that does not know the `holder` column (an older lockkit) takes over an expired
@@ -850,4 +861,113 @@ async fn row_readers_and_for_update_locks_exclude_each_other() {
     held.release().await.unwrap();
     let refused = for_update.read(&k).try_now().await.unwrap_err();
     assert!(matches!(refused, Error::Unsupported { .. }), "{refused}");
+}
+
+/// A waiting writer that dies (its process gone, so nothing deletes its marker) keeps new
+/// readers out only for the marker's short lease, while readers already in may re-enter.
+#[tokio::test]
+async fn a_dead_waiting_writers_marker_runs_out() {
+    let table = "lockkit_test_row";
+    let (Some(url), Some(base)) = (
+        url(&format!("mode=row&table={table}")),
+        env::service_url("LOCKKIT_TEST_MYSQL_URL"),
+    ) else {
+        return;
+    };
+    let locker = Locker::new(MysqlBackend::connect(&url).await.unwrap());
+    let ttl = Duration::from_secs(30);
+    let k = key();
+    let owner = locker.owner();
+    let first = owner.read(&k).ttl(ttl).try_now().await.unwrap().unwrap();
+    // What a writer's busy poll leaves, written as a process that then died would.
+    let mut admin = MySqlConnection::connect(&base).await.unwrap();
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "INSERT INTO `{table}_holds` (name, kind, holder, owner, holds, token, expires_at) \
+         VALUES (?, 'q', 'dead:1', 'dead:1', 1, 0, UTC_TIMESTAMP(6) + INTERVAL 2 SECOND)"
+    )))
+    .bind(k.as_str().as_bytes())
+    .execute(&mut admin)
+    .await
+    .unwrap();
+    assert!(
+        locker.read(&k).try_now().await.unwrap().is_none(),
+        "a new reader passed a waiting writer's marker"
+    );
+    let again = owner.read(&k).ttl(ttl).try_now().await.unwrap();
+    again
+        .expect("a reader re-enters behind a waiting writer")
+        .release()
+        .await
+        .unwrap();
+    let started = Instant::now();
+    let late = locker
+        .read(&k)
+        .ttl(ttl)
+        .wait(Duration::from_secs(10))
+        .await
+        .unwrap();
+    let waited = started.elapsed();
+    assert!(
+        waited > Duration::from_millis(1000) && waited < Duration::from_secs(4),
+        "the marker's lease decides: waited {waited:?}"
+    );
+    late.release().await.unwrap();
+    first.release().await.unwrap();
+}
+
+/// Plain locks, reads and writes of one key from many clients at once: a plain lock or a
+/// writer never holds beside anyone, and no acquisition fails (a deadlock InnoDB breaks
+/// is retried, never reported).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn plain_locks_reads_and_writes_of_one_key_stay_exclusive() {
+    use std::sync::{
+        Arc,
+        atomic::{AtomicU32, Ordering},
+    };
+    let Some(url) = url("mode=row&table=lockkit_test_row") else {
+        return;
+    };
+    let k = key();
+    let (readers, exclusive) = (Arc::new(AtomicU32::new(0)), Arc::new(AtomicU32::new(0)));
+    let mut tasks = Vec::new();
+    for task in 0..6u64 {
+        let locker = Locker::new(MysqlBackend::connect(&url).await.unwrap());
+        let (k, readers, exclusive) = (k.clone(), readers.clone(), exclusive.clone());
+        tasks.push(tokio::spawn(async move {
+            let ttl = Duration::from_secs(30);
+            let wait = Duration::from_secs(30);
+            for round in 0..15u64 {
+                let hold = Duration::from_millis((task * 7 + round * 3) % 5);
+                match (task + round) % 3 {
+                    0 => {
+                        let guard = locker.read(&k).ttl(ttl).wait(wait).await.unwrap();
+                        readers.fetch_add(1, Ordering::SeqCst);
+                        assert_eq!(
+                            exclusive.load(Ordering::SeqCst),
+                            0,
+                            "a reader beside a writer"
+                        );
+                        tokio::time::sleep(hold).await;
+                        readers.fetch_sub(1, Ordering::SeqCst);
+                        guard.release().await.unwrap();
+                    }
+                    kind => {
+                        let guard = if kind == 1 {
+                            locker.acquire(&k).ttl(ttl).wait(wait).await.unwrap()
+                        } else {
+                            locker.write(&k).ttl(ttl).wait(wait).await.unwrap()
+                        };
+                        assert_eq!(exclusive.fetch_add(1, Ordering::SeqCst), 0, "two writers");
+                        assert_eq!(readers.load(Ordering::SeqCst), 0, "a writer beside readers");
+                        tokio::time::sleep(hold).await;
+                        exclusive.fetch_sub(1, Ordering::SeqCst);
+                        guard.release().await.unwrap();
+                    }
+                }
+            }
+        }));
+    }
+    for task in tasks {
+        task.await.unwrap();
+    }
 }
