@@ -1,6 +1,9 @@
 //! `EtcdBackend`: leased contender keys ordered by create revision, predecessor watches,
 //! keep-alives and loss.
 
+mod holds;
+mod kinds;
+
 use std::{
     sync::{
         Arc,
@@ -12,36 +15,30 @@ use std::{
 use async_trait::async_trait;
 use etcd_client::{
     Client, Compare, CompareOp, ConnectOptions, EventType, GetOptions, PutOptions, SortOrder,
-    SortTarget, Txn, TxnOp, TxnOpResponse, TxnResponse, WatchFilterType, WatchOptions,
+    SortTarget, Txn, TxnOp, TxnResponse, WatchFilterType, WatchOptions,
 };
 use lockkit_core::spi::{
-    AcquireRequest, CountRelease, Grant, HoldCount, Interrupt, LocalHolds, Released,
-    contender_record, deadline_after, detached_acquire, granted_or_timeout, parse_contender_record,
+    AcquireRequest, CountRelease, Grant, HoldCount, Interrupt, Released, contender_record,
+    deadline_after, detached_acquire, granted_or_timeout, parse_contender_record,
 };
 use lockkit_core::{
     BackendInfo, Capabilities, Consistency, Error, FencingToken, HolderInfo, LockBackend, LockKey,
-    LossSignal, LostReason, OwnerId, Result,
+    LockKind, LossSignal, LostReason, OwnerId, Result,
 };
 use tokio::time::Instant;
 
 use crate::{
     EtcdConfig,
     lease::{Lease, retry_backoff},
-    path::lock_range,
+    path::{Contender, DOWNGRADED, classify, contender_name, lock_range},
     request::{BACKEND, RETRY_PAUSE, Unanswered, ask, etcd_error, unanswered},
 };
+use holds::{Downgrade, Holds, Slot, WriteState};
+use kinds::{Blocker, range_of};
 
 /// How often HTTP/2 pings check a connection with streams open (etcd's
 /// `--grpc-keepalive-min-time` refuses anything under 5 s).
 const HTTP2_PING_EVERY: Duration = Duration::from_secs(6);
-
-/// The range answer of a transaction's `index`th operation.
-fn range_of(answer: &TxnResponse, index: usize) -> Vec<etcd_client::KeyValue> {
-    match answer.op_responses().into_iter().nth(index) {
-        Some(TxnOpResponse::Get(mut got)) => got.take_kvs(),
-        _ => Vec::new(),
-    }
-}
 
 fn revision_of(answer: &TxnResponse) -> i64 {
     answer
@@ -49,20 +46,18 @@ fn revision_of(answer: &TxnResponse) -> i64 {
         .map_or(0, etcd_client::ResponseHeader::revision)
 }
 
-/// The contender just before the one created at `revision`: the key of the range with the
-/// highest create revision below it (etcd's `concurrency.Mutex` asks the same).
-fn predecessor_query(revision: i64) -> GetOptions {
-    GetOptions::new()
-        .with_prefix()
-        .with_sort(SortTarget::Create, SortOrder::Descend)
-        .with_max_create_revision(revision - 1)
-        .with_limit(1)
-}
-
-/// One hold: a contender key that became the first of its range.
+/// One hold: a contender key that its kind's rules let hold (see [`kinds`]).
 pub(crate) struct Held {
-    /// The contender key, `<range><lease id in hex>`.
+    /// The contender key (see [`crate::path::contender_name`]).
     name: String,
+    /// What is held.
+    kind: LockKind,
+    /// Its place among the owner's holds of the key.
+    slot: Slot,
+    /// For a read taken while the owner wrote the key: that write.
+    downgrade: Option<Downgrade>,
+    /// For a write: whether downgraded reads rely on it.
+    readers: std::sync::Mutex<WriteState>,
     /// Its create revision: the fencing token.
     revision: i64,
     key: LockKey,
@@ -92,9 +87,31 @@ impl Drop for EndOnDrop<'_> {
 }
 
 impl Drop for Held {
-    /// A hold nobody refers to any more gives its lease (and so its key) up.
+    /// A hold nobody refers to any more gives its lease (and so its key) up, and the
+    /// write key a downgraded read kept.
     fn drop(&mut self) {
+        self.end_downgrade();
         self.lease.end();
+    }
+}
+
+impl Held {
+    /// For a downgraded read that is over: ends the write it kept, if the owner let that
+    /// go already (once). Returns that write, whose lease is ending.
+    fn end_downgrade(&self) -> Option<&Held> {
+        let downgrade = self.downgrade.as_ref()?;
+        if !downgrade.end() {
+            return None;
+        }
+        let write = &downgrade.write;
+        write.lease.releasing();
+        write.lease.end();
+        Some(write)
+    }
+
+    /// The fencing token: the key's create revision.
+    fn token(&self) -> FencingToken {
+        FencingToken::new(u64::try_from(self.revision).unwrap_or(0))
     }
 }
 
@@ -106,7 +123,7 @@ pub(crate) struct Inner {
     members: Arc<[Client]>,
     /// Which member the next lease's keep-alives start on.
     next_member: AtomicUsize,
-    held: LocalHolds<Held>,
+    held: Holds,
     /// Predecessor watches that fired, for herd checks.
     wakeups: AtomicU64,
 }
@@ -213,7 +230,7 @@ impl EtcdBackend {
                 client,
                 members: member_clients.into(),
                 next_member: AtomicUsize::new(0),
-                held: LocalHolds::new(),
+                held: Holds::default(),
                 wakeups: AtomicU64::new(0),
             }),
         })
@@ -258,8 +275,13 @@ impl EtcdBackend {
         from.checked_add(self.request_limit()).unwrap_or(from)
     }
 
+    /// Forgets `held` (a grant of it is no longer accepted); a downgraded read that is
+    /// over ends the write key it kept.
     fn forget(&self, held: &Held) {
-        self.inner.held.forget(held.owner, &held.key, held);
+        self.inner
+            .held
+            .forget(held.owner, &held.key, held.slot, held);
+        held.end_downgrade();
     }
 
     /// The live hold behind `grant`, checking it belongs to this client, owner and key.
@@ -297,30 +319,38 @@ impl EtcdBackend {
         }
     }
 
-    /// Whether `key` exists; `false` also when the cluster does not answer in time (the
-    /// caller then looks again).
-    async fn still_there(&self, key: &[u8]) -> bool {
+    /// Whether what `blocker` stands for changed since it was read: the check `check` (of
+    /// a contender of `kind` created at `revision`) finds another blocker, none, or no
+    /// contender key; also when the cluster does not answer in time (the caller then
+    /// looks again).
+    async fn blocker_moved(
+        &self,
+        check: &Txn,
+        (range, kind, revision): (&str, LockKind, i64),
+        blocker: &Blocker,
+    ) -> bool {
         let client = self.client();
-        let read = || {
-            let (mut client, key) = (client.clone(), key.to_vec());
-            async move {
-                client
-                    .get(key, Some(GetOptions::new().with_count_only()))
-                    .await
-            }
+        let send = || {
+            let (mut client, check) = (client.clone(), check.clone());
+            async move { client.txn(check).await }
         };
-        self.ask_within_limit(read, "reading the predecessor")
-            .await
-            .is_ok_and(|got| got.count() > 0)
+        match self.ask_within_limit(send, "looking again").await {
+            Ok(answer) if answer.succeeded() => kinds::blocker(range, kind, revision, &answer, 0)
+                .is_none_or(|now| now.keys != blocker.keys),
+            _ => true,
+        }
     }
 
-    /// Queues for the lock and waits to be first; `None` when `wait` ran out or the caller
-    /// went away (the contender's lease is revoked then).
+    /// Queues for the lock as `req.kind` says and waits until that kind's rules let it
+    /// hold (see [`kinds`]); `None` when `wait` ran out or the caller went away (the
+    /// contender's lease is revoked then). A read that downgrades its owner's write
+    /// (`downgrade`) holds as soon as its key exists.
     async fn contend(
         &self,
         req: &AcquireRequest,
         wait: Duration,
         interrupt: Interrupt,
+        downgrade: Option<Downgrade>,
     ) -> Result<Option<Grant>> {
         let deadline = deadline_after(wait);
         let range = self.lock_range(&req.key);
@@ -359,7 +389,7 @@ impl EtcdBackend {
             sent,
             self.request_limit(),
         );
-        let name = format!("{range}{:x}", granted.id());
+        let name = contender_name(&range, req.kind, granted.id());
         // Any failure from here on gives the contender up (its lease revoked).
         let failed = |why: std::result::Result<etcd_client::Error, Unanswered>, doing: &str| {
             let lease = lease.clone();
@@ -375,26 +405,33 @@ impl EtcdBackend {
         };
 
         // Create the contender key, unless an earlier try whose answer was lost did; the
-        // same transaction reads the key just before it.
+        // same transaction reads the key just before it, and whether the range is used as
+        // another kind (a semaphore, or a lock for a semaphore).
+        let conflicts = kinds::conflict_ops(&range, req.kind);
+        let mut created = vec![
+            TxnOp::put(
+                name.clone(),
+                contender_record(&req.owner.to_string(), 1, &req.identity.encode()),
+                Some(PutOptions::new().with_lease(granted.id())),
+            ),
+            TxnOp::get(
+                range.clone(),
+                Some(
+                    GetOptions::new()
+                        .with_prefix()
+                        .with_keys_only()
+                        .with_sort(SortTarget::Create, SortOrder::Descend)
+                        .with_limit(2),
+                ),
+            ),
+        ];
+        created.extend(conflicts.iter().cloned());
+        let mut found = vec![TxnOp::get(name.clone(), None)];
+        found.extend(conflicts);
         let create = Txn::new()
             .when([Compare::create_revision(name.clone(), CompareOp::Equal, 0)])
-            .and_then([
-                TxnOp::put(
-                    name.clone(),
-                    contender_record(&req.owner.to_string(), 1, &req.identity.encode()),
-                    Some(PutOptions::new().with_lease(granted.id())),
-                ),
-                TxnOp::get(
-                    range.clone(),
-                    Some(
-                        GetOptions::new()
-                            .with_prefix()
-                            .with_sort(SortTarget::Create, SortOrder::Descend)
-                            .with_limit(2),
-                    ),
-                ),
-            ])
-            .or_else([TxnOp::get(name.clone(), None)]);
+            .and_then(created)
+            .or_else(found);
         let send_create = || {
             let (mut client, create) = (client.clone(), create.clone());
             async move { client.txn(create).await }
@@ -412,17 +449,12 @@ impl EtcdBackend {
             Err(why) => return failed(Err(why), "creating the contender key").await,
         };
         let at = revision_of(&answer);
-        let (revision, mut look) = if answer.succeeded() {
-            // Ours is the newest key of the range; the next one down precedes it.
-            let predecessor = range_of(&answer, 1)
-                .into_iter()
-                .find(|kv| kv.create_revision() < at)
-                .map(|kv| kv.key().to_vec());
-            (at, Some((sent, at, predecessor)))
+        let (revision, conflicts_at) = if answer.succeeded() {
+            (at, 2)
         } else {
             match range_of(&answer, 0).first() {
-                // An earlier try created it: look for its predecessor afresh.
-                Some(kv) if kv.lease() == granted.id() => (kv.create_revision(), None),
+                // An earlier try created it: look afresh for what it waits for.
+                Some(kv) if kv.lease() == granted.id() => (kv.create_revision(), 1),
                 _ => {
                     Self::give_up(&lease).await;
                     return Err(Error::backend(
@@ -433,19 +465,44 @@ impl EtcdBackend {
                 }
             }
         };
+        if let Some(found) = kinds::mismatch(&range, req.kind, &answer, conflicts_at) {
+            Self::give_up(&lease).await;
+            return Err(Error::KindMismatch {
+                key: req.key.clone(),
+                found,
+                asked: req.kind,
+            });
+        }
+        let mut look = if downgrade.is_some() {
+            // The owner writes: nobody else holds the key, and the write key stays while
+            // this read lasts.
+            Some((sent, at, None))
+        } else if answer.succeeded()
+            && !matches!(req.kind, LockKind::Read | LockKind::Permit { .. })
+        {
+            // A plain lock or a writer waits for any key before its own: ours is the
+            // newest key of the range, and the next one down precedes it.
+            let predecessor = range_of(&answer, 1)
+                .into_iter()
+                .find(|kv| kv.create_revision() < at)
+                .map(|kv| Blocker::deletion_of(kv.key().to_vec()));
+            Some((sent, at, predecessor))
+        } else {
+            None
+        };
 
-        // The lease starts when the grant is observed (the request that found no key
-        // before ours was sent), not when the wait began: a wait longer than the TTL must
-        // not yield an expired grant.
+        // The lease starts when the grant is observed (the request that found nothing
+        // blocking ours was sent), not when the wait began: a wait longer than the TTL
+        // must not yield an expired grant.
         let check = Txn::new()
             .when([Compare::create_revision(
                 name.clone(),
                 CompareOp::Equal,
                 revision,
             )])
-            .and_then([TxnOp::get(range.clone(), Some(predecessor_query(revision)))]);
+            .and_then(kinds::check_ops(&range, req.kind, revision));
         // A watch that broke without a word (a frozen member) must not keep a waiter past
-        // its predecessor's release for longer than this.
+        // its blocker's release for longer than this.
         let recheck_every = self.inner.config.session_ttl * 2;
         let lost_while_waiting = || {
             Error::backend(
@@ -462,7 +519,7 @@ impl EtcdBackend {
                 Self::give_up(&lease).await;
                 return Err(lost_while_waiting());
             }
-            let (sent, at, predecessor) = match look.take() {
+            let (sent, at, blocker) = match look.take() {
                 Some(seen) => seen,
                 None => {
                     let send_check = || {
@@ -479,9 +536,12 @@ impl EtcdBackend {
                     {
                         Ok((Ok(answer), sent)) => (answer, sent),
                         Ok((Err(e), _)) => {
-                            return failed(Ok(e), "looking for the predecessor").await;
+                            return failed(Ok(e), "looking for what the contender waits for").await;
                         }
-                        Err(why) => return failed(Err(why), "looking for the predecessor").await,
+                        Err(why) => {
+                            return failed(Err(why), "looking for what the contender waits for")
+                                .await;
+                        }
                     };
                     if !answer.succeeded() {
                         Self::give_up(&lease).await;
@@ -492,26 +552,31 @@ impl EtcdBackend {
                              it was deleted)",
                         ));
                     }
-                    let predecessor = range_of(&answer, 0).first().map(|kv| kv.key().to_vec());
-                    (sent, revision_of(&answer), predecessor)
+                    let blocker = kinds::blocker(&range, req.kind, revision, &answer, 0);
+                    (sent, revision_of(&answer), blocker)
                 }
             };
-            let Some(predecessor) = predecessor else {
+            let Some(blocker) = blocker else {
                 break (sent, at);
             };
             if wait.is_zero() || Instant::now() >= deadline {
                 Self::give_up(&lease).await;
                 return Ok(None);
             }
-            // Deletions of the predecessor from now on. (A watch from the listing's revision
-            // would see the ones in between too, but etcd serves a watch that starts in the
-            // past from a catch-up loop that runs every 100 ms: a slow wake-up under load.
-            // The gap is closed below instead.)
-            let watch = WatchOptions::new().with_filters([WatchFilterType::NoPut]);
+            // Changes from now on. (A watch from the listing's revision would see the ones
+            // in between too, but etcd serves a watch that starts in the past from a
+            // catch-up loop that runs every 100 ms: a slow wake-up under load. The gap is
+            // closed below instead.)
+            let mut watch = WatchOptions::new();
+            if let Some(end) = &blocker.end {
+                watch = watch.with_range(end.clone());
+            }
+            if blocker.deletes_only {
+                watch = watch.with_filters([WatchFilterType::NoPut]);
+            }
             let open_watch = || {
-                let (mut client, predecessor, watch) =
-                    (client.clone(), predecessor.clone(), watch.clone());
-                async move { client.watch(predecessor, Some(watch)).await }
+                let (mut client, key, watch) = (client.clone(), blocker.key.clone(), watch.clone());
+                async move { client.watch(key, Some(watch)).await }
             };
             let mut stream = match ask(
                 open_watch,
@@ -530,7 +595,10 @@ impl EtcdBackend {
                 tokio::select! {
                     message = stream.message() => match message {
                         Ok(Some(answer)) => {
-                            if answer.events().iter().any(|e| e.event_type() == EventType::Delete) {
+                            let woken = answer.events().iter().any(|e| {
+                                !blocker.deletes_only || e.event_type() == EventType::Delete
+                            });
+                            if woken {
                                 self.inner.wakeups.fetch_add(1, Ordering::SeqCst);
                                 break;
                             }
@@ -542,9 +610,11 @@ impl EtcdBackend {
                             let watched_from = answer.header().map_or(0, |h| h.revision());
                             if answer.created()
                                 && watched_from > at
-                                && !self.still_there(&predecessor).await
+                                && self
+                                    .blocker_moved(&check, (&range, req.kind, revision), &blocker)
+                                    .await
                             {
-                                // Deleted between the listing and the watch.
+                                // Changed between the listing and the watch.
                                 self.inner.wakeups.fetch_add(1, Ordering::SeqCst);
                                 break;
                             }
@@ -572,8 +642,13 @@ impl EtcdBackend {
             Self::give_up(&lease).await;
             return Err(lost_while_waiting());
         }
+        let slot = Slot::of(req.kind, req.attempt.as_u128());
         let held = Arc::new(Held {
             name: name.clone(),
+            kind: req.kind,
+            slot,
+            downgrade,
+            readers: std::sync::Mutex::default(),
             revision,
             key: req.key.clone(),
             owner: req.owner,
@@ -585,8 +660,12 @@ impl EtcdBackend {
         });
         self.inner
             .held
-            .insert(req.owner, req.key.clone(), held.clone());
+            .insert(req.owner, req.key.clone(), slot, held.clone());
         lease.attach(held.loss.clone());
+        if let Some(downgrade) = &held.downgrade {
+            // Without the write key, writers queued behind it would enter beside this read.
+            downgrade.write.lease.attach(held.loss.clone());
+        }
         tokio::spawn(watch_own_key(
             self.client(),
             lease,
@@ -595,13 +674,53 @@ impl EtcdBackend {
             seen_at + 1,
         ));
         tokio::spawn(enforce_lease(self.clone(), Arc::downgrade(&held)));
-        let token = FencingToken::new(u64::try_from(revision).unwrap_or(0));
-        Ok(Some(Grant::new(req, token, 1, granted_at).with_state(held)))
+        Ok(Some(
+            Grant::new(req, held.token(), 1, granted_at).with_state(held),
+        ))
+    }
+
+    /// The owner's live hold of `key` in `slot`.
+    fn live(&self, req: &AcquireRequest, slot: Slot) -> Option<Arc<Held>> {
+        self.inner
+            .held
+            .get(req.owner, &req.key, slot)
+            .filter(|h| !h.loss.is_fired())
+    }
+
+    /// Refuses what `req`'s owner may never be granted beside its own holds of the key
+    /// (an upgrade, a change of kind); the owner's write when `req` downgrades it.
+    fn owner_rules(&self, req: &AcquireRequest) -> Result<Option<Arc<Held>>> {
+        let reads = self.live(req, Slot::Read).is_some();
+        let write = self.live(req, Slot::Write);
+        let plain = self.live(req, Slot::Lock).is_some();
+        let mismatch = |found: &str| Error::KindMismatch {
+            key: req.key.clone(),
+            found: found.into(),
+            asked: req.kind,
+        };
+        match req.kind {
+            LockKind::Write | LockKind::Exclusive if reads && write.is_none() => {
+                Err(Error::WouldDeadlock {
+                    key: req.key.clone(),
+                    held: LockKind::Read,
+                    asked: req.kind,
+                })
+            }
+            LockKind::Read | LockKind::Write if plain => {
+                Err(mismatch("is held by this owner as an exclusive lock"))
+            }
+            LockKind::Exclusive if write.is_some() => {
+                Err(mismatch("is held by this owner as a read-write lock"))
+            }
+            LockKind::Read => Ok(write),
+            _ => Ok(None),
+        }
     }
 
     async fn acquire_within(&self, req: &AcquireRequest, wait: Duration) -> Result<Option<Grant>> {
-        let existing = self.inner.held.get(req.owner, &req.key);
-        if let Some(held) = existing.filter(|h| !h.loss.is_fired()) {
+        // Re-entry (for a permit: a retried attempt), if the owner holds what it asks for.
+        let slot = Slot::of(req.kind, req.attempt.as_u128());
+        if let Some(held) = self.live(req, slot) {
             // Its own task, like a fresh acquisition: if the caller goes away while the
             // depth is being recorded for `inspect`, the hold it added is given back.
             let (request, giver, this) = (req.clone(), self.clone(), self.clone());
@@ -613,9 +732,12 @@ impl EtcdBackend {
                     else {
                         return Ok(None);
                     };
-                    this.record_depth(&held, depth).await;
-                    let token = FencingToken::new(u64::try_from(held.revision).unwrap_or(0));
-                    let grant = Grant::new(&request, token, depth, start);
+                    if held.kind == LockKind::Exclusive {
+                        // Read-write and permit keys are never rewritten (etcd's recipe
+                        // orders by mod revision).
+                        this.record_depth(&held, depth).await;
+                    }
+                    let grant = Grant::new(&request, held.token(), depth, start);
                     Ok(Some(grant.with_state(held)))
                 },
                 std::convert::identity,
@@ -630,16 +752,79 @@ impl EtcdBackend {
             // Another task of this owner just released the last hold (its key is being
             // deleted): the hold is over. Ask afresh.
         }
+        let downgrade = self.owner_rules(req)?.and_then(Downgrade::take);
         let (this, request, giver) = (self.clone(), req.clone(), self.clone());
         detached_acquire(
             BACKEND,
-            move |interrupt| async move { this.contend(&request, wait, interrupt).await },
+            move |interrupt| async move {
+                this.contend(&request, wait, interrupt, downgrade).await
+            },
             std::convert::identity,
             move |grant| async move {
                 let _ = giver.release(&grant).await;
             },
         )
         .await
+    }
+
+    /// Lets the owner's write go while a downgraded read of the same owner relies on its
+    /// key: the key stays (it keeps out the writers queued behind it, which the read's
+    /// newer key would not), and a marker beside it, on the same lease, lets other readers
+    /// join. The read's end takes both (see [`Held::end_downgrade`]).
+    async fn keep_for_read(&self, held: &Held, grant: &Grant) -> Result<Released> {
+        self.inner
+            .held
+            .forget(held.owner, &held.key, held.slot, held);
+        let lost = held.loss.is_fired();
+        let mark = Txn::new()
+            .when([Compare::create_revision(
+                held.name.clone(),
+                CompareOp::Equal,
+                held.revision,
+            )])
+            .and_then([TxnOp::put(
+                format!("{}{DOWNGRADED}", held.name),
+                "",
+                Some(PutOptions::new().with_lease(held.lease.id)),
+            )]);
+        let client = self.client();
+        let tries = std::sync::atomic::AtomicU32::new(0);
+        let send = || {
+            let (mut client, mark) = (client.clone(), mark.clone());
+            tries.fetch_add(1, Ordering::SeqCst);
+            async move { client.txn(mark).await }
+        };
+        let marked = self
+            .ask_within_limit(send, "marking the write key as kept for a downgraded read")
+            .await;
+        let retried = tries.load(Ordering::SeqCst) > 1;
+        // The read may have ended meanwhile and taken the key with it: no loss either.
+        let read_took_it = held.lease.lost().is_none() && held.lease.is_over();
+        match marked? {
+            answer if (answer.succeeded() || retried || read_took_it) && !lost => {
+                Ok(Released::Fully)
+            }
+            _ => Err(Error::NotHeld {
+                key: grant.key.clone(),
+            }),
+        }
+    }
+
+    /// What is left of etcd lease `lease` (`None`: no lease, gone, or no answer).
+    async fn lease_left(&self, lease: i64) -> Option<Duration> {
+        if lease == 0 {
+            return None;
+        }
+        let client = self.client();
+        let read = || {
+            let mut client = client.clone();
+            async move { client.lease_time_to_live(lease, None).await }
+        };
+        let left = self.ask_within_limit(read, "reading a lease").await.ok()?;
+        u64::try_from(left.ttl())
+            .ok()
+            .filter(|left| *left > 0)
+            .map(Duration::from_secs)
     }
 
     /// Key value ([`contender_record`]) with the hold count (best effort, for `inspect`; a
@@ -780,6 +965,10 @@ impl LockBackend for EtcdBackend {
                 // Each waiter watches only its predecessor.
                 queued_wait: true,
                 counts_waiters: true,
+                // etcd's recipe `RWMutex` layout, FIFO by create revision.
+                read_write: true,
+                writer_preference: true,
+                semaphore: true,
                 ..Capabilities::default()
             },
         )
@@ -795,9 +984,14 @@ impl LockBackend for EtcdBackend {
 
     /// Without a confirmed keep-alive for 2/3 of the etcd lease's TTL the cluster may
     /// expire it, and the key with it: no hold is believed past that, whatever its TTL.
+    /// A downgraded read also relies on its owner's write key (and lease).
     fn validity_bound(&self, grant: &Grant) -> Option<Instant> {
         let held = self.held_of(grant).ok()?;
-        Some(held.lease.alive_until())
+        let own = held.lease.alive_until();
+        Some(match &held.downgrade {
+            Some(downgrade) => own.min(downgrade.write.lease.alive_until()),
+            None => own,
+        })
     }
 
     async fn renew(&self, grant: &Grant, ttl: Duration) -> Result<()> {
@@ -837,7 +1031,9 @@ impl LockBackend for EtcdBackend {
             // A retried release: it took effect already.
             CountRelease::Retried { remaining } => return Ok(Released::Partially { remaining }),
             CountRelease::Partial { remaining } => {
-                self.record_depth(&held, remaining).await;
+                if held.kind == LockKind::Exclusive {
+                    self.record_depth(&held, remaining).await;
+                }
                 return Ok(Released::Partially { remaining });
             }
             CountRelease::Empty => {
@@ -848,6 +1044,11 @@ impl LockBackend for EtcdBackend {
             CountRelease::Last => {}
         }
         held.released.store(true, Ordering::SeqCst);
+        if held.kind == LockKind::Write && WriteState::let_go(&held.readers) {
+            return self.keep_for_read(&held, grant).await;
+        }
+        // A downgraded read whose write was let go takes the write key with it.
+        let write_ends = held.end_downgrade();
         self.forget(&held);
         held.lease.releasing();
         // From here the hold is over whatever happens to this future: dropped mid-way, it
@@ -879,6 +1080,10 @@ impl LockBackend for EtcdBackend {
             )
             .await;
         let retried = tries.load(Ordering::SeqCst) > 1;
+        if let Some(write) = write_ends {
+            // Waiters behind the write key may enter once this returns.
+            Self::give_up(&write.lease).await;
+        }
         match deleted? {
             answer if (answer.succeeded() || retried) && !lost => Ok(Released::Fully),
             _ => Err(Error::NotHeld {
@@ -919,6 +1124,10 @@ impl LockBackend for EtcdBackend {
         let Some(head) = got.kvs().first() else {
             return Ok(None);
         };
+        if classify(&range, head.key()) != Contender::Lock {
+            // Readers, a writer or permits: the first of the holders.
+            return Ok(self.holders(key).await?.into_iter().next());
+        }
         let name = String::from_utf8_lossy(head.key());
         let name = format!("key {}", name.strip_prefix(&range).unwrap_or(&name));
         let (owner, depth, identity) = parse_contender_record(head.value(), &name);
@@ -936,5 +1145,47 @@ impl LockBackend for EtcdBackend {
             .with_identity(identity)
             .with_waiters(waiters),
         ))
+    }
+
+    /// Every key of the range that holds (see [`kinds::holding`]): the plain lock or the
+    /// writer, each reader, each permit, with its kind, token (create revision), the etcd
+    /// lease left and who took it; each says how many contenders wait.
+    async fn holders(&self, key: &LockKey) -> Result<Vec<HolderInfo>> {
+        let range = self.lock_range(key);
+        let client = self.client();
+        let all = GetOptions::new()
+            .with_prefix()
+            .with_sort(SortTarget::Create, SortOrder::Ascend);
+        let read = || {
+            let (mut client, range, all) = (client.clone(), range.clone(), all.clone());
+            async move { client.get(range, Some(all)).await }
+        };
+        let got = self
+            .ask_within_limit(read, "reading the contenders")
+            .await?;
+        let (holding, waiting) = kinds::holding(&range, got.kvs());
+        let mut holders = Vec::with_capacity(holding.len());
+        for hold in holding {
+            let kv = hold.kv;
+            let name = String::from_utf8_lossy(kv.key());
+            let name = format!("key {}", name.strip_prefix(&range).unwrap_or(&name));
+            let (owner, depth, identity) = parse_contender_record(kv.value(), &name);
+            let ttl_left = self.lease_left(kv.lease()).await;
+            let info = HolderInfo::new(
+                owner,
+                depth,
+                Some(FencingToken::new(
+                    u64::try_from(kv.create_revision()).unwrap_or(0),
+                )),
+                ttl_left,
+            )
+            .with_identity(identity)
+            .with_waiters(waiting);
+            holders.push(match hold.kind {
+                Some(kind) => info.with_kind(kind),
+                None => info,
+            });
+        }
+        Ok(holders)
     }
 }

@@ -36,8 +36,9 @@ pub(crate) fn lease_not_found(e: &etcd_client::Error) -> bool {
 struct State {
     /// Why the lease was lost, once it was.
     lost: Option<LostReason>,
-    /// The loss signal of the hold this lease carries, once it was granted.
-    signal: Option<LossSignal>,
+    /// The loss signals of the holds that rely on this lease: the one whose key it carries,
+    /// once granted, and a read that downgraded that hold (a write).
+    signals: Vec<LossSignal>,
     /// The contender ended (released, or gave up waiting): stop keeping the lease alive.
     ended: bool,
     /// Its hold is being released: the deletion of its key that follows is no loss.
@@ -131,14 +132,14 @@ impl Lease {
         }
     }
 
-    /// Ties the lease to a hold's loss signal; fires it at once if the lease is lost
-    /// already.
+    /// Ties the lease to the loss signal of a hold that relies on it; fires it at once if
+    /// the lease is lost already.
     pub(crate) fn attach(&self, signal: LossSignal) {
         let mut state = lock(&self.state);
         if let Some(reason) = state.lost {
             signal.fire(reason);
         }
-        state.signal = Some(signal);
+        state.signals.push(signal);
     }
 
     /// Records the loss of the lease (once, unless the contender ended first) and tells
@@ -150,7 +151,7 @@ impl Lease {
                 return;
             }
             state.lost = Some(reason);
-            if let Some(signal) = &state.signal {
+            for signal in &state.signals {
                 signal.fire(reason);
             }
         }

@@ -14,6 +14,22 @@
 //!   the etcd lease's TTL (`?session_ttl=`, default 10 s).
 //! - Loss is pushed: the cluster refusing a keep-alive, none confirmed for two thirds of
 //!   the TTL on the local monotonic clock, or the key deleted under the holder.
+//! - Read-write locks use the layout of etcd's recipe `RWMutex` (`<prefix>/<key>/read/…`,
+//!   `<prefix>/<key>/write/…`, one key per hold on a lease of its own, never rewritten):
+//!   a writer waits for every key created before its own, a reader for every earlier key
+//!   that is not a reader's (writers, plain locks, `etcdctl lock`). FIFO by create revision
+//!   gives writer preference. A downgrade (a writer that reads) is granted at once; once
+//!   the write is let go its key stays, marked `…/downgraded`, until the read ends, so that
+//!   writers queued behind it stay out while other readers join. Upgrades are refused with
+//!   `WouldDeadlock`. Re-entry is counted here, not in the key.
+//! - Semaphores (lockkit-only layout): a permit is the key
+//!   `<prefix>/<key>/permits/<N>/<lease id in hex>` and holds when fewer than N permit keys
+//!   were created before it (FIFO); waiters watch the permits' range for deletions. Each
+//!   permit's token is its create revision. A semaphore and any lock on one key exclude
+//!   each other (`KindMismatch`), as do semaphores of different counts.
+//! - Mixed fleets: recipe readers ignore plain-lock contenders, and the recipe orders by
+//!   mod revision, which a reentrant plain lock changes (its depth is rewritten into its
+//!   key for `inspect`): do not use one key as a recipe `RWMutex` and a plain lock at once.
 #![warn(missing_docs)]
 #![cfg_attr(
     not(test),
