@@ -16,7 +16,7 @@ use lockkit_core::spi::{
 };
 use lockkit_core::{
     BackendInfo, Capabilities, Consistency, Error, FencingToken, HolderInfo, LockBackend, LockKey,
-    Result,
+    LockKind, Result,
 };
 use sqlx::{AssertSqlSafe, Connection, MySql, Row, pool::PoolConnection};
 use tokio::time::Instant;
@@ -79,10 +79,12 @@ impl LockBackend for ForUpdateLocks {
     }
 
     async fn try_acquire(&self, req: &AcquireRequest) -> Result<Option<Grant>> {
+        plain_lock_only(req)?;
         acquire(self, req, Duration::ZERO).await
     }
 
     async fn acquire(&self, req: &AcquireRequest, wait: Duration) -> Result<Grant> {
+        plain_lock_only(req)?;
         granted_or_timeout(&req.key, acquire(self, req, wait)).await
     }
 
@@ -104,6 +106,22 @@ impl LockBackend for ForUpdateLocks {
 }
 
 const QUERY_INTERRUPTED: u16 = 1317;
+
+/// Refuses anything but a plain lock: this mode has no read-write locks or semaphores
+/// (its capabilities say so, and the `Locker` refuses them before any I/O; this catches a
+/// request sent to the backend directly, which would otherwise be taken as a plain lock).
+fn plain_lock_only(req: &AcquireRequest) -> Result<()> {
+    if req.kind == LockKind::Exclusive {
+        return Ok(());
+    }
+    Err(Error::Unsupported {
+        backend: BACKEND,
+        what: format!(
+            "{} in mode=for-update; use mode=row for read-write locks and semaphores",
+            req.kind
+        ),
+    })
+}
 
 /// One for-update hold: its connection (inside the lock transaction) and local depth.
 pub(crate) struct Held {

@@ -971,3 +971,38 @@ async fn plain_locks_reads_and_writes_of_one_key_stay_exclusive() {
         task.await.unwrap();
     }
 }
+
+/// For-update mode has no read-write locks or semaphores: the `Locker` refuses them before
+/// any I/O, and the backend itself refuses a request sent to it directly (rather than
+/// taking it as a plain lock), saying which mode has them.
+#[tokio::test]
+async fn for_update_refuses_reads_and_permits_sent_to_it_directly() {
+    use lockkit_core::{LockBackend, LockKind, LossSignal, OwnerId, spi::AcquireRequest};
+    let Some(url) = url("mode=for-update&table=lockkit_test_fu") else {
+        return;
+    };
+    let backend = MysqlBackend::connect(&url).await.unwrap();
+    for kind in [
+        LockKind::Read,
+        LockKind::Write,
+        LockKind::Permit {
+            limit: std::num::NonZeroU32::MIN,
+        },
+    ] {
+        let req = AcquireRequest::new(
+            key(),
+            OwnerId::random(),
+            Duration::from_secs(30),
+            LossSignal::new(),
+        )
+        .with_kind(kind);
+        let refused = backend.try_acquire(&req).await.unwrap_err();
+        assert!(matches!(refused, Error::Unsupported { .. }), "{refused}");
+        assert!(refused.to_string().contains("mode=row"), "{refused}");
+        let refused = backend
+            .acquire(&req, Duration::from_secs(1))
+            .await
+            .unwrap_err();
+        assert!(matches!(refused, Error::Unsupported { .. }), "{refused}");
+    }
+}
