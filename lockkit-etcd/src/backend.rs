@@ -798,13 +798,16 @@ impl EtcdBackend {
             .ask_within_limit(send, "marking the write key as kept for a downgraded read")
             .await;
         let retried = tries.load(Ordering::SeqCst) > 1;
-        // The read may have ended meanwhile and taken the key with it: no loss either.
+        // The read may have ended meanwhile and taken the key and its lease with it (the
+        // mark then finds no key, or no lease): no loss either.
         let read_took_it = held.lease.lost().is_none() && held.lease.is_over();
-        match marked? {
-            answer if (answer.succeeded() || retried || read_took_it) && !lost => {
+        match marked {
+            Ok(answer) if (answer.succeeded() || retried || read_took_it) && !lost => {
                 Ok(Released::Fully)
             }
-            _ => Err(Error::NotHeld {
+            Err(_) if read_took_it && !lost => Ok(Released::Fully),
+            Err(e) => Err(e),
+            Ok(_) => Err(Error::NotHeld {
                 key: grant.key.clone(),
             }),
         }

@@ -270,7 +270,7 @@ pub(crate) struct Holding<'a> {
 /// how many contenders wait.
 ///
 /// The first key holds whatever it is; a reader holds when no key before it keeps readers
-/// out, or when the only holder is a writer of the same owner (a downgrade); a permit of
+/// out, or when the first key is its own owner's write (a downgrade); a permit of
 /// N holds when fewer than N permits precede it. A writer key kept only for a downgraded
 /// read, and its marker, are not holds.
 pub(crate) fn holding<'a>(range: &str, keys: &'a [KeyValue]) -> (Vec<Holding<'a>>, u32) {
@@ -278,10 +278,10 @@ pub(crate) fn holding<'a>(range: &str, keys: &'a [KeyValue]) -> (Vec<Holding<'a>
     // Keys without a record (the recipe's) are told apart by name.
     let owner =
         |kv: &KeyValue| parse_contender_record(kv.value(), &String::from_utf8_lossy(kv.key())).0;
+    // The first key, if a writer's (held, or kept for its owner's downgraded read).
     let head_writer = keys
         .first()
         .filter(|kv| classify(range, kv.key()) == Contender::Write)
-        .filter(|kv| !downgraded.contains(kv.key()))
         .map(owner);
     let mut holders = Vec::new();
     let mut waiting = 0u32;
