@@ -665,6 +665,17 @@ impl EtcdBackend {
         if let Some(downgrade) = &held.downgrade {
             // Without the write key, writers queued behind it would enter beside this read.
             downgrade.write.lease.attach(held.loss.clone());
+            // A read whose own lease is lost needs the write key no more: a write let go
+            // goes now, not when the read is released or forgotten.
+            let (read, lease) = (Arc::downgrade(&held), lease.clone());
+            tokio::spawn(async move {
+                lease.over().await;
+                if lease.lost().is_some()
+                    && let Some(read) = read.upgrade()
+                {
+                    read.end_downgrade();
+                }
+            });
         }
         tokio::spawn(watch_own_key(
             self.client(),

@@ -198,3 +198,47 @@ async fn readers_behind_writers_watch_the_nearest_writer_only() {
             .unwrap();
     }
 }
+
+/// A downgraded read whose own lease goes (revoked under it) is lost, and takes the write
+/// key it kept with it at once: a writer queued behind gets the key without waiting for
+/// the read to be released.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_lost_downgraded_read_lets_the_kept_write_key_go() {
+    let Some((backend, key)) = setup("read-lost").await else {
+        return;
+    };
+    let (a, w) = (client(&backend).await, client(&backend).await);
+    let owner = a.owner();
+    let write = owner.write(&key).ttl(TTL).try_now().await.unwrap().unwrap();
+    let read = owner.read(&key).ttl(TTL).try_now().await.unwrap().unwrap();
+    write.release().await.unwrap();
+    let writer = tokio::spawn({
+        let key = key.clone();
+        async move { w.write(&key).ttl(TTL).wait(WAIT).await }
+    });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(!writer.is_finished(), "a writer entered beside the read");
+    let mut admin = backend.client();
+    let got = admin
+        .get(
+            format!("{}read/", backend.lock_range(&key)),
+            Some(
+                etcd_client::GetOptions::new()
+                    .with_prefix()
+                    .with_keys_only(),
+            ),
+        )
+        .await
+        .unwrap();
+    let lease = got.kvs().first().expect("the read key").lease();
+    admin.lease_revoke(lease).await.unwrap();
+    let reason = tokio::time::timeout(Duration::from_secs(5), read.lost()).await;
+    assert!(reason.is_ok(), "the read was not told its lease went");
+    let granted = tokio::time::timeout(Duration::from_secs(5), writer)
+        .await
+        .expect("the queued writer still waits for the lost read's write key")
+        .unwrap()
+        .expect("the queued writer");
+    granted.release().await.unwrap();
+    let _ = read.release().await;
+}
