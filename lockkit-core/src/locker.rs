@@ -576,8 +576,12 @@ impl Acquire {
             return Err(Error::Unsupported {
                 backend: locker.info.scheme,
                 what: match kind {
-                    LockKind::Permit { .. } => "counting semaphores".into(),
-                    _ => "read-write locks".into(),
+                    LockKind::Permit { .. } => "counting semaphores as configured (the \
+                                                backend's docs say which of its modes have them)"
+                        .into(),
+                    _ => "read-write locks as configured (the backend's docs say which of its \
+                          modes have them)"
+                        .into(),
                 },
             });
         }
