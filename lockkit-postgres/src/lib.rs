@@ -33,7 +33,8 @@
 //! idle timeout) can end a holder's session, and so its lock, before the holder's next
 //! liveness check notices: keep such timeouts above the lease, and fence your writes. A
 //! client that is not lockkit and holds only a row-mode lease has nothing in the server's
-//! lock manager: plain `pg_advisory_lock` users do not see it. Read-write locks and
+//! lock manager: plain `pg_advisory_lock` users do not see it (and row mode sees another
+//! client's advisory lock only when it is exclusive, as `pg_advisory_lock` takes it). Read-write locks and
 //! semaphores are not offered in this mode (`Unsupported`; use `mode=row`); an advisory
 //! holder stays out of a key that row-mode readers, writers or permits hold.
 #![cfg_attr(docsrs, feature(doc_cfg))]

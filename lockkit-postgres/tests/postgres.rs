@@ -246,6 +246,57 @@ async fn a_plain_sql_holder_excludes_and_wakes_a_lockkit_waiter() {
     granted.release().await.unwrap();
 }
 
+/// A session that is not lockkit's holding the key's advisory lock keeps row mode's plain
+/// locks, reads, writes and permits out of a key that has its row.
+#[tokio::test]
+async fn a_plain_sql_advisory_holder_keeps_row_mode_out() {
+    let Some((locker, _)) = client_of("row").await else {
+        return;
+    };
+    let url = env::service_url("LOCKKIT_TEST_POSTGRES_URL").unwrap();
+    let k = key("plain-sql-row");
+    // The key's row exists (and is free).
+    locker
+        .try_acquire(&k)
+        .await
+        .unwrap()
+        .expect("a free key")
+        .release()
+        .await
+        .unwrap();
+    let id = lockkit_postgres::advisory_id(SHARED_TABLE, k.as_str());
+    let mut plain = <sqlx::PgConnection as sqlx::Connection>::connect(&url)
+        .await
+        .unwrap();
+    // (Not a shared one: row mode's own transactions take the lock shared, so that two of
+    // them on one key never take each other for such a session.)
+    for (lock, unlock) in [("pg_advisory_lock", "pg_advisory_unlock")] {
+        let semaphore = locker.semaphore(&k, 2);
+        sqlx::query(sqlx::AssertSqlSafe(format!("SELECT {lock}($1)")))
+            .bind(id)
+            .execute(&mut plain)
+            .await
+            .unwrap();
+        assert!(locker.try_acquire(&k).await.unwrap().is_none(), "{lock}");
+        assert!(locker.read(&k).try_now().await.unwrap().is_none(), "{lock}");
+        assert!(
+            locker.write(&k).try_now().await.unwrap().is_none(),
+            "{lock}"
+        );
+        assert!(semaphore.try_acquire().await.unwrap().is_none(), "{lock}");
+        sqlx::query(sqlx::AssertSqlSafe(format!("SELECT {unlock}($1)")))
+            .bind(id)
+            .execute(&mut plain)
+            .await
+            .unwrap();
+        let read = locker.read(&k).try_now().await.unwrap();
+        read.expect("free once the session let go")
+            .release()
+            .await
+            .unwrap();
+    }
+}
+
 /// Row mode and advisory mode on one table exclude each other, in both orders, and the
 /// fencing token grows across them.
 #[tokio::test]

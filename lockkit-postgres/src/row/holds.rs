@@ -158,7 +158,11 @@ pub(crate) fn decide(req: &AcquireRequest, plain: Option<&Plain>, holds: &[HoldR
             "w" => Some(LockKind::Write),
             _ => None,
         })
-        .or(plain.map(|_| LockKind::Exclusive));
+        // A plain lock of row mode or advisory mode with its record; an advisory lock
+        // without one (another client's) only blocks: what it is used as is not known.
+        .or(plain
+            .filter(|p| p.owner.is_some())
+            .map(|_| LockKind::Exclusive));
     match (req.kind, permits, other_use) {
         (LockKind::Permit { limit }, Some(theirs), _) if limit.get() != theirs => {
             return mismatch(format!("is a semaphore of {theirs} permits"));
@@ -208,6 +212,9 @@ pub(crate) fn decide(req: &AcquireRequest, plain: Option<&Plain>, holds: &[HoldR
             Decision::New
         }
         LockKind::Permit { limit } => {
+            if let Some(left) = earliest(plain_other.map(|p| p.left).into_iter()) {
+                return Decision::Busy { left, mark: false };
+            }
             let out = holds.iter().filter(|h| h.kind == "p");
             let full = out.clone().count() >= usize::try_from(limit.get()).unwrap_or(usize::MAX);
             match earliest(out.map(|h| Some(h.left))) {
@@ -379,7 +386,7 @@ pub(crate) async fn acquire(
                 .kind
                 .limit()
                 .map(|l| i32::try_from(l).unwrap_or(i32::MAX));
-            let token: i64 = query(&inner.sql.holds.grant)
+            let granted = query(&inner.sql.holds.grant)
                 .bind(name)
                 .bind(code(req.kind))
                 .bind(holder_of(req.kind, &owner, req.attempt))
@@ -391,9 +398,8 @@ pub(crate) async fn acquire(
                 .bind(req.attempt.to_string())
                 .fetch_one(&mut *tx)
                 .await
-                .map_err(fail)?
-                .try_get("token")
                 .map_err(fail)?;
+            let token: i64 = granted.try_get("token").map_err(fail)?;
             tx.commit().await.map_err(fail)?;
             Ok(Attempt::Granted(Grant::new(
                 req,
@@ -744,6 +750,20 @@ mod tests {
             decide(&request(a, LockKind::Exclusive), None, &permits),
             Decision::Refused(Error::KindMismatch { .. })
         ));
+    }
+
+    #[test]
+    fn an_advisory_lock_without_a_record_only_blocks() {
+        let unknown = Plain {
+            owner: None,
+            left: None,
+        };
+        for asked in [LockKind::Read, LockKind::Write, permit(3)] {
+            assert!(matches!(
+                decide(&request(OwnerId::random(), asked), Some(&unknown), &[]),
+                Decision::Busy { left, .. } if left == ADVISORY_RECHECK
+            ));
+        }
     }
 
     #[test]

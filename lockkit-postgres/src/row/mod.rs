@@ -286,16 +286,14 @@ async fn run_acquire(
     let holder = row_text(&row, "owner");
     let left: Option<i64> = row.try_get("left_us").map_err(fail)?;
     if req.kind != LockKind::Exclusive {
-        let plain = live.then(|| {
-            let left = left
+        let plain = live.then(|| Plain {
+            // A running lease of row mode, or the record of an advisory hold (no lease
+            // here), names its holder; past a lease that ran out, the advisory lock that
+            // keeps the key is another session's.
+            owner: holder.clone().filter(|_| left.is_none_or(|left| left > 0)),
+            left: left
                 .filter(|left| *left > 0)
-                .map(|left| Duration::from_micros(u64::try_from(left).unwrap_or(0)));
-            // A lease of row mode names its holder; an advisory lock (no lease here) may be
-            // any session's.
-            Plain {
-                owner: left.and(holder.clone()),
-                left,
-            }
+                .map(|left| Duration::from_micros(u64::try_from(left).unwrap_or(0))),
         });
         return holds::acquire(inner, tx, req, plain, marker, start).await;
     }
