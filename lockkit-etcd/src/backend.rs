@@ -1161,9 +1161,11 @@ impl LockBackend for EtcdBackend {
         ))
     }
 
-    /// Every key of the range that holds (see [`kinds::holding`]): the plain lock or the
-    /// writer, each reader, each permit, with its kind, token (create revision), the etcd
-    /// lease left and who took it; each says how many contenders wait.
+    /// Every key of the range that holds: the plain lock or the writer (the first key),
+    /// each reader with no writer or plain lock before it (or behind its own owner's
+    /// write: a downgrade), each permit with fewer than N permits before it; with its kind,
+    /// token (create revision), the etcd lease left and who took it; each says how many
+    /// contenders wait. A write key kept only for a downgraded read is not listed.
     async fn holders(&self, key: &LockKey) -> Result<Vec<HolderInfo>> {
         let range = self.lock_range(key);
         let client = self.client();

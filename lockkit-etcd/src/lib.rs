@@ -24,9 +24,12 @@
 //!   `WouldDeadlock`. Re-entry is counted here, not in the key.
 //! - Semaphores (lockkit-only layout): a permit is the key
 //!   `<prefix>/<key>/permits/<N>/<lease id in hex>` and holds when fewer than N permit keys
-//!   were created before it (FIFO); waiters watch the permits' range for deletions. Each
-//!   permit's token is its create revision. A semaphore and any lock on one key exclude
-//!   each other (`KindMismatch`), as do semaphores of different counts.
+//!   were created before it (FIFO); waiters watch the permits' range for deletions, so a
+//!   release wakes every waiter of the semaphore, each then reading the range once (a herd
+//!   bounded by the waiters, unlike the plain lock's and the read-write lock's one watched
+//!   key). Each permit's token is its create revision. A semaphore and any lock on one
+//!   key exclude each other (`KindMismatch`), as do semaphores of different counts (the
+//!   oldest permit key says the count).
 //! - Mixed fleets: recipe readers ignore plain-lock contenders, and the recipe orders by
 //!   mod revision, which a reentrant plain lock changes (its depth is rewritten into its
 //!   key for `inspect`): do not use one key as a recipe `RWMutex` and a plain lock at once.
