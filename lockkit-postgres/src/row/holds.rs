@@ -27,12 +27,12 @@ use std::{
     time::Duration,
 };
 
-use lockkit_core::spi::{AcquireRequest, Attempt, AttemptLedger, Grant, Released};
+use lockkit_core::spi::{AcquireRequest, Attempt, AttemptLedger, Grant, Interrupt, Released};
 use lockkit_core::{Error, FencingToken, HolderIdentity, HolderInfo, LockKey, LockKind, Result};
 use sqlx::{PgConnection, Postgres, Row, Transaction, postgres::PgRow};
 use tokio::time::Instant;
 
-use super::{ADVISORY_RECHECK, RowLocks, announce_release, first_attempt};
+use super::{ADVISORY_RECHECK, RowLocks, announce_release, caller_gone, first_attempt};
 use crate::db::{Db, db_error, micros, query};
 
 /// How long a waiting writer's marker keeps new readers out unless its wait renews it: a
@@ -331,6 +331,7 @@ pub(crate) async fn acquire(
     req: &AcquireRequest,
     plain: Option<Plain>,
     marker: Option<&Marker>,
+    interrupt: &Interrupt,
     start: Instant,
 ) -> Result<Attempt> {
     let fail = |e| db_error("the acquire transaction", e);
@@ -380,6 +381,10 @@ pub(crate) async fn acquire(
                 hold.holds.saturating_add(1),
                 start,
             )))
+        }
+        Decision::New if caller_gone(interrupt).await => {
+            tx.rollback().await.map_err(fail)?;
+            Ok(Attempt::Busy { lease_left: None })
         }
         Decision::New => {
             let permits = req

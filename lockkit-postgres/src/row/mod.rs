@@ -8,8 +8,8 @@ use std::{sync::Arc, time::Duration};
 
 use async_trait::async_trait;
 use lockkit_core::spi::{
-    AcquireRequest, Attempt, AttemptLedger, Backoff, Grant, Released, WaitPolicy, deadline_after,
-    detached_acquire, wait_for_grant,
+    AcquireRequest, Attempt, AttemptLedger, Backoff, Grant, Interrupt, Released, WaitPolicy,
+    deadline_after, detached_acquire, wait_for_grant,
 };
 use lockkit_core::{
     BackendInfo, Capabilities, Consistency, Error, FencingToken, HolderInfo, LockBackend, LockKey,
@@ -230,6 +230,7 @@ async fn run_acquire(
     backend: &RowLocks,
     req: &AcquireRequest,
     marker: Option<&Marker>,
+    interrupt: &Interrupt,
 ) -> Result<Attempt> {
     let inner = &backend.inner;
     let sql = &inner.sql;
@@ -254,6 +255,10 @@ async fn run_acquire(
         if req.kind != LockKind::Exclusive {
             tx.rollback().await.map_err(fail)?;
             return Ok(Attempt::busy(Duration::ZERO));
+        }
+        if caller_gone(interrupt).await {
+            tx.rollback().await.map_err(fail)?;
+            return Ok(Attempt::Busy { lease_left: None });
         }
         // First use of this key: create its row, already held (a key without a row has no
         // holds either: they are added under its row's lock).
@@ -295,7 +300,7 @@ async fn run_acquire(
                 .filter(|left| *left > 0)
                 .map(|left| Duration::from_micros(u64::try_from(left).unwrap_or(0))),
         });
-        return holds::acquire(inner, tx, req, plain, marker, start).await;
+        return holds::acquire(inner, tx, req, plain, marker, interrupt, start).await;
     }
     if live && holder.as_deref() == Some(owner.as_str()) {
         let mut attempts = AttemptLedger::parse(&row_text(&row, "attempts").unwrap_or_default());
@@ -361,6 +366,10 @@ async fn run_acquire(
             return Err(error);
         }
     }
+    if caller_gone(interrupt).await {
+        tx.rollback().await.map_err(fail)?;
+        return Ok(Attempt::Busy { lease_left: None });
+    }
     let taken: i64 = query(&sql.row_take)
         .bind(&owner)
         .bind(ttl)
@@ -385,6 +394,18 @@ async fn run_acquire(
         1,
         start,
     )))
+}
+
+/// Whether the caller of a detached attempt has gone (its future was dropped): an attempt
+/// that would make a new hold for nobody makes none (it would only be given back, after
+/// keeping the key from others meanwhile). A caller that goes later still has its grant
+/// given back.
+async fn caller_gone(interrupt: &Interrupt) -> bool {
+    tokio::select! {
+        biased;
+        () = interrupt.interrupted() => true,
+        () = std::future::ready(()) => false,
+    }
 }
 
 /// Whether `error` is the server's request to run the transaction again (a serialization
@@ -412,7 +433,9 @@ async fn attempt(
     let (this, request, giver) = (backend.clone(), req.clone(), backend.clone());
     let outcome = detached_acquire(
         BACKEND,
-        move |_| async move { run_acquire(&this, &request, marker.as_ref()).await },
+        move |interrupt| async move {
+            run_acquire(&this, &request, marker.as_ref(), &interrupt).await
+        },
         Attempt::into_grant,
         move |grant| async move {
             if let Err(error) = release(&giver, &grant).await {
