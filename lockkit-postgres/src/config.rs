@@ -15,12 +15,14 @@ pub enum Mode {
     /// A lease table: one row per key with owner, hold count, fence and expiry, changed by
     /// short transactions on the server's clock (`clock_timestamp()`). Survives client and
     /// server restarts. A release is announced with `NOTIFY`, so waiters wake at once.
+    /// Read-write locks and counting semaphores live in `<table>_holds` beside it.
     Row,
     /// `pg_advisory_lock` held by a dedicated connection per hold; waiters queue in the
     /// server's lock manager. The lease is the session's `idle_session_timeout` (PostgreSQL
     /// 14 or later), kept up by a liveness check while the holder lives; a hold ends with
     /// its connection (a crash, a server restart). The fencing token is the key's row in
-    /// the lease table, shared with `mode=row`, so the two modes exclude each other.
+    /// the lease table, shared with `mode=row`, so the two modes exclude each other. Plain
+    /// locks only: read-write locks and semaphores are `Unsupported` (use `Row`).
     Advisory,
 }
 

@@ -24,7 +24,9 @@
 //! lock when its lease runs out; a server restart ends every advisory hold, and the holder
 //! is told (`SessionLost`). The fencing token is the key's row in the lease table, shared
 //! with `mode=row`: the two modes exclude each other on the same table, and row mode also
-//! stays out of a key whose advisory lock any other session holds.
+//! stays out of a key whose advisory lock any other session holds exclusively (row mode
+//! takes it shared while it decides, so that its own transactions on one key never take
+//! each other for an advisory holder; a client that holds it shared is not seen).
 //!
 //! Advisory mode's limits: it needs a session per hold, so a transaction-pooling
 //! PgBouncer (or any pooler that hands one server session to several clients) breaks it;
@@ -33,8 +35,7 @@
 //! idle timeout) can end a holder's session, and so its lock, before the holder's next
 //! liveness check notices: keep such timeouts above the lease, and fence your writes. A
 //! client that is not lockkit and holds only a row-mode lease has nothing in the server's
-//! lock manager: plain `pg_advisory_lock` users do not see it (and row mode sees another
-//! client's advisory lock only when it is exclusive, as `pg_advisory_lock` takes it). Read-write locks and
+//! lock manager: plain `pg_advisory_lock` users do not see it. Read-write locks and
 //! semaphores are not offered in this mode (`Unsupported`; use `mode=row`); an advisory
 //! holder stays out of a key that row-mode readers, writers or permits hold.
 #![cfg_attr(docsrs, feature(doc_cfg))]
