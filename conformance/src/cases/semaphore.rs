@@ -121,14 +121,18 @@ pub async fn permits_never_exceed_the_limit<H: Harness>(h: &H) -> Outcome {
     let out = Arc::new(AtomicU32::new(0));
     let most = Arc::new(AtomicU32::new(0));
     let mut tasks = Vec::new();
+    // Every client connects first and all start together, so that permits are out at the
+    // same time however slowly clients connect.
+    let start = Arc::new(tokio::sync::Barrier::new(6));
     for task in 0..6u64 {
         let client = h.client().await;
-        let (key, out, most) = (key.clone(), out.clone(), most.clone());
+        let (key, out, most, start) = (key.clone(), out.clone(), most.clone(), start.clone());
         let wait = generous_wait(h);
         tasks.push(tokio::spawn(async move {
             let semaphore = client.semaphore(&key, 3);
             let mut seed = 0xD1B5_4A32_D192_ED03u64.wrapping_mul(task + 1);
-            for _ in 0..10 {
+            start.wait().await;
+            for round in 0..10 {
                 seed ^= seed << 13;
                 seed ^= seed >> 7;
                 seed ^= seed << 17;
@@ -148,7 +152,9 @@ pub async fn permits_never_exceed_the_limit<H: Harness>(h: &H) -> Outcome {
                 let now = out.fetch_add(1, Ordering::SeqCst) + 1;
                 most.fetch_max(now, Ordering::SeqCst);
                 assert!(now <= 3, "{now} permits of 3 were out at once");
-                tokio::time::sleep(Duration::from_millis(seed % 6)).await;
+                // The first permits are held long enough for the others to be granted.
+                let hold = if round == 0 { 200 } else { seed % 6 };
+                tokio::time::sleep(Duration::from_millis(hold)).await;
                 out.fetch_sub(1, Ordering::SeqCst);
                 permit.release().await.check("release");
             }
