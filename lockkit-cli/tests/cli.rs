@@ -1062,84 +1062,105 @@ fn status_watch_prints_each_change() {
 
 /// `run --read` jobs share a key, `status` lists each reader, and a `--write` job (or a
 /// plain one) cannot start beside them; `--permits 2` lets two jobs run and refuses a
-/// third until one ends.
+/// third until one ends; on every backend with read-write locks and semaphores.
 #[test]
 fn read_runs_share_a_key_and_permits_bound_the_runs() {
     let dir = dir("rw-runs");
-    let url = format!("file://{dir}/locks");
+    let without = ["redlock", "mode=for-update", "mode=advisory"];
+    for url in every_backend_url(&dir)
+        .into_iter()
+        .filter(|url| !without.iter().any(|w| url.contains(w)))
+    {
+        let unique = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_nanos();
+        let tag = format!("rw-runs/{}-{unique}", std::process::id());
+        reads_share_and_permits_bound(&url, &format!("{tag}/rw"), &format!("{tag}/sem"));
+    }
+}
+
+fn reads_share_and_permits_bound(url: &str, rw: &str, sem: &str) {
     let try_run = |key: &str, options: &[&str]| {
         let mut args = vec!["run", "--key", key, "--wait", "0"];
         args.extend_from_slice(options);
         args.extend_from_slice(&["--", "true"]);
-        lockkit(&url, &args).status().unwrap().code()
+        lockkit(url, &args).status().unwrap().code()
     };
     let status = |key: &str| {
-        let out = lockkit(&url, &["status", "--key", key, "--json"])
+        let out = lockkit(url, &["status", "--key", key, "--json"])
             .output()
             .unwrap();
         let text = String::from_utf8_lossy(&out.stdout).into_owned();
         let value: serde_json::Value = serde_json::from_str(text.trim())
-            .unwrap_or_else(|e| panic!("invalid JSON ({e}): {text}"));
-        let words = lockkit(&url, &["status", "--key", key]).output().unwrap();
+            .unwrap_or_else(|e| panic!("{url}: invalid JSON ({e}): {text}"));
+        let words = lockkit(url, &["status", "--key", key]).output().unwrap();
         (value, String::from_utf8_lossy(&words.stdout).into_owned())
     };
     let mut readers = [
-        hold_with_run_as(&url, "rw", &["--read"]),
-        hold_with_run_as(&url, "rw", &["--read"]),
+        hold_with_run_as(url, rw, &["--read"]),
+        hold_with_run_as(url, rw, &["--read"]),
     ];
-    let (value, words) = status("rw");
-    assert_eq!(value["kind"], "read", "{value}");
-    let pids: Vec<_> = value["holders"]
+    let (value, words) = status(rw);
+    assert_eq!(value["kind"], "read", "{url}: {value}");
+    let mut got: Vec<_> = value["holders"]
         .as_array()
         .unwrap()
         .iter()
-        .map(|h| h["pid"].as_u64().unwrap())
+        .map(|h| h["pid"].as_u64().unwrap_or(0))
         .collect();
     let mut expected: Vec<_> = readers.iter().map(|r| u64::from(r.id())).collect();
-    let mut got = pids.clone();
     expected.sort_unstable();
     got.sort_unstable();
-    assert_eq!(got, expected, "{value}");
-    assert!(words.contains("read by 2 holders"), "{words}");
+    assert_eq!(got, expected, "{url}: {value}");
+    assert!(words.contains("read by 2 holders"), "{url}: {words}");
     assert_eq!(
-        try_run("rw", &["--write"]),
+        try_run(rw, &["--write"]),
         Some(1),
-        "a writer beside readers"
+        "{url}: a writer beside readers"
     );
-    assert_eq!(try_run("rw", &[]), Some(1), "a plain lock beside readers");
-    assert_eq!(try_run("rw", &["--read"]), Some(0), "a third reader");
+    assert_eq!(
+        try_run(rw, &[]),
+        Some(1),
+        "{url}: a plain lock beside readers"
+    );
+    assert_eq!(try_run(rw, &["--read"]), Some(0), "{url}: a third reader");
     for reader in &mut readers {
         stop(reader);
     }
     assert_eq!(
-        try_run("rw", &["--write"]),
+        try_run(rw, &["--write"]),
         Some(0),
-        "a writer once they left"
+        "{url}: a writer once they left"
     );
 
     let mut permits = [
-        hold_with_run_as(&url, "sem", &["--permits", "2"]),
-        hold_with_run_as(&url, "sem", &["--permits", "2"]),
+        hold_with_run_as(url, sem, &["--permits", "2"]),
+        hold_with_run_as(url, sem, &["--permits", "2"]),
     ];
-    let (value, words) = status("sem");
-    assert_eq!(value["permits"], 2, "{value}");
-    assert_eq!(value["holders"].as_array().unwrap().len(), 2, "{value}");
-    assert!(words.contains("2 of 2 permits held"), "{words}");
+    let (value, words) = status(sem);
+    assert_eq!(value["permits"], 2, "{url}: {value}");
     assert_eq!(
-        try_run("sem", &["--permits", "2"]),
+        value["holders"].as_array().unwrap().len(),
+        2,
+        "{url}: {value}"
+    );
+    assert!(words.contains("2 of 2 permits held"), "{url}: {words}");
+    assert_eq!(
+        try_run(sem, &["--permits", "2"]),
         Some(1),
-        "a third permit"
+        "{url}: a third permit"
     );
     assert_eq!(
-        try_run("sem", &["--permits", "3"]),
+        try_run(sem, &["--permits", "3"]),
         Some(2),
-        "another permit count is refused as an error"
+        "{url}: another permit count is refused as an error"
     );
     stop(&mut permits[0]);
     assert_eq!(
-        try_run("sem", &["--permits", "2"]),
+        try_run(sem, &["--permits", "2"]),
         Some(0),
-        "a permit came back"
+        "{url}: a permit came back"
     );
     stop(&mut permits[1]);
 }
