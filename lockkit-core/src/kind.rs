@@ -9,9 +9,9 @@ use std::{fmt, num::NonZeroU32};
 /// The rules every backend keeps (the conformance suite checks them):
 /// - [`LockKind::Exclusive`] and [`LockKind::Write`] exclude every hold of another owner
 ///   on the key, of any kind; [`LockKind::Read`] holds of different owners share the key.
-/// - A writer waiting for the key blocks new readers of other owners (writer preference),
-///   so a stream of readers cannot starve it; a reader that already reads (re-entry) or
-///   writes (downgrade) is not blocked.
+/// - A writer waiting for the key blocks new readers (writer preference), those of its own
+///   owner too, so a stream of readers cannot starve it; a reader that already reads
+///   (re-entry) or writes (downgrade) is not blocked.
 /// - An owner that writes may also read (downgrade: a separate hold, granted at once). An
 ///   owner that only reads and asks to write (or for a plain lock) is refused with
 ///   [`Error::WouldDeadlock`](crate::Error::WouldDeadlock): it would wait for itself.

@@ -377,6 +377,87 @@ pub async fn waiting_writer_blocks_new_readers<H: Harness>(h: &H) -> Outcome {
     Outcome::Passed
 }
 
+/// A writer waiting keeps out a new read of its own owner too (else the writer would wait
+/// for its own owner's read and end in `WouldDeadlock`), and is granted when the other
+/// readers leave; its owner may then read (downgrade).
+pub async fn a_waiting_writer_keeps_out_its_own_owners_new_read<H: Harness>(h: &H) -> Outcome {
+    if let Some(skip) = needs_writer_preference(h).await {
+        return skip;
+    }
+    let space = Space::new("a_waiting_writer_keeps_out_its_own_owners_new_read");
+    let key = space.key("k");
+    let (a, b, c) = (h.client().await, h.client().await, h.client().await);
+    let other = b.read(&key).ttl(LONG_TTL).try_now().await.check("read");
+    let other = other.check("a free key");
+    let owner = a.owner();
+    let wait = generous_wait(h);
+    let writer = tokio::spawn({
+        let (owner, key) = (owner.clone(), key.clone());
+        async move { owner.write(&key).ttl(LONG_TTL).wait(wait).await }
+    });
+    // Until the writer's wait is known to the backend, new readers enter.
+    let deadline = tokio::time::Instant::now() + wait;
+    loop {
+        match c.read(&key).ttl(LONG_TTL).try_now().await.check("read") {
+            None => break,
+            Some(guard) => {
+                guard.release().await.check("release probe");
+            }
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "new readers kept entering while a writer waited"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let own = owner.read(&key).ttl(LONG_TTL).try_now().await;
+    assert!(
+        matches!(own, Ok(None)),
+        "a new read of the waiting writer's own owner must wait, got {own:?}"
+    );
+    other.release().await.check("release the other reader");
+    let granted = writer.await.check("writer task");
+    let granted = granted.check("the waiting writer, once the other reader left");
+    let downgrade = owner.read(&key).ttl(LONG_TTL).try_now().await.check("read");
+    let downgrade = downgrade.check("a writer may read (downgrade)");
+    granted.release().await.check("release write");
+    downgrade.release().await.check("release read");
+    Outcome::Passed
+}
+
+/// An owner that reads briefly and re-enters for long, then gives back the brief hold, keeps
+/// the long one: no writer is granted after the brief lease would have run out.
+pub async fn a_short_reentry_given_back_keeps_the_longer_read<H: Harness>(h: &H) -> Outcome {
+    if let Some(skip) = needs_read_write(h).await {
+        return skip;
+    }
+    let space = Space::new("a_short_reentry_given_back_keeps_the_longer_read");
+    let key = space.key("k");
+    let (a, b) = (h.client().await, h.client().await);
+    let owner = a.owner();
+    let short = h.short_ttl();
+    let brief = owner.read(&key).ttl(short).no_watchdog().try_now().await;
+    let brief = brief.check("read").check("a free key");
+    let long = owner.read(&key).ttl(LONG_TTL).no_watchdog().try_now().await;
+    let long = long.check("re-read").check("reads are reentrant");
+    brief.release().await.check("release the brief read");
+    tokio::time::sleep(short + h.expiry_slack() + Duration::from_millis(500)).await;
+    assert!(long.is_valid(), "the long read is no longer valid");
+    let writer = b.write(&key).ttl(LONG_TTL).try_now().await.check("write");
+    assert!(
+        writer.is_none(),
+        "a writer was granted while the owner still held its long read"
+    );
+    long.release().await.check("release the long read");
+    let writer = b.write(&key).ttl(LONG_TTL).try_now().await.check("write");
+    writer
+        .check("free at the end")
+        .release()
+        .await
+        .check("release");
+    Outcome::Passed
+}
+
 /// Readers that keep coming, each overlapping the last, never starve a writer.
 pub async fn writer_is_not_starved_by_readers<H: Harness>(h: &H) -> Outcome {
     if let Some(skip) = needs_writer_preference(h).await {

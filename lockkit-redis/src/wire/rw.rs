@@ -165,15 +165,14 @@ local function live_readers(n, base)
   for _, field in ipairs(dead) do forget_reader(n, base, field, all) end
   return best
 end
--- The soonest expiry of another owner's live waiting-writer marker, in ms from now
--- (false: none), after dropping expired markers.
-local function writer_waits(wwait, owner, now)
+-- The soonest expiry of a live waiting-writer marker, in ms from now (false: none), after
+-- dropping expired markers. Any owner's: a new read of the writer's own owner waits too,
+-- or that writer would wait for its own owner's read.
+local function writer_waits(wwait, now)
   redis.call('zremrangebyscore', wwait, '-inf', now)
-  local first = redis.call('zrange', wwait, 0, 1, 'WITHSCORES')
-  for i = 1, #first, 2 do
-    if first[i] ~= owner then return math.max(tonumber(first[i + 1]) - now, 1) end
-  end
-  return false
+  local first = redis.call('zrange', wwait, 0, 0, 'WITHSCORES')
+  if #first == 0 then return false end
+  return math.max(tonumber(first[2]) - now, 1)
 end
 local function mark_writer(wwait, owner, now, marker)
   if marker > 0 then
@@ -251,7 +250,7 @@ if mode == 'write' and redis.call('hexists', n, ow) == 0 then
   return {0, redis.call('pttl', n), 0}
 end
 if count == 0 and mode ~= 'write' then
-  local left = writer_waits(KEYS[3], o, now)
+  local left = writer_waits(KEYS[3], now)
   if left then return {0, left, 2} end
 end
 if not mode then redis.call('hset', n, 'mode', 'read') end
@@ -415,7 +414,16 @@ elseif attempt ~= '' then
 end
 if count > 0 then
   local left = redis.call('hincrby', n, o, -1)
-  redis.call('del', KEYS[4] .. ':' .. (left + 1))
+  local top = KEYS[4] .. ':' .. (left + 1)
+  if left > 0 then
+    -- Redisson deletes the topmost timeout key whichever hold ends: the holds left keep
+    -- the longest lease of those it counted (a short re-entry given back must not cut a
+    -- longer one it leaves behind).
+    local keep = redis.call('pttl', top)
+    local below = KEYS[4] .. ':' .. left
+    if keep > redis.call('pttl', below) then redis.call('set', below, 1, 'px', keep) end
+  end
+  redis.call('del', top)
   if left > 0 then return left end
   redis.call('hdel', n, o, 'lockkit-token:' .. o, 'lockkit-holder:' .. o)
 end
