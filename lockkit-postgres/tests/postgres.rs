@@ -246,6 +246,43 @@ async fn a_plain_sql_holder_excludes_and_wakes_a_lockkit_waiter() {
     granted.release().await.unwrap();
 }
 
+/// A session that is not lockkit's holding the advisory lock of a key that has no row yet
+/// keeps row mode's plain lock out too (the first use of a key used to insert the row
+/// already held, without the advisory check; review 2 of the read-write work, finding 3).
+#[tokio::test]
+async fn a_plain_sql_advisory_holder_keeps_a_first_plain_lock_out() {
+    let Some((locker, _)) = client_of("row").await else {
+        return;
+    };
+    let url = env::service_url("LOCKKIT_TEST_POSTGRES_URL").unwrap();
+    let k = key("plain-sql-first-use");
+    let id = lockkit_postgres::advisory_id(SHARED_TABLE, k.as_str());
+    let mut plain = <sqlx::PgConnection as sqlx::Connection>::connect(&url)
+        .await
+        .unwrap();
+    sqlx::query("SELECT pg_advisory_lock($1)")
+        .bind(id)
+        .execute(&mut plain)
+        .await
+        .unwrap();
+    let first = locker.try_acquire(&k).await.unwrap();
+    assert!(
+        first.is_none(),
+        "row mode took a fresh key another session holds the advisory lock of"
+    );
+    sqlx::query("SELECT pg_advisory_unlock($1)")
+        .bind(id)
+        .execute(&mut plain)
+        .await
+        .unwrap();
+    let granted = locker.try_acquire(&k).await.unwrap();
+    granted
+        .expect("free once the session let go")
+        .release()
+        .await
+        .unwrap();
+}
+
 /// A session that is not lockkit's holding the key's advisory lock keeps row mode's plain
 /// locks, reads, writes and permits out of a key that has its row.
 #[tokio::test]

@@ -241,9 +241,10 @@ async fn run_acquire(
     let fail = |e| db_error("the acquire transaction", e);
     let mut tx = inner.pool.begin().await.map_err(fail)?;
     let mut row = lock_key_row(inner, &mut tx, &req.key).await.map_err(fail)?;
-    if row.is_none() && req.kind != LockKind::Exclusive {
-        // First use of this key, by a reader, writer or permit: make its row (free), then
-        // lock it; a statement of its own sees the row whoever made it.
+    if row.is_none() {
+        // First use of this key: make its row (free), then lock it; a statement of its own
+        // sees the row whoever made it. A plain lock too: deciding on the locked row is
+        // what checks the key's advisory lock, which another session may hold.
         query(&sql.holds.key_row)
             .bind(name)
             .execute(&mut *tx)
