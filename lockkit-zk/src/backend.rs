@@ -1114,7 +1114,19 @@ impl ZkBackend {
         };
         let permits = format!("{dir}/{PERMITS_DIR}");
         // Both asked at once: one round trip.
-        let (listed, first) = tokio::join!(client.list_children(dir), client.get_data(&permits));
+        let (mut listed, mut first) =
+            tokio::join!(client.list_children(dir), client.get_data(&permits));
+        let used_as_lock = |listed: &std::result::Result<Vec<String>, zookeeper_client::Error>| matches!(listed, Ok(children) if !contenders_in_order(children).is_empty());
+        if used_as_lock(&listed) {
+            // A follower may still list a lock's node that another session deleted: a
+            // refusal is final, so it is decided on the leader's view (the sync), never on
+            // a lagging one. Only this rare path pays the round trip.
+            client
+                .sync("/")
+                .await
+                .map_err(|e| zk_error("syncing before refusing a permit", e))?;
+            (listed, first) = tokio::join!(client.list_children(dir), client.get_data(&permits));
+        }
         match listed {
             Ok(children) if !contenders_in_order(&children).is_empty() => {
                 return Err(mismatch("is used as a lock".into()));
@@ -1123,6 +1135,7 @@ impl ZkBackend {
             Err(e) => return Err(zk_error("listing the key's nodes", e)),
         }
         let mut first = Some(first);
+        let mut synced = false;
         let acls = Acls::anyone_all();
         let container = CreateMode::Container.with_acls(acls);
         let ephemeral = CreateMode::Ephemeral.with_acls(acls);
@@ -1135,6 +1148,15 @@ impl ZkBackend {
                 Ok((data, stat)) => {
                     let stored = String::from_utf8_lossy(&data).trim().to_owned();
                     if stored != limit.to_string() {
+                        if stat.num_children > 0 && !synced {
+                            // As above: refuse only on the leader's view.
+                            client
+                                .sync("/")
+                                .await
+                                .map_err(|e| zk_error("syncing before refusing a permit", e))?;
+                            synced = true;
+                            continue;
+                        }
                         if stat.num_children > 0 {
                             return Err(mismatch(format!("is a semaphore of {stored} permits")));
                         }
@@ -1318,6 +1340,20 @@ async fn permit_holders(client: &Client, dir: &str) -> Result<Option<Vec<HolderI
 /// Whether the key whose directory is `dir` is in use as a semaphore (leases or lockkit
 /// permit registrations exist), and as what.
 async fn semaphore_in_use(client: &Client, dir: &str) -> Result<Option<String>> {
+    if semaphore_seen(client, dir).await?.is_none() {
+        return Ok(None);
+    }
+    // A refusal is final: decide it on the leader's view, not a follower's that may still
+    // list another session's released permits (only this rare path pays the sync).
+    client
+        .sync("/")
+        .await
+        .map_err(|e| zk_error("syncing before refusing a lock", e))?;
+    semaphore_seen(client, dir).await
+}
+
+/// [`semaphore_in_use`] on whatever view the session's server has.
+async fn semaphore_seen(client: &Client, dir: &str) -> Result<Option<String>> {
     let leases = match client.list_children(&format!("{dir}/{LEASES_DIR}")).await {
         Ok(leases) => leases.len(),
         Err(zookeeper_client::Error::NoNode) => 0,
