@@ -15,6 +15,7 @@ const CRATES: &[&str] = &[
     "lockkit-zk",
     "lockkit-mysql",
     "lockkit-postgres",
+    "lockkit-etcd",
     "lockkit",
     "conformance",
     "lockkit-lab",
@@ -27,6 +28,7 @@ const BACKENDS: &[&str] = &[
     "lockkit-zk",
     "lockkit-mysql",
     "lockkit-postgres",
+    "lockkit-etcd",
 ];
 
 fn workspace() -> PathBuf {
