@@ -12,7 +12,7 @@ use std::{
 };
 
 use lockkit_core::spi::{AcquireRequest, Released};
-use lockkit_core::{Error, FencingToken, LockKind, LossSignal};
+use lockkit_core::{Error, FencingToken, LockKey, LockKind, Locker, LossSignal};
 
 use super::{LONG_TTL, assert_busy, generous_wait};
 use crate::{Check, Harness, Outcome, Space, support::expect_err};
@@ -30,6 +30,26 @@ async fn needs_writer_preference<H: Harness>(h: &H) -> Option<Outcome> {
     let client = h.client().await;
     (!client.info().capabilities.writer_preference)
         .then(|| Outcome::Skipped("the backend has no writer preference".into()))
+}
+
+/// Returns once a new reader (on `client`) is refused: new readers enter until a writer's
+/// wait is known to the backend, then stay out. Fails the case if they keep entering for
+/// the whole `wait`.
+async fn until_readers_are_kept_out(client: &Locker, key: &LockKey, wait: Duration) {
+    let deadline = tokio::time::Instant::now() + wait;
+    loop {
+        match client.read(key).ttl(LONG_TTL).try_now().await.check("read") {
+            None => return,
+            Some(guard) => {
+                guard.release().await.check("release probe");
+            }
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "new readers kept entering while a writer waited"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
 }
 
 /// A backend without read-write locks or semaphores answers `Unsupported` for them at
@@ -332,21 +352,7 @@ pub async fn waiting_writer_blocks_new_readers<H: Harness>(h: &H) -> Outcome {
         let key = key.clone();
         async move { w.write(&key).ttl(LONG_TTL).wait(wait).await }
     });
-    // New readers enter until the writer's wait is known to the backend, then stay out.
-    let deadline = tokio::time::Instant::now() + wait;
-    loop {
-        match c.read(&key).ttl(LONG_TTL).try_now().await.check("read") {
-            None => break,
-            Some(guard) => {
-                guard.release().await.check("release probe");
-            }
-        }
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "new readers kept entering while a writer waited"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    until_readers_are_kept_out(&c, &key, wait).await;
     let again = reader
         .read(&key)
         .ttl(LONG_TTL)
@@ -395,21 +401,7 @@ pub async fn a_waiting_writer_keeps_out_its_own_owners_new_read<H: Harness>(h: &
         let (owner, key) = (owner.clone(), key.clone());
         async move { owner.write(&key).ttl(LONG_TTL).wait(wait).await }
     });
-    // Until the writer's wait is known to the backend, new readers enter.
-    let deadline = tokio::time::Instant::now() + wait;
-    loop {
-        match c.read(&key).ttl(LONG_TTL).try_now().await.check("read") {
-            None => break,
-            Some(guard) => {
-                guard.release().await.check("release probe");
-            }
-        }
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "new readers kept entering while a writer waited"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    until_readers_are_kept_out(&c, &key, wait).await;
     let own = owner.read(&key).ttl(LONG_TTL).try_now().await;
     assert!(
         matches!(own, Ok(None)),
