@@ -1,78 +1,77 @@
-//! Cancel-safe backend calls: run a request in its own task so that dropping the caller
-//! cannot strand what the server already granted.
+//! Cancel-safe backend calls: a request runs to completion even if its caller goes away
+//! (then in a task of its own), so dropping the caller cannot strand what the server
+//! already granted.
 
-use std::{
-    future::Future,
-    sync::{Arc, Mutex},
-};
+use std::{future::Future, panic::AssertUnwindSafe, pin::Pin, sync::Arc, task::Poll};
 
-use tokio::sync::{Notify, oneshot};
+use tokio::sync::Notify;
 
 use crate::{Error, Grant, Result};
 
-type Orphan<T> = Arc<Mutex<Option<Box<dyn FnOnce(T) + Send>>>>;
-
-fn take<T>(orphan: &Orphan<T>) -> Option<Box<dyn FnOnce(T) + Send>> {
-    orphan.lock().unwrap_or_else(|e| e.into_inner()).take()
+/// The work of a [`detached`] call not finished yet, and what to do with its output if
+/// the caller goes away first.
+struct Unfinished<T: Send + 'static, O: FnOnce(T) + Send + 'static> {
+    work: Option<Pin<Box<dyn Future<Output = T> + Send>>>,
+    orphan: Option<O>,
+    runtime: Option<tokio::runtime::Handle>,
 }
 
-/// Hands the value to the orphan handler if the caller never took it.
-struct Waiting<T> {
-    answer: Option<oneshot::Receiver<T>>,
-    orphan: Orphan<T>,
-}
-
-impl<T> Drop for Waiting<T> {
+impl<T: Send + 'static, O: FnOnce(T) + Send + 'static> Drop for Unfinished<T, O> {
     fn drop(&mut self) {
-        if let Some(mut answer) = self.answer.take() {
-            // Either the task has not answered yet (then its send fails and it calls the
-            // handler itself) or the answer is waiting here unread.
-            answer.close();
-            if let Ok(value) = answer.try_recv()
-                && let Some(handle) = take(&self.orphan)
-            {
-                handle(value);
-            }
+        let (Some(work), Some(orphan)) = (self.work.take(), self.orphan.take()) else {
+            return;
+        };
+        // Dropped before the output was delivered: the work goes on as a task of its own,
+        // and its output goes to the orphan handler. Without a runtime (it is gone) the
+        // work cannot go on, as a task would not have either.
+        if let Some(runtime) = self.runtime.take() {
+            runtime.spawn(Box::pin(async move {
+                orphan(work.await);
+            }) as Pin<Box<dyn Future<Output = ()> + Send>>);
         }
     }
 }
 
-/// Runs `work` as its own Tokio task and returns its output.
+/// Runs `work` to completion and returns its output.
 ///
-/// If the returned future is dropped before it delivers the output, `orphan` receives the
-/// output instead, whenever it is ready: a backend gives back a grant there, so a
-/// cancelled acquisition never leaves a lock behind. Returns `None` if the task panicked
-/// or the runtime is shutting down.
+/// The work is polled in the caller's task while the caller waits (no task switch on the
+/// way). If the returned future is dropped before it delivers the output, the rest of the
+/// work is moved into a Tokio task of its own, and `orphan` receives the output whenever
+/// it is ready: a backend gives back a grant there, so a cancelled acquisition never
+/// leaves a lock behind. Returns `None` if the work panicked.
 ///
 /// # Cancel safety
-/// That is its purpose: the work always completes and its output is always consumed.
+/// That is its purpose: the work always completes and its output is always consumed (as
+/// long as the runtime lives).
 pub async fn detached<T, W, O>(work: W, orphan: O) -> Option<T>
 where
     T: Send + 'static,
     W: Future<Output = T> + Send + 'static,
     O: FnOnce(T) + Send + 'static,
 {
-    let (deliver, answer) = oneshot::channel();
-    let orphan: Orphan<T> = Arc::new(Mutex::new(Some(Box::new(orphan))));
-    let task_orphan = orphan.clone();
-    tokio::spawn(async move {
-        let value = work.await;
-        if let Err(value) = deliver.send(value)
-            && let Some(handle) = take(&task_orphan)
-        {
-            handle(value);
+    let mut unfinished = Unfinished {
+        work: Some(Box::pin(work)),
+        orphan: Some(orphan),
+        runtime: tokio::runtime::Handle::try_current().ok(),
+    };
+    std::future::poll_fn(move |cx| {
+        let Some(work) = unfinished.work.as_mut() else {
+            return Poll::Ready(None);
+        };
+        match std::panic::catch_unwind(AssertUnwindSafe(|| work.as_mut().poll(cx))) {
+            Ok(Poll::Pending) => Poll::Pending,
+            Ok(Poll::Ready(value)) => {
+                unfinished.work = None;
+                Poll::Ready(Some(value))
+            }
+            Err(_) => {
+                // A panicked future is not polled again.
+                unfinished.work = None;
+                Poll::Ready(None)
+            }
         }
-    });
-    let mut waiting = Waiting {
-        answer: Some(answer),
-        orphan,
-    };
-    let value = match waiting.answer.as_mut() {
-        Some(answer) => answer.await.ok(),
-        None => None,
-    };
-    waiting.answer = None;
-    value
+    })
+    .await
 }
 
 /// Lets a detached acquisition learn that its caller has gone, so it can stop waiting
@@ -164,6 +163,8 @@ mod tests {
             let orphans = orphaned.clone();
             let work = async move {
                 if i % 3 == 0 {
+                    tokio::time::sleep(Duration::from_millis(2)).await;
+                } else if i % 3 == 1 {
                     tokio::task::yield_now().await;
                 }
                 i
@@ -171,10 +172,10 @@ mod tests {
             let call = detached(work, move |_| {
                 orphans.fetch_add(1, Ordering::SeqCst);
             });
-            if tokio::time::timeout(Duration::from_micros(i % 50), call)
-                .await
-                .is_ok()
-            {
+            // A zero timeout gives up after the first poll: whatever is not done then is cut
+            // short.
+            let patience = Duration::from_micros(if i % 2 == 0 { 0 } else { 20_000 });
+            if tokio::time::timeout(patience, call).await.is_ok() {
                 delivered.fetch_add(1, Ordering::SeqCst);
             }
         }
@@ -183,5 +184,54 @@ mod tests {
             delivered.load(Ordering::SeqCst) + orphaned.load(Ordering::SeqCst),
             2_000
         );
+        assert!(
+            orphaned.load(Ordering::SeqCst) >= 300,
+            "calls cut short were not orphaned"
+        );
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn the_work_runs_in_the_callers_task_until_the_caller_goes() {
+        tokio::spawn(the_work_runs_in_the_callers_task_until_the_caller_goes_in_a_task())
+            .await
+            .unwrap();
+    }
+
+    async fn the_work_runs_in_the_callers_task_until_the_caller_goes_in_a_task() {
+        let caller = tokio::task::id();
+        let seen = detached(async { tokio::task::try_id() }, |_| {}).await;
+        assert_eq!(
+            seen,
+            Some(Some(caller)),
+            "no task switch while the caller waits"
+        );
+
+        // Cut short: the rest runs in a task of its own and the orphan gets the output.
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        let (release, hold) = tokio::sync::oneshot::channel::<()>();
+        let work = async move {
+            let _ = hold.await;
+            tokio::task::try_id()
+        };
+        let call = detached(work, move |id| {
+            let _ = tx.send(id);
+        });
+        assert!(
+            tokio::time::timeout(Duration::from_millis(20), call)
+                .await
+                .is_err()
+        );
+        release.send(()).unwrap();
+        let finished_in = tokio::time::timeout(Duration::from_secs(60), rx)
+            .await
+            .expect("the orphan handler was never called")
+            .unwrap();
+        assert!(finished_in.is_some_and(|id| id != caller));
+    }
+
+    #[tokio::test]
+    async fn a_panic_in_the_work_is_none() {
+        let got = detached(async { panic!("boom") }, |_: ()| {}).await;
+        assert_eq!(got, None);
     }
 }

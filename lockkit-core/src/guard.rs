@@ -618,18 +618,22 @@ impl LockGuard {
     }
 
     async fn release_inner(&self) -> Result<Released> {
+        // Finished even if this future is dropped (then in a task of its own), so a
+        // cancelled release still reaches the server.
         let work = release_one(self.hold.clone(), self.grant.clone());
-        match tokio::runtime::Handle::try_current() {
-            Ok(rt) => rt.spawn(work).await.map_err(|e| {
-                Error::backend_with_source(
-                    self.shared().backend.info().scheme,
-                    false,
-                    "the release task panicked or was aborted; the lease will run out",
-                    e,
-                )
-            })?,
-            Err(_) => work.await,
-        }
+        crate::detach::detached(work, |outcome| {
+            if let Err(error) = outcome {
+                tracing::debug!(%error, "a release whose caller went away did not complete");
+            }
+        })
+        .await
+        .unwrap_or_else(|| {
+            Err(Error::backend(
+                self.shared().backend.info().scheme,
+                false,
+                "the release panicked; the lease will run out",
+            ))
+        })
     }
 }
 
