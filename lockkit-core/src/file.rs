@@ -6,7 +6,7 @@ use std::{
     io::{Read, Seek, SeekFrom, Write},
     path::{Path, PathBuf},
     sync::{
-        Arc, Mutex,
+        Arc, OnceLock,
         atomic::{AtomicBool, Ordering},
     },
     time::Duration,
@@ -19,6 +19,7 @@ use crate::{
     AcquireRequest, AttemptLedger, BackendInfo, Capabilities, Consistency, Error, FencingToken,
     Grant, HolderIdentity, HolderInfo, LockBackend, LockKey, LockKind, OwnerId, Released, Result,
     detached_acquire,
+    file_watch::Wakers,
     rules::{HoldView, Refusal, admit, same_hold},
     wait::{Armed, Attempt, Backoff, WaitPolicy, Wake, armed, wait_for_grant},
 };
@@ -441,12 +442,14 @@ impl Locked {
 /// A waiter's registration in [`FileBackend::wakers`].
 struct Waker<'a> {
     backend: &'a FileBackend,
-    key: LockKey,
+    /// The key's file name.
+    name: String,
     notify: Arc<Notify>,
 }
 
-/// Wakes waiters on a release in this process; other processes' releases are found by
-/// polling, so the wake-ups are never relied on alone.
+/// Wakes waiters on a release in this process, and on any change to the key's file made by
+/// another process where the directory can be watched ([`crate::file_watch`]). The wait
+/// still polls, so the wake-ups are never relied on alone.
 impl Wake for Waker<'_> {
     fn arm(&self) -> Armed<'_> {
         armed(&self.notify)
@@ -458,7 +461,7 @@ impl Drop for Waker<'_> {
         let mut wakers = self.backend.wakers();
         // The map's reference and ours: no other waiter of this process is left.
         if Arc::strong_count(&self.notify) == 2 {
-            wakers.remove(&self.key);
+            wakers.remove(&self.name);
         }
     }
 }
@@ -468,12 +471,19 @@ impl Drop for Waker<'_> {
 /// moment and reads or writes `token owner depth expiry`, the expiry on the host's
 /// monotonic clock. Tokens survive restarts in the files.
 ///
-/// Waiters in the same process are woken at once; waiters in other processes poll with a
-/// backoff of 1 ms doubling to 50 ms, never sleeping past the holder's lease.
+/// Waiters are woken at once by a release in the same process and, on Linux, by any change
+/// to the key's file (the directory is watched with inotify, one thread per process); they
+/// also poll, with a backoff of 1 ms doubling to 50 ms, never sleeping past the holder's
+/// lease, which is all they have where the directory cannot be watched (a network file
+/// system: other hosts' changes are not seen).
 #[derive(Debug, Clone)]
 pub struct FileBackend {
     dir: Arc<PathBuf>,
-    wakers: Arc<Mutex<HashMap<LockKey, Arc<Notify>>>>,
+    /// This process's waiters, by their key's file name.
+    wakers: Arc<Wakers>,
+    /// Whether the directory is watched for other processes' changes (decided on the
+    /// first wait).
+    watched: Arc<OnceLock<bool>>,
 }
 
 fn io_error(doing: &str, path: &Path, e: std::io::Error) -> Error {
@@ -518,6 +528,7 @@ impl FileBackend {
         Ok(FileBackend {
             dir: Arc::new(dir),
             wakers: Arc::default(),
+            watched: Arc::default(),
         })
     }
 
@@ -595,24 +606,28 @@ impl FileBackend {
         self.dir.join(file_name(key))
     }
 
-    fn wakers(&self) -> std::sync::MutexGuard<'_, HashMap<LockKey, Arc<Notify>>> {
+    fn wakers(&self) -> std::sync::MutexGuard<'_, HashMap<String, Arc<Notify>>> {
         self.wakers.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     /// Registers a waiter of this process on `key`; the entry goes when its last waiter
     /// does, so the map holds only keys being waited on.
     fn waker(&self, key: &LockKey) -> Waker<'_> {
-        let notify = self.wakers().entry(key.clone()).or_default().clone();
+        // Other processes' changes to the key's file wake this process's waiters too.
+        self.watched
+            .get_or_init(|| crate::file_watch::watch(&self.dir, &self.wakers));
+        let name = file_name(key);
+        let notify = self.wakers().entry(name.clone()).or_default().clone();
         Waker {
             backend: self,
-            key: key.clone(),
+            name,
             notify,
         }
     }
 
     /// Wakes this process's waiters on `key`, if there are any.
     fn wake(&self, key: &LockKey) {
-        if let Some(notify) = self.wakers().get(key) {
+        if let Some(notify) = self.wakers().get(&file_name(key)) {
             notify.notify_waiters();
         }
     }
@@ -744,13 +759,23 @@ fn grant_in(
             let marks = req.kind == LockKind::Write
                 || (req.kind == LockKind::Exclusive && !state.shared.is_empty());
             if let Some(marker) = waiting.filter(|_| marks) {
-                state.writers.retain(|(owner, _)| *owner != req.owner);
                 // Said before the caller's flag is read, and the caller sets its flag before
                 // it reads this one: either this attempt sees that the caller left (and
                 // marks nothing), or the caller sees the mark and takes it away (after this
                 // file operation, whose flock it waits for).
                 marker.marked.store(true, Ordering::SeqCst);
-                if !marker.cancelled.load(Ordering::SeqCst) {
+                // Renewed only once half of it has run: an attempt that rewrites nothing
+                // does not wake the key's waiters (the file's changes wake them), itself
+                // included.
+                let fresh_until = now.saturating_add(nanos(WRITER_MARKER / 2));
+                let fresh = state
+                    .writers
+                    .iter()
+                    .any(|(owner, until)| *owner == req.owner && *until > fresh_until);
+                if marker.cancelled.load(Ordering::SeqCst) {
+                    state.writers.retain(|(owner, _)| *owner != req.owner);
+                } else if !fresh {
+                    state.writers.retain(|(owner, _)| *owner != req.owner);
                     let until = now.saturating_add(nanos(WRITER_MARKER));
                     state.writers.push((req.owner, until));
                 }
@@ -1108,6 +1133,99 @@ mod tests {
             backend.release(&grant).await.unwrap();
         }
         assert_eq!(backend.wakers().len(), 0, "the wakers map only grows");
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn another_process_changing_a_key_wakes_its_waiters_here() {
+        // Two backends on one directory share no wakers map, as two processes do not: only
+        // the directory watch can carry B's release to A's waiter.
+        let dir = temp_dir("watch");
+        let (here, there) = (
+            FileBackend::open(&dir).unwrap(),
+            FileBackend::open(&dir).unwrap(),
+        );
+        let key = LockKey::new("watched").unwrap();
+        let held = there
+            .try_acquire(&request(&key, Duration::from_secs(30)))
+            .await
+            .unwrap()
+            .unwrap();
+        let waker = here.waker(&key);
+        assert!(
+            here.watched.get() == Some(&true),
+            "the lock directory is not watched (inotify)"
+        );
+        let woken = waker.arm();
+        there.release(&held).await.unwrap();
+        tokio::time::timeout(Duration::from_secs(10), woken)
+            .await
+            .expect("the release by another backend on the directory woke nobody");
+        // A key nobody here waits on wakes nothing and leaves no entry.
+        drop(waker);
+        let other = LockKey::new("unwatched").unwrap();
+        let grant = there
+            .try_acquire(&request(&other, Duration::from_secs(30)))
+            .await
+            .unwrap()
+            .unwrap();
+        there.release(&grant).await.unwrap();
+        assert_eq!(here.wakers().len(), 0);
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_waiting_writers_polls_do_not_rewrite_its_marker_each_time() {
+        // Every write to a key's file wakes its waiters: a writer that rewrote its marker on
+        // every poll would wake itself at once, for ever.
+        let backend = FileBackend::open(temp_dir("marker")).unwrap();
+        let key = LockKey::new("marked").unwrap();
+        let read = backend
+            .try_acquire(&request(&key, Duration::from_secs(30)).with_kind(LockKind::Read))
+            .await
+            .unwrap()
+            .unwrap();
+        let writer = {
+            let backend = backend.clone();
+            let key = key.clone();
+            tokio::spawn(async move {
+                backend
+                    .acquire(
+                        &request(&key, Duration::from_secs(30)).with_kind(LockKind::Write),
+                        Duration::from_secs(60),
+                    )
+                    .await
+            })
+        };
+        let path = backend.path(&key);
+        let marker = || {
+            std::fs::read_to_string(&path)
+                .unwrap()
+                .lines()
+                .find(|l| l.starts_with("q "))
+                .map(str::to_owned)
+        };
+        let mut first = None;
+        for _ in 0..1000 {
+            first = marker();
+            if first.is_some() {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        assert!(first.is_some(), "the waiting writer left no marker");
+        // Polls every 50 ms at most: several of them, and the marker line is unchanged.
+        tokio::time::sleep(Duration::from_millis(400)).await;
+        assert_eq!(
+            marker(),
+            first,
+            "a poll rewrote the waiting writer's marker"
+        );
+        backend.release(&read).await.unwrap();
+        let grant = tokio::time::timeout(Duration::from_secs(60), writer)
+            .await
+            .expect("the writer was never granted")
+            .unwrap()
+            .unwrap();
+        backend.release(&grant).await.unwrap();
     }
 
     #[test]

@@ -23,6 +23,7 @@ mod detach;
 mod error;
 mod fencing;
 mod file;
+mod file_watch;
 mod guard;
 mod holder;
 mod into_key;
