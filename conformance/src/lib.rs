@@ -144,6 +144,7 @@ macro_rules! __with_catalogue {
             rw::waiting_writer_blocks_new_readers,
             rw::writer_is_not_starved_by_readers,
             rw::read_write_histories_stay_exclusive,
+            rw::a_write_reentered_after_a_downgrade_keeps_its_token,
             semaphore::permits_bound_the_holders,
             semaphore::a_different_permit_count_is_refused,
             semaphore::permits_never_exceed_the_limit,

@@ -108,7 +108,12 @@ fn encoded_name(key: &LockKey) -> String {
 /// so that a lockkit version that reads only the first line still sees the key held.
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
 struct State {
+    /// The key's counter: the last token handed out, to any kind of hold.
     token: u64,
+    /// The first line's holder's own token, when it has one (0 when nobody holds it). It is
+    /// the counter unless a shared hold was granted beside it since (a downgrade), and only
+    /// then written, as an eighth field `t<token>` (older versions ignore it).
+    held_token: u64,
     owner: Option<OwnerId>,
     depth: u32,
     /// Host monotonic nanoseconds.
@@ -212,6 +217,11 @@ impl State {
         let expires = parts.next().and_then(|e| e.parse().ok()).unwrap_or(0);
         let attempts = parts.nth(1).map(AttemptLedger::parse).unwrap_or_default();
         let tag = parts.next();
+        let held_token = parts
+            .next()
+            .and_then(|t| t.strip_prefix('t'))
+            .and_then(|t| t.parse().ok())
+            .unwrap_or(token);
         let identity = lines
             .next()
             .map(str::trim)
@@ -219,6 +229,7 @@ impl State {
             .map(str::to_owned);
         let mut state = State {
             token,
+            held_token: if owner.is_some() { held_token } else { 0 },
             owner,
             depth,
             expires,
@@ -235,6 +246,7 @@ impl State {
         if tag == Some("s") {
             // A summary for older versions, not a holder.
             state.owner = None;
+            state.held_token = 0;
             state.depth = 0;
             state.expires = 0;
             state.attempts.clear();
@@ -277,15 +289,19 @@ impl State {
                 self.depth,
                 self.expires,
                 self.attempts.render(),
-                match (self.kind, extra) {
+                match (self.kind, extra || self.pinned()) {
                     (LockKind::Write, _) => " w",
                     (_, true) => " x",
                     _ => "",
                 },
             ),
         };
+        let held = match summary {
+            None if self.pinned() => format!(" t{}", self.held_token),
+            _ => String::new(),
+        };
         let mut text = format!(
-            "{} {owner} {depth} {expires} {} {attempts}{tag}\n",
+            "{} {owner} {depth} {expires} {} {attempts}{tag}{held}\n",
             self.token,
             boot_id(),
         );
@@ -304,6 +320,12 @@ impl State {
             text.push_str(&format!("q {owner} {expires}\n"));
         }
         text
+    }
+
+    /// Whether the first line's holder has a token other than the counter (see
+    /// [`State::held_token`]).
+    fn pinned(&self) -> bool {
+        self.owner.is_some() && self.held_token != self.token
     }
 
     fn holder(&self, now: u64) -> Option<OwnerId> {
@@ -325,6 +347,7 @@ impl State {
     /// Empties the first line but for the token.
     fn clear_first(&mut self) {
         self.owner = None;
+        self.held_token = 0;
         self.depth = 0;
         self.expires = 0;
         self.attempts.clear();
@@ -718,7 +741,7 @@ fn grant_in(
             &mut state.depth,
             &mut state.expires,
             &mut state.attempts,
-            state.token,
+            state.held_token,
         ))
     } else {
         state
@@ -793,6 +816,7 @@ fn grant_in(
             let identity = Some(req.identity.encode());
             if req.kind.is_exclusive() {
                 state.owner = Some(req.owner);
+                state.held_token = state.token;
                 state.kind = req.kind;
                 state.identity = identity;
                 state.depth = 1;
@@ -965,7 +989,7 @@ impl LockBackend for FileBackend {
                 let holder = info(
                     owner,
                     state.depth,
-                    state.token,
+                    state.held_token,
                     state.expires,
                     state.identity.as_deref(),
                 );
@@ -1000,9 +1024,30 @@ mod tests {
                 uuid::Uuid::new_v4()
             )),
             identity: Some(HolderIdentity::now().encode()),
+            held_token: 7,
             ..State::default()
         };
         assert_eq!(State::parse(&state.render()), state);
+        assert_eq!(
+            state
+                .render()
+                .lines()
+                .next()
+                .unwrap()
+                .split_whitespace()
+                .count(),
+            6
+        );
+        // A holder whose token is below the counter (a read was granted beside it since):
+        // an eighth field, which older versions do not read.
+        let pinned = State {
+            token: 9,
+            ..state.clone()
+        };
+        let text = pinned.render();
+        assert_eq!(State::parse(&text), pinned);
+        let first: Vec<&str> = text.lines().next().unwrap().split_whitespace().collect();
+        assert_eq!((first[0], first[6], first[7]), ("9", "x", "t7"), "{text}");
         // A file from before attempts were stored: released unconditionally.
         let owner = OwnerId::random();
         let mut legacy = load(&format!("7 {owner} 2 99 -"));
@@ -1043,6 +1088,7 @@ mod tests {
         assert_eq!((first[2], first[3]), ("1", "500"), "{text}");
         let writer = State {
             token: 3,
+            held_token: 3,
             owner: Some(OwnerId::random()),
             depth: 1,
             expires: 99,

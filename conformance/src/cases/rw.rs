@@ -561,3 +561,66 @@ pub async fn read_write_histories_stay_exclusive<H: Harness>(h: &H) -> Outcome {
         .check("release");
     Outcome::Passed
 }
+
+/// A writer that downgraded (took the read lock beside its write) and then enters the write
+/// lock again is granted a re-entry of its write: same token, one more depth, no loss. The
+/// read taken in between (a hold with a token of its own) must not change what the write
+/// re-entry reports.
+pub async fn a_write_reentered_after_a_downgrade_keeps_its_token<H: Harness>(h: &H) -> Outcome {
+    if let Some(skip) = needs_read_write(h).await {
+        return skip;
+    }
+    let space = Space::new("a_write_reentered_after_a_downgrade_keeps_its_token");
+    let key = space.key("k");
+    let client = h.client().await;
+    let owner = client.owner();
+    let write = owner
+        .write(&key)
+        .ttl(LONG_TTL)
+        .try_now()
+        .await
+        .check("write")
+        .check("a free key");
+    let read = owner
+        .read(&key)
+        .ttl(LONG_TTL)
+        .try_now()
+        .await
+        .check("downgrade")
+        .check("a writer may read at once (downgrade)");
+    assert!(read.token() > write.token(), "the read is a new hold");
+    let again = owner
+        .write(&key)
+        .ttl(LONG_TTL)
+        .try_now()
+        .await
+        .check("write re-entry after a downgrade")
+        .check("writes are reentrant");
+    assert_eq!(again.depth(), 2, "a re-entry of the write");
+    assert_eq!(again.token(), write.token(), "a re-entry keeps its token");
+    assert!(
+        write.is_valid() && again.is_valid(),
+        "the write was reported lost by its own re-entry"
+    );
+    assert_eq!(
+        again.release().await.check("release re-entry"),
+        Released::Partially { remaining: 1 }
+    );
+    read.release().await.check("release read");
+    assert_eq!(
+        write.release().await.check("release write"),
+        Released::Fully
+    );
+    let other = h.client().await;
+    other
+        .write(&key)
+        .ttl(LONG_TTL)
+        .try_now()
+        .await
+        .check("write")
+        .check("free at the end")
+        .release()
+        .await
+        .check("release");
+    Outcome::Passed
+}
