@@ -28,6 +28,10 @@ struct Args {
     /// Fewer samples (a smoke run: the figures are not worth quoting).
     #[arg(long)]
     quick: bool,
+    /// Measure only the clients whose name starts with one of these (comma-separated), e.g.
+    /// `lockkit` for a profile of lockkit alone.
+    #[arg(long)]
+    only: Option<String>,
     /// Write the tables into this Markdown file, between `<!-- peerbench:begin -->` and
     /// `<!-- peerbench:end -->`.
     #[arg(long)]
@@ -273,8 +277,19 @@ async fn subjects_of(backend: &str, notes: &mut Vec<String>) -> Result<Vec<Subje
     Ok(subjects)
 }
 
-async fn measure(backend: &str, sizes: Sizes, notes: &mut Vec<String>) -> Result<Section, String> {
+async fn measure(
+    backend: &str,
+    sizes: Sizes,
+    only: Option<&str>,
+    notes: &mut Vec<String>,
+) -> Result<Section, String> {
     let mut subjects = subjects_of(backend, notes).await?;
+    if let Some(only) = only {
+        subjects.retain(|s| {
+            only.split(',')
+                .any(|prefix| s.label().starts_with(prefix.trim()))
+        });
+    }
     let mut measured: Vec<Measured> = subjects
         .iter()
         .map(|s| Measured::new(s.label(), s.is_floor(), s.is_lockkit()))
@@ -355,7 +370,7 @@ async fn main() {
         .map(str::trim)
         .filter(|b| !b.is_empty())
     {
-        match measure(backend, sizes, &mut notes).await {
+        match measure(backend, sizes, args.only.as_deref(), &mut notes).await {
             Ok(section) => sections.push(section),
             Err(e) => notes.push(format!("{backend}: not measured: {e}")),
         }
