@@ -142,6 +142,7 @@ macro_rules! __with_catalogue {
             rw::a_waiting_writer_keeps_out_its_own_owners_new_read,
             rw::a_short_reentry_given_back_keeps_the_longer_read,
             rw::waiting_writer_blocks_new_readers,
+            rw::a_waiting_plain_lock_blocks_new_readers,
             rw::writer_is_not_starved_by_readers,
             rw::read_write_histories_stay_exclusive,
             semaphore::permits_bound_the_holders,

@@ -383,6 +383,60 @@ pub async fn waiting_writer_blocks_new_readers<H: Harness>(h: &H) -> Outcome {
     Outcome::Passed
 }
 
+/// A plain lock counts as a writer: while one waits behind readers, new readers of other
+/// owners stay out (a stream of readers cannot starve it), a reader that already reads may
+/// re-enter, and the plain lock gets the key when the readers leave.
+pub async fn a_waiting_plain_lock_blocks_new_readers<H: Harness>(h: &H) -> Outcome {
+    if let Some(skip) = needs_writer_preference(h).await {
+        return skip;
+    }
+    let space = Space::new("a_waiting_plain_lock_blocks_new_readers");
+    let key = space.key("k");
+    let (a, w, c) = (h.client().await, h.client().await, h.client().await);
+    let reader = a.owner();
+    let first = reader
+        .read(&key)
+        .ttl(LONG_TTL)
+        .try_now()
+        .await
+        .check("read");
+    let first = first.check("a free key");
+    let wait = generous_wait(h);
+    let plain = tokio::spawn({
+        let key = key.clone();
+        async move { w.acquire(&key).ttl(LONG_TTL).wait(wait).await }
+    });
+    until_readers_are_kept_out(&c, &key, wait).await;
+    let again = reader
+        .read(&key)
+        .ttl(LONG_TTL)
+        .try_now()
+        .await
+        .check("re-read");
+    let again = again.check("a reader re-entering behind a waiting plain lock must pass");
+    again.release().await.check("release re-read");
+    assert!(
+        !plain.is_finished(),
+        "the plain lock was granted beside a reader"
+    );
+    first.release().await.check("release read");
+    let granted = plain
+        .await
+        .check("plain lock task")
+        .check("the waiting plain lock");
+    assert_eq!(granted.kind(), LockKind::Exclusive);
+    assert!(c.read(&key).try_now().await.check("read").is_none());
+    granted.release().await.check("release plain lock");
+    let last = c
+        .read(&key)
+        .ttl(LONG_TTL)
+        .wait(wait)
+        .await
+        .check("read after");
+    last.release().await.check("release");
+    Outcome::Passed
+}
+
 /// A writer waiting keeps out a new read of its own owner too (else the writer would wait
 /// for its own owner's read and end in `WouldDeadlock`), and is granted when the other
 /// readers leave; its owner may then read (downgrade).

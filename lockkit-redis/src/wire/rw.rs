@@ -309,6 +309,7 @@ if t == 'hash' then
       if attempt ~= '' then redis.call('hset', n, attempt, 'w:' .. o) end
     end
     if redis.call('pttl', n) < ttl then redis.call('pexpire', n, ttl) end
+    redis.call('zrem', KEYS[3], o)
     return {1, untoken(redis.call('hget', n, 'lockkit-token:' .. ow)), depth}
   end
   local count = tonumber(redis.call('hget', n, o) or '0') or 0
