@@ -83,8 +83,18 @@ impl MarkShare {
 
     /// An attempt's script has answered (or failed): whether the marker must go now.
     pub(crate) fn finish(&self) -> bool {
+        self.finish_with(false)
+    }
+
+    /// [`Self::finish`]; `clean`: the attempt left no marker anywhere (every server it
+    /// asked granted, and a grant removes the marker), so nothing is left to forget unless
+    /// another attempt is still out.
+    pub(crate) fn finish_with(&self, clean: bool) -> bool {
         let mut state = self.state();
         state.in_flight = state.in_flight.saturating_sub(1);
+        if clean && state.in_flight == 0 {
+            state.set = false;
+        }
         state.cancelled && state.set && state.in_flight == 0
     }
 

@@ -224,16 +224,8 @@ impl RedisBackend {
         backend_error(doing, &self.inner.target, e)
     }
 
-    /// Runs the acquire script once. Not cancel safe by itself: see [`Self::attempt`].
-    pub(crate) async fn run_acquire(
-        &self,
-        req: &AcquireRequest,
-        interrupt: Option<&lockkit_core::spi::Interrupt>,
-    ) -> Result<Attempt> {
-        self.run_acquire_marking(req, interrupt, false).await
-    }
-
-    /// [`Self::run_acquire`] for any kind; with `marker`, a busy writer or plain lock
+    /// Runs the acquire script of `req`'s kind once. Not cancel safe by itself: see
+    /// [`Self::attempt`]. With `marker`, a busy writer or plain lock
     /// registers as a waiting writer (see [`Self::attempt_marking`]): the caller must then
     /// see that the marker is forgotten when its wait ends without a grant.
     pub(crate) async fn run_acquire_marking(

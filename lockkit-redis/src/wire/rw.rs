@@ -345,6 +345,30 @@ return 0
     )
 });
 
+/// KEYS: token, n. ARGV: a token value, the hold's field (`o` for a read, `o:write` for a
+/// write). Redlock's write-back for a read or write hold: raises the counter to at least
+/// the token (as [`super::RAISE_TOKEN`]) and, if the hash is a read-write lock that still
+/// has the hold, records the token as the hold's (`lockkit-token:<field>`), so a re-entry
+/// or a retried attempt on this master reports the quorum's token, not this master's own.
+/// Returns the counter.
+pub(crate) static RAISE_HOLD_TOKEN: LazyLock<Script> = LazyLock::new(|| {
+    Script::new(
+        r"
+local current = tonumber(redis.call('get', KEYS[1]) or '0')
+local wanted = tonumber(ARGV[1])
+if wanted > current then
+  redis.call('set', KEYS[1], ARGV[1])
+  current = wanted
+end
+if redis.call('type', KEYS[2]).ok == 'hash' and redis.call('hexists', KEYS[2], 'mode') == 1
+  and redis.call('hexists', KEYS[2], ARGV[2]) == 1 then
+  redis.call('hset', KEYS[2], 'lockkit-token:' .. ARGV[2], 't' .. ARGV[1])
+end
+return current
+",
+    )
+});
+
 /// KEYS: n, the owner's read timeout prefix. ARGV: ttl ms, `o`, `S(n)`. Returns 1 if `o`'s
 /// read hold is live and now lasts at least `ttl` (each timeout key and the hash: never
 /// shortened), 0 if it is not held (a dead hold is forgotten).
