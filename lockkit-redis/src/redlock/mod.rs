@@ -294,8 +294,12 @@ impl RedlockBackend {
             .map(|vote| match vote {
                 Ok(Attempt::Granted(grant)) => Vote::Granted(grant),
                 Ok(Attempt::Busy { lease_left }) => Vote::Busy(lease_left),
-                Err(e @ Error::Backend { .. }) => Vote::Failed(e),
-                Err(e) => Vote::Refused(e),
+                Err(
+                    e @ (Error::WouldDeadlock { .. }
+                    | Error::KindMismatch { .. }
+                    | Error::Unsupported { .. }),
+                ) => Vote::Refused(e),
+                Err(e) => Vote::Failed(e),
             })
             .collect();
         let everywhere = votes.iter().all(|v| matches!(v, Vote::Granted(_)));
