@@ -686,3 +686,81 @@ async fn a_retried_read_or_write_takes_effect_once() {
         assert_eq!(holders(&masters, &key).await, 0, "{kind}: the key is free");
     }
 }
+
+/// A reader paused past its lease (no renewal) loses the key: a writer is granted once the
+/// lease has run out on a majority, the paused guard is no longer valid, its renewal is
+/// refused, and the writer's token is greater.
+#[tokio::test]
+async fn a_reader_paused_past_its_lease_loses_it_to_a_writer() {
+    let Some(masters) = masters() else { return };
+    let key = key();
+    let a = client(&masters, "").await;
+    let b = client(&masters, "").await;
+    let short = Duration::from_millis(400);
+    let reader = a.locker.read(&key).ttl(short).no_watchdog().try_now().await;
+    let reader = reader.unwrap().unwrap();
+    assert!(b.locker.write(&key).try_now().await.unwrap().is_none());
+    let started = tokio::time::Instant::now();
+    let writer = b
+        .locker
+        .write(&key)
+        .ttl(TTL)
+        .wait(Duration::from_secs(10))
+        .await
+        .unwrap();
+    assert!(
+        started.elapsed() < short + Duration::from_secs(2),
+        "the writer waited {:?} for a 400 ms lease",
+        started.elapsed()
+    );
+    assert!(
+        !reader.is_valid(),
+        "the paused reader still believes it reads"
+    );
+    assert!(writer.token() > reader.token());
+    let renewed = a.locker.backend().renew(reader.grant(), short).await;
+    assert!(
+        matches!(renewed, Err(lockkit_core::Error::NotHeld { .. })),
+        "{renewed:?}"
+    );
+    writer.release().await.unwrap();
+}
+
+/// Masters restarted empty (here: a majority that forgot the read hold and the token
+/// counter) let a writer in beside a reader that still believes it reads: Redlock's
+/// documented hazard. Fencing still orders them: the writer's token, seeded from the
+/// masters' clocks, is greater than the reader's.
+#[tokio::test]
+async fn a_majority_restarted_empty_still_counts_past_the_readers_token() {
+    let Some(masters) = masters() else { return };
+    let key = key();
+    let names = LockNames::new("", &key, false).unwrap();
+    let a = client(&masters, "").await;
+    let b = client(&masters, "").await;
+    let reader = a
+        .locker
+        .read(&key)
+        .ttl(TTL)
+        .try_now()
+        .await
+        .unwrap()
+        .unwrap();
+    for master in &masters[..3] {
+        let mut admin = admin(master).await;
+        let timeouts: Vec<String> = admin.keys(format!("{{{}}}:*", names.lock)).await.unwrap();
+        for k in timeouts {
+            let _: () = admin.del(&k).await.unwrap();
+        }
+        let _: () = admin.del(&[&names.lock, &names.token]).await.unwrap();
+    }
+    let writer = b.locker.write(&key).ttl(TTL).try_now().await.unwrap();
+    let writer = writer.expect("three of five masters forgot the reader");
+    assert!(
+        writer.token() > reader.token(),
+        "token {} after {}",
+        writer.token(),
+        reader.token()
+    );
+    writer.release().await.unwrap();
+    let _ = reader.release().await;
+}
