@@ -139,6 +139,7 @@ macro_rules! __with_catalogue {
             rw::reads_reenter_and_writes_downgrade,
             rw::upgrade_is_refused,
             rw::a_cancelled_writer_leaves_no_marker,
+            rw::a_cancelled_plain_lock_leaves_no_marker,
             rw::a_waiting_writer_keeps_out_its_own_owners_new_read,
             rw::a_short_reentry_given_back_keeps_the_longer_read,
             rw::waiting_writer_blocks_new_readers,
