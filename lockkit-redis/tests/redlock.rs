@@ -5,7 +5,7 @@
 use std::{net::SocketAddr, time::Duration};
 
 use lockkit_conformance::{FaultProxy, env};
-use lockkit_core::{LockKey, Locker};
+use lockkit_core::{LockKey, Locker, spi::Released};
 use lockkit_redis::{LockNames, RedlockBackend};
 use redis::AsyncCommands;
 use uuid::Uuid;
@@ -275,4 +275,492 @@ async fn a_reentry_on_a_quorum_keeps_the_token_where_minority_masters_lapsed() {
     );
     inner.release().await.unwrap();
     outer.release().await.unwrap();
+}
+
+// ---- read-write locks over the quorum
+
+const TTL: Duration = Duration::from_secs(30);
+
+/// A reader and a writer that each see a different majority (masters 2,3,4 and 0,1,2)
+/// exclude each other on the one master they share; readers on different majorities share
+/// the key, `holders` lists each, and every master holds Redisson's `RReadWriteLock` shape.
+#[tokio::test]
+async fn read_write_exclude_across_different_majorities() {
+    let Some(masters) = masters() else { return };
+    let key = key();
+    let name = LockNames::new("", &key, false).unwrap().lock;
+    let high = client(&masters, "").await;
+    high.proxies[0].reset();
+    high.proxies[1].reset();
+    let low = client(&masters, "").await;
+    low.proxies[3].reset();
+    low.proxies[4].reset();
+    let writer = high.locker.write(&key).ttl(TTL).try_now().await.unwrap();
+    let writer = writer.expect("masters 2, 3, 4 are a majority");
+    assert!(
+        low.locker.read(&key).try_now().await.unwrap().is_none(),
+        "a reader on masters 0, 1, 2 was granted beside a writer on 2, 3, 4"
+    );
+    assert!(low.locker.write(&key).try_now().await.unwrap().is_none());
+    assert_eq!(
+        holders(&masters, &key).await,
+        3,
+        "the refused rounds gave back masters 0 and 1"
+    );
+    let written = writer.token();
+    writer.release().await.unwrap();
+    assert_eq!(holders(&masters, &key).await, 0);
+    let one = high.locker.read(&key).ttl(TTL).try_now().await.unwrap();
+    let one = one.expect("a free key");
+    let two = low.locker.read(&key).ttl(TTL).try_now().await.unwrap();
+    let two = two.expect("readers share the key across majorities");
+    assert!(one.token() > written && two.token() > one.token());
+    for master in &masters[2..3] {
+        let mode: String = admin(master).await.hget(&name, "mode").await.unwrap();
+        assert_eq!(mode, "read", "Redisson's layout on {master}");
+        let count: u32 = admin(master)
+            .await
+            .hget(&name, one.owner().to_string())
+            .await
+            .unwrap();
+        assert_eq!(count, 1, "the reader's count field on {master}");
+    }
+    let third = client(&masters, "").await;
+    let listed = third.locker.backend().holders(&key).await.unwrap();
+    let mut owners: Vec<String> = listed.iter().map(|h| h.owner.clone()).collect();
+    owners.sort();
+    let mut expected = vec![one.owner().to_string(), two.owner().to_string()];
+    expected.sort();
+    assert_eq!(owners, expected, "holders lists both readers: {listed:?}");
+    assert!(
+        listed
+            .iter()
+            .all(|h| h.kind == Some(lockkit_core::LockKind::Read))
+    );
+    assert!(third.locker.write(&key).try_now().await.unwrap().is_none());
+    one.release().await.unwrap();
+    two.release().await.unwrap();
+    let last = third.locker.write(&key).ttl(TTL).try_now().await.unwrap();
+    last.expect("free at the end").release().await.unwrap();
+}
+
+/// A reader that wins only a minority (a Redisson writer holds masters 0..3) gives back
+/// what it won, and leaves the writer's hash alone.
+#[tokio::test]
+async fn a_partial_read_is_given_back_on_every_master() {
+    let Some(masters) = masters() else { return };
+    let c = client(&masters, "").await;
+    let key = key();
+    let name = LockNames::new("", &key, false).unwrap().lock;
+    let field = format!("{}:7:write", Uuid::new_v4());
+    for master in &masters[..3] {
+        let mut admin = admin(master).await;
+        let _: () = admin
+            .hset_multiple(&name, &[("mode", "write"), (field.as_str(), "1")])
+            .await
+            .unwrap();
+        let _: () = admin.pexpire(&name, 30_000).await.unwrap();
+    }
+    assert!(c.locker.read(&key).try_now().await.unwrap().is_none());
+    for master in &masters[3..] {
+        let exists: bool = admin(master).await.exists(&name).await.unwrap();
+        assert!(!exists, "{master} kept a minority read");
+    }
+    for master in &masters[..3] {
+        let mut admin = admin(master).await;
+        let mode: String = admin.hget(&name, "mode").await.unwrap();
+        assert_eq!(
+            mode, "write",
+            "the Redisson writer's hold must be untouched"
+        );
+        let _: () = admin.del(&name).await.unwrap();
+    }
+}
+
+/// A read re-entered on a majority that still has the hold keeps the hold's token even
+/// where the hold had lapsed on the other masters and the master that gave the token is
+/// among them: the quorum's token is recorded in each master's copy of the hold.
+#[tokio::test]
+async fn a_read_reentry_keeps_the_quorums_token_where_its_master_lapsed() {
+    let Some(masters) = masters() else { return };
+    let c = client(&masters, "").await;
+    let key = key();
+    let names = LockNames::new("", &key, false).unwrap();
+    // Master 0 counts far ahead of the others: the first read's token is its.
+    let now_us = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_micros() as u64;
+    let _: () = admin(&masters[0])
+        .await
+        .set(&names.token, now_us + 1_000_000_000_000)
+        .await
+        .unwrap();
+    let owner = c.locker.owner();
+    let outer = owner.read(&key).ttl(TTL).try_now().await.unwrap().unwrap();
+    assert!(outer.token().get() > now_us + 1_000_000_000_000);
+    for master in &masters[..2] {
+        let _: () = admin(master).await.del(&names.lock).await.unwrap();
+    }
+    let inner = owner.read(&key).ttl(TTL).try_now().await.unwrap().unwrap();
+    assert_eq!(inner.depth(), 2);
+    assert_eq!(
+        inner.token(),
+        outer.token(),
+        "a re-entry on the majority that holds the read changed its token"
+    );
+    let token = outer.token();
+    inner.release().await.unwrap();
+    outer.release().await.unwrap();
+    let next = c
+        .locker
+        .write(&key)
+        .ttl(TTL)
+        .try_now()
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(next.token() > token, "the next holder counts past it");
+    next.release().await.unwrap();
+}
+
+/// An owner that reads on a majority and asks the backend itself to write is refused with
+/// `WouldDeadlock` even with two of five masters out of reach (three refusals leave no
+/// majority), and the refused rounds leave nothing behind.
+#[tokio::test]
+async fn an_upgrade_is_refused_with_masters_down() {
+    let Some(masters) = masters() else { return };
+    let c = client(&masters, "").await;
+    c.proxies[0].reset();
+    c.proxies[1].reset();
+    let key = key();
+    let read = c
+        .locker
+        .read(&key)
+        .ttl(TTL)
+        .try_now()
+        .await
+        .unwrap()
+        .unwrap();
+    let request = lockkit_core::spi::AcquireRequest::new(
+        key.clone(),
+        read.owner(),
+        TTL,
+        lockkit_core::LossSignal::new(),
+    )
+    .with_kind(lockkit_core::LockKind::Write);
+    let refused = c.locker.backend().try_acquire(&request).await;
+    assert!(
+        matches!(refused, Err(lockkit_core::Error::WouldDeadlock { .. })),
+        "{refused:?}"
+    );
+    let started = tokio::time::Instant::now();
+    let refused = c
+        .locker
+        .backend()
+        .acquire(&request, Duration::from_secs(5))
+        .await;
+    assert!(
+        matches!(refused, Err(lockkit_core::Error::WouldDeadlock { .. })),
+        "{refused:?}"
+    );
+    assert!(started.elapsed() < Duration::from_secs(2), "it waited");
+    let other = client(&masters, "").await;
+    let second = other.locker.read(&key).ttl(TTL).try_now().await.unwrap();
+    let second = second.expect("no writer marker was left by the refused upgrade");
+    second.release().await.unwrap();
+    read.release().await.unwrap();
+    assert_eq!(holders(&masters, &key).await, 0);
+}
+
+/// A writer that waits with two masters out of its reach marks the other three, which
+/// keeps out a new reader that sees a different majority (masters 0, 1, 2); once the wait
+/// is dropped the markers go on every master at once, not when they run out.
+#[tokio::test]
+async fn a_waiting_writer_keeps_readers_of_another_majority_out() {
+    let Some(masters) = masters() else { return };
+    let key = key();
+    let names = LockNames::new("", &key, false).unwrap();
+    let markers = format!("{{{}}}:lockkit_wwait", names.lock);
+    let first = client(&masters, "").await;
+    let reader = first
+        .locker
+        .read(&key)
+        .ttl(TTL)
+        .try_now()
+        .await
+        .unwrap()
+        .unwrap();
+    let w = client(&masters, "").await;
+    w.proxies[0].reset();
+    w.proxies[1].reset();
+    let waiting = tokio::spawn({
+        let (locker, key) = (w.locker.clone(), key.clone());
+        async move {
+            locker
+                .write(&key)
+                .ttl(TTL)
+                .wait(Duration::from_secs(30))
+                .await
+        }
+    });
+    let r = client(&masters, "").await;
+    r.proxies[3].reset();
+    r.proxies[4].reset();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+    loop {
+        match r.locker.read(&key).ttl(TTL).try_now().await.unwrap() {
+            None => break,
+            Some(g) => {
+                g.release().await.unwrap();
+            }
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "new readers kept entering while a writer waited"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(
+        !waiting.is_finished(),
+        "a writer was granted beside a reader"
+    );
+    waiting.abort();
+    let _ = waiting.await;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(1);
+    loop {
+        let mut left = 0;
+        for master in &masters {
+            let n: i64 = admin(master).await.zcard(&markers).await.unwrap();
+            left += n;
+        }
+        if left == 0 {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "{left} markers left after the writer stopped waiting"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let second = r.locker.read(&key).ttl(TTL).try_now().await.unwrap();
+    second
+        .expect("readers enter once the writer gave up")
+        .release()
+        .await
+        .unwrap();
+    reader.release().await.unwrap();
+    drop(w.proxies);
+}
+
+/// A waiting writer that is granted leaves no marker on the masters outside its majority
+/// (where it was still busy when it won).
+#[tokio::test]
+async fn a_granted_writer_leaves_no_marker_outside_its_majority() {
+    let Some(masters) = masters() else { return };
+    let key = key();
+    let names = LockNames::new("", &key, false).unwrap();
+    let markers = format!("{{{}}}:lockkit_wwait", names.lock);
+    // A Redisson reader on master 4 only: the writer is busy there in every round.
+    let field = format!("{}:7", Uuid::new_v4());
+    let mut fourth = admin(&masters[4]).await;
+    let _: () = fourth
+        .hset_multiple(&names.lock, &[("mode", "read"), (field.as_str(), "1")])
+        .await
+        .unwrap();
+    let timeout = format!("{{{}}}:{field}:rwlock_timeout:1", names.lock);
+    let _: () = fourth.pset_ex(&timeout, 1, 30_000).await.unwrap();
+    let _: () = fourth.pexpire(&names.lock, 30_000).await.unwrap();
+    let first = client(&masters, "").await;
+    let reader = first
+        .locker
+        .read(&key)
+        .ttl(TTL)
+        .try_now()
+        .await
+        .unwrap()
+        .unwrap();
+    let w = client(&masters, "").await;
+    let waiting = tokio::spawn({
+        let (locker, key) = (w.locker.clone(), key.clone());
+        async move {
+            locker
+                .write(&key)
+                .ttl(TTL)
+                .wait(Duration::from_secs(30))
+                .await
+        }
+    });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    reader.release().await.unwrap();
+    let writer = waiting.await.unwrap().unwrap();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(1);
+    loop {
+        let n: i64 = admin(&masters[4]).await.zcard(&markers).await.unwrap();
+        if n == 0 {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the granted writer's marker stayed on the master it did not win"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    writer.release().await.unwrap();
+    let _: () = fourth.del(&[&names.lock, &timeout]).await.unwrap();
+}
+
+/// Semaphores are refused before any I/O, by the backend itself too, saying why and what
+/// to use instead.
+#[tokio::test]
+async fn semaphores_are_refused_saying_why() {
+    let Some(masters) = masters() else { return };
+    let c = client(&masters, "").await;
+    let key = key();
+    let limit = std::num::NonZeroU32::new(2).unwrap();
+    let request = lockkit_core::spi::AcquireRequest::new(
+        key.clone(),
+        lockkit_core::OwnerId::random(),
+        TTL,
+        lockkit_core::LossSignal::new(),
+    )
+    .with_kind(lockkit_core::LockKind::Permit { limit });
+    let before: u64 = c.proxies.iter().map(FaultProxy::requests_seen).sum();
+    let refused = c.locker.backend().try_acquire(&request).await.unwrap_err();
+    let waited = c
+        .locker
+        .backend()
+        .acquire(&request, Duration::from_secs(1))
+        .await
+        .unwrap_err();
+    let after: u64 = c.proxies.iter().map(FaultProxy::requests_seen).sum();
+    for e in [&refused, &waited] {
+        assert!(matches!(e, lockkit_core::Error::Unsupported { .. }), "{e}");
+        let text = e.to_string();
+        assert!(
+            text.contains("majority quorum cannot bound a count"),
+            "{text}"
+        );
+        assert!(
+            text.contains("redis://"),
+            "says what to use instead: {text}"
+        );
+    }
+    assert_eq!(before, after, "refused before any I/O");
+    let locker_says = c.locker.semaphore(&key, 2).try_acquire().await.unwrap_err();
+    assert!(matches!(
+        locker_says,
+        lockkit_core::Error::Unsupported { .. }
+    ));
+    assert_eq!(holders(&masters, &key).await, 0);
+}
+
+/// A read or write request sent twice (its reply lost the first time) takes effect once
+/// on every master: one hold, the same token, and one release frees the key.
+#[tokio::test]
+async fn a_retried_read_or_write_takes_effect_once() {
+    let Some(masters) = masters() else { return };
+    let c = client(&masters, "").await;
+    for kind in [lockkit_core::LockKind::Read, lockkit_core::LockKind::Write] {
+        let key = key();
+        let request = lockkit_core::spi::AcquireRequest::new(
+            key.clone(),
+            lockkit_core::OwnerId::random(),
+            TTL,
+            lockkit_core::LossSignal::new(),
+        )
+        .with_kind(kind);
+        let backend = c.locker.backend();
+        let first = backend.try_acquire(&request).await.unwrap().unwrap();
+        let again = backend.try_acquire(&request).await.unwrap().unwrap();
+        assert_eq!((first.depth, again.depth), (1, 1), "{kind}: one hold");
+        assert_eq!(first.token, again.token, "{kind}: the same grant");
+        assert_eq!(backend.release(&again).await.unwrap(), Released::Fully);
+        assert!(
+            matches!(
+                backend.release(&first).await,
+                Err(lockkit_core::Error::NotHeld { .. }) | Ok(Released::Fully)
+            ),
+            "{kind}: a retried release changes nothing"
+        );
+        assert_eq!(holders(&masters, &key).await, 0, "{kind}: the key is free");
+    }
+}
+
+/// A reader paused past its lease (no renewal) loses the key: a writer is granted once the
+/// lease has run out on a majority, the paused guard is no longer valid, its renewal is
+/// refused, and the writer's token is greater.
+#[tokio::test]
+async fn a_reader_paused_past_its_lease_loses_it_to_a_writer() {
+    let Some(masters) = masters() else { return };
+    let key = key();
+    let a = client(&masters, "").await;
+    let b = client(&masters, "").await;
+    let short = Duration::from_millis(400);
+    let reader = a.locker.read(&key).ttl(short).no_watchdog().try_now().await;
+    let reader = reader.unwrap().unwrap();
+    assert!(b.locker.write(&key).try_now().await.unwrap().is_none());
+    let started = tokio::time::Instant::now();
+    let writer = b
+        .locker
+        .write(&key)
+        .ttl(TTL)
+        .wait(Duration::from_secs(10))
+        .await
+        .unwrap();
+    assert!(
+        started.elapsed() < short + Duration::from_secs(2),
+        "the writer waited {:?} for a 400 ms lease",
+        started.elapsed()
+    );
+    assert!(
+        !reader.is_valid(),
+        "the paused reader still believes it reads"
+    );
+    assert!(writer.token() > reader.token());
+    let renewed = a.locker.backend().renew(reader.grant(), short).await;
+    assert!(
+        matches!(renewed, Err(lockkit_core::Error::NotHeld { .. })),
+        "{renewed:?}"
+    );
+    writer.release().await.unwrap();
+}
+
+/// Masters restarted empty (here: a majority that forgot the read hold and the token
+/// counter) let a writer in beside a reader that still believes it reads: Redlock's
+/// documented hazard. Fencing still orders them: the writer's token, seeded from the
+/// masters' clocks, is greater than the reader's.
+#[tokio::test]
+async fn a_majority_restarted_empty_still_counts_past_the_readers_token() {
+    let Some(masters) = masters() else { return };
+    let key = key();
+    let names = LockNames::new("", &key, false).unwrap();
+    let a = client(&masters, "").await;
+    let b = client(&masters, "").await;
+    let reader = a
+        .locker
+        .read(&key)
+        .ttl(TTL)
+        .try_now()
+        .await
+        .unwrap()
+        .unwrap();
+    for master in &masters[..3] {
+        let mut admin = admin(master).await;
+        let timeouts: Vec<String> = admin.keys(format!("{{{}}}:*", names.lock)).await.unwrap();
+        for k in timeouts {
+            let _: () = admin.del(&k).await.unwrap();
+        }
+        let _: () = admin.del(&[&names.lock, &names.token]).await.unwrap();
+    }
+    let writer = b.locker.write(&key).ttl(TTL).try_now().await.unwrap();
+    let writer = writer.expect("three of five masters forgot the reader");
+    assert!(
+        writer.token() > reader.token(),
+        "token {} after {}",
+        writer.token(),
+        reader.token()
+    );
+    writer.release().await.unwrap();
+    let _ = reader.release().await;
 }

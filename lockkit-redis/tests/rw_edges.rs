@@ -2,7 +2,7 @@
 //! reach: retried attempts, a cancelled writer's marker, a shorter re-entry, a reader that
 //! dies without releasing.
 
-use std::time::Duration;
+use std::{future::IntoFuture, time::Duration};
 
 use lockkit_conformance::env;
 use lockkit_core::spi::{AcquireRequest, Released};
@@ -151,6 +151,101 @@ async fn a_cancelled_writer_stops_blocking_readers() {
     reader.release().await.unwrap();
     let exists: bool = s.admin.exists(&markers).await.unwrap();
     assert!(!exists);
+}
+
+/// Waits until `markers` (a waiting-writer set) is empty, within a second (a marker lives
+/// 3 s by itself, so an empty set in time means it was removed).
+async fn until_no_marker(s: &mut Setup, markers: &str, what: &str) {
+    let deadline = Instant::now() + Duration::from_secs(1);
+    loop {
+        let left: i64 = s.admin.zcard(markers).await.unwrap();
+        if left == 0 {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{what}: the marker is still there"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// A plain lock waiting behind readers registers as a waiting writer (it counts as one)
+/// and takes the marker with it when its wait ends: by timing out, by being dropped, or by
+/// its grant. Behind another plain lock it writes no marker at all.
+#[tokio::test]
+async fn a_plain_lock_waiters_marker_goes_with_its_wait() {
+    let Some(mut s) = setup().await else { return };
+    let markers = format!("{{{}}}:lockkit_wwait", s.name);
+    let reader = s.locker.read(s.name.as_str()).ttl(TTL).await.unwrap();
+    // Timed out.
+    let timed_out = s
+        .locker
+        .acquire(s.name.as_str())
+        .ttl(TTL)
+        .wait(Duration::from_millis(300))
+        .await;
+    assert!(matches!(
+        timed_out,
+        Err(lockkit_core::Error::Timeout { .. })
+    ));
+    until_no_marker(&mut s, &markers, "a plain lock that timed out").await;
+    // Dropped mid-wait, after it marked.
+    let waiting = s
+        .locker
+        .acquire(s.name.as_str())
+        .ttl(TTL)
+        .wait(Duration::from_secs(30));
+    let mut waiting = Box::pin(waiting.into_future());
+    let marked = tokio::time::timeout(Duration::from_secs(2), async {
+        loop {
+            tokio::select! {
+                _ = &mut waiting => panic!("granted beside a reader"),
+                _ = tokio::time::sleep(Duration::from_millis(20)) => {}
+            }
+            let n: i64 = s.admin.zcard(&markers).await.unwrap();
+            if n == 1 {
+                break;
+            }
+        }
+    })
+    .await;
+    assert!(
+        marked.is_ok(),
+        "a plain lock waiting behind a reader left no marker"
+    );
+    let blocked = s.locker.read(s.name.as_str()).ttl(TTL).try_now().await;
+    assert!(blocked.unwrap().is_none(), "a new reader passed the marker");
+    drop(waiting);
+    until_no_marker(&mut s, &markers, "a dropped plain lock").await;
+    // Granted when the reader leaves: its grant removes the marker.
+    let waiter = tokio::spawn({
+        let locker = s.locker.clone();
+        let name = s.name.clone();
+        async move {
+            locker
+                .acquire(name.as_str())
+                .ttl(TTL)
+                .wait(Duration::from_secs(30))
+                .await
+        }
+    });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    reader.release().await.unwrap();
+    let plain = waiter.await.unwrap().unwrap();
+    let exists: bool = s.admin.exists(&markers).await.unwrap();
+    assert!(!exists, "the grant left the plain lock's marker behind");
+    // Behind another plain lock: nothing to keep out, no marker.
+    let behind = s
+        .locker
+        .acquire(s.name.as_str())
+        .ttl(TTL)
+        .wait(Duration::from_millis(300))
+        .await;
+    assert!(behind.is_err());
+    let exists: bool = s.admin.exists(&markers).await.unwrap();
+    assert!(!exists, "a plain lock behind a plain lock wrote a marker");
+    plain.release().await.unwrap();
 }
 
 /// A re-entry with a shorter lease never shortens the hold's lease: the hash and the first

@@ -17,7 +17,7 @@ use crate::{
 
 /// How long a waiting writer sleeps at most between attempts: each attempt refreshes its
 /// marker, which lives [`wire::WRITER_MARKER_MS`].
-const MARKER_REFRESH: Duration = Duration::from_millis(wire::WRITER_MARKER_MS / 3);
+pub(crate) const MARKER_REFRESH: Duration = Duration::from_millis(wire::WRITER_MARKER_MS / 3);
 
 /// One script call: the script, its source (for `EVAL` before `WAIT`), keys and arguments.
 struct Call {
@@ -57,7 +57,7 @@ fn write_field(owner: &str) -> String {
 /// was dropped: so the marker is forgotten by whichever ends last, the wait or the attempts
 /// out, and never before the script of the last attempt has run.
 #[derive(Debug, Default)]
-pub(super) struct MarkShare(std::sync::Mutex<MarkState>);
+pub(crate) struct MarkShare(std::sync::Mutex<MarkState>);
 
 #[derive(Debug, Default)]
 struct MarkState {
@@ -75,16 +75,26 @@ impl MarkShare {
     }
 
     /// An attempt is about to be sent (called before its task is spawned).
-    pub(super) fn start(&self) {
+    pub(crate) fn start(&self) {
         let mut state = self.state();
         state.in_flight += 1;
         state.set = true;
     }
 
     /// An attempt's script has answered (or failed): whether the marker must go now.
-    pub(super) fn finish(&self) -> bool {
+    pub(crate) fn finish(&self) -> bool {
+        self.finish_with(false)
+    }
+
+    /// [`Self::finish`]; `clean`: the attempt left no marker anywhere (every server it
+    /// asked granted, and a grant removes the marker), so nothing is left to forget unless
+    /// another attempt is still out.
+    pub(crate) fn finish_with(&self, clean: bool) -> bool {
         let mut state = self.state();
         state.in_flight = state.in_flight.saturating_sub(1);
+        if clean && state.in_flight == 0 {
+            state.set = false;
+        }
         state.cancelled && state.set && state.in_flight == 0
     }
 
@@ -102,25 +112,52 @@ impl MarkShare {
     }
 }
 
+/// Who removes a waiting writer's marker: one server or cluster, or every Redlock master.
+pub(crate) trait ForgetWriter: Send + Sync + 'static {
+    /// Removes `req`'s owner's waiting-writer marker, in the background (with no runtime,
+    /// it runs out by itself).
+    fn forget_writer_later(&self, req: &AcquireRequest);
+}
+
 /// Forgets the waiting writer's marker when its wait ends without a grant, also when the
 /// waiting future is dropped (see [`MarkShare`]).
-struct WriterMarker {
-    backend: RedisBackend,
+pub(crate) struct WriterMarker<F: ForgetWriter> {
+    forgetter: F,
     req: AcquireRequest,
     share: std::sync::Arc<MarkShare>,
 }
 
-impl Drop for WriterMarker {
+impl<F: ForgetWriter> WriterMarker<F> {
+    /// A marker for the wait of `req`, forgotten through `forgetter`.
+    pub(crate) fn new(forgetter: F, req: AcquireRequest) -> Self {
+        WriterMarker {
+            forgetter,
+            req,
+            share: std::sync::Arc::default(),
+        }
+    }
+
+    /// What the wait's attempts share with it.
+    pub(crate) fn share(&self) -> std::sync::Arc<MarkShare> {
+        self.share.clone()
+    }
+
+    /// A grant removed the marker in its own script: nothing to forget.
+    pub(crate) fn granted(&self) {
+        self.share.granted();
+    }
+}
+
+impl<F: ForgetWriter> Drop for WriterMarker<F> {
     fn drop(&mut self) {
         if self.share.cancel() {
-            self.backend.forget_writer_later(&self.req);
+            self.forgetter.forget_writer_later(&self.req);
         }
     }
 }
 
-impl RedisBackend {
-    /// Removes `req`'s owner's waiting-writer marker, in the background.
-    pub(super) fn forget_writer_later(&self, req: &AcquireRequest) {
+impl ForgetWriter for RedisBackend {
+    fn forget_writer_later(&self, req: &AcquireRequest) {
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
             return;
         };
@@ -319,20 +356,16 @@ impl RedisBackend {
             _ => vec![names.lock_channel.clone(), names.rw_channel.clone()],
         };
         let writer = req.kind == LockKind::Write;
-        let marker = writer.then(|| WriterMarker {
-            backend: self.clone(),
-            req: req.clone(),
-            share: std::sync::Arc::default(),
-        });
+        let marker = writer.then(|| WriterMarker::new(self.clone(), req.clone()));
         let mut messages = ReleaseMessages::on(self.inner.wakeups.clone(), channels);
-        let share = marker.as_ref().map(|marker| marker.share.clone());
+        let share = marker.as_ref().map(WriterMarker::share);
         let outcome = wait_for_grant(&req.key, wait, super::wait_policy(), &mut messages, || {
             self.attempt_marking(req, share.clone())
         })
         .await;
         if let (Some(marker), Ok(_)) = (&marker, &outcome) {
             // The grant removed the marker (in its script, atomically).
-            marker.share.granted();
+            marker.granted();
         }
         drop(marker);
         outcome

@@ -2,6 +2,8 @@
 
 mod kinds;
 
+pub(crate) use kinds::{ForgetWriter, MARKER_REFRESH, MarkShare, WriterMarker};
+
 use std::{sync::Arc, time::Duration};
 
 use async_trait::async_trait;
@@ -222,18 +224,11 @@ impl RedisBackend {
         backend_error(doing, &self.inner.target, e)
     }
 
-    /// Runs the acquire script once. Not cancel safe by itself: see [`Self::attempt`].
-    pub(crate) async fn run_acquire(
-        &self,
-        req: &AcquireRequest,
-        interrupt: Option<&lockkit_core::spi::Interrupt>,
-    ) -> Result<Attempt> {
-        self.run_acquire_marking(req, interrupt, false).await
-    }
-
-    /// [`Self::run_acquire`] for any kind; with `marker`, a busy writer registers as a
-    /// waiting writer (see [`Self::attempt_marking`]).
-    async fn run_acquire_marking(
+    /// Runs the acquire script of `req`'s kind once. Not cancel safe by itself: see
+    /// [`Self::attempt`]. With `marker`, a busy writer or plain lock
+    /// registers as a waiting writer (see [`Self::attempt_marking`]): the caller must then
+    /// see that the marker is forgotten when its wait ends without a grant.
+    pub(crate) async fn run_acquire_marking(
         &self,
         req: &AcquireRequest,
         interrupt: Option<&lockkit_core::spi::Interrupt>,
@@ -243,6 +238,8 @@ impl RedisBackend {
             return self.run_kind_acquire(req, interrupt, marker).await;
         }
         let names = self.names(&req.key)?;
+        let waiting_writers = self.kind_names(&req.key)?.waiting_writers;
+        let marker_ms = if marker { wire::WRITER_MARKER_MS } else { 0 };
         let config = &self.inner.config;
         let within = config.response_timeout + config.wait_replicas_timeout;
         let slot = self.inner.grant_conns.pick(within, interrupt).await?;
@@ -253,10 +250,12 @@ impl RedisBackend {
             let outcome = wire::ACQUIRE
                 .key(&names.lock)
                 .key(&names.token)
+                .key(&waiting_writers)
                 .arg(ttl_millis(req.ttl))
                 .arg(req.owner.to_string())
                 .arg(attempt_field(req.attempt))
                 .arg(req.identity.encode())
+                .arg(marker_ms)
                 .invoke_async(&mut conn)
                 .await
                 .map_err(|e| self.fail("running the acquire script", e))?;
@@ -267,13 +266,15 @@ impl RedisBackend {
             let mut pipe = redis::pipe();
             pipe.cmd("EVAL")
                 .arg(wire::ACQUIRE_LUA)
-                .arg(2)
+                .arg(3)
                 .arg(&names.lock)
                 .arg(&names.token)
+                .arg(&waiting_writers)
                 .arg(ttl_millis(req.ttl))
                 .arg(req.owner.to_string())
                 .arg(attempt_field(req.attempt))
                 .arg(req.identity.encode())
+                .arg(marker_ms)
                 .cmd("WAIT")
                 .arg(wanted)
                 .arg(ttl_millis(self.inner.config.wait_replicas_timeout));
@@ -296,6 +297,10 @@ impl RedisBackend {
                 // A holder in another format (redis-py, redsync: a plain string) publishes
                 // nothing when it lets go: look again soon instead of sleeping out its TTL.
                 left = Some(left.map_or(FOREIGN_HOLDER_POLL, |l| l.min(FOREIGN_HOLDER_POLL)));
+            }
+            if depth == wire::BUSY_MARKED {
+                // Marked as a waiting writer: come back before the marker runs out.
+                left = Some(left.map_or(MARKER_REFRESH, |l| l.min(MARKER_REFRESH)));
             }
             return Ok(Attempt::Busy {
                 lease_left: if value == -2 {
@@ -344,13 +349,13 @@ impl RedisBackend {
         self.attempt_marking(req, None).await
     }
 
-    /// [`Self::attempt`]; with `marker`, a write that finds the key busy also registers
+    /// [`Self::attempt`]; with `marker`, a write or plain lock that finds the key busy also registers
     /// (or refreshes) its owner as a waiting writer, which keeps new readers out, and the
-    /// attempt tells `marker` when its script has run (see [`kinds::MarkShare`]).
+    /// attempt tells `marker` when its script has run (see [`MarkShare`]).
     async fn attempt_marking(
         &self,
         req: &AcquireRequest,
-        marker: Option<std::sync::Arc<kinds::MarkShare>>,
+        marker: Option<std::sync::Arc<MarkShare>>,
     ) -> Result<Attempt> {
         let (this, request, giver) = (self.clone(), req.clone(), self.clone());
         lockkit_core::spi::detached_acquire(
@@ -382,17 +387,28 @@ impl RedisBackend {
     }
 
     /// Waits for `req`, woken by release messages on the key's channel, retrying transient
-    /// errors until the deadline.
+    /// errors until the deadline. A plain lock counts as a writer: while it waits behind a
+    /// read-write lock it keeps a waiting-writer marker, refreshed by each attempt, removed
+    /// by its grant, and forgotten when the wait ends without one (also when this future is
+    /// dropped), as a waiting writer's is.
     async fn acquire_waiting(&self, req: &AcquireRequest, wait: Duration) -> Result<Grant> {
         if req.kind != LockKind::Exclusive {
             return self.acquire_kind_waiting(req, wait).await;
         }
         let names = self.names(&req.key)?;
+        let marker = WriterMarker::new(self.clone(), req.clone());
+        let share = marker.share();
         let mut messages = ReleaseMessages::new(self.inner.wakeups.clone(), names.channel);
-        wait_for_grant(&req.key, wait, wait_policy(), &mut messages, || {
-            self.attempt(req)
+        let outcome = wait_for_grant(&req.key, wait, wait_policy(), &mut messages, || {
+            self.attempt_marking(req, Some(share.clone()))
         })
-        .await
+        .await;
+        if outcome.is_ok() {
+            // The grant removed the marker (in its script, atomically).
+            marker.granted();
+        }
+        drop(marker);
+        outcome
     }
 }
 

@@ -89,18 +89,29 @@ pub(crate) const ATTEMPT_FIELD_PREFIX: &str = "lockkit-attempt:";
 /// ignores the attempt fields.
 pub(crate) const HOLDER_FIELD: &str = "lockkit-holder";
 
+/// [`ACQUIRE`]'s third reply value when busy and the owner is marked as a waiting writer.
+pub(crate) const BUSY_MARKED: i64 = 2;
+
 /// Longest lease the scripts accept, in ms (about 31 years): checked before anything is
 /// written, so an absurd TTL never leaves a lock without an expiry.
 pub(crate) const MAX_TTL_MS: u64 = 1_000_000_000_000;
 
-/// KEYS: lock, token. ARGV: ttl ms, owner field, attempt field (`''`: none), the holder's
-/// identity (`''`: none; stored in [`HOLDER_FIELD`] by a new holder only).
+/// KEYS: lock, token, waiting writers (`S(n):lockkit_wwait`, see [`KindNames`]). ARGV: ttl
+/// ms, owner field, attempt field (`''`: none), the holder's identity (`''`: none; stored in
+/// [`HOLDER_FIELD`] by a new holder only), marker ms (`0`: do not mark).
 /// Returns `{1, token, depth}` when granted, `{0, pttl, 0}` when held by someone else in
 /// Redisson's layout (who publishes on release), `{0, pttl, 1}` when held in another format
-/// (a plain `SET NX PX` string: nobody publishes its release), `{-1, 2, 0}` when the owner
+/// (a plain `SET NX PX` string: nobody publishes its release), `{0, pttl, 2}` when held as
+/// a read-write lock by others and the owner was registered as a waiting writer (it must
+/// try again within a third of the marker's life to keep it), `{-1, 2, 0}` when the owner
 /// holds the key as a read-write lock (a hash with a `mode` field, where the owner's read
 /// count must never pass for a mutex hold), or an error (before any write) for a TTL out of
 /// range. A read-write lock of other owners is busy.
+///
+/// A plain lock counts as a writer: with a marker time, an owner that finds the key read
+/// or written by others registers (or refreshes) itself in the waiting-writer set, which
+/// keeps new readers out (as [`ACQUIRE_WRITE`] does for a writer); a grant removes the
+/// owner's marker.
 ///
 /// A new holder's token is the incremented counter, raised to the server's clock in
 /// microseconds since the epoch when the counter is behind it. So a server that lost the
@@ -124,6 +135,7 @@ if not ttl or ttl < 1 or ttl > 1000000000000 then
 end
 local t = redis.call('type', KEYS[1]).ok
 if t == 'none' then
+  redis.call('zrem', KEYS[3], ARGV[2])
   redis.call('hincrby', KEYS[1], ARGV[2], 1)
   if ARGV[3] ~= '' then redis.call('hset', KEYS[1], ARGV[3], 1) end
   if ARGV[4] and ARGV[4] ~= '' then redis.call('hset', KEYS[1], 'lockkit-holder', ARGV[4]) end
@@ -141,6 +153,13 @@ if t == 'hash' and redis.call('hexists', KEYS[1], 'mode') == 1 then
   if redis.call('hexists', KEYS[1], ARGV[2]) == 1 or redis.call('hexists', KEYS[1], ARGV[2] .. ':write') == 1 then
     return {-1, 2, 0}
   end
+  local marker = tonumber(ARGV[5]) or 0
+  if marker > 0 then
+    local now = redis.call('time')
+    redis.call('zadd', KEYS[3], tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000) + marker, ARGV[2])
+    if redis.call('pttl', KEYS[3]) < marker then redis.call('pexpire', KEYS[3], marker) end
+    return {0, redis.call('pttl', KEYS[1]), 2}
+  end
   return {0, redis.call('pttl', KEYS[1]), 0}
 end
 if t == 'hash' and redis.call('hexists', KEYS[1], ARGV[2]) == 1 then
@@ -153,6 +172,7 @@ if t == 'hash' and redis.call('hexists', KEYS[1], ARGV[2]) == 1 then
     if ARGV[3] ~= '' then redis.call('hset', KEYS[1], ARGV[3], 1) end
   end
   if redis.call('pttl', KEYS[1]) < ttl then redis.call('pexpire', KEYS[1], ttl) end
+  redis.call('zrem', KEYS[3], ARGV[2])
   return {1, tonumber(redis.call('get', KEYS[2]) or '0'), depth}
 end
 if t == 'hash' then

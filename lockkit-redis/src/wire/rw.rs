@@ -309,6 +309,7 @@ if t == 'hash' then
       if attempt ~= '' then redis.call('hset', n, attempt, 'w:' .. o) end
     end
     if redis.call('pttl', n) < ttl then redis.call('pexpire', n, ttl) end
+    redis.call('zrem', KEYS[3], o)
     return {1, untoken(redis.call('hget', n, 'lockkit-token:' .. ow)), depth}
   end
   local count = tonumber(redis.call('hget', n, o) or '0') or 0
@@ -340,6 +341,30 @@ if redis.call('zrem', KEYS[1], ARGV[1]) == 1 then
   return 1
 end
 return 0
+",
+    )
+});
+
+/// KEYS: token, n. ARGV: a token value, the hold's field (`o` for a read, `o:write` for a
+/// write). Redlock's write-back for a read or write hold: raises the counter to at least
+/// the token (as [`super::RAISE_TOKEN`]) and, if the hash is a read-write lock that still
+/// has the hold, records the token as the hold's (`lockkit-token:<field>`), so a re-entry
+/// or a retried attempt on this master reports the quorum's token, not this master's own.
+/// Returns the counter.
+pub(crate) static RAISE_HOLD_TOKEN: LazyLock<Script> = LazyLock::new(|| {
+    Script::new(
+        r"
+local current = tonumber(redis.call('get', KEYS[1]) or '0')
+local wanted = tonumber(ARGV[1])
+if wanted > current then
+  redis.call('set', KEYS[1], ARGV[1])
+  current = wanted
+end
+if redis.call('type', KEYS[2]).ok == 'hash' and redis.call('hexists', KEYS[2], 'mode') == 1
+  and redis.call('hexists', KEYS[2], ARGV[2]) == 1 then
+  redis.call('hset', KEYS[2], 'lockkit-token:' .. ARGV[2], 't' .. ARGV[1])
+end
+return current
 ",
     )
 });

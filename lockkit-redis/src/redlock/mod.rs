@@ -1,5 +1,7 @@
 //! `RedlockBackend`: a lock over N independent Redis masters, granted by a majority.
 
+mod kinds;
+
 use std::{sync::Arc, time::Duration};
 
 use async_trait::async_trait;
@@ -10,11 +12,16 @@ use lockkit_core::spi::{
 };
 use lockkit_core::{
     BackendInfo, Capabilities, Consistency, Error, FencingToken, HolderInfo, LockBackend, LockKey,
-    Result,
+    LockKind, Result,
 };
 use tokio::time::Instant;
 
-use crate::{RedisBackend, RedisConfig, Topology, conn::Subscription, wire};
+use crate::{
+    RedisBackend, RedisConfig, Topology,
+    conn::Subscription,
+    single::{ForgetWriter, MarkShare, WriterMarker},
+    wire,
+};
 
 const BACKEND: &str = "redlock";
 
@@ -28,6 +35,23 @@ const BACKEND: &str = "redlock";
 ///   among the granting masters and writes it back to them, so any later quorum, which
 ///   shares at least one master with this one, counts past it.
 /// - Waiters are woken by release messages from any master.
+///
+/// Read-write locks ([`LockKind::Read`], [`LockKind::Write`]) work the same way, with the
+/// single server's scripts and Redisson's `RReadWriteLock` layout on each master (a
+/// Redisson client on one master sees lockkit's hold there): any two majorities share a
+/// master, and there the scripts exclude a writer from every other hold. Reads re-enter, a
+/// writer may read (downgrade), and a reader asking to write is refused with
+/// [`Error::WouldDeadlock`] once enough masters refuse that no majority could grant it.
+/// A waiting writer (or plain lock) registers as waiting on every master where it is
+/// busy, which keeps new readers out there: since it lacks a majority, the masters it
+/// marked are enough that no new reader can gather one (writer preference). A master that
+/// does not answer a writer's round in time is not marked, so while one is slow new readers
+/// may still pass; the markers go when the wait ends, on every master.
+///
+/// Counting semaphores are refused with [`Error::Unsupported`]: a majority quorum cannot
+/// bound a count (with 5 masters and N ≥ 2 permits, N+1 holders can each hold a
+/// majority). Use `redis://`, `redis+cluster://`, ZooKeeper, etcd or SQL row mode for
+/// semaphores, or N plain locks (stripes).
 ///
 /// Redlock's safety rests on clocks and on masters not losing writes: a master restarted
 /// without persistence forgets its grants (the documented hazard, shown by `lockkit lab
@@ -80,7 +104,8 @@ impl std::fmt::Debug for RedlockBackend {
 /// A Redlock waiter's wake-ups: release messages from any master it could subscribe to.
 struct MastersMessages<'a> {
     backend: &'a RedlockBackend,
-    channel: String,
+    /// The key's release channels (the mutex's; for read-write locks Redisson's too).
+    channels: Vec<String>,
     /// `None` until the first [`Wake::ready`] subscribed.
     subscriptions: Option<Vec<Subscription>>,
 }
@@ -98,11 +123,13 @@ impl Wake for MastersMessages<'_> {
                     .config
                     .response_timeout
                     .min(Duration::from_millis(500));
+            let channels = &self.channels;
             let subscribing = backend
                 .nodes
                 .iter()
                 .filter_map(Master::connected)
-                .map(|node| tokio::time::timeout_at(bound, node.subscribe(&self.channel)));
+                .flat_map(|node| channels.iter().map(move |channel| (node, channel)))
+                .map(|(node, channel)| tokio::time::timeout_at(bound, node.subscribe(channel)));
             let subscribed = join_all(subscribing)
                 .await
                 .into_iter()
@@ -133,7 +160,11 @@ impl Wake for MastersMessages<'_> {
 enum Vote {
     Granted(Grant),
     Busy(Option<Duration>),
+    /// The master could not be asked, or did not answer in time.
     Failed(Error),
+    /// The master answered that it never grants this as asked (an upgrade, a key used as
+    /// another kind): decisive once no majority is left without such masters.
+    Refused(Error),
 }
 
 impl RedlockBackend {
@@ -247,22 +278,41 @@ impl RedlockBackend {
     }
 
     /// One Redlock round: ask every master, then keep the grant only if a quorum agreed
-    /// within the lease; otherwise give back what was granted.
-    async fn run_acquire(&self, req: &AcquireRequest) -> Result<Attempt> {
+    /// within the lease; otherwise give back what was granted. With `marker`, a writer or
+    /// plain lock registers as waiting on the masters where it is busy. Also answers
+    /// whether every master granted (then none keeps a marker of this owner: a grant
+    /// removes it).
+    async fn run_acquire(&self, req: &AcquireRequest, marker: bool) -> (Result<Attempt>, bool) {
         let start = Instant::now();
         let votes: Vec<Vote> = self
             .on_all(self.node_timeout(req.ttl), |node| {
                 let req = req.clone();
-                async move { node.run_acquire(&req, None).await }
+                async move { node.run_acquire_marking(&req, None, marker).await }
             })
             .await
             .into_iter()
             .map(|vote| match vote {
                 Ok(Attempt::Granted(grant)) => Vote::Granted(grant),
                 Ok(Attempt::Busy { lease_left }) => Vote::Busy(lease_left),
+                Err(
+                    e @ (Error::WouldDeadlock { .. }
+                    | Error::KindMismatch { .. }
+                    | Error::Unsupported { .. }),
+                ) => Vote::Refused(e),
                 Err(e) => Vote::Failed(e),
             })
             .collect();
+        let everywhere = votes.iter().all(|v| matches!(v, Vote::Granted(_)));
+        (self.decide(req, start, votes).await, everywhere)
+    }
+
+    /// Decides a round sent at `start` from the masters' votes (see [`Self::run_acquire`]).
+    async fn decide(
+        &self,
+        req: &AcquireRequest,
+        start: Instant,
+        votes: Vec<Vote>,
+    ) -> Result<Attempt> {
         let granted: Vec<&Grant> = votes
             .iter()
             .filter_map(|v| match v {
@@ -330,6 +380,20 @@ impl RedlockBackend {
                 _ => None,
             })
             .collect();
+        let refused = votes
+            .iter()
+            .filter(|v| matches!(v, Vote::Refused(_)))
+            .count();
+        if refused > self.master_count() - quorum {
+            // Too many masters refuse for the rest to make a quorum: their answer stands.
+            if let Some(refusal) = votes.into_iter().find_map(|v| match v {
+                Vote::Refused(e) => Some(e),
+                _ => None,
+            }) {
+                return Err(refusal);
+            }
+            return Ok(Attempt::busy(Duration::from_millis(50)));
+        }
         if self.master_count() - failed.len() < quorum {
             return Err(Error::backend(
                 BACKEND,
@@ -347,12 +411,13 @@ impl RedlockBackend {
         Ok(Attempt::busy(left.unwrap_or(Duration::from_millis(50))))
     }
 
-    /// Raises the token counter to `token` on every granting master; returns how many
-    /// recorded it.
+    /// Raises the token counter to `token` on every granting master (and, for a read or
+    /// write hold, records `token` as the hold's own there); returns how many recorded it.
     async fn write_back(&self, req: &AcquireRequest, token: FencingToken, votes: &[Vote]) -> usize {
         let Ok(names) = self.names(&req.key) else {
             return 0;
         };
+        let field = kinds::hold_field(req);
         let writes = self
             .nodes
             .iter()
@@ -360,14 +425,27 @@ impl RedlockBackend {
             .filter(|(_, v)| matches!(v, Vote::Granted(_)))
             .filter_map(|(master, _)| master.connected())
             .map(|node| {
-                let name = names.token.clone();
+                let (name, lock, field) = (names.token.clone(), names.lock.clone(), field.clone());
                 let mut conn = node.conn_handle();
                 async move {
-                    let raised: std::result::Result<i64, _> = wire::RAISE_TOKEN
-                        .key(&name)
-                        .arg(token.get())
-                        .invoke_async(&mut conn)
-                        .await;
+                    let raised: std::result::Result<i64, _> = match field {
+                        None => {
+                            wire::RAISE_TOKEN
+                                .key(&name)
+                                .arg(token.get())
+                                .invoke_async(&mut conn)
+                                .await
+                        }
+                        Some(field) => {
+                            wire::RAISE_HOLD_TOKEN
+                                .key(&name)
+                                .key(&lock)
+                                .arg(token.get())
+                                .arg(field)
+                                .invoke_async(&mut conn)
+                                .await
+                        }
+                    };
                     raised.is_ok_and(|now| u64::try_from(now).is_ok_and(|now| now >= token.get()))
                 }
             });
@@ -393,7 +471,7 @@ impl RedlockBackend {
             .nodes
             .iter()
             .zip(votes)
-            .filter(|(_, v)| !matches!(v, Vote::Busy(_)))
+            .filter(|(_, v)| !matches!(v, Vote::Busy(_) | Vote::Refused(_)))
             .filter_map(|(master, vote)| master.connected().map(|node| (node, vote)))
             .map(|(node, vote)| {
                 let grant = match vote {
@@ -409,12 +487,34 @@ impl RedlockBackend {
     }
 
     /// A cancel-safe round: it runs in its own task, and a grant nobody waits for any more
-    /// is given back.
-    async fn attempt(&self, req: &AcquireRequest) -> Result<Attempt> {
+    /// is given back. With `marker` (a waiting writer or plain lock), the round marks the
+    /// owner as waiting where it is busy, and tells `marker` when it is over, so the markers
+    /// are forgotten by whichever ends last, the wait or its rounds (see [`MarkShare`]).
+    async fn attempt(
+        &self,
+        req: &AcquireRequest,
+        marker: Option<Arc<MarkShare>>,
+    ) -> Result<Attempt> {
         let (this, request, giver) = (self.clone(), req.clone(), self.clone());
         lockkit_core::spi::detached_acquire(
             BACKEND,
-            move |_| async move { this.run_acquire(&request).await },
+            move |_| {
+                // Counted before the round's task is spawned (in the same poll), so a wait
+                // dropped from here on leaves the markers to this round.
+                if let Some(share) = &marker {
+                    share.start();
+                }
+                async move {
+                    let (outcome, everywhere) = this.run_acquire(&request, marker.is_some()).await;
+                    if marker
+                        .as_ref()
+                        .is_some_and(|share| share.finish_with(everywhere))
+                    {
+                        this.forget_writer_later(&request);
+                    }
+                    outcome
+                }
+            },
             Attempt::into_grant,
             move |grant| async move {
                 let _ = giver.release(&grant).await;
@@ -434,20 +534,37 @@ impl LockBackend for RedlockBackend {
                 min_ttl: Duration::from_millis(10),
                 max_ttl: Some(Duration::from_millis(wire::MAX_TTL_MS)),
                 counts_waiters: true,
+                read_write: true,
+                writer_preference: true,
                 ..Capabilities::default()
             },
         )
     }
 
     async fn try_acquire(&self, req: &AcquireRequest) -> Result<Option<Grant>> {
-        Ok(self.attempt(req).await?.into_grant())
+        kinds::refuse_permits(req.kind)?;
+        Ok(self.attempt(req, None).await?.into_grant())
     }
 
+    /// Waits for a quorum, woken by release messages from any master. A writer or plain
+    /// lock keeps a waiting-writer marker on the masters where it is busy (refreshed by each
+    /// round), forgotten on every master when the wait ends, also when this future is
+    /// dropped (by the last round still out, if one is).
     async fn acquire(&self, req: &AcquireRequest, wait: Duration) -> Result<Grant> {
+        kinds::refuse_permits(req.kind)?;
         let names = self.names(&req.key)?;
+        let mut channels = vec![names.channel.clone()];
+        if matches!(req.kind, LockKind::Read | LockKind::Write) {
+            channels.push(wire::KindNames::new(&names).rw_channel);
+        }
+        let marker = req
+            .kind
+            .is_exclusive()
+            .then(|| WriterMarker::new(self.clone(), req.clone()));
+        let share = marker.as_ref().map(WriterMarker::share);
         let mut messages = MastersMessages {
             backend: self,
-            channel: names.channel,
+            channels,
             subscriptions: None,
         };
         // Masters publish one release one by one: after a wake-up, wait up to a
@@ -457,10 +574,17 @@ impl LockBackend for RedlockBackend {
             Duration::from_millis(160),
         ))
         .settle(Duration::from_millis(1));
-        wait_for_grant(&req.key, wait, policy, &mut messages, || self.attempt(req)).await
+        let outcome = wait_for_grant(&req.key, wait, policy, &mut messages, || {
+            self.attempt(req, share.clone())
+        })
+        .await;
+        // Even after a grant: masters outside the granting quorum may keep a marker.
+        drop(marker);
+        outcome
     }
 
     async fn renew(&self, grant: &Grant, ttl: Duration) -> Result<()> {
+        kinds::refuse_permits(grant.kind)?;
         let results = self
             .on_all(self.node_timeout(ttl), |node| {
                 let grant = grant.clone();
@@ -492,6 +616,7 @@ impl LockBackend for RedlockBackend {
     }
 
     async fn release(&self, grant: &Grant) -> Result<Released> {
+        kinds::refuse_permits(grant.kind)?;
         let results = self
             .on_all(self.config.response_timeout, |node| {
                 let grant = grant.clone();
@@ -554,15 +679,48 @@ impl LockBackend for RedlockBackend {
         }
     }
 
+    /// The hold a quorum of masters agrees on (the writer or plain lock first; for a key
+    /// several readers hold, one of them), with the highest token, the shortest lease and
+    /// the most waiters any master counts.
     async fn inspect(&self, key: &LockKey) -> Result<Option<HolderInfo>> {
+        let answered = self
+            .each_master(key, |node, key| async move { node.inspect(&key).await })
+            .await?;
+        let held: Vec<Vec<HolderInfo>> = answered.into_iter().map(Vec::from_iter).collect();
+        let agreed = kinds::agreed_holders(&held, self.quorum());
+        let readers = held
+            .iter()
+            .flatten()
+            .any(|i| i.kind == Some(LockKind::Read));
+        if agreed.is_empty() && readers {
+            // Each master names one of its readers, maybe not the same one.
+            return Ok(self.holders(key).await?.into_iter().next());
+        }
+        Ok(agreed.into_iter().next())
+    }
+
+    /// Every hold a quorum of masters agrees on: the writer (or plain lock) first, then each
+    /// reader, with the highest token and depth and the shortest lease seen.
+    async fn holders(&self, key: &LockKey) -> Result<Vec<HolderInfo>> {
+        let answered = self
+            .each_master(key, |node, key| async move { node.holders(&key).await })
+            .await?;
+        Ok(kinds::agreed_holders(&answered, self.quorum()))
+    }
+}
+
+impl RedlockBackend {
+    /// Asks every master about `key`; the answers of those that answered, if a quorum did.
+    async fn each_master<T, F, Fut>(&self, key: &LockKey, ask: F) -> Result<Vec<T>>
+    where
+        F: Fn(RedisBackend, LockKey) -> Fut,
+        Fut: std::future::Future<Output = Result<T>>,
+    {
+        let ask = &ask;
         let results = self
-            .on_all(self.config.response_timeout, |node| {
-                let key = key.clone();
-                async move { node.inspect(&key).await }
-            })
+            .on_all(self.config.response_timeout, |node| ask(node, key.clone()))
             .await;
-        let answered: Vec<Option<HolderInfo>> =
-            results.into_iter().filter_map(Result::ok).collect();
+        let answered: Vec<T> = results.into_iter().filter_map(Result::ok).collect();
         if answered.len() < self.quorum() {
             return Err(Error::backend(
                 BACKEND,
@@ -574,43 +732,6 @@ impl LockBackend for RedlockBackend {
                 ),
             ));
         }
-        let held: Vec<HolderInfo> = answered.into_iter().flatten().collect();
-        // The owner a quorum agrees on, with the highest token and shortest lease seen.
-        let mut owners: Vec<(&str, usize)> = Vec::new();
-        for info in &held {
-            match owners.iter_mut().find(|(o, _)| *o == info.owner) {
-                Some((_, n)) => *n += 1,
-                None => owners.push((&info.owner, 1)),
-            }
-        }
-        let Some((owner, _)) = owners.iter().max_by_key(|(_, n)| *n).copied() else {
-            return Ok(None);
-        };
-        let same: Vec<&HolderInfo> = held.iter().filter(|i| i.owner == owner).collect();
-        if same.len() < self.quorum() {
-            return Ok(None);
-        }
-        let info = HolderInfo::new(
-            owner,
-            same.iter().map(|i| i.depth).max().unwrap_or(1),
-            same.iter().filter_map(|i| i.token).max(),
-            same.iter().filter_map(|i| i.ttl_left).min(),
-        )
-        .with_identity(majority_identity(&same));
-        Ok(Some(match same.iter().filter_map(|i| i.waiters).max() {
-            Some(waiters) => info.with_waiters(waiters),
-            None => info,
-        }))
+        Ok(answered)
     }
-}
-
-/// The identity most of `holds` (one per master) report: a master whose copy of the hold
-/// lapsed and was made again by a re-entry carries that re-entry's identity instead.
-fn majority_identity(holds: &[&HolderInfo]) -> Option<lockkit_core::HolderIdentity> {
-    let identities: Vec<&lockkit_core::HolderIdentity> =
-        holds.iter().filter_map(|i| i.identity.as_ref()).collect();
-    identities
-        .iter()
-        .max_by_key(|candidate| identities.iter().filter(|i| i == candidate).count())
-        .map(|i| (*i).clone())
 }
