@@ -1256,3 +1256,71 @@ async fn a_retried_advisory_read_or_write_takes_effect_once() {
         );
     }
 }
+
+/// A session that ends under a downgrade (an operator's `take_away`, a server restart)
+/// takes both of its holds: the write's and the read's guards both hear it, and the key is
+/// free.
+#[tokio::test]
+async fn an_ended_downgrade_session_loses_both_holds() {
+    let Some((a, backend)) = client_of("advisory").await else {
+        return;
+    };
+    let (b, _) = client_of("advisory").await.unwrap();
+    let k = key("adv-downgrade-ended");
+    let owner = a.owner();
+    let write = owner.write(&k).ttl(Duration::from_secs(60)).try_now().await;
+    let write = write.unwrap().expect("a free key");
+    let read = owner.read(&k).ttl(Duration::from_secs(60)).try_now().await;
+    let read = read.unwrap().expect("a downgrade");
+    assert!(backend.take_away(&k).await.unwrap());
+    for guard in [&write, &read] {
+        tokio::time::timeout(Duration::from_secs(10), guard.lost())
+            .await
+            .expect("a hold of the ended session was not told");
+    }
+    let next = b.write(&k).wait(Duration::from_secs(10)).await.unwrap();
+    assert!(next.token() > read.token());
+    next.release().await.unwrap();
+    // The owner starts afresh: its stale holds are neither re-entered nor in the way.
+    let again = owner.write(&k).try_now().await.unwrap();
+    again.expect("free again").release().await.unwrap();
+}
+
+/// A session that is not lockkit's holding the key's lock shared (plain SQL, or a peer
+/// library's reader) shares it with lockkit readers and keeps lockkit writers out; it is
+/// listed as an unknown holder beside lockkit's named reader.
+#[tokio::test]
+async fn a_plain_sql_shared_holder_shares_with_readers_and_excludes_writers() {
+    let Some((locker, _)) = client_of("advisory").await else {
+        return;
+    };
+    let url = env::service_url("LOCKKIT_TEST_POSTGRES_URL").unwrap();
+    let k = key("plain-sql-shared");
+    let id = lockkit_postgres::advisory_id(SHARED_TABLE, k.as_str());
+    let mut plain = <sqlx::PgConnection as sqlx::Connection>::connect(&url)
+        .await
+        .unwrap();
+    sqlx::query("SELECT pg_advisory_lock_shared($1)")
+        .bind(id)
+        .execute(&mut plain)
+        .await
+        .unwrap();
+    assert!(locker.write(&k).try_now().await.unwrap().is_none());
+    assert!(locker.try_acquire(&k).await.unwrap().is_none());
+    let read = locker.read(&k).try_now().await.unwrap();
+    let read = read.expect("readers share with a plain shared holder");
+    let holders = locker.backend().holders(&k).await.unwrap();
+    let mut owners: Vec<_> = holders.iter().map(|h| h.owner.clone()).collect();
+    owners.sort();
+    let mut expected = vec![read.owner().to_string(), "an unknown holder".to_owned()];
+    expected.sort();
+    assert_eq!(owners, expected, "{holders:?}");
+    read.release().await.unwrap();
+    sqlx::query("SELECT pg_advisory_unlock_shared($1)")
+        .bind(id)
+        .execute(&mut plain)
+        .await
+        .unwrap();
+    let write = locker.write(&k).try_now().await.unwrap();
+    write.expect("free").release().await.unwrap();
+}
