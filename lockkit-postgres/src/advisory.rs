@@ -16,8 +16,9 @@
 //! - **Key.** [`advisory_id`](crate::advisory_id): 64 bits of SHA-256 of
 //!   `lockkit:<table>:<key>`, so each table is a namespace of its own.
 //! - **Wait.** The server's `lock_timeout` ends a wait at its deadline. A caller that goes
-//!   away has the waiting backend terminated (`pg_terminate_backend`) from a connection
-//!   opened for that, and the waiting connection is never reused.
+//!   away has the waiting backend terminated (`pg_terminate_backend`) from an idle pooled
+//!   connection if one answers at once, else from a connection opened for that, and the
+//!   waiting connection is never reused.
 //! - **Lease.** The session's `idle_session_timeout` (PostgreSQL 14+): a holder that stops
 //!   talking (paused, cut off) has its session, and so its lock, ended by the server when
 //!   its lease runs out. A liveness check sets it to what is left of the lease every
@@ -101,6 +102,10 @@ const MAX_LEASE: Duration = Duration::from_millis(i32::MAX as u64);
 /// How long after its deadline a waiter is terminated if the server's `lock_timeout` has
 /// not ended its wait (a wait too long for `lock_timeout`, or a server that is slow).
 const DEADLINE_GRACE: Duration = Duration::from_secs(1);
+
+/// How long the end of an abandoned waiter's session is tried from an idle pooled
+/// connection before a connection is opened for it.
+const QUICK_TERMINATE: Duration = Duration::from_millis(500);
 
 /// How long an advisory waiter behind a row-mode lease sleeps between looks.
 const ROW_LEASE_POLL: Duration = Duration::from_millis(100);
@@ -709,8 +714,9 @@ async fn lock(
     let id = inner.advisory_id(&req.key);
     // The server ends the wait at the deadline (`lock_timeout`); the caller's going away,
     // or a wait the server did not end, is ended by terminating this connection's backend
-    // from a connection opened for that (never one of the shared pools, which a partition
-    // or busy holders can leave hanging). The terminator is stopped and awaited before the
+    // from the shared pool if it answers within `QUICK_TERMINATE`, else from a connection
+    // opened for that (a partition or busy holders can leave the pool hanging; it only
+    // gets that moment). The terminator is stopped and awaited before the
     // connection is used again; a connection it fired at is closed, never reused.
     // One round trip: the backend (its pid and start, which name it for the terminator),
     // the first wait's `lock_timeout`, and the lease, already: a waiter paused once it is
@@ -742,6 +748,7 @@ async fn lock(
     let (fire, fired) = tokio::sync::watch::channel(false);
     let terminator = {
         let (options, bound) = (inner.config.connect.clone(), inner.config.connect_timeout);
+        let pool = inner.pool.clone();
         tokio::spawn(async move {
             // A zero wait is a single try: ended only if it hangs (a link gone silent).
             let grace = if wait.is_zero() {
@@ -756,17 +763,33 @@ async fn lock(
                 _ = stopped => return false,
             }
             fire.send_replace(true);
-            let terminate = async {
-                let mut control = PgConnection::connect_with(&options).await?;
-                // That backend only: not another that reused its pid.
+            // That backend only: not another that reused its pid.
+            let end = || {
                 sqlx::query(
                     "SELECT pg_terminate_backend(pid) FROM pg_stat_activity \
                      WHERE pid = $1 AND backend_start::text = $2",
                 )
                 .bind(pid)
-                .bind(&started)
-                .execute(&mut control)
-                .await?;
+                .bind(started.clone())
+            };
+            // First from an idle pooled connection: a queued waiter keeps its place (and,
+            // for a writer, keeps new readers out) until its session ends, and opening a
+            // connection (authentication included) can take a second on a loaded machine.
+            // A pool that is busy or cut off gets a moment only; then a connection opened
+            // for this.
+            let pooled = async {
+                let mut c = pool.acquire().await?;
+                end().execute(&mut *c).await
+            };
+            if matches!(
+                tokio::time::timeout(QUICK_TERMINATE.min(bound), pooled).await,
+                Ok(Ok(_))
+            ) {
+                return true;
+            }
+            let terminate = async {
+                let mut control = PgConnection::connect_with(&options).await?;
+                end().execute(&mut control).await?;
                 control.close().await
             };
             match tokio::time::timeout(bound, terminate).await {
@@ -1525,4 +1548,31 @@ fn parse_app_name(name: &str, shared: bool) -> Option<(String, LockKind, Fencing
             depth.parse().ok()?,
         ))
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_app_name_names_the_hold_of_each_lock_mode() {
+        let name = "lockkit 6f1c:3 w12x1 r13x2";
+        let read = parse_app_name(name, true).unwrap();
+        assert_eq!(
+            read,
+            ("6f1c:3".into(), LockKind::Read, FencingToken::new(13), 2)
+        );
+        let write = parse_app_name(name, false).unwrap();
+        assert_eq!(
+            write,
+            ("6f1c:3".into(), LockKind::Write, FencingToken::new(12), 1)
+        );
+        let plain = parse_app_name("lockkit o:1 l7x3", false).unwrap();
+        assert_eq!(plain.1, LockKind::Exclusive);
+        assert!(parse_app_name("lockkit o:1 l7x3", true).is_none());
+        // Another client's session, or a name the server cut short: no holder named.
+        assert!(parse_app_name("psql", false).is_none());
+        assert!(parse_app_name("lockkit o:1 w12x1 r13", true).is_none());
+        assert!(parse_app_name("lockkit o:1 w12x1 r13x", true).is_none());
+    }
 }

@@ -567,6 +567,16 @@ async fn closing_an_advisory_client_ends_its_holds() {
 /// H2).
 #[tokio::test]
 async fn a_waiter_paused_once_granted_keeps_the_key_only_for_its_lease() {
+    // One test for both kinds: the pause hook holds one key at a time.
+    for read in [false, true] {
+        paused_waiter(read).await;
+    }
+}
+
+/// A waiter (a reader when `read`: paused once granted the key's lock and the readers'
+/// lock) that pauses between its grant and its record; a rival writer must get the key once
+/// the waiter's lease has ended its session.
+async fn paused_waiter(read: bool) {
     let (Some((holder, _)), Some((waiter, _)), Some((rival, _))) = (
         client_of("advisory").await,
         client_of("advisory").await,
@@ -586,11 +596,13 @@ async fn a_waiter_paused_once_granted_keeps_the_key_only_for_its_lease() {
     let waiting = tokio::spawn({
         let k = k.clone();
         async move {
-            waiter
-                .acquire(&k)
-                .ttl(Duration::from_secs(1))
-                .wait(Duration::from_secs(60))
-                .await
+            let ttl = Duration::from_secs(1);
+            let wait = Duration::from_secs(60);
+            if read {
+                waiter.read(&k).ttl(ttl).wait(wait).await
+            } else {
+                waiter.acquire(&k).ttl(ttl).wait(wait).await
+            }
         }
     });
     tokio::time::sleep(Duration::from_millis(500)).await;
@@ -599,12 +611,14 @@ async fn a_waiter_paused_once_granted_keeps_the_key_only_for_its_lease() {
     // before the 30 s pause is over.
     let started = std::time::Instant::now();
     let granted = rival
-        .acquire(&k)
+        .write(&k)
         .ttl(Duration::from_secs(60))
         .wait(Duration::from_secs(20))
         .await;
     lockkit_postgres::set_grant_pause(k.as_str(), Duration::ZERO);
-    let granted = granted.expect("a waiter paused after its grant kept the key past its lease");
+    let granted = granted.unwrap_or_else(|e| {
+        panic!("a waiter (read: {read}) paused after its grant kept the key past its lease: {e}")
+    });
     assert!(started.elapsed() < Duration::from_secs(20));
     granted.release().await.unwrap();
     waiting.abort();
