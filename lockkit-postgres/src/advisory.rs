@@ -1327,6 +1327,16 @@ async fn release(backend: &AdvisoryLocks, grant: &Grant) -> Result<Released> {
     };
     let bound = backend.inner.config.connect_timeout;
     let mut conn = session.conn.lock().await;
+    if conn.is_none() {
+        // Closed (the hold is lost), or given back to the pool by the release of the
+        // session's other hold, which let go of every lock on it, this one's too.
+        if session.broken.load(Ordering::SeqCst) {
+            return Err(not_held());
+        }
+        drop(conn);
+        clear_record(backend, &held).await;
+        return Ok(Released::Fully);
+    }
     if session.others_live(&held) {
         // A downgrade's write or read stays on this session: let go of this lock only.
         let Some(c) = conn.as_mut() else {

@@ -1338,3 +1338,52 @@ async fn a_plain_sql_shared_holder_shares_with_readers_and_excludes_writers() {
     let write = locker.write(&k).try_now().await.unwrap();
     write.expect("free").release().await.unwrap();
 }
+
+/// Downgrades dropped at random points (mid-request included) leave no read behind: once
+/// the write is released, another client's writer gets the key at once. A retried
+/// downgrade (the same attempt) takes effect once. The write and the read released at the
+/// same moment both answer `Fully`.
+#[tokio::test]
+async fn cancelled_retried_and_racing_downgrades_leave_nothing_behind() {
+    use lockkit_core::{LockBackend, LockKind, LossSignal, spi::AcquireRequest};
+    let Some((a, backend)) = client_of("advisory").await else {
+        return;
+    };
+    let (b, _) = client_of("advisory").await.unwrap();
+    let k = key("adv-downgrade-cancel");
+    let owner = a.owner();
+    let write = owner.write(&k).ttl(Duration::from_secs(60)).try_now().await;
+    let write = write.unwrap().expect("a free key");
+    for round in 0..30u64 {
+        let read = owner.read(&k).ttl(Duration::from_secs(60)).try_now();
+        if let Ok(Ok(Some(guard))) =
+            tokio::time::timeout(Duration::from_micros(round * 200), read).await
+        {
+            guard.release().await.unwrap();
+        }
+    }
+    // The same attempt twice: one read, depth 1.
+    let req = AcquireRequest::new(
+        k.clone(),
+        owner.id(),
+        Duration::from_secs(60),
+        LossSignal::new(),
+    )
+    .with_kind(LockKind::Read);
+    let first = backend
+        .try_acquire(&req)
+        .await
+        .unwrap()
+        .expect("a downgrade");
+    let again = backend.try_acquire(&req).await.unwrap().expect("the retry");
+    assert_eq!((again.token, again.depth), (first.token, 1));
+    let (w, r) = tokio::join!(write.release(), backend.release(&first));
+    assert_eq!(w.unwrap(), lockkit_core::spi::Released::Fully);
+    assert_eq!(r.unwrap(), lockkit_core::spi::Released::Fully);
+    // Orphaned downgrades are given back in their own tasks: give them a moment.
+    let next = b.write(&k).wait(Duration::from_secs(2)).await;
+    next.expect("a cancelled downgrade left a read behind")
+        .release()
+        .await
+        .unwrap();
+}
