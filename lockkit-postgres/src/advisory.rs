@@ -1,11 +1,24 @@
 //! mode=advisory: a dedicated connection per hold holds `pg_advisory_lock(<key id>)`;
 //! waiters queue in the server's lock manager.
 //!
+//! - **Read-write locks.** A writer takes the key's lock as a plain lock does
+//!   (`pg_advisory_lock`), so a plain lock and a writer exclude each other; a reader takes
+//!   it shared (`pg_advisory_lock_shared`), and also holds the key's readers' lock
+//!   ([`Db::readers_lock`]) shared, which is how row mode sees advisory readers. The
+//!   server queues a new shared request behind a waiting exclusive one (the `waitMask`
+//!   check of `LockAcquire`), `pg_try_advisory_lock_shared` included: writer preference.
+//!   A downgrade (an owner that writes takes read) runs on the write's own connection: a
+//!   second session would wait for its own owner's write; on the same session the server
+//!   grants it at once, ahead of any queued writer. That connection then carries both
+//!   holds (a [`Session`]) until the last of them ends. Upgrades answer `WouldDeadlock`.
+//! - **Semaphores** are not offered: see `docs/design/rwlock-semaphore.md` §6.8.
+//!
 //! - **Key.** [`advisory_id`](crate::advisory_id): 64 bits of SHA-256 of
 //!   `lockkit:<table>:<key>`, so each table is a namespace of its own.
 //! - **Wait.** The server's `lock_timeout` ends a wait at its deadline. A caller that goes
-//!   away has the waiting backend terminated (`pg_terminate_backend`) from a connection
-//!   opened for that, and the waiting connection is never reused.
+//!   away has the waiting backend terminated (`pg_terminate_backend`) from an idle pooled
+//!   connection if one answers at once, else from a connection opened for that, and the
+//!   waiting connection is never reused.
 //! - **Lease.** The session's `idle_session_timeout` (PostgreSQL 14+): a holder that stops
 //!   talking (paused, cut off) has its session, and so its lock, ended by the server when
 //!   its lease runs out. A liveness check sets it to what is left of the lease every
@@ -18,7 +31,7 @@
 
 use std::{
     sync::{
-        Arc,
+        Arc, Weak,
         atomic::{AtomicBool, Ordering},
     },
     time::Duration,
@@ -40,11 +53,48 @@ use sqlx::{
 };
 use tokio::time::Instant;
 
-use crate::db::{BACKEND, Db, db_error, query, release_channel, sql_state};
+use crate::db::{BACKEND, Db, db_error, query, release_channel, row_text, sql_state};
 use crate::row::notify::release_payload;
 
-/// The holds of this client, by owner and key (reentrancy is local in this mode).
-type Holds = Arc<LocalHolds<Held>>;
+/// The holds of this client, by owner, key and kind (reentrancy is local in this mode).
+type Holds = Arc<Registry>;
+
+/// An owner's plain lock, read and write of one key are holds of their own (a downgrade is
+/// a read beside the owner's write).
+#[derive(Default)]
+struct Registry {
+    plain: LocalHolds<Held>,
+    reads: LocalHolds<Held>,
+    writes: LocalHolds<Held>,
+}
+
+impl Registry {
+    /// The holds of `kind` (a permit never gets this far).
+    fn of(&self, kind: LockKind) -> &LocalHolds<Held> {
+        match kind {
+            LockKind::Read => &self.reads,
+            LockKind::Write => &self.writes,
+            _ => &self.plain,
+        }
+    }
+
+    fn all(&self) -> Vec<Arc<Held>> {
+        let mut all = self.plain.all();
+        all.extend(self.reads.all());
+        all.extend(self.writes.all());
+        all
+    }
+
+    /// `owner`'s hold of `kind` on `key`, if it is live.
+    fn live(
+        &self,
+        owner: lockkit_core::OwnerId,
+        key: &LockKey,
+        kind: LockKind,
+    ) -> Option<Arc<Held>> {
+        self.of(kind).get(owner, key).filter(|held| held.is_live())
+    }
+}
 
 /// The longest lease: `idle_session_timeout` is a 32-bit count of milliseconds.
 const MAX_LEASE: Duration = Duration::from_millis(i32::MAX as u64);
@@ -52,6 +102,10 @@ const MAX_LEASE: Duration = Duration::from_millis(i32::MAX as u64);
 /// How long after its deadline a waiter is terminated if the server's `lock_timeout` has
 /// not ended its wait (a wait too long for `lock_timeout`, or a server that is slow).
 const DEADLINE_GRACE: Duration = Duration::from_secs(1);
+
+/// How long the end of an abandoned waiter's session is tried from an idle pooled
+/// connection before a connection is opened for it.
+const QUICK_TERMINATE: Duration = Duration::from_millis(500);
 
 /// How long an advisory waiter behind a row-mode lease sleeps between looks.
 const ROW_LEASE_POLL: Duration = Duration::from_millis(100);
@@ -107,7 +161,9 @@ impl AdvisoryLocks {
     /// dedicated connections.
     pub(crate) async fn close(&self) {
         for held in self.held.all() {
-            end_stale(self, &held).await;
+            // Not `ended` (that is a release): its watch hears the closed session.
+            forget(self, &held);
+            end_session(&held.session, &mut *held.session.conn.lock().await);
         }
         self.holds_pool.close().await;
     }
@@ -156,6 +212,7 @@ impl AdvisoryLocks {
     }
 
     /// Whether some session holds `key`'s advisory lock now.
+    #[cfg(feature = "testing")]
     async fn is_locked(&self, key: &LockKey) -> Result<bool> {
         let inner = &self.inner;
         let (locked,): (bool,) = sqlx::query_as(AssertSqlSafe(inner.sql.advisory_locked.clone()))
@@ -182,6 +239,9 @@ impl LockBackend for AdvisoryLocks {
             pushes_loss: true,
             // Waiters queue in the server's lock manager.
             queued_wait: true,
+            read_write: true,
+            // The server queues a new shared request behind a waiting exclusive one.
+            writer_preference: true,
             counts_waiters: true,
             // The session's idle timeout is the lease from the moment it waits: a shorter
             // one could end the session between two of its own statements.
@@ -193,12 +253,12 @@ impl LockBackend for AdvisoryLocks {
     }
 
     async fn try_acquire(&self, req: &AcquireRequest) -> Result<Option<Grant>> {
-        only_plain_locks(req)?;
+        refuse(self, req)?;
         acquire(self, req, Duration::ZERO).await
     }
 
     async fn acquire(&self, req: &AcquireRequest, wait: Duration) -> Result<Grant> {
-        only_plain_locks(req)?;
+        refuse(self, req)?;
         granted_or_timeout(&req.key, acquire(self, req, wait)).await
     }
 
@@ -217,50 +277,132 @@ impl LockBackend for AdvisoryLocks {
     async fn inspect(&self, key: &LockKey) -> Result<Option<HolderInfo>> {
         inspect(self, key).await
     }
-}
 
-/// Refuses a read, write or permit request (its capabilities name none, so only a request
-/// sent past the `Locker` can ask).
-fn only_plain_locks(req: &AcquireRequest) -> Result<()> {
-    if req.kind == LockKind::Exclusive {
-        return Ok(());
+    async fn holders(&self, key: &LockKey) -> Result<Vec<HolderInfo>> {
+        holders(self, key).await
     }
-    Err(Error::Unsupported {
-        backend: BACKEND,
-        what: format!(
-            "{} in mode=advisory; use mode=row for read-write locks and semaphores",
-            req.kind
-        ),
-    })
 }
 
-/// One advisory hold: its connection (holding the lock) and local depth.
-pub(crate) struct Held {
+/// Refuses, before any I/O, what this mode never grants: a permit (no semaphores here, see
+/// the design doc), an upgrade (`WouldDeadlock`: a reader asking to write or for a plain
+/// lock would wait for itself), and a change of kind by an owner that holds the key
+/// (`KindMismatch`).
+fn refuse(backend: &AdvisoryLocks, req: &AcquireRequest) -> Result<()> {
+    let live = |kind| backend.held.live(req.owner, &req.key, kind).is_some();
+    let mismatch = |found: &str| {
+        Err(Error::KindMismatch {
+            key: req.key.clone(),
+            found: found.into(),
+            asked: req.kind,
+        })
+    };
+    match req.kind {
+        LockKind::Exclusive | LockKind::Read | LockKind::Write => {}
+        _ => {
+            return Err(Error::Unsupported {
+                backend: BACKEND,
+                what: format!(
+                    "{} in mode=advisory: the server's lock queue cannot wait for any one of \
+                     N locks, and the permit count has no home that ends with the holders' \
+                     sessions; use mode=row for semaphores",
+                    req.kind
+                ),
+            });
+        }
+    }
+    match req.kind {
+        LockKind::Write | LockKind::Exclusive if live(LockKind::Read) && !live(LockKind::Write) => {
+            Err(Error::WouldDeadlock {
+                key: req.key.clone(),
+                held: LockKind::Read,
+                asked: req.kind,
+            })
+        }
+        LockKind::Write | LockKind::Read if live(LockKind::Exclusive) => {
+            mismatch("is held by this owner as an exclusive lock")
+        }
+        LockKind::Exclusive if live(LockKind::Write) => {
+            mismatch("is held by this owner as a read-write lock")
+        }
+        _ => Ok(()),
+    }
+}
+
+fn lock_std<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// A dedicated connection and the holds on it: one hold, or an owner's write and the read
+/// it downgraded to (on the write's own session, see the module docs). Its lease on the
+/// server (`idle_session_timeout`) is the latest lease of its live holds.
+pub(crate) struct Session {
     conn: tokio::sync::Mutex<Option<PoolConnection<Postgres>>>,
-    key: LockKey,
-    owner: lockkit_core::OwnerId,
-    token: FencingToken,
-    /// Depth, the acquisitions behind it and the lease.
-    count: HoldCount,
-    /// The connection died or was closed: the server has let the lock go.
+    /// The connection died or was closed: the server has let its locks go.
     broken: AtomicBool,
+    /// The holds on this connection (one that ended is skipped).
+    members: std::sync::Mutex<Vec<Weak<Held>>>,
 }
 
-impl Held {
-    /// Still a hold its owner may re-enter: the connection is alive and the lease is not
-    /// over.
-    fn is_live(&self) -> bool {
-        !self.broken.load(Ordering::SeqCst) && Instant::now() < self.lease_until()
+impl Session {
+    fn new(conn: PoolConnection<Postgres>) -> Arc<Session> {
+        Arc::new(Session {
+            conn: tokio::sync::Mutex::new(Some(conn)),
+            broken: AtomicBool::new(false),
+            members: std::sync::Mutex::new(Vec::new()),
+        })
     }
 
-    fn lease_until(&self) -> Instant {
-        self.count.lease_until()
+    fn join(&self, held: &Arc<Held>) {
+        let mut members = lock_std(&self.members);
+        members.retain(|m| m.strong_count() > 0);
+        members.push(Arc::downgrade(held));
+    }
+
+    /// The holds on this session that are not over.
+    fn live_members(&self) -> Vec<Arc<Held>> {
+        lock_std(&self.members)
+            .iter()
+            .filter_map(Weak::upgrade)
+            .filter(|h| !h.ended.load(Ordering::SeqCst))
+            .collect()
+    }
+
+    /// Whether a hold on this session other than `except` is still live.
+    fn others_live(&self, except: &Held) -> bool {
+        self.live_members()
+            .iter()
+            .any(|h| !std::ptr::eq(Arc::as_ptr(h), except) && h.is_live())
+    }
+
+    /// The end of the latest lease of the session's holds that are not over (`None`: none).
+    fn lease_until(&self) -> Option<Instant> {
+        self.live_members().iter().map(|h| h.lease_until()).max()
+    }
+
+    /// The session's `application_name`, which names its holds for `holders` (read from
+    /// `pg_stat_activity` by every client): `lockkit <owner> <k><token>x<depth>...`, `k`
+    /// being `l` (plain lock), `w` or `r`.
+    fn app_name(&self) -> String {
+        let members = self.live_members();
+        let mut name = match members.first() {
+            Some(first) => format!("{APP_PREFIX} {}", first.owner),
+            None => return String::new(),
+        };
+        for h in members {
+            name.push_str(&format!(
+                " {}{}x{}",
+                kind_letter(h.kind),
+                h.token.get(),
+                h.count.depth()
+            ));
+        }
+        name
     }
 }
 
-impl Drop for Held {
-    /// A connection still here when the last reference goes (an `end_stale` whose caller
-    /// went away half-way) may hold the lock: close it, never pool it.
+impl Drop for Session {
+    /// A connection still here when the last hold goes (an `end_stale` whose caller went
+    /// away half-way) may hold a lock: close it, never pool it.
     fn drop(&mut self) {
         if let Some(mut conn) = self.conn.get_mut().take() {
             conn.close_on_drop();
@@ -268,10 +410,49 @@ impl Drop for Held {
     }
 }
 
+/// The first word of the `application_name` of a session that holds advisory locks.
+const APP_PREFIX: &str = "lockkit";
+
+fn kind_letter(kind: LockKind) -> char {
+    match kind {
+        LockKind::Read => 'r',
+        LockKind::Write => 'w',
+        _ => 'l',
+    }
+}
+
+/// One advisory hold: the session holding it, and its own token, depth and lease.
+pub(crate) struct Held {
+    session: Arc<Session>,
+    key: LockKey,
+    owner: lockkit_core::OwnerId,
+    kind: LockKind,
+    token: FencingToken,
+    /// Depth, the acquisitions behind it and the lease.
+    count: HoldCount,
+    /// Released, or ended as stale: its lock is let go (or going) on the session.
+    ended: AtomicBool,
+}
+
+impl Held {
+    /// Still a hold its owner may re-enter: the connection is alive, the hold is not over
+    /// and its lease has not run out.
+    fn is_live(&self) -> bool {
+        !self.session.broken.load(Ordering::SeqCst)
+            && !self.ended.load(Ordering::SeqCst)
+            && Instant::now() < self.lease_until()
+    }
+
+    fn lease_until(&self) -> Instant {
+        self.count.lease_until()
+    }
+}
+
 impl std::fmt::Debug for Held {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Held")
             .field("key", &self.key)
+            .field("kind", &self.kind)
             .field("token", &self.token)
             .finish()
     }
@@ -314,21 +495,64 @@ fn connection_gone(e: &sqlx::Error) -> bool {
     ) || sql_state(e).is_some_and(|c| c.starts_with("57P") || c.starts_with("08"))
 }
 
-/// Forgets a hold that is over and closes its connection (the server lets the lock go).
+/// Ends a hold that is over: forgets it and lets its lock go. Another live hold on its
+/// session (a downgrade's write or read) keeps the connection, and only this hold's lock is
+/// let go; otherwise, or if that fails, the connection is closed (the server lets every
+/// lock of the session go).
 async fn end_stale(backend: &AdvisoryLocks, held: &Held) {
-    held.broken.store(true, Ordering::SeqCst);
+    held.ended.store(true, Ordering::SeqCst);
     forget(backend, held);
-    if let Some(mut conn) = held.conn.lock().await.take() {
-        conn.close_on_drop();
+    let session = &held.session;
+    let mut conn = session.conn.lock().await;
+    if let Some(c) = conn
+        .as_mut()
+        .filter(|_| session.others_live(held) && !session.broken.load(Ordering::SeqCst))
+    {
+        let unlock = unlock_one(backend, held).execute(&mut **c);
+        if matches!(
+            tokio::time::timeout(backend.inner.config.connect_timeout, unlock).await,
+            Ok(Ok(_))
+        ) {
+            return;
+        }
+    }
+    end_session(session, &mut conn);
+}
+
+/// Closes a session's connection (the server lets its locks go); its holds are over.
+fn end_session(session: &Session, conn: &mut Option<PoolConnection<Postgres>>) {
+    session.broken.store(true, Ordering::SeqCst);
+    if let Some(mut c) = conn.take() {
+        c.close_on_drop();
+    }
+}
+
+/// The statement that lets go of `held`'s lock only, on its session.
+fn unlock_one(
+    backend: &AdvisoryLocks,
+    held: &Held,
+) -> sqlx::query::Query<'static, Postgres, sqlx::postgres::PgArguments> {
+    let id = backend.inner.advisory_id(&held.key);
+    if held.kind == LockKind::Read {
+        let (hi, lo) = backend.inner.readers_lock(&held.key);
+        sqlx::query("SELECT pg_advisory_unlock_shared($1), pg_advisory_unlock_shared($2, $3)")
+            .bind(id)
+            .bind(hi)
+            .bind(lo)
+    } else {
+        sqlx::query("SELECT pg_advisory_unlock($1)").bind(id)
     }
 }
 
 fn forget(backend: &AdvisoryLocks, held: &Held) {
-    backend.held.forget(held.owner, &held.key, held);
+    backend
+        .held
+        .of(held.kind)
+        .forget(held.owner, &held.key, held);
 }
 
 fn held_of(backend: &AdvisoryLocks, grant: &Grant) -> Result<Arc<Held>> {
-    backend.held.held_of(grant)
+    backend.held.of(grant.kind).held_of(grant)
 }
 
 fn grant_for(req: &AcquireRequest, held: &Arc<Held>, depth: u32, start: Instant) -> Grant {
@@ -343,22 +567,26 @@ async fn reenter_on_server(
     req: &AcquireRequest,
     start: Instant,
 ) -> Result<Option<u32>> {
-    let mut conn = held.conn.lock().await;
+    let session = &held.session;
+    let mut conn = session.conn.lock().await;
     let Some(c) = conn
         .as_mut()
-        .filter(|_| !held.broken.load(Ordering::SeqCst))
+        .filter(|_| !session.broken.load(Ordering::SeqCst))
     else {
         return Ok(None);
     };
-    if start + req.ttl > held.lease_until() {
+    // The session's lease is the latest of its holds' (a downgrade's write and read).
+    if session
+        .lease_until()
+        .is_none_or(|until| start + req.ttl > until)
+    {
         sqlx::raw_sql(AssertSqlSafe(lease_statement(req.ttl)))
             .execute(&mut **c)
             .await
             .map_err(|e| db_error("lengthening the lease of a re-entry", e))?;
     }
-    Ok(held
-        .count
-        .reenter(req, start, held.broken.load(Ordering::SeqCst)))
+    let ended = session.broken.load(Ordering::SeqCst) || held.ended.load(Ordering::SeqCst);
+    Ok(held.count.reenter(req, start, ended))
 }
 
 /// Takes the lock, waiting up to `wait` in the server's queue. `Ok(None)`: not granted in
@@ -369,7 +597,7 @@ async fn acquire(
     wait: Duration,
 ) -> Result<Option<Grant>> {
     let start = Instant::now();
-    if let Some(held) = backend.held.get(req.owner, &req.key) {
+    if let Some(held) = backend.held.of(req.kind).get(req.owner, &req.key) {
         if held.is_live() {
             // Its own task, like a fresh acquisition: if the caller goes away while the
             // depth is being recorded for `inspect`, the hold it added is given back.
@@ -400,6 +628,27 @@ async fn acquire(
             // re-enter it, the server may have let someone else in. Drop it, ask afresh.
             end_stale(backend, &held).await;
         }
+    }
+    if let Some(write) = (req.kind == LockKind::Read)
+        .then(|| backend.held.live(req.owner, &req.key, LockKind::Write))
+        .flatten()
+    {
+        let (this, request, giver) = (backend.clone(), req.clone(), backend.clone());
+        let downgraded = detached_acquire(
+            BACKEND,
+            move |_| async move { downgrade(&this, &request, &write).await },
+            std::convert::identity,
+            move |grant| async move {
+                if let Err(error) = release(&giver, &grant).await {
+                    tracing::warn!(%error, "could not give back an orphaned downgrade");
+                }
+            },
+        )
+        .await?;
+        if let Some(grant) = downgraded {
+            return Ok(Some(grant));
+        }
+        // The write ended just now: a read of its own, as anyone's.
     }
     let (this, request, giver) = (backend.clone(), req.clone(), backend.clone());
     detached_acquire(
@@ -465,8 +714,9 @@ async fn lock(
     let id = inner.advisory_id(&req.key);
     // The server ends the wait at the deadline (`lock_timeout`); the caller's going away,
     // or a wait the server did not end, is ended by terminating this connection's backend
-    // from a connection opened for that (never one of the shared pools, which a partition
-    // or busy holders can leave hanging). The terminator is stopped and awaited before the
+    // from the shared pool if it answers within `QUICK_TERMINATE`, else from a connection
+    // opened for that (a partition or busy holders can leave the pool hanging; it only
+    // gets that moment). The terminator is stopped and awaited before the
     // connection is used again; a connection it fired at is closed, never reused.
     // One round trip: the backend (its pid and start, which name it for the terminator),
     // the first wait's `lock_timeout`, and the lease, already: a waiter paused once it is
@@ -498,6 +748,7 @@ async fn lock(
     let (fire, fired) = tokio::sync::watch::channel(false);
     let terminator = {
         let (options, bound) = (inner.config.connect.clone(), inner.config.connect_timeout);
+        let pool = inner.pool.clone();
         tokio::spawn(async move {
             // A zero wait is a single try: ended only if it hangs (a link gone silent).
             let grace = if wait.is_zero() {
@@ -512,17 +763,33 @@ async fn lock(
                 _ = stopped => return false,
             }
             fire.send_replace(true);
-            let terminate = async {
-                let mut control = PgConnection::connect_with(&options).await?;
-                // That backend only: not another that reused its pid.
+            // That backend only: not another that reused its pid.
+            let end = || {
                 sqlx::query(
                     "SELECT pg_terminate_backend(pid) FROM pg_stat_activity \
                      WHERE pid = $1 AND backend_start::text = $2",
                 )
                 .bind(pid)
-                .bind(&started)
-                .execute(&mut control)
-                .await?;
+                .bind(started.clone())
+            };
+            // First from an idle pooled connection: a queued waiter keeps its place (and,
+            // for a writer, keeps new readers out) until its session ends, and opening a
+            // connection (authentication included) can take a second on a loaded machine.
+            // A pool that is busy or cut off gets a moment only; then a connection opened
+            // for this.
+            let pooled = async {
+                let mut c = pool.acquire().await?;
+                end().execute(&mut *c).await
+            };
+            if matches!(
+                tokio::time::timeout(QUICK_TERMINATE.min(bound), pooled).await,
+                Ok(Ok(_))
+            ) {
+                return true;
+            }
+            let terminate = async {
+                let mut control = PgConnection::connect_with(&options).await?;
+                end().execute(&mut control).await?;
                 control.close().await
             };
             match tokio::time::timeout(bound, terminate).await {
@@ -559,16 +826,20 @@ async fn lock(
             return Err(e.error);
         }
     };
+    let session = Session::new(conn);
     let held = Arc::new(Held {
-        conn: tokio::sync::Mutex::new(Some(conn)),
+        session: session.clone(),
         key: req.key.clone(),
         owner: req.owner,
+        kind: req.kind,
         token: FencingToken::new(token),
         count: HoldCount::new(req, granted_at),
-        broken: AtomicBool::new(false),
+        ended: AtomicBool::new(false),
     });
+    session.join(&held);
     backend
         .held
+        .of(req.kind)
         .insert(req.owner, req.key.clone(), held.clone());
     tokio::spawn(watch(
         backend.clone(),
@@ -578,11 +849,135 @@ async fn lock(
     Ok(Some(grant_for(req, &held, 1, granted_at)))
 }
 
+/// How long a downgrade may wait for the readers' lock (which a row-mode transaction
+/// deciding over the key holds for a moment); the key's own lock is granted at once.
+const DOWNGRADE_WAIT: Duration = Duration::from_secs(5);
+
+/// A downgrade: `req`, a read of the owner that holds `write`, taken on the write's own
+/// session, where the server grants it at once, ahead of any queued writer (a second
+/// session would queue behind its own owner's write, and the try form is refused while a
+/// writer waits). It takes a fresh token, as every new hold does. `Ok(None)`: the write
+/// ended meanwhile; ask as anyone would.
+async fn downgrade(
+    backend: &AdvisoryLocks,
+    req: &AcquireRequest,
+    write: &Arc<Held>,
+) -> Result<Option<Grant>> {
+    let inner = &backend.inner;
+    let session = &write.session;
+    let mut conn = session.conn.lock().await;
+    // Under the session's lock: a release of the write either went first (the write is
+    // over) or sees this read on the session and lets go of the write only.
+    let Some(c) = conn.as_mut().filter(|_| write.is_live()) else {
+        return Ok(None);
+    };
+    let id = inner.advisory_id(&req.key);
+    let (hi, lo) = inner.readers_lock(&req.key);
+    let lease = session.lease_until().map_or(req.ttl, |until| {
+        until.saturating_duration_since(Instant::now()).max(req.ttl)
+    });
+    let prepare = format!(
+        "SET lock_timeout = {}; {}",
+        millis(DOWNGRADE_WAIT),
+        lease_statement(lease)
+    );
+    let take = async {
+        sqlx::raw_sql(AssertSqlSafe(prepare))
+            .execute(&mut **c)
+            .await?;
+        sqlx::query("SELECT pg_advisory_lock_shared($1), pg_advisory_lock_shared($2, $3)")
+            .bind(id)
+            .bind(hi)
+            .bind(lo)
+            .execute(&mut **c)
+            .await?;
+        let granted_at = Instant::now();
+        Ok::<_, sqlx::Error>((record_holder(backend, req, c).await?, granted_at))
+    };
+    let bound = inner.config.connect_timeout + DOWNGRADE_WAIT;
+    let (token, granted_at) = match tokio::time::timeout(bound, take).await {
+        Ok(Ok((Some(token), granted_at))) => (token, granted_at),
+        outcome => {
+            // Not taken (or not recorded): let go of the read only, or, when that cannot
+            // be done, end the session: its write is lost with it, and its guard hears it.
+            let why = match outcome {
+                Ok(Err(e)) if connection_gone(&e) => None,
+                Ok(Err(e)) => Some(db_error("taking a read beside the owner's write", e)),
+                Ok(Ok(_)) => Some(Error::backend(
+                    BACKEND,
+                    true,
+                    "a row-mode hold appeared beside the owner's write; try again",
+                )),
+                Err(_) => None,
+            };
+            let unlock = sqlx::raw_sql(AssertSqlSafe(format!(
+                "SELECT pg_advisory_unlock_shared({id}), pg_advisory_unlock_shared({hi}, {lo})"
+            )));
+            let undone = match (&why, conn.as_mut()) {
+                (Some(_), Some(c)) => matches!(
+                    tokio::time::timeout(inner.config.connect_timeout, unlock.execute(&mut **c))
+                        .await,
+                    Ok(Ok(_))
+                ),
+                _ => false,
+            };
+            if !undone {
+                end_session(session, &mut conn);
+            }
+            return Err(why.unwrap_or_else(|| {
+                Error::backend(
+                    BACKEND,
+                    true,
+                    "the connection of the owner's write went away during a downgrade; \
+                     the write is lost (its guard says so)",
+                )
+            }));
+        }
+    };
+    let held = Arc::new(Held {
+        session: session.clone(),
+        key: req.key.clone(),
+        owner: req.owner,
+        kind: req.kind,
+        token: FencingToken::new(token),
+        count: HoldCount::new(req, granted_at),
+        ended: AtomicBool::new(false),
+    });
+    session.join(&held);
+    if let Some(c) = conn.as_mut() {
+        name_session(session, c, inner.config.connect_timeout).await;
+    }
+    drop(conn);
+    backend
+        .held
+        .reads
+        .insert(req.owner, req.key.clone(), held.clone());
+    tokio::spawn(watch(
+        backend.clone(),
+        Arc::downgrade(&held),
+        req.loss.clone(),
+    ));
+    Ok(Some(grant_for(req, &held, 1, granted_at)))
+}
+
+/// Best effort: names the session's holds in its `application_name` (for `holders`).
+async fn name_session(session: &Session, conn: &mut PoolConnection<Postgres>, bound: Duration) {
+    let set = sqlx::query("SELECT set_config('application_name', $1, false)")
+        .bind(session.app_name())
+        .execute(&mut **conn);
+    if !matches!(tokio::time::timeout(bound, set).await, Ok(Ok(_))) {
+        tracing::debug!("could not name an advisory session's holds");
+    }
+}
+
+/// Lets go of every advisory lock of a session, clears its lease and its name.
+const RESET: &str =
+    "SELECT pg_advisory_unlock_all(); SET idle_session_timeout = 0; RESET application_name";
+
 /// Lets go of any advisory lock `conn` holds and clears its lease, then gives it back to
 /// the pool; closes it instead if that fails or takes longer than `bound`.
 async fn reset_or_close(mut conn: PoolConnection<Postgres>, bound: Duration) {
-    let reset = sqlx::raw_sql("SELECT pg_advisory_unlock_all(); SET idle_session_timeout = 0")
-        .execute(&mut *conn);
+    let reset = sqlx::raw_sql(RESET).execute(&mut *conn);
     if !matches!(tokio::time::timeout(bound, reset).await, Ok(Ok(_))) {
         conn.close_on_drop();
     }
@@ -652,10 +1047,23 @@ async fn try_lock_once(
     // Every statement on `conn` gives way to the terminator: on a link that went silent
     // it would never answer, and the terminated connection is closed anyway.
     let fail = |e| LockFailure::new("taking the advisory lock", e);
+    let read = req.kind == LockKind::Read;
+    // A reader also takes the readers' lock (shared), which row mode looks for; on any
+    // path but a grant the caller lets go of every lock of this connection.
+    let (hi, lo) = backend.inner.readers_lock(&req.key);
     if wait.is_zero() {
-        let tried = sqlx::query_as::<_, (bool,)>("SELECT pg_try_advisory_lock($1)")
+        let tried = if read {
+            sqlx::query_as::<_, (bool,)>(
+                "SELECT CASE WHEN pg_try_advisory_lock_shared($1) \
+                 THEN pg_try_advisory_lock_shared($2, $3) ELSE false END",
+            )
             .bind(id)
-            .fetch_one(&mut **conn);
+            .bind(hi)
+            .bind(lo)
+        } else {
+            sqlx::query_as::<_, (bool,)>("SELECT pg_try_advisory_lock($1)").bind(id)
+        }
+        .fetch_one(&mut **conn);
         let Some(tried) = unless_fired(tried, fired).await else {
             return Ok(Locked::NotGranted);
         };
@@ -676,9 +1084,15 @@ async fn try_lock_once(
             };
             set.map_err(fail)?;
         }
-        let waited = sqlx::query("SELECT pg_advisory_lock($1)")
-            .bind(id)
-            .execute(&mut **conn);
+        let waited = if read {
+            sqlx::query("SELECT pg_advisory_lock_shared($1), pg_advisory_lock_shared($2, $3)")
+                .bind(id)
+                .bind(hi)
+                .bind(lo)
+        } else {
+            sqlx::query("SELECT pg_advisory_lock($1)").bind(id)
+        }
+        .execute(&mut **conn);
         let Some(waited) = unless_fired(waited, fired).await else {
             return Ok(Locked::NotGranted);
         };
@@ -710,15 +1124,27 @@ async fn try_lock_once(
         Err(e) => return Err(LockFailure::new("recording the holder", e)),
     };
     let Some(token) = recorded else {
-        let unlock = sqlx::query("SELECT pg_advisory_unlock($1)")
-            .bind(id)
-            .execute(&mut **conn);
+        // This connection holds nothing else.
+        let unlock = sqlx::query("SELECT pg_advisory_unlock_all()").execute(&mut **conn);
         let Some(unlocked) = unless_fired(unlock, fired).await else {
             return Ok(Locked::NotGranted);
         };
         unlocked.map_err(|e| LockFailure::new("letting go of the advisory lock", e))?;
         return Ok(Locked::RowLease);
     };
+    // Names the hold for `holders` (every client reads it from `pg_stat_activity`).
+    let name = format!(
+        "{APP_PREFIX} {} {}{token}x1",
+        req.owner,
+        kind_letter(req.kind)
+    );
+    let named = sqlx::query("SELECT set_config('application_name', $1, false)")
+        .bind(name)
+        .execute(&mut **conn);
+    let Some(named) = unless_fired(named, fired).await else {
+        return Ok(Locked::NotGranted);
+    };
+    named.map_err(|e| LockFailure::new("naming the hold", e))?;
     Ok(Locked::Held(token, recording_at))
 }
 
@@ -756,58 +1182,63 @@ async fn record_holder(
 
 /// Checks the hold's connection every `liveness` and fires the loss signal the moment it is
 /// gone. Each check also sets the session's `idle_session_timeout` to what is left of the
-/// lease, so the checks never keep alive a lease its holder stopped renewing.
-async fn watch(
-    backend: AdvisoryLocks,
-    held: std::sync::Weak<Held>,
-    loss: lockkit_core::LossSignal,
-) {
+/// latest lease of its holds, so the checks never keep alive a lease its holder stopped
+/// renewing.
+async fn watch(backend: AdvisoryLocks, held: Weak<Held>, loss: lockkit_core::LossSignal) {
     let every = backend.inner.config.liveness;
     loop {
         tokio::time::sleep(every).await;
         let Some(held) = held.upgrade() else { return };
+        let session = &held.session;
+        if held.ended.load(Ordering::SeqCst) {
+            // Released: nothing to say.
+            return;
+        }
         if held.lease_until() <= Instant::now() {
-            // Not renewed in time: the hold is over. Close its connection now (the server
-            // ends it at its idle timeout anyway), and say so.
+            // Not renewed in time: the hold is over. Let go of its lock now (the server
+            // ends the session at its idle timeout anyway), and say so.
             end_stale(&backend, &held).await;
             loss.fire(LostReason::LeaseExpired);
             return;
         }
-        let mut conn = held.conn.lock().await;
+        let mut conn = session.conn.lock().await;
         let Some(c) = conn.as_mut() else {
-            // Released (nothing to say), or ended elsewhere (the backend closed).
-            if held.broken.load(Ordering::SeqCst) {
+            // Released (nothing to say), or ended elsewhere (the backend closed, the
+            // session's other hold saw it die).
+            if session.broken.load(Ordering::SeqCst) {
+                forget(&backend, &held);
                 loss.fire(LostReason::SessionLost);
             }
             return;
         };
-        // Read under the connection's lock: a re-entry or renewal that lengthened the lease
+        // Read under the connection's lock: a re-entry or renewal that lengthened a lease
         // meanwhile has told the server, and this must not set a shorter timeout after it.
         let until = held.lease_until();
-        let left = until.saturating_duration_since(Instant::now());
+        let session_until = session.lease_until().map_or(until, |s| s.max(until));
+        let left = session_until.saturating_duration_since(Instant::now());
         let check = sqlx::raw_sql(AssertSqlSafe(lease_statement(left))).execute(&mut **c);
         // A check still unanswered when the lease runs out (a paused server, a cut link)
         // leaves nothing to keep: the hold is over either way.
-        match tokio::time::timeout_at(until, check).await {
-            Ok(Ok(_)) => {}
-            Ok(Err(e)) if connection_gone(&e) => {
-                drop(conn);
-                end_stale(&backend, &held).await;
-                loss.fire(LostReason::SessionLost);
-                return;
+        let reason = match tokio::time::timeout_at(until, check).await {
+            Ok(Ok(_)) => continue,
+            Ok(Err(e)) if connection_gone(&e) => LostReason::SessionLost,
+            Ok(Err(error)) => {
+                tracing::debug!(%error, "liveness check failed; retrying");
+                continue;
             }
-            Ok(Err(error)) => tracing::debug!(%error, "liveness check failed; retrying"),
-            Err(_) => {
-                drop(conn);
-                end_stale(&backend, &held).await;
-                loss.fire(LostReason::LeaseExpired);
-                return;
-            }
-        }
+            Err(_) => LostReason::LeaseExpired,
+        };
+        // The connection is gone or silent: every hold on it is over (the other hold's
+        // watch hears it from the closed session).
+        end_session(session, &mut conn);
+        drop(conn);
+        forget(&backend, &held);
+        loss.fire(reason);
+        return;
     }
 }
 
-/// Best effort: shows the depth to `inspect`.
+/// Best effort: shows the depth to `inspect` and `holders`.
 async fn record_depth(backend: &AdvisoryLocks, held: &Held, depth: u32) {
     let inner = &backend.inner;
     let _ = query(&inner.sql.advisory_depth)
@@ -817,6 +1248,10 @@ async fn record_depth(backend: &AdvisoryLocks, held: &Held, depth: u32) {
         .bind(token_param(held.token))
         .execute(&inner.pool)
         .await;
+    let mut conn = held.session.conn.lock().await;
+    if let Some(c) = conn.as_mut() {
+        name_session(&held.session, c, inner.config.connect_timeout).await;
+    }
 }
 
 /// A fencing token as the `bigint` of the `fence` column.
@@ -825,13 +1260,15 @@ fn token_param(token: FencingToken) -> i64 {
 }
 
 /// Sets the lease to `ttl` from now (never shorter than it is): the idle timeout on the
-/// server first, then the local lease. A dead connection means the lock is gone: `NotHeld`.
+/// server first (never below the lease of the session's other hold), then the local lease.
+/// A dead connection means the lock is gone: `NotHeld`.
 async fn renew(backend: &AdvisoryLocks, grant: &Grant, ttl: Duration) -> Result<()> {
     let held = held_of(backend, grant)?;
-    let mut conn = held.conn.lock().await;
+    let session = &held.session;
+    let mut conn = session.conn.lock().await;
     let Some(c) = conn
         .as_mut()
-        .filter(|_| !held.broken.load(Ordering::SeqCst))
+        .filter(|_| !session.broken.load(Ordering::SeqCst) && !held.ended.load(Ordering::SeqCst))
     else {
         return Err(Error::NotHeld {
             key: grant.key.clone(),
@@ -839,7 +1276,8 @@ async fn renew(backend: &AdvisoryLocks, grant: &Grant, ttl: Duration) -> Result<
     };
     let start = Instant::now();
     let until = held.lease_until().max(start + ttl);
-    let statement = lease_statement(until.saturating_duration_since(start));
+    let session_until = session.lease_until().map_or(until, |s| s.max(until));
+    let statement = lease_statement(session_until.saturating_duration_since(start));
     match sqlx::raw_sql(AssertSqlSafe(statement))
         .execute(&mut **c)
         .await
@@ -849,10 +1287,7 @@ async fn renew(backend: &AdvisoryLocks, grant: &Grant, ttl: Duration) -> Result<
             Ok(())
         }
         Err(e) if connection_gone(&e) => {
-            held.broken.store(true, Ordering::SeqCst);
-            if let Some(mut dead) = conn.take() {
-                dead.close_on_drop();
-            }
+            end_session(session, &mut conn);
             forget(backend, &held);
             Err(Error::NotHeld {
                 key: grant.key.clone(),
@@ -864,7 +1299,8 @@ async fn renew(backend: &AdvisoryLocks, grant: &Grant, ttl: Duration) -> Result<
 
 async fn release(backend: &AdvisoryLocks, grant: &Grant) -> Result<Released> {
     let held = held_of(backend, grant)?;
-    if held.broken.load(Ordering::SeqCst) {
+    let session = &held.session;
+    if session.broken.load(Ordering::SeqCst) {
         forget(backend, &held);
         return Err(Error::NotHeld {
             key: grant.key.clone(),
@@ -884,28 +1320,60 @@ async fn release(backend: &AdvisoryLocks, grant: &Grant) -> Result<Released> {
         }
         CountRelease::Last => {}
     }
+    held.ended.store(true, Ordering::SeqCst);
     forget(backend, &held);
-    let mut conn = held.conn.lock().await;
+    let not_held = || Error::NotHeld {
+        key: grant.key.clone(),
+    };
+    let bound = backend.inner.config.connect_timeout;
+    let mut conn = session.conn.lock().await;
+    if conn.is_none() {
+        // Closed (the hold is lost), or given back to the pool by the release of the
+        // session's other hold, which let go of every lock on it, this one's too.
+        if session.broken.load(Ordering::SeqCst) {
+            return Err(not_held());
+        }
+        drop(conn);
+        clear_record(backend, &held).await;
+        return Ok(Released::Fully);
+    }
+    if session.others_live(&held) {
+        // A downgrade's write or read stays on this session: let go of this lock only.
+        let Some(c) = conn.as_mut() else {
+            return Err(not_held());
+        };
+        let unlocked =
+            tokio::time::timeout(bound, unlock_one(backend, &held).execute(&mut **c)).await;
+        let outcome = match unlocked {
+            Ok(Ok(_)) => {
+                name_session(session, c, bound).await;
+                Ok(Released::Fully)
+            }
+            // Not let go: end the session (the other hold's guard hears it) rather than
+            // keep a lock nobody holds a guard of.
+            Ok(Err(e)) if connection_gone(&e) => Err(not_held()),
+            Ok(Err(e)) => Err(db_error("letting go of the advisory lock", e)),
+            Err(_) => Err(no_answer()),
+        };
+        if outcome.is_err() {
+            end_session(session, &mut conn);
+        }
+        drop(conn);
+        clear_record(backend, &held).await;
+        return outcome;
+    }
     let Some(mut c) = conn.take() else {
-        return Err(Error::NotHeld {
-            key: grant.key.clone(),
-        });
+        return Err(not_held());
     };
     drop(conn);
     // Let go first: the record below only says who held it, and the next advisory holder
     // overwrites it anyway. The connection goes back to the pool without a lease.
-    let unlock = sqlx::raw_sql("SELECT pg_advisory_unlock_all(); SET idle_session_timeout = 0")
-        .execute(&mut *c);
-    let unlocked = match tokio::time::timeout(backend.inner.config.connect_timeout, unlock).await {
+    let unlock = sqlx::raw_sql(RESET).execute(&mut *c);
+    let unlocked = match tokio::time::timeout(bound, unlock).await {
         Ok(unlocked) => unlocked,
         Err(_) => {
             c.close_on_drop();
-            return Err(Error::backend(
-                BACKEND,
-                true,
-                "the server did not answer the release; the lock ends with the session, \
-                     at the latest when its lease runs out",
-            ));
+            return Err(no_answer());
         }
     };
     let outcome = match unlocked {
@@ -914,9 +1382,7 @@ async fn release(backend: &AdvisoryLocks, grant: &Grant) -> Result<Released> {
             c.close_on_drop();
             if connection_gone(&e) {
                 // The server let the lock go when the connection died.
-                return Err(Error::NotHeld {
-                    key: grant.key.clone(),
-                });
+                return Err(not_held());
             }
             Err(db_error("letting go of the advisory lock", e))
         }
@@ -926,6 +1392,16 @@ async fn release(backend: &AdvisoryLocks, grant: &Grant) -> Result<Released> {
     clear_pause().await;
     clear_record(backend, &held).await;
     outcome
+}
+
+/// A release the server did not answer in time.
+fn no_answer() -> Error {
+    Error::backend(
+        BACKEND,
+        true,
+        "the server did not answer the release; the lock ends with the session, \
+         at the latest when its lease runs out",
+    )
 }
 
 /// Test hook: a pause, for the next acquisition of one key, between the server's grant of
@@ -1004,15 +1480,8 @@ async fn clear_record(backend: &AdvisoryLocks, held: &Held) {
 }
 
 async fn inspect(backend: &AdvisoryLocks, key: &LockKey) -> Result<Option<HolderInfo>> {
-    // The lease table's answer covers both modes: a live row lease, or an advisory hold's
-    // record while its lock is held (its lease is its session's own: not readable here).
-    let holder = match backend.inner.inspect_lease(key).await? {
-        Some(holder) => holder,
-        // Held by a session with no record: not lockkit's (a plain `pg_advisory_lock`).
-        None if backend.is_locked(key).await? => {
-            HolderInfo::new("an unknown holder", 1, None, None)
-        }
-        None => return Ok(None),
+    let Some(holder) = holders(backend, key).await?.into_iter().next() else {
+        return Ok(None);
     };
     // The server's queue for the lock: every session waiting in `pg_advisory_lock`.
     let (waiters,): (i64,) =
@@ -1024,4 +1493,96 @@ async fn inspect(backend: &AdvisoryLocks, key: &LockKey) -> Result<Option<Holder
     Ok(Some(
         holder.with_waiters(u32::try_from(waiters).unwrap_or(0)),
     ))
+}
+
+/// Every holder of `key`: a live row-mode lease (the lease table's record), or every session
+/// granted the key's advisory lock (`pg_locks`), the exclusive one first, each named by its
+/// `application_name` (owner, token, depth; see [`Session::app_name`]). The identity is
+/// the key's record's, for the hold it names (the last one taken). A session that is not
+/// lockkit's is "an unknown holder".
+async fn holders(backend: &AdvisoryLocks, key: &LockKey) -> Result<Vec<HolderInfo>> {
+    let inner = &backend.inner;
+    let record = inner.inspect_lease(key).await?;
+    let rows = sqlx::query(AssertSqlSafe(inner.sql.advisory_holders.clone()))
+        .bind(inner.advisory_id(key))
+        .fetch_all(&inner.pool)
+        .await
+        .map_err(|e| db_error("listing the advisory lock's holders", e))?;
+    if rows.is_empty() {
+        // Not held in the lock manager: at most a row-mode lease.
+        return Ok(record.into_iter().collect());
+    }
+    let mut all = Vec::with_capacity(rows.len());
+    for row in rows {
+        let shared = row_text(&row, "mode").as_deref() == Some("ShareLock");
+        let named =
+            row_text(&row, "application_name").and_then(|name| parse_app_name(&name, shared));
+        let Some((owner, kind, token, depth)) = named else {
+            all.push(HolderInfo::new("an unknown holder", 1, None, None));
+            continue;
+        };
+        let identity = record
+            .as_ref()
+            .filter(|r| r.owner == owner && r.token == Some(token))
+            .and_then(|r| r.identity.clone());
+        let info = HolderInfo::new(owner, depth, Some(token), None).with_identity(identity);
+        all.push(match kind {
+            LockKind::Exclusive => info,
+            kind => info.with_kind(kind),
+        });
+    }
+    Ok(all)
+}
+
+/// The hold a lockkit session's `application_name` names for its shared (`r`) or exclusive
+/// (`w`, `l`) lock: owner, kind, token, depth.
+fn parse_app_name(name: &str, shared: bool) -> Option<(String, LockKind, FencingToken, u32)> {
+    let mut words = name.split_whitespace();
+    if words.next() != Some(APP_PREFIX) {
+        return None;
+    }
+    let owner = words.next()?.to_owned();
+    words.find_map(|hold| {
+        let mut chars = hold.chars();
+        let kind = match (chars.next()?, shared) {
+            ('r', true) => LockKind::Read,
+            ('w', false) => LockKind::Write,
+            ('l', false) => LockKind::Exclusive,
+            _ => return None,
+        };
+        let (token, depth) = chars.as_str().split_once('x')?;
+        Some((
+            owner.clone(),
+            kind,
+            FencingToken::new(token.parse().ok()?),
+            depth.parse().ok()?,
+        ))
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_app_name_names_the_hold_of_each_lock_mode() {
+        let name = "lockkit 6f1c:3 w12x1 r13x2";
+        let read = parse_app_name(name, true).unwrap();
+        assert_eq!(
+            read,
+            ("6f1c:3".into(), LockKind::Read, FencingToken::new(13), 2)
+        );
+        let write = parse_app_name(name, false).unwrap();
+        assert_eq!(
+            write,
+            ("6f1c:3".into(), LockKind::Write, FencingToken::new(12), 1)
+        );
+        let plain = parse_app_name("lockkit o:1 l7x3", false).unwrap();
+        assert_eq!(plain.1, LockKind::Exclusive);
+        assert!(parse_app_name("lockkit o:1 l7x3", true).is_none());
+        // Another client's session, or a name the server cut short: no holder named.
+        assert!(parse_app_name("psql", false).is_none());
+        assert!(parse_app_name("lockkit o:1 w12x1 r13", true).is_none());
+        assert!(parse_app_name("lockkit o:1 w12x1 r13x", true).is_none());
+    }
 }

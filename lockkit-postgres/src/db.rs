@@ -298,6 +298,20 @@ impl Db {
         advisory_id(&self.config.table, key.as_str())
     }
 
+    /// The readers' lock of `key`: the two-`int4` advisory lock (`objsubid` 2 in
+    /// `pg_locks`, a lock of its own) of the halves of [`Db::advisory_id`]. Every advisory
+    /// reader holds it shared beside the key's lock. Row mode cannot see a shared hold of
+    /// the key's lock (its own transactions take that lock shared while they decide), so it
+    /// tries this one, exclusively, once it holds the key's row: nothing else takes it.
+    pub(crate) fn readers_lock(&self, key: &LockKey) -> (i32, i32) {
+        let id = self.advisory_id(key);
+        let [a, b, c, d, e, f, g, h] = id.to_be_bytes();
+        (
+            i32::from_be_bytes([a, b, c, d]),
+            i32::from_be_bytes([e, f, g, h]),
+        )
+    }
+
     /// One round trip to the server.
     pub(crate) async fn ping(&self) -> Result<()> {
         let _: (i32,) = sqlx::query_as("SELECT 1")
@@ -415,6 +429,7 @@ pub(crate) struct Sql {
     pub(crate) holder_column_exists: Arc<str>,
     pub(crate) add_holder_column: Arc<str>,
     pub(crate) advisory_waiters: Arc<str>,
+    pub(crate) advisory_holders: Arc<str>,
     pub(crate) table_exists: Arc<str>,
     pub(crate) row_select_for_update: Arc<str>,
     pub(crate) row_insert: Arc<str>,
@@ -431,6 +446,7 @@ pub(crate) struct Sql {
     pub(crate) advisory_insert: Arc<str>,
     pub(crate) advisory_depth: Arc<str>,
     pub(crate) advisory_clear: Arc<str>,
+    #[cfg_attr(not(feature = "testing"), allow(dead_code))]
     pub(crate) advisory_locked: Arc<str>,
     pub(crate) advisory_take_away: Arc<str>,
     #[cfg_attr(not(feature = "testing"), allow(dead_code))]
@@ -589,6 +605,18 @@ impl Sql {
                  AND database = (SELECT oid FROM pg_database WHERE datname = current_database()) \
                  AND classid = (($1 >> 32) & 4294967295)::oid \
                  AND objid = ($1 & 4294967295)::oid AND objsubid = 1"
+                    .to_owned(),
+            ),
+            // Sessions granted the advisory lock `$1`, the exclusive one first, with their
+            // names (a session of another role shows none).
+            advisory_holders: s(
+                "SELECT l.mode, a.application_name FROM pg_locks l \
+                 LEFT JOIN pg_stat_activity a ON a.pid = l.pid \
+                 WHERE l.locktype = 'advisory' AND l.granted \
+                 AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database()) \
+                 AND l.classid = (($1 >> 32) & 4294967295)::oid \
+                 AND l.objid = ($1 & 4294967295)::oid AND l.objsubid = 1 \
+                 ORDER BY l.mode <> 'ExclusiveLock', l.pid"
                     .to_owned(),
             ),
             table_exists: s(format!(

@@ -26,7 +26,8 @@
 //! with `mode=row`: the two modes exclude each other on the same table, and row mode also
 //! stays out of a key whose advisory lock any other session holds exclusively (row mode
 //! takes it shared while it decides, so that its own transactions on one key never take
-//! each other for an advisory holder; a client that holds it shared is not seen).
+//! each other for an advisory holder; a client that holds it shared is not seen, except
+//! advisory readers, which also hold the key's readers' lock that row mode tries).
 //!
 //! Advisory mode's limits: it needs a session per hold, so a transaction-pooling
 //! PgBouncer (or any pooler that hands one server session to several clients) breaks it;
@@ -35,9 +36,13 @@
 //! idle timeout) can end a holder's session, and so its lock, before the holder's next
 //! liveness check notices: keep such timeouts above the lease, and fence your writes. A
 //! client that is not lockkit and holds only a row-mode lease has nothing in the server's
-//! lock manager: plain `pg_advisory_lock` users do not see it. Read-write locks and
-//! semaphores are not offered in this mode (`Unsupported`; use `mode=row`); an advisory
-//! holder stays out of a key that row-mode readers, writers or permits hold.
+//! lock manager: plain `pg_advisory_lock` users do not see it. Read-write locks: readers
+//! hold the key's lock shared (`pg_advisory_lock_shared`), writers exclusively; the server
+//! queues new readers behind a waiting writer (writer preference); a downgrade runs on the
+//! write's own session. Semaphores are not offered in this mode (`Unsupported`; use
+//! `mode=row`): the server's lock queue cannot wait for any one of N locks. An advisory
+//! holder stays out of a key that row-mode readers, writers or permits hold, and the two
+//! modes' readers do not share a key.
 #![cfg_attr(docsrs, feature(doc_cfg))]
 #![warn(missing_docs)]
 #![cfg_attr(

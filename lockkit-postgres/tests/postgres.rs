@@ -430,10 +430,27 @@ async fn row_mode_readers_and_advisory_holds_exclude_each_other() {
         Err(lockkit_core::Error::KindMismatch { .. })
     ));
     held.release().await.unwrap();
+    // Advisory mode has no semaphores (the locker refuses them before any I/O), and a
+    // request sent to the backend directly is told where to find them.
     assert!(matches!(
-        advisory.read(&k).try_now().await,
+        advisory.semaphore(&k, 2).try_acquire().await,
         Err(lockkit_core::Error::Unsupported { .. })
     ));
+    let permit = lockkit_core::spi::AcquireRequest::new(
+        k.clone(),
+        advisory.owner().id(),
+        Duration::from_secs(10),
+        lockkit_core::LossSignal::new(),
+    )
+    .with_kind(lockkit_core::LockKind::Permit {
+        limit: std::num::NonZeroU32::new(2).unwrap(),
+    });
+    match advisory.backend().try_acquire(&permit).await {
+        Err(lockkit_core::Error::Unsupported { what, .. }) => {
+            assert!(what.contains("mode=row"), "{what}")
+        }
+        other => panic!("a permit in mode=advisory: {other:?}"),
+    }
 }
 
 /// An advisory holder whose session ends (an operator's `take_away`, a server restart)
@@ -550,6 +567,16 @@ async fn closing_an_advisory_client_ends_its_holds() {
 /// H2).
 #[tokio::test]
 async fn a_waiter_paused_once_granted_keeps_the_key_only_for_its_lease() {
+    // One test for both kinds: the pause hook holds one key at a time.
+    for read in [false, true] {
+        paused_waiter(read).await;
+    }
+}
+
+/// A waiter (a reader when `read`: paused once granted the key's lock and the readers'
+/// lock) that pauses between its grant and its record; a rival writer must get the key once
+/// the waiter's lease has ended its session.
+async fn paused_waiter(read: bool) {
     let (Some((holder, _)), Some((waiter, _)), Some((rival, _))) = (
         client_of("advisory").await,
         client_of("advisory").await,
@@ -569,11 +596,13 @@ async fn a_waiter_paused_once_granted_keeps_the_key_only_for_its_lease() {
     let waiting = tokio::spawn({
         let k = k.clone();
         async move {
-            waiter
-                .acquire(&k)
-                .ttl(Duration::from_secs(1))
-                .wait(Duration::from_secs(60))
-                .await
+            let ttl = Duration::from_secs(1);
+            let wait = Duration::from_secs(60);
+            if read {
+                waiter.read(&k).ttl(ttl).wait(wait).await
+            } else {
+                waiter.acquire(&k).ttl(ttl).wait(wait).await
+            }
         }
     });
     tokio::time::sleep(Duration::from_millis(500)).await;
@@ -582,12 +611,14 @@ async fn a_waiter_paused_once_granted_keeps_the_key_only_for_its_lease() {
     // before the 30 s pause is over.
     let started = std::time::Instant::now();
     let granted = rival
-        .acquire(&k)
+        .write(&k)
         .ttl(Duration::from_secs(60))
         .wait(Duration::from_secs(20))
         .await;
     lockkit_postgres::set_grant_pause(k.as_str(), Duration::ZERO);
-    let granted = granted.expect("a waiter paused after its grant kept the key past its lease");
+    let granted = granted.unwrap_or_else(|e| {
+        panic!("a waiter (read: {read}) paused after its grant kept the key past its lease: {e}")
+    });
     assert!(started.elapsed() < Duration::from_secs(20));
     granted.release().await.unwrap();
     waiting.abort();
@@ -804,4 +835,555 @@ async fn a_retried_shared_acquisition_takes_effect_once() {
             "{kind:?}: a second release"
         );
     }
+}
+
+/// The server's writer preference, which `writer_preference = true` relies on in
+/// mode=advisory: while a writer waits behind a reader, a new reader is refused by
+/// `pg_try_advisory_lock_shared` and a blocking one queues behind the writer; the writer
+/// is granted when the reader leaves, and the queued reader after the writer.
+#[tokio::test]
+async fn advisory_readers_queue_behind_a_waiting_writer() {
+    let Some((a, _)) = client_of("advisory").await else {
+        return;
+    };
+    let (w, _) = client_of("advisory").await.unwrap();
+    let (c, _) = client_of("advisory").await.unwrap();
+    let k = key("adv-writer-preference");
+    let first = a
+        .read(&k)
+        .ttl(Duration::from_secs(60))
+        .try_now()
+        .await
+        .unwrap();
+    let first = first.expect("a free key");
+    let writer = tokio::spawn({
+        let (w, k) = (w.clone(), k.clone());
+        async move {
+            w.write(&k)
+                .ttl(Duration::from_secs(60))
+                .wait(Duration::from_secs(50))
+                .await
+        }
+    });
+    // The writer is in the server's queue once pg_locks shows a waiter.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while a.inspect(&k).await.unwrap().and_then(|h| h.waiters) != Some(1) {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the writer never queued"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(
+        c.read(&k).try_now().await.unwrap().is_none(),
+        "pg_try_advisory_lock_shared passed a waiting writer"
+    );
+    let late_reader = tokio::spawn({
+        let (c, k) = (c.clone(), k.clone());
+        async move {
+            let guard = c
+                .read(&k)
+                .ttl(Duration::from_secs(60))
+                .wait(Duration::from_secs(50))
+                .await;
+            (guard, tokio::time::Instant::now())
+        }
+    });
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(
+        !late_reader.is_finished(),
+        "a blocking reader passed a waiting writer"
+    );
+    first.release().await.unwrap();
+    let granted = tokio::time::timeout(Duration::from_secs(20), writer)
+        .await
+        .expect("the writer was not granted after the reader left")
+        .unwrap()
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(
+        !late_reader.is_finished(),
+        "a reader was granted beside the writer"
+    );
+    let released_at = tokio::time::Instant::now();
+    let writer_token = granted.token();
+    granted.release().await.unwrap();
+    let (read, at) = tokio::time::timeout(Duration::from_secs(20), late_reader)
+        .await
+        .expect("the queued reader was not granted after the writer")
+        .unwrap();
+    let read = read.unwrap();
+    assert!(at >= released_at);
+    assert!(read.token() > writer_token, "tokens grow per new holder");
+    read.release().await.unwrap();
+}
+
+/// A downgrade in mode=advisory runs on the write's own session: granted at once even
+/// while another writer is queued (a second session would wait for its own owner's write,
+/// and the try form is refused behind a queued writer), with a fresh token. Once the write
+/// is released first, the read keeps the queued writer (and, behind it, new readers) out
+/// until it is released too.
+#[tokio::test]
+async fn an_advisory_downgrade_passes_a_queued_writer_and_keeps_it_out() {
+    let Some((a, _)) = client_of("advisory").await else {
+        return;
+    };
+    let (w, _) = client_of("advisory").await.unwrap();
+    let (c, _) = client_of("advisory").await.unwrap();
+    let k = key("adv-downgrade");
+    let owner = a.owner();
+    let write = owner
+        .write(&k)
+        .ttl(Duration::from_secs(60))
+        .try_now()
+        .await
+        .unwrap();
+    let write = write.expect("a free key");
+    let queued = tokio::spawn({
+        let (w, k) = (w.clone(), k.clone());
+        async move {
+            w.write(&k)
+                .ttl(Duration::from_secs(60))
+                .wait(Duration::from_secs(50))
+                .await
+        }
+    });
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while a.inspect(&k).await.unwrap().and_then(|h| h.waiters) != Some(1) {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the writer never queued"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let started = tokio::time::Instant::now();
+    let read = owner
+        .read(&k)
+        .ttl(Duration::from_secs(60))
+        .try_now()
+        .await
+        .unwrap();
+    let read = read.expect("a downgrade is granted at once, ahead of the queued writer");
+    assert!(started.elapsed() < Duration::from_secs(2));
+    assert!(read.token() > write.token(), "a downgrade is a new holder");
+    let holders = a.backend().holders(&k).await.unwrap();
+    let kinds: Vec<_> = holders.iter().map(|h| (h.kind, h.token)).collect();
+    assert_eq!(
+        kinds,
+        vec![
+            (Some(lockkit_core::LockKind::Write), Some(write.token())),
+            (Some(lockkit_core::LockKind::Read), Some(read.token())),
+        ],
+        "{holders:?}"
+    );
+    assert_eq!(
+        write.release().await.unwrap(),
+        lockkit_core::spi::Released::Fully
+    );
+    assert!(read.is_valid());
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(
+        !queued.is_finished(),
+        "the queued writer got in beside the owner's read"
+    );
+    assert!(
+        c.read(&k).try_now().await.unwrap().is_none(),
+        "a new reader passed the queued writer"
+    );
+    let read_token = read.token();
+    read.release().await.unwrap();
+    let granted = tokio::time::timeout(Duration::from_secs(20), queued)
+        .await
+        .expect("the queued writer was not granted after the read")
+        .unwrap()
+        .unwrap();
+    assert!(granted.token() > read_token);
+    granted.release().await.unwrap();
+}
+
+/// Both holds of a downgrade live on one session with leases of their own: a long read
+/// outlives a short write that is released (the session is not ended at the write's
+/// lease), and a short read that runs out is lost alone while the long write keeps the
+/// key.
+#[tokio::test]
+async fn each_hold_of_an_advisory_downgrade_keeps_its_own_lease() {
+    let Some((a, _)) = client_of("advisory").await else {
+        return;
+    };
+    let (b, _) = client_of("advisory").await.unwrap();
+    let short = Duration::from_secs(2);
+    let long = Duration::from_secs(60);
+    for write_is_short in [true, false] {
+        let k = key("adv-downgrade-leases");
+        let owner = a.owner();
+        let (write_ttl, read_ttl) = if write_is_short {
+            (short, long)
+        } else {
+            (long, short)
+        };
+        let write = owner
+            .write(&k)
+            .ttl(write_ttl)
+            .no_watchdog()
+            .try_now()
+            .await
+            .unwrap();
+        let write = write.expect("a free key");
+        let read = owner
+            .read(&k)
+            .ttl(read_ttl)
+            .no_watchdog()
+            .try_now()
+            .await
+            .unwrap();
+        let read = read.expect("a downgrade");
+        let (kept, ended) = if write_is_short {
+            write.release().await.unwrap();
+            (read, None)
+        } else {
+            (write, Some(read))
+        };
+        tokio::time::sleep(short + Duration::from_secs(2)).await;
+        assert!(kept.is_valid(), "write short: {write_is_short}");
+        if let Some(ended) = ended {
+            assert!(!ended.is_valid());
+            tokio::time::timeout(Duration::from_secs(5), ended.lost())
+                .await
+                .expect("the short read's loss was not signalled");
+        }
+        assert!(
+            b.write(&k).try_now().await.unwrap().is_none(),
+            "a writer got in beside the long hold (write short: {write_is_short})"
+        );
+        let readers = b.read(&k).try_now().await.unwrap();
+        assert_eq!(
+            readers.is_some(),
+            write_is_short,
+            "only a read shares (write short: {write_is_short})"
+        );
+        if let Some(r) = readers {
+            r.release().await.unwrap();
+        }
+        kept.release().await.unwrap();
+        b.write(&k)
+            .try_now()
+            .await
+            .unwrap()
+            .expect("free at the end")
+            .release()
+            .await
+            .unwrap();
+    }
+}
+
+/// Advisory readers and row mode on one table exclude each other: row mode cannot see a
+/// shared hold of the key's lock, and looks for advisory readers on the readers' lock.
+/// A row-mode waiter gets the key soon after the last advisory reader leaves; an advisory
+/// reader stays out of a row-mode write and gets the key after it, with a greater token.
+#[tokio::test]
+async fn advisory_readers_and_row_mode_exclude_each_other() {
+    let (Some((row, _)), Some((advisory, _))) =
+        (client_of("row").await, client_of("advisory").await)
+    else {
+        return;
+    };
+    let k = key("adv-readers-row");
+    let read = advisory
+        .read(&k)
+        .ttl(Duration::from_secs(60))
+        .try_now()
+        .await
+        .unwrap();
+    let read = read.expect("a free key");
+    assert!(
+        row.try_acquire(&k).await.unwrap().is_none(),
+        "a row-mode lock beside an advisory reader"
+    );
+    assert!(
+        row.write(&k).try_now().await.unwrap().is_none(),
+        "a row-mode write beside an advisory reader"
+    );
+    assert!(
+        row.semaphore(&k, 2).try_acquire().await.unwrap().is_none(),
+        "a row-mode permit beside an advisory reader"
+    );
+    let waiting = tokio::spawn({
+        let (row, k) = (row.clone(), k.clone());
+        async move {
+            row.acquire(&k)
+                .ttl(Duration::from_secs(60))
+                .wait(Duration::from_secs(50))
+                .await
+        }
+    });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(
+        !waiting.is_finished(),
+        "a row-mode waiter beside an advisory reader"
+    );
+    let read_token = read.token();
+    read.release().await.unwrap();
+    let held = tokio::time::timeout(Duration::from_secs(20), waiting)
+        .await
+        .expect("the row-mode waiter was not granted after the advisory reader left")
+        .unwrap()
+        .unwrap();
+    assert!(held.token() > read_token);
+    assert!(
+        advisory.read(&k).try_now().await.unwrap().is_none(),
+        "an advisory reader beside a row-mode lock"
+    );
+    held.release().await.unwrap();
+    let write = row
+        .write(&k)
+        .ttl(Duration::from_secs(60))
+        .try_now()
+        .await
+        .unwrap();
+    let write = write.expect("free");
+    assert!(
+        advisory.read(&k).try_now().await.unwrap().is_none(),
+        "an advisory reader beside a row-mode write"
+    );
+    let waiting = tokio::spawn({
+        let (advisory, k) = (advisory.clone(), k.clone());
+        async move {
+            advisory
+                .read(&k)
+                .ttl(Duration::from_secs(60))
+                .wait(Duration::from_secs(50))
+                .await
+        }
+    });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(
+        !waiting.is_finished(),
+        "an advisory reader waiting beside a row-mode write"
+    );
+    let write_token = write.token();
+    write.release().await.unwrap();
+    let reader = tokio::time::timeout(Duration::from_secs(20), waiting)
+        .await
+        .expect("the advisory reader was not granted after the row-mode write")
+        .unwrap()
+        .unwrap();
+    assert!(reader.token() > write_token);
+    reader.release().await.unwrap();
+}
+
+/// Every advisory reader is listed by `holders`, with its owner, token and depth, and an
+/// operator's `take_away` ends every reader's session: each guard hears it, and a writer
+/// gets the key.
+#[tokio::test]
+async fn advisory_readers_are_listed_and_taken_away() {
+    let Some((a, backend)) = client_of("advisory").await else {
+        return;
+    };
+    let (b, _) = client_of("advisory").await.unwrap();
+    let (w, _) = client_of("advisory").await.unwrap();
+    let k = key("adv-readers-listed");
+    let owner = a.owner();
+    let one = owner
+        .read(&k)
+        .ttl(Duration::from_secs(60))
+        .try_now()
+        .await
+        .unwrap()
+        .unwrap();
+    let again = owner
+        .read(&k)
+        .ttl(Duration::from_secs(60))
+        .try_now()
+        .await
+        .unwrap()
+        .unwrap();
+    let two = b
+        .read(&k)
+        .ttl(Duration::from_secs(60))
+        .try_now()
+        .await
+        .unwrap()
+        .unwrap();
+    let mut listed: Vec<_> = w
+        .backend()
+        .holders(&k)
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|h| (h.owner, h.depth, h.token, h.kind))
+        .collect();
+    listed.sort_by_key(|h| h.2);
+    let read = Some(lockkit_core::LockKind::Read);
+    assert_eq!(
+        listed,
+        vec![
+            (one.owner().to_string(), 2, Some(one.token()), read),
+            (two.owner().to_string(), 1, Some(two.token()), read),
+        ]
+    );
+    assert!(backend.take_away(&k).await.unwrap());
+    for guard in [&one, &two] {
+        tokio::time::timeout(Duration::from_secs(10), guard.lost())
+            .await
+            .expect("a reader's loss was not signalled");
+    }
+    let writer = w.write(&k).wait(Duration::from_secs(10)).await.unwrap();
+    assert!(writer.token() > two.token());
+    writer.release().await.unwrap();
+    drop(again);
+}
+
+/// A read or write acquisition in mode=advisory retried with the same attempt (its reply
+/// lost) takes effect once: the same token, depth 1, one release frees the key.
+#[tokio::test]
+async fn a_retried_advisory_read_or_write_takes_effect_once() {
+    use lockkit_core::{LockBackend, LockKind, LossSignal, OwnerId, spi::AcquireRequest};
+    let Some((_, backend)) = client_of("advisory").await else {
+        return;
+    };
+    for kind in [LockKind::Read, LockKind::Write] {
+        let k = key("adv-retried");
+        let req = AcquireRequest::new(
+            k.clone(),
+            OwnerId::random(),
+            Duration::from_secs(30),
+            LossSignal::new(),
+        )
+        .with_kind(kind);
+        let first = backend.try_acquire(&req).await.unwrap().expect("free key");
+        let again = backend.acquire(&req, Duration::from_secs(5)).await.unwrap();
+        assert_eq!((again.token, again.depth), (first.token, 1), "{kind:?}");
+        let holders = backend.holders(&k).await.unwrap();
+        assert_eq!(holders.len(), 1, "{kind:?}: {holders:?}");
+        assert_eq!(holders[0].depth, 1, "{kind:?}");
+        assert_eq!(
+            backend.release(&first).await.unwrap(),
+            lockkit_core::spi::Released::Fully
+        );
+        assert!(backend.holders(&k).await.unwrap().is_empty(), "{kind:?}");
+        assert!(
+            matches!(
+                backend.release(&first).await,
+                Err(lockkit_core::Error::NotHeld { .. })
+            ),
+            "{kind:?}: a second release"
+        );
+    }
+}
+
+/// A session that ends under a downgrade (an operator's `take_away`, a server restart)
+/// takes both of its holds: the write's and the read's guards both hear it, and the key is
+/// free.
+#[tokio::test]
+async fn an_ended_downgrade_session_loses_both_holds() {
+    let Some((a, backend)) = client_of("advisory").await else {
+        return;
+    };
+    let (b, _) = client_of("advisory").await.unwrap();
+    let k = key("adv-downgrade-ended");
+    let owner = a.owner();
+    let write = owner.write(&k).ttl(Duration::from_secs(60)).try_now().await;
+    let write = write.unwrap().expect("a free key");
+    let read = owner.read(&k).ttl(Duration::from_secs(60)).try_now().await;
+    let read = read.unwrap().expect("a downgrade");
+    assert!(backend.take_away(&k).await.unwrap());
+    for guard in [&write, &read] {
+        tokio::time::timeout(Duration::from_secs(10), guard.lost())
+            .await
+            .expect("a hold of the ended session was not told");
+    }
+    let next = b.write(&k).wait(Duration::from_secs(10)).await.unwrap();
+    assert!(next.token() > read.token());
+    next.release().await.unwrap();
+    // The owner starts afresh: its stale holds are neither re-entered nor in the way.
+    let again = owner.write(&k).try_now().await.unwrap();
+    again.expect("free again").release().await.unwrap();
+}
+
+/// A session that is not lockkit's holding the key's lock shared (plain SQL, or a peer
+/// library's reader) shares it with lockkit readers and keeps lockkit writers out; it is
+/// listed as an unknown holder beside lockkit's named reader.
+#[tokio::test]
+async fn a_plain_sql_shared_holder_shares_with_readers_and_excludes_writers() {
+    let Some((locker, _)) = client_of("advisory").await else {
+        return;
+    };
+    let url = env::service_url("LOCKKIT_TEST_POSTGRES_URL").unwrap();
+    let k = key("plain-sql-shared");
+    let id = lockkit_postgres::advisory_id(SHARED_TABLE, k.as_str());
+    let mut plain = <sqlx::PgConnection as sqlx::Connection>::connect(&url)
+        .await
+        .unwrap();
+    sqlx::query("SELECT pg_advisory_lock_shared($1)")
+        .bind(id)
+        .execute(&mut plain)
+        .await
+        .unwrap();
+    assert!(locker.write(&k).try_now().await.unwrap().is_none());
+    assert!(locker.try_acquire(&k).await.unwrap().is_none());
+    let read = locker.read(&k).try_now().await.unwrap();
+    let read = read.expect("readers share with a plain shared holder");
+    let holders = locker.backend().holders(&k).await.unwrap();
+    let mut owners: Vec<_> = holders.iter().map(|h| h.owner.clone()).collect();
+    owners.sort();
+    let mut expected = vec![read.owner().to_string(), "an unknown holder".to_owned()];
+    expected.sort();
+    assert_eq!(owners, expected, "{holders:?}");
+    read.release().await.unwrap();
+    sqlx::query("SELECT pg_advisory_unlock_shared($1)")
+        .bind(id)
+        .execute(&mut plain)
+        .await
+        .unwrap();
+    let write = locker.write(&k).try_now().await.unwrap();
+    write.expect("free").release().await.unwrap();
+}
+
+/// Downgrades dropped at random points (mid-request included) leave no read behind: once
+/// the write is released, another client's writer gets the key at once. A retried
+/// downgrade (the same attempt) takes effect once. The write and the read released at the
+/// same moment both answer `Fully`.
+#[tokio::test]
+async fn cancelled_retried_and_racing_downgrades_leave_nothing_behind() {
+    use lockkit_core::{LockBackend, LockKind, LossSignal, spi::AcquireRequest};
+    let Some((a, backend)) = client_of("advisory").await else {
+        return;
+    };
+    let (b, _) = client_of("advisory").await.unwrap();
+    let k = key("adv-downgrade-cancel");
+    let owner = a.owner();
+    let write = owner.write(&k).ttl(Duration::from_secs(60)).try_now().await;
+    let write = write.unwrap().expect("a free key");
+    for round in 0..30u64 {
+        let read = owner.read(&k).ttl(Duration::from_secs(60)).try_now();
+        if let Ok(Ok(Some(guard))) =
+            tokio::time::timeout(Duration::from_micros(round * 200), read).await
+        {
+            guard.release().await.unwrap();
+        }
+    }
+    // The same attempt twice: one read, depth 1.
+    let req = AcquireRequest::new(
+        k.clone(),
+        owner.id(),
+        Duration::from_secs(60),
+        LossSignal::new(),
+    )
+    .with_kind(LockKind::Read);
+    let first = backend
+        .try_acquire(&req)
+        .await
+        .unwrap()
+        .expect("a downgrade");
+    let again = backend.try_acquire(&req).await.unwrap().expect("the retry");
+    assert_eq!((again.token, again.depth), (first.token, 1));
+    let (w, r) = tokio::join!(write.release(), backend.release(&first));
+    assert_eq!(w.unwrap(), lockkit_core::spi::Released::Fully);
+    assert_eq!(r.unwrap(), lockkit_core::spi::Released::Fully);
+    // Orphaned downgrades are given back in their own tasks: give them a moment.
+    let next = b.write(&k).wait(Duration::from_secs(2)).await;
+    next.expect("a cancelled downgrade left a read behind")
+        .release()
+        .await
+        .unwrap();
 }

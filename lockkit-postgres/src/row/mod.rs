@@ -285,12 +285,26 @@ async fn run_acquire(
             start,
         )));
     };
-    let live: bool = row.try_get("live").map_err(fail)?;
+    // Readers of mode=advisory hold the key's lock shared, which the row's `live` cannot
+    // see (row mode takes it shared too); they also hold the readers' lock, which only the
+    // transaction holding the key's row tries (here, exclusively, to its end). Whatever the
+    // row says, they hold the key: an advisory lock without a record, which only blocks.
+    let (hi, lo) = inner.readers_lock(&req.key);
+    let (no_readers,): (bool,) = sqlx::query_as("SELECT pg_try_advisory_xact_lock($1, $2)")
+        .bind(hi)
+        .bind(lo)
+        .fetch_one(&mut *tx)
+        .await
+        .map_err(fail)?;
+    let live: bool = !no_readers || row.try_get("live").map_err(fail)?;
     let fence = fence_of(&row).map_err(fail)?;
     let holds: i32 = row.try_get("holds").map_err(fail)?;
     let holds = u32::try_from(holds).unwrap_or(0);
-    let holder = row_text(&row, "owner");
-    let left: Option<i64> = row.try_get("left_us").map_err(fail)?;
+    let holder = row_text(&row, "owner").filter(|_| no_readers);
+    let left: Option<i64> = row
+        .try_get::<Option<i64>, _>("left_us")
+        .map_err(fail)?
+        .filter(|_| no_readers);
     if req.kind != LockKind::Exclusive {
         let plain = live.then(|| Plain {
             // A running lease of row mode, or the record of an advisory hold (no lease
