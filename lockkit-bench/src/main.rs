@@ -210,6 +210,13 @@ async fn subjects_of(backend: &str, notes: &mut Vec<String>) -> Result<Vec<Subje
                 notes,
             );
             add(
+                connect_floor("mysql-commits", &url)
+                    .await
+                    .map(|f| Subject::floor("floor: two one-row `UPDATE` commits", f)),
+                "two commits",
+                notes,
+            );
+            add(
                 connect_floor("mysql-get-lock", &url)
                     .await
                     .map(|f| Subject::floor("floor: `GET_LOCK` + `RELEASE_LOCK`", f)),
@@ -234,6 +241,13 @@ async fn subjects_of(backend: &str, notes: &mut Vec<String>) -> Result<Vec<Subje
                     .await
                     .map(|f| Subject::floor("floor: `SELECT 1` (sqlx)", f)),
                 "SELECT 1",
+                notes,
+            );
+            add(
+                connect_floor("pg-commits", &url)
+                    .await
+                    .map(|f| Subject::floor("floor: two one-row `UPDATE` commits", f)),
+                "two commits",
                 notes,
             );
             add(
@@ -343,6 +357,13 @@ async fn measure(
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() {
     let args = Args::parse();
+    if std::env::var_os("RUST_LOG").is_some() {
+        // e.g. RUST_LOG=sqlx::query=debug: every statement of a run, with its time.
+        tracing_subscriber::fmt()
+            .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+            .with_writer(std::io::stderr)
+            .init();
+    }
     let sizes = if args.quick {
         Sizes {
             batches: 2,

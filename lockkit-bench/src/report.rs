@@ -221,6 +221,7 @@ fn targets(sections: &[Section]) -> Vec<Target> {
             }
             "mysql" | "postgres" => {
                 let select = s.find("floor: `SELECT 1`");
+                let commits = s.find("floor: two one-row");
                 for m in s.measured.iter().filter(|m| m.lockkit) {
                     out.push(Target {
                         what: format!("{}: {} ≤ 3x `SELECT 1`, p50", s.backend, m.label),
@@ -228,9 +229,11 @@ fn targets(sections: &[Section]) -> Vec<Target> {
                         limit: 3.0,
                         at_most: true,
                         detail: format!(
-                            "{} µs vs {} µs",
+                            "{} µs vs {} µs (two one-row commits: {} µs, {:.2}x)",
                             m.p50(same).map_or("—".into(), thousands),
-                            p50(select, same).map_or("—".into(), thousands)
+                            p50(select, same).map_or("—".into(), thousands),
+                            p50(commits, same).map_or("—".into(), thousands),
+                            ratio(m.p50(same), p50(commits, same)).unwrap_or(0.0)
                         ),
                     });
                 }

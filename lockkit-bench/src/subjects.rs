@@ -51,6 +51,11 @@ pub enum Floor {
     MysqlSelect1(sqlx::pool::PoolConnection<sqlx::MySql>),
     /// `GET_LOCK` + `RELEASE_LOCK` on one MySQL connection.
     MysqlGetLock(sqlx::pool::PoolConnection<sqlx::MySql>),
+    /// Two autocommitted one-row `UPDATE`s on one MySQL connection: the writes a lease
+    /// table needs at the least (a grant and a release), each a commit.
+    MysqlTwoCommits(sqlx::pool::PoolConnection<sqlx::MySql>),
+    /// The same on PostgreSQL (each commit waits for the WAL flush: `fsync=on`).
+    PgTwoCommits(sqlx::pool::PoolConnection<sqlx::Postgres>),
     /// `SELECT 1` on one PostgreSQL connection.
     PgSelect1(sqlx::pool::PoolConnection<sqlx::Postgres>),
     /// `pg_advisory_lock` + `pg_advisory_unlock` on one PostgreSQL connection.
@@ -517,6 +522,22 @@ impl Floor {
                         .await
                         .map_err(|e| e.to_string())?;
                 }
+                Floor::MysqlTwoCommits(conn) => {
+                    for _ in 0..2 {
+                        sqlx::query("UPDATE peerbench_floor SET n = n + 1 WHERE id = 1")
+                            .execute(&mut **conn)
+                            .await
+                            .map_err(|e| e.to_string())?;
+                    }
+                }
+                Floor::PgTwoCommits(conn) => {
+                    for _ in 0..2 {
+                        sqlx::query("UPDATE peerbench_floor SET n = n + 1 WHERE id = 1")
+                            .execute(&mut **conn)
+                            .await
+                            .map_err(|e| e.to_string())?;
+                    }
+                }
                 Floor::PgSelect1(conn) => {
                     sqlx::query("SELECT 1")
                         .execute(&mut **conn)
@@ -588,26 +609,48 @@ pub async fn connect_floor(kind: &str, address: &str) -> Result<Floor, Failure> 
                 .await;
             Floor::ZkCreateDelete(client)
         }
-        "mysql-select" | "mysql-get-lock" => {
+        "mysql-select" | "mysql-get-lock" | "mysql-commits" => {
             let pool = sqlx::MySqlPool::connect(address)
                 .await
                 .map_err(|e| e.to_string())?;
-            let conn = pool.acquire().await.map_err(|e| e.to_string())?;
-            if kind == "mysql-select" {
-                Floor::MysqlSelect1(conn)
-            } else {
-                Floor::MysqlGetLock(conn)
+            let mut conn = pool.acquire().await.map_err(|e| e.to_string())?;
+            match kind {
+                "mysql-select" => Floor::MysqlSelect1(conn),
+                "mysql-get-lock" => Floor::MysqlGetLock(conn),
+                _ => {
+                    for statement in [
+                        "CREATE TABLE IF NOT EXISTS peerbench_floor (id INT PRIMARY KEY, n BIGINT NOT NULL) ENGINE=InnoDB",
+                        "INSERT IGNORE INTO peerbench_floor VALUES (1, 0)",
+                    ] {
+                        sqlx::query(statement)
+                            .execute(&mut *conn)
+                            .await
+                            .map_err(|e| e.to_string())?;
+                    }
+                    Floor::MysqlTwoCommits(conn)
+                }
             }
         }
-        "pg-select" | "pg-advisory" => {
+        "pg-select" | "pg-advisory" | "pg-commits" => {
             let pool = sqlx::PgPool::connect(address)
                 .await
                 .map_err(|e| e.to_string())?;
-            let conn = pool.acquire().await.map_err(|e| e.to_string())?;
-            if kind == "pg-select" {
-                Floor::PgSelect1(conn)
-            } else {
-                Floor::PgAdvisory(conn)
+            let mut conn = pool.acquire().await.map_err(|e| e.to_string())?;
+            match kind {
+                "pg-select" => Floor::PgSelect1(conn),
+                "pg-advisory" => Floor::PgAdvisory(conn),
+                _ => {
+                    for statement in [
+                        "CREATE TABLE IF NOT EXISTS peerbench_floor (id INT PRIMARY KEY, n BIGINT NOT NULL)",
+                        "INSERT INTO peerbench_floor VALUES (1, 0) ON CONFLICT DO NOTHING",
+                    ] {
+                        sqlx::query(statement)
+                            .execute(&mut *conn)
+                            .await
+                            .map_err(|e| e.to_string())?;
+                    }
+                    Floor::PgTwoCommits(conn)
+                }
             }
         }
         "etcd" => Floor::EtcdPutDelete(
