@@ -34,7 +34,7 @@ pub mod path;
 mod queue;
 
 pub use backend::ZkBackend;
-pub use config::{SCHEMES, ZkConfig};
+pub use config::{SCHEMES, ZkConfig, ZkLayout};
 
 /// Connects to the ensemble a `zk://` URL (any of [`SCHEMES`]) names.
 ///
