@@ -233,7 +233,8 @@ pub(crate) struct Inner {
 /// (`__READ__`, `__WRIT__`); a waiting reader watches only the nearest writer before it.
 /// Permits follow Curator's InterProcessSemaphoreV2 (`<key>/locks`, `<key>/leases`), with
 /// the permit count in lockkit's `<key>/lockkit-permits`. Each read, write or permit is a
-/// hold of its own node, lease and loss signal.
+/// hold of its own node, lease and loss signal. With `?layout=kazoo` the names are kazoo's
+/// and permits follow kazoo's `Semaphore` (see [`ZkLayout`](crate::ZkLayout)).
 ///
 /// A hold ends when its lease runs out unrenewed (its node is deleted), when its session
 /// expires, or when the client stays disconnected for two thirds of the session timeout,
