@@ -27,8 +27,8 @@ use crate::{
     path::encode,
     queue::{
         KAZOO_SEMAPHORE_LOCK_SUFFIX, LEASES_DIR, LOCKS_DIR, PERMITS_DIR, Standing,
-        contender_prefix, contenders_in_order, downgrade_name, holding, is_kazoo_lease,
-        kind_of_node, sequence_of, standing,
+        contender_prefix, contenders_in_order, downgrade_name, holding, is_contender,
+        is_kazoo_lease, kind_of_node, sequence_of, standing,
     },
 };
 
@@ -686,7 +686,7 @@ impl ZkBackend {
             // Semaphores keep non-sequential children (Curator's directories, kazoo's
             // leases) or data (kazoo's count) in the key's node; a lock's node has neither.
             if check_semaphore
-                && (dir_stat.data_length > 0 || children.iter().any(|c| sequence_of(c).is_none()))
+                && (dir_stat.data_length > 0 || children.iter().any(|c| !is_contender(c)))
             {
                 check_semaphore = false;
                 let found = match answer_by(
@@ -1155,9 +1155,7 @@ impl ZkBackend {
                     Err(e) => return Err(zk_error("reading the lease node", e)),
                 }
             }
-            let other = children
-                .iter()
-                .find(|c| sequence_of(c).is_some() || !is_kazoo_lease(c));
+            let other = children.iter().find(|c| !is_kazoo_lease(c));
             if let Some(other) = other {
                 // A refusal is final: decided on the leader's view (the sync), never on a
                 // follower's that may still list a deleted node.
@@ -1169,7 +1167,7 @@ impl ZkBackend {
                     synced = true;
                     continue;
                 }
-                let found = if sequence_of(other).is_some() {
+                let found = if is_contender(other) {
                     "is used as a lock".to_owned()
                 } else {
                     "is a semaphore in Curator's layout (take its permits with \
@@ -1227,9 +1225,10 @@ impl ZkBackend {
     /// Makes sure `semaphore` is a kazoo semaphore node of `limit` permits, as kazoo's
     /// `Semaphore._ensure_path` does: created persistent (kazoo's node stays after the last
     /// lease) with the count as its data when missing; otherwise its data is checked. Data
-    /// that is not a number is accepted unchecked, as kazoo accepts it; an empty node gets
-    /// the count written. An empty container (a lock's node lockkit made, which the server
-    /// would remove under kazoo's feet) is replaced by a persistent node.
+    /// that is not a number is accepted unchecked, as kazoo accepts it. An empty node
+    /// without children (a lock's container, which the server would remove under kazoo's
+    /// feet, or a node kazoo has not written its count to yet) is replaced by a persistent
+    /// node with the count.
     ///
     /// # Errors
     /// [`Error::KindMismatch`] when the node keeps another count (kazoo's `ValueError`),
@@ -1287,32 +1286,36 @@ impl ZkBackend {
                     });
                 }
                 None if !data.is_empty() => return Ok(()),
-                // A container (its ephemeral owner is ZooKeeper's container mark).
-                None if stat.ephemeral_owner == i64::MIN => {
-                    if stat.num_children > 0 {
-                        // In use (a lock's queue, a Curator-layout semaphore): the lease
-                        // loop refuses it.
-                        return Ok(());
-                    }
-                    match client.delete(semaphore, Some(stat.version)).await {
-                        Ok(())
-                        | Err(
+                // In use (a lock's queue, a Curator-layout semaphore): the lease loop
+                // refuses it.
+                None if stat.num_children > 0 => return Ok(()),
+                // Empty: a lock's node (a container, which the server removes once its last
+                // child went, under kazoo's feet: its node must stay) or one kazoo's
+                // `ensure_path` made before writing its count. The server hides containers
+                // in `Stat`, so either is replaced, in one transaction (never missing for
+                // anyone), by the persistent node with the count.
+                None => {
+                    let mut replace = client.new_multi_writer();
+                    replace
+                        .add_delete(semaphore, Some(stat.version))
+                        .and_then(|()| replace.add_create(semaphore, count.as_bytes(), &persistent))
+                        .map_err(|e| zk_error("making the semaphore node", e))?;
+                    match replace
+                        .commit()
+                        .await
+                        .map_err(zookeeper_client::Error::from)
+                    {
+                        Ok(_) => return Ok(()),
+                        // Changed meanwhile: look again.
+                        Err(
                             zookeeper_client::Error::NoNode
                             | zookeeper_client::Error::BadVersion
-                            | zookeeper_client::Error::NotEmpty,
+                            | zookeeper_client::Error::NotEmpty
+                            | zookeeper_client::Error::NodeExists,
                         ) => {}
-                        Err(e) => return Err(zk_error("replacing the key's container node", e)),
+                        Err(e) => return Err(zk_error("making the semaphore node", e)),
                     }
                 }
-                None => match client
-                    .set_data(semaphore, count.as_bytes(), Some(stat.version))
-                    .await
-                {
-                    Ok(_)
-                    | Err(zookeeper_client::Error::NoNode | zookeeper_client::Error::BadVersion) => {
-                    }
-                    Err(e) => return Err(zk_error("writing the semaphore's count", e)),
-                },
             }
         }
         Err(Error::backend(

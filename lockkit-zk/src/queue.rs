@@ -79,6 +79,20 @@ pub(crate) fn sequence_text(name: &str) -> Option<&str> {
     digits.bytes().all(|b| b.is_ascii_digit()).then_some(digits)
 }
 
+/// Whether `name` is kazoo's `uuid4().hex` (32 lowercase hex digits): the name of a kazoo
+/// `Semaphore`'s lease, and of lockkit's in kazoo's layout. No lock layout names a
+/// contender so, yet its last 10 characters are all digits in about one name of 110: such a
+/// name is still a lease.
+pub(crate) fn is_uuid_hex(name: &str) -> bool {
+    name.len() == 32 && name.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f'))
+}
+
+/// Whether a child of a lock's directory is a contender: a sequential node of any layout
+/// (its name ends in ZooKeeper's 10-digit sequence), not a kazoo lease.
+pub(crate) fn is_contender(name: &str) -> bool {
+    sequence_of(name).is_some() && !is_uuid_hex(name)
+}
+
 /// Whether a contender is a read lock's (Curator's `__READ__`, kazoo's `__rlock__`); every
 /// other contender (a write lock's, a mutex's) excludes everyone.
 pub(crate) fn is_reader(name: &str) -> bool {
@@ -104,6 +118,7 @@ pub(crate) fn kind_of_node(name: &str) -> LockKind {
 pub(crate) fn contenders_in_order(children: &[String]) -> Vec<&String> {
     let mut queue: Vec<(u64, bool, &String)> = children
         .iter()
+        .filter(|c| is_contender(c))
         .filter_map(|c| Some((sequence_of(c)?, is_reader(c), c)))
         .collect();
     queue.sort();
@@ -166,7 +181,7 @@ pub(crate) fn downgrade_name(layout: ZkLayout, writer: &str, unique: Uuid) -> Op
 /// kazoo's `Semaphore` would count as one): neither a contender nor one of Curator's
 /// semaphore directories.
 pub(crate) fn is_kazoo_lease(name: &str) -> bool {
-    sequence_of(name).is_none() && ![LEASES_DIR, LOCKS_DIR, PERMITS_DIR].contains(&name)
+    !is_contender(name) && ![LEASES_DIR, LOCKS_DIR, PERMITS_DIR].contains(&name)
 }
 
 #[cfg(test)]
@@ -250,6 +265,17 @@ mod tests {
         assert_eq!(kind_of_node(&read), LockKind::Read);
         assert!(is_kazoo_lease(&hex));
         assert!(!is_kazoo_lease(&writer) && !is_kazoo_lease(LEASES_DIR));
+    }
+
+    #[test]
+    fn a_kazoo_lease_whose_hex_name_ends_in_ten_digits_is_no_contender() {
+        // `uuid4().hex` ends in ten decimal digits about once in 110 names.
+        let lease = "abcdef0123456789abcdef0123456789";
+        assert_eq!(lease.len(), 32);
+        assert!(is_kazoo_lease(lease), "a kazoo lease");
+        let children = names(&[lease, "f00d__lock__0000000003"]);
+        let queue = contenders_in_order(&children);
+        assert_eq!(queue, ["f00d__lock__0000000003"]);
     }
 
     #[test]

@@ -756,3 +756,73 @@ async fn semaphore_releases_wake_the_other_sides_waiter() {
     holder.finish();
     permit.release().await.unwrap();
 }
+
+/// A key whose lock was given back (its container node lingers until the server's next
+/// container sweep) can become a kazoo-layout semaphore: lockkit makes its node the
+/// persistent node kazoo expects, with the count as its data. A container would be removed
+/// by the server once its last lease went (the sweep runs every 60 s by default), and a
+/// kazoo client that had made sure of the path would then fail with `NoNodeError`. The
+/// server hides containers in `Stat`, so this waits out one sweep (and a wide margin).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lingering_lock_container_becomes_kazoos_persistent_semaphore_node() {
+    let Some(s) = setup_layout("kazoo").await else {
+        return;
+    };
+    let locker = Locker::new(s.backend.clone());
+    let client = s.backend.client().await.unwrap();
+    let dir = s.backend.lock_dir(&s.key);
+    locker
+        .acquire(&s.key)
+        .await
+        .unwrap()
+        .release()
+        .await
+        .unwrap();
+    let permit = locker.semaphore(&s.key, 2).try_acquire().ttl(TTL).await;
+    let permit = permit.unwrap().expect("a free semaphore");
+    let (data, _) = client.get_data(&dir).await.unwrap();
+    assert_eq!(data, b"2");
+    assert_eq!(kazoo_try(&s, &["sem-2", "try"]), "got");
+    permit.release().await.unwrap();
+    let sweeps = tokio::time::Instant::now() + Duration::from_secs(75);
+    while tokio::time::Instant::now() < sweeps {
+        let node = client.get_data(&dir).await;
+        assert!(
+            matches!(&node, Ok((data, _)) if data == b"2"),
+            "the semaphore node went with its last lease: {node:?}"
+        );
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    }
+    assert_eq!(kazoo_try(&s, &["sem-2", "try"]), "got");
+}
+
+/// A kazoo lease whose `uuid4().hex` name ends in ten decimal digits (about one name in
+/// 110) is a lease, not a lock's contender: lockkit counts it and grants the other permit
+/// instead of refusing the key as "used as a lock", and lists it among the holders.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_kazoo_lease_named_like_a_sequence_is_counted_as_a_lease() {
+    let Some(s) = setup_layout("kazoo").await else {
+        return;
+    };
+    let locker = Locker::new(s.backend.clone());
+    let client = s.backend.client().await.unwrap();
+    let dir = s.backend.lock_dir(&s.key);
+    let root = &s.backend.config().root;
+    let persistent =
+        zookeeper_client::CreateMode::Persistent.with_acls(zookeeper_client::Acls::anyone_all());
+    let ephemeral =
+        zookeeper_client::CreateMode::Ephemeral.with_acls(zookeeper_client::Acls::anyone_all());
+    client.mkdir(root, &persistent).await.unwrap();
+    // As kazoo's Semaphore makes them: the node with its count, a lease in it.
+    client.create(&dir, b"2", &persistent).await.unwrap();
+    let lease = format!("{dir}/abcdef0123456789abcdef0123456789");
+    client.create(&lease, b"kazoo", &ephemeral).await.unwrap();
+    let semaphore = locker.semaphore(&s.key, 2);
+    let permit = semaphore.try_acquire().ttl(TTL).await;
+    let permit = permit.unwrap().expect("one of two permits is free");
+    let third = semaphore.try_acquire().ttl(TTL).await.unwrap();
+    assert!(third.is_none(), "the kazoo lease was not counted");
+    assert_eq!(semaphore.holders().await.unwrap().len(), 2);
+    permit.release().await.unwrap();
+    client.delete(&lease, None).await.unwrap();
+}

@@ -439,3 +439,54 @@ async fn kazoo_layout_permits_cancelled_or_retried_leave_one_lease_each() {
     backend.release(&once).await.unwrap();
     settle(&backend, &dir, 0, "a released retried permit").await;
 }
+
+/// With kazoo's layout, waiters for a full semaphore queue on its lock and only the head
+/// watches the leases: a release wakes the head (the leases changed) and, once the head
+/// has its permit and lets go of the lock, the next in line (its predecessor went), not
+/// every waiter. Each later release hands on the same way, until all were granted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kazoo_layout_semaphore_waiters_are_not_a_herd() {
+    let Some(url) = env::service_url("LOCKKIT_TEST_ZK_URL") else {
+        return;
+    };
+    let key = key("kazoo-herd");
+    let holder = Locker::new(connect_kazoo(&url).await);
+    let waiters_backend = connect_kazoo(&url).await;
+    let waiters = Locker::new(waiters_backend.clone());
+    let lock_dir = format!("{}-__lock__", waiters_backend.lock_dir(&key));
+    let held = holder.semaphore(&key, 1).acquire().ttl(TTL).await.unwrap();
+    let mut waiting = Vec::new();
+    for _ in 0..4 {
+        let (waiters, key) = (waiters.clone(), key.clone());
+        waiting.push(tokio::spawn(async move {
+            waiters
+                .semaphore(&key, 1)
+                .acquire()
+                .ttl(TTL)
+                .wait(Duration::from_secs(60))
+                .await
+        }));
+    }
+    settle(&waiters_backend, &lock_dir, 4, "the waiters queue").await;
+    let before = waiters_backend.watch_wakeups();
+    held.release().await.unwrap();
+    // One waiter is granted, and the next in line takes its place at the head.
+    settle(&waiters_backend, &lock_dir, 3, "the head was granted").await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let woken = waiters_backend.watch_wakeups() - before;
+    assert!(
+        woken <= 2,
+        "one release woke {woken} waiters' watches: a herd (4 waiters queued)"
+    );
+    let mut granted = 0;
+    while granted < 4 {
+        let done = waiting.iter().position(|w| w.is_finished());
+        let Some(done) = done else {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+            continue;
+        };
+        let permit = waiting.swap_remove(done).await.unwrap().unwrap();
+        granted += 1;
+        permit.release().await.unwrap();
+    }
+}
