@@ -826,3 +826,73 @@ async fn a_kazoo_lease_named_like_a_sequence_is_counted_as_a_lease() {
     permit.release().await.unwrap();
     client.delete(&lease, None).await.unwrap();
 }
+
+/// A lockkit permit holder that stops renewing (paused, or its watchdog off) past its
+/// lease loses the permit: its lease node is deleted, a kazoo waiter is granted, and the
+/// guard says it is lost.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unrenewed_lockkit_permit_frees_its_lease_for_a_kazoo_waiter() {
+    let Some(s) = setup_layout("kazoo&session_timeout=2s").await else {
+        return;
+    };
+    let locker = Locker::new(s.backend.clone());
+    let lease = Duration::from_secs(2);
+    let permit = locker
+        .semaphore(&s.key, 1)
+        .try_acquire()
+        .ttl(lease)
+        .no_watchdog()
+        .await;
+    let permit = permit.unwrap().expect("a free semaphore");
+    let granted = std::time::Instant::now();
+    let waiter = run(&s, &["sem-1", "wait", "30"]);
+    waiter.expect("waiting");
+    let got = waiter.expect("got");
+    assert!(
+        got - granted >= lease / 2,
+        "kazoo got the permit {:?} into a {lease:?} lease",
+        got - granted
+    );
+    assert!(
+        got - granted < lease + WOKEN_WITHIN,
+        "kazoo got the permit {:?} after an unrenewed {lease:?} lease",
+        got - granted
+    );
+    assert!(
+        !permit.is_valid(),
+        "the unrenewed permit still believed it held"
+    );
+    waiter.finish();
+    assert!(
+        permit.release().await.is_err(),
+        "a lost permit's release must say so"
+    );
+}
+
+/// A kazoo holder killed without a release keeps its lease until its session expires
+/// (kazoo's default 10 s); then a lockkit waiter is granted the permit (woken by the
+/// lease's going, within a wide margin).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_kazoo_holders_lease_goes_to_a_lockkit_waiter_with_its_session() {
+    let Some(s) = setup_layout("kazoo").await else {
+        return;
+    };
+    let locker = Locker::new(s.backend.clone());
+    let holder = run(&s, &["sem-1", "hold", "120"]);
+    holder.expect("held");
+    holder.kill();
+    let killed = std::time::Instant::now();
+    let permit = locker
+        .semaphore(&s.key, 1)
+        .acquire()
+        .ttl(TTL)
+        .wait(Duration::from_secs(60))
+        .await
+        .expect("the killed kazoo holder's lease must go with its session");
+    let after = killed.elapsed();
+    assert!(
+        after < Duration::from_secs(10) + WOKEN_WITHIN + Duration::from_secs(10),
+        "granted {after:?} after the kill: not when kazoo's 10 s session expired"
+    );
+    permit.release().await.unwrap();
+}
