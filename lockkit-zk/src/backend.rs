@@ -23,11 +23,12 @@ use uuid::Uuid;
 use zookeeper_client::{Acls, Client, CreateMode, SessionState};
 
 use crate::{
-    ZkConfig,
+    ZkConfig, ZkLayout,
     path::encode,
     queue::{
-        LEASES_DIR, LOCK_LABEL, LOCKS_DIR, PERMITS_DIR, Standing, contenders_in_order,
-        downgrade_name, holding, kind_of_node, label_of, sequence_of, standing,
+        KAZOO_SEMAPHORE_LOCK_SUFFIX, LEASES_DIR, LOCKS_DIR, PERMITS_DIR, Standing,
+        contender_prefix, contenders_in_order, downgrade_name, holding, is_contender,
+        is_kazoo_lease, kind_of_node, sequence_of, standing,
     },
 };
 
@@ -232,7 +233,8 @@ pub(crate) struct Inner {
 /// (`__READ__`, `__WRIT__`); a waiting reader watches only the nearest writer before it.
 /// Permits follow Curator's InterProcessSemaphoreV2 (`<key>/locks`, `<key>/leases`), with
 /// the permit count in lockkit's `<key>/lockkit-permits`. Each read, write or permit is a
-/// hold of its own node, lease and loss signal.
+/// hold of its own node, lease and loss signal. With `?layout=kazoo` the names are kazoo's
+/// and permits follow kazoo's `Semaphore` (see [`ZkLayout`](crate::ZkLayout)).
 ///
 /// A hold ends when its lease runs out unrenewed (its node is deleted), when its session
 /// expires, or when the client stays disconnected for two thirds of the session timeout,
@@ -436,13 +438,13 @@ impl ZkBackend {
         &self,
         session: &Arc<Session>,
         dir: &str,
-        label: &str,
+        kind: LockKind,
         req: &AcquireRequest,
         deadline: Instant,
         interrupt: &Interrupt,
     ) -> Result<Option<(String, u64)>> {
         let client = &session.client;
-        let unique = format!("_c_{}{label}", Uuid::new_v4());
+        let unique = contender_prefix(self.inner.config.layout, kind, Uuid::new_v4());
         // After a lost reply a create may have happened without our knowing: any node of
         // ours but the one we use must go, or it would hold the key while the session lives.
         let mut uncertain = false;
@@ -572,15 +574,16 @@ impl ZkBackend {
         ))
     }
 
-    /// Queues `req` in `dir` as a contender named `label` and waits until the queue rule
-    /// ([`standing`]) says it holds, watching only the one node it waits for. `None` when
-    /// the wait ran out or the caller went away (the node is deleted then). In the key's
-    /// own directory, a key in use as a semaphore is refused with `KindMismatch`.
+    /// Queues `req` in `dir` as a contender of `kind` (named as the layout names it) and
+    /// waits until the queue rule ([`standing`]) says it holds, watching only the one node
+    /// it waits for. `None` when the wait ran out or the caller went away (the node is
+    /// deleted then). In the key's own directory, a key in use as a semaphore (of either
+    /// layout) is refused with `KindMismatch`.
     async fn queue_for(
         &self,
         attempt: &Attempting<'_>,
         dir: &str,
-        label: &str,
+        kind: LockKind,
         req: &AcquireRequest,
     ) -> Result<Option<Queued>> {
         let Attempting {
@@ -595,7 +598,7 @@ impl ZkBackend {
             .create_contender(
                 session,
                 dir,
-                label,
+                kind,
                 req,
                 self.request_end(deadline),
                 interrupt,
@@ -654,7 +657,7 @@ impl ZkBackend {
         let granted_at = loop {
             let sent = Instant::now();
             let listed = match answer_by(
-                client.list_children(dir),
+                client.get_children(dir),
                 self.request_end(deadline),
                 interrupt,
             )
@@ -666,8 +669,8 @@ impl ZkBackend {
                     return unanswered_wait(why, "listing contenders");
                 }
             };
-            let children = match listed {
-                Ok(children) => children,
+            let (children, dir_stat) = match listed {
+                Ok(listed) => listed,
                 Err(e) if connection_failed(&e) => {
                     if retry_or_give_up(&node, e, "listing contenders").await? {
                         continue;
@@ -680,7 +683,11 @@ impl ZkBackend {
                 }
             };
             session.touch(sent);
-            if check_semaphore && children.iter().any(|c| c == LEASES_DIR || c == PERMITS_DIR) {
+            // Semaphores keep non-sequential children (Curator's directories, kazoo's
+            // leases) or data (kazoo's count) in the key's node; a lock's node has neither.
+            if check_semaphore
+                && (dir_stat.data_length > 0 || children.iter().any(|c| !is_contender(c)))
+            {
                 check_semaphore = false;
                 let found = match answer_by(
                     semaphore_in_use(&client, dir),
@@ -802,10 +809,7 @@ impl ZkBackend {
             return self.take_permit(&attempt, req, limit.get()).await;
         }
         let dir = self.lock_dir(&req.key);
-        let Some(queued) = self
-            .queue_for(&attempt, &dir, label_of(req.kind), req)
-            .await?
-        else {
+        let Some(queued) = self.queue_for(&attempt, &dir, req.kind, req).await? else {
             return Ok(None);
         };
         Ok(Some(self.register(req, &session, queued, None)))
@@ -869,7 +873,8 @@ impl ZkBackend {
         let client = &session.client;
         let dir = self.lock_dir(&req.key);
         let writer_name = writer.node.rsplit('/').next().unwrap_or_default();
-        let Some(name) = downgrade_name(writer_name, &Uuid::new_v4().to_string()) else {
+        let layout = self.inner.config.layout;
+        let Some(name) = downgrade_name(layout, writer_name, Uuid::new_v4()) else {
             return Err(Error::backend(
                 BACKEND,
                 false,
@@ -951,6 +956,9 @@ impl ZkBackend {
             patient,
             interrupt,
         } = *attempt;
+        if self.inner.config.layout == ZkLayout::Kazoo {
+            return self.take_kazoo_permit(attempt, req, limit).await;
+        }
         let client = &session.client;
         let dir = self.lock_dir(&req.key);
         let marker = format!("{dir}/{PERMITS_DIR}/{}", Uuid::new_v4());
@@ -981,7 +989,10 @@ impl ZkBackend {
             Leased::Full if !patient => return Ok(None),
             Leased::Full => {
                 let locks = format!("{dir}/{LOCKS_DIR}");
-                let Some(mutex) = self.queue_for(attempt, &locks, LOCK_LABEL, req).await? else {
+                let Some(mutex) = self
+                    .queue_for(attempt, &locks, LockKind::Exclusive, req)
+                    .await?
+                else {
                     return Ok(None);
                 };
                 // Let go of when this returns, whatever happens (as Curator's `finally`).
@@ -994,6 +1005,324 @@ impl ZkBackend {
         };
         unmark.0 = None;
         Ok(Some(self.register(req, session, queued, Some(marker))))
+    }
+
+    /// One permit in kazoo's `Semaphore` layout (`layout=kazoo`), taken as kazoo takes a
+    /// lease: the semaphore node `<root>/<key>` (persistent, its data the permit count,
+    /// checked as kazoo checks it), then kazoo's `Lock` at the sibling
+    /// `<root>/<key>-__lock__` (the FIFO queue, with predecessor watches, in kazoo's names),
+    /// and under it: list the leases (watching them), create the lease `<root>/<key>/<uuid
+    /// hex>` (ephemeral, not sequential) when fewer than `limit` exist, or wait for the
+    /// leases to change. Always under the lock, unlike the Curator layout's first try: kazoo
+    /// counts before it creates, so a lease created beside a kazoo lock holder could make
+    /// one too many. Only the lock's holder watches the leases (no herd). The lock is let go
+    /// in every case; a lease whose create was sent is deleted unless it is granted.
+    async fn take_kazoo_permit(
+        &self,
+        attempt: &Attempting<'_>,
+        req: &AcquireRequest,
+        limit: u32,
+    ) -> Result<Option<Grant>> {
+        let Attempting {
+            session,
+            deadline,
+            interrupt,
+            ..
+        } = *attempt;
+        let semaphore = self.lock_dir(&req.key);
+        match answer_by(
+            self.kazoo_semaphore_node(&session.client, &semaphore, req, limit),
+            self.request_end(deadline),
+            interrupt,
+        )
+        .await
+        {
+            Ok(made) => made?,
+            Err(Unanswered::Interrupted) => return Ok(None),
+            Err(Unanswered::TooLate) => {
+                return Err(unanswered(
+                    "setting up the semaphore node",
+                    self.request_limit(),
+                ));
+            }
+        }
+        let lock_dir = format!("{semaphore}{KAZOO_SEMAPHORE_LOCK_SUFFIX}");
+        let Some(mutex) = self
+            .queue_for(attempt, &lock_dir, LockKind::Exclusive, req)
+            .await?
+        else {
+            return Ok(None);
+        };
+        // Let go of when this returns, whatever happens (kazoo's `finally: lock.release()`).
+        let mut unlock = DeleteOnDrop(Some((session.clone(), mutex.node.clone())));
+        let leased = self.kazoo_lease(attempt, &semaphore, req, limit).await;
+        // Deleted before answering, so that a client that asks next finds the lock free
+        // (kept on in the background if the server is slow).
+        unlock.0 = None;
+        let deleting = tokio::spawn(delete_until_gone(session.clone(), mutex.node));
+        let _ = tokio::time::timeout(self.request_limit(), deleting).await;
+        Ok(leased?.map(|queued| self.register(req, session, queued, None)))
+    }
+
+    /// Under a kazoo semaphore's lock: the lease of one permit in `semaphore`, as kazoo's
+    /// `_get_lease` takes it (list the leases with a watch; create one when fewer than
+    /// `limit` exist), waiting for the leases to change while it may. A create whose reply
+    /// was lost is found again by its name (new for each attempt). `None` when the wait ran
+    /// out or the caller went away; a lease whose create was sent is deleted then.
+    ///
+    /// # Errors
+    /// [`Error::KindMismatch`] when the key's node holds lock contenders or a Curator-layout
+    /// semaphore (decided on the leader's view); [`Error::Backend`] when ZooKeeper fails.
+    async fn kazoo_lease(
+        &self,
+        attempt: &Attempting<'_>,
+        semaphore: &str,
+        req: &AcquireRequest,
+        limit: u32,
+    ) -> Result<Option<Queued>> {
+        let Attempting {
+            session,
+            deadline,
+            patient,
+            interrupt,
+        } = *attempt;
+        let client = &session.client;
+        let name = Uuid::new_v4().simple().to_string();
+        let lease = format!("{semaphore}/{name}");
+        let data = contender_record(&req.owner.to_string(), 1, &req.identity.encode());
+        let ephemeral = CreateMode::Ephemeral.with_acls(Acls::anyone_all());
+        let limit = usize::try_from(limit).unwrap_or(usize::MAX);
+        // Armed once a create is sent: its outcome is unknown until answered.
+        let mut unlease = DeleteOnDrop(None);
+        // When the first create was sent: a lease found after a lost reply may date from it.
+        let mut first_sent: Option<Instant> = None;
+        let mut synced = false;
+        let unanswered_wait = |why: Unanswered, doing: &str| match why {
+            Unanswered::Interrupted => Ok(None),
+            Unanswered::TooLate => Err(unanswered(doing, self.request_limit())),
+        };
+        let granted = |unlease: &mut DeleteOnDrop, czxid: i64, granted_at: Instant| {
+            unlease.0 = None;
+            Ok(Some(Queued {
+                node: lease.clone(),
+                czxid: u64::try_from(czxid).unwrap_or(0),
+                granted_at,
+            }))
+        };
+        loop {
+            let sent = Instant::now();
+            let listed = match answer_by(
+                client.list_and_watch_children(semaphore),
+                self.request_end(deadline),
+                interrupt,
+            )
+            .await
+            {
+                Ok(listed) => listed,
+                Err(why) => return unanswered_wait(why, "listing the semaphore's leases"),
+            };
+            let (children, watcher) = match listed {
+                Ok(listed) => listed,
+                Err(e) if connection_failed(&e) && Instant::now() < deadline => {
+                    if !pause_unless_interrupted(deadline, interrupt).await {
+                        return Ok(None);
+                    }
+                    continue;
+                }
+                Err(zookeeper_client::Error::NoNode) => {
+                    return Err(Error::backend(
+                        BACKEND,
+                        true,
+                        format!("the semaphore node `{semaphore}` was deleted meanwhile"),
+                    ));
+                }
+                Err(e) => return Err(zk_error("listing the semaphore's leases", e)),
+            };
+            session.touch(sent);
+            if children.contains(&name) {
+                // Our create went through, its reply was lost.
+                match client.check_stat(&lease).await {
+                    Ok(Some(stat)) => {
+                        return granted(&mut unlease, stat.czxid, first_sent.unwrap_or(sent));
+                    }
+                    Ok(None) => {
+                        return Err(Error::backend(
+                            BACKEND,
+                            true,
+                            "the lease node vanished (session expired?)",
+                        ));
+                    }
+                    Err(e) => return Err(zk_error("reading the lease node", e)),
+                }
+            }
+            let other = children.iter().find(|c| !is_kazoo_lease(c));
+            if let Some(other) = other {
+                // A refusal is final: decided on the leader's view (the sync), never on a
+                // follower's that may still list a deleted node.
+                if !synced {
+                    client
+                        .sync("/")
+                        .await
+                        .map_err(|e| zk_error("syncing before refusing a permit", e))?;
+                    synced = true;
+                    continue;
+                }
+                let found = if is_contender(other) {
+                    "is used as a lock".to_owned()
+                } else {
+                    "is a semaphore in Curator's layout (take its permits with \
+                     `layout=curator`)"
+                        .to_owned()
+                };
+                return Err(Error::KindMismatch {
+                    key: req.key.clone(),
+                    found,
+                    asked: req.kind,
+                });
+            }
+            if children.len() < limit {
+                let sent = Instant::now();
+                first_sent.get_or_insert(sent);
+                unlease.0 = Some((session.clone(), lease.clone()));
+                let created = match answer_by(
+                    client.create(&lease, data.as_bytes(), &ephemeral),
+                    self.request_end(deadline),
+                    interrupt,
+                )
+                .await
+                {
+                    Ok(created) => created,
+                    Err(why) => return unanswered_wait(why, "creating the lease node"),
+                };
+                match created {
+                    Ok((stat, _)) => {
+                        session.touch(sent);
+                        return granted(&mut unlease, stat.czxid, sent);
+                    }
+                    // Listed again: the lease is found by its name if it was made.
+                    Err(e) if connection_failed(&e) || e == zookeeper_client::Error::NodeExists => {
+                        if !pause_unless_interrupted(self.request_end(deadline), interrupt).await {
+                            return Ok(None);
+                        }
+                        continue;
+                    }
+                    Err(e) => return Err(zk_error("creating the lease node", e)),
+                }
+            }
+            if !patient || Instant::now() >= deadline {
+                return Ok(None);
+            }
+            tokio::select! {
+                _ = watcher.changed() => {
+                    self.inner.wakeups.fetch_add(1, Ordering::SeqCst);
+                }
+                _ = tokio::time::sleep_until(deadline) => return Ok(None),
+                _ = interrupt.interrupted() => return Ok(None),
+            }
+        }
+    }
+
+    /// Makes sure `semaphore` is a kazoo semaphore node of `limit` permits, as kazoo's
+    /// `Semaphore._ensure_path` does: created persistent (kazoo's node stays after the last
+    /// lease) with the count as its data when missing; otherwise its data is checked. Data
+    /// that is not a number is accepted unchecked, as kazoo accepts it. An empty node
+    /// without children (a lock's container, which the server would remove under kazoo's
+    /// feet, or a node kazoo has not written its count to yet) is replaced by a persistent
+    /// node with the count.
+    ///
+    /// # Errors
+    /// [`Error::KindMismatch`] when the node keeps another count (kazoo's `ValueError`),
+    /// decided on the leader's view; [`Error::Backend`] when ZooKeeper fails.
+    async fn kazoo_semaphore_node(
+        &self,
+        client: &Client,
+        semaphore: &str,
+        req: &AcquireRequest,
+        limit: u32,
+    ) -> Result<()> {
+        let count = limit.to_string();
+        let acls = Acls::anyone_all();
+        let persistent = CreateMode::Persistent.with_acls(acls);
+        let mut synced = false;
+        for _ in 0..8 {
+            let (data, stat) = match client.get_data(semaphore).await {
+                Ok(read) => read,
+                Err(zookeeper_client::Error::NoNode) => {
+                    client
+                        .mkdir(&self.inner.config.root, &persistent)
+                        .await
+                        .map_err(|e| zk_error("creating the root node", e))?;
+                    match client
+                        .create(semaphore, count.as_bytes(), &persistent)
+                        .await
+                    {
+                        Ok(_) => return Ok(()),
+                        Err(
+                            zookeeper_client::Error::NodeExists | zookeeper_client::Error::NoNode,
+                        ) => continue,
+                        Err(e) => return Err(zk_error("creating the semaphore node", e)),
+                    }
+                }
+                Err(e) => return Err(zk_error("reading the semaphore node", e)),
+            };
+            match kazoo_count(&data) {
+                Some(stored) if stored == i64::from(limit) => return Ok(()),
+                Some(_) if !synced => {
+                    client
+                        .sync("/")
+                        .await
+                        .map_err(|e| zk_error("syncing before refusing a permit", e))?;
+                    synced = true;
+                }
+                Some(stored) => {
+                    return Err(Error::KindMismatch {
+                        key: req.key.clone(),
+                        found: format!(
+                            "is a kazoo semaphore of {stored} permits (the count is the data of \
+                             `{semaphore}`, which stays after the last lease: delete that node \
+                             to change it)"
+                        ),
+                        asked: req.kind,
+                    });
+                }
+                None if !data.is_empty() => return Ok(()),
+                // In use (a lock's queue, a Curator-layout semaphore): the lease loop
+                // refuses it.
+                None if stat.num_children > 0 => return Ok(()),
+                // Empty: a lock's node (a container, which the server removes once its last
+                // child went, under kazoo's feet: its node must stay) or one kazoo's
+                // `ensure_path` made before writing its count. The server hides containers
+                // in `Stat`, so either is replaced, in one transaction (never missing for
+                // anyone), by the persistent node with the count.
+                None => {
+                    let mut replace = client.new_multi_writer();
+                    replace
+                        .add_delete(semaphore, Some(stat.version))
+                        .and_then(|()| replace.add_create(semaphore, count.as_bytes(), &persistent))
+                        .map_err(|e| zk_error("making the semaphore node", e))?;
+                    match replace
+                        .commit()
+                        .await
+                        .map_err(zookeeper_client::Error::from)
+                    {
+                        Ok(_) => return Ok(()),
+                        // Changed meanwhile: look again.
+                        Err(
+                            zookeeper_client::Error::NoNode
+                            | zookeeper_client::Error::BadVersion
+                            | zookeeper_client::Error::NotEmpty
+                            | zookeeper_client::Error::NodeExists,
+                        ) => {}
+                        Err(e) => return Err(zk_error("making the semaphore node", e)),
+                    }
+                }
+            }
+        }
+        Err(Error::backend(
+            BACKEND,
+            true,
+            format!("could not set up the semaphore node of `{}`", req.key),
+        ))
     }
 
     /// Creates a lease in `leases` and, while `wait`ing (and the deadline allows), waits
@@ -1018,7 +1347,7 @@ impl ZkBackend {
             .create_contender(
                 session,
                 leases,
-                label_of(req.kind),
+                req.kind,
                 req,
                 self.request_end(deadline),
                 interrupt,
@@ -1115,9 +1444,15 @@ impl ZkBackend {
         let permits = format!("{dir}/{PERMITS_DIR}");
         // Both asked at once: one round trip.
         let (mut listed, mut first) =
-            tokio::join!(client.list_children(dir), client.get_data(&permits));
-        let used_as_lock = |listed: &std::result::Result<Vec<String>, zookeeper_client::Error>| matches!(listed, Ok(children) if !contenders_in_order(children).is_empty());
-        if used_as_lock(&listed) {
+            tokio::join!(client.get_children(dir), client.get_data(&permits));
+        // A lock's contenders, or a kazoo semaphore's count or leases in the key's node
+        // (kazoo would count Curator's directories as leases).
+        let as_lock = |children: &[String]| !contenders_in_order(children).is_empty();
+        let as_kazoo = |children: &[String], stat: &zookeeper_client::Stat| {
+            stat.data_length > 0 || children.iter().any(|c| is_kazoo_lease(c))
+        };
+        if matches!(&listed, Ok((children, stat)) if as_lock(children) || as_kazoo(children, stat))
+        {
             // A follower may still list a lock's node that another session deleted: a
             // refusal is final, so it is decided on the leader's view (the sync), never on
             // a lagging one. Only this rare path pays the round trip.
@@ -1125,11 +1460,18 @@ impl ZkBackend {
                 .sync("/")
                 .await
                 .map_err(|e| zk_error("syncing before refusing a permit", e))?;
-            (listed, first) = tokio::join!(client.list_children(dir), client.get_data(&permits));
+            (listed, first) = tokio::join!(client.get_children(dir), client.get_data(&permits));
         }
         match listed {
-            Ok(children) if !contenders_in_order(&children).is_empty() => {
+            Ok((children, _)) if as_lock(&children) => {
                 return Err(mismatch("is used as a lock".into()));
+            }
+            Ok((children, stat)) if as_kazoo(&children, &stat) => {
+                return Err(mismatch(
+                    "is a semaphore in kazoo's layout (its node keeps kazoo's count or leases): \
+                     take its permits with `layout=kazoo`"
+                        .into(),
+                ));
             }
             Ok(_) | Err(zookeeper_client::Error::NoNode) => {}
             Err(e) => return Err(zk_error("listing the key's nodes", e)),
@@ -1337,6 +1679,38 @@ async fn permit_holders(client: &Client, dir: &str) -> Result<Option<Vec<HolderI
     read_holders(client, nodes, total - holding).await
 }
 
+/// A kazoo semaphore's holders: every lease in its node (kazoo counts them all), with the
+/// count its data keeps; `waiters` counts the contenders of its lock at
+/// `<dir>-__lock__` (the one at the head may be about to take a free lease).
+async fn kazoo_permit_holders(
+    client: &Client,
+    dir: &str,
+    children: &[String],
+) -> Result<Option<Vec<HolderInfo>>> {
+    let limit = match client.get_data(dir).await {
+        Ok((data, _)) => kazoo_count(&data).and_then(|n| u32::try_from(n).ok()),
+        Err(zookeeper_client::Error::NoNode) => return Ok(None),
+        Err(e) => return Err(zk_error("reading the semaphore's count", e)),
+    };
+    let waiters = match client
+        .list_children(&format!("{dir}{KAZOO_SEMAPHORE_LOCK_SUFFIX}"))
+        .await
+    {
+        Ok(queued) => u32::try_from(contenders_in_order(&queued).len()).unwrap_or(u32::MAX),
+        Err(zookeeper_client::Error::NoNode) => 0,
+        Err(e) => return Err(zk_error("listing the semaphore's lock", e)),
+    };
+    let leases: Vec<&String> = children.iter().filter(|c| is_kazoo_lease(c)).collect();
+    let total = u32::try_from(leases.len()).unwrap_or(u32::MAX);
+    let kind =
+        std::num::NonZeroU32::new(limit.unwrap_or(total)).map(|limit| LockKind::Permit { limit });
+    let nodes = leases
+        .into_iter()
+        .filter_map(|c| Some((format!("{dir}/{c}"), kind?)))
+        .collect();
+    read_holders(client, nodes, waiters).await
+}
+
 /// Whether the key whose directory is `dir` is in use as a semaphore (leases or lockkit
 /// permit registrations exist), and as what.
 async fn semaphore_in_use(client: &Client, dir: &str) -> Result<Option<String>> {
@@ -1352,8 +1726,40 @@ async fn semaphore_in_use(client: &Client, dir: &str) -> Result<Option<String>> 
     semaphore_seen(client, dir).await
 }
 
-/// [`semaphore_in_use`] on whatever view the session's server has.
+/// [`semaphore_in_use`] on whatever view the session's server has: a kazoo semaphore (a
+/// count in the key's node, or leases in it) or a Curator one.
 async fn semaphore_seen(client: &Client, dir: &str) -> Result<Option<String>> {
+    let (children, data) = match tokio::join!(client.list_children(dir), client.get_data(dir)) {
+        (Ok(children), Ok((data, _))) => (children, data),
+        (Err(zookeeper_client::Error::NoNode), _) | (_, Err(zookeeper_client::Error::NoNode)) => {
+            return Ok(None);
+        }
+        (Err(e), _) | (_, Err(e)) => return Err(zk_error("reading the key's node", e)),
+    };
+    if let Some(count) = kazoo_count(&data) {
+        return Ok(Some(format!(
+            "is a kazoo semaphore of {count} permits (kazoo keeps its node `{dir}` and the \
+             count in it after the last lease: delete the node to use the key otherwise)"
+        )));
+    }
+    if children.iter().any(|c| is_kazoo_lease(c)) {
+        return Ok(Some("is used as a semaphore (kazoo's layout)".into()));
+    }
+    if !children.iter().any(|c| c == LEASES_DIR || c == PERMITS_DIR) {
+        return Ok(None);
+    }
+    curator_semaphore_seen(client, dir).await
+}
+
+/// The permit count a kazoo semaphore keeps as its node's data, read as kazoo reads it
+/// (`int(data.decode("utf-8"))`); `None` for data that is not a number, which kazoo
+/// ignores too.
+fn kazoo_count(data: &[u8]) -> Option<i64> {
+    std::str::from_utf8(data).ok()?.trim().parse().ok()
+}
+
+/// A Curator-layout semaphore in `dir`: leases, or lockkit's permit registrations.
+async fn curator_semaphore_seen(client: &Client, dir: &str) -> Result<Option<String>> {
     let leases = match client.list_children(&format!("{dir}/{LEASES_DIR}")).await {
         Ok(leases) => leases.len(),
         Err(zookeeper_client::Error::NoNode) => 0,
@@ -1646,6 +2052,8 @@ impl LockBackend for ZkBackend {
             let queue = contenders_in_order(&children);
             let found = if queue.is_empty() && children.iter().any(|c| c == LEASES_DIR) {
                 permit_holders(client, &dir).await?
+            } else if queue.is_empty() && children.iter().any(|c| is_kazoo_lease(c)) {
+                kazoo_permit_holders(client, &dir, &children).await?
             } else {
                 let holding = holding(&queue);
                 let waiters = u32::try_from(queue.len() - holding.len()).unwrap_or(u32::MAX);

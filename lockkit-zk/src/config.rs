@@ -1,4 +1,4 @@
-//! ZooKeeper URLs: `zk://h1:p1,h2:p2,h3:p3/chroot?session_timeout=10s&root=/lockkit`.
+//! ZooKeeper URLs: `zk://h1:p1,h2:p2,h3:p3/chroot?session_timeout=10s&root=/lockkit&layout=curator`.
 
 use std::time::Duration;
 
@@ -23,6 +23,40 @@ pub struct ZkConfig {
     /// `?ttl=`: the default lease of locks taken through this URL (the facade applies it),
     /// as on every backend.
     pub ttl: Option<Duration>,
+    /// `?layout=curator|kazoo` (default `curator`): whose node names lockkit creates, so
+    /// that clients of that library on the same paths see lockkit's holds.
+    pub layout: ZkLayout,
+}
+
+/// Whose node names lockkit creates (`?layout=`). Whatever the layout, lockkit *reads*
+/// the lock, read and write contenders of both (and the ZooKeeper recipe's), so it always
+/// excludes both; the layout decides which of the two sees lockkit, and which semaphores
+/// count together with lockkit's permits. Use one layout for every lockkit client of a
+/// key: the two semaphore layouts cannot share a path.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub enum ZkLayout {
+    /// Apache Curator's: InterProcessMutex's `_c_<uuid>-lock-<seq>`,
+    /// InterProcessReadWriteLock's `_c_<uuid>-__READ__<seq>` and `_c_<uuid>-__WRIT__<seq>`,
+    /// InterProcessSemaphoreV2's `<path>/locks` and `<path>/leases/_c_<uuid>-lease-<seq>`.
+    #[default]
+    Curator,
+    /// kazoo's (2.x): `Lock` and `WriteLock`'s `<uuid hex>__lock__<seq>`, `ReadLock`'s
+    /// `<uuid hex>__rlock__<seq>`, and `Semaphore`'s layout: a persistent node `<path>`
+    /// whose data is the permit count, one ephemeral lease `<path>/<uuid hex>` per permit,
+    /// taken under a kazoo `Lock` at the sibling path `<path>-__lock__`. A stock kazoo
+    /// client needs no `extra_lock_patterns` to see lockkit.
+    Kazoo,
+}
+
+impl ZkLayout {
+    /// The option's value: `curator` or `kazoo`.
+    pub fn name(self) -> &'static str {
+        match self {
+            ZkLayout::Curator => "curator",
+            ZkLayout::Kazoo => "kazoo",
+        }
+    }
 }
 
 impl Default for ZkConfig {
@@ -34,6 +68,7 @@ impl Default for ZkConfig {
             root: "/lockkit".into(),
             connect_timeout: Duration::from_secs(5),
             ttl: None,
+            layout: ZkLayout::Curator,
         }
     }
 }
@@ -97,10 +132,23 @@ impl ZkConfig {
                 "session_timeout" => config.session_timeout = parse_duration(name, value)?,
                 "connect_timeout" => config.connect_timeout = parse_duration(name, value)?,
                 "ttl" => config.ttl = Some(parse_duration(name, value)?),
+                "layout" => {
+                    config.layout = match value {
+                        "curator" => ZkLayout::Curator,
+                        "kazoo" => ZkLayout::Kazoo,
+                        _ => {
+                            return Err(Error::Config(format!(
+                                "`layout={value}` in `{url}`: the layout is `curator` (the \
+                                 default: Apache Curator's node names) or `kazoo` (kazoo's)"
+                            )));
+                        }
+                    }
+                }
                 _ => {
-                    return Err(
-                        parts.unknown_option(option, "session_timeout, connect_timeout, root, ttl")
-                    );
+                    return Err(parts.unknown_option(
+                        option,
+                        "session_timeout, connect_timeout, root, ttl, layout",
+                    ));
                 }
             }
         }
@@ -130,6 +178,11 @@ mod tests {
             (c.session_timeout, c.root.as_str()),
             (Duration::from_secs(3), "/locks")
         );
+        assert_eq!(c.layout, ZkLayout::Curator);
+        let kazoo = ZkConfig::parse("zk://h?layout=kazoo").unwrap().layout;
+        assert_eq!((kazoo, kazoo.name()), (ZkLayout::Kazoo, "kazoo"));
+        let curator = ZkConfig::parse("zk://h?layout=curator").unwrap().layout;
+        assert_eq!(curator, ZkLayout::Curator);
     }
 
     #[test]
@@ -142,6 +195,9 @@ mod tests {
             "zk://a:1/",
             "zk://a:1?root=x",
             "zk://a:1?x=1",
+            "zk://a:1?layout=",
+            "zk://a:1?layout=Kazoo",
+            "zk://a:1?layout=zookeeper",
             "redis://a",
         ] {
             assert!(

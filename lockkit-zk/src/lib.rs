@@ -16,6 +16,11 @@
 //!   `<key>/leases/_c_<uuid>-lease-<seq>`), so Curator's leases and lockkit's permits count
 //!   together; the permit count, which Curator does not store, is kept in lockkit's own
 //!   `<key>/lockkit-permits` and checked among lockkit clients (`KindMismatch`).
+//! - With `?layout=kazoo` ([`ZkLayout::Kazoo`]) the same queues use kazoo's names
+//!   (`<uuid hex>__lock__<seq>` for plain and write locks, `<uuid hex>__rlock__<seq>` for
+//!   reads) and permits use kazoo's `Semaphore` layout (a persistent `<key>` node whose data
+//!   is the count, one ephemeral lease `<key>/<uuid hex>` per permit, taken under a kazoo
+//!   lock at `<key>-__lock__`), so stock kazoo clients see lockkit's holds.
 //! - The fencing token is the holder node's `czxid` (a reader's, a lease's).
 //! - Leases: a hold whose lease runs out unrenewed is given up (its node deleted); a dead,
 //!   paused or cut-off holder's node goes with its session, so leases are at least the
@@ -34,7 +39,7 @@ pub mod path;
 mod queue;
 
 pub use backend::ZkBackend;
-pub use config::{SCHEMES, ZkConfig};
+pub use config::{SCHEMES, ZkConfig, ZkLayout};
 
 /// Connects to the ensemble a `zk://` URL (any of [`SCHEMES`]) names.
 ///

@@ -3,10 +3,15 @@
 //!
 //! Names follow Apache Curator (protected `_c_<uuid>-` prefix): its InterProcessMutex's
 //! `lock-`, InterProcessReadWriteLock's `__READ__` and `__WRIT__`, and
-//! InterProcessSemaphoreV2's `locks/` and `leases/lease-`. kazoo's `__lock__` and
-//! `__rlock__` and the ZooKeeper recipe's `x-` are read as contenders too.
+//! InterProcessSemaphoreV2's `locks/` and `leases/lease-`; or, with `layout=kazoo`,
+//! kazoo's (`<uuid hex>__lock__`, `<uuid hex>__rlock__`, and its Semaphore's lease nodes
+//! and sibling `-__lock__` path). Whatever the layout, kazoo's `__lock__` and `__rlock__`
+//! and the ZooKeeper recipe's `x-` are read as contenders too.
 
 use lockkit_core::LockKind;
+use uuid::Uuid;
+
+use crate::ZkLayout;
 
 /// The name Curator's InterProcessMutex gives its contenders, after the protected prefix.
 pub(crate) const LOCK_LABEL: &str = "-lock-";
@@ -23,6 +28,33 @@ pub(crate) const LEASES_DIR: &str = "leases";
 /// lockkit's own node beside Curator's: a container whose data is the permit count, with
 /// one ephemeral child per lockkit permit holder or waiter (Curator stores no count).
 pub(crate) const PERMITS_DIR: &str = "lockkit-permits";
+
+/// kazoo's `Lock` and `WriteLock` contenders (`Lock._NODE_NAME`).
+pub(crate) const KAZOO_LOCK_LABEL: &str = "__lock__";
+/// kazoo's `ReadLock` contenders (`ReadLock._NODE_NAME`).
+pub(crate) const KAZOO_READ_LABEL: &str = "__rlock__";
+/// What kazoo's `Semaphore` appends to its path for the path of its lock
+/// (`lock_path = path + "-" + "__lock__"`).
+pub(crate) const KAZOO_SEMAPHORE_LOCK_SUFFIX: &str = "-__lock__";
+
+/// The prefix of a new contender node of `kind` (ZooKeeper appends the sequence):
+/// Curator's protected `_c_<unique>-lock-`, `-__READ__`, `-__WRIT__`, `-lease-`; kazoo's
+/// `<unique hex>__lock__` (plain and write locks, and a kazoo semaphore's lock) or
+/// `<unique hex>__rlock__`. `unique` makes it this attempt's: after a lost reply, the node
+/// is found again by its prefix.
+pub(crate) fn contender_prefix(layout: ZkLayout, kind: LockKind, unique: Uuid) -> String {
+    match layout {
+        ZkLayout::Kazoo => {
+            let label = if kind == LockKind::Read {
+                KAZOO_READ_LABEL
+            } else {
+                KAZOO_LOCK_LABEL
+            };
+            format!("{}{label}", unique.simple())
+        }
+        _ => format!("_c_{unique}{}", label_of(kind)),
+    }
+}
 
 /// The contender label for a kind of hold (permits use [`LEASE_LABEL`]).
 pub(crate) fn label_of(kind: LockKind) -> &'static str {
@@ -45,6 +77,20 @@ pub(crate) fn sequence_of(name: &str) -> Option<u64> {
 pub(crate) fn sequence_text(name: &str) -> Option<&str> {
     let digits = name.get(name.len().checked_sub(10)?..)?;
     digits.bytes().all(|b| b.is_ascii_digit()).then_some(digits)
+}
+
+/// Whether `name` is kazoo's `uuid4().hex` (32 lowercase hex digits): the name of a kazoo
+/// `Semaphore`'s lease, and of lockkit's in kazoo's layout. No lock layout names a
+/// contender so, yet its last 10 characters are all digits in about one name of 110: such a
+/// name is still a lease.
+pub(crate) fn is_uuid_hex(name: &str) -> bool {
+    name.len() == 32 && name.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f'))
+}
+
+/// Whether a child of a lock's directory is a contender: a sequential node of any layout
+/// (its name ends in ZooKeeper's 10-digit sequence), not a kazoo lease.
+pub(crate) fn is_contender(name: &str) -> bool {
+    sequence_of(name).is_some() && !is_uuid_hex(name)
 }
 
 /// Whether a contender is a read lock's (Curator's `__READ__`, kazoo's `__rlock__`); every
@@ -72,6 +118,7 @@ pub(crate) fn kind_of_node(name: &str) -> LockKind {
 pub(crate) fn contenders_in_order(children: &[String]) -> Vec<&String> {
     let mut queue: Vec<(u64, bool, &String)> = children
         .iter()
+        .filter(|c| is_contender(c))
         .filter_map(|c| Some((sequence_of(c)?, is_reader(c), c)))
         .collect();
     queue.sort();
@@ -120,9 +167,21 @@ pub(crate) fn holding(queue: &[&String]) -> Vec<usize> {
 /// The name of the read node that downgrades the write node `writer` (the fixed form of
 /// CURATOR-621): a plain ephemeral node that carries the writer's sequence, so it keeps the
 /// writer's place in the queue when the write is released. `None` when `writer` is not
-/// sequential.
-pub(crate) fn downgrade_name(writer: &str, unique: &str) -> Option<String> {
-    Some(format!("_c_{unique}{READ_LABEL}{}", sequence_text(writer)?))
+/// sequential. kazoo compares sequence strings, so its writers queued behind see the
+/// kazoo-named read node (`<hex>__rlock__<s>`) before them, and its readers do not count it.
+pub(crate) fn downgrade_name(layout: ZkLayout, writer: &str, unique: Uuid) -> Option<String> {
+    Some(format!(
+        "{}{}",
+        contender_prefix(layout, LockKind::Read, unique),
+        sequence_text(writer)?
+    ))
+}
+
+/// Whether a child of a key's node is one of kazoo's semaphore leases (or anything else
+/// kazoo's `Semaphore` would count as one): neither a contender nor one of Curator's
+/// semaphore directories.
+pub(crate) fn is_kazoo_lease(name: &str) -> bool {
+    !is_contender(name) && ![LEASES_DIR, LOCKS_DIR, PERMITS_DIR].contains(&name)
 }
 
 #[cfg(test)]
@@ -181,10 +240,50 @@ mod tests {
     }
 
     #[test]
+    fn kazoo_names_are_kazoos() {
+        let unique = Uuid::from_u128(0xab);
+        let hex = unique.simple().to_string();
+        assert_eq!(
+            contender_prefix(ZkLayout::Kazoo, LockKind::Exclusive, unique),
+            format!("{hex}__lock__")
+        );
+        assert_eq!(
+            contender_prefix(ZkLayout::Kazoo, LockKind::Write, unique),
+            format!("{hex}__lock__")
+        );
+        assert_eq!(
+            contender_prefix(ZkLayout::Kazoo, LockKind::Read, unique),
+            format!("{hex}__rlock__")
+        );
+        assert_eq!(
+            contender_prefix(ZkLayout::Curator, LockKind::Write, unique),
+            format!("_c_{unique}-__WRIT__")
+        );
+        let writer = format!("{hex}__lock__0000000012");
+        let read = downgrade_name(ZkLayout::Kazoo, &writer, unique).unwrap();
+        assert_eq!(read, format!("{hex}__rlock__0000000012"));
+        assert_eq!(kind_of_node(&read), LockKind::Read);
+        assert!(is_kazoo_lease(&hex));
+        assert!(!is_kazoo_lease(&writer) && !is_kazoo_lease(LEASES_DIR));
+    }
+
+    #[test]
+    fn a_kazoo_lease_whose_hex_name_ends_in_ten_digits_is_no_contender() {
+        // `uuid4().hex` ends in ten decimal digits about once in 110 names.
+        let lease = "abcdef0123456789abcdef0123456789";
+        assert_eq!(lease.len(), 32);
+        assert!(is_kazoo_lease(lease), "a kazoo lease");
+        let children = names(&[lease, "f00d__lock__0000000003"]);
+        let queue = contenders_in_order(&children);
+        assert_eq!(queue, ["f00d__lock__0000000003"]);
+    }
+
+    #[test]
     fn a_downgrade_keeps_the_writers_place() {
         let writer = "_c_w-__WRIT__0000000004";
-        let read = downgrade_name(writer, "r").unwrap();
-        assert_eq!(read, "_c_r-__READ__0000000004");
+        let unique = Uuid::from_u128(1);
+        let read = downgrade_name(ZkLayout::Curator, writer, unique).unwrap();
+        assert_eq!(read, format!("_c_{unique}-__READ__0000000004"));
         let children = names(&[
             "_c_x-__WRIT__0000000006",
             &read,

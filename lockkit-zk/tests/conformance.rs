@@ -1,5 +1,6 @@
 //! The conformance suite against the private ZooKeeper servers from
-//! `scripts/services.sh`: the standalone server and the 3-node ensemble.
+//! `scripts/services.sh`: the standalone server and the 3-node ensemble (Curator's layout,
+//! the default), and the standalone server once more with kazoo's layout (`layout=kazoo`).
 
 use std::{sync::Arc, time::Duration};
 
@@ -10,6 +11,8 @@ use lockkit_zk::{ZkBackend, path::encode_str};
 struct ZkHarness {
     name: &'static str,
     url: String,
+    /// The URL options of every client: the session timeout, and the layout.
+    options: String,
     clients: ProxiedClients<ZkBackend>,
 }
 
@@ -17,10 +20,16 @@ const SESSION: Duration = Duration::from_secs(2);
 
 impl ZkHarness {
     async fn new(name: &'static str, var: &str) -> Option<Self> {
+        Self::with_layout(name, var, "curator").await
+    }
+
+    async fn with_layout(name: &'static str, var: &str, layout: &str) -> Option<Self> {
         let url = env::service_url(var)?;
+        let options = format!("session_timeout=2s&layout={layout}");
         Some(ZkHarness {
             name,
-            url: format!("{url}?session_timeout=2s"),
+            url: format!("{url}?{options}"),
+            options,
             clients: ProxiedClients::default(),
         })
     }
@@ -44,7 +53,7 @@ impl Harness for ZkHarness {
         // Each client reaches each server through its own fault proxy.
         let (proxies, hosts) =
             ProxiedClients::<ZkBackend>::start_proxies(&env::host_ports(&self.url)).await;
-        let backend = ZkBackend::connect(&format!("zk://{hosts}?session_timeout=2s"))
+        let backend = ZkBackend::connect(&format!("zk://{hosts}?{}", self.options))
             .await
             .unwrap();
         let shared: Arc<dyn LockBackend> = Arc::new(backend.clone());
@@ -84,7 +93,9 @@ impl Harness for ZkHarness {
         let client = admin.client().await.map_err(hook_error)?;
         let dir = admin.lock_dir(key);
         let mut children = client.list_children(&dir).await.map_err(hook_error)?;
-        children.sort_by_key(|c| c.rsplit("-lock-").next().unwrap_or_default().to_owned());
+        // In queue order: by the sequence ZooKeeper appended (the last 10 characters),
+        // whatever the layout's prefix.
+        children.sort_by_key(|c| c[c.len().saturating_sub(10)..].to_owned());
         let head = children
             .first()
             .ok_or_else(|| HookError::Failed(format!("`{key}` has no holder")))?;
@@ -155,6 +166,12 @@ impl Harness for ZkHarness {
 mod standalone {
     lockkit_conformance::suite!(
         super::ZkHarness::new("zk-standalone", "LOCKKIT_TEST_ZK_URL").await
+    );
+}
+
+mod kazoo_layout {
+    lockkit_conformance::suite!(
+        super::ZkHarness::with_layout("zk-standalone-kazoo", "LOCKKIT_TEST_ZK_URL", "kazoo").await
     );
 }
 

@@ -22,6 +22,13 @@ async fn connect(url: &str) -> ZkBackend {
         .unwrap()
 }
 
+/// A client with kazoo's layout (`layout=kazoo`).
+async fn connect_kazoo(url: &str) -> ZkBackend {
+    ZkBackend::connect(&format!("{url}?session_timeout=10s&layout=kazoo"))
+        .await
+        .unwrap()
+}
+
 /// The children of `path` (none when it does not exist).
 async fn children(backend: &ZkBackend, path: &str) -> Vec<String> {
     let client = backend.client().await.unwrap();
@@ -254,9 +261,22 @@ async fn cut_off_readers_and_permit_holders_know_they_lost() {
             .await
             .unwrap(),
     );
-    let (rw, sem) = (key("cut-read"), key("cut-permit"));
+    // The same with kazoo's semaphore layout, cut off at the same moment.
+    let kazoo_holder = Locker::new(
+        ZkBackend::connect(&format!("zk://{}{session}&layout=kazoo", hosts.join(",")))
+            .await
+            .unwrap(),
+    );
+    let kazoo_rival = Locker::new(
+        ZkBackend::connect(&format!("{url}{session}&layout=kazoo"))
+            .await
+            .unwrap(),
+    );
+    let (rw, sem, kazoo_sem) = (key("cut-read"), key("cut-permit"), key("cut-kazoo"));
     let read = holder.read(&rw).ttl(TTL).await.unwrap();
     let permit = holder.semaphore(&sem, 1).acquire().ttl(TTL).await.unwrap();
+    let kazoo_permit = kazoo_holder.semaphore(&kazoo_sem, 1).acquire().ttl(TTL);
+    let kazoo_permit = kazoo_permit.await.unwrap();
     for proxy in &proxies {
         proxy.cut();
     }
@@ -279,10 +299,22 @@ async fn cut_off_readers_and_permit_holders_know_they_lost() {
         !permit.is_valid(),
         "a permit was granted while the cut-off holder still believed in its own"
     );
+    let kazoo_next = kazoo_rival
+        .semaphore(&kazoo_sem, 1)
+        .acquire()
+        .wait(Duration::from_secs(30))
+        .await
+        .unwrap();
+    assert!(
+        !kazoo_permit.is_valid(),
+        "a kazoo-layout permit was granted while the cut-off holder believed in its own"
+    );
     assert!(write.token() > read.token());
     assert!(next.token() > permit.token());
+    assert!(kazoo_next.token() > kazoo_permit.token());
     write.release().await.unwrap();
     next.release().await.unwrap();
+    kazoo_next.release().await.unwrap();
     drop(proxies);
 }
 
@@ -319,4 +351,142 @@ async fn the_backend_refuses_what_would_wait_for_itself() {
         "a plain lock asked by a writer: {refused:?}"
     );
     write.release().await.unwrap();
+}
+
+/// With kazoo's layout: permit acquisitions dropped at every point (waiting under the
+/// semaphore's lock, mid-request, just granted) leave no lease and no node of the lock at
+/// `<key>-__lock__`; an attempt retried with the same id takes one lease; a permit's
+/// token is its lease's `czxid`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kazoo_layout_permits_cancelled_or_retried_leave_one_lease_each() {
+    let Some(url) = env::service_url("LOCKKIT_TEST_ZK_URL") else {
+        return;
+    };
+    let backend = connect_kazoo(&url).await;
+    let (a, b) = (
+        Locker::new(backend.clone()),
+        Locker::new(connect_kazoo(&url).await),
+    );
+    let permits = key("kazoo-cancel");
+    let dir = backend.lock_dir(&permits);
+    let lock_dir = format!("{dir}-__lock__");
+    let held = a.semaphore(&permits, 1).acquire().ttl(TTL).await.unwrap();
+    let waiter = b
+        .semaphore(&permits, 1)
+        .acquire()
+        .wait(Duration::from_secs(60));
+    assert!(
+        tokio::time::timeout(Duration::from_millis(500), waiter)
+            .await
+            .is_err()
+    );
+    settle(&backend, &dir, 1, "a cancelled waiter").await;
+    settle(&backend, &lock_dir, 0, "a cancelled waiter").await;
+    held.release().await.unwrap();
+    settle(&backend, &dir, 0, "a released permit").await;
+
+    // Dropped at spread-out moments, with a free permit and with none.
+    let kept = a.semaphore(&permits, 2).acquire().ttl(TTL).await;
+    assert!(
+        matches!(kept, Err(lockkit_core::Error::KindMismatch { .. })),
+        "kazoo's node keeps the count: {kept:?}"
+    );
+    let held = a.semaphore(&permits, 1).acquire().ttl(TTL).await.unwrap();
+    let other = key("kazoo-cancel-free");
+    for round in 0..40u64 {
+        let cut = Duration::from_millis(round * 7 % 60);
+        for (name, wait) in [
+            (&permits, Duration::from_secs(60)),
+            (&other, Duration::ZERO),
+        ] {
+            let acquire = b.semaphore(name, 1).acquire().ttl(TTL).wait(wait);
+            if let Ok(Ok(permit)) = tokio::time::timeout(cut, acquire).await {
+                permit.release().await.unwrap();
+            }
+        }
+    }
+    settle(&backend, &dir, 1, "dropped permit acquisitions").await;
+    settle(&backend, &lock_dir, 0, "dropped permit acquisitions").await;
+    let other_dir = backend.lock_dir(&other);
+    settle(&backend, &other_dir, 0, "dropped permit acquisitions").await;
+    settle(
+        &backend,
+        &format!("{other_dir}-__lock__"),
+        0,
+        "dropped permit acquisitions",
+    )
+    .await;
+    held.release().await.unwrap();
+
+    let two = LockKind::Permit {
+        limit: 2.try_into().unwrap(),
+    };
+    let retried = key("kazoo-retry");
+    let dir = backend.lock_dir(&retried);
+    let request =
+        AcquireRequest::new(retried.clone(), a.owner().id(), TTL, LossSignal::new()).with_kind(two);
+    let once = backend.try_acquire(&request).await.unwrap().unwrap();
+    let again = backend.try_acquire(&request).await.unwrap().unwrap();
+    assert_eq!((once.token, once.depth), (again.token, again.depth));
+    let leases = children(&backend, &dir).await;
+    assert_eq!(leases.len(), 1, "{leases:?}");
+    let client = backend.client().await.unwrap();
+    let (_, stat) = client
+        .get_data(&format!("{dir}/{}", leases[0]))
+        .await
+        .unwrap();
+    assert_eq!(once.token.get(), u64::try_from(stat.czxid).unwrap());
+    backend.release(&once).await.unwrap();
+    settle(&backend, &dir, 0, "a released retried permit").await;
+}
+
+/// With kazoo's layout, waiters for a full semaphore queue on its lock and only the head
+/// watches the leases: a release wakes the head (the leases changed) and, once the head
+/// has its permit and lets go of the lock, the next in line (its predecessor went), not
+/// every waiter. Each later release hands on the same way, until all were granted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kazoo_layout_semaphore_waiters_are_not_a_herd() {
+    let Some(url) = env::service_url("LOCKKIT_TEST_ZK_URL") else {
+        return;
+    };
+    let key = key("kazoo-herd");
+    let holder = Locker::new(connect_kazoo(&url).await);
+    let waiters_backend = connect_kazoo(&url).await;
+    let waiters = Locker::new(waiters_backend.clone());
+    let lock_dir = format!("{}-__lock__", waiters_backend.lock_dir(&key));
+    let held = holder.semaphore(&key, 1).acquire().ttl(TTL).await.unwrap();
+    let mut waiting = Vec::new();
+    for _ in 0..4 {
+        let (waiters, key) = (waiters.clone(), key.clone());
+        waiting.push(tokio::spawn(async move {
+            waiters
+                .semaphore(&key, 1)
+                .acquire()
+                .ttl(TTL)
+                .wait(Duration::from_secs(60))
+                .await
+        }));
+    }
+    settle(&waiters_backend, &lock_dir, 4, "the waiters queue").await;
+    let before = waiters_backend.watch_wakeups();
+    held.release().await.unwrap();
+    // One waiter is granted, and the next in line takes its place at the head.
+    settle(&waiters_backend, &lock_dir, 3, "the head was granted").await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let woken = waiters_backend.watch_wakeups() - before;
+    assert!(
+        woken <= 2,
+        "one release woke {woken} waiters' watches: a herd (4 waiters queued)"
+    );
+    let mut granted = 0;
+    while granted < 4 {
+        let done = waiting.iter().position(|w| w.is_finished());
+        let Some(done) = done else {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+            continue;
+        };
+        let permit = waiting.swap_remove(done).await.unwrap().unwrap();
+        granted += 1;
+        permit.release().await.unwrap();
+    }
 }
