@@ -517,11 +517,20 @@ impl ZkBackend {
                     let persistent = CreateMode::Persistent.with_acls(acls);
                     let container = CreateMode::Container.with_acls(acls);
                     let directories = async {
+                        // The key's directory first: the root is there but for the very
+                        // first lock (one request fewer for every new key).
+                        // A semaphore's `locks` and `leases` are containers in the key's.
+                        match client.create(dir, &[], &container).await {
+                            Ok(_) | Err(zookeeper_client::Error::NodeExists) => return Ok(()),
+                            Err(zookeeper_client::Error::NoNode) => {}
+                            Err(e) => {
+                                return Err(zk_error("creating the lock's container node", e));
+                            }
+                        }
                         client
                             .mkdir(&self.inner.config.root, &persistent)
                             .await
                             .map_err(|e| zk_error("creating the root node", e))?;
-                        // A semaphore's `locks` and `leases` are containers in the key's.
                         client
                             .mkdir(dir, &container)
                             .await
@@ -1399,8 +1408,10 @@ impl ZkBackend {
                 // again when this returns.
                 unlease.0 = None;
                 let limit = self.request_limit();
-                let _ =
-                    tokio::time::timeout(limit, delete_until_gone(session.clone(), lease)).await;
+                // In a task of its own: a first delete left unanswered past the limit, or
+                // this future dropped while it waits, must not leave the lease behind.
+                let deleting = tokio::spawn(delete_until_gone(session.clone(), lease));
+                let _ = tokio::time::timeout(limit, deleting).await;
                 return Ok(if wait { Leased::GaveUp } else { Leased::Full });
             }
             tokio::select! {
