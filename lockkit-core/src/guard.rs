@@ -58,7 +58,8 @@ pub(crate) struct HoldShared {
     /// it may outlive it there. Shared with the owner, which remembers it past the hold.
     longest_lease: Arc<std::sync::atomic::AtomicU64>,
     /// Counts this hold in the `lockkit_holds` gauge while it lives.
-    _counted: crate::telemetry::Gauged,
+    /// Counted in `lockkit_holds` until released (or dropped).
+    counted: crate::telemetry::Gauged,
 }
 
 impl HoldShared {
@@ -142,7 +143,7 @@ impl Hold {
             changed: Notify::new(),
             guards: std::sync::atomic::AtomicU32::new(0),
             longest_lease: Arc::default(),
-            _counted: crate::telemetry::Gauged::hold(scheme),
+            counted: crate::telemetry::Gauged::hold(scheme),
         });
         shared.asked_for(shared.grant.ttl);
         runtime.spawn(keep(shared.clone()));
@@ -358,6 +359,7 @@ async fn release_one(hold: Arc<Hold>, grant: Grant) -> Result<Released> {
         }
         shared.lease().released = true;
         shared.stop.cancel();
+        shared.counted.end();
     }
     match outcome {
         Err(Error::NotHeld { .. }) => {

@@ -105,10 +105,12 @@ fn reason_label(reason: LostReason) -> &'static str {
     }
 }
 
-/// Counts one in a gauge (`lockkit_holds` or `lockkit_waiters`) while it lives.
+/// Counts one in a gauge (`lockkit_holds` or `lockkit_waiters`) until it ends: at
+/// [`Gauged::end`] or when dropped, whichever comes first.
 pub(crate) struct Gauged {
     #[cfg(feature = "metrics")]
     gauge: metrics::Gauge,
+    ended: std::sync::atomic::AtomicBool,
 }
 
 impl Gauged {
@@ -117,12 +119,17 @@ impl Gauged {
         {
             let gauge = metrics::gauge!(name, "backend" => backend);
             gauge.increment(1.0);
-            Gauged { gauge }
+            Gauged {
+                gauge,
+                ended: std::sync::atomic::AtomicBool::new(false),
+            }
         }
         #[cfg(not(feature = "metrics"))]
         {
             let _ = (name, backend);
-            Gauged {}
+            Gauged {
+                ended: std::sync::atomic::AtomicBool::new(false),
+            }
         }
     }
 
@@ -135,11 +142,19 @@ impl Gauged {
     pub(crate) fn waiter(backend: &'static str) -> Self {
         Self::new("lockkit_waiters", backend)
     }
+
+    /// Counts it off now (once), although its owner may live on for a moment (a hold's
+    /// keeper task that has yet to see the release).
+    pub(crate) fn end(&self) {
+        if !self.ended.swap(true, std::sync::atomic::Ordering::SeqCst) {
+            #[cfg(feature = "metrics")]
+            self.gauge.decrement(1.0);
+        }
+    }
 }
 
 impl Drop for Gauged {
     fn drop(&mut self) {
-        #[cfg(feature = "metrics")]
-        self.gauge.decrement(1.0);
+        self.end();
     }
 }
