@@ -290,65 +290,48 @@ pub async fn upgrade_is_refused<H: Harness>(h: &H) -> Outcome {
 /// included) leave nothing that keeps readers out: a new reader enters long before any
 /// writer marker's own lease could have run out, and no residue is left.
 pub async fn a_cancelled_writer_leaves_no_marker<H: Harness>(h: &H) -> Outcome {
-    if let Some(skip) = needs_read_write(h).await {
-        return skip;
-    }
-    let space = Space::new("a_cancelled_writer_leaves_no_marker");
-    let key = space.key("k");
-    let (a, w, c) = (h.client().await, h.client().await, h.client().await);
-    let reader = a.read(&key).ttl(LONG_TTL).try_now().await.check("read");
-    let reader = reader.check("a free key");
-    for round in 0..30u64 {
-        let write = w.write(&key).ttl(LONG_TTL).wait(generous_wait(h));
-        let cut = Duration::from_micros(round * 300);
-        let outcome = tokio::time::timeout(cut, write).await;
-        assert!(
-            !matches!(outcome, Ok(Ok(_))),
-            "a writer was granted beside a reader"
-        );
-    }
-    // Markers carry leases of seconds: a reader admitted within one second was admitted
-    // because nothing was left, not because a marker ran out.
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(1);
-    let second = loop {
-        if let Some(guard) = c.read(&key).ttl(LONG_TTL).try_now().await.check("read") {
-            break guard;
-        }
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "readers were kept out after every writer had stopped waiting"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    };
-    second.release().await.check("release");
-    reader.release().await.check("release reader");
-    match h.residue(space.prefix()).await {
-        Ok(left) => assert_eq!(left, 0, "state left behind under {}", space.prefix()),
-        Err(crate::HookError::Unsupported(_)) => {}
-        Err(crate::HookError::Failed(why)) => panic!("residue hook failed: {why}"),
-    }
-    Outcome::Passed
+    cancelled_waiters_leave_no_marker(h, "a_cancelled_writer_leaves_no_marker", LockKind::Write)
+        .await
 }
 
 /// Plain locks that stop waiting behind a reader (their futures dropped at random points,
 /// mid-request included) leave nothing that keeps readers out: a plain lock counts as a
 /// writer while it waits, and must take its waiting mark with it as a writer does.
 pub async fn a_cancelled_plain_lock_leaves_no_marker<H: Harness>(h: &H) -> Outcome {
+    cancelled_waiters_leave_no_marker(
+        h,
+        "a_cancelled_plain_lock_leaves_no_marker",
+        LockKind::Exclusive,
+    )
+    .await
+}
+
+/// The two cases above: waiters of `kind` (writers or plain locks) behind a reader, each
+/// dropped after a growing moment.
+async fn cancelled_waiters_leave_no_marker<H: Harness>(
+    h: &H,
+    case: &str,
+    kind: LockKind,
+) -> Outcome {
     if let Some(skip) = needs_read_write(h).await {
         return skip;
     }
-    let space = Space::new("a_cancelled_plain_lock_leaves_no_marker");
+    let space = Space::new(case);
     let key = space.key("k");
     let (a, w, c) = (h.client().await, h.client().await, h.client().await);
     let reader = a.read(&key).ttl(LONG_TTL).try_now().await.check("read");
     let reader = reader.check("a free key");
     for round in 0..30u64 {
-        let plain = w.acquire(&key).ttl(LONG_TTL).wait(generous_wait(h));
+        let waiter = match kind {
+            LockKind::Write => w.write(&key),
+            _ => w.acquire(&key),
+        };
+        let waiter = waiter.ttl(LONG_TTL).wait(generous_wait(h));
         let cut = Duration::from_micros(round * 300);
-        let outcome = tokio::time::timeout(cut, plain).await;
+        let outcome = tokio::time::timeout(cut, waiter).await;
         assert!(
             !matches!(outcome, Ok(Ok(_))),
-            "a plain lock was granted beside a reader"
+            "a waiting {kind:?} was granted beside a reader"
         );
     }
     // Markers carry leases of seconds: a reader admitted within one second was admitted
@@ -360,7 +343,7 @@ pub async fn a_cancelled_plain_lock_leaves_no_marker<H: Harness>(h: &H) -> Outco
         }
         assert!(
             tokio::time::Instant::now() < deadline,
-            "readers were kept out after every plain lock had stopped waiting"
+            "readers were kept out after every waiting {kind:?} had stopped waiting"
         );
         tokio::time::sleep(Duration::from_millis(20)).await;
     };
@@ -377,10 +360,27 @@ pub async fn a_cancelled_plain_lock_leaves_no_marker<H: Harness>(h: &H) -> Outco
 /// While a writer waits, new readers of other owners stay out, a reader that already reads
 /// may re-enter (no deadlock), and the writer gets the key when the readers leave.
 pub async fn waiting_writer_blocks_new_readers<H: Harness>(h: &H) -> Outcome {
+    a_waiter_blocks_new_readers(h, "waiting_writer_blocks_new_readers", LockKind::Write).await
+}
+
+/// A plain lock counts as a writer: while one waits behind readers, new readers of other
+/// owners stay out (a stream of readers cannot starve it), a reader that already reads may
+/// re-enter, and the plain lock gets the key when the readers leave.
+pub async fn a_waiting_plain_lock_blocks_new_readers<H: Harness>(h: &H) -> Outcome {
+    a_waiter_blocks_new_readers(
+        h,
+        "a_waiting_plain_lock_blocks_new_readers",
+        LockKind::Exclusive,
+    )
+    .await
+}
+
+/// The two cases above: a waiter of `kind` (a writer or a plain lock) behind a reader.
+async fn a_waiter_blocks_new_readers<H: Harness>(h: &H, case: &str, kind: LockKind) -> Outcome {
     if let Some(skip) = needs_writer_preference(h).await {
         return skip;
     }
-    let space = Space::new("waiting_writer_blocks_new_readers");
+    let space = Space::new(case);
     let key = space.key("k");
     let (a, w, c) = (h.client().await, h.client().await, h.client().await);
     let reader = a.owner();
@@ -392,9 +392,14 @@ pub async fn waiting_writer_blocks_new_readers<H: Harness>(h: &H) -> Outcome {
         .check("read");
     let first = first.check("a free key");
     let wait = generous_wait(h);
-    let writer = tokio::spawn({
+    let waiter = tokio::spawn({
         let key = key.clone();
-        async move { w.write(&key).ttl(LONG_TTL).wait(wait).await }
+        async move {
+            match kind {
+                LockKind::Write => w.write(&key).ttl(LONG_TTL).wait(wait).await,
+                _ => w.acquire(&key).ttl(LONG_TTL).wait(wait).await,
+            }
+        }
     });
     until_readers_are_kept_out(&c, &key, wait).await;
     let again = reader
@@ -406,71 +411,17 @@ pub async fn waiting_writer_blocks_new_readers<H: Harness>(h: &H) -> Outcome {
     let again = again.check("a reader re-entering behind a waiting writer must pass");
     again.release().await.check("release re-read");
     assert!(
-        !writer.is_finished(),
-        "the writer was granted beside a reader"
+        !waiter.is_finished(),
+        "the waiting {kind:?} was granted beside a reader"
     );
     first.release().await.check("release read");
-    let granted = writer
+    let granted = waiter
         .await
-        .check("writer task")
-        .check("the waiting writer");
-    assert_eq!(granted.kind(), LockKind::Write);
+        .check("waiter task")
+        .check("the waiting writer or plain lock");
+    assert_eq!(granted.kind(), kind);
     assert!(c.read(&key).try_now().await.check("read").is_none());
-    granted.release().await.check("release writer");
-    let last = c
-        .read(&key)
-        .ttl(LONG_TTL)
-        .wait(wait)
-        .await
-        .check("read after");
-    last.release().await.check("release");
-    Outcome::Passed
-}
-
-/// A plain lock counts as a writer: while one waits behind readers, new readers of other
-/// owners stay out (a stream of readers cannot starve it), a reader that already reads may
-/// re-enter, and the plain lock gets the key when the readers leave.
-pub async fn a_waiting_plain_lock_blocks_new_readers<H: Harness>(h: &H) -> Outcome {
-    if let Some(skip) = needs_writer_preference(h).await {
-        return skip;
-    }
-    let space = Space::new("a_waiting_plain_lock_blocks_new_readers");
-    let key = space.key("k");
-    let (a, w, c) = (h.client().await, h.client().await, h.client().await);
-    let reader = a.owner();
-    let first = reader
-        .read(&key)
-        .ttl(LONG_TTL)
-        .try_now()
-        .await
-        .check("read");
-    let first = first.check("a free key");
-    let wait = generous_wait(h);
-    let plain = tokio::spawn({
-        let key = key.clone();
-        async move { w.acquire(&key).ttl(LONG_TTL).wait(wait).await }
-    });
-    until_readers_are_kept_out(&c, &key, wait).await;
-    let again = reader
-        .read(&key)
-        .ttl(LONG_TTL)
-        .try_now()
-        .await
-        .check("re-read");
-    let again = again.check("a reader re-entering behind a waiting plain lock must pass");
-    again.release().await.check("release re-read");
-    assert!(
-        !plain.is_finished(),
-        "the plain lock was granted beside a reader"
-    );
-    first.release().await.check("release read");
-    let granted = plain
-        .await
-        .check("plain lock task")
-        .check("the waiting plain lock");
-    assert_eq!(granted.kind(), LockKind::Exclusive);
-    assert!(c.read(&key).try_now().await.check("read").is_none());
-    granted.release().await.check("release plain lock");
+    granted.release().await.check("release the waiter's hold");
     let last = c
         .read(&key)
         .ttl(LONG_TTL)
