@@ -14,6 +14,8 @@ struct Unfinished<T: Send + 'static, O: FnOnce(T) + Send + 'static> {
     work: Option<Pin<Box<dyn Future<Output = T> + Send>>>,
     orphan: Option<O>,
     runtime: Option<tokio::runtime::Handle>,
+    /// The caller's span, which the rest of the work keeps when it moves to a task.
+    span: tracing::Span,
 }
 
 impl<T: Send + 'static, O: FnOnce(T) + Send + 'static> Drop for Unfinished<T, O> {
@@ -25,9 +27,18 @@ impl<T: Send + 'static, O: FnOnce(T) + Send + 'static> Drop for Unfinished<T, O>
         // and its output goes to the orphan handler. Without a runtime (it is gone) the
         // work cannot go on, as a task would not have either.
         if let Some(runtime) = self.runtime.take() {
-            runtime.spawn(Box::pin(async move {
-                orphan(work.await);
-            }) as Pin<Box<dyn Future<Output = ()> + Send>>);
+            let span = std::mem::replace(&mut self.span, tracing::Span::none());
+            runtime.spawn(tracing::Instrument::instrument(
+                Box::pin(async move {
+                    orphan(work.await);
+                }) as Pin<Box<dyn Future<Output = ()> + Send>>,
+                span,
+            ));
+        } else {
+            tracing::warn!(
+                "a cancelled lockkit call could not finish: no Tokio runtime was there when it \
+                 started; what it took on the server runs out with its lease"
+            );
         }
     }
 }
@@ -53,6 +64,7 @@ where
         work: Some(Box::pin(work)),
         orphan: Some(orphan),
         runtime: tokio::runtime::Handle::try_current().ok(),
+        span: tracing::Span::current(),
     };
     std::future::poll_fn(move |cx| {
         let Some(work) = unfinished.work.as_mut() else {
@@ -100,7 +112,7 @@ impl Drop for InterruptOnDrop {
     }
 }
 
-/// The cancel-safe shape of a backend's acquisition: runs `attempt` as its own task (see
+/// The cancel-safe shape of a backend's acquisition: runs `attempt` to completion (see
 /// [`detached`]); if the caller goes away, the attempt is told through its [`Interrupt`],
 /// and a grant it still produces (`grant_of` finds it in the output) is handed to
 /// `give_back` on the runtime, so no lock is left behind.
@@ -135,7 +147,7 @@ where
         Err(Error::backend(
             backend,
             true,
-            "the acquisition task ended without an answer (runtime shutting down?)",
+            "the acquisition panicked; nothing is known of its outcome",
         ))
     })
 }

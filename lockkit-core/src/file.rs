@@ -186,8 +186,10 @@ impl SharedHold {
     }
 }
 
-/// How long a waiting writer's marker keeps readers out unless its wait renews it (every
-/// poll does): a writer that dies while waiting blocks readers at most this long.
+/// How long a waiting writer's marker keeps readers out unless its wait renews it (a poll
+/// does once half of it has run, so that polls rewrite nothing in between): a writer that
+/// dies while waiting blocks readers at most this long, and one whose polls stop for more
+/// than half of it (a paused process) lets new readers in until it polls again.
 const WRITER_MARKER: Duration = Duration::from_secs(3);
 
 /// Reads a lock file's text as of this boot: an expiry written in another boot is over.
@@ -504,9 +506,9 @@ pub struct FileBackend {
     dir: Arc<PathBuf>,
     /// This process's waiters, by their key's file name.
     wakers: Arc<Wakers>,
-    /// Whether the directory is watched for other processes' changes (decided on the
-    /// first wait).
-    watched: Arc<OnceLock<bool>>,
+    /// The directory's watch for other processes' changes, if it can be watched (made on
+    /// the first wait; ends with the backend's last clone).
+    watched: Arc<OnceLock<Option<crate::file_watch::Watch>>>,
 }
 
 fn io_error(doing: &str, path: &Path, e: std::io::Error) -> Error {
@@ -1198,7 +1200,7 @@ mod tests {
             .unwrap();
         let waker = here.waker(&key);
         assert!(
-            here.watched.get() == Some(&true),
+            here.watched.get().is_some_and(Option::is_some),
             "the lock directory is not watched (inotify)"
         );
         let woken = waker.arm();

@@ -107,31 +107,69 @@ mod linux {
         }
     }
 
-    pub(super) fn watch(dir: &Path, wakers: &Arc<Wakers>) -> bool {
-        let Some(watcher) = WATCHER.get_or_init(start) else {
-            return false;
-        };
+    pub(super) fn watch(dir: &Path, wakers: &Arc<Wakers>) -> Option<super::Watch> {
+        let watcher = WATCHER.get_or_init(start).as_ref()?;
         let flags = WatchFlags::MODIFY | WatchFlags::DELETE | WatchFlags::MOVED_TO;
+        // Under the lock, so that a watch being ended (below) cannot remove the kernel's
+        // watch of a directory another backend is just adding.
+        let mut dirs = lock(&watcher.dirs);
         match inotify::add_watch(&watcher.fd, dir, flags) {
             Ok(wd) => {
-                let mut dirs = lock(&watcher.dirs);
                 let list = dirs.entry(wd).or_default();
                 list.retain(|w| w.strong_count() > 0);
                 list.push(Arc::downgrade(wakers));
-                true
+                Some(super::Watch {
+                    wd,
+                    wakers: Arc::downgrade(wakers),
+                })
             }
             Err(error) => {
                 tracing::debug!(%error, dir = %dir.display(), "cannot watch the lock directory: file waiters poll");
-                false
+                None
             }
+        }
+    }
+
+    /// Stops `wakers` hearing the directory `wd`; the kernel's watch ends with its last
+    /// listener.
+    pub(super) fn unwatch(wd: i32, wakers: &Weak<Wakers>) {
+        let Some(Some(watcher)) = WATCHER.get() else {
+            return;
+        };
+        let mut dirs = lock(&watcher.dirs);
+        let Some(list) = dirs.get_mut(&wd) else {
+            return;
+        };
+        list.retain(|w| w.strong_count() > 0 && !w.ptr_eq(wakers));
+        if list.is_empty() {
+            dirs.remove(&wd);
+            // Fails only if the watch already ended (the directory was deleted).
+            let _ = inotify::remove_watch(&watcher.fd, wd);
         }
     }
 }
 
-/// Has changes to the files of `dir` wake the waiters in `wakers` (for as long as
-/// `wakers` lives). Returns whether the directory is watched; where it cannot be (no
-/// inotify, limits reached, another OS), waiters only poll.
-pub(crate) fn watch(dir: &Path, wakers: &Arc<Wakers>) -> bool {
+/// A backend's watch of its directory: ends when dropped (with the backend's last clone),
+/// and the kernel's watch with the directory's last one.
+#[derive(Debug)]
+pub(crate) struct Watch {
+    #[cfg_attr(not(target_os = "linux"), allow(dead_code))]
+    wd: i32,
+    #[cfg_attr(not(target_os = "linux"), allow(dead_code))]
+    wakers: Weak<Wakers>,
+}
+
+impl Drop for Watch {
+    fn drop(&mut self) {
+        #[cfg(target_os = "linux")]
+        linux::unwatch(self.wd, &self.wakers);
+    }
+}
+
+/// Has changes to the files of `dir` wake the waiters in `wakers` until the returned watch
+/// is dropped. `None` where the directory cannot be watched (no inotify, limits reached,
+/// another OS): waiters only poll.
+pub(crate) fn watch(dir: &Path, wakers: &Arc<Wakers>) -> Option<Watch> {
     #[cfg(target_os = "linux")]
     {
         linux::watch(dir, wakers)
@@ -139,6 +177,6 @@ pub(crate) fn watch(dir: &Path, wakers: &Arc<Wakers>) -> bool {
     #[cfg(not(target_os = "linux"))]
     {
         let _ = (dir, wakers, wake as fn(&Wakers, Option<&str>));
-        false
+        None
     }
 }

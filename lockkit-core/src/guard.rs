@@ -269,7 +269,23 @@ async fn keep(shared: Arc<HoldShared>) {
             }
             None => ttl,
         };
-        let _op = shared.op.lock().await;
+        // Another guard's operation (a release or an extension) may hold `op` for long: a
+        // slow server, or a release future its caller polled once and keeps without polling.
+        // The hold cannot be said held past its local lease meanwhile, so the wait for
+        // `op` ends there, with the loss signal.
+        let valid_until = shared.lease().valid_until;
+        let _op = tokio::select! {
+            biased;
+            op = shared.op.lock() => op,
+            _ = shared.stop.cancelled() => return,
+            _ = tokio::time::sleep_until(valid_until) => {
+                if !shared.lease().released && !shared.stop.is_cancelled() {
+                    shared.loss.fire(LostReason::LeaseExpired);
+                    report_loss(&shared);
+                }
+                return;
+            }
+        };
         if shared.stop.is_cancelled() || shared.loss.is_fired() || shared.lease().released {
             return;
         }
@@ -594,7 +610,10 @@ impl LockGuard {
     /// on the server.
     ///
     /// # Cancel safety
-    /// The release runs as its own task: dropping this future does not stop it.
+    /// Dropping this future does not stop the release: the rest of it goes on in a task of
+    /// its own. Poll it to completion or drop it: one polled once and then kept without
+    /// being polled holds up this hold's other operations (the watchdog then reports the
+    /// other guards' hold lost at its local lease end rather than wait past it).
     pub async fn release(mut self) -> Result<Released> {
         self.done = true;
         let span = tracing::debug_span!(
