@@ -88,7 +88,8 @@ fn curator_with(
         .args(["-cp", classpath, "Interop", connect, path])
         .args(args)
         .stdout(Stdio::piped())
-        .stderr(Stdio::null())
+        // A Java exception shows in the test's output (slf4j-nop keeps the rest quiet).
+        .stderr(Stdio::inherit())
         .kill_on_drop(true)
         .spawn()
         .unwrap()

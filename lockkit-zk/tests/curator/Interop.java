@@ -1,6 +1,6 @@
 import org.apache.curator.framework.CuratorFramework;
 import org.apache.curator.framework.CuratorFrameworkFactory;
-import org.apache.curator.retry.RetryOneTime;
+import org.apache.curator.retry.ExponentialBackoffRetry;
 import org.apache.curator.framework.recipes.locks.InterProcessMutex;
 import org.apache.curator.framework.recipes.locks.InterProcessReadWriteLock;
 import org.apache.curator.framework.recipes.locks.InterProcessSemaphoreV2;
@@ -19,8 +19,13 @@ public class Interop {
   static void say(String s) { System.out.println(s); System.out.flush(); }
 
   public static void main(String[] a) throws Exception {
-    CuratorFramework c = CuratorFrameworkFactory.newClient(a[0], new RetryOneTime(100));
+    // Retries as an application would configure them: a loaded CI machine can drop a
+    // first connection (the helper once ended before saying anything).
+    CuratorFramework c = CuratorFrameworkFactory.newClient(a[0], new ExponentialBackoffRetry(100, 6));
     c.start();
+    if (!c.blockUntilConnected(60, TimeUnit.SECONDS)) {
+      throw new IllegalStateException("no ZooKeeper connection within 60 s");
+    }
     String mode = a[2];
     long ms = Long.parseLong(a[3]);
     if (mode.startsWith("sem-")) {
