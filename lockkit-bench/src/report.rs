@@ -120,6 +120,28 @@ struct Target {
     detail: String,
 }
 
+impl Target {
+    /// Met when `mine / theirs <= limit`; the detail names both figures in µs.
+    fn at_most(
+        what: impl Into<String>,
+        mine: Option<f64>,
+        theirs: Option<f64>,
+        limit: f64,
+    ) -> Self {
+        Target {
+            what: what.into(),
+            measured: ratio(mine, theirs),
+            limit,
+            at_most: true,
+            detail: format!(
+                "{} µs vs {} µs",
+                mine.map_or("—".into(), thousands),
+                theirs.map_or("—".into(), thousands)
+            ),
+        }
+    }
+}
+
 fn ratio(a: Option<f64>, b: Option<f64>) -> Option<f64> {
     match (a, b) {
         (Some(a), Some(b)) if b > 0.0 => Some(a / b),
@@ -136,30 +158,20 @@ fn targets(sections: &[Section]) -> Vec<Target> {
         match s.backend.as_str() {
             "redis" | "redlock" => {
                 let rslock = s.find("rslock");
-                out.push(Target {
-                    what: format!("{}: lockkit ≤ 0.8x rslock, same key, p50", s.backend),
-                    measured: ratio(p50(lockkit, same), p50(rslock, same)),
-                    limit: 0.8,
-                    at_most: true,
-                    detail: format!(
-                        "{} µs vs {} µs",
-                        p50(lockkit, same).map_or("—".into(), thousands),
-                        p50(rslock, same).map_or("—".into(), thousands)
-                    ),
-                });
+                out.push(Target::at_most(
+                    format!("{}: lockkit ≤ 0.8x rslock, same key, p50", s.backend),
+                    p50(lockkit, same),
+                    p50(rslock, same),
+                    0.8,
+                ));
                 if s.backend == "redis" {
                     let ping = s.find("floor");
-                    out.push(Target {
-                        what: "redis: lockkit ≤ 2.2x `PING`, same key, p50".into(),
-                        measured: ratio(p50(lockkit, same), p50(ping, same)),
-                        limit: 2.2,
-                        at_most: true,
-                        detail: format!(
-                            "{} µs vs {} µs",
-                            p50(lockkit, same).map_or("—".into(), thousands),
-                            p50(ping, same).map_or("—".into(), thousands)
-                        ),
-                    });
+                    out.push(Target::at_most(
+                        "redis: lockkit ≤ 2.2x `PING`, same key, p50",
+                        p50(lockkit, same),
+                        p50(ping, same),
+                        2.2,
+                    ));
                     let (locks, sets) = (
                         lockkit.and_then(|m| m.per_second),
                         ping.and_then(|m| m.per_second),
@@ -181,41 +193,26 @@ fn targets(sections: &[Section]) -> Vec<Target> {
             "zk" => {
                 let curator = s.find("Curator");
                 let kazoo = s.find("kazoo");
-                out.push(Target {
-                    what: "zk: lockkit same key ≤ 1.0x Curator same key, p50".into(),
-                    measured: ratio(p50(lockkit, same), p50(curator, same)),
-                    limit: 1.0,
-                    at_most: true,
-                    detail: format!(
-                        "{} µs vs {} µs",
-                        p50(lockkit, same).map_or("—".into(), thousands),
-                        p50(curator, same).map_or("—".into(), thousands)
-                    ),
-                });
-                out.push(Target {
-                    what: "zk: lockkit new key ≤ 1.3x Curator same key, p50".into(),
-                    measured: ratio(p50(lockkit, Scenario::NewKey), p50(curator, same)),
-                    limit: 1.3,
-                    at_most: true,
-                    detail: format!(
-                        "{} µs vs {} µs",
-                        p50(lockkit, Scenario::NewKey).map_or("—".into(), thousands),
-                        p50(curator, same).map_or("—".into(), thousands)
-                    ),
-                });
+                out.push(Target::at_most(
+                    "zk: lockkit same key ≤ 1.0x Curator same key, p50",
+                    p50(lockkit, same),
+                    p50(curator, same),
+                    1.0,
+                ));
+                out.push(Target::at_most(
+                    "zk: lockkit new key ≤ 1.3x Curator same key, p50",
+                    p50(lockkit, Scenario::NewKey),
+                    p50(curator, same),
+                    1.3,
+                ));
                 for (name, peer) in [("Curator", curator), ("kazoo", kazoo)] {
                     for (sc, what) in [(Scenario::Wake, "wake"), (Scenario::Handoff, "handoff")] {
-                        out.push(Target {
-                            what: format!("zk: lockkit {what} ahead of {name} (< 1.0x), p50"),
-                            measured: ratio(p50(lockkit, sc), p50(peer, sc)),
-                            limit: 1.0,
-                            at_most: true,
-                            detail: format!(
-                                "{} µs vs {} µs",
-                                p50(lockkit, sc).map_or("—".into(), thousands),
-                                p50(peer, sc).map_or("—".into(), thousands)
-                            ),
-                        });
+                        out.push(Target::at_most(
+                            format!("zk: lockkit {what} ahead of {name} (< 1.0x), p50"),
+                            p50(lockkit, sc),
+                            p50(peer, sc),
+                            1.0,
+                        ));
                     }
                 }
             }
