@@ -1,7 +1,7 @@
 //! `ZkBackend`: sessions, contenders, predecessor watches, leases and loss.
 
 use std::{
-    collections::HashMap,
+    collections::{HashMap, HashSet},
     sync::{
         Arc, Mutex, Weak,
         atomic::{AtomicBool, Ordering},
@@ -220,6 +220,43 @@ pub(crate) struct Inner {
     permits: Mutex<HashMap<Uuid, Arc<Held>>>,
     /// Predecessor watches that fired, for herd checks.
     wakeups: std::sync::atomic::AtomicU64,
+    /// Lock directories recently seen to exist.
+    dirs: KnownDirs,
+}
+
+/// How many lock directories a backend remembers as existing.
+const KNOWN_DIRS: usize = 4096;
+
+/// The lock directories (containers) this backend recently created or saw exist, so that
+/// a key used again needs no create of its directory. Only a hint: the server removes an
+/// empty container, and so may another client, so a directory found missing is forgotten
+/// and created again. At most [`KNOWN_DIRS`] are kept; when full, all are forgotten (a
+/// directory forgotten costs one create more, sent with its contender's, not a round trip).
+#[derive(Debug, Default)]
+struct KnownDirs(Mutex<HashSet<String>>);
+
+impl KnownDirs {
+    /// Whether `dir` was recently seen to exist.
+    fn contains(&self, dir: &str) -> bool {
+        lock(&self.0).contains(dir)
+    }
+
+    /// Remembers that `dir` exists.
+    fn insert(&self, dir: &str) {
+        let mut dirs = lock(&self.0);
+        if dirs.contains(dir) {
+            return;
+        }
+        if dirs.len() >= KNOWN_DIRS {
+            dirs.clear();
+        }
+        dirs.insert(dir.to_owned());
+    }
+
+    /// Forgets `dir` (found missing).
+    fn remove(&self, dir: &str) {
+        lock(&self.0).remove(dir);
+    }
 }
 
 /// A ZooKeeper lock service: the CP backend.
@@ -280,6 +317,7 @@ impl ZkBackend {
                 writes: LocalHolds::new(),
                 permits: Mutex::new(HashMap::new()),
                 wakeups: std::sync::atomic::AtomicU64::new(0),
+                dirs: KnownDirs::default(),
             }),
         })
     }
@@ -431,18 +469,33 @@ impl ZkBackend {
     }
 
     /// Creates this attempt's contender node, finding it after a connection loss instead
-    /// of creating a second one. `None` when the caller went away; an error when the
-    /// server left a request unanswered past its bound. Either way, a node the attempt may
-    /// have created is deleted in the background.
+    /// of creating a second one, and (with `list`) lists `dir` in the same round trip.
+    ///
+    /// The requests go out back to back without waiting for each other's answers: the
+    /// directory's create when `dir` is not known to exist (see [`KnownDirs`]), the
+    /// contender's create, and the listing. A session's requests are applied in the order
+    /// sent, so the listing, answered after the create, includes the new node: it is
+    /// handed back (with the time it was sent) for the first look at the queue. A
+    /// directory believed to exist but gone (the server removes an empty container; so
+    /// may another client) answers `NoNode`, and the next try creates it in the same way.
+    ///
+    /// `None` when the caller went away; an error when the server left a request
+    /// unanswered past its bound. Either way, a node the attempt may have created is
+    /// deleted in the background.
     async fn create_contender(
         &self,
-        session: &Arc<Session>,
+        attempt: &Attempting<'_>,
         dir: &str,
         kind: LockKind,
         req: &AcquireRequest,
-        deadline: Instant,
-        interrupt: &Interrupt,
-    ) -> Result<Option<(String, u64)>> {
+        list: bool,
+    ) -> Result<Option<Created>> {
+        let Attempting {
+            session, interrupt, ..
+        } = *attempt;
+        // The bound of these requests starts one request limit past the attempt's deadline
+        // (as it did when the callers passed `request_end(deadline)` in).
+        let deadline = self.request_end(attempt.deadline);
         let client = &session.client;
         let unique = contender_prefix(self.inner.config.layout, kind, Uuid::new_v4());
         // After a lost reply a create may have happened without our knowing: any node of
@@ -476,6 +529,7 @@ impl ZkBackend {
         let data = contender_record(&req.owner.to_string(), 1, &req.identity.encode());
         let acls = Acls::anyone_all();
         let ephemeral = CreateMode::EphemeralSequential.with_acls(acls);
+        let container = CreateMode::Container.with_acls(acls);
         // Once a create is sent, its outcome is unknown until answered: a request left
         // unanswered (the caller gone, or its bound passed) leaves a node to sweep.
         let unanswered_create = |why: Unanswered| {
@@ -488,45 +542,77 @@ impl ZkBackend {
                 )),
             }
         };
+        let mut dir_known = self.inner.dirs.contains(dir);
         for _ in 0..5 {
             let sent = Instant::now();
-            let created = match answer_by(
-                client.create(&prefix, data.as_bytes(), &ephemeral),
-                self.request_end(deadline),
-                interrupt,
-            )
-            .await
-            {
+            // zookeeper-client sends each request when it is made: these three go out in
+            // this order before any answer is awaited.
+            let making_dir = (!dir_known).then(|| client.create(dir, &[], &container));
+            let creating = client.create(&prefix, data.as_bytes(), &ephemeral);
+            let listing = list.then(|| client.get_children(dir));
+            let created = match answer_by(creating, self.request_end(deadline), interrupt).await {
                 Ok(created) => created,
                 Err(why) => return unanswered_create(why),
+            };
+            // Answered before the contender's create (answers come in order): at once.
+            let made_dir = match making_dir {
+                Some(making) => {
+                    match answer_by(making, self.request_end(deadline), interrupt).await {
+                        Ok(made) => Some(made),
+                        Err(why) => return unanswered_create(why),
+                    }
+                }
+                None => None,
             };
             match created {
                 Ok((stat, sequence)) => {
                     session.touch(sent);
+                    self.inner.dirs.insert(dir);
+                    let name = format!("{unique}{sequence}");
                     if uncertain {
-                        sweep(Some(format!("{unique}{sequence}")));
+                        sweep(Some(name.clone()));
                     }
-                    return Ok(Some((
-                        format!("{prefix}{sequence}"),
-                        u64::try_from(stat.czxid).unwrap_or(0),
-                    )));
-                }
-                Err(zookeeper_client::Error::NoNode) => {
-                    // The root is persistent; each key's directory a container, removed by
-                    // the server once empty. Neither holds a lock: nothing to sweep.
-                    let persistent = CreateMode::Persistent.with_acls(acls);
-                    let container = CreateMode::Container.with_acls(acls);
-                    let directories = async {
-                        // The key's directory first: the root is there but for the very
-                        // first lock (one request fewer for every new key).
-                        // A semaphore's `locks` and `leases` are containers in the key's.
-                        match client.create(dir, &[], &container).await {
-                            Ok(_) | Err(zookeeper_client::Error::NodeExists) => return Ok(()),
-                            Err(zookeeper_client::Error::NoNode) => {}
-                            Err(e) => {
-                                return Err(zk_error("creating the lock's container node", e));
+                    // The listing is only a head start: a failed one, or one without the
+                    // node (never expected), leaves the first look to the queue. One left
+                    // unanswered is passed on: the interrupt fires once, so a caller gone
+                    // must be heeded now.
+                    let listed = match listing {
+                        Some(listing) => {
+                            match answer_by(listing, self.request_end(deadline), interrupt).await {
+                                Ok(Ok((children, stat))) if children.contains(&name) => {
+                                    session.touch(sent);
+                                    Ok(Some(Listed {
+                                        sent,
+                                        children,
+                                        stat,
+                                    }))
+                                }
+                                Ok(_) => Ok(None),
+                                Err(why) => Err(why),
                             }
                         }
+                        None => Ok(None),
+                    };
+                    return Ok(Some(Created {
+                        node: format!("{prefix}{sequence}"),
+                        czxid: u64::try_from(stat.czxid).unwrap_or(0),
+                        listed,
+                    }));
+                }
+                Err(zookeeper_client::Error::NoNode) => {
+                    self.inner.dirs.remove(dir);
+                    // The directory's own create, when sent, answered first: unless it
+                    // found no root either, the directory is there now, or the next try
+                    // makes it with the contender (a container gone since it was known).
+                    if !matches!(made_dir, Some(Err(zookeeper_client::Error::NoNode))) {
+                        dir_known = false;
+                        continue;
+                    }
+                    // The root is persistent; each key's directory a container, removed by
+                    // the server once empty. Neither holds a lock: nothing to sweep.
+                    // A semaphore's `locks` and `leases` are containers in the key's.
+                    let persistent = CreateMode::Persistent.with_acls(acls);
+                    let directories = async {
                         client
                             .mkdir(&self.inner.config.root, &persistent)
                             .await
@@ -540,6 +626,7 @@ impl ZkBackend {
                         Ok(made) => made?,
                         Err(why) => return unanswered_create(why),
                     }
+                    dir_known = true;
                 }
                 Err(e) if connection_failed(&e) => {
                     // The create may have happened: look for our uuid before trying again.
@@ -554,7 +641,11 @@ impl ZkBackend {
                     match answer_by(lookup, self.request_end(deadline), interrupt).await {
                         Ok(Some((name, node, stat))) => {
                             sweep(Some(name));
-                            return Ok(Some((node, u64::try_from(stat.czxid).unwrap_or(0))));
+                            return Ok(Some(Created {
+                                node,
+                                czxid: u64::try_from(stat.czxid).unwrap_or(0),
+                                listed: Ok(None),
+                            }));
                         }
                         Ok(None) => {
                             if !pause_unless_interrupted(self.request_end(deadline), interrupt)
@@ -603,16 +694,11 @@ impl ZkBackend {
         } = *attempt;
         let client = session.client.clone();
         let mut check_semaphore = dir == self.lock_dir(&req.key);
-        let Some((node, czxid)) = self
-            .create_contender(
-                session,
-                dir,
-                kind,
-                req,
-                self.request_end(deadline),
-                interrupt,
-            )
-            .await?
+        let Some(Created {
+            node,
+            czxid,
+            listed,
+        }) = self.create_contender(attempt, dir, kind, req, true).await?
         else {
             return Ok(None);
         };
@@ -660,25 +746,42 @@ impl ZkBackend {
             Unanswered::Interrupted => Ok(None),
             Unanswered::TooLate => Err(unanswered(doing, self.request_limit())),
         };
+        let mut listed = match listed {
+            Ok(listed) => listed,
+            Err(why) => {
+                give_up(node).await;
+                return unanswered_wait(why, "listing contenders");
+            }
+        };
         // The lease starts when the grant is observed (the request that found this node at
         // the head of the queue was sent), not when the wait began: a wait longer than the
         // TTL must not yield an expired grant.
         let granted_at = loop {
-            let sent = Instant::now();
-            let listed = match answer_by(
-                client.get_children(dir),
-                self.request_end(deadline),
-                interrupt,
-            )
-            .await
-            {
-                Ok(listed) => listed,
-                Err(why) => {
-                    give_up(node).await;
-                    return unanswered_wait(why, "listing contenders");
+            // The first look at the queue is the listing sent with the create, if it came.
+            let (sent, answer) = match listed.take() {
+                Some(Listed {
+                    sent,
+                    children,
+                    stat,
+                }) => (sent, Ok((children, stat))),
+                None => {
+                    let sent = Instant::now();
+                    match answer_by(
+                        client.get_children(dir),
+                        self.request_end(deadline),
+                        interrupt,
+                    )
+                    .await
+                    {
+                        Ok(answer) => (sent, answer),
+                        Err(why) => {
+                            give_up(node).await;
+                            return unanswered_wait(why, "listing contenders");
+                        }
+                    }
                 }
             };
-            let (children, dir_stat) = match listed {
+            let (children, dir_stat) = match answer {
                 Ok(listed) => listed,
                 Err(e) if connection_failed(&e) => {
                     if retry_or_give_up(&node, e, "listing contenders").await? {
@@ -1352,15 +1455,11 @@ impl ZkBackend {
             ..
         } = *attempt;
         let client = &session.client;
-        let Some((lease, czxid)) = self
-            .create_contender(
-                session,
-                leases,
-                req.kind,
-                req,
-                self.request_end(deadline),
-                interrupt,
-            )
+        // Listed below with a watch, not with the create.
+        let Some(Created {
+            node: lease, czxid, ..
+        }) = self
+            .create_contender(attempt, leases, req.kind, req, false)
             .await?
         else {
             return Ok(Leased::GaveUp);
@@ -1622,6 +1721,24 @@ enum Leased {
     Full,
     /// The wait ran out or the caller went away (the lease is deleted).
     GaveUp,
+}
+
+/// A contender node just created.
+struct Created {
+    node: String,
+    czxid: u64,
+    /// Its directory's children, listed in the same round trip (after the create), if
+    /// listed; why not, if that listing went unanswered (the caller gone, or its bound
+    /// passed): the node must be given up then.
+    listed: std::result::Result<Option<Listed>, Unanswered>,
+}
+
+/// A listing of a lock's directory.
+struct Listed {
+    /// When the listing was sent.
+    sent: Instant,
+    children: Vec<String>,
+    stat: zookeeper_client::Stat,
 }
 
 /// A contender node that reached the point where it holds.
