@@ -417,3 +417,50 @@ async fn a_caller_gone_while_the_listing_is_unanswered_leaves_no_node() {
     }
     held.release().await.unwrap();
 }
+
+/// The wake of a blocked waiter stays one watch event and one listing (1.5 round trips of
+/// the waiter's link), pipelined create or not.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_blocked_waiter_is_granted_one_event_and_one_listing_after_the_release() {
+    let Some((proxy, waiter)) = proxied("curator").await else {
+        return;
+    };
+    let url = env::service_url("LOCKKIT_TEST_ZK_URL").unwrap();
+    let holder = Locker::new(ZkBackend::connect(&url).await.unwrap());
+    let mut fewest = f64::MAX;
+    for _ in 0..3 {
+        let key = key("wake");
+        let held = holder
+            .acquire(&key)
+            .ttl(Duration::from_secs(30))
+            .await
+            .unwrap();
+        let waiting = {
+            let (waiter, key) = (waiter.clone(), key.clone());
+            tokio::spawn(async move {
+                let guard = waiter
+                    .acquire(&key)
+                    .ttl(Duration::from_secs(30))
+                    .wait(Duration::from_secs(20))
+                    .await
+                    .unwrap();
+                let granted = Instant::now();
+                guard.release().await.unwrap();
+                granted
+            })
+        };
+        // Queued and watching by now (create with listing, then the watch: two round trips).
+        tokio::time::sleep(8 * DELAY).await;
+        let released = Instant::now();
+        held.release().await.unwrap();
+        let granted = waiting.await.unwrap();
+        let trips = granted.duration_since(released).as_secs_f64() / (2.0 * DELAY.as_secs_f64());
+        fewest = fewest.min(trips);
+    }
+    eprintln!("wake: {fewest:.2} round trips of the waiter's link");
+    assert!(
+        (1.4..2.0).contains(&fewest),
+        "wake: {fewest:.2} round trips (one event, one listing: 1.5)"
+    );
+    drop(proxy);
+}
