@@ -578,7 +578,10 @@ impl ZkBackend {
                     // must be heeded now.
                     let listed = match listing {
                         Some(listing) => {
-                            match answer_by(listing, self.request_end(deadline), interrupt).await {
+                            // Bounded as a listing sent on its own was: one request
+                            // limit past the attempt's deadline.
+                            let listing_end = self.request_end(attempt.deadline);
+                            match answer_by(listing, listing_end, interrupt).await {
                                 Ok(Ok((children, stat))) if children.contains(&name) => {
                                     session.touch(sent);
                                     Ok(Some(Listed {
@@ -604,9 +607,22 @@ impl ZkBackend {
                     // The directory's own create, when sent, answered first: unless it
                     // found no root either, the directory is there now, or the next try
                     // makes it with the contender (a container gone since it was known).
-                    if !matches!(made_dir, Some(Err(zookeeper_client::Error::NoNode))) {
-                        dir_known = false;
-                        continue;
+                    match made_dir {
+                        // No root either: made below.
+                        Some(Err(zookeeper_client::Error::NoNode)) => {}
+                        // The server refused the directory (an ACL, a quota): its reason,
+                        // not a retry. The contender's create found no directory, so there
+                        // is nothing to sweep.
+                        Some(Err(e))
+                            if !connection_failed(&e)
+                                && !matches!(e, zookeeper_client::Error::NodeExists) =>
+                        {
+                            return Err(zk_error("creating the lock's container node", e));
+                        }
+                        _ => {
+                            dir_known = false;
+                            continue;
+                        }
                     }
                     // The root is persistent; each key's directory a container, removed by
                     // the server once empty. Neither holds a lock: nothing to sweep.

@@ -404,3 +404,47 @@ async fn a_waiter_keeps_its_deadline_behind_a_server_that_stops_answering() {
     proxy.heal();
     held.release().await.unwrap();
 }
+
+/// A root whose ACL lets nobody create children: the server's refusal of the key's
+/// directory comes back as itself, not retryable, both from a try and from a wait (review
+/// of the pipelined create: it had become a retryable "could not create a contender",
+/// retried five times per attempt and for a whole wait).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_root_that_refuses_creates_gives_the_servers_refusal() {
+    let Some(url) = env::service_url("LOCKKIT_TEST_ZK_URL") else {
+        return;
+    };
+    let root = format!("/lockkit-refusing-{}", Uuid::new_v4().simple());
+    let admin = ZkBackend::connect(&url).await.unwrap();
+    let client = admin.client().await.unwrap();
+    client
+        .create(
+            &root,
+            &[],
+            &zookeeper_client::CreateMode::Persistent
+                .with_acls(zookeeper_client::Acls::anyone_read()),
+        )
+        .await
+        .unwrap();
+    let backend = ZkBackend::connect(&format!("{url}?root={root}"))
+        .await
+        .unwrap();
+    let locker = Locker::new(backend);
+    let tried = locker.try_acquire(&key("refused-try")).await;
+    let waited = locker
+        .acquire(&key("refused-wait"))
+        .wait(Duration::from_secs(30))
+        .await;
+    client.delete(&root, None).await.unwrap();
+    for outcome in [tried.map(|g| g.is_some()), waited.map(|_| true)] {
+        let err = match outcome {
+            Ok(granted) => panic!("answered {granted} under a root that refuses creates"),
+            Err(e) => e,
+        };
+        assert!(!err.is_retryable(), "a refusal typed retryable: {err}");
+        assert!(
+            err.to_string().contains("container node"),
+            "the server's refusal is not named: {err}"
+        );
+    }
+}
