@@ -430,9 +430,9 @@ async fn a_root_that_refuses_creates_gives_the_servers_refusal() {
         .await
         .unwrap();
     let locker = Locker::new(backend);
-    let tried = locker.try_acquire(&key("refused-try")).await;
+    let tried = locker.try_acquire(key("refused-try")).await;
     let waited = locker
-        .acquire(&key("refused-wait"))
+        .acquire(key("refused-wait"))
         .wait(Duration::from_secs(30))
         .await;
     client.delete(&root, None).await.unwrap();
