@@ -40,6 +40,12 @@ pub(crate) fn db_error(doing: &str, e: sqlx::Error) -> Error {
     Error::backend_with_source(BACKEND, retryable, format!("{doing} failed: {e}{hint}"), e)
 }
 
+/// Errors after which the connection (and so any transaction and lock it had) is gone.
+pub(crate) fn connection_gone(e: &sqlx::Error) -> bool {
+    matches!(e, sqlx::Error::Io(_) | sqlx::Error::Protocol(_))
+        || matches!(error_number(e), Some(1927 | 1053 | 2006 | 2013 | 4031))
+}
+
 /// MySQL error numbers lockkit reacts to.
 pub(crate) fn error_number(e: &sqlx::Error) -> Option<u16> {
     match e {
@@ -77,9 +83,16 @@ pub(crate) struct Db {
 impl Db {
     /// Opens the pools `config` asks for and makes sure the tables are there.
     pub(crate) async fn connect(config: MysqlConfig) -> Result<Arc<Db>> {
+        // No ping before every statement (it was a round trip of its own on every lock
+        // operation): a connection that has just been used is taken as alive, and one that
+        // has idled for a while is pinged first, so a server restart during a quiet spell
+        // never fails the next call. A connection that died within the last
+        // `IDLE_PING_AFTER` fails its statement with a retryable error instead.
         let pool = MySqlPoolOptions::new()
             .max_connections(config.pool_size)
             .acquire_timeout(config.connect_timeout)
+            .test_before_acquire(false)
+            .before_acquire(|conn, meta| Box::pin(ping_if_idle(conn, meta)))
             .after_connect(|conn, _| Box::pin(read_committed(conn)))
             .connect_with(config.connect.clone())
             .await
@@ -88,21 +101,14 @@ impl Db {
             .max_connections(config.max_holds)
             .min_connections(0)
             .acquire_timeout(Duration::from_millis(250))
-            // A hold sets its connection's wait_timeout to its lease: put the server's
-            // default back when the connection returns (or drop it), and test a pooled
-            // connection before use, so an idle spell or a server restart never fails the
-            // next acquisition.
-            .test_before_acquire(true)
-            .after_release(|conn, _| {
-                Box::pin(async move {
-                    Ok(
-                        sqlx::raw_sql("SET SESSION wait_timeout = @@GLOBAL.wait_timeout")
-                            .execute(&mut *conn)
-                            .await
-                            .is_ok(),
-                    )
-                })
-            })
+            // A hold sets its connection's wait_timeout to its lease: every path that gives
+            // a connection back puts the server's default back in the same round trip as
+            // its last statement (`for_update::RESTORE_SESSION`), or closes it. Pinged
+            // before use only after an idle spell, as the shared pool; a dead connection
+            // fails the first statement of a lock attempt, which nothing has happened
+            // before, and the attempt takes another.
+            .test_before_acquire(false)
+            .before_acquire(|conn, meta| Box::pin(ping_if_idle(conn, meta)))
             .after_connect(|conn, _| Box::pin(read_committed(conn)))
             .connect_lazy_with(config.connect.clone());
         let db = Arc::new(Db {
@@ -318,6 +324,21 @@ impl Db {
     }
 }
 
+/// How long a pooled connection may idle before it is pinged on its way out of the pool.
+pub(crate) const IDLE_PING_AFTER: Duration = Duration::from_secs(1);
+
+/// The pools' check before handing out a connection: a ping, but only after an idle spell
+/// of [`IDLE_PING_AFTER`] (a dead connection is closed and another one taken).
+async fn ping_if_idle(
+    conn: &mut sqlx::MySqlConnection,
+    meta: sqlx::pool::PoolConnectionMetadata,
+) -> std::result::Result<bool, sqlx::Error> {
+    if meta.idle_for >= IDLE_PING_AFTER {
+        sqlx::Connection::ping(conn).await?;
+    }
+    Ok(true)
+}
+
 /// Lock transactions lock only the rows they name: no gap locks between neighbouring
 /// keys, so unrelated keys never deadlock each other.
 async fn read_committed(conn: &mut sqlx::MySqlConnection) -> std::result::Result<(), sqlx::Error> {
@@ -407,11 +428,13 @@ pub(crate) struct Sql {
     pub(crate) row_select_for_update: Arc<str>,
     pub(crate) row_insert: Arc<str>,
     pub(crate) row_take: Arc<str>,
+    pub(crate) row_take_free: Arc<str>,
     pub(crate) row_reenter: Arc<str>,
     pub(crate) row_renew: Arc<str>,
     pub(crate) row_extend_locked: Arc<str>,
     pub(crate) row_release_one: Arc<str>,
     pub(crate) row_release_all: Arc<str>,
+    pub(crate) row_release_sole: Arc<str>,
     pub(crate) row_clear_live: Arc<str>,
     pub(crate) inspect: Arc<str>,
     pub(crate) mutex_insert: Arc<str>,
@@ -477,6 +500,22 @@ impl Sql {
                  expires_at = UTC_TIMESTAMP(6) + INTERVAL ? MICROSECOND, attempts = ?, holder = ? \
                  WHERE name = ? AND {no_live_holds}"
             )),
+            // The whole decision of an uncontended acquisition in one statement: the row
+            // is free (no live lease, no for-update holder's record: `owner` set with no
+            // expiry) and no read, write or permit hold is live on the key. It waits for
+            // the row's lock like the `SELECT ... FOR UPDATE` of the full transaction
+            // (an equality search on the primary key takes no semi-consistent shortcut),
+            // then evaluates this condition on the latest committed row and holds (read
+            // committed: the subquery reads after the lock is granted). The new token is
+            // handed back through `LAST_INSERT_ID`. Anything else (no row yet, held,
+            // a for-update record, holds to weigh or to clean up, a re-entry or a retry)
+            // matches nothing and goes to the full transaction.
+            row_take_free: s(format!(
+                "UPDATE `{t}` t SET fence = LAST_INSERT_ID(fence + 1), owner = ?, holds = 1, \
+                 expires_at = UTC_TIMESTAMP(6) + INTERVAL ? MICROSECOND, attempts = ?, holder = ? \
+                 WHERE name = ? AND NOT COALESCE(expires_at > UTC_TIMESTAMP(6), FALSE) \
+                 AND (owner IS NULL OR expires_at IS NOT NULL) AND {no_live_holds}"
+            )),
             row_reenter: s(format!(
                 "UPDATE `{t}` SET holds = holds + 1, attempts = ?, \
                  expires_at = GREATEST(expires_at, UTC_TIMESTAMP(6) + INTERVAL ? MICROSECOND) WHERE name = ?"
@@ -496,6 +535,13 @@ impl Sql {
             )),
             row_release_all: s(format!(
                 "UPDATE `{t}` SET owner = NULL, holds = 0, expires_at = NULL, attempts = NULL, holder = NULL WHERE name = ?"
+            )),
+            // The release of a sole hold in one statement: live, ours, one hold, and the
+            // ledger exactly the releasing attempt's (so a retried release, or one the
+            // ledger must weigh, matches nothing and goes to the full transaction).
+            row_release_sole: s(format!(
+                "UPDATE `{t}` SET owner = NULL, holds = 0, expires_at = NULL, attempts = NULL, holder = NULL \
+                 WHERE name = ? AND owner = ? AND expires_at > UTC_TIMESTAMP(6) AND holds = 1 AND attempts = ?"
             )),
             row_clear_live: s(format!(
                 "UPDATE `{t}` SET owner = NULL, holds = 0, expires_at = NULL, attempts = NULL, holder = NULL \

@@ -22,8 +22,8 @@ use sqlx::{AssertSqlSafe, Connection, MySql, Row, pool::PoolConnection};
 use tokio::time::Instant;
 
 use crate::db::{
-    BACKEND, Db, LOCK_NOWAIT, LOCK_WAIT_TIMEOUT, db_error, error_number, holder_identity, query,
-    row_text,
+    BACKEND, Db, LOCK_NOWAIT, LOCK_WAIT_TIMEOUT, connection_gone, db_error, error_number,
+    holder_identity, query, row_text,
 };
 
 /// The holds of this client, by owner and key (reentrancy is local in this mode).
@@ -159,6 +159,16 @@ impl Held {
     }
 }
 
+impl Drop for Held {
+    /// A hold dropped with its connection still in it (never released, never found over)
+    /// ends with that connection: back in the pool it would keep the row locked.
+    fn drop(&mut self) {
+        if let Some(conn) = self.conn.get_mut().as_mut() {
+            conn.close_on_drop();
+        }
+    }
+}
+
 impl std::fmt::Debug for Held {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Held")
@@ -171,12 +181,6 @@ impl std::fmt::Debug for Held {
 /// Whole seconds, at least one, rounded up: the server counts these timeouts in seconds.
 fn whole_seconds(d: Duration) -> u64 {
     d.as_secs() + u64::from(d.subsec_nanos() > 0)
-}
-
-/// Errors after which the connection, and so the transaction and the lock, are gone.
-fn connection_gone(e: &sqlx::Error) -> bool {
-    matches!(e, sqlx::Error::Io(_) | sqlx::Error::Protocol(_))
-        || matches!(error_number(e), Some(1927 | 1053 | 2006 | 2013 | 4031))
 }
 
 /// The hold behind `grant`, if it is a live hold of this client for that owner and key:
@@ -286,32 +290,48 @@ async fn lock(
     interrupt: Interrupt,
 ) -> Result<Option<Grant>> {
     let inner = &backend.inner;
-    let mut conn = inner.holds_pool.acquire().await.map_err(|e| match e {
-        sqlx::Error::PoolTimedOut => Error::backend(
-            BACKEND,
-            true,
-            format!(
-                "all {} dedicated connections are in use by held or waiting for-update locks; \
-                 raise max_holds (each hold and each waiter uses one server connection) or hold fewer locks",
-                inner.config.max_holds
-            ),
-        ),
-        e => db_error("opening a dedicated connection", e),
-    })?;
-    let fail = |e| db_error("taking the row lock", e);
-    let (id,): (u64,) = sqlx::query_as("SELECT CONNECTION_ID()")
-        .fetch_one(&mut *conn)
-        .await
-        .map_err(fail)?;
+    // One round trip sets the session up, opens the lock transaction and learns the
+    // connection's id (for the killer below). A pooled connection that died since its last
+    // use fails here, before anything was done: close it and take another.
     let session = format!(
-        "SET SESSION wait_timeout = {}, innodb_lock_wait_timeout = {}",
+        "SET SESSION wait_timeout = {}, innodb_lock_wait_timeout = {}; START TRANSACTION; \
+         SELECT CONNECTION_ID()",
         whole_seconds(req.ttl).max(1),
         whole_seconds(wait).max(1)
     );
-    sqlx::raw_sql(AssertSqlSafe(session))
-        .execute(&mut *conn)
-        .await
-        .map_err(fail)?;
+    let mut tries = 0;
+    let (mut conn, id) = loop {
+        tries += 1;
+        let mut conn = inner.holds_pool.acquire().await.map_err(|e| match e {
+            sqlx::Error::PoolTimedOut => Error::backend(
+                BACKEND,
+                true,
+                format!(
+                    "all {} dedicated connections are in use by held or waiting for-update locks; \
+                     raise max_holds (each hold and each waiter uses one server connection) or hold fewer locks",
+                    inner.config.max_holds
+                ),
+            ),
+            e => db_error("opening a dedicated connection", e),
+        })?;
+        let set_up = sqlx::raw_sql(AssertSqlSafe(session.clone()))
+            .fetch_all(&mut *conn)
+            .await
+            .and_then(|rows| match rows.first() {
+                Some(row) => row.try_get::<u64, _>(0),
+                None => Err(sqlx::Error::RowNotFound),
+            });
+        match set_up {
+            Ok(id) => break (conn, id),
+            Err(e) => {
+                // Never back to the pool half set up.
+                conn.close_on_drop();
+                if tries >= 2 || !connection_gone(&e) {
+                    return Err(db_error("taking the row lock", e));
+                }
+            }
+        }
+    };
     // The server waits in whole seconds; the deadline and cancellation interrupt it sooner,
     // by `KILL` of this connection (a `KILL QUERY` that arrives between two statements does
     // nothing). The killer is stopped and *awaited* before the connection is used for
@@ -369,14 +389,14 @@ async fn lock(
         }
         Ok(Some(granted)) => granted,
         Ok(None) => {
-            let _ = sqlx::raw_sql("ROLLBACK").execute(&mut *conn).await;
+            end_and_restore(&mut conn).await;
             return Ok(None);
         }
         Err(e) => {
             if e.connection_gone {
                 conn.close_on_drop();
             } else {
-                let _ = sqlx::raw_sql("ROLLBACK").execute(&mut *conn).await;
+                end_and_restore(&mut conn).await;
             }
             return Err(e.error);
         }
@@ -399,6 +419,25 @@ async fn lock(
         req.loss.clone(),
     ));
     Ok(Some(grant_for(req, &held, 1, granted_at)))
+}
+
+/// Puts the server's default `wait_timeout` back on a connection about to return to the
+/// pool (a hold or a waiter set it to its lease); sent with the connection's last
+/// statement, never as a round trip of its own.
+pub(crate) const RESTORE_SESSION: &str = "SET SESSION wait_timeout = @@GLOBAL.wait_timeout";
+
+/// Ends the transaction of a connection that took no lock (or whose lock is not wanted) and
+/// makes it fit for the pool again, in one round trip; a connection where that fails is
+/// closed instead.
+async fn end_and_restore(conn: &mut PoolConnection<MySql>) {
+    let statement = format!("ROLLBACK; {RESTORE_SESSION}");
+    if sqlx::raw_sql(AssertSqlSafe(statement))
+        .execute(&mut **conn)
+        .await
+        .is_err()
+    {
+        conn.close_on_drop();
+    }
 }
 
 /// Why [`lock_and_record`] failed, and whether the connection went with it.
@@ -440,16 +479,22 @@ async fn lock_and_record(
         &inner.sql.mutex_lock
     };
     let mut row_lease_poll = Backoff::new(ROW_LEASE_POLL, ROW_LEASE_POLL);
+    // The caller's set-up opened the first transaction.
+    let mut in_transaction = true;
     loop {
         if *fired.borrow() {
             return Ok(None);
         }
         let mut locked = Ok(None);
         for _ in 0..2 {
-            locked = match sqlx::raw_sql("START TRANSACTION")
-                .execute(&mut **conn)
-                .await
-            {
+            let begun = if std::mem::take(&mut in_transaction) {
+                Ok(Default::default())
+            } else {
+                sqlx::raw_sql("START TRANSACTION")
+                    .execute(&mut **conn)
+                    .await
+            };
+            locked = match begun {
                 Ok(_) => {
                     query(statement)
                         .bind(name)
@@ -687,34 +732,70 @@ async fn release(backend: &ForUpdateLocks, grant: &Grant) -> Result<Released> {
         CountRelease::Last => {}
     }
     forget(backend, &held);
-    let inner = &backend.inner;
-    // Clear the holder record while the row lock still keeps the next holder out.
-    let _ = query(&inner.sql.holder_clear)
-        .bind(held.key.as_str().as_bytes())
-        .bind(held.owner.to_string())
-        .execute(&inner.pool)
-        .await;
     let mut conn = held.conn.lock().await;
     let Some(mut c) = conn.take() else {
         return Err(Error::NotHeld {
             key: grant.key.clone(),
         });
     };
-    match sqlx::raw_sql("ROLLBACK").execute(&mut *c).await {
-        Ok(_) => Ok(Released::Fully),
-        Err(e) => {
-            c.close_on_drop();
-            if connection_gone(&e) {
-                // The server ended the transaction when the connection died: the lock was
-                // already gone.
-                Err(Error::NotHeld {
-                    key: grant.key.clone(),
-                })
-            } else {
-                Err(db_error("ending the lock transaction", e))
-            }
-        }
+    // One round trip: clear the holder record inside the lock transaction (so the row lock
+    // keeps the next holder out until the record is gone), commit (which ends the lock),
+    // and make the connection fit for the pool again.
+    let (name, owner) = (held.key.as_str().as_bytes(), held.owner.to_string());
+    let statement = format!(
+        "UPDATE `{}` SET owner = NULL, holds = 0, holder = NULL \
+         WHERE name = X'{}' AND owner = X'{}'; COMMIT; {RESTORE_SESSION}",
+        backend.inner.config.table,
+        hex(name),
+        hex(owner.as_bytes())
+    );
+    let Err(e) = sqlx::raw_sql(AssertSqlSafe(statement))
+        .execute(&mut *c)
+        .await
+    else {
+        return Ok(Released::Fully);
+    };
+    if connection_gone(&e) {
+        // The server ended the transaction when the connection died: the lock was
+        // already gone.
+        c.close_on_drop();
+        return Err(Error::NotHeld {
+            key: grant.key.clone(),
+        });
     }
+    // The record could not be cleared in the transaction (say, its row stayed locked past
+    // the session's lock wait): end the lock anyway, then clear the record on its own,
+    // best effort, as `inspect` and mode=row treat a record whose row is unlocked as over.
+    if let Err(e) = sqlx::raw_sql(AssertSqlSafe(format!("ROLLBACK; {RESTORE_SESSION}")))
+        .execute(&mut *c)
+        .await
+    {
+        c.close_on_drop();
+        return if connection_gone(&e) {
+            Err(Error::NotHeld {
+                key: grant.key.clone(),
+            })
+        } else {
+            Err(db_error("ending the lock transaction", e))
+        };
+    }
+    tracing::debug!(error = %e, "clearing the holder record in the lock transaction failed");
+    let inner = &backend.inner;
+    let _ = query(&inner.sql.holder_clear)
+        .bind(name)
+        .bind(&owner)
+        .execute(&inner.pool)
+        .await;
+    Ok(Released::Fully)
+}
+
+/// `bytes` as hexadecimal digits, for an `X'...'` literal.
+fn hex(bytes: &[u8]) -> String {
+    use std::fmt::Write;
+    bytes.iter().fold(String::with_capacity(bytes.len() * 2), |mut out, b| {
+        let _ = write!(out, "{b:02x}");
+        out
+    })
 }
 
 async fn inspect(backend: &ForUpdateLocks, key: &LockKey) -> Result<Option<HolderInfo>> {

@@ -1006,3 +1006,103 @@ async fn for_update_refuses_reads_and_permits_sent_to_it_directly() {
         assert!(matches!(refused, Error::Unsupported { .. }), "{refused}");
     }
 }
+
+/// Whether the server still has connection `id` open (a user sees its own connections in
+/// the process list without the PROCESS privilege).
+async fn connection_open(url: &str, id: u64) -> bool {
+    let mut conn = MySqlConnection::connect(url).await.unwrap();
+    let (n,): (i64,) =
+        sqlx::query_as("SELECT COUNT(*) FROM information_schema.PROCESSLIST WHERE ID = ?")
+            .bind(id)
+            .fetch_one(&mut conn)
+            .await
+            .unwrap();
+    n == 1
+}
+
+/// A dedicated connection goes back to the pool with the server's `wait_timeout`, put back
+/// in the round trip of its last statement (a released hold, and an attempt that found the
+/// key taken), never left at a hold's one-second lease for the server to cut it.
+#[tokio::test]
+async fn for_update_connections_return_with_the_servers_wait_timeout() {
+    let table = "lockkit_test_fu_restore";
+    let (Some(base), Some(url), Some(rival_url)) = (
+        env::service_url("LOCKKIT_TEST_MYSQL_URL"),
+        url(&format!("mode=for-update&table={table}&max_holds=1")),
+        url(&format!("mode=for-update&table={table}")),
+    ) else {
+        return;
+    };
+    let backend = MysqlBackend::connect(&url).await.unwrap();
+    let locker = Locker::new(backend.clone());
+    let rival = Locker::new(MysqlBackend::connect(&rival_url).await.unwrap());
+    let (mine, theirs) = (key(), key());
+    let ttl = Duration::from_secs(1);
+    let held = locker.acquire(&mine).ttl(ttl).await.unwrap();
+    let id = backend.connection_holding(&mine).unwrap();
+    held.release().await.unwrap();
+    let taken = rival.acquire(&theirs).ttl(Duration::from_secs(30)).await.unwrap();
+    assert!(locker.try_acquire(&theirs).await.unwrap().is_none());
+    // Longer than the one-second wait_timeout the hold and the attempt set.
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    assert!(
+        connection_open(&base, id).await,
+        "the server closed the pooled connection: its wait_timeout was left at the lease"
+    );
+    let again = locker.try_acquire(&mine).await.unwrap().unwrap();
+    assert_eq!(backend.connection_holding(&mine), Some(id), "the same connection");
+    again.release().await.unwrap();
+    taken.release().await.unwrap();
+}
+
+/// Pools ping a connection only after an idle spell: one killed just after its last use
+/// (no idle spell) costs its first statement, never the caller's call. For-update takes
+/// another dedicated connection; row mode sends its one-statement acquisition and release
+/// again on another pooled connection.
+#[tokio::test]
+async fn a_pooled_connection_killed_right_after_use_fails_no_call() {
+    let (Some(fu_url), Some(row_url)) = (
+        url("mode=for-update&table=lockkit_test_fu_killed_idle&max_holds=1"),
+        url("mode=row&table=lockkit_test_row_killed_idle&pool_size=1"),
+    ) else {
+        return;
+    };
+    let killer = MysqlBackend::connect(&row_url).await.unwrap();
+    let kill = |id: u64| {
+        let killer = killer.clone();
+        async move {
+            killer.kill_connection(id).await.unwrap();
+            // Let the server finish closing it.
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    };
+
+    let backend = MysqlBackend::connect(&fu_url).await.unwrap();
+    let locker = Locker::new(backend.clone());
+    let key = key();
+    let held = locker.try_acquire(&key).await.unwrap().unwrap();
+    let id = backend.connection_holding(&key).unwrap();
+    held.release().await.unwrap();
+    kill(id).await;
+    let again = locker
+        .try_acquire(&key)
+        .await
+        .expect("a dead pooled dedicated connection is replaced")
+        .expect("the key is free");
+    assert_ne!(backend.connection_holding(&key), Some(id));
+    again.release().await.unwrap();
+
+    let backend = MysqlBackend::connect(&row_url).await.unwrap();
+    let locker = Locker::new(backend.clone());
+    kill(backend.pooled_connection_id().await.unwrap()).await;
+    let held = locker
+        .try_acquire(&key)
+        .await
+        .expect("the acquisition goes to another connection")
+        .expect("the key is free");
+    kill(backend.pooled_connection_id().await.unwrap()).await;
+    held.release()
+        .await
+        .expect("the release goes to another connection");
+    assert!(locker.inspect(&key).await.unwrap().is_none());
+}

@@ -223,6 +223,11 @@ impl Marker {
         !self.cancelled.load(Ordering::SeqCst)
     }
 
+    /// Whether an attempt of this wait has written (or may have written) the marker.
+    pub(super) fn has_marked(&self) -> bool {
+        self.marked.load(Ordering::SeqCst)
+    }
+
     /// The wait ended in a grant, whose transaction deleted the marker.
     pub(super) fn granted(&self) {
         self.marked.store(false, Ordering::SeqCst);

@@ -22,7 +22,8 @@ use sqlx::{MySql, Row, Transaction};
 use tokio::time::Instant;
 
 use crate::db::{
-    BACKEND, Db, LOCK_NOWAIT, LOCK_WAIT_TIMEOUT, db_error, error_number, micros, query, row_text,
+    BACKEND, Db, LOCK_NOWAIT, LOCK_WAIT_TIMEOUT, connection_gone, db_error, error_number, micros,
+    query, row_text,
 };
 use kinds::{HoldRow, HoldView, Marker, Verdict, WriterMark};
 
@@ -154,6 +155,36 @@ async fn run_acquire(
     let ttl = micros(req.ttl);
     let start = Instant::now();
     let fail = |e| db_error("the acquire transaction", e);
+    // A plain lock on a free key: one statement decides and grants. Not for a waiter that
+    // has left a writer's marker (the full transaction deletes it with the grant).
+    if req.kind == LockKind::Exclusive && marker.is_none_or(|m| !m.has_marked()) {
+        let take = || {
+            query(&sql.row_take_free)
+                .bind(owner.clone())
+                .bind(ttl)
+                .bind(first_attempt(req))
+                .bind(req.identity.encode_for(&owner))
+                .bind(name.to_vec())
+                .execute(&inner.pool)
+        };
+        // A pooled connection that died since its last use (pools ping only after an idle
+        // spell): once more on another. Repeating is harmless either way: had the first
+        // taken effect, the lease is this attempt's and the full transaction below grants
+        // it again.
+        let taken = match take().await {
+            Err(e) if connection_gone(&e) => take().await,
+            other => other,
+        }
+        .map_err(fail)?;
+        if taken.rows_affected() == 1 {
+            return Ok(Attempt::Granted(Grant::new(
+                req,
+                FencingToken::new(taken.last_insert_id()),
+                1,
+                start,
+            )));
+        }
+    }
     let mut tx = inner.pool.begin().await.map_err(fail)?;
     let row = query(&sql.row_select_for_update)
         .bind(name)
@@ -640,6 +671,31 @@ async fn release_lease(backend: &RowLocks, grant: &Grant) -> Result<Released> {
     let sql = &inner.sql;
     let name = grant.key.as_str().as_bytes();
     let fail = |e| db_error("the release transaction", e);
+    let owner = grant.owner.to_string();
+    // The sole hold of a fresh acquisition: one statement. Anything else (a re-entered
+    // hold, a retried release, a lease no longer ours) goes to the full transaction.
+    let mut sole = AttemptLedger::new();
+    sole.add(grant.attempt);
+    let release_sole = || {
+        query(&sql.row_release_sole)
+            .bind(name.to_vec())
+            .bind(owner.clone())
+            .bind(sole.render())
+            .execute(&inner.pool)
+    };
+    match release_sole().await {
+        Ok(done) if done.rows_affected() == 1 => return Ok(Released::Fully),
+        Ok(_) => {}
+        // A pooled connection that died since its last use: once more on another. If that
+        // matches nothing, whether the first one took effect is unknown: say so (a
+        // retryable error; a retry finds out).
+        Err(e) if connection_gone(&e) => match release_sole().await {
+            Ok(done) if done.rows_affected() == 1 => return Ok(Released::Fully),
+            Ok(_) => return Err(fail(e)),
+            Err(again) => return Err(fail(again)),
+        },
+        Err(e) => return Err(fail(e)),
+    }
     let mut tx = inner.pool.begin().await.map_err(fail)?;
     let row = query(&sql.row_select_for_update)
         .bind(name)
@@ -648,7 +704,7 @@ async fn release_lease(backend: &RowLocks, grant: &Grant) -> Result<Released> {
         .map_err(fail)?;
     let ours = row.as_ref().is_some_and(|row| {
         row.try_get::<Option<i64>, _>("live").ok().flatten() == Some(1)
-            && row_text(row, "owner").as_deref() == Some(grant.owner.to_string().as_str())
+            && row_text(row, "owner").as_deref() == Some(owner.as_str())
     });
     let (holds, mut attempts): (u32, AttemptLedger) = match (&row, ours) {
         (Some(row), true) => (
