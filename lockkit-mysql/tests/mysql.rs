@@ -1041,13 +1041,24 @@ async fn for_update_connections_return_with_the_servers_wait_timeout() {
     let held = locker.acquire(&mine).ttl(ttl).await.unwrap();
     let id = backend.connection_holding(&mine).unwrap();
     held.release().await.unwrap();
-    let taken = rival.acquire(&theirs).ttl(Duration::from_secs(30)).await.unwrap();
-    assert!(locker.try_acquire(&theirs).await.unwrap().is_none());
-    // Longer than the one-second wait_timeout the hold and the attempt set.
+    // Longer than the one-second wait_timeout the hold set.
     tokio::time::sleep(Duration::from_millis(2500)).await;
     assert!(
         connection_open(&base, id).await,
-        "the server closed the pooled connection: its wait_timeout was left at the lease"
+        "the server closed the pooled connection after a release: its wait_timeout was left \
+         at the lease"
+    );
+    let taken = rival.acquire(&theirs).ttl(Duration::from_secs(30)).await.unwrap();
+    assert!(locker.try_acquire(&theirs).ttl(ttl).await.unwrap().is_none());
+    assert_eq!(
+        locker.try_acquire(&theirs).ttl(ttl).await.unwrap().map(|g| g.token()),
+        None
+    );
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    assert!(
+        connection_open(&base, id).await,
+        "the server closed the pooled connection after a refused attempt: its wait_timeout \
+         was left at the lease"
     );
     let again = locker.try_acquire(&mine).await.unwrap().unwrap();
     assert_eq!(backend.connection_holding(&mine), Some(id), "the same connection");
@@ -1071,6 +1082,9 @@ async fn a_pooled_connection_killed_right_after_use_fails_no_call() {
     let kill = |id: u64| {
         let killer = killer.clone();
         async move {
+            // After the pool's own ping of a returned connection, which would find it
+            // dead; well within the idle spell after which the pool pings before use.
+            tokio::time::sleep(Duration::from_millis(200)).await;
             killer.kill_connection(id).await.unwrap();
             // Let the server finish closing it.
             tokio::time::sleep(Duration::from_millis(100)).await;
