@@ -733,10 +733,16 @@ async fn release(backend: &ForUpdateLocks, grant: &Grant) -> Result<Released> {
     }
     forget(backend, &held);
     let mut conn = held.conn.lock().await;
-    let Some(mut c) = conn.take() else {
+    let Some(c) = conn.take() else {
         return Err(Error::NotHeld {
             key: grant.key.clone(),
         });
+    };
+    // A release dropped before its statement ran must not put a connection still in the
+    // lock transaction back in the pool.
+    let mut c = ClosedIfDropped {
+        conn: c,
+        done: false,
     };
     // One round trip: clear the holder record inside the lock transaction (so the row lock
     // keeps the next holder out until the record is gone), commit (which ends the lock),
@@ -750,15 +756,15 @@ async fn release(backend: &ForUpdateLocks, grant: &Grant) -> Result<Released> {
         hex(owner.as_bytes())
     );
     let Err(e) = sqlx::raw_sql(AssertSqlSafe(statement))
-        .execute(&mut *c)
+        .execute(&mut *c.conn)
         .await
     else {
+        c.done = true;
         return Ok(Released::Fully);
     };
     if connection_gone(&e) {
         // The server ended the transaction when the connection died: the lock was
         // already gone.
-        c.close_on_drop();
         return Err(Error::NotHeld {
             key: grant.key.clone(),
         });
@@ -767,10 +773,9 @@ async fn release(backend: &ForUpdateLocks, grant: &Grant) -> Result<Released> {
     // the session's lock wait): end the lock anyway, then clear the record on its own,
     // best effort, as `inspect` and mode=row treat a record whose row is unlocked as over.
     if let Err(e) = sqlx::raw_sql(AssertSqlSafe(format!("ROLLBACK; {RESTORE_SESSION}")))
-        .execute(&mut *c)
+        .execute(&mut *c.conn)
         .await
     {
-        c.close_on_drop();
         return if connection_gone(&e) {
             Err(Error::NotHeld {
                 key: grant.key.clone(),
@@ -779,6 +784,8 @@ async fn release(backend: &ForUpdateLocks, grant: &Grant) -> Result<Released> {
             Err(db_error("ending the lock transaction", e))
         };
     }
+    c.done = true;
+    drop(c);
     tracing::debug!(error = %e, "clearing the holder record in the lock transaction failed");
     let inner = &backend.inner;
     let _ = query(&inner.sql.holder_clear)
@@ -789,13 +796,30 @@ async fn release(backend: &ForUpdateLocks, grant: &Grant) -> Result<Released> {
     Ok(Released::Fully)
 }
 
+/// A pooled connection that is closed rather than given back to the pool when dropped
+/// before its last statement ran (`done`).
+struct ClosedIfDropped {
+    conn: PoolConnection<MySql>,
+    done: bool,
+}
+
+impl Drop for ClosedIfDropped {
+    fn drop(&mut self) {
+        if !self.done {
+            self.conn.close_on_drop();
+        }
+    }
+}
+
 /// `bytes` as hexadecimal digits, for an `X'...'` literal.
 fn hex(bytes: &[u8]) -> String {
     use std::fmt::Write;
-    bytes.iter().fold(String::with_capacity(bytes.len() * 2), |mut out, b| {
-        let _ = write!(out, "{b:02x}");
-        out
-    })
+    bytes
+        .iter()
+        .fold(String::with_capacity(bytes.len() * 2), |mut out, b| {
+            let _ = write!(out, "{b:02x}");
+            out
+        })
 }
 
 async fn inspect(backend: &ForUpdateLocks, key: &LockKey) -> Result<Option<HolderInfo>> {

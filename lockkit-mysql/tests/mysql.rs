@@ -1041,6 +1041,16 @@ async fn for_update_connections_return_with_the_servers_wait_timeout() {
     let held = locker.acquire(&mine).ttl(ttl).await.unwrap();
     let id = backend.connection_holding(&mine).unwrap();
     held.release().await.unwrap();
+    // The release cleared the holder record in the lock transaction.
+    let mut probe = MySqlConnection::connect(&base).await.unwrap();
+    let (owner, holds): (Option<String>, u32) = sqlx::query_as(sqlx::AssertSqlSafe(format!(
+        "SELECT owner, holds FROM `{table}` WHERE name = ?"
+    )))
+    .bind(mine.as_str().as_bytes())
+    .fetch_one(&mut probe)
+    .await
+    .unwrap();
+    assert_eq!((owner, holds), (None, 0), "the holder record is cleared");
     // Longer than the one-second wait_timeout the hold set.
     tokio::time::sleep(Duration::from_millis(2500)).await;
     assert!(
@@ -1048,10 +1058,26 @@ async fn for_update_connections_return_with_the_servers_wait_timeout() {
         "the server closed the pooled connection after a release: its wait_timeout was left \
          at the lease"
     );
-    let taken = rival.acquire(&theirs).ttl(Duration::from_secs(30)).await.unwrap();
-    assert!(locker.try_acquire(&theirs).ttl(ttl).await.unwrap().is_none());
+    let taken = rival
+        .acquire(&theirs)
+        .ttl(Duration::from_secs(30))
+        .await
+        .unwrap();
+    assert!(
+        locker
+            .try_acquire(&theirs)
+            .ttl(ttl)
+            .await
+            .unwrap()
+            .is_none()
+    );
     assert_eq!(
-        locker.try_acquire(&theirs).ttl(ttl).await.unwrap().map(|g| g.token()),
+        locker
+            .try_acquire(&theirs)
+            .ttl(ttl)
+            .await
+            .unwrap()
+            .map(|g| g.token()),
         None
     );
     tokio::time::sleep(Duration::from_millis(2500)).await;
@@ -1061,7 +1087,11 @@ async fn for_update_connections_return_with_the_servers_wait_timeout() {
          was left at the lease"
     );
     let again = locker.try_acquire(&mine).await.unwrap().unwrap();
-    assert_eq!(backend.connection_holding(&mine), Some(id), "the same connection");
+    assert_eq!(
+        backend.connection_holding(&mine),
+        Some(id),
+        "the same connection"
+    );
     again.release().await.unwrap();
     taken.release().await.unwrap();
 }
