@@ -184,6 +184,29 @@ async fn run_acquire(
                 start,
             )));
         }
+        // Perhaps the key's first use: its row, already held, as the full transaction would
+        // create it (a key without a row has no holds to weigh). A duplicate: the row is
+        // there, held or with more to decide; the full transaction looks.
+        let created = query(&sql.row_insert)
+            .bind(name)
+            .bind(&owner)
+            .bind(ttl)
+            .bind(first_attempt(req))
+            .bind(req.identity.encode_for(&owner))
+            .execute(&inner.pool)
+            .await;
+        match created {
+            Ok(_) => {
+                return Ok(Attempt::Granted(Grant::new(
+                    req,
+                    FencingToken::new(1),
+                    1,
+                    start,
+                )));
+            }
+            Err(e) if error_number(&e) == Some(1062) => {}
+            Err(e) => return Err(fail(e)),
+        }
     }
     let mut tx = inner.pool.begin().await.map_err(fail)?;
     let row = query(&sql.row_select_for_update)
