@@ -1150,3 +1150,72 @@ async fn a_pooled_connection_killed_right_after_use_fails_no_call() {
         .expect("the release goes to another connection");
     assert!(locker.inspect(&key).await.unwrap().is_none());
 }
+
+/// The one-statement acquisition of a free key waits for the key's row lock like the full
+/// transaction, and then sees the read hold committed by the transaction it waited for
+/// (its holds check reads after the lock is granted, not from a snapshot taken before the
+/// wait): a plain lock is never granted over a reader that was being admitted meanwhile.
+#[tokio::test]
+async fn a_free_key_is_not_granted_over_a_reader_admitted_during_the_wait() {
+    let table = "lockkit_test_row_fast_path";
+    let (Some(base), Some(url)) = (
+        env::service_url("LOCKKIT_TEST_MYSQL_URL"),
+        url(&format!("mode=row&table={table}")),
+    ) else {
+        return;
+    };
+    let locker = Locker::new(MysqlBackend::connect(&url).await.unwrap());
+    let key = key();
+    // The key's row exists and is free.
+    locker
+        .try_acquire(&key)
+        .await
+        .unwrap()
+        .unwrap()
+        .release()
+        .await
+        .unwrap();
+    // A reader's admission, as mode=row makes it: the key's row locked, a live read hold
+    // written, the commit still to come.
+    let mut reader = MySqlConnection::connect(&base).await.unwrap();
+    sqlx::raw_sql("SET SESSION TRANSACTION ISOLATION LEVEL READ COMMITTED")
+        .execute(&mut reader)
+        .await
+        .unwrap();
+    sqlx::raw_sql("BEGIN").execute(&mut reader).await.unwrap();
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "SELECT fence FROM `{table}` WHERE name = ? FOR UPDATE"
+    )))
+    .bind(key.as_str().as_bytes())
+    .fetch_one(&mut reader)
+    .await
+    .unwrap();
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "INSERT INTO `{table}_holds` (name, kind, holder, owner, holds, token, expires_at) \
+         VALUES (?, 'r', 'a-reader', 'a-reader', 1, 0, UTC_TIMESTAMP(6) + INTERVAL 30 SECOND)"
+    )))
+    .bind(key.as_str().as_bytes())
+    .execute(&mut reader)
+    .await
+    .unwrap();
+    let attempt = {
+        let (locker, key) = (locker.clone(), key.clone());
+        tokio::spawn(async move { locker.try_acquire(&key).await })
+    };
+    // The attempt is now waiting for the row lock.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(!attempt.is_finished(), "the attempt waits for the row lock");
+    sqlx::raw_sql("COMMIT").execute(&mut reader).await.unwrap();
+    let granted = attempt.await.unwrap().unwrap();
+    assert!(
+        granted.is_none(),
+        "a plain lock was granted over a live read hold"
+    );
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "DELETE FROM `{table}_holds` WHERE name = ?"
+    )))
+    .bind(key.as_str().as_bytes())
+    .execute(&mut reader)
+    .await
+    .unwrap();
+}
