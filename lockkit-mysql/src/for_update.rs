@@ -292,7 +292,8 @@ async fn lock(
     let inner = &backend.inner;
     // One round trip sets the session up, opens the lock transaction and learns the
     // connection's id (for the killer below). A pooled connection that died since its last
-    // use fails here, before anything was done: close it and take another.
+    // use fails here, before anything was done: close it and take another (every one of
+    // them may have died, in a server restart: up to `max_holds + 1` tries).
     let session = format!(
         "SET SESSION wait_timeout = {}, innodb_lock_wait_timeout = {}; START TRANSACTION; \
          SELECT CONNECTION_ID()",
@@ -326,7 +327,7 @@ async fn lock(
             Err(e) => {
                 // Never back to the pool half set up.
                 conn.close_on_drop();
-                if tries >= 2 || !connection_gone(&e) {
+                if tries > inner.config.max_holds || !inner.gone(&e) {
                     return Err(db_error("taking the row lock", e));
                 }
             }
@@ -394,6 +395,7 @@ async fn lock(
         }
         Err(e) => {
             if e.connection_gone {
+                inner.dead_seen.note();
                 conn.close_on_drop();
             } else {
                 end_and_restore(&mut conn).await;
@@ -583,27 +585,101 @@ async fn record_holder(
     let inner = &backend.inner;
     let (name, owner) = (req.key.as_str().as_bytes(), req.owner.to_string());
     let identity = req.identity.encode_for(&owner);
-    let taken = query(&inner.sql.holder_take)
-        .bind(&owner)
-        .bind(&identity)
-        .bind(name)
-        .execute(&inner.pool)
+    // Each statement is sent again if its pooled connection turns out dead: this holder
+    // has the key's lock, so a take repeated only spends a token more, and an insert
+    // repeated finds its own record (`take_weighing_holds` takes it).
+    let taken = inner
+        .retry_gone(|| {
+            query(&inner.sql.holder_take)
+                .bind(owner.clone())
+                .bind(identity.clone())
+                .bind(name.to_vec())
+                .execute(&inner.pool)
+        })
         .await?;
     if taken.rows_affected() == 1 {
         return Ok(Some(taken.last_insert_id()));
     }
-    // No row yet, or a live lease.
-    match query(&inner.sql.holder_insert)
-        .bind(name)
-        .bind(&owner)
-        .bind(&identity)
-        .execute(&inner.pool)
+    // No row yet, or a live lease or row-mode holds to weigh.
+    match inner
+        .retry_gone(|| {
+            query(&inner.sql.holder_insert)
+                .bind(name.to_vec())
+                .bind(owner.clone())
+                .bind(identity.clone())
+                .execute(&inner.pool)
+        })
         .await
     {
         Ok(_) => Ok(Some(1)),
-        Err(e) if error_number(&e) == Some(DUPLICATE_KEY) => Ok(None),
+        Err(e) if error_number(&e) == Some(DUPLICATE_KEY) => {
+            take_weighing_holds(inner, name, &owner, &identity).await
+        }
         Err(e) => Err(e),
     }
+}
+
+/// The record of a for-update holder whose key's row has mode=row holds (or a lease) to
+/// weigh, decided under that row's lock as mode=row's acquisitions decide: expired read,
+/// write and permit holds are deleted, each by a locking delete that waits for a renewal
+/// in flight and then sees it (`holder_take` alone, whose read of the holds is not a
+/// locking one, never takes the record while such a row exists); a live hold or lease
+/// holds the key (`Ok(None)`).
+async fn take_weighing_holds(
+    inner: &Db,
+    name: &[u8],
+    owner: &str,
+    identity: &str,
+) -> std::result::Result<Option<u64>, sqlx::Error> {
+    let sql = &inner.sql;
+    let mut tx = inner.begin().await?;
+    let row = query(&sql.row_select_for_update)
+        .bind(name)
+        .fetch_optional(&mut *tx)
+        .await?;
+    let free = row
+        .as_ref()
+        .is_some_and(|row| row.try_get::<Option<i64>, _>("live").ok().flatten() != Some(1));
+    if !free {
+        tx.rollback().await?;
+        return Ok(None);
+    }
+    for hold in query(&sql.holds_of_key)
+        .bind(name)
+        .fetch_all(&mut *tx)
+        .await?
+    {
+        let kind: String = hold.try_get("kind")?;
+        if !matches!(kind.as_str(), "r" | "w" | "p") {
+            continue;
+        }
+        let live = hold.try_get::<Option<i64>, _>("live")?.unwrap_or(0) == 1;
+        let over = !live
+            && query(&sql.holds_delete_expired)
+                .bind(name)
+                .bind(&kind)
+                .bind(hold.try_get::<String, _>("holder")?)
+                .execute(&mut *tx)
+                .await?
+                .rows_affected()
+                == 1;
+        if !over {
+            tx.rollback().await?;
+            return Ok(None);
+        }
+    }
+    let taken = query(&sql.holder_take)
+        .bind(owner)
+        .bind(identity)
+        .bind(name)
+        .execute(&mut *tx)
+        .await?;
+    if taken.rows_affected() != 1 {
+        tx.rollback().await?;
+        return Ok(None);
+    }
+    tx.commit().await?;
+    Ok(Some(taken.last_insert_id()))
 }
 
 const DUPLICATE_KEY: u16 = 1062;
@@ -636,7 +712,7 @@ async fn watch(
         let check = format!("SET SESSION wait_timeout = {}", whole_seconds(left).max(1));
         match sqlx::raw_sql(AssertSqlSafe(check)).execute(&mut **c).await {
             Ok(_) => {}
-            Err(e) if connection_gone(&e) => {
+            Err(e) if backend.inner.gone(&e) => {
                 held.broken.store(true, Ordering::SeqCst);
                 if let Some(mut dead) = conn.take() {
                     dead.close_on_drop();
@@ -658,6 +734,7 @@ async fn record_depth(backend: &ForUpdateLocks, held: &Held, depth: u32) {
         .bind(depth)
         .bind(held.key.as_str().as_bytes())
         .bind(held.owner.to_string())
+        .bind(held.token.get())
         .execute(&inner.pool)
         .await;
 }
@@ -695,7 +772,7 @@ async fn renew(backend: &ForUpdateLocks, grant: &Grant, ttl: Duration) -> Result
             held.count.extend_lease(until);
             Ok(())
         }
-        Err(e) if connection_gone(&e) => {
+        Err(e) if backend.inner.gone(&e) => {
             held.broken.store(true, Ordering::SeqCst);
             if let Some(mut dead) = conn.take() {
                 dead.close_on_drop();
@@ -748,9 +825,13 @@ async fn release(backend: &ForUpdateLocks, grant: &Grant) -> Result<Released> {
     // keeps the next holder out until the record is gone), commit (which ends the lock),
     // and make the connection fit for the pool again.
     let (name, owner) = (held.key.as_str().as_bytes(), held.owner.to_string());
+    // The record is this hold's own (its token, no expiry: a for-update record), never a
+    // later holder's of the same owner.
+    let fence = held.token.get();
     let statement = format!(
         "UPDATE `{}` SET owner = NULL, holds = 0, holder = NULL \
-         WHERE name = X'{}' AND owner = X'{}'; COMMIT; {RESTORE_SESSION}",
+         WHERE name = X'{}' AND owner = X'{}' AND fence = {fence} AND expires_at IS NULL; \
+         COMMIT; {RESTORE_SESSION}",
         backend.inner.config.table,
         hex(name),
         hex(owner.as_bytes())
@@ -762,7 +843,7 @@ async fn release(backend: &ForUpdateLocks, grant: &Grant) -> Result<Released> {
         c.done = true;
         return Ok(Released::Fully);
     };
-    if connection_gone(&e) {
+    if backend.inner.gone(&e) {
         // The server ended the transaction when the connection died: the lock was
         // already gone.
         return Err(Error::NotHeld {
@@ -787,13 +868,45 @@ async fn release(backend: &ForUpdateLocks, grant: &Grant) -> Result<Released> {
     c.done = true;
     drop(c);
     tracing::debug!(error = %e, "clearing the holder record in the lock transaction failed");
+    #[cfg(feature = "testing")]
+    release_clear_pause().await;
+    // The lock is over: the same owner may hold the key again by now, with a record of its
+    // own, which only this hold's token tells apart.
     let inner = &backend.inner;
-    let _ = query(&inner.sql.holder_clear)
-        .bind(name)
-        .bind(&owner)
-        .execute(&inner.pool)
+    let _ = inner
+        .retry_gone(|| {
+            query(&inner.sql.holder_clear)
+                .bind(name.to_vec())
+                .bind(owner.clone())
+                .bind(fence)
+                .execute(&inner.pool)
+        })
         .await;
     Ok(Released::Fully)
+}
+
+/// Test hook: a pause between a release's `ROLLBACK` (after the holder record could not be
+/// cleared in the lock transaction) and its clearing of the record on its own (zero: none).
+#[cfg(feature = "testing")]
+static RELEASE_CLEAR_PAUSE_MS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// Sets the pause of a for-update release between the end of its lock transaction and its
+/// clearing of the holder record, when that record could not be cleared inside the
+/// transaction (test hook).
+#[cfg(feature = "testing")]
+pub fn set_release_clear_pause(pause: Duration) {
+    RELEASE_CLEAR_PAUSE_MS.store(
+        u64::try_from(pause.as_millis()).unwrap_or(u64::MAX),
+        Ordering::SeqCst,
+    );
+}
+
+#[cfg(feature = "testing")]
+async fn release_clear_pause() {
+    let ms = RELEASE_CLEAR_PAUSE_MS.load(Ordering::SeqCst);
+    if ms > 0 {
+        tokio::time::sleep(Duration::from_millis(ms)).await;
+    }
 }
 
 /// A pooled connection that is closed rather than given back to the pool when dropped
@@ -829,11 +942,14 @@ async fn inspect(backend: &ForUpdateLocks, key: &LockKey) -> Result<Option<Holde
         return backend.inner.inspect_lease(key).await;
     }
     let inner = &backend.inner;
-    let row = query(&inner.sql.holder_read)
-        .bind(name)
-        .fetch_optional(&inner.pool)
+    let row = inner
+        .retry_gone(|| {
+            query(&inner.sql.holder_read)
+                .bind(name.to_vec())
+                .fetch_optional(&inner.pool)
+        })
         .await
-        .map_err(|e| db_error("reading the holder record", e))?;
+        .map_err(|e| inner.fail("reading the holder record", e))?;
     Ok(Some(match row {
         Some(row) => HolderInfo::new(
             row_text(&row, "owner").unwrap_or_else(|| "an unknown holder".into()),
