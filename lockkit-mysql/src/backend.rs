@@ -88,6 +88,21 @@ impl MysqlBackend {
         self.db.holds_pool.size()
     }
 
+    /// The server connection id of a connection of the shared pool (the one a pool of one
+    /// connection always hands out), for fault tests that `KILL` it.
+    ///
+    /// # Errors
+    /// Database errors.
+    #[cfg(feature = "testing")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "testing")))]
+    pub async fn pooled_connection_id(&self) -> Result<u64> {
+        let (id,): (u64,) = sqlx::query_as("SELECT CONNECTION_ID()")
+            .fetch_one(&self.db.pool)
+            .await
+            .map_err(|e| db_error("SELECT CONNECTION_ID()", e))?;
+        Ok(id)
+    }
+
     /// The server connection id holding `key` for-update in this client, if any (for
     /// operators and fault tests: `KILL <id>` ends that hold).
     pub fn connection_holding(&self, key: &LockKey) -> Option<u64> {

@@ -2,11 +2,18 @@
 //! mapping, and the reads both modes answer the same way (is a key's row locked now, what
 //! does the lease table say about a key).
 
-use std::{sync::Arc, time::Duration};
+use std::{
+    future::Future,
+    sync::{
+        Arc,
+        atomic::{AtomicU64, Ordering},
+    },
+    time::Duration,
+};
 
 use lockkit_core::{Error, FencingToken, HolderIdentity, HolderInfo, LockKey, Result};
 use sqlx::{
-    AssertSqlSafe, MySqlPool, Row,
+    AssertSqlSafe, MySql, MySqlPool, Row, Transaction,
     mysql::{MySqlPoolOptions, MySqlRow},
 };
 use tokio::sync::OnceCell;
@@ -40,6 +47,12 @@ pub(crate) fn db_error(doing: &str, e: sqlx::Error) -> Error {
     Error::backend_with_source(BACKEND, retryable, format!("{doing} failed: {e}{hint}"), e)
 }
 
+/// Errors after which the connection (and so any transaction and lock it had) is gone.
+pub(crate) fn connection_gone(e: &sqlx::Error) -> bool {
+    matches!(e, sqlx::Error::Io(_) | sqlx::Error::Protocol(_))
+        || matches!(error_number(e), Some(1927 | 1053 | 2006 | 2013 | 4031))
+}
+
 /// MySQL error numbers lockkit reacts to.
 pub(crate) fn error_number(e: &sqlx::Error) -> Option<u16> {
     match e {
@@ -64,9 +77,50 @@ pub(crate) fn micros(d: Duration) -> u64 {
 pub(crate) const LOCK_WAIT_TIMEOUT: u16 = 1205;
 pub(crate) const LOCK_NOWAIT: u16 = 3572;
 
+/// When a connection to this database was last found dead (a server restart, a `KILL`, a
+/// network drop): for a while afterwards the pools ping every connection before handing it
+/// out, not only those that idled, since the others are likely dead too.
+#[derive(Debug)]
+pub(crate) struct DeadSeen {
+    since: std::time::Instant,
+    /// Milliseconds from `since` to the last sighting, plus one (zero: never).
+    at: AtomicU64,
+}
+
+/// How long after a dead connection was seen the pools ping before every use.
+pub(crate) const PING_AFTER_DEATH: Duration = Duration::from_secs(5);
+
+impl DeadSeen {
+    fn new() -> Arc<Self> {
+        Arc::new(DeadSeen {
+            since: std::time::Instant::now(),
+            at: AtomicU64::new(0),
+        })
+    }
+
+    fn now(&self) -> u64 {
+        u64::try_from(self.since.elapsed().as_millis())
+            .unwrap_or(u64::MAX - 1)
+            .saturating_add(1)
+    }
+
+    /// A connection was found dead now.
+    pub(crate) fn note(&self) {
+        self.at.store(self.now(), Ordering::Relaxed);
+    }
+
+    /// Whether a connection was found dead within [`PING_AFTER_DEATH`].
+    fn recent(&self) -> bool {
+        let at = self.at.load(Ordering::Relaxed);
+        at != 0 && u128::from(self.now().saturating_sub(at)) < PING_AFTER_DEATH.as_millis()
+    }
+}
+
 /// One database: the pools and the statements on its tables.
 pub(crate) struct Db {
     pub(crate) config: MysqlConfig,
+    /// Shared with both pools' checks before use.
+    pub(crate) dead_seen: Arc<DeadSeen>,
     pub(crate) pool: MySqlPool,
     /// Dedicated connections for for-update holds and waiters.
     pub(crate) holds_pool: MySqlPool,
@@ -77,9 +131,24 @@ pub(crate) struct Db {
 impl Db {
     /// Opens the pools `config` asks for and makes sure the tables are there.
     pub(crate) async fn connect(config: MysqlConfig) -> Result<Arc<Db>> {
+        let dead_seen = DeadSeen::new();
+        let (seen, holds_seen) = (dead_seen.clone(), dead_seen.clone());
+        // No ping before every statement (it was a round trip of its own on every lock
+        // operation): a connection that has just been used is taken as alive, and one that
+        // has idled for a while is pinged first, so a server restart during a quiet spell
+        // never fails the next call. A connection that died within the last
+        // `IDLE_PING_AFTER` (a restart right after a busy spell) fails its first statement:
+        // that is noted (`DeadSeen`), every connection is then pinged before use for
+        // `PING_AFTER_DEATH`, and the statements that may be sent again (`retry_gone`,
+        // `begin`) are, so the call itself succeeds.
         let pool = MySqlPoolOptions::new()
             .max_connections(config.pool_size)
             .acquire_timeout(config.connect_timeout)
+            .test_before_acquire(false)
+            .before_acquire(move |conn, meta| {
+                let seen = seen.clone();
+                Box::pin(async move { ping_if_idle(conn, meta, &seen).await })
+            })
             .after_connect(|conn, _| Box::pin(read_committed(conn)))
             .connect_with(config.connect.clone())
             .await
@@ -88,32 +157,75 @@ impl Db {
             .max_connections(config.max_holds)
             .min_connections(0)
             .acquire_timeout(Duration::from_millis(250))
-            // A hold sets its connection's wait_timeout to its lease: put the server's
-            // default back when the connection returns (or drop it), and test a pooled
-            // connection before use, so an idle spell or a server restart never fails the
-            // next acquisition.
-            .test_before_acquire(true)
-            .after_release(|conn, _| {
-                Box::pin(async move {
-                    Ok(
-                        sqlx::raw_sql("SET SESSION wait_timeout = @@GLOBAL.wait_timeout")
-                            .execute(&mut *conn)
-                            .await
-                            .is_ok(),
-                    )
-                })
+            // A hold sets its connection's wait_timeout to its lease: every path that gives
+            // a connection back puts the server's default back in the same round trip as
+            // its last statement (`for_update::RESTORE_SESSION`), or closes it. Pinged
+            // before use only after an idle spell or soon after a dead connection was seen,
+            // as the shared pool; a dead connection fails the first statement of a lock
+            // attempt, which nothing has happened before, and the attempt takes another.
+            .test_before_acquire(false)
+            .before_acquire(move |conn, meta| {
+                let seen = holds_seen.clone();
+                Box::pin(async move { ping_if_idle(conn, meta, &seen).await })
             })
             .after_connect(|conn, _| Box::pin(read_committed(conn)))
             .connect_lazy_with(config.connect.clone());
         let db = Arc::new(Db {
             sql: Sql::new(&config.table),
             config,
+            dead_seen,
             pool,
             holds_pool,
             schema: OnceCell::new(),
         });
         db.ensure_schema().await?;
         Ok(db)
+    }
+
+    /// Whether `e` means the connection is gone; if so, the pools ping every connection
+    /// before use for a while.
+    pub(crate) fn gone(&self, e: &sqlx::Error) -> bool {
+        let gone = connection_gone(e);
+        if gone {
+            self.dead_seen.note();
+        }
+        gone
+    }
+
+    /// [`db_error`], noting a dead connection.
+    pub(crate) fn fail(&self, doing: &str, e: sqlx::Error) -> Error {
+        self.gone(&e);
+        db_error(doing, e)
+    }
+
+    /// Runs `statement` on the shared pool, and again on another connection while the one
+    /// it was sent on turns out dead (it died since its last use, say in a server restart),
+    /// up to `pool_size + 1` times in all. Only for statements that are harmless to send
+    /// again (a first statement that was never run, or one whose repetition changes
+    /// nothing the caller relies on).
+    pub(crate) async fn retry_gone<T, F, Fut>(
+        &self,
+        mut statement: F,
+    ) -> std::result::Result<T, sqlx::Error>
+    where
+        F: FnMut() -> Fut,
+        Fut: Future<Output = std::result::Result<T, sqlx::Error>>,
+    {
+        let mut tries = 0;
+        loop {
+            tries += 1;
+            match statement().await {
+                Err(e) if self.gone(&e) && tries <= self.config.pool_size => {}
+                outcome => return outcome,
+            }
+        }
+    }
+
+    /// A transaction on the shared pool, begun on a connection that answers.
+    pub(crate) async fn begin(
+        &self,
+    ) -> std::result::Result<Transaction<'static, MySql>, sqlx::Error> {
+        self.retry_gone(|| self.pool.begin()).await
     }
 
     /// Creates the tables if allowed; otherwise checks they exist.
@@ -223,8 +335,8 @@ impl Db {
     /// write and permit hold), as if their leases had run out; waiting writers' markers
     /// stay. Returns whether anything live was there.
     pub(crate) async fn clear_live(&self, key: &[u8]) -> Result<bool> {
-        let fail = |e| db_error("clearing a lease", e);
-        let mut tx = self.pool.begin().await.map_err(fail)?;
+        let fail = |e| self.fail("clearing a lease", e);
+        let mut tx = self.begin().await.map_err(fail)?;
         // The key's row first, as every lock transaction does: no deadlock with them, and
         // no acquisition is halfway through its decision while the holds go.
         query(&self.sql.row_select_for_update)
@@ -268,17 +380,17 @@ impl Db {
 
     /// One round trip to the server.
     pub(crate) async fn ping(&self) -> Result<()> {
-        let _: (i32,) = sqlx::query_as("SELECT 1")
-            .fetch_one(&self.pool)
+        let _: (i32,) = self
+            .retry_gone(|| sqlx::query_as("SELECT 1").fetch_one(&self.pool))
             .await
-            .map_err(|e| db_error("SELECT 1", e))?;
+            .map_err(|e| self.fail("SELECT 1", e))?;
         Ok(())
     }
 
     /// Whether `key`'s row is locked now, probed without waiting.
     pub(crate) async fn is_locked(&self, key: &[u8]) -> Result<bool> {
-        let fail = |e| db_error("probing the row lock", e);
-        let mut tx = self.pool.begin().await.map_err(fail)?;
+        let fail = |e| self.fail("probing the row lock", e);
+        let mut tx = self.begin().await.map_err(fail)?;
         let probe = query(&self.sql.mutex_lock_nowait)
             .bind(key)
             .fetch_optional(&mut *tx)
@@ -294,11 +406,14 @@ impl Db {
     /// Who holds `key` according to the lease table: a live row-mode lease, or the record
     /// of a for-update holder whose row is still locked.
     pub(crate) async fn inspect_lease(&self, key: &LockKey) -> Result<Option<HolderInfo>> {
-        let row = query(&self.sql.inspect)
-            .bind(key.as_str().as_bytes())
-            .fetch_optional(&self.pool)
+        let row = self
+            .retry_gone(|| {
+                query(&self.sql.inspect)
+                    .bind(key.as_str().as_bytes().to_vec())
+                    .fetch_optional(&self.pool)
+            })
             .await
-            .map_err(|e| db_error("inspecting the lease", e))?;
+            .map_err(|e| self.fail("inspecting the lease", e))?;
         let Some(row) = row else { return Ok(None) };
         let left = row.try_get::<Option<i64>, _>("left_us").ok().flatten();
         if left.is_none() && !self.is_locked(key.as_str().as_bytes()).await? {
@@ -316,6 +431,26 @@ impl Db {
             .with_identity(holder_identity(&row)),
         ))
     }
+}
+
+/// How long a pooled connection may idle before it is pinged on its way out of the pool.
+pub(crate) const IDLE_PING_AFTER: Duration = Duration::from_secs(1);
+
+/// The pools' check before handing out a connection: a ping, but only after an idle spell
+/// of [`IDLE_PING_AFTER`] (a dead connection is closed and another one taken).
+/// Also pinged: every connection within [`PING_AFTER_DEATH`] of one found dead.
+async fn ping_if_idle(
+    conn: &mut sqlx::MySqlConnection,
+    meta: sqlx::pool::PoolConnectionMetadata,
+    dead_seen: &DeadSeen,
+) -> std::result::Result<bool, sqlx::Error> {
+    if (meta.idle_for >= IDLE_PING_AFTER || dead_seen.recent())
+        && let Err(e) = sqlx::Connection::ping(conn).await
+    {
+        dead_seen.note();
+        return Err(e);
+    }
+    Ok(true)
 }
 
 /// Lock transactions lock only the rows they name: no gap locks between neighbouring
@@ -407,11 +542,13 @@ pub(crate) struct Sql {
     pub(crate) row_select_for_update: Arc<str>,
     pub(crate) row_insert: Arc<str>,
     pub(crate) row_take: Arc<str>,
+    pub(crate) row_take_free: Arc<str>,
     pub(crate) row_reenter: Arc<str>,
     pub(crate) row_renew: Arc<str>,
     pub(crate) row_extend_locked: Arc<str>,
     pub(crate) row_release_one: Arc<str>,
     pub(crate) row_release_all: Arc<str>,
+    pub(crate) row_release_sole: Arc<str>,
     pub(crate) row_clear_live: Arc<str>,
     pub(crate) inspect: Arc<str>,
     pub(crate) mutex_insert: Arc<str>,
@@ -454,6 +591,19 @@ impl Sql {
             "NOT EXISTS (SELECT 1 FROM `{t}_holds` h WHERE h.name = t.name \
              AND h.kind IN ('r', 'w', 'p') AND h.expires_at > UTC_TIMESTAMP(6))"
         );
+        // For the statements that decide without locking `{t}_holds` (the one-statement
+        // take of a free row, a for-update holder's record): no read, write or permit row
+        // at all, live or not. Their read of `{t}_holds` is not a locking one: it sees the
+        // last committed version of a hold whose renewal (which takes no key lock) is still
+        // in flight, so it cannot tell an expired hold from one about to be extended. Rows
+        // are only inserted and deleted under the key's row lock, which these statements
+        // hold while they read, so "no row" cannot change under them; an expired row is left
+        // to a transaction that deletes it with a locking delete (which waits for the
+        // renewal).
+        let no_holds = format!(
+            "NOT EXISTS (SELECT 1 FROM `{t}_holds` h WHERE h.name = t.name \
+             AND h.kind IN ('r', 'w', 'p'))"
+        );
         Sql {
             table_exists: s(format!("SELECT 1 FROM `{t}` JOIN `{t}_mutex` LIMIT 0")),
             column_exists: s("SELECT COUNT(*) FROM information_schema.COLUMNS \
@@ -477,6 +627,24 @@ impl Sql {
                  expires_at = UTC_TIMESTAMP(6) + INTERVAL ? MICROSECOND, attempts = ?, holder = ? \
                  WHERE name = ? AND {no_live_holds}"
             )),
+            // The whole decision of an uncontended acquisition in one statement: the row
+            // is free (no live lease, no for-update holder's record: `owner` set with no
+            // expiry) and the key has no read, write or permit hold row at all (`no_holds`:
+            // not even an expired one, whose renewal may be in flight). It waits for
+            // the row's lock like the `SELECT ... FOR UPDATE` of the full transaction
+            // (an equality search on the primary key takes no semi-consistent shortcut),
+            // then evaluates this condition on the latest committed row and holds (read
+            // committed: the subquery reads after the lock is granted), though not with a
+            // locking read (hence `no_holds`, not `no_live_holds`). The new token is
+            // handed back through `LAST_INSERT_ID`. Anything else (no row yet, held,
+            // a for-update record, holds to weigh or to clean up, a re-entry or a retry)
+            // matches nothing and goes to the full transaction.
+            row_take_free: s(format!(
+                "UPDATE `{t}` t SET fence = LAST_INSERT_ID(fence + 1), owner = ?, holds = 1, \
+                 expires_at = UTC_TIMESTAMP(6) + INTERVAL ? MICROSECOND, attempts = ?, holder = ? \
+                 WHERE name = ? AND NOT COALESCE(expires_at > UTC_TIMESTAMP(6), FALSE) \
+                 AND (owner IS NULL OR expires_at IS NOT NULL) AND {no_holds}"
+            )),
             row_reenter: s(format!(
                 "UPDATE `{t}` SET holds = holds + 1, attempts = ?, \
                  expires_at = GREATEST(expires_at, UTC_TIMESTAMP(6) + INTERVAL ? MICROSECOND) WHERE name = ?"
@@ -497,6 +665,13 @@ impl Sql {
             row_release_all: s(format!(
                 "UPDATE `{t}` SET owner = NULL, holds = 0, expires_at = NULL, attempts = NULL, holder = NULL WHERE name = ?"
             )),
+            // The release of a sole hold in one statement: live, ours, one hold, and the
+            // ledger exactly the releasing attempt's (so a retried release, or one the
+            // ledger must weigh, matches nothing and goes to the full transaction).
+            row_release_sole: s(format!(
+                "UPDATE `{t}` SET owner = NULL, holds = 0, expires_at = NULL, attempts = NULL, holder = NULL \
+                 WHERE name = ? AND owner = ? AND expires_at > UTC_TIMESTAMP(6) AND holds = 1 AND attempts = ?"
+            )),
             row_clear_live: s(format!(
                 "UPDATE `{t}` SET owner = NULL, holds = 0, expires_at = NULL, attempts = NULL, holder = NULL \
                  WHERE name = ? AND expires_at > UTC_TIMESTAMP(6)"
@@ -515,13 +690,14 @@ impl Sql {
             )),
             // A for-update holder: a new token and no expiry, unless a row-mode lease is
             // live on the key (both modes share the table).
-            // Nor over a row-mode read, write or permit hold. (Under READ COMMITTED the
-            // subquery reads after the row lock is granted: it sees the holds committed by
-            // the row-mode transaction it waited for.)
+            // Nor where the key has row-mode read, write or permit hold rows, live or not
+            // (`no_holds`; `for_update::take_weighing_holds` weighs them under the row lock).
+            // (Under READ COMMITTED the subquery reads after the row lock is granted: it
+            // sees the holds committed by the row-mode transaction it waited for.)
             holder_take: s(format!(
                 "UPDATE `{t}` t SET fence = LAST_INSERT_ID(fence + 1), owner = ?, holds = 1, \
                  expires_at = NULL, attempts = NULL, holder = ? WHERE name = ? \
-                 AND NOT COALESCE(expires_at > UTC_TIMESTAMP(6), FALSE) AND {no_live_holds}"
+                 AND NOT COALESCE(expires_at > UTC_TIMESTAMP(6), FALSE) AND {no_holds}"
             )),
             holder_insert: s(format!(
                 "INSERT INTO `{t}` (name, owner, holds, fence, holder) VALUES (?, ?, 1, 1, ?)"
@@ -530,10 +706,12 @@ impl Sql {
                 "SELECT owner, holds, fence, holder FROM `{t}` WHERE name = ?"
             )),
             holder_depth: s(format!(
-                "UPDATE `{t}` SET holds = ? WHERE name = ? AND owner = ?"
+                "UPDATE `{t}` SET holds = ? WHERE name = ? AND owner = ? AND fence = ? \
+                 AND expires_at IS NULL"
             )),
             holder_clear: s(format!(
-                "UPDATE `{t}` SET owner = NULL, holds = 0, holder = NULL WHERE name = ? AND owner = ?"
+                "UPDATE `{t}` SET owner = NULL, holds = 0, holder = NULL \
+                 WHERE name = ? AND owner = ? AND fence = ? AND expires_at IS NULL"
             )),
             live_under_prefix: s(format!(
                 "SELECT CAST((SELECT COUNT(*) FROM `{t}` WHERE name LIKE CONCAT(?, '%') AND expires_at > UTC_TIMESTAMP(6)) \

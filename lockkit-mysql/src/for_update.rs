@@ -22,8 +22,8 @@ use sqlx::{AssertSqlSafe, Connection, MySql, Row, pool::PoolConnection};
 use tokio::time::Instant;
 
 use crate::db::{
-    BACKEND, Db, LOCK_NOWAIT, LOCK_WAIT_TIMEOUT, db_error, error_number, holder_identity, query,
-    row_text,
+    BACKEND, Db, LOCK_NOWAIT, LOCK_WAIT_TIMEOUT, connection_gone, db_error, error_number,
+    holder_identity, query, row_text,
 };
 
 /// The holds of this client, by owner and key (reentrancy is local in this mode).
@@ -159,6 +159,16 @@ impl Held {
     }
 }
 
+impl Drop for Held {
+    /// A hold dropped with its connection still in it (never released, never found over)
+    /// ends with that connection: back in the pool it would keep the row locked.
+    fn drop(&mut self) {
+        if let Some(conn) = self.conn.get_mut().as_mut() {
+            conn.close_on_drop();
+        }
+    }
+}
+
 impl std::fmt::Debug for Held {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Held")
@@ -171,12 +181,6 @@ impl std::fmt::Debug for Held {
 /// Whole seconds, at least one, rounded up: the server counts these timeouts in seconds.
 fn whole_seconds(d: Duration) -> u64 {
     d.as_secs() + u64::from(d.subsec_nanos() > 0)
-}
-
-/// Errors after which the connection, and so the transaction and the lock, are gone.
-fn connection_gone(e: &sqlx::Error) -> bool {
-    matches!(e, sqlx::Error::Io(_) | sqlx::Error::Protocol(_))
-        || matches!(error_number(e), Some(1927 | 1053 | 2006 | 2013 | 4031))
 }
 
 /// The hold behind `grant`, if it is a live hold of this client for that owner and key:
@@ -286,32 +290,49 @@ async fn lock(
     interrupt: Interrupt,
 ) -> Result<Option<Grant>> {
     let inner = &backend.inner;
-    let mut conn = inner.holds_pool.acquire().await.map_err(|e| match e {
-        sqlx::Error::PoolTimedOut => Error::backend(
-            BACKEND,
-            true,
-            format!(
-                "all {} dedicated connections are in use by held or waiting for-update locks; \
-                 raise max_holds (each hold and each waiter uses one server connection) or hold fewer locks",
-                inner.config.max_holds
-            ),
-        ),
-        e => db_error("opening a dedicated connection", e),
-    })?;
-    let fail = |e| db_error("taking the row lock", e);
-    let (id,): (u64,) = sqlx::query_as("SELECT CONNECTION_ID()")
-        .fetch_one(&mut *conn)
-        .await
-        .map_err(fail)?;
+    // One round trip sets the session up, opens the lock transaction and learns the
+    // connection's id (for the killer below). A pooled connection that died since its last
+    // use fails here, before anything was done: close it and take another (every one of
+    // them may have died, in a server restart: up to `max_holds + 1` tries).
     let session = format!(
-        "SET SESSION wait_timeout = {}, innodb_lock_wait_timeout = {}",
+        "SET SESSION wait_timeout = {}, innodb_lock_wait_timeout = {}; START TRANSACTION; \
+         SELECT CONNECTION_ID()",
         whole_seconds(req.ttl).max(1),
         whole_seconds(wait).max(1)
     );
-    sqlx::raw_sql(AssertSqlSafe(session))
-        .execute(&mut *conn)
-        .await
-        .map_err(fail)?;
+    let mut tries = 0;
+    let (mut conn, id) = loop {
+        tries += 1;
+        let mut conn = inner.holds_pool.acquire().await.map_err(|e| match e {
+            sqlx::Error::PoolTimedOut => Error::backend(
+                BACKEND,
+                true,
+                format!(
+                    "all {} dedicated connections are in use by held or waiting for-update locks; \
+                     raise max_holds (each hold and each waiter uses one server connection) or hold fewer locks",
+                    inner.config.max_holds
+                ),
+            ),
+            e => db_error("opening a dedicated connection", e),
+        })?;
+        let set_up = sqlx::raw_sql(AssertSqlSafe(session.clone()))
+            .fetch_all(&mut *conn)
+            .await
+            .and_then(|rows| match rows.first() {
+                Some(row) => row.try_get::<u64, _>(0),
+                None => Err(sqlx::Error::RowNotFound),
+            });
+        match set_up {
+            Ok(id) => break (conn, id),
+            Err(e) => {
+                // Never back to the pool half set up.
+                conn.close_on_drop();
+                if tries > inner.config.max_holds || !inner.gone(&e) {
+                    return Err(db_error("taking the row lock", e));
+                }
+            }
+        }
+    };
     // The server waits in whole seconds; the deadline and cancellation interrupt it sooner,
     // by `KILL` of this connection (a `KILL QUERY` that arrives between two statements does
     // nothing). The killer is stopped and *awaited* before the connection is used for
@@ -369,14 +390,15 @@ async fn lock(
         }
         Ok(Some(granted)) => granted,
         Ok(None) => {
-            let _ = sqlx::raw_sql("ROLLBACK").execute(&mut *conn).await;
+            end_and_restore(&mut conn).await;
             return Ok(None);
         }
         Err(e) => {
             if e.connection_gone {
+                inner.dead_seen.note();
                 conn.close_on_drop();
             } else {
-                let _ = sqlx::raw_sql("ROLLBACK").execute(&mut *conn).await;
+                end_and_restore(&mut conn).await;
             }
             return Err(e.error);
         }
@@ -399,6 +421,25 @@ async fn lock(
         req.loss.clone(),
     ));
     Ok(Some(grant_for(req, &held, 1, granted_at)))
+}
+
+/// Puts the server's default `wait_timeout` back on a connection about to return to the
+/// pool (a hold or a waiter set it to its lease); sent with the connection's last
+/// statement, never as a round trip of its own.
+pub(crate) const RESTORE_SESSION: &str = "SET SESSION wait_timeout = @@GLOBAL.wait_timeout";
+
+/// Ends the transaction of a connection that took no lock (or whose lock is not wanted) and
+/// makes it fit for the pool again, in one round trip; a connection where that fails is
+/// closed instead.
+async fn end_and_restore(conn: &mut PoolConnection<MySql>) {
+    let statement = format!("ROLLBACK; {RESTORE_SESSION}");
+    if sqlx::raw_sql(AssertSqlSafe(statement))
+        .execute(&mut **conn)
+        .await
+        .is_err()
+    {
+        conn.close_on_drop();
+    }
 }
 
 /// Why [`lock_and_record`] failed, and whether the connection went with it.
@@ -440,16 +481,22 @@ async fn lock_and_record(
         &inner.sql.mutex_lock
     };
     let mut row_lease_poll = Backoff::new(ROW_LEASE_POLL, ROW_LEASE_POLL);
+    // The caller's set-up opened the first transaction.
+    let mut in_transaction = true;
     loop {
         if *fired.borrow() {
             return Ok(None);
         }
         let mut locked = Ok(None);
         for _ in 0..2 {
-            locked = match sqlx::raw_sql("START TRANSACTION")
-                .execute(&mut **conn)
-                .await
-            {
+            let begun = if std::mem::take(&mut in_transaction) {
+                Ok(Default::default())
+            } else {
+                sqlx::raw_sql("START TRANSACTION")
+                    .execute(&mut **conn)
+                    .await
+            };
+            locked = match begun {
                 Ok(_) => {
                     query(statement)
                         .bind(name)
@@ -538,27 +585,101 @@ async fn record_holder(
     let inner = &backend.inner;
     let (name, owner) = (req.key.as_str().as_bytes(), req.owner.to_string());
     let identity = req.identity.encode_for(&owner);
-    let taken = query(&inner.sql.holder_take)
-        .bind(&owner)
-        .bind(&identity)
-        .bind(name)
-        .execute(&inner.pool)
+    // Each statement is sent again if its pooled connection turns out dead: this holder
+    // has the key's lock, so a take repeated only spends a token more, and an insert
+    // repeated finds its own record (`take_weighing_holds` takes it).
+    let taken = inner
+        .retry_gone(|| {
+            query(&inner.sql.holder_take)
+                .bind(owner.clone())
+                .bind(identity.clone())
+                .bind(name.to_vec())
+                .execute(&inner.pool)
+        })
         .await?;
     if taken.rows_affected() == 1 {
         return Ok(Some(taken.last_insert_id()));
     }
-    // No row yet, or a live lease.
-    match query(&inner.sql.holder_insert)
-        .bind(name)
-        .bind(&owner)
-        .bind(&identity)
-        .execute(&inner.pool)
+    // No row yet, or a live lease or row-mode holds to weigh.
+    match inner
+        .retry_gone(|| {
+            query(&inner.sql.holder_insert)
+                .bind(name.to_vec())
+                .bind(owner.clone())
+                .bind(identity.clone())
+                .execute(&inner.pool)
+        })
         .await
     {
         Ok(_) => Ok(Some(1)),
-        Err(e) if error_number(&e) == Some(DUPLICATE_KEY) => Ok(None),
+        Err(e) if error_number(&e) == Some(DUPLICATE_KEY) => {
+            take_weighing_holds(inner, name, &owner, &identity).await
+        }
         Err(e) => Err(e),
     }
+}
+
+/// The record of a for-update holder whose key's row has mode=row holds (or a lease) to
+/// weigh, decided under that row's lock as mode=row's acquisitions decide: expired read,
+/// write and permit holds are deleted, each by a locking delete that waits for a renewal
+/// in flight and then sees it (`holder_take` alone, whose read of the holds is not a
+/// locking one, never takes the record while such a row exists); a live hold or lease
+/// holds the key (`Ok(None)`).
+async fn take_weighing_holds(
+    inner: &Db,
+    name: &[u8],
+    owner: &str,
+    identity: &str,
+) -> std::result::Result<Option<u64>, sqlx::Error> {
+    let sql = &inner.sql;
+    let mut tx = inner.begin().await?;
+    let row = query(&sql.row_select_for_update)
+        .bind(name)
+        .fetch_optional(&mut *tx)
+        .await?;
+    let free = row
+        .as_ref()
+        .is_some_and(|row| row.try_get::<Option<i64>, _>("live").ok().flatten() != Some(1));
+    if !free {
+        tx.rollback().await?;
+        return Ok(None);
+    }
+    for hold in query(&sql.holds_of_key)
+        .bind(name)
+        .fetch_all(&mut *tx)
+        .await?
+    {
+        let kind: String = hold.try_get("kind")?;
+        if !matches!(kind.as_str(), "r" | "w" | "p") {
+            continue;
+        }
+        let live = hold.try_get::<Option<i64>, _>("live")?.unwrap_or(0) == 1;
+        let over = !live
+            && query(&sql.holds_delete_expired)
+                .bind(name)
+                .bind(&kind)
+                .bind(hold.try_get::<String, _>("holder")?)
+                .execute(&mut *tx)
+                .await?
+                .rows_affected()
+                == 1;
+        if !over {
+            tx.rollback().await?;
+            return Ok(None);
+        }
+    }
+    let taken = query(&sql.holder_take)
+        .bind(owner)
+        .bind(identity)
+        .bind(name)
+        .execute(&mut *tx)
+        .await?;
+    if taken.rows_affected() != 1 {
+        tx.rollback().await?;
+        return Ok(None);
+    }
+    tx.commit().await?;
+    Ok(Some(taken.last_insert_id()))
 }
 
 const DUPLICATE_KEY: u16 = 1062;
@@ -591,7 +712,7 @@ async fn watch(
         let check = format!("SET SESSION wait_timeout = {}", whole_seconds(left).max(1));
         match sqlx::raw_sql(AssertSqlSafe(check)).execute(&mut **c).await {
             Ok(_) => {}
-            Err(e) if connection_gone(&e) => {
+            Err(e) if backend.inner.gone(&e) => {
                 held.broken.store(true, Ordering::SeqCst);
                 if let Some(mut dead) = conn.take() {
                     dead.close_on_drop();
@@ -613,6 +734,7 @@ async fn record_depth(backend: &ForUpdateLocks, held: &Held, depth: u32) {
         .bind(depth)
         .bind(held.key.as_str().as_bytes())
         .bind(held.owner.to_string())
+        .bind(held.token.get())
         .execute(&inner.pool)
         .await;
 }
@@ -650,7 +772,7 @@ async fn renew(backend: &ForUpdateLocks, grant: &Grant, ttl: Duration) -> Result
             held.count.extend_lease(until);
             Ok(())
         }
-        Err(e) if connection_gone(&e) => {
+        Err(e) if backend.inner.gone(&e) => {
             held.broken.store(true, Ordering::SeqCst);
             if let Some(mut dead) = conn.take() {
                 dead.close_on_drop();
@@ -687,34 +809,130 @@ async fn release(backend: &ForUpdateLocks, grant: &Grant) -> Result<Released> {
         CountRelease::Last => {}
     }
     forget(backend, &held);
-    let inner = &backend.inner;
-    // Clear the holder record while the row lock still keeps the next holder out.
-    let _ = query(&inner.sql.holder_clear)
-        .bind(held.key.as_str().as_bytes())
-        .bind(held.owner.to_string())
-        .execute(&inner.pool)
-        .await;
     let mut conn = held.conn.lock().await;
-    let Some(mut c) = conn.take() else {
+    let Some(c) = conn.take() else {
         return Err(Error::NotHeld {
             key: grant.key.clone(),
         });
     };
-    match sqlx::raw_sql("ROLLBACK").execute(&mut *c).await {
-        Ok(_) => Ok(Released::Fully),
-        Err(e) => {
-            c.close_on_drop();
-            if connection_gone(&e) {
-                // The server ended the transaction when the connection died: the lock was
-                // already gone.
-                Err(Error::NotHeld {
-                    key: grant.key.clone(),
-                })
-            } else {
-                Err(db_error("ending the lock transaction", e))
-            }
+    // A release dropped before its statement ran must not put a connection still in the
+    // lock transaction back in the pool.
+    let mut c = ClosedIfDropped {
+        conn: c,
+        done: false,
+    };
+    // One round trip: clear the holder record inside the lock transaction (so the row lock
+    // keeps the next holder out until the record is gone), commit (which ends the lock),
+    // and make the connection fit for the pool again.
+    let (name, owner) = (held.key.as_str().as_bytes(), held.owner.to_string());
+    // The record is this hold's own (its token, no expiry: a for-update record), never a
+    // later holder's of the same owner.
+    let fence = held.token.get();
+    let statement = format!(
+        "UPDATE `{}` SET owner = NULL, holds = 0, holder = NULL \
+         WHERE name = X'{}' AND owner = X'{}' AND fence = {fence} AND expires_at IS NULL; \
+         COMMIT; {RESTORE_SESSION}",
+        backend.inner.config.table,
+        hex(name),
+        hex(owner.as_bytes())
+    );
+    let Err(e) = sqlx::raw_sql(AssertSqlSafe(statement))
+        .execute(&mut *c.conn)
+        .await
+    else {
+        c.done = true;
+        return Ok(Released::Fully);
+    };
+    if backend.inner.gone(&e) {
+        // The server ended the transaction when the connection died: the lock was
+        // already gone.
+        return Err(Error::NotHeld {
+            key: grant.key.clone(),
+        });
+    }
+    // The record could not be cleared in the transaction (say, its row stayed locked past
+    // the session's lock wait): end the lock anyway, then clear the record on its own,
+    // best effort, as `inspect` and mode=row treat a record whose row is unlocked as over.
+    if let Err(e) = sqlx::raw_sql(AssertSqlSafe(format!("ROLLBACK; {RESTORE_SESSION}")))
+        .execute(&mut *c.conn)
+        .await
+    {
+        return if connection_gone(&e) {
+            Err(Error::NotHeld {
+                key: grant.key.clone(),
+            })
+        } else {
+            Err(db_error("ending the lock transaction", e))
+        };
+    }
+    c.done = true;
+    drop(c);
+    tracing::debug!(error = %e, "clearing the holder record in the lock transaction failed");
+    #[cfg(feature = "testing")]
+    release_clear_pause().await;
+    // The lock is over: the same owner may hold the key again by now, with a record of its
+    // own, which only this hold's token tells apart.
+    let inner = &backend.inner;
+    let _ = inner
+        .retry_gone(|| {
+            query(&inner.sql.holder_clear)
+                .bind(name.to_vec())
+                .bind(owner.clone())
+                .bind(fence)
+                .execute(&inner.pool)
+        })
+        .await;
+    Ok(Released::Fully)
+}
+
+/// Test hook: a pause between a release's `ROLLBACK` (after the holder record could not be
+/// cleared in the lock transaction) and its clearing of the record on its own (zero: none).
+#[cfg(feature = "testing")]
+static RELEASE_CLEAR_PAUSE_MS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// Sets the pause of a for-update release between the end of its lock transaction and its
+/// clearing of the holder record, when that record could not be cleared inside the
+/// transaction (test hook).
+#[cfg(feature = "testing")]
+pub fn set_release_clear_pause(pause: Duration) {
+    RELEASE_CLEAR_PAUSE_MS.store(
+        u64::try_from(pause.as_millis()).unwrap_or(u64::MAX),
+        Ordering::SeqCst,
+    );
+}
+
+#[cfg(feature = "testing")]
+async fn release_clear_pause() {
+    let ms = RELEASE_CLEAR_PAUSE_MS.load(Ordering::SeqCst);
+    if ms > 0 {
+        tokio::time::sleep(Duration::from_millis(ms)).await;
+    }
+}
+
+/// A pooled connection that is closed rather than given back to the pool when dropped
+/// before its last statement ran (`done`).
+struct ClosedIfDropped {
+    conn: PoolConnection<MySql>,
+    done: bool,
+}
+
+impl Drop for ClosedIfDropped {
+    fn drop(&mut self) {
+        if !self.done {
+            self.conn.close_on_drop();
         }
     }
+}
+
+/// `bytes` as hexadecimal digits, for an `X'...'` literal.
+fn hex(bytes: &[u8]) -> String {
+    use std::fmt::Write;
+    bytes
+        .iter()
+        .fold(String::with_capacity(bytes.len() * 2), |mut out, b| {
+            let _ = write!(out, "{b:02x}");
+            out
+        })
 }
 
 async fn inspect(backend: &ForUpdateLocks, key: &LockKey) -> Result<Option<HolderInfo>> {
@@ -724,11 +942,14 @@ async fn inspect(backend: &ForUpdateLocks, key: &LockKey) -> Result<Option<Holde
         return backend.inner.inspect_lease(key).await;
     }
     let inner = &backend.inner;
-    let row = query(&inner.sql.holder_read)
-        .bind(name)
-        .fetch_optional(&inner.pool)
+    let row = inner
+        .retry_gone(|| {
+            query(&inner.sql.holder_read)
+                .bind(name.to_vec())
+                .fetch_optional(&inner.pool)
+        })
         .await
-        .map_err(|e| db_error("reading the holder record", e))?;
+        .map_err(|e| inner.fail("reading the holder record", e))?;
     Ok(Some(match row {
         Some(row) => HolderInfo::new(
             row_text(&row, "owner").unwrap_or_else(|| "an unknown holder".into()),

@@ -49,4 +49,7 @@ pub async fn connect(
 pub use db::ddl;
 #[cfg(feature = "testing")]
 #[cfg_attr(docsrs, doc(cfg(feature = "testing")))]
+pub use for_update::set_release_clear_pause;
+#[cfg(feature = "testing")]
+#[cfg_attr(docsrs, doc(cfg(feature = "testing")))]
 pub use row::set_retry_pause;

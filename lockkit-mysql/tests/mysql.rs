@@ -1006,3 +1006,541 @@ async fn for_update_refuses_reads_and_permits_sent_to_it_directly() {
         assert!(matches!(refused, Error::Unsupported { .. }), "{refused}");
     }
 }
+
+/// Whether the server still has connection `id` open (a user sees its own connections in
+/// the process list without the PROCESS privilege).
+async fn connection_open(url: &str, id: u64) -> bool {
+    let mut conn = MySqlConnection::connect(url).await.unwrap();
+    let (n,): (i64,) =
+        sqlx::query_as("SELECT COUNT(*) FROM information_schema.PROCESSLIST WHERE ID = ?")
+            .bind(id)
+            .fetch_one(&mut conn)
+            .await
+            .unwrap();
+    n == 1
+}
+
+/// A dedicated connection goes back to the pool with the server's `wait_timeout`, put back
+/// in the round trip of its last statement (a released hold, and an attempt that found the
+/// key taken), never left at a hold's one-second lease for the server to cut it.
+#[tokio::test]
+async fn for_update_connections_return_with_the_servers_wait_timeout() {
+    let table = "lockkit_test_fu_restore";
+    let (Some(base), Some(url), Some(rival_url)) = (
+        env::service_url("LOCKKIT_TEST_MYSQL_URL"),
+        url(&format!("mode=for-update&table={table}&max_holds=1")),
+        url(&format!("mode=for-update&table={table}")),
+    ) else {
+        return;
+    };
+    let backend = MysqlBackend::connect(&url).await.unwrap();
+    let locker = Locker::new(backend.clone());
+    let rival = Locker::new(MysqlBackend::connect(&rival_url).await.unwrap());
+    let (mine, theirs) = (key(), key());
+    let ttl = Duration::from_secs(1);
+    let held = locker.acquire(&mine).ttl(ttl).await.unwrap();
+    let id = backend.connection_holding(&mine).unwrap();
+    held.release().await.unwrap();
+    // The release cleared the holder record in the lock transaction.
+    let mut probe = MySqlConnection::connect(&base).await.unwrap();
+    let (owner, holds): (Option<String>, u32) = sqlx::query_as(sqlx::AssertSqlSafe(format!(
+        "SELECT owner, holds FROM `{table}` WHERE name = ?"
+    )))
+    .bind(mine.as_str().as_bytes())
+    .fetch_one(&mut probe)
+    .await
+    .unwrap();
+    assert_eq!((owner, holds), (None, 0), "the holder record is cleared");
+    // Longer than the one-second wait_timeout the hold set.
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    assert!(
+        connection_open(&base, id).await,
+        "the server closed the pooled connection after a release: its wait_timeout was left \
+         at the lease"
+    );
+    let taken = rival
+        .acquire(&theirs)
+        .ttl(Duration::from_secs(30))
+        .await
+        .unwrap();
+    assert!(
+        locker
+            .try_acquire(&theirs)
+            .ttl(ttl)
+            .await
+            .unwrap()
+            .is_none()
+    );
+    assert_eq!(
+        locker
+            .try_acquire(&theirs)
+            .ttl(ttl)
+            .await
+            .unwrap()
+            .map(|g| g.token()),
+        None
+    );
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    assert!(
+        connection_open(&base, id).await,
+        "the server closed the pooled connection after a refused attempt: its wait_timeout \
+         was left at the lease"
+    );
+    let again = locker.try_acquire(&mine).await.unwrap().unwrap();
+    assert_eq!(
+        backend.connection_holding(&mine),
+        Some(id),
+        "the same connection"
+    );
+    again.release().await.unwrap();
+    taken.release().await.unwrap();
+}
+
+/// Pools ping a connection only after an idle spell: one killed just after its last use
+/// (no idle spell) costs its first statement, never the caller's call. For-update takes
+/// another dedicated connection; row mode sends its one-statement acquisition and release
+/// again on another pooled connection.
+#[tokio::test]
+async fn a_pooled_connection_killed_right_after_use_fails_no_call() {
+    let (Some(fu_url), Some(row_url)) = (
+        url("mode=for-update&table=lockkit_test_fu_killed_idle&max_holds=1"),
+        url("mode=row&table=lockkit_test_row_killed_idle&pool_size=1"),
+    ) else {
+        return;
+    };
+    let killer = MysqlBackend::connect(&row_url).await.unwrap();
+    let kill = |id: u64| {
+        let killer = killer.clone();
+        async move {
+            // After the pool's own ping of a returned connection, which would find it
+            // dead; well within the idle spell after which the pool pings before use.
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            killer.kill_connection(id).await.unwrap();
+            // Let the server finish closing it.
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    };
+
+    let backend = MysqlBackend::connect(&fu_url).await.unwrap();
+    let locker = Locker::new(backend.clone());
+    let key = key();
+    let held = locker.try_acquire(&key).await.unwrap().unwrap();
+    let id = backend.connection_holding(&key).unwrap();
+    held.release().await.unwrap();
+    kill(id).await;
+    let again = locker
+        .try_acquire(&key)
+        .await
+        .expect("a dead pooled dedicated connection is replaced")
+        .expect("the key is free");
+    assert_ne!(backend.connection_holding(&key), Some(id));
+    again.release().await.unwrap();
+
+    let backend = MysqlBackend::connect(&row_url).await.unwrap();
+    let locker = Locker::new(backend.clone());
+    kill(backend.pooled_connection_id().await.unwrap()).await;
+    let held = locker
+        .try_acquire(&key)
+        .await
+        .expect("the acquisition goes to another connection")
+        .expect("the key is free");
+    kill(backend.pooled_connection_id().await.unwrap()).await;
+    held.release()
+        .await
+        .expect("the release goes to another connection");
+    assert!(locker.inspect(&key).await.unwrap().is_none());
+}
+
+/// The one-statement acquisition of a free key waits for the key's row lock like the full
+/// transaction, and then sees the read hold committed by the transaction it waited for
+/// (its holds check reads after the lock is granted, not from a snapshot taken before the
+/// wait): a plain lock is never granted over a reader that was being admitted meanwhile.
+#[tokio::test]
+async fn a_free_key_is_not_granted_over_a_reader_admitted_during_the_wait() {
+    let table = "lockkit_test_row_fast_path";
+    let (Some(base), Some(url)) = (
+        env::service_url("LOCKKIT_TEST_MYSQL_URL"),
+        url(&format!("mode=row&table={table}")),
+    ) else {
+        return;
+    };
+    let locker = Locker::new(MysqlBackend::connect(&url).await.unwrap());
+    let key = key();
+    // The key's row exists and is free.
+    locker
+        .try_acquire(&key)
+        .await
+        .unwrap()
+        .unwrap()
+        .release()
+        .await
+        .unwrap();
+    // A reader's admission, as mode=row makes it: the key's row locked, a live read hold
+    // written, the commit still to come.
+    let mut reader = MySqlConnection::connect(&base).await.unwrap();
+    sqlx::raw_sql("SET SESSION TRANSACTION ISOLATION LEVEL READ COMMITTED")
+        .execute(&mut reader)
+        .await
+        .unwrap();
+    sqlx::raw_sql("BEGIN").execute(&mut reader).await.unwrap();
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "SELECT fence FROM `{table}` WHERE name = ? FOR UPDATE"
+    )))
+    .bind(key.as_str().as_bytes())
+    .fetch_one(&mut reader)
+    .await
+    .unwrap();
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "INSERT INTO `{table}_holds` (name, kind, holder, owner, holds, token, expires_at) \
+         VALUES (?, 'r', 'a-reader', 'a-reader', 1, 0, UTC_TIMESTAMP(6) + INTERVAL 30 SECOND)"
+    )))
+    .bind(key.as_str().as_bytes())
+    .execute(&mut reader)
+    .await
+    .unwrap();
+    let attempt = {
+        let (locker, key) = (locker.clone(), key.clone());
+        tokio::spawn(async move { locker.try_acquire(&key).await })
+    };
+    // The attempt is now waiting for the row lock.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(!attempt.is_finished(), "the attempt waits for the row lock");
+    sqlx::raw_sql("COMMIT").execute(&mut reader).await.unwrap();
+    let granted = attempt.await.unwrap().unwrap();
+    assert!(
+        granted.is_none(),
+        "a plain lock was granted over a live read hold"
+    );
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "DELETE FROM `{table}_holds` WHERE name = ?"
+    )))
+    .bind(key.as_str().as_bytes())
+    .execute(&mut reader)
+    .await
+    .unwrap();
+}
+
+/// Writes a read hold on `key` in `table` with one second left, then starts its renewal
+/// (the `holds_renew` statement, run while the hold is live) and leaves it uncommitted for
+/// 1.3 s, past the old expiry: a renewal whose commit is slow (an fsync), widened. Returns
+/// the connection, to commit the renewal on.
+async fn renewal_in_flight(base: &str, table: &str, key: &LockKey) -> MySqlConnection {
+    let mut c = MySqlConnection::connect(base).await.unwrap();
+    sqlx::raw_sql("SET SESSION TRANSACTION ISOLATION LEVEL READ COMMITTED")
+        .execute(&mut c)
+        .await
+        .unwrap();
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "INSERT INTO `{table}_holds` (name, kind, holder, owner, holds, token, expires_at) \
+         VALUES (?, 'r', 'a-reader', 'a-reader', 1, 0, UTC_TIMESTAMP(6) + INTERVAL 1 SECOND)"
+    )))
+    .bind(key.as_str().as_bytes())
+    .execute(&mut c)
+    .await
+    .unwrap();
+    sqlx::raw_sql("BEGIN").execute(&mut c).await.unwrap();
+    let renewed = sqlx::query(sqlx::AssertSqlSafe(format!(
+        "UPDATE `{table}_holds` SET expires_at = GREATEST(expires_at, UTC_TIMESTAMP(6) + INTERVAL 30 SECOND) \
+         WHERE name = ? AND kind = 'r' AND holder = 'a-reader' AND expires_at > UTC_TIMESTAMP(6)"
+    )))
+    .bind(key.as_str().as_bytes())
+    .execute(&mut c)
+    .await
+    .unwrap();
+    assert_eq!(
+        renewed.rows_affected(),
+        1,
+        "the renewal matched a live hold"
+    );
+    tokio::time::sleep(Duration::from_millis(1300)).await;
+    c
+}
+
+/// A plain lock attempt (`try_acquire` of `locker`) made while a reader's renewal is in
+/// flight past the hold's old expiry, the renewal committed 400 ms later: whether it was
+/// granted, and the holders listed by `lister` afterwards.
+async fn try_over_a_renewal_in_flight(
+    base: &str,
+    table: &str,
+    locker: &Locker,
+    lister: &Locker,
+    key: &LockKey,
+) -> (bool, usize) {
+    let mut renewal = renewal_in_flight(base, table, key).await;
+    let attempt = {
+        let (locker, key) = (locker.clone(), key.clone());
+        tokio::spawn(async move { locker.try_acquire(&key).await })
+    };
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    sqlx::raw_sql("COMMIT").execute(&mut renewal).await.unwrap();
+    let granted = attempt.await.unwrap().unwrap();
+    let holders = lister.holders(key).await.unwrap().len();
+    let was_granted = granted.is_some();
+    if let Some(granted) = granted {
+        granted.release().await.unwrap();
+    }
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "DELETE FROM `{table}_holds` WHERE name = ?"
+    )))
+    .bind(key.as_str().as_bytes())
+    .execute(&mut renewal)
+    .await
+    .unwrap();
+    (was_granted, holders)
+}
+
+/// The one-statement acquisition of a free key never grants a plain lock over a read hold
+/// whose renewal is in flight: its read of the holds is not a locking one and sees the
+/// hold's last committed (expired) version, so it leaves any key with hold rows to the
+/// full transaction, whose locking delete of the expired hold waits for the renewal.
+#[tokio::test]
+async fn a_free_key_is_not_granted_over_a_read_hold_whose_renewal_is_in_flight() {
+    let table = "lockkit_test_row_fast_path";
+    let (Some(base), Some(url)) = (
+        env::service_url("LOCKKIT_TEST_MYSQL_URL"),
+        url(&format!("mode=row&table={table}")),
+    ) else {
+        return;
+    };
+    let locker = Locker::new(MysqlBackend::connect(&url).await.unwrap());
+    let key = key();
+    // The key's row exists and is free.
+    let held = locker.try_acquire(&key).await.unwrap().unwrap();
+    held.release().await.unwrap();
+    let (granted, holders) =
+        try_over_a_renewal_in_flight(&base, table, &locker, &locker, &key).await;
+    assert!(
+        !granted,
+        "a plain lock was granted beside the renewed read hold ({holders} holders listed)"
+    );
+}
+
+/// The same for a for-update holder's record on a table shared with mode=row: never taken
+/// over a read hold whose renewal is in flight.
+#[tokio::test]
+async fn for_update_is_not_granted_over_a_read_hold_whose_renewal_is_in_flight() {
+    let table = "lockkit_test_mixed_modes";
+    let (Some(base), Some(row_url), Some(fu_url)) = (
+        env::service_url("LOCKKIT_TEST_MYSQL_URL"),
+        url(&format!("mode=row&table={table}")),
+        url(&format!("mode=for-update&table={table}")),
+    ) else {
+        return;
+    };
+    let row = Locker::new(MysqlBackend::connect(&row_url).await.unwrap());
+    let for_update = Locker::new(MysqlBackend::connect(&fu_url).await.unwrap());
+    let key = key();
+    let held = for_update.try_acquire(&key).await.unwrap().unwrap();
+    held.release().await.unwrap();
+    let (granted, holders) =
+        try_over_a_renewal_in_flight(&base, table, &for_update, &row, &key).await;
+    assert!(
+        !granted,
+        "a for-update lock was granted beside the renewed read hold ({holders} row-mode holders listed)"
+    );
+}
+
+/// An expired read hold left behind (its reader gone, no row-mode acquisition of the key
+/// since to delete it) does not keep for-update clients out: the for-update acquisition
+/// deletes it under the key's row lock and takes the key.
+#[tokio::test]
+async fn for_update_deletes_an_expired_read_hold_and_takes_the_key() {
+    let table = "lockkit_test_mixed_modes";
+    let (Some(base), Some(fu_url)) = (
+        env::service_url("LOCKKIT_TEST_MYSQL_URL"),
+        url(&format!("mode=for-update&table={table}")),
+    ) else {
+        return;
+    };
+    let for_update = Locker::new(MysqlBackend::connect(&fu_url).await.unwrap());
+    let key = key();
+    let held = for_update.try_acquire(&key).await.unwrap().unwrap();
+    let first = held.token();
+    held.release().await.unwrap();
+    let mut c = MySqlConnection::connect(&base).await.unwrap();
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "INSERT INTO `{table}_holds` (name, kind, holder, owner, holds, token, expires_at) \
+         VALUES (?, 'r', 'a-reader', 'a-reader', 1, 0, UTC_TIMESTAMP(6) - INTERVAL 1 SECOND)"
+    )))
+    .bind(key.as_str().as_bytes())
+    .execute(&mut c)
+    .await
+    .unwrap();
+    let held = for_update
+        .try_acquire(&key)
+        .await
+        .unwrap()
+        .expect("an expired read hold does not hold the key");
+    assert!(held.token() > first);
+    let (left,): (i64,) = sqlx::query_as(sqlx::AssertSqlSafe(format!(
+        "SELECT COUNT(*) FROM `{table}_holds` WHERE name = ?"
+    )))
+    .bind(key.as_str().as_bytes())
+    .fetch_one(&mut c)
+    .await
+    .unwrap();
+    assert_eq!(left, 0, "the expired hold was deleted");
+    held.release().await.unwrap();
+}
+
+/// A for-update release whose in-transaction clearing of the holder record fails (here:
+/// the record's row stays locked past the hold's one-second lock wait) ends the lock and
+/// then clears the record on its own. The same owner may hold the key again by then: that
+/// later hold's record is left alone, so mode=row keeps out while it lasts.
+#[tokio::test]
+async fn a_late_clearing_of_a_for_update_record_leaves_the_owners_next_hold_alone() {
+    let table = "lockkit_test_fu_late_clear";
+    let (Some(base), Some(row_url), Some(fu_url)) = (
+        env::service_url("LOCKKIT_TEST_MYSQL_URL"),
+        url(&format!("mode=row&table={table}")),
+        url(&format!("mode=for-update&table={table}")),
+    ) else {
+        return;
+    };
+    let row = Locker::new(MysqlBackend::connect(&row_url).await.unwrap());
+    let for_update = Locker::new(MysqlBackend::connect(&fu_url).await.unwrap());
+    let key = key();
+    let owner = for_update.owner();
+    let first = for_update
+        .acquire(&key)
+        .owner(&owner)
+        .try_now()
+        .await
+        .unwrap()
+        .unwrap();
+    // Someone holds the record's row (a row-mode transaction that stalls).
+    let mut blocker = MySqlConnection::connect(&base).await.unwrap();
+    sqlx::raw_sql("BEGIN").execute(&mut blocker).await.unwrap();
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "SELECT fence FROM `{table}` WHERE name = ? FOR UPDATE"
+    )))
+    .bind(key.as_str().as_bytes())
+    .fetch_one(&mut blocker)
+    .await
+    .unwrap();
+    lockkit_mysql::set_release_clear_pause(Duration::from_millis(2500));
+    let release = tokio::spawn(first.release());
+    // The release's UPDATE gives up after one second and the lock ends; the row is free
+    // again a little later, well before the release clears the record on its own.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    sqlx::raw_sql("COMMIT").execute(&mut blocker).await.unwrap();
+    let second = for_update
+        .acquire(&key)
+        .owner(&owner)
+        .try_now()
+        .await
+        .unwrap()
+        .expect("the first hold's lock has ended");
+    release.await.unwrap().unwrap();
+    lockkit_mysql::set_release_clear_pause(Duration::ZERO);
+    let beside = row.try_acquire(&key).await.unwrap();
+    let listed = for_update.inspect(&key).await.unwrap();
+    let granted_beside = beside.is_some();
+    if let Some(beside) = beside {
+        beside.release().await.unwrap();
+    }
+    second.release().await.unwrap();
+    assert!(
+        !granted_beside,
+        "mode=row granted the key beside the owner's second for-update hold (its record \
+         was wiped by the first hold's release; inspect said {listed:?})"
+    );
+}
+
+/// Kills every connection of `backend`'s shared pool of two (as a server restart would),
+/// after they were last used well within the idle spell after which the pool pings.
+async fn kill_both_pooled_connections(killer: &MysqlBackend, backend: &MysqlBackend) {
+    let (mut a, mut b) = (0, 0);
+    for _ in 0..20 {
+        let (x, y) = tokio::join!(
+            backend.pooled_connection_id(),
+            backend.pooled_connection_id()
+        );
+        (a, b) = (x.unwrap(), y.unwrap());
+        if a != b {
+            break;
+        }
+    }
+    assert_ne!(a, b, "two pooled connections");
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    killer.kill_connection(a).await.unwrap();
+    killer.kill_connection(b).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(100)).await;
+}
+
+/// Every pooled connection dead (a server restart), none idle long enough to be pinged:
+/// no call fails for it, whether it starts with a single statement (the plain lock's
+/// acquisition and release, a renewal, a listing) or a transaction (a read's acquisition
+/// and release).
+#[tokio::test]
+async fn dead_pooled_connections_fail_no_call() {
+    let Some(url) = url("mode=row&table=lockkit_test_row_killed_idle&pool_size=2") else {
+        return;
+    };
+    let killer = MysqlBackend::connect(&url).await.unwrap();
+    let backend = MysqlBackend::connect(&url).await.unwrap();
+    let locker = Locker::new(backend.clone());
+    let key = key();
+    let ttl = Duration::from_secs(30);
+
+    kill_both_pooled_connections(&killer, &backend).await;
+    let plain = locker
+        .try_acquire(&key)
+        .await
+        .expect("a plain lock's acquisition after every pooled connection died")
+        .expect("the key is free");
+    kill_both_pooled_connections(&killer, &backend).await;
+    plain
+        .extend(ttl)
+        .await
+        .expect("a renewal after every pooled connection died");
+    kill_both_pooled_connections(&killer, &backend).await;
+    plain
+        .release()
+        .await
+        .expect("a plain lock's release after every pooled connection died");
+
+    kill_both_pooled_connections(&killer, &backend).await;
+    let read = locker
+        .read(&key)
+        .ttl(ttl)
+        .try_now()
+        .await
+        .expect("a read's acquisition (a transaction) after every pooled connection died")
+        .expect("the key is free");
+    kill_both_pooled_connections(&killer, &backend).await;
+    assert_eq!(
+        locker
+            .holders(&key)
+            .await
+            .expect("a listing after every pooled connection died")
+            .len(),
+        1
+    );
+    kill_both_pooled_connections(&killer, &backend).await;
+    read.release()
+        .await
+        .expect("a read's release (a transaction) after every pooled connection died");
+}
+
+/// A transaction's `BEGIN` that lands on a dead pooled connection (the first call after a
+/// server restart is a read's acquisition, nothing seen dead before) is sent again on a
+/// live one.
+#[tokio::test]
+async fn a_transaction_after_dead_pooled_connections_begins_on_a_live_one() {
+    let Some(url) = url("mode=row&table=lockkit_test_row_killed_idle&pool_size=2") else {
+        return;
+    };
+    let killer = MysqlBackend::connect(&url).await.unwrap();
+    let backend = MysqlBackend::connect(&url).await.unwrap();
+    let locker = Locker::new(backend.clone());
+    let key = key();
+    kill_both_pooled_connections(&killer, &backend).await;
+    let read = locker
+        .read(&key)
+        .try_now()
+        .await
+        .expect("a read's acquisition (a transaction) after every pooled connection died")
+        .expect("the key is free");
+    read.release().await.unwrap();
+}

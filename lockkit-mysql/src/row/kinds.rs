@@ -223,6 +223,11 @@ impl Marker {
         !self.cancelled.load(Ordering::SeqCst)
     }
 
+    /// Whether an attempt of this wait has written (or may have written) the marker.
+    pub(super) fn has_marked(&self) -> bool {
+        self.marked.load(Ordering::SeqCst)
+    }
+
     /// The wait ended in a grant, whose transaction deleted the marker.
     pub(super) fn granted(&self) {
         self.marked.store(false, Ordering::SeqCst);
@@ -272,8 +277,8 @@ impl Drop for WriterMark {
 /// writing it has committed).
 async fn unmark(db: &Db, key: &LockKey, owner: &str) -> Result<()> {
     let name = key.as_str().as_bytes();
-    let fail = |e| db_error("removing a waiting writer's marker", e);
-    let mut tx = db.pool.begin().await.map_err(fail)?;
+    let fail = |e| db.fail("removing a waiting writer's marker", e);
+    let mut tx = db.begin().await.map_err(fail)?;
     query(&db.sql.row_select_for_update)
         .bind(name)
         .fetch_optional(&mut *tx)
@@ -290,11 +295,14 @@ async fn unmark(db: &Db, key: &LockKey, owner: &str) -> Result<()> {
 
 /// Every live read, write and permit hold of `key`: the writer first, then by token.
 pub(super) async fn live_holders(db: &Db, key: &LockKey) -> Result<Vec<HolderInfo>> {
-    let rows = query(&db.sql.holds_live)
-        .bind(key.as_str().as_bytes())
-        .fetch_all(&db.pool)
+    let rows = db
+        .retry_gone(|| {
+            query(&db.sql.holds_live)
+                .bind(key.as_str().as_bytes().to_vec())
+                .fetch_all(&db.pool)
+        })
         .await
-        .map_err(|e| db_error("listing the holders", e))?;
+        .map_err(|e| db.fail("listing the holders", e))?;
     let mut holders = Vec::with_capacity(rows.len());
     for row in &rows {
         let fail = |e| db_error("reading a holder", e);
@@ -332,14 +340,18 @@ pub(super) async fn renew(
     ttl: Duration,
 ) -> Result<bool> {
     let owner = grant.owner.to_string();
-    let done = query(&db.sql.holds_renew)
-        .bind(micros(ttl))
-        .bind(grant.key.as_str().as_bytes())
-        .bind(code(grant.kind))
-        .bind(holder_of(grant.kind, &owner, grant.attempt))
-        .execute(&db.pool)
+    // (Sent again on a dead connection: a renewal repeated changes nothing more.)
+    let done = db
+        .retry_gone(|| {
+            query(&db.sql.holds_renew)
+                .bind(micros(ttl))
+                .bind(grant.key.as_str().as_bytes().to_vec())
+                .bind(code(grant.kind))
+                .bind(holder_of(grant.kind, &owner, grant.attempt))
+                .execute(&db.pool)
+        })
         .await
-        .map_err(|e| db_error("renewing the lease", e))?;
+        .map_err(|e| db.fail("renewing the lease", e))?;
     Ok(done.rows_affected() == 1)
 }
 

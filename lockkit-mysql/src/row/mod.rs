@@ -153,8 +153,64 @@ async fn run_acquire(
     let owner = req.owner.to_string();
     let ttl = micros(req.ttl);
     let start = Instant::now();
-    let fail = |e| db_error("the acquire transaction", e);
-    let mut tx = inner.pool.begin().await.map_err(fail)?;
+    let fail = |e| inner.fail("the acquire transaction", e);
+    // A plain lock on a free key: one statement decides and grants. Not for a waiter that
+    // has left a writer's marker (the full transaction deletes it with the grant).
+    if req.kind == LockKind::Exclusive && marker.is_none_or(|m| !m.has_marked()) {
+        // A pooled connection that died since its last use (pools ping only after an idle
+        // spell, or soon after a dead one was seen): again on another. Repeating is
+        // harmless either way: had the first taken effect, the lease is this attempt's and
+        // the full transaction below grants it again.
+        let taken = inner
+            .retry_gone(|| {
+                query(&sql.row_take_free)
+                    .bind(owner.clone())
+                    .bind(ttl)
+                    .bind(first_attempt(req))
+                    .bind(req.identity.encode_for(&owner))
+                    .bind(name.to_vec())
+                    .execute(&inner.pool)
+            })
+            .await
+            .map_err(fail)?;
+        if taken.rows_affected() == 1 {
+            return Ok(Attempt::Granted(Grant::new(
+                req,
+                FencingToken::new(taken.last_insert_id()),
+                1,
+                start,
+            )));
+        }
+        // Perhaps the key's first use: its row, already held, as the full transaction would
+        // create it (a key without a row has no holds to weigh). A duplicate: the row is
+        // there, held or with more to decide; the full transaction looks.
+        // (Sent again on a dead connection: had the first taken effect, the duplicate
+        // sends this attempt to the full transaction, which finds the lease its own.)
+        let created = inner
+            .retry_gone(|| {
+                query(&sql.row_insert)
+                    .bind(name.to_vec())
+                    .bind(owner.clone())
+                    .bind(ttl)
+                    .bind(first_attempt(req))
+                    .bind(req.identity.encode_for(&owner))
+                    .execute(&inner.pool)
+            })
+            .await;
+        match created {
+            Ok(_) => {
+                return Ok(Attempt::Granted(Grant::new(
+                    req,
+                    FencingToken::new(1),
+                    1,
+                    start,
+                )));
+            }
+            Err(e) if error_number(&e) == Some(1062) => {}
+            Err(e) => return Err(fail(e)),
+        }
+    }
+    let mut tx = inner.begin().await.map_err(fail)?;
     let row = query(&sql.row_select_for_update)
         .bind(name)
         .fetch_optional(&mut *tx)
@@ -311,7 +367,7 @@ async fn decide_holds(
     let name = req.key.as_str().as_bytes();
     let owner = req.owner.to_string();
     let ttl = micros(req.ttl);
-    let fail = |e| db_error("the acquire transaction", e);
+    let fail = |e| inner.fail("the acquire transaction", e);
     let rows = query(&sql.holds_of_key)
         .bind(name)
         .fetch_all(&mut *tx)
@@ -596,13 +652,17 @@ async fn acquire(backend: &RowLocks, req: &AcquireRequest, wait: Duration) -> Re
 async fn renew(backend: &RowLocks, grant: &Grant, ttl: Duration) -> Result<()> {
     let inner = &backend.inner;
     let renewed = if grant.kind == LockKind::Exclusive {
-        let done = query(&inner.sql.row_renew)
-            .bind(micros(ttl))
-            .bind(grant.key.as_str().as_bytes())
-            .bind(grant.owner.to_string())
-            .execute(&inner.pool)
+        // (Sent again on a dead connection: a renewal repeated changes nothing more.)
+        let done = inner
+            .retry_gone(|| {
+                query(&inner.sql.row_renew)
+                    .bind(micros(ttl))
+                    .bind(grant.key.as_str().as_bytes().to_vec())
+                    .bind(grant.owner.to_string())
+                    .execute(&inner.pool)
+            })
             .await
-            .map_err(|e| db_error("renewing the lease", e))?;
+            .map_err(|e| inner.fail("renewing the lease", e))?;
         done.rows_affected() == 1
     } else {
         kinds::renew(inner, grant, ttl).await?
@@ -639,8 +699,36 @@ async fn release_lease(backend: &RowLocks, grant: &Grant) -> Result<Released> {
     let inner = &backend.inner;
     let sql = &inner.sql;
     let name = grant.key.as_str().as_bytes();
-    let fail = |e| db_error("the release transaction", e);
-    let mut tx = inner.pool.begin().await.map_err(fail)?;
+    let fail = |e| inner.fail("the release transaction", e);
+    let owner = grant.owner.to_string();
+    // The sole hold of a fresh acquisition: one statement. Anything else (a re-entered
+    // hold, a retried release, a lease no longer ours) goes to the full transaction.
+    let mut sole = AttemptLedger::new();
+    sole.add(grant.attempt);
+    let release_sole = || {
+        query(&sql.row_release_sole)
+            .bind(name.to_vec())
+            .bind(owner.clone())
+            .bind(sole.render())
+            .execute(&inner.pool)
+    };
+    match release_sole().await {
+        Ok(done) if done.rows_affected() == 1 => return Ok(Released::Fully),
+        Ok(_) => {}
+        // A pooled connection that died since its last use: again on another (up to
+        // `pool_size` more times). If that matches nothing, whether the first one took
+        // effect is unknown: say so (a retryable error; a retry finds out).
+        Err(e) if inner.gone(&e) => {
+            let again = inner.retry_gone(&release_sole).await;
+            return match again {
+                Ok(done) if done.rows_affected() == 1 => Ok(Released::Fully),
+                Ok(_) => Err(fail(e)),
+                Err(again) => Err(fail(again)),
+            };
+        }
+        Err(e) => return Err(fail(e)),
+    }
+    let mut tx = inner.begin().await.map_err(fail)?;
     let row = query(&sql.row_select_for_update)
         .bind(name)
         .fetch_optional(&mut *tx)
@@ -648,7 +736,7 @@ async fn release_lease(backend: &RowLocks, grant: &Grant) -> Result<Released> {
         .map_err(fail)?;
     let ours = row.as_ref().is_some_and(|row| {
         row.try_get::<Option<i64>, _>("live").ok().flatten() == Some(1)
-            && row_text(row, "owner").as_deref() == Some(grant.owner.to_string().as_str())
+            && row_text(row, "owner").as_deref() == Some(owner.as_str())
     });
     let (holds, mut attempts): (u32, AttemptLedger) = match (&row, ours) {
         (Some(row), true) => (
@@ -697,8 +785,8 @@ async fn release_hold(backend: &RowLocks, grant: &Grant) -> Result<Released> {
     let name = grant.key.as_str().as_bytes();
     let owner = grant.owner.to_string();
     let code = kinds::code(grant.kind);
-    let fail = |e| db_error("the release transaction", e);
-    let mut tx = inner.pool.begin().await.map_err(fail)?;
+    let fail = |e| inner.fail("the release transaction", e);
+    let mut tx = inner.begin().await.map_err(fail)?;
     query(&sql.row_select_for_update)
         .bind(name)
         .fetch_optional(&mut *tx)
