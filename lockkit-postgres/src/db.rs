@@ -440,6 +440,11 @@ pub(crate) struct Sql {
     pub(crate) row_release_one: Arc<str>,
     pub(crate) row_release_all: Arc<str>,
     pub(crate) row_clear_live: Arc<str>,
+    /// One statement that grants a free plain lock, or changes nothing (see `Sql::new`).
+    pub(crate) row_grant_free: Arc<str>,
+    /// One statement that lets go of a plain lock of depth one and announces it, or
+    /// changes nothing (see `Sql::new`).
+    pub(crate) row_release_last: Arc<str>,
     pub(crate) notify_release: Arc<str>,
     pub(crate) inspect: Arc<str>,
     pub(crate) advisory_take: Arc<str>,
@@ -663,6 +668,52 @@ impl Sql {
             row_clear_live: s(format!(
                 "UPDATE \"{t}\" SET owner = NULL, holds = 0, expires_at = NULL, attempts = NULL, \
                  holder = NULL WHERE name = $1 AND {leased}"
+            )),
+            // The plain lock's fast path, one statement in a transaction of its own: `$1` is
+            // the key, `$2` the owner, `$3` the lease (µs), `$4` the ledger, `$5` the holder
+            // identity, `$6` the key's advisory id, `$7`/`$8` its readers' lock. It grants
+            // only where the transaction of `run_acquire` would make a new hold with nothing
+            // else to do, and otherwise changes nothing (the caller then runs that
+            // transaction):
+            // - the key's row exists, with no running row-mode lease (`took`), or it does not
+            //   exist yet (`made`: a key without a row has no holds either);
+            // - no other session holds the key's advisory lock exclusively, and no advisory
+            //   reader holds its readers' lock (the same tries as the transaction's);
+            // - the key has no row in the holds table but waiting writers' markers (not a
+            //   live hold: any row at all, so that a hold renewed or re-entered meanwhile is
+            //   never taken for one that ran out);
+            // - the row is the version this statement's snapshot sees (`xmin`). A
+            //   transaction that added a hold committed an update of this row (its `fence`)
+            //   under the row's lock; if that happened after this statement's snapshot, the
+            //   `UPDATE` re-checks the newer version of the row but would still read the
+            //   holds table as of its snapshot, and miss the hold. The `xmin` of the newer
+            //   version differs from the one the snapshot sees, so nothing is changed then.
+            row_grant_free: s(format!(
+                "WITH took AS (UPDATE \"{t}\" SET owner = $2, holds = 1, fence = fence + 1, \
+                 expires_at = {lease}, attempts = $4, holder = $5 \
+                 WHERE name = $1 AND xmin = (SELECT xmin FROM \"{t}\" WHERE name = $1) \
+                 AND NOT COALESCE({leased}, FALSE) \
+                 AND NOT EXISTS (SELECT 1 FROM \"{h}\" WHERE name = $1 AND kind <> 'q') \
+                 AND pg_try_advisory_xact_lock_shared($6) AND pg_try_advisory_xact_lock($7, $8) \
+                 RETURNING fence), \
+                 made AS (INSERT INTO \"{t}\" (name, owner, holds, fence, expires_at, attempts, holder) \
+                 SELECT $1, $2, 1, 1, {lease}, $4, $5 \
+                 WHERE NOT EXISTS (SELECT 1 FROM \"{t}\" WHERE name = $1) \
+                 AND pg_try_advisory_xact_lock_shared($6) AND pg_try_advisory_xact_lock($7, $8) \
+                 ON CONFLICT (name) DO NOTHING RETURNING fence) \
+                 SELECT fence FROM took UNION ALL SELECT fence FROM made",
+                lease = from_now(3)
+            )),
+            // The release's fast path, one statement in a transaction of its own: `$1` the
+            // key, `$2` the owner, `$3` the ledger of the one hold being let go; `$4`, `$5`
+            // the announcement. Only a running row-mode lease of depth one whose ledger is
+            // exactly this hold's (the release `release` would make with nothing else to
+            // do); the announcement goes out when the statement commits. A row means done.
+            row_release_last: s(format!(
+                "WITH released AS (UPDATE \"{t}\" SET owner = NULL, holds = 0, expires_at = NULL, \
+                 attempts = NULL, holder = NULL \
+                 WHERE name = $1 AND owner = $2 AND holds = 1 AND attempts = $3 AND {leased} \
+                 RETURNING 1) SELECT pg_notify($4, $5) FROM released"
             )),
             notify_release: s("SELECT pg_notify($1, $2)".to_owned()),
             inspect: s(format!(

@@ -1387,3 +1387,64 @@ async fn cancelled_retried_and_racing_downgrades_leave_nothing_behind() {
         .await
         .unwrap();
 }
+
+/// A plain lock asked while another transaction grants a read on the same key (it holds
+/// the key's row, adds the read hold and raises the fence, as row mode's transactions do)
+/// waits for that transaction and is then refused: the one-statement grant of a free key
+/// must not decide on the holds as they were before the read committed (issue 13: the
+/// statement re-checks the newer row but reads the holds table as of its snapshot; it
+/// compares the row's `xmin` with the one its snapshot saw and changes nothing).
+#[tokio::test]
+async fn a_plain_lock_never_passes_a_read_granted_while_it_waits() {
+    use sqlx::Connection;
+    let Some(url) = env::service_url("LOCKKIT_TEST_POSTGRES_URL") else {
+        return;
+    };
+    let (locker, _) = locker().await.unwrap();
+    for round in 0..3 {
+        let k = key(&format!("read-while-plain-waits-{round}"));
+        // The key's row exists and is free (a plain lock taken and let go).
+        locker
+            .try_acquire(&k)
+            .await
+            .unwrap()
+            .unwrap()
+            .release()
+            .await
+            .unwrap();
+        let mut reader = sqlx::PgConnection::connect(&url).await.unwrap();
+        let mut tx = reader.begin().await.unwrap();
+        sqlx::query("SELECT 1 FROM lockkit_test_pg WHERE name = $1 FOR UPDATE")
+            .bind(k.as_str().as_bytes())
+            .execute(&mut *tx)
+            .await
+            .unwrap();
+        let plain = tokio::spawn({
+            let (locker, k) = (locker.clone(), k.clone());
+            async move { locker.try_acquire(&k).ttl(Duration::from_secs(30)).await }
+        });
+        // The plain lock's statement has taken its snapshot and waits for the row.
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        sqlx::query(
+            "WITH fenced AS (UPDATE lockkit_test_pg SET fence = fence + 1 WHERE name = $1 \
+             RETURNING fence) INSERT INTO lockkit_test_pg_holds (name, kind, holder, owner, \
+             holds, token, expires_at) SELECT $1, 'r', 'sql-reader', 'sql-reader', 1, fence, \
+             clock_timestamp() + interval '60 seconds' FROM fenced",
+        )
+        .bind(k.as_str().as_bytes())
+        .execute(&mut *tx)
+        .await
+        .unwrap();
+        tx.commit().await.unwrap();
+        let plain = plain.await.unwrap().unwrap();
+        assert!(
+            plain.is_none(),
+            "round {round}: a plain lock was granted beside a read hold"
+        );
+        sqlx::query("DELETE FROM lockkit_test_pg_holds WHERE name = $1")
+            .bind(k.as_str().as_bytes())
+            .execute(&mut reader)
+            .await
+            .unwrap();
+    }
+}

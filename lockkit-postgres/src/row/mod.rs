@@ -239,6 +239,20 @@ async fn run_acquire(
     let ttl = micros(req.ttl);
     let start = Instant::now();
     let fail = |e| db_error("the acquire transaction", e);
+    // A plain lock on a free key, asked by a wait that left no marker: one statement.
+    if req.kind == LockKind::Exclusive && !marker.is_some_and(Marker::is_marked) {
+        if caller_gone(interrupt).await {
+            return Ok(Attempt::Busy { lease_left: None });
+        }
+        if let Some(fence) = grant_free(inner, req, &owner, ttl).await? {
+            return Ok(Attempt::Granted(Grant::new(
+                req,
+                FencingToken::new(fence),
+                1,
+                start,
+            )));
+        }
+    }
     let mut tx = inner.pool.begin().await.map_err(fail)?;
     let mut row = lock_key_row(inner, &mut tx, &req.key).await.map_err(fail)?;
     if row.is_none() {
@@ -411,6 +425,34 @@ async fn run_acquire(
     )))
 }
 
+/// The fast path of a plain lock: grants `req` in one statement (one round trip, one
+/// commit) if the key is free of every kind of hold and nothing changed it while the
+/// statement ran (see `Sql::row_grant_free`); `Ok(None)`: nothing was changed, decide in a
+/// transaction. The new hold's fencing token on a grant.
+async fn grant_free(
+    inner: &Db,
+    req: &AcquireRequest,
+    owner: &str,
+    ttl: i64,
+) -> Result<Option<u64>> {
+    let (hi, lo) = inner.readers_lock(&req.key);
+    let granted = query(&inner.sql.row_grant_free)
+        .bind(req.key.as_str().as_bytes())
+        .bind(owner)
+        .bind(ttl)
+        .bind(first_attempt(req))
+        .bind(req.identity.encode_for(owner))
+        .bind(inner.advisory_id(&req.key))
+        .bind(hi)
+        .bind(lo)
+        .fetch_optional(&inner.pool)
+        .await
+        .map_err(|e| db_error("granting a free key", e))?;
+    granted
+        .map(|row| fence_of(&row).map_err(|e| db_error("granting a free key", e)))
+        .transpose()
+}
+
 /// Whether the caller of a detached attempt has gone (its future was dropped): an attempt
 /// that would make a new hold for nobody makes none (it would only be given back, after
 /// keeping the key from others meanwhile). A caller that goes later still has its grant
@@ -549,6 +591,39 @@ async fn release(backend: &RowLocks, grant: &Grant) -> Result<Released> {
     let sql = &inner.sql;
     let name = grant.key.as_str().as_bytes();
     let fail = |e| db_error("the release transaction", e);
+    if !grant.attempt.is_nil() {
+        // The last hold of a running lease, as a fresh grant leaves it: one statement.
+        let mut ledger = AttemptLedger::new();
+        ledger.add(grant.attempt);
+        let released = query(&sql.row_release_last)
+            .bind(name)
+            .bind(grant.owner.to_string())
+            .bind(ledger.render())
+            .bind(release_channel(&inner.config.table))
+            .bind(release_payload(grant.key.as_str()))
+            .fetch_optional(&inner.pool)
+            .await;
+        match released {
+            Ok(Some(_)) => return Ok(Released::Fully),
+            // Anything else (a deeper hold, a retried release, a lease that ran out) is
+            // decided in the transaction below.
+            Ok(None) => {}
+            // The row stayed locked past `lock_timeout`, or the statement ran past
+            // `statement_timeout`: the transaction would wait as long again.
+            Err(e)
+                if sql_state(&e)
+                    .is_some_and(|c| c == state::LOCK_NOT_AVAILABLE || c == "57014") =>
+            {
+                return Err(fail(e));
+            }
+            // The statement failed as a whole (a full notification queue): nothing was
+            // changed; the transaction below lets go even when the announcement fails.
+            Err(error @ sqlx::Error::Database(_)) => {
+                tracing::debug!(%error, key = %grant.key, "the one-statement release failed; releasing in a transaction");
+            }
+            Err(e) => return Err(fail(e)),
+        }
+    }
     let mut tx = inner.pool.begin().await.map_err(fail)?;
     let row = query(&sql.row_select_for_update)
         .bind(name)
