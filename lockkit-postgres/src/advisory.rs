@@ -53,7 +53,9 @@ use sqlx::{
 };
 use tokio::time::Instant;
 
-use crate::db::{BACKEND, Db, db_error, query, release_channel, row_text, sql_state};
+use crate::db::{
+    BACKEND, Db, advisory_release_script, db_error, query, release_channel, row_text, sql_state,
+};
 use crate::row::notify::release_payload;
 
 /// The holds of this client, by owner, key and kind (reentrancy is local in this mode).
@@ -724,7 +726,7 @@ async fn lock(
     let session = sqlx::query_as::<_, (i32, String, String, String)>(
         "SELECT pid, backend_start::text, set_config('lock_timeout', $1, false), \
          set_config('idle_session_timeout', $2, false) \
-         FROM pg_stat_activity WHERE pid = pg_backend_pid()",
+         FROM pg_stat_get_activity(pg_backend_pid())",
     )
     .bind(lock_timeout(deadline).to_string())
     .bind(millis_up(req.ttl).to_string())
@@ -892,7 +894,8 @@ async fn downgrade(
             .execute(&mut **c)
             .await?;
         let granted_at = Instant::now();
-        Ok::<_, sqlx::Error>((record_holder(backend, req, c).await?, granted_at))
+        // Named below with both holds of the session.
+        Ok::<_, sqlx::Error>((record_holder(backend, req, c, false).await?, granted_at))
     };
     let bound = inner.config.connect_timeout + DOWNGRADE_WAIT;
     let (token, granted_at) = match tokio::time::timeout(bound, take).await {
@@ -1114,7 +1117,9 @@ async fn try_lock_once(
     // nothing. The record may wait behind a row-mode transaction, as long as the wait
     // may last (`lock_timeout`), and gives way to the terminator.
     let recording_at = Instant::now();
-    let Some(recorded) = unless_fired(record_holder(backend, req, conn), fired).await else {
+    // The record also names the hold for `holders` (every client reads it from
+    // `pg_stat_activity`).
+    let Some(recorded) = unless_fired(record_holder(backend, req, conn, true), fired).await else {
         return Ok(Locked::NotGranted);
     };
     let recorded = match recorded {
@@ -1132,33 +1137,24 @@ async fn try_lock_once(
         unlocked.map_err(|e| LockFailure::new("letting go of the advisory lock", e))?;
         return Ok(Locked::RowLease);
     };
-    // Names the hold for `holders` (every client reads it from `pg_stat_activity`).
-    let name = format!(
-        "{APP_PREFIX} {} {}{token}x1",
-        req.owner,
-        kind_letter(req.kind)
-    );
-    let named = sqlx::query("SELECT set_config('application_name', $1, false)")
-        .bind(name)
-        .execute(&mut **conn);
-    let Some(named) = unless_fired(named, fired).await else {
-        return Ok(Locked::NotGranted);
-    };
-    named.map_err(|e| LockFailure::new("naming the hold", e))?;
     Ok(Locked::Held(token, recording_at))
 }
 
 /// Records `req`'s owner as the key's advisory holder with a new fencing token, on the
-/// lock's own connection. `Ok(None)`: a live row-mode lease holds the key; nothing was
-/// changed.
+/// lock's own connection, and with `named`, names the hold on its session in the same
+/// statement (`application_name`, see [`Session::app_name`]). `Ok(None)`: a live row-mode
+/// lease holds the key; nothing was changed.
 async fn record_holder(
     backend: &AdvisoryLocks,
     req: &AcquireRequest,
     conn: &mut PoolConnection<Postgres>,
+    named: bool,
 ) -> std::result::Result<Option<u64>, sqlx::Error> {
     let inner = &backend.inner;
     let (name, owner) = (req.key.as_str().as_bytes(), req.owner.to_string());
     let identity = req.identity.encode_for(&owner);
+    // `<prefix> <owner> <kind>`; the statement appends `<token>x1`.
+    let app_name = named.then(|| format!("{APP_PREFIX} {} {}", req.owner, kind_letter(req.kind)));
     // Take the row, or create it; once more if another client created it meanwhile.
     for statement in [
         &inner.sql.advisory_take,
@@ -1169,6 +1165,7 @@ async fn record_holder(
             .bind(&owner)
             .bind(name)
             .bind(&identity)
+            .bind(app_name.as_deref())
             .fetch_optional(&mut **conn)
             .await?
             .map(|row| row.try_get("fence"))
@@ -1366,11 +1363,37 @@ async fn release(backend: &AdvisoryLocks, grant: &Grant) -> Result<Released> {
         return Err(not_held());
     };
     drop(conn);
-    // Let go first: the record below only says who held it, and the next advisory holder
-    // overwrites it anyway. The connection goes back to the pool without a lease.
-    let unlock = sqlx::raw_sql(RESET).execute(&mut *c);
-    let unlocked = match tokio::time::timeout(bound, unlock).await {
-        Ok(unlocked) => unlocked,
+    // One round trip: let go first, then clear the record if it is still this hold's and
+    // announce that (the record only says who held it, and the next advisory holder
+    // overwrites it anyway). The connection goes back to the pool without a lease.
+    #[cfg(feature = "testing")]
+    let pause = clear_pause();
+    #[cfg(not(feature = "testing"))]
+    let pause = Duration::ZERO;
+    let script = advisory_release_script(
+        &backend.inner.config.table,
+        held.key.as_str(),
+        &held.owner.to_string(),
+        token_param(held.token),
+        pause,
+    );
+    let released = sqlx::raw_sql(AssertSqlSafe(script)).execute(&mut *c);
+    let unlocked = match tokio::time::timeout(bound + pause, released).await {
+        Ok(Ok(_)) => return Ok(Released::Fully),
+        // The script failed part-way (the record's row stayed locked, a full notification
+        // queue): undone but for the unlock, if that ran. Reset the connection as before,
+        // then clear the record from the pool.
+        Ok(Err(sqlx::Error::Database(error))) => {
+            tracing::debug!(%error, key = %held.key, "the one-trip advisory release failed; releasing in steps");
+            match tokio::time::timeout(bound, sqlx::raw_sql(RESET).execute(&mut *c)).await {
+                Ok(unlocked) => unlocked,
+                Err(_) => {
+                    c.close_on_drop();
+                    return Err(no_answer());
+                }
+            }
+        }
+        Ok(Err(e)) => Err(e),
         Err(_) => {
             c.close_on_drop();
             return Err(no_answer());
@@ -1388,8 +1411,6 @@ async fn release(backend: &AdvisoryLocks, grant: &Grant) -> Result<Released> {
         }
     };
     drop(c);
-    #[cfg(feature = "testing")]
-    clear_pause().await;
     clear_record(backend, &held).await;
     outcome
 }
@@ -1450,12 +1471,10 @@ pub fn set_clear_pause(pause: Duration) {
     );
 }
 
+/// The pause [`set_clear_pause`] asks for (the release script sleeps on the server).
 #[cfg(feature = "testing")]
-async fn clear_pause() {
-    let ms = CLEAR_PAUSE_MS.load(Ordering::SeqCst);
-    if ms > 0 {
-        tokio::time::sleep(Duration::from_millis(ms)).await;
-    }
+fn clear_pause() -> Duration {
+    Duration::from_millis(CLEAR_PAUSE_MS.load(Ordering::SeqCst))
 }
 
 /// Clears the holder record (if it is still this hold's) and announces the release to

@@ -417,6 +417,65 @@ pub(crate) fn release_channel(table: &str) -> String {
     format!("lockkit_rel_{table}")
 }
 
+/// `bytes` as an SQL expression of type `bytea` that needs no quoting: hex digits only.
+fn bytea_literal(bytes: &[u8]) -> String {
+    use std::fmt::Write as _;
+    let mut hex = String::with_capacity(bytes.len() * 2);
+    for b in bytes {
+        let _ = write!(hex, "{b:02x}");
+    }
+    format!("decode('{hex}', 'hex')")
+}
+
+/// `text` as an SQL expression of type `text` that needs no quoting (any text: it is
+/// carried as hex).
+fn text_literal(text: &str) -> String {
+    format!("convert_from({}, 'UTF8')", bytea_literal(text.as_bytes()))
+}
+
+/// How long the clearing of an advisory holder's record in its release script waits for
+/// the key's row (a row-mode transaction deciding over the key holds it for a moment).
+pub(crate) const CLEAR_LOCK_WAIT: Duration = Duration::from_secs(1);
+
+/// The last release of an advisory session, in one round trip (a simple query: its
+/// statements run as one transaction, which commits at its end): lets go of every advisory
+/// lock of the session (at once: session locks are not transactional), clears its lease
+/// and its name, and clears the key's record if it is still this hold's (`owner`, `token`)
+/// with the announcement to row-mode waiters, which goes out when the script commits.
+/// The script's commit does not wait for its WAL flush (`synchronous_commit = off`, for this
+/// transaction only): the record only names a holder while the key's advisory lock is held,
+/// so a clearing lost in a server crash leaves a record of a hold that is over, which every
+/// client reads as free (and no advisory lock outlives the crash); the fence is not
+/// touched. `pause` (tests only) sleeps between the unlock and the clearing. If the script fails,
+/// the unlock has taken effect or the connection is unusable; its `SET`s are undone with the
+/// rest of the transaction, so the caller resets the connection again (or closes it).
+pub(crate) fn advisory_release_script(
+    table: &str,
+    key: &str,
+    owner: &str,
+    token: i64,
+    pause: Duration,
+) -> String {
+    let pause = if pause.is_zero() {
+        String::new()
+    } else {
+        format!("SELECT pg_sleep({}); ", pause.as_secs_f64())
+    };
+    format!(
+        "SELECT pg_advisory_unlock_all(); {pause}SET idle_session_timeout = 0; \
+         RESET application_name; SET lock_timeout = {wait}; SET LOCAL synchronous_commit = off; \
+         WITH cleared AS (UPDATE \"{table}\" SET owner = NULL, holds = 0, expires_at = NULL, \
+         attempts = NULL, holder = NULL WHERE name = {name} AND owner = {owner} \
+         AND fence = {token} AND expires_at = 'infinity' RETURNING 1) \
+         SELECT pg_notify({channel}, {payload}) FROM cleared",
+        wait = CLEAR_LOCK_WAIT.as_millis(),
+        name = bytea_literal(key.as_bytes()),
+        owner = text_literal(owner),
+        channel = text_literal(&release_channel(table)),
+        payload = text_literal(&crate::row::notify::release_payload(key)),
+    )
+}
+
 /// `now + $n microseconds` on the server's clock: `clock_timestamp()`, the time of the
 /// statement itself (not `now()`, the time the transaction began).
 fn from_now(param: u8) -> String {
@@ -598,6 +657,10 @@ impl Sql {
             )
         };
         let h = holds_table(t);
+        // A recorded advisory hold names itself on its session, in the same statement:
+        // `$4 || <token> || 'x1'` as its `application_name` (none when `$4` is null).
+        let name_hold = "CASE WHEN $4::text IS NULL THEN NULL \
+             ELSE set_config('application_name', $4::text || fence::text || 'x1', false) END AS named";
         Sql {
             holds: HoldsSql::new(t),
             holder_column_exists: s(format!("SELECT holder FROM \"{t}\" LIMIT 0")),
@@ -736,11 +799,12 @@ impl Sql {
                  expires_at = 'infinity', attempts = NULL, holder = $3 \
                  WHERE name = $2 AND NOT COALESCE({leased}, FALSE) \
                  AND NOT EXISTS (SELECT 1 FROM \"{h}\" h WHERE h.name = $2 AND h.kind <> 'q' \
-                 AND h.expires_at > clock_timestamp()) RETURNING fence"
+                 AND h.expires_at > clock_timestamp()) RETURNING fence, {name_hold}"
             )),
             advisory_insert: s(format!(
                 "INSERT INTO \"{t}\" (name, owner, holds, fence, expires_at, holder) \
-                 VALUES ($2, $1, 1, 1, 'infinity', $3) ON CONFLICT (name) DO NOTHING RETURNING fence"
+                 VALUES ($2, $1, 1, 1, 'infinity', $3) ON CONFLICT (name) DO NOTHING \
+                 RETURNING fence, {name_hold}"
             )),
             advisory_depth: s(format!(
                 "UPDATE \"{t}\" SET holds = $1 \
