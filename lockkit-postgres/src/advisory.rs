@@ -54,7 +54,8 @@ use sqlx::{
 use tokio::time::Instant;
 
 use crate::db::{
-    BACKEND, Db, advisory_release_script, db_error, query, release_channel, row_text, sql_state,
+    BACKEND, Db, advisory_release_script, connection_gone, db_error, ping_if_idle, query,
+    release_channel, row_text, sql_state,
 };
 use crate::row::notify::release_payload;
 
@@ -148,6 +149,8 @@ impl AdvisoryLocks {
             .max_connections(db.config.max_holds)
             .min_connections(0)
             .acquire_timeout(db.config.connect_timeout)
+            .test_before_acquire(false)
+            .before_acquire(|conn, meta| Box::pin(ping_if_idle(conn, meta)))
             .after_connect(|conn, _| {
                 Box::pin(async move { sqlx::raw_sql(SESSION).execute(conn).await.map(|_| ()) })
             })
@@ -489,14 +492,6 @@ async fn unless_fired<T>(
     }
 }
 
-/// Errors after which the connection, and so its advisory locks, are gone.
-fn connection_gone(e: &sqlx::Error) -> bool {
-    matches!(
-        e,
-        sqlx::Error::Io(_) | sqlx::Error::Protocol(_) | sqlx::Error::WorkerCrashed
-    ) || sql_state(e).is_some_and(|c| c.starts_with("57P") || c.starts_with("08"))
-}
-
 /// Ends a hold that is over: forgets it and lets its lock go. Another live hold on its
 /// session (a downgrade's write or read) keeps the connection, and only this hold's lock is
 /// let go; otherwise, or if that fails, the connection is closed (the server lets every
@@ -666,6 +661,65 @@ async fn acquire(
     .await
 }
 
+/// A dedicated connection ready for `req`'s wait, with its backend's pid and start (which
+/// name it for the terminator). One round trip: those, the first wait's `lock_timeout` and
+/// the lease, already (a waiter paused once it is granted, before its record, must not keep
+/// the key past its lease). A pooled connection is handed out unchecked when it was used
+/// within the last second ([`PING_IDLE_AFTER`](crate::db::PING_IDLE_AFTER)), so one found
+/// dead here (its server restarted, its link cut) is closed and the statement sent once
+/// more on another: nothing is held yet.
+async fn prepared_connection(
+    backend: &AdvisoryLocks,
+    req: &AcquireRequest,
+    deadline: Instant,
+) -> Result<(PoolConnection<Postgres>, i32, String)> {
+    let inner = &backend.inner;
+    let mut tries = 0;
+    loop {
+        tries += 1;
+        let mut conn = backend.holds_pool.acquire().await.map_err(|e| match e {
+            sqlx::Error::PoolTimedOut => Error::backend(
+                BACKEND,
+                true,
+                format!(
+                    "all {} dedicated connections are in use by held or waiting advisory \
+                     locks; raise max_holds (each hold and each waiter uses one server \
+                     connection) or hold fewer locks",
+                    inner.config.max_holds
+                ),
+            ),
+            e => db_error("opening a dedicated connection", e),
+        })?;
+        let session = sqlx::query_as::<_, (i32, String, String, String)>(
+            "SELECT pid, backend_start::text, set_config('lock_timeout', $1, false), \
+             set_config('idle_session_timeout', $2, false) \
+             FROM pg_stat_get_activity(pg_backend_pid())",
+        )
+        .bind(lock_timeout(deadline).to_string())
+        .bind(millis_up(req.ttl).to_string())
+        .fetch_one(&mut *conn);
+        match tokio::time::timeout(inner.config.connect_timeout, session).await {
+            Ok(Ok((pid, started, _, _))) => return Ok((conn, pid, started)),
+            Ok(Err(e)) => {
+                conn.close_on_drop();
+                if tries < 2 && connection_gone(&e) {
+                    tracing::debug!(error = %e, "a pooled dedicated connection was dead; trying another");
+                    continue;
+                }
+                return Err(db_error("preparing a dedicated connection", e));
+            }
+            Err(_) => {
+                conn.close_on_drop();
+                return Err(Error::backend(
+                    BACKEND,
+                    true,
+                    "a dedicated connection did not answer in time; is the server reachable?",
+                ));
+            }
+        }
+    }
+}
+
 /// How one try on the dedicated connection ended.
 enum Locked {
     /// The lock is held, with this fencing token; its lease runs from this instant.
@@ -700,19 +754,7 @@ async fn lock(
     let inner = &backend.inner;
     // The wait counts from the request, not from when a dedicated connection was free.
     let deadline = deadline_after(wait);
-    let mut conn = backend.holds_pool.acquire().await.map_err(|e| match e {
-        sqlx::Error::PoolTimedOut => Error::backend(
-            BACKEND,
-            true,
-            format!(
-                "all {} dedicated connections are in use by held or waiting advisory locks; \
-                 raise max_holds (each hold and each waiter uses one server connection) or \
-                 hold fewer locks",
-                inner.config.max_holds
-            ),
-        ),
-        e => db_error("opening a dedicated connection", e),
-    })?;
+    let (mut conn, pid, started) = prepared_connection(backend, req, deadline).await?;
     let id = inner.advisory_id(&req.key);
     // The server ends the wait at the deadline (`lock_timeout`); the caller's going away,
     // or a wait the server did not end, is ended by terminating this connection's backend
@@ -720,32 +762,6 @@ async fn lock(
     // opened for that (a partition or busy holders can leave the pool hanging; it only
     // gets that moment). The terminator is stopped and awaited before the
     // connection is used again; a connection it fired at is closed, never reused.
-    // One round trip: the backend (its pid and start, which name it for the terminator),
-    // the first wait's `lock_timeout`, and the lease, already: a waiter paused once it is
-    // granted (before its record) must not keep the key past its lease.
-    let session = sqlx::query_as::<_, (i32, String, String, String)>(
-        "SELECT pid, backend_start::text, set_config('lock_timeout', $1, false), \
-         set_config('idle_session_timeout', $2, false) \
-         FROM pg_stat_get_activity(pg_backend_pid())",
-    )
-    .bind(lock_timeout(deadline).to_string())
-    .bind(millis_up(req.ttl).to_string())
-    .fetch_one(&mut *conn);
-    let (pid, started) = match tokio::time::timeout(inner.config.connect_timeout, session).await {
-        Ok(Ok((pid, started, _, _))) => (pid, started),
-        Ok(Err(e)) => {
-            conn.close_on_drop();
-            return Err(db_error("preparing a dedicated connection", e));
-        }
-        Err(_) => {
-            conn.close_on_drop();
-            return Err(Error::backend(
-                BACKEND,
-                true,
-                "a dedicated connection did not answer in time; is the server reachable?",
-            ));
-        }
-    };
     let (stop_terminator, stopped) = tokio::sync::oneshot::channel::<()>();
     let (fire, fired) = tokio::sync::watch::channel(false);
     let terminator = {

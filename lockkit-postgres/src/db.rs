@@ -37,6 +37,14 @@ pub(crate) fn sql_state(e: &sqlx::Error) -> Option<String> {
     }
 }
 
+/// Errors after which the connection, and so any session lock on it, is gone.
+pub(crate) fn connection_gone(e: &sqlx::Error) -> bool {
+    matches!(
+        e,
+        sqlx::Error::Io(_) | sqlx::Error::Protocol(_) | sqlx::Error::WorkerCrashed
+    ) || sql_state(e).is_some_and(|c| c.starts_with("57P") || c.starts_with("08"))
+}
+
 /// Maps a driver error, saying what was being done and what to do.
 pub(crate) fn db_error(doing: &str, e: sqlx::Error) -> Error {
     let code = sql_state(&e);
@@ -109,6 +117,24 @@ const SESSION: &str = "SET SESSION CHARACTERISTICS AS TRANSACTION ISOLATION LEVE
      SET lock_timeout = '5s'; SET statement_timeout = '10s'; \
      SET idle_in_transaction_session_timeout = '5s'";
 
+/// A pooled connection that sat idle at least this long is checked (a round trip) before
+/// it is handed out; one used more recently is handed out at once. A connection that failed
+/// is never given back to the pool (the pool checks each one it gets back), so what this
+/// can hand out dead is a connection whose server or link went away within this long of
+/// its last use: its statement fails (retryably), and the next use gets another.
+pub(crate) const PING_IDLE_AFTER: Duration = Duration::from_secs(1);
+
+/// The check of [`PING_IDLE_AFTER`] (the pool's `before_acquire`).
+pub(crate) async fn ping_if_idle(
+    conn: &mut sqlx::PgConnection,
+    meta: sqlx::pool::PoolConnectionMetadata,
+) -> std::result::Result<bool, sqlx::Error> {
+    if meta.idle_for >= PING_IDLE_AFTER {
+        sqlx::Connection::ping(conn).await?;
+    }
+    Ok(true)
+}
+
 /// The database: a pool for short statements and the statements on its table.
 pub(crate) struct Db {
     pub(crate) config: PostgresConfig,
@@ -122,6 +148,8 @@ impl Db {
         let pool = PgPoolOptions::new()
             .max_connections(config.pool_size)
             .acquire_timeout(config.connect_timeout)
+            .test_before_acquire(false)
+            .before_acquire(|conn, meta| Box::pin(ping_if_idle(conn, meta)))
             .after_connect(|conn, _| {
                 Box::pin(async move { sqlx::raw_sql(SESSION).execute(conn).await.map(|_| ()) })
             })

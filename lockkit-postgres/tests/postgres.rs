@@ -1448,3 +1448,54 @@ async fn a_plain_lock_never_passes_a_read_granted_while_it_waits() {
             .unwrap();
     }
 }
+
+/// A pooled connection whose session ended since its last use (pooled connections used
+/// within the last second are handed out unchecked, issue 13) does not fail an
+/// acquisition: row mode's one-statement grant decides in a transaction on another
+/// connection, advisory mode prepares another dedicated connection.
+#[tokio::test]
+async fn a_pooled_connection_ended_since_its_last_use_does_not_fail_an_acquisition() {
+    let Some(url) = env::service_url("LOCKKIT_TEST_POSTGRES_URL") else {
+        return;
+    };
+    let admin = sqlx::PgPool::connect(&url).await.unwrap();
+    for mode in ["row", "advisory"] {
+        // Named, so that only this client's sessions are ended.
+        let name = format!("pgtest-{}", uuid::Uuid::new_v4().simple());
+        let backend = PostgresBackend::connect(&format!(
+            "{url}?mode={mode}&table={SHARED_TABLE}&pool_size=1&max_holds=1&application_name={name}"
+        ))
+        .await
+        .unwrap();
+        let locker = Locker::new(backend.clone());
+        let k = key(&format!("dead-pooled-{mode}"));
+        locker
+            .try_acquire(&k)
+            .await
+            .unwrap()
+            .unwrap()
+            .release()
+            .await
+            .unwrap();
+        // Let the pool's check of the returned connection finish, then end every session
+        // of this client (not the advisory hold's: there is none now).
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let (ended,): (i64,) = sqlx::query_as(
+            "SELECT count(*) FILTER (WHERE pg_terminate_backend(pid)) FROM pg_stat_activity \
+             WHERE application_name = $1",
+        )
+        .bind(&name)
+        .fetch_one(&admin)
+        .await
+        .unwrap();
+        assert!(ended >= 1, "{mode}: no session of the client was found");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let held = locker
+            .try_acquire(&k)
+            .await
+            .unwrap_or_else(|e| panic!("{mode}: {e}"))
+            .unwrap_or_else(|| panic!("{mode}: the free key was refused"));
+        held.release().await.unwrap();
+        backend.close().await;
+    }
+}

@@ -19,7 +19,8 @@ use sqlx::Row;
 use tokio::time::Instant;
 
 use crate::db::{
-    BACKEND, Db, db_error, fence_of, micros, query, release_channel, row_text, sql_state, state,
+    BACKEND, Db, connection_gone, db_error, fence_of, micros, query, release_channel, row_text,
+    sql_state, state,
 };
 use holds::{Decision, Marker, Plain, WriterMark};
 use notify::{Releases, release_payload};
@@ -244,13 +245,24 @@ async fn run_acquire(
         if caller_gone(interrupt).await {
             return Ok(Attempt::Busy { lease_left: None });
         }
-        if let Some(fence) = grant_free(inner, req, &owner, ttl).await? {
-            return Ok(Attempt::Granted(Grant::new(
-                req,
-                FencingToken::new(fence),
-                1,
-                start,
-            )));
+        match grant_free(inner, req, &owner, ttl).await {
+            Ok(Some(fence)) => {
+                return Ok(Attempt::Granted(Grant::new(
+                    req,
+                    FencingToken::new(fence),
+                    1,
+                    start,
+                )));
+            }
+            Ok(None) => {}
+            // A pooled connection found dead (pooled connections used within the last
+            // second are not checked first): the transaction below runs on another. If the
+            // statement took effect after all (its reply lost), this attempt is in the
+            // lease's ledger and the transaction grants the same hold again.
+            Err(e) if connection_gone(&e) => {
+                tracing::debug!(error = %e, key = %req.key, "the one-statement grant lost its connection; deciding in a transaction");
+            }
+            Err(e) => return Err(db_error("granting a free key", e)),
         }
     }
     let mut tx = inner.pool.begin().await.map_err(fail)?;
@@ -434,7 +446,7 @@ async fn grant_free(
     req: &AcquireRequest,
     owner: &str,
     ttl: i64,
-) -> Result<Option<u64>> {
+) -> std::result::Result<Option<u64>, sqlx::Error> {
     let (hi, lo) = inner.readers_lock(&req.key);
     let granted = query(&inner.sql.row_grant_free)
         .bind(req.key.as_str().as_bytes())
@@ -446,11 +458,8 @@ async fn grant_free(
         .bind(hi)
         .bind(lo)
         .fetch_optional(&inner.pool)
-        .await
-        .map_err(|e| db_error("granting a free key", e))?;
-    granted
-        .map(|row| fence_of(&row).map_err(|e| db_error("granting a free key", e)))
-        .transpose()
+        .await?;
+    granted.map(|row| fence_of(&row)).transpose()
 }
 
 /// Whether the caller of a detached attempt has gone (its future was dropped): an attempt
