@@ -114,9 +114,14 @@ const QUICK_TERMINATE: Duration = Duration::from_millis(500);
 const ROW_LEASE_POLL: Duration = Duration::from_millis(100);
 
 /// Every dedicated connection's session: statements may wait as long as the lock wait
-/// asks (`lock_timeout` is set per wait), and nothing is left idle in a transaction.
+/// asks (`lock_timeout` is set per wait), and nothing is left idle in a transaction. The
+/// backend's start, which names it for the terminator with its pid, is read once, into
+/// the session's `lockkit.backend_start` (reading it from the server's activity table
+/// for every acquisition cost more than the rest of that statement).
 const SESSION: &str = "SET statement_timeout = 0; SET lock_timeout = 0; \
-     SET idle_in_transaction_session_timeout = '5s'; SET idle_session_timeout = 0";
+     SET idle_in_transaction_session_timeout = '5s'; SET idle_session_timeout = 0; \
+     SELECT set_config('lockkit.backend_start', backend_start::text, false) \
+     FROM pg_stat_get_activity(pg_backend_pid())";
 
 /// Locks held by `pg_advisory_lock` on dedicated connections, over one database.
 #[derive(Clone)]
@@ -691,9 +696,9 @@ async fn prepared_connection(
             e => db_error("opening a dedicated connection", e),
         })?;
         let session = sqlx::query_as::<_, (i32, String, String, String)>(
-            "SELECT pid, backend_start::text, set_config('lock_timeout', $1, false), \
-             set_config('idle_session_timeout', $2, false) \
-             FROM pg_stat_get_activity(pg_backend_pid())",
+            "SELECT pg_backend_pid(), COALESCE(NULLIF(current_setting('lockkit.backend_start', true), ''), \
+             (SELECT backend_start::text FROM pg_stat_get_activity(pg_backend_pid()))), \
+             set_config('lock_timeout', $1, false), set_config('idle_session_timeout', $2, false)",
         )
         .bind(lock_timeout(deadline).to_string())
         .bind(millis_up(req.ttl).to_string())
