@@ -150,12 +150,16 @@ impl AdvisoryLocks {
                 db_error("checking the server's idle_session_timeout", e)
             });
         }
+        let seen = db.dead_seen.clone();
         let holds_pool = PgPoolOptions::new()
             .max_connections(db.config.max_holds)
             .min_connections(0)
             .acquire_timeout(db.config.connect_timeout)
             .test_before_acquire(false)
-            .before_acquire(|conn, meta| Box::pin(ping_if_idle(conn, meta)))
+            .before_acquire(move |conn, meta| {
+                let seen = seen.clone();
+                Box::pin(async move { ping_if_idle(conn, meta, &seen).await })
+            })
             .after_connect(|conn, _| {
                 Box::pin(async move { sqlx::raw_sql(SESSION).execute(conn).await.map(|_| ()) })
             })
@@ -671,8 +675,9 @@ async fn acquire(
 /// the lease, already (a waiter paused once it is granted, before its record, must not keep
 /// the key past its lease). A pooled connection is handed out unchecked when it was used
 /// within the last second ([`PING_IDLE_AFTER`](crate::db::PING_IDLE_AFTER)), so one found
-/// dead here (its server restarted, its link cut) is closed and the statement sent once
-/// more on another: nothing is held yet.
+/// dead here (its server restarted, its link cut) is closed, noted (the pools then check
+/// every connection for a while), and the statement sent again on another, up to
+/// `max_holds + 1` times in all: nothing is held yet.
 async fn prepared_connection(
     backend: &AdvisoryLocks,
     req: &AcquireRequest,
@@ -707,7 +712,7 @@ async fn prepared_connection(
             Ok(Ok((pid, started, _, _))) => return Ok((conn, pid, started)),
             Ok(Err(e)) => {
                 conn.close_on_drop();
-                if tries < 2 && connection_gone(&e) {
+                if inner.gone(&e) && tries <= inner.config.max_holds {
                     tracing::debug!(error = %e, "a pooled dedicated connection was dead; trying another");
                     continue;
                 }
@@ -824,6 +829,11 @@ async fn lock(
         })
     };
     let outcome = lock_and_record(backend, req, &mut conn, id, wait, deadline, fired).await;
+    if let Err(e) = &outcome
+        && e.connection_gone
+    {
+        inner.dead_seen.note();
+    }
     let _ = stop_terminator.send(());
     let terminated = tokio::time::timeout(inner.config.connect_timeout, terminator)
         .await
@@ -925,7 +935,7 @@ async fn downgrade(
             // Not taken (or not recorded): let go of the read only, or, when that cannot
             // be done, end the session: its write is lost with it, and its guard hears it.
             let why = match outcome {
-                Ok(Err(e)) if connection_gone(&e) => None,
+                Ok(Err(e)) if inner.gone(&e) => None,
                 Ok(Err(e)) => Some(db_error("taking a read beside the owner's write", e)),
                 Ok(Ok(_)) => Some(Error::backend(
                     BACKEND,
@@ -1239,7 +1249,7 @@ async fn watch(backend: AdvisoryLocks, held: Weak<Held>, loss: lockkit_core::Los
         // leaves nothing to keep: the hold is over either way.
         let reason = match tokio::time::timeout_at(until, check).await {
             Ok(Ok(_)) => continue,
-            Ok(Err(e)) if connection_gone(&e) => LostReason::SessionLost,
+            Ok(Err(e)) if backend.inner.gone(&e) => LostReason::SessionLost,
             Ok(Err(error)) => {
                 tracing::debug!(%error, "liveness check failed; retrying");
                 continue;
@@ -1259,12 +1269,15 @@ async fn watch(backend: AdvisoryLocks, held: Weak<Held>, loss: lockkit_core::Los
 /// Best effort: shows the depth to `inspect` and `holders`.
 async fn record_depth(backend: &AdvisoryLocks, held: &Held, depth: u32) {
     let inner = &backend.inner;
-    let _ = query(&inner.sql.advisory_depth)
-        .bind(i32::try_from(depth).unwrap_or(i32::MAX))
-        .bind(held.key.as_str().as_bytes())
-        .bind(held.owner.to_string())
-        .bind(token_param(held.token))
-        .execute(&inner.pool)
+    let _ = inner
+        .retry_gone(|| {
+            query(&inner.sql.advisory_depth)
+                .bind(i32::try_from(depth).unwrap_or(i32::MAX))
+                .bind(held.key.as_str().as_bytes())
+                .bind(held.owner.to_string())
+                .bind(token_param(held.token))
+                .execute(&inner.pool)
+        })
         .await;
     let mut conn = held.session.conn.lock().await;
     if let Some(c) = conn.as_mut() {
@@ -1304,7 +1317,7 @@ async fn renew(backend: &AdvisoryLocks, grant: &Grant, ttl: Duration) -> Result<
             held.count.extend_lease(until);
             Ok(())
         }
-        Err(e) if connection_gone(&e) => {
+        Err(e) if backend.inner.gone(&e) => {
             end_session(session, &mut conn);
             forget(backend, &held);
             Err(Error::NotHeld {
@@ -1369,7 +1382,7 @@ async fn release(backend: &AdvisoryLocks, grant: &Grant) -> Result<Released> {
             }
             // Not let go: end the session (the other hold's guard hears it) rather than
             // keep a lock nobody holds a guard of.
-            Ok(Err(e)) if connection_gone(&e) => Err(not_held()),
+            Ok(Err(e)) if backend.inner.gone(&e) => Err(not_held()),
             Ok(Err(e)) => Err(db_error("letting go of the advisory lock", e)),
             Err(_) => Err(no_answer()),
         };
@@ -1424,7 +1437,7 @@ async fn release(backend: &AdvisoryLocks, grant: &Grant) -> Result<Released> {
         Ok(_) => Ok(Released::Fully),
         Err(e) => {
             c.close_on_drop();
-            if connection_gone(&e) {
+            if backend.inner.gone(&e) {
                 // The server let the lock go when the connection died.
                 return Err(not_held());
             }
@@ -1506,13 +1519,18 @@ async fn clear_record(backend: &AdvisoryLocks, held: &Held) {
     // One statement: the announcement goes out only if the record was cleared, when the
     // statement's own transaction commits.
     // Only this hold's record (its token): the owner may hold the key again already.
-    let cleared = query(&inner.sql.advisory_clear)
-        .bind(held.key.as_str().as_bytes())
-        .bind(held.owner.to_string())
-        .bind(release_channel(&inner.config.table))
-        .bind(release_payload(held.key.as_str()))
-        .bind(token_param(held.token))
-        .execute(&inner.pool)
+    // Sent again on another connection if the pooled one is gone: a second run finds
+    // nothing to clear (and announces nothing).
+    let cleared = inner
+        .retry_gone(|| {
+            query(&inner.sql.advisory_clear)
+                .bind(held.key.as_str().as_bytes())
+                .bind(held.owner.to_string())
+                .bind(release_channel(&inner.config.table))
+                .bind(release_payload(held.key.as_str()))
+                .bind(token_param(held.token))
+                .execute(&inner.pool)
+        })
         .await;
     if let Err(error) = cleared {
         tracing::debug!(%error, key = %held.key, "could not clear an advisory holder's record");
@@ -1524,12 +1542,15 @@ async fn inspect(backend: &AdvisoryLocks, key: &LockKey) -> Result<Option<Holder
         return Ok(None);
     };
     // The server's queue for the lock: every session waiting in `pg_advisory_lock`.
-    let (waiters,): (i64,) =
-        sqlx::query_as(AssertSqlSafe(backend.inner.sql.advisory_waiters.clone()))
-            .bind(backend.inner.advisory_id(key))
-            .fetch_one(&backend.inner.pool)
-            .await
-            .map_err(|e| db_error("counting the lock's waiters", e))?;
+    let inner = &backend.inner;
+    let (waiters,): (i64,) = inner
+        .retry_gone(|| {
+            sqlx::query_as(AssertSqlSafe(inner.sql.advisory_waiters.clone()))
+                .bind(inner.advisory_id(key))
+                .fetch_one(&inner.pool)
+        })
+        .await
+        .map_err(|e| db_error("counting the lock's waiters", e))?;
     Ok(Some(
         holder.with_waiters(u32::try_from(waiters).unwrap_or(0)),
     ))
@@ -1543,9 +1564,12 @@ async fn inspect(backend: &AdvisoryLocks, key: &LockKey) -> Result<Option<Holder
 async fn holders(backend: &AdvisoryLocks, key: &LockKey) -> Result<Vec<HolderInfo>> {
     let inner = &backend.inner;
     let record = inner.inspect_lease(key).await?;
-    let rows = sqlx::query(AssertSqlSafe(inner.sql.advisory_holders.clone()))
-        .bind(inner.advisory_id(key))
-        .fetch_all(&inner.pool)
+    let rows = inner
+        .retry_gone(|| {
+            sqlx::query(AssertSqlSafe(inner.sql.advisory_holders.clone()))
+                .bind(inner.advisory_id(key))
+                .fetch_all(&inner.pool)
+        })
         .await
         .map_err(|e| db_error("listing the advisory lock's holders", e))?;
     if rows.is_empty() {

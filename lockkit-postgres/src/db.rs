@@ -1,11 +1,18 @@
 //! The database: its connection pool, the lease table and its statements, error mapping,
 //! and the reads every mode answers the same way.
 
-use std::{sync::Arc, time::Duration};
+use std::{
+    future::Future,
+    sync::{
+        Arc,
+        atomic::{AtomicU64, Ordering},
+    },
+    time::Duration,
+};
 
 use lockkit_core::{Error, FencingToken, HolderIdentity, HolderInfo, LockKey, Result};
 use sqlx::{
-    AssertSqlSafe, PgPool, Row,
+    AssertSqlSafe, PgPool, Postgres, Row, Transaction,
     postgres::{PgPoolOptions, PgRow},
 };
 
@@ -121,16 +128,67 @@ const SESSION: &str = "SET SESSION CHARACTERISTICS AS TRANSACTION ISOLATION LEVE
 /// it is handed out; one used more recently is handed out at once. A connection that failed
 /// is never given back to the pool (the pool checks each one it gets back), so what this
 /// can hand out dead is a connection whose server or link went away within this long of
-/// its last use: its statement fails (retryably), and the next use gets another.
+/// its last use (a server restart, `pg_terminate_backend`, right after a busy spell). The
+/// first statement sent on one fails; that is noted ([`DeadSeen`]), every connection of
+/// the backend's pools is then checked before use for [`PING_AFTER_LOSS`], and the
+/// statements that may be sent again ([`Db::retry_gone`], [`Db::begin`]) are sent again on
+/// another connection, so the call itself succeeds.
 pub(crate) const PING_IDLE_AFTER: Duration = Duration::from_secs(1);
 
-/// The check of [`PING_IDLE_AFTER`] (the pool's `before_acquire`).
+/// How long after a connection of a backend was found gone its pools check every
+/// connection before handing it out, not only those that idled (the others likely went
+/// with it).
+pub(crate) const PING_AFTER_LOSS: Duration = Duration::from_secs(5);
+
+/// When a connection of one backend (one `connect`: its shared pool and its dedicated
+/// connections) was last found gone. Per backend: one server's restart does not make the
+/// pools of other backends check every connection.
+#[derive(Debug)]
+pub(crate) struct DeadSeen {
+    since: std::time::Instant,
+    /// Milliseconds from `since` to the last sighting, plus one (zero: never).
+    at: AtomicU64,
+}
+
+impl DeadSeen {
+    fn new() -> Arc<Self> {
+        Arc::new(DeadSeen {
+            since: std::time::Instant::now(),
+            at: AtomicU64::new(0),
+        })
+    }
+
+    fn now(&self) -> u64 {
+        u64::try_from(self.since.elapsed().as_millis())
+            .unwrap_or(u64::MAX - 1)
+            .saturating_add(1)
+    }
+
+    /// A connection was found gone now.
+    pub(crate) fn note(&self) {
+        self.at.store(self.now(), Ordering::Relaxed);
+    }
+
+    /// Whether a connection was found gone within [`PING_AFTER_LOSS`].
+    fn recent(&self) -> bool {
+        let at = self.at.load(Ordering::Relaxed);
+        at != 0 && u128::from(self.now().saturating_sub(at)) < PING_AFTER_LOSS.as_millis()
+    }
+}
+
+/// The pools' check before handing out a connection (their `before_acquire`): a ping
+/// after an idle spell of [`PING_IDLE_AFTER`], or within [`PING_AFTER_LOSS`] of a
+/// connection found gone. A connection that fails it is closed and another one taken.
 pub(crate) async fn ping_if_idle(
     conn: &mut sqlx::PgConnection,
     meta: sqlx::pool::PoolConnectionMetadata,
+    dead_seen: &DeadSeen,
 ) -> std::result::Result<bool, sqlx::Error> {
-    if meta.idle_for >= PING_IDLE_AFTER {
-        sqlx::Connection::ping(conn).await?;
+    if (meta.idle_for >= PING_IDLE_AFTER || dead_seen.recent())
+        && let Err(e) = sqlx::Connection::ping(conn).await
+    {
+        dead_seen.note();
+        return Err(e);
     }
     Ok(true)
 }
@@ -138,6 +196,8 @@ pub(crate) async fn ping_if_idle(
 /// The database: a pool for short statements and the statements on its table.
 pub(crate) struct Db {
     pub(crate) config: PostgresConfig,
+    /// Shared with the checks of the shared pool and of the dedicated connections.
+    pub(crate) dead_seen: Arc<DeadSeen>,
     pub(crate) pool: PgPool,
     pub(crate) sql: Sql,
 }
@@ -145,11 +205,16 @@ pub(crate) struct Db {
 impl Db {
     /// Opens the pool `config` asks for and makes sure the table is there.
     pub(crate) async fn connect(config: PostgresConfig) -> Result<Arc<Db>> {
+        let dead_seen = DeadSeen::new();
+        let seen = dead_seen.clone();
         let pool = PgPoolOptions::new()
             .max_connections(config.pool_size)
             .acquire_timeout(config.connect_timeout)
             .test_before_acquire(false)
-            .before_acquire(|conn, meta| Box::pin(ping_if_idle(conn, meta)))
+            .before_acquire(move |conn, meta| {
+                let seen = seen.clone();
+                Box::pin(async move { ping_if_idle(conn, meta, &seen).await })
+            })
             .after_connect(|conn, _| {
                 Box::pin(async move { sqlx::raw_sql(SESSION).execute(conn).await.map(|_| ()) })
             })
@@ -159,10 +224,53 @@ impl Db {
         let db = Arc::new(Db {
             sql: Sql::new(&config.table),
             config,
+            dead_seen,
             pool,
         });
         db.ensure_schema().await?;
         Ok(db)
+    }
+
+    /// Whether `e` means the connection is gone ([`connection_gone`]); if so, the pools
+    /// check every connection before use for a while ([`PING_AFTER_LOSS`]).
+    pub(crate) fn gone(&self, e: &sqlx::Error) -> bool {
+        let gone = connection_gone(e);
+        if gone {
+            self.dead_seen.note();
+        }
+        gone
+    }
+
+    /// Runs `statement` on the shared pool, and again on another connection while the one
+    /// it was sent on turns out gone (it died since its last use, say in a server
+    /// restart), up to `pool_size + 1` times in all. Only for statements that are harmless
+    /// to send again: reads, renewals (which only lengthen a lease), a `BEGIN`, statements
+    /// whose second run changes nothing the first did not.
+    pub(crate) async fn retry_gone<T, F, Fut>(
+        &self,
+        mut statement: F,
+    ) -> std::result::Result<T, sqlx::Error>
+    where
+        F: FnMut() -> Fut,
+        Fut: Future<Output = std::result::Result<T, sqlx::Error>>,
+    {
+        let mut tries = 0;
+        loop {
+            tries += 1;
+            match statement().await {
+                Err(e) if self.gone(&e) && tries <= self.config.pool_size => {
+                    tracing::debug!(error = %e, "a pooled connection was gone; sending the statement on another");
+                }
+                outcome => return outcome,
+            }
+        }
+    }
+
+    /// A transaction on the shared pool, begun on a connection that answers.
+    pub(crate) async fn begin(
+        &self,
+    ) -> std::result::Result<Transaction<'static, Postgres>, sqlx::Error> {
+        self.retry_gone(|| self.pool.begin()).await
     }
 
     /// Checks the table is there, and creates it if it is not and that is allowed (so a
@@ -299,7 +407,7 @@ impl Db {
     /// lock: queued behind a long transaction, an `ALTER` would hold up every statement on
     /// the table (renewals too) for as long as it waits.
     async fn alter_briefly(&self, alter: &Arc<str>) -> std::result::Result<(), sqlx::Error> {
-        let mut tx = self.pool.begin().await?;
+        let mut tx = self.begin().await?;
         sqlx::raw_sql(AssertSqlSafe(format!(
             "SET LOCAL lock_timeout = '{}s'",
             ALTER_LOCK_WAIT.as_secs()
@@ -342,8 +450,8 @@ impl Db {
 
     /// One round trip to the server.
     pub(crate) async fn ping(&self) -> Result<()> {
-        let _: (i32,) = sqlx::query_as("SELECT 1")
-            .fetch_one(&self.pool)
+        let _: (i32,) = self
+            .retry_gone(|| sqlx::query_as("SELECT 1").fetch_one(&self.pool))
             .await
             .map_err(|e| db_error("SELECT 1", e))?;
         Ok(())
@@ -351,10 +459,13 @@ impl Db {
 
     /// Who holds `key` according to the lease table: a live lease.
     pub(crate) async fn inspect_lease(&self, key: &LockKey) -> Result<Option<HolderInfo>> {
-        let row = query(&self.sql.inspect)
-            .bind(key.as_str().as_bytes())
-            .bind(self.advisory_id(key))
-            .fetch_optional(&self.pool)
+        let row = self
+            .retry_gone(|| {
+                query(&self.sql.inspect)
+                    .bind(key.as_str().as_bytes())
+                    .bind(self.advisory_id(key))
+                    .fetch_optional(&self.pool)
+            })
             .await
             .map_err(|e| db_error("inspecting the lease", e))?;
         let Some(row) = row else { return Ok(None) };

@@ -19,8 +19,7 @@ use sqlx::Row;
 use tokio::time::Instant;
 
 use crate::db::{
-    BACKEND, Db, connection_gone, db_error, fence_of, micros, query, release_channel, row_text,
-    sql_state, state,
+    BACKEND, Db, db_error, fence_of, micros, query, release_channel, row_text, sql_state, state,
 };
 use holds::{Decision, Marker, Plain, WriterMark};
 use notify::{Releases, release_payload};
@@ -68,7 +67,7 @@ impl RowLocks {
         let inner = &self.inner;
         let fail = |e| db_error("clearing a lease", e);
         let name = key.as_str().as_bytes();
-        let mut tx = inner.pool.begin().await.map_err(fail)?;
+        let mut tx = inner.begin().await.map_err(fail)?;
         // The key's row first, then its holds, as every transaction over them does: no
         // acquisition is half-way through its decision while they go.
         query(&inner.sql.holds.key_lock)
@@ -256,16 +255,17 @@ async fn run_acquire(
             }
             Ok(None) => {}
             // A pooled connection found dead (pooled connections used within the last
-            // second are not checked first): the transaction below runs on another. If the
-            // statement took effect after all (its reply lost), this attempt is in the
-            // lease's ledger and the transaction grants the same hold again.
-            Err(e) if connection_gone(&e) => {
+            // second are not checked first; the loss is noted, so they are now): the
+            // transaction below begins on another. If the statement took effect after all
+            // (its reply lost), this attempt is in the lease's ledger and the transaction
+            // grants the same hold again.
+            Err(e) if inner.gone(&e) => {
                 tracing::debug!(error = %e, key = %req.key, "the one-statement grant lost its connection; deciding in a transaction");
             }
             Err(e) => return Err(db_error("granting a free key", e)),
         }
     }
-    let mut tx = inner.pool.begin().await.map_err(fail)?;
+    let mut tx = inner.begin().await.map_err(fail)?;
     let mut row = lock_key_row(inner, &mut tx, &req.key).await.map_err(fail)?;
     if row.is_none() {
         // First use of this key: make its row (free), then lock it; a statement of its own
@@ -576,11 +576,15 @@ async fn acquire(backend: &RowLocks, req: &AcquireRequest, wait: Duration) -> Re
 
 async fn renew(backend: &RowLocks, grant: &Grant, ttl: Duration) -> Result<()> {
     let inner = &backend.inner;
-    let done = query(&inner.sql.row_renew)
-        .bind(micros(ttl))
-        .bind(grant.key.as_str().as_bytes())
-        .bind(grant.owner.to_string())
-        .execute(&inner.pool)
+    // Sent again on another connection if the pooled one is gone: a renewal only lengthens.
+    let done = inner
+        .retry_gone(|| {
+            query(&inner.sql.row_renew)
+                .bind(micros(ttl))
+                .bind(grant.key.as_str().as_bytes())
+                .bind(grant.owner.to_string())
+                .execute(&inner.pool)
+        })
         .await
         .map_err(|e| db_error("renewing the lease", e))?;
     if done.rows_affected() == 1 {
@@ -627,13 +631,18 @@ async fn release(backend: &RowLocks, grant: &Grant) -> Result<Released> {
             }
             // The statement failed as a whole (a full notification queue): nothing was
             // changed; the transaction below lets go even when the announcement fails.
-            Err(error @ sqlx::Error::Database(_)) => {
+            // Or its pooled connection was gone (pooled connections used within the last
+            // second are not checked first; the loss is noted, so they are now): the
+            // transaction begins on another. If the statement took effect after all (its
+            // reply lost), the transaction finds the lease gone (`NotHeld`), as a retry of
+            // the release would.
+            Err(error) if inner.gone(&error) || matches!(error, sqlx::Error::Database(_)) => {
                 tracing::debug!(%error, key = %grant.key, "the one-statement release failed; releasing in a transaction");
             }
             Err(e) => return Err(fail(e)),
         }
     }
-    let mut tx = inner.pool.begin().await.map_err(fail)?;
+    let mut tx = inner.begin().await.map_err(fail)?;
     let row = query(&sql.row_select_for_update)
         .bind(name)
         .bind(inner.advisory_id(&grant.key))
