@@ -1174,7 +1174,7 @@ async fn try_lock_once(
 /// Records `req`'s owner as the key's advisory holder with a new fencing token, on the
 /// lock's own connection, and with `named`, names the hold on its session in the same
 /// statement (`application_name`, see [`Session::app_name`]). `Ok(None)`: a live row-mode
-/// lease holds the key; nothing was changed.
+/// lease or hold keeps the key; nothing was changed but holds that had run out.
 async fn record_holder(
     backend: &AdvisoryLocks,
     req: &AcquireRequest,
@@ -1186,12 +1186,20 @@ async fn record_holder(
     let identity = req.identity.encode_for(&owner);
     // `<prefix> <owner> <kind>`; the statement appends `<token>x1`.
     let app_name = named.then(|| format!("{APP_PREFIX} {} {}", req.owner, kind_letter(req.kind)));
-    // Take the row, or create it; once more if another client created it meanwhile.
+    // Take the row, or create it; once more if another client created it meanwhile, or
+    // if the key had row-mode hold rows, after deleting those that ran out (the take does
+    // not tell a hold that ran out from one whose renewal is in flight; the delete waits
+    // for such a renewal). The uncontended path is the first statement alone.
     for statement in [
         &inner.sql.advisory_take,
         &inner.sql.advisory_insert,
+        &inner.sql.advisory_prune,
         &inner.sql.advisory_take,
     ] {
+        if Arc::ptr_eq(statement, &inner.sql.advisory_prune) {
+            query(statement).bind(name).execute(&mut **conn).await?;
+            continue;
+        }
         let fence: Option<i64> = query(statement)
             .bind(&owner)
             .bind(name)

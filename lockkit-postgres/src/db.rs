@@ -647,6 +647,8 @@ pub(crate) struct Sql {
     pub(crate) inspect: Arc<str>,
     pub(crate) advisory_take: Arc<str>,
     pub(crate) advisory_insert: Arc<str>,
+    /// Deletes the key's read, write and permit holds whose lease is over (see `Sql::new`).
+    pub(crate) advisory_prune: Arc<str>,
     pub(crate) advisory_depth: Arc<str>,
     pub(crate) advisory_clear: Arc<str>,
     #[cfg_attr(not(feature = "testing"), allow(dead_code))]
@@ -930,15 +932,32 @@ impl Sql {
                  + (SELECT COUNT(*) FROM \"{h}\" WHERE position($1 in name) = 1 \
                  AND expires_at > clock_timestamp())"
             )),
-            // Not beside a live row-mode lease, nor beside row-mode holds of a read-write lock
-            // or a semaphore (its statement begins after the advisory lock was granted, so it
-            // sees every hold committed before: row mode adds none while the lock is held).
+            // Not beside a live row-mode lease, nor where the key has any row-mode read,
+            // write or permit hold row, live or not (only writers' markers, `q`, are let
+            // be). Its statement begins after the advisory lock was granted, so it sees every
+            // hold committed before, and row mode adds none while the lock is held: a
+            // row-mode transaction decides with `pg_try_advisory_xact_lock_shared` of the key
+            // (and its readers' lock), which it holds to its commit (an advisory request
+            // queues behind it) or which fails (it sees the key held). But a renewal
+            // (`HoldsSql::renew`) takes no key lock: while it is in flight this statement's
+            // snapshot sees the hold's old, maybe expired, version, so "expired" cannot be
+            // told from "about to be extended" here. A hold row that is there at all keeps
+            // it out; `advisory_prune` deletes the expired ones (waiting for a renewal in
+            // flight), then this runs again.
             advisory_take: s(format!(
                 "UPDATE \"{t}\" SET fence = fence + 1, owner = $1, holds = 1, \
                  expires_at = 'infinity', attempts = NULL, holder = $3 \
                  WHERE name = $2 AND NOT COALESCE({leased}, FALSE) \
-                 AND NOT EXISTS (SELECT 1 FROM \"{h}\" h WHERE h.name = $2 AND h.kind <> 'q' \
-                 AND h.expires_at > clock_timestamp()) RETURNING fence, {name_hold}"
+                 AND NOT EXISTS (SELECT 1 FROM \"{h}\" h WHERE h.name = $2 AND h.kind <> 'q') \
+                 RETURNING fence, {name_hold}"
+            )),
+            // The key's read, write and permit holds whose lease is over. A locking delete:
+            // a hold whose renewal is in flight is waited for, and its renewed version
+            // checked again (then kept). Run by an advisory holder only, once the take found
+            // hold rows (never on the uncontended path).
+            advisory_prune: s(format!(
+                "DELETE FROM \"{h}\" WHERE name = $1 AND kind <> 'q' \
+                 AND expires_at <= clock_timestamp()"
             )),
             advisory_insert: s(format!(
                 "INSERT INTO \"{t}\" (name, owner, holds, fence, expires_at, holder) \

@@ -1643,3 +1643,211 @@ async fn dead_pooled_connections_fail_no_call() {
         "calls failed after their pooled connections ended: {failures:#?}"
     );
 }
+
+/// Renews a row-mode hold in a transaction left open: `HoldsSql::renew`'s statement (the
+/// watchdog's), for `owner`'s hold of `kind` on `key` in `table`'s holds table.
+async fn renewal_in_flight(
+    url: &str,
+    table: &str,
+    key: &LockKey,
+    kind: &str,
+    owner: &str,
+) -> sqlx::Transaction<'static, sqlx::Postgres> {
+    let pool = sqlx::PgPool::connect(url).await.unwrap();
+    let mut tx = pool.begin().await.unwrap();
+    let renewed = sqlx::query(sqlx::AssertSqlSafe(format!(
+        "UPDATE \"{table}_holds\" SET expires_at = GREATEST(expires_at, clock_timestamp() + \
+         interval '60 seconds') WHERE name = $1 AND kind = $2 AND owner = $3 \
+         AND expires_at > clock_timestamp()"
+    )))
+    .bind(key.as_str().as_bytes())
+    .bind(kind)
+    .bind(owner)
+    .execute(&mut *tx)
+    .await
+    .unwrap();
+    assert_eq!(renewed.rows_affected(), 1, "the hold was not live");
+    tx
+}
+
+/// A row-mode read whose renewal is in flight when its old lease runs out (its commit slow,
+/// as with a slow fsync or a synchronous standby) keeps a mode=advisory plain lock out:
+/// the advisory take does not read the hold's old version as the last word.
+#[tokio::test]
+async fn an_advisory_lock_is_not_granted_beside_a_read_whose_renewal_is_in_flight() {
+    let Some(url) = env::service_url("LOCKKIT_TEST_POSTGRES_URL") else {
+        return;
+    };
+    let (rows, _) = client_of("row").await.unwrap();
+    let (advisory, _) = client_of("advisory").await.unwrap();
+    let k = key("advisory-beside-a-renewal");
+    let reader = rows.owner();
+    let read = reader
+        .read(&k)
+        .ttl(Duration::from_millis(1500))
+        .no_watchdog()
+        .try_now()
+        .await
+        .unwrap()
+        .unwrap();
+    let tx = renewal_in_flight(&url, SHARED_TABLE, &k, "r", &reader.id().to_string()).await;
+    // The read's old lease ends before the renewal commits.
+    tokio::time::sleep(Duration::from_millis(1800)).await;
+    let plain = tokio::spawn({
+        let (advisory, k) = (advisory.clone(), k.clone());
+        async move {
+            advisory
+                .acquire(&k)
+                .ttl(Duration::from_secs(30))
+                .wait(Duration::from_secs(1))
+                .await
+        }
+    });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    tx.commit().await.unwrap();
+    let plain = match plain.await.unwrap() {
+        Ok(held) => Some(held),
+        Err(lockkit_core::Error::Timeout { .. }) => None,
+        Err(e) => panic!("{e}"),
+    };
+    let holders = rows.holders(&k).await.unwrap();
+    let beside = plain.is_some();
+    if let Some(held) = plain {
+        held.release().await.unwrap();
+    }
+    // Its guard counts its lease as over (no watchdog): the release says so.
+    let _ = read.release().await;
+    assert!(
+        !beside,
+        "an advisory plain lock was granted beside a live (renewed) read: {holders:#?}"
+    );
+    assert!(
+        holders
+            .iter()
+            .any(|h| h.kind == Some(lockkit_core::LockKind::Read)),
+        "the renewed read is not listed: {holders:#?}"
+    );
+}
+
+/// A row-mode read hold that ran out (its holder gone, nothing renewing it) does not keep
+/// mode=advisory out: its row is deleted and the key taken.
+#[tokio::test]
+async fn an_expired_row_mode_read_does_not_keep_an_advisory_lock_out() {
+    let Some((rows, _)) = client_of("row").await else {
+        return;
+    };
+    let (advisory, _) = client_of("advisory").await.unwrap();
+    let k = key("advisory-over-an-expired-read");
+    let _read = rows
+        .owner()
+        .read(&k)
+        .ttl(Duration::from_millis(300))
+        .no_watchdog()
+        .try_now()
+        .await
+        .unwrap()
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let held = advisory
+        .try_acquire(&k)
+        .await
+        .unwrap()
+        .expect("an expired read hold kept the advisory lock out");
+    let url = env::service_url("LOCKKIT_TEST_POSTGRES_URL").unwrap();
+    let mut admin = <sqlx::PgConnection as sqlx::Connection>::connect(&url)
+        .await
+        .unwrap();
+    let (left,): (i64,) = sqlx::query_as(sqlx::AssertSqlSafe(format!(
+        "SELECT count(*) FROM \"{SHARED_TABLE}_holds\" WHERE name = $1 AND kind <> 'q'"
+    )))
+    .bind(k.as_str().as_bytes())
+    .fetch_one(&mut admin)
+    .await
+    .unwrap();
+    held.release().await.unwrap();
+    assert_eq!(left, 0, "the expired read's row is still there");
+}
+
+/// Row mode's one-statement plain lock does not take a key whose plain lease ran out while
+/// its renewal is in flight: it waits for the key's row and re-checks the renewed version.
+#[tokio::test]
+async fn a_free_key_grant_waits_for_a_plain_lease_renewal_in_flight() {
+    let Some(url) = env::service_url("LOCKKIT_TEST_POSTGRES_URL") else {
+        return;
+    };
+    let (a, _) = client_of("row").await.unwrap();
+    let (b, _) = client_of("row").await.unwrap();
+    let k = key("grant-beside-a-lease-renewal");
+    let held = a
+        .try_acquire(&k)
+        .ttl(Duration::from_millis(800))
+        .no_watchdog()
+        .await
+        .unwrap()
+        .unwrap();
+    let pool = sqlx::PgPool::connect(&url).await.unwrap();
+    let mut tx = pool.begin().await.unwrap();
+    let renewed = sqlx::query(sqlx::AssertSqlSafe(format!(
+        "UPDATE \"{SHARED_TABLE}\" SET expires_at = GREATEST(expires_at, clock_timestamp() + \
+         interval '60 seconds') WHERE name = $1 AND owner = $2 AND expires_at <> 'infinity' \
+         AND expires_at > clock_timestamp()"
+    )))
+    .bind(k.as_str().as_bytes())
+    .bind(held.owner().to_string())
+    .execute(&mut *tx)
+    .await
+    .unwrap();
+    assert_eq!(renewed.rows_affected(), 1);
+    tokio::time::sleep(Duration::from_millis(1000)).await;
+    let other = tokio::spawn({
+        let (b, k) = (b.clone(), k.clone());
+        async move { b.try_acquire(&k).ttl(Duration::from_secs(30)).await }
+    });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    tx.commit().await.unwrap();
+    let other = other.await.unwrap().unwrap();
+    let beside = other.is_some();
+    if let Some(other) = other {
+        other.release().await.unwrap();
+    }
+    // Its guard counts its lease as over (no watchdog): the release says so.
+    let _ = held.release().await;
+    assert!(!beside, "granted beside a renewed plain lease");
+}
+
+/// Row mode's one-statement plain lock does not take a key whose read hold ran out while
+/// its renewal is in flight (any hold row sends it to the transaction, whose locking read
+/// waits for the renewal).
+#[tokio::test]
+async fn a_free_key_grant_waits_for_a_read_renewal_in_flight() {
+    let Some(url) = env::service_url("LOCKKIT_TEST_POSTGRES_URL") else {
+        return;
+    };
+    let (rows, _) = client_of("row").await.unwrap();
+    let k = key("grant-beside-a-read-renewal");
+    let reader = rows.owner();
+    let read = reader
+        .read(&k)
+        .ttl(Duration::from_millis(800))
+        .no_watchdog()
+        .try_now()
+        .await
+        .unwrap()
+        .unwrap();
+    let tx = renewal_in_flight(&url, SHARED_TABLE, &k, "r", &reader.id().to_string()).await;
+    tokio::time::sleep(Duration::from_millis(1000)).await;
+    let other = tokio::spawn({
+        let (rows, k) = (rows.clone(), k.clone());
+        async move { rows.try_acquire(&k).ttl(Duration::from_secs(30)).await }
+    });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    tx.commit().await.unwrap();
+    let other = other.await.unwrap().unwrap();
+    let beside = other.is_some();
+    if let Some(other) = other {
+        other.release().await.unwrap();
+    }
+    // Its guard counts its lease as over (no watchdog): the release says so.
+    let _ = read.release().await;
+    assert!(!beside, "a plain lock granted beside a renewed read");
+}
