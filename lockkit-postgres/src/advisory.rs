@@ -567,8 +567,12 @@ fn grant_for(req: &AcquireRequest, held: &Arc<Held>, depth: u32, start: Instant)
 
 /// [`HoldCount::reenter`], with the server told first when the re-entry lengthens the
 /// lease, under the connection's lock (so the liveness check cannot set a shorter one in
-/// between). `Ok(None)`: the hold is over or released, ask afresh.
+/// between). `Ok(None)`: the hold is over or released, ask afresh. A session found gone
+/// here (the server ended it at its idle timeout a moment before the local lease ran out,
+/// or it was terminated, and the liveness check has not seen it yet) holds nothing: it is
+/// closed, its guards hear the loss from their watch, and the owner asks afresh.
 async fn reenter_on_server(
+    backend: &AdvisoryLocks,
     held: &Held,
     req: &AcquireRequest,
     start: Instant,
@@ -586,10 +590,20 @@ async fn reenter_on_server(
         .lease_until()
         .is_none_or(|until| start + req.ttl > until)
     {
-        sqlx::raw_sql(AssertSqlSafe(lease_statement(req.ttl)))
+        match sqlx::raw_sql(AssertSqlSafe(lease_statement(req.ttl)))
             .execute(&mut **c)
             .await
-            .map_err(|e| db_error("lengthening the lease of a re-entry", e))?;
+        {
+            Ok(_) => {}
+            Err(e) if backend.inner.gone(&e) => {
+                tracing::debug!(error = %e, key = %req.key, "the session of a re-entered hold was gone; asking afresh");
+                end_session(session, &mut conn);
+                drop(conn);
+                forget(backend, held);
+                return Ok(None);
+            }
+            Err(e) => return Err(db_error("lengthening the lease of a re-entry", e)),
+        }
     }
     let ended = session.broken.load(Ordering::SeqCst) || held.ended.load(Ordering::SeqCst);
     Ok(held.count.reenter(req, start, ended))
@@ -611,7 +625,8 @@ async fn acquire(
             let reentered = detached_acquire(
                 BACKEND,
                 move |_| async move {
-                    let Some(depth) = reenter_on_server(&held, &request, start).await? else {
+                    let Some(depth) = reenter_on_server(&recorder, &held, &request, start).await?
+                    else {
                         return Ok(None);
                     };
                     record_depth(&recorder, &held, depth).await;

@@ -1851,3 +1851,56 @@ async fn a_free_key_grant_waits_for_a_read_renewal_in_flight() {
     let _ = read.release().await;
     assert!(!beside, "a plain lock granted beside a renewed read");
 }
+
+/// An owner asking again for a key it holds in mode=advisory, after the server ended the
+/// hold's session (as its idle timeout does when the lease runs out on the server a moment
+/// before it does locally, or `pg_terminate_backend`) and before the liveness check saw
+/// it: the re-entry finds the session gone, so the request reports the hold lost (the
+/// locker's answer to a re-entry of a hold the server no longer has), not a backend error,
+/// and the owner's next request takes the key afresh.
+#[tokio::test]
+async fn a_re_entry_on_an_ended_advisory_session_reports_the_hold_lost() {
+    let Some(url) = env::service_url("LOCKKIT_TEST_POSTGRES_URL") else {
+        return;
+    };
+    // A liveness check that does not come around during the test.
+    let backend = PostgresBackend::connect(&format!(
+        "{url}?mode=advisory&table={SHARED_TABLE}&liveness=60s"
+    ))
+    .await
+    .unwrap();
+    let locker = Locker::new(backend.clone());
+    let owner = locker.owner();
+    let k = key("re-entry-on-an-ended-session");
+    let first = owner
+        .try_acquire(&k)
+        .ttl(Duration::from_secs(2))
+        .no_watchdog()
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(
+        backend.take_away(&k).await.unwrap(),
+        "no session held the key"
+    );
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    match owner.try_acquire(&k).ttl(Duration::from_secs(10)).await {
+        Err(lockkit_core::Error::Lost { .. }) => {}
+        Err(e) => panic!("the re-entry failed: {e}"),
+        Ok(Some(held)) => panic!(
+            "re-entered a hold the server ended (token {})",
+            held.token()
+        ),
+        Ok(None) => panic!("the key, free since the session ended, was refused"),
+    }
+    assert!(!first.is_valid(), "the ended hold's guard is still valid");
+    let again = owner
+        .try_acquire(&k)
+        .ttl(Duration::from_secs(10))
+        .await
+        .unwrap()
+        .expect("the owner's next request was refused");
+    assert!(again.token() > first.token(), "not a fresh hold");
+    again.release().await.unwrap();
+    backend.close().await;
+}
