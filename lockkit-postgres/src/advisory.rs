@@ -53,7 +53,10 @@ use sqlx::{
 };
 use tokio::time::Instant;
 
-use crate::db::{BACKEND, Db, db_error, query, release_channel, row_text, sql_state};
+use crate::db::{
+    BACKEND, Db, advisory_release_script, connection_gone, db_error, ping_if_idle, query,
+    release_channel, row_text, sql_state,
+};
 use crate::row::notify::release_payload;
 
 /// The holds of this client, by owner, key and kind (reentrancy is local in this mode).
@@ -111,9 +114,14 @@ const QUICK_TERMINATE: Duration = Duration::from_millis(500);
 const ROW_LEASE_POLL: Duration = Duration::from_millis(100);
 
 /// Every dedicated connection's session: statements may wait as long as the lock wait
-/// asks (`lock_timeout` is set per wait), and nothing is left idle in a transaction.
+/// asks (`lock_timeout` is set per wait), and nothing is left idle in a transaction. The
+/// backend's start, which names it for the terminator with its pid, is read once, into
+/// the session's `lockkit.backend_start` (reading it from the server's activity table
+/// for every acquisition cost more than the rest of that statement).
 const SESSION: &str = "SET statement_timeout = 0; SET lock_timeout = 0; \
-     SET idle_in_transaction_session_timeout = '5s'; SET idle_session_timeout = 0";
+     SET idle_in_transaction_session_timeout = '5s'; SET idle_session_timeout = 0; \
+     SELECT set_config('lockkit.backend_start', backend_start::text, false) \
+     FROM pg_stat_get_activity(pg_backend_pid())";
 
 /// Locks held by `pg_advisory_lock` on dedicated connections, over one database.
 #[derive(Clone)]
@@ -142,10 +150,16 @@ impl AdvisoryLocks {
                 db_error("checking the server's idle_session_timeout", e)
             });
         }
+        let seen = db.dead_seen.clone();
         let holds_pool = PgPoolOptions::new()
             .max_connections(db.config.max_holds)
             .min_connections(0)
             .acquire_timeout(db.config.connect_timeout)
+            .test_before_acquire(false)
+            .before_acquire(move |conn, meta| {
+                let seen = seen.clone();
+                Box::pin(async move { ping_if_idle(conn, meta, &seen).await })
+            })
             .after_connect(|conn, _| {
                 Box::pin(async move { sqlx::raw_sql(SESSION).execute(conn).await.map(|_| ()) })
             })
@@ -487,14 +501,6 @@ async fn unless_fired<T>(
     }
 }
 
-/// Errors after which the connection, and so its advisory locks, are gone.
-fn connection_gone(e: &sqlx::Error) -> bool {
-    matches!(
-        e,
-        sqlx::Error::Io(_) | sqlx::Error::Protocol(_) | sqlx::Error::WorkerCrashed
-    ) || sql_state(e).is_some_and(|c| c.starts_with("57P") || c.starts_with("08"))
-}
-
 /// Ends a hold that is over: forgets it and lets its lock go. Another live hold on its
 /// session (a downgrade's write or read) keeps the connection, and only this hold's lock is
 /// let go; otherwise, or if that fails, the connection is closed (the server lets every
@@ -561,8 +567,12 @@ fn grant_for(req: &AcquireRequest, held: &Arc<Held>, depth: u32, start: Instant)
 
 /// [`HoldCount::reenter`], with the server told first when the re-entry lengthens the
 /// lease, under the connection's lock (so the liveness check cannot set a shorter one in
-/// between). `Ok(None)`: the hold is over or released, ask afresh.
+/// between). `Ok(None)`: the hold is over or released, ask afresh. A session found gone
+/// here (the server ended it at its idle timeout a moment before the local lease ran out,
+/// or it was terminated, and the liveness check has not seen it yet) holds nothing: it is
+/// closed, its guards hear the loss from their watch, and the owner asks afresh.
 async fn reenter_on_server(
+    backend: &AdvisoryLocks,
     held: &Held,
     req: &AcquireRequest,
     start: Instant,
@@ -580,10 +590,20 @@ async fn reenter_on_server(
         .lease_until()
         .is_none_or(|until| start + req.ttl > until)
     {
-        sqlx::raw_sql(AssertSqlSafe(lease_statement(req.ttl)))
+        match sqlx::raw_sql(AssertSqlSafe(lease_statement(req.ttl)))
             .execute(&mut **c)
             .await
-            .map_err(|e| db_error("lengthening the lease of a re-entry", e))?;
+        {
+            Ok(_) => {}
+            Err(e) if backend.inner.gone(&e) => {
+                tracing::debug!(error = %e, key = %req.key, "the session of a re-entered hold was gone; asking afresh");
+                end_session(session, &mut conn);
+                drop(conn);
+                forget(backend, held);
+                return Ok(None);
+            }
+            Err(e) => return Err(db_error("lengthening the lease of a re-entry", e)),
+        }
     }
     let ended = session.broken.load(Ordering::SeqCst) || held.ended.load(Ordering::SeqCst);
     Ok(held.count.reenter(req, start, ended))
@@ -605,7 +625,8 @@ async fn acquire(
             let reentered = detached_acquire(
                 BACKEND,
                 move |_| async move {
-                    let Some(depth) = reenter_on_server(&held, &request, start).await? else {
+                    let Some(depth) = reenter_on_server(&recorder, &held, &request, start).await?
+                    else {
                         return Ok(None);
                     };
                     record_depth(&recorder, &held, depth).await;
@@ -664,6 +685,66 @@ async fn acquire(
     .await
 }
 
+/// A dedicated connection ready for `req`'s wait, with its backend's pid and start (which
+/// name it for the terminator). One round trip: those, the first wait's `lock_timeout` and
+/// the lease, already (a waiter paused once it is granted, before its record, must not keep
+/// the key past its lease). A pooled connection is handed out unchecked when it was used
+/// within the last second ([`PING_IDLE_AFTER`](crate::db::PING_IDLE_AFTER)), so one found
+/// dead here (its server restarted, its link cut) is closed, noted (the pools then check
+/// every connection for a while), and the statement sent again on another, up to
+/// `max_holds + 1` times in all: nothing is held yet.
+async fn prepared_connection(
+    backend: &AdvisoryLocks,
+    req: &AcquireRequest,
+    deadline: Instant,
+) -> Result<(PoolConnection<Postgres>, i32, String)> {
+    let inner = &backend.inner;
+    let mut tries = 0;
+    loop {
+        tries += 1;
+        let mut conn = backend.holds_pool.acquire().await.map_err(|e| match e {
+            sqlx::Error::PoolTimedOut => Error::backend(
+                BACKEND,
+                true,
+                format!(
+                    "all {} dedicated connections are in use by held or waiting advisory \
+                     locks; raise max_holds (each hold and each waiter uses one server \
+                     connection) or hold fewer locks",
+                    inner.config.max_holds
+                ),
+            ),
+            e => db_error("opening a dedicated connection", e),
+        })?;
+        let session = sqlx::query_as::<_, (i32, String, String, String)>(
+            "SELECT pg_backend_pid(), COALESCE(NULLIF(current_setting('lockkit.backend_start', true), ''), \
+             (SELECT backend_start::text FROM pg_stat_get_activity(pg_backend_pid()))), \
+             set_config('lock_timeout', $1, false), set_config('idle_session_timeout', $2, false)",
+        )
+        .bind(lock_timeout(deadline).to_string())
+        .bind(millis_up(req.ttl).to_string())
+        .fetch_one(&mut *conn);
+        match tokio::time::timeout(inner.config.connect_timeout, session).await {
+            Ok(Ok((pid, started, _, _))) => return Ok((conn, pid, started)),
+            Ok(Err(e)) => {
+                conn.close_on_drop();
+                if inner.gone(&e) && tries <= inner.config.max_holds {
+                    tracing::debug!(error = %e, "a pooled dedicated connection was dead; trying another");
+                    continue;
+                }
+                return Err(db_error("preparing a dedicated connection", e));
+            }
+            Err(_) => {
+                conn.close_on_drop();
+                return Err(Error::backend(
+                    BACKEND,
+                    true,
+                    "a dedicated connection did not answer in time; is the server reachable?",
+                ));
+            }
+        }
+    }
+}
+
 /// How one try on the dedicated connection ended.
 enum Locked {
     /// The lock is held, with this fencing token; its lease runs from this instant.
@@ -698,19 +779,7 @@ async fn lock(
     let inner = &backend.inner;
     // The wait counts from the request, not from when a dedicated connection was free.
     let deadline = deadline_after(wait);
-    let mut conn = backend.holds_pool.acquire().await.map_err(|e| match e {
-        sqlx::Error::PoolTimedOut => Error::backend(
-            BACKEND,
-            true,
-            format!(
-                "all {} dedicated connections are in use by held or waiting advisory locks; \
-                 raise max_holds (each hold and each waiter uses one server connection) or \
-                 hold fewer locks",
-                inner.config.max_holds
-            ),
-        ),
-        e => db_error("opening a dedicated connection", e),
-    })?;
+    let (mut conn, pid, started) = prepared_connection(backend, req, deadline).await?;
     let id = inner.advisory_id(&req.key);
     // The server ends the wait at the deadline (`lock_timeout`); the caller's going away,
     // or a wait the server did not end, is ended by terminating this connection's backend
@@ -718,32 +787,6 @@ async fn lock(
     // opened for that (a partition or busy holders can leave the pool hanging; it only
     // gets that moment). The terminator is stopped and awaited before the
     // connection is used again; a connection it fired at is closed, never reused.
-    // One round trip: the backend (its pid and start, which name it for the terminator),
-    // the first wait's `lock_timeout`, and the lease, already: a waiter paused once it is
-    // granted (before its record) must not keep the key past its lease.
-    let session = sqlx::query_as::<_, (i32, String, String, String)>(
-        "SELECT pid, backend_start::text, set_config('lock_timeout', $1, false), \
-         set_config('idle_session_timeout', $2, false) \
-         FROM pg_stat_activity WHERE pid = pg_backend_pid()",
-    )
-    .bind(lock_timeout(deadline).to_string())
-    .bind(millis_up(req.ttl).to_string())
-    .fetch_one(&mut *conn);
-    let (pid, started) = match tokio::time::timeout(inner.config.connect_timeout, session).await {
-        Ok(Ok((pid, started, _, _))) => (pid, started),
-        Ok(Err(e)) => {
-            conn.close_on_drop();
-            return Err(db_error("preparing a dedicated connection", e));
-        }
-        Err(_) => {
-            conn.close_on_drop();
-            return Err(Error::backend(
-                BACKEND,
-                true,
-                "a dedicated connection did not answer in time; is the server reachable?",
-            ));
-        }
-    };
     let (stop_terminator, stopped) = tokio::sync::oneshot::channel::<()>();
     let (fire, fired) = tokio::sync::watch::channel(false);
     let terminator = {
@@ -801,6 +844,11 @@ async fn lock(
         })
     };
     let outcome = lock_and_record(backend, req, &mut conn, id, wait, deadline, fired).await;
+    if let Err(e) = &outcome
+        && e.connection_gone
+    {
+        inner.dead_seen.note();
+    }
     let _ = stop_terminator.send(());
     let terminated = tokio::time::timeout(inner.config.connect_timeout, terminator)
         .await
@@ -892,7 +940,8 @@ async fn downgrade(
             .execute(&mut **c)
             .await?;
         let granted_at = Instant::now();
-        Ok::<_, sqlx::Error>((record_holder(backend, req, c).await?, granted_at))
+        // Named below with both holds of the session.
+        Ok::<_, sqlx::Error>((record_holder(backend, req, c, false).await?, granted_at))
     };
     let bound = inner.config.connect_timeout + DOWNGRADE_WAIT;
     let (token, granted_at) = match tokio::time::timeout(bound, take).await {
@@ -901,7 +950,7 @@ async fn downgrade(
             // Not taken (or not recorded): let go of the read only, or, when that cannot
             // be done, end the session: its write is lost with it, and its guard hears it.
             let why = match outcome {
-                Ok(Err(e)) if connection_gone(&e) => None,
+                Ok(Err(e)) if inner.gone(&e) => None,
                 Ok(Err(e)) => Some(db_error("taking a read beside the owner's write", e)),
                 Ok(Ok(_)) => Some(Error::backend(
                     BACKEND,
@@ -1114,7 +1163,9 @@ async fn try_lock_once(
     // nothing. The record may wait behind a row-mode transaction, as long as the wait
     // may last (`lock_timeout`), and gives way to the terminator.
     let recording_at = Instant::now();
-    let Some(recorded) = unless_fired(record_holder(backend, req, conn), fired).await else {
+    // The record also names the hold for `holders` (every client reads it from
+    // `pg_stat_activity`).
+    let Some(recorded) = unless_fired(record_holder(backend, req, conn, true), fired).await else {
         return Ok(Locked::NotGranted);
     };
     let recorded = match recorded {
@@ -1132,43 +1183,43 @@ async fn try_lock_once(
         unlocked.map_err(|e| LockFailure::new("letting go of the advisory lock", e))?;
         return Ok(Locked::RowLease);
     };
-    // Names the hold for `holders` (every client reads it from `pg_stat_activity`).
-    let name = format!(
-        "{APP_PREFIX} {} {}{token}x1",
-        req.owner,
-        kind_letter(req.kind)
-    );
-    let named = sqlx::query("SELECT set_config('application_name', $1, false)")
-        .bind(name)
-        .execute(&mut **conn);
-    let Some(named) = unless_fired(named, fired).await else {
-        return Ok(Locked::NotGranted);
-    };
-    named.map_err(|e| LockFailure::new("naming the hold", e))?;
     Ok(Locked::Held(token, recording_at))
 }
 
 /// Records `req`'s owner as the key's advisory holder with a new fencing token, on the
-/// lock's own connection. `Ok(None)`: a live row-mode lease holds the key; nothing was
-/// changed.
+/// lock's own connection, and with `named`, names the hold on its session in the same
+/// statement (`application_name`, see [`Session::app_name`]). `Ok(None)`: a live row-mode
+/// lease or hold keeps the key; nothing was changed but holds that had run out.
 async fn record_holder(
     backend: &AdvisoryLocks,
     req: &AcquireRequest,
     conn: &mut PoolConnection<Postgres>,
+    named: bool,
 ) -> std::result::Result<Option<u64>, sqlx::Error> {
     let inner = &backend.inner;
     let (name, owner) = (req.key.as_str().as_bytes(), req.owner.to_string());
     let identity = req.identity.encode_for(&owner);
-    // Take the row, or create it; once more if another client created it meanwhile.
+    // `<prefix> <owner> <kind>`; the statement appends `<token>x1`.
+    let app_name = named.then(|| format!("{APP_PREFIX} {} {}", req.owner, kind_letter(req.kind)));
+    // Take the row, or create it; once more if another client created it meanwhile, or
+    // if the key had row-mode hold rows, after deleting those that ran out (the take does
+    // not tell a hold that ran out from one whose renewal is in flight; the delete waits
+    // for such a renewal). The uncontended path is the first statement alone.
     for statement in [
         &inner.sql.advisory_take,
         &inner.sql.advisory_insert,
+        &inner.sql.advisory_prune,
         &inner.sql.advisory_take,
     ] {
+        if Arc::ptr_eq(statement, &inner.sql.advisory_prune) {
+            query(statement).bind(name).execute(&mut **conn).await?;
+            continue;
+        }
         let fence: Option<i64> = query(statement)
             .bind(&owner)
             .bind(name)
             .bind(&identity)
+            .bind(app_name.as_deref())
             .fetch_optional(&mut **conn)
             .await?
             .map(|row| row.try_get("fence"))
@@ -1221,7 +1272,7 @@ async fn watch(backend: AdvisoryLocks, held: Weak<Held>, loss: lockkit_core::Los
         // leaves nothing to keep: the hold is over either way.
         let reason = match tokio::time::timeout_at(until, check).await {
             Ok(Ok(_)) => continue,
-            Ok(Err(e)) if connection_gone(&e) => LostReason::SessionLost,
+            Ok(Err(e)) if backend.inner.gone(&e) => LostReason::SessionLost,
             Ok(Err(error)) => {
                 tracing::debug!(%error, "liveness check failed; retrying");
                 continue;
@@ -1241,12 +1292,15 @@ async fn watch(backend: AdvisoryLocks, held: Weak<Held>, loss: lockkit_core::Los
 /// Best effort: shows the depth to `inspect` and `holders`.
 async fn record_depth(backend: &AdvisoryLocks, held: &Held, depth: u32) {
     let inner = &backend.inner;
-    let _ = query(&inner.sql.advisory_depth)
-        .bind(i32::try_from(depth).unwrap_or(i32::MAX))
-        .bind(held.key.as_str().as_bytes())
-        .bind(held.owner.to_string())
-        .bind(token_param(held.token))
-        .execute(&inner.pool)
+    let _ = inner
+        .retry_gone(|| {
+            query(&inner.sql.advisory_depth)
+                .bind(i32::try_from(depth).unwrap_or(i32::MAX))
+                .bind(held.key.as_str().as_bytes())
+                .bind(held.owner.to_string())
+                .bind(token_param(held.token))
+                .execute(&inner.pool)
+        })
         .await;
     let mut conn = held.session.conn.lock().await;
     if let Some(c) = conn.as_mut() {
@@ -1286,7 +1340,7 @@ async fn renew(backend: &AdvisoryLocks, grant: &Grant, ttl: Duration) -> Result<
             held.count.extend_lease(until);
             Ok(())
         }
-        Err(e) if connection_gone(&e) => {
+        Err(e) if backend.inner.gone(&e) => {
             end_session(session, &mut conn);
             forget(backend, &held);
             Err(Error::NotHeld {
@@ -1351,7 +1405,7 @@ async fn release(backend: &AdvisoryLocks, grant: &Grant) -> Result<Released> {
             }
             // Not let go: end the session (the other hold's guard hears it) rather than
             // keep a lock nobody holds a guard of.
-            Ok(Err(e)) if connection_gone(&e) => Err(not_held()),
+            Ok(Err(e)) if backend.inner.gone(&e) => Err(not_held()),
             Ok(Err(e)) => Err(db_error("letting go of the advisory lock", e)),
             Err(_) => Err(no_answer()),
         };
@@ -1366,11 +1420,37 @@ async fn release(backend: &AdvisoryLocks, grant: &Grant) -> Result<Released> {
         return Err(not_held());
     };
     drop(conn);
-    // Let go first: the record below only says who held it, and the next advisory holder
-    // overwrites it anyway. The connection goes back to the pool without a lease.
-    let unlock = sqlx::raw_sql(RESET).execute(&mut *c);
-    let unlocked = match tokio::time::timeout(bound, unlock).await {
-        Ok(unlocked) => unlocked,
+    // One round trip: let go first, then clear the record if it is still this hold's and
+    // announce that (the record only says who held it, and the next advisory holder
+    // overwrites it anyway). The connection goes back to the pool without a lease.
+    #[cfg(feature = "testing")]
+    let pause = clear_pause();
+    #[cfg(not(feature = "testing"))]
+    let pause = Duration::ZERO;
+    let script = advisory_release_script(
+        &backend.inner.config.table,
+        held.key.as_str(),
+        &held.owner.to_string(),
+        token_param(held.token),
+        pause,
+    );
+    let released = sqlx::raw_sql(AssertSqlSafe(script)).execute(&mut *c);
+    let unlocked = match tokio::time::timeout(bound + pause, released).await {
+        Ok(Ok(_)) => return Ok(Released::Fully),
+        // The script failed part-way (the record's row stayed locked, a full notification
+        // queue): undone but for the unlock, if that ran. Reset the connection as before,
+        // then clear the record from the pool.
+        Ok(Err(sqlx::Error::Database(error))) => {
+            tracing::debug!(%error, key = %held.key, "the one-trip advisory release failed; releasing in steps");
+            match tokio::time::timeout(bound, sqlx::raw_sql(RESET).execute(&mut *c)).await {
+                Ok(unlocked) => unlocked,
+                Err(_) => {
+                    c.close_on_drop();
+                    return Err(no_answer());
+                }
+            }
+        }
+        Ok(Err(e)) => Err(e),
         Err(_) => {
             c.close_on_drop();
             return Err(no_answer());
@@ -1380,7 +1460,7 @@ async fn release(backend: &AdvisoryLocks, grant: &Grant) -> Result<Released> {
         Ok(_) => Ok(Released::Fully),
         Err(e) => {
             c.close_on_drop();
-            if connection_gone(&e) {
+            if backend.inner.gone(&e) {
                 // The server let the lock go when the connection died.
                 return Err(not_held());
             }
@@ -1388,8 +1468,6 @@ async fn release(backend: &AdvisoryLocks, grant: &Grant) -> Result<Released> {
         }
     };
     drop(c);
-    #[cfg(feature = "testing")]
-    clear_pause().await;
     clear_record(backend, &held).await;
     outcome
 }
@@ -1450,12 +1528,10 @@ pub fn set_clear_pause(pause: Duration) {
     );
 }
 
+/// The pause [`set_clear_pause`] asks for (the release script sleeps on the server).
 #[cfg(feature = "testing")]
-async fn clear_pause() {
-    let ms = CLEAR_PAUSE_MS.load(Ordering::SeqCst);
-    if ms > 0 {
-        tokio::time::sleep(Duration::from_millis(ms)).await;
-    }
+fn clear_pause() -> Duration {
+    Duration::from_millis(CLEAR_PAUSE_MS.load(Ordering::SeqCst))
 }
 
 /// Clears the holder record (if it is still this hold's) and announces the release to
@@ -1466,13 +1542,18 @@ async fn clear_record(backend: &AdvisoryLocks, held: &Held) {
     // One statement: the announcement goes out only if the record was cleared, when the
     // statement's own transaction commits.
     // Only this hold's record (its token): the owner may hold the key again already.
-    let cleared = query(&inner.sql.advisory_clear)
-        .bind(held.key.as_str().as_bytes())
-        .bind(held.owner.to_string())
-        .bind(release_channel(&inner.config.table))
-        .bind(release_payload(held.key.as_str()))
-        .bind(token_param(held.token))
-        .execute(&inner.pool)
+    // Sent again on another connection if the pooled one is gone: a second run finds
+    // nothing to clear (and announces nothing).
+    let cleared = inner
+        .retry_gone(|| {
+            query(&inner.sql.advisory_clear)
+                .bind(held.key.as_str().as_bytes())
+                .bind(held.owner.to_string())
+                .bind(release_channel(&inner.config.table))
+                .bind(release_payload(held.key.as_str()))
+                .bind(token_param(held.token))
+                .execute(&inner.pool)
+        })
         .await;
     if let Err(error) = cleared {
         tracing::debug!(%error, key = %held.key, "could not clear an advisory holder's record");
@@ -1484,12 +1565,15 @@ async fn inspect(backend: &AdvisoryLocks, key: &LockKey) -> Result<Option<Holder
         return Ok(None);
     };
     // The server's queue for the lock: every session waiting in `pg_advisory_lock`.
-    let (waiters,): (i64,) =
-        sqlx::query_as(AssertSqlSafe(backend.inner.sql.advisory_waiters.clone()))
-            .bind(backend.inner.advisory_id(key))
-            .fetch_one(&backend.inner.pool)
-            .await
-            .map_err(|e| db_error("counting the lock's waiters", e))?;
+    let inner = &backend.inner;
+    let (waiters,): (i64,) = inner
+        .retry_gone(|| {
+            sqlx::query_as(AssertSqlSafe(inner.sql.advisory_waiters.clone()))
+                .bind(inner.advisory_id(key))
+                .fetch_one(&inner.pool)
+        })
+        .await
+        .map_err(|e| db_error("counting the lock's waiters", e))?;
     Ok(Some(
         holder.with_waiters(u32::try_from(waiters).unwrap_or(0)),
     ))
@@ -1503,9 +1587,12 @@ async fn inspect(backend: &AdvisoryLocks, key: &LockKey) -> Result<Option<Holder
 async fn holders(backend: &AdvisoryLocks, key: &LockKey) -> Result<Vec<HolderInfo>> {
     let inner = &backend.inner;
     let record = inner.inspect_lease(key).await?;
-    let rows = sqlx::query(AssertSqlSafe(inner.sql.advisory_holders.clone()))
-        .bind(inner.advisory_id(key))
-        .fetch_all(&inner.pool)
+    let rows = inner
+        .retry_gone(|| {
+            sqlx::query(AssertSqlSafe(inner.sql.advisory_holders.clone()))
+                .bind(inner.advisory_id(key))
+                .fetch_all(&inner.pool)
+        })
         .await
         .map_err(|e| db_error("listing the advisory lock's holders", e))?;
     if rows.is_empty() {

@@ -1,11 +1,18 @@
 //! The database: its connection pool, the lease table and its statements, error mapping,
 //! and the reads every mode answers the same way.
 
-use std::{sync::Arc, time::Duration};
+use std::{
+    future::Future,
+    sync::{
+        Arc,
+        atomic::{AtomicU64, Ordering},
+    },
+    time::Duration,
+};
 
 use lockkit_core::{Error, FencingToken, HolderIdentity, HolderInfo, LockKey, Result};
 use sqlx::{
-    AssertSqlSafe, PgPool, Row,
+    AssertSqlSafe, PgPool, Postgres, Row, Transaction,
     postgres::{PgPoolOptions, PgRow},
 };
 
@@ -35,6 +42,14 @@ pub(crate) fn sql_state(e: &sqlx::Error) -> Option<String> {
         sqlx::Error::Database(db) => db.code().map(|c| c.to_string()),
         _ => None,
     }
+}
+
+/// Errors after which the connection, and so any session lock on it, is gone.
+pub(crate) fn connection_gone(e: &sqlx::Error) -> bool {
+    matches!(
+        e,
+        sqlx::Error::Io(_) | sqlx::Error::Protocol(_) | sqlx::Error::WorkerCrashed
+    ) || sql_state(e).is_some_and(|c| c.starts_with("57P") || c.starts_with("08"))
 }
 
 /// Maps a driver error, saying what was being done and what to do.
@@ -109,9 +124,80 @@ const SESSION: &str = "SET SESSION CHARACTERISTICS AS TRANSACTION ISOLATION LEVE
      SET lock_timeout = '5s'; SET statement_timeout = '10s'; \
      SET idle_in_transaction_session_timeout = '5s'";
 
+/// A pooled connection that sat idle at least this long is checked (a round trip) before
+/// it is handed out; one used more recently is handed out at once. A connection that failed
+/// is never given back to the pool (the pool checks each one it gets back), so what this
+/// can hand out dead is a connection whose server or link went away within this long of
+/// its last use (a server restart, `pg_terminate_backend`, right after a busy spell). The
+/// first statement sent on one fails; that is noted ([`DeadSeen`]), every connection of
+/// the backend's pools is then checked before use for [`PING_AFTER_LOSS`], and the
+/// statements that may be sent again ([`Db::retry_gone`], [`Db::begin`]) are sent again on
+/// another connection, so the call itself succeeds.
+pub(crate) const PING_IDLE_AFTER: Duration = Duration::from_secs(1);
+
+/// How long after a connection of a backend was found gone its pools check every
+/// connection before handing it out, not only those that idled (the others likely went
+/// with it).
+pub(crate) const PING_AFTER_LOSS: Duration = Duration::from_secs(5);
+
+/// When a connection of one backend (one `connect`: its shared pool and its dedicated
+/// connections) was last found gone. Per backend: one server's restart does not make the
+/// pools of other backends check every connection.
+#[derive(Debug)]
+pub(crate) struct DeadSeen {
+    since: std::time::Instant,
+    /// Milliseconds from `since` to the last sighting, plus one (zero: never).
+    at: AtomicU64,
+}
+
+impl DeadSeen {
+    fn new() -> Arc<Self> {
+        Arc::new(DeadSeen {
+            since: std::time::Instant::now(),
+            at: AtomicU64::new(0),
+        })
+    }
+
+    fn now(&self) -> u64 {
+        u64::try_from(self.since.elapsed().as_millis())
+            .unwrap_or(u64::MAX - 1)
+            .saturating_add(1)
+    }
+
+    /// A connection was found gone now.
+    pub(crate) fn note(&self) {
+        self.at.store(self.now(), Ordering::Relaxed);
+    }
+
+    /// Whether a connection was found gone within [`PING_AFTER_LOSS`].
+    fn recent(&self) -> bool {
+        let at = self.at.load(Ordering::Relaxed);
+        at != 0 && u128::from(self.now().saturating_sub(at)) < PING_AFTER_LOSS.as_millis()
+    }
+}
+
+/// The pools' check before handing out a connection (their `before_acquire`): a ping
+/// after an idle spell of [`PING_IDLE_AFTER`], or within [`PING_AFTER_LOSS`] of a
+/// connection found gone. A connection that fails it is closed and another one taken.
+pub(crate) async fn ping_if_idle(
+    conn: &mut sqlx::PgConnection,
+    meta: sqlx::pool::PoolConnectionMetadata,
+    dead_seen: &DeadSeen,
+) -> std::result::Result<bool, sqlx::Error> {
+    if (meta.idle_for >= PING_IDLE_AFTER || dead_seen.recent())
+        && let Err(e) = sqlx::Connection::ping(conn).await
+    {
+        dead_seen.note();
+        return Err(e);
+    }
+    Ok(true)
+}
+
 /// The database: a pool for short statements and the statements on its table.
 pub(crate) struct Db {
     pub(crate) config: PostgresConfig,
+    /// Shared with the checks of the shared pool and of the dedicated connections.
+    pub(crate) dead_seen: Arc<DeadSeen>,
     pub(crate) pool: PgPool,
     pub(crate) sql: Sql,
 }
@@ -119,9 +205,16 @@ pub(crate) struct Db {
 impl Db {
     /// Opens the pool `config` asks for and makes sure the table is there.
     pub(crate) async fn connect(config: PostgresConfig) -> Result<Arc<Db>> {
+        let dead_seen = DeadSeen::new();
+        let seen = dead_seen.clone();
         let pool = PgPoolOptions::new()
             .max_connections(config.pool_size)
             .acquire_timeout(config.connect_timeout)
+            .test_before_acquire(false)
+            .before_acquire(move |conn, meta| {
+                let seen = seen.clone();
+                Box::pin(async move { ping_if_idle(conn, meta, &seen).await })
+            })
             .after_connect(|conn, _| {
                 Box::pin(async move { sqlx::raw_sql(SESSION).execute(conn).await.map(|_| ()) })
             })
@@ -131,10 +224,53 @@ impl Db {
         let db = Arc::new(Db {
             sql: Sql::new(&config.table),
             config,
+            dead_seen,
             pool,
         });
         db.ensure_schema().await?;
         Ok(db)
+    }
+
+    /// Whether `e` means the connection is gone ([`connection_gone`]); if so, the pools
+    /// check every connection before use for a while ([`PING_AFTER_LOSS`]).
+    pub(crate) fn gone(&self, e: &sqlx::Error) -> bool {
+        let gone = connection_gone(e);
+        if gone {
+            self.dead_seen.note();
+        }
+        gone
+    }
+
+    /// Runs `statement` on the shared pool, and again on another connection while the one
+    /// it was sent on turns out gone (it died since its last use, say in a server
+    /// restart), up to `pool_size + 1` times in all. Only for statements that are harmless
+    /// to send again: reads, renewals (which only lengthen a lease), a `BEGIN`, statements
+    /// whose second run changes nothing the first did not.
+    pub(crate) async fn retry_gone<T, F, Fut>(
+        &self,
+        mut statement: F,
+    ) -> std::result::Result<T, sqlx::Error>
+    where
+        F: FnMut() -> Fut,
+        Fut: Future<Output = std::result::Result<T, sqlx::Error>>,
+    {
+        let mut tries = 0;
+        loop {
+            tries += 1;
+            match statement().await {
+                Err(e) if self.gone(&e) && tries <= self.config.pool_size => {
+                    tracing::debug!(error = %e, "a pooled connection was gone; sending the statement on another");
+                }
+                outcome => return outcome,
+            }
+        }
+    }
+
+    /// A transaction on the shared pool, begun on a connection that answers.
+    pub(crate) async fn begin(
+        &self,
+    ) -> std::result::Result<Transaction<'static, Postgres>, sqlx::Error> {
+        self.retry_gone(|| self.pool.begin()).await
     }
 
     /// Checks the table is there, and creates it if it is not and that is allowed (so a
@@ -271,7 +407,7 @@ impl Db {
     /// lock: queued behind a long transaction, an `ALTER` would hold up every statement on
     /// the table (renewals too) for as long as it waits.
     async fn alter_briefly(&self, alter: &Arc<str>) -> std::result::Result<(), sqlx::Error> {
-        let mut tx = self.pool.begin().await?;
+        let mut tx = self.begin().await?;
         sqlx::raw_sql(AssertSqlSafe(format!(
             "SET LOCAL lock_timeout = '{}s'",
             ALTER_LOCK_WAIT.as_secs()
@@ -314,8 +450,8 @@ impl Db {
 
     /// One round trip to the server.
     pub(crate) async fn ping(&self) -> Result<()> {
-        let _: (i32,) = sqlx::query_as("SELECT 1")
-            .fetch_one(&self.pool)
+        let _: (i32,) = self
+            .retry_gone(|| sqlx::query_as("SELECT 1").fetch_one(&self.pool))
             .await
             .map_err(|e| db_error("SELECT 1", e))?;
         Ok(())
@@ -323,10 +459,13 @@ impl Db {
 
     /// Who holds `key` according to the lease table: a live lease.
     pub(crate) async fn inspect_lease(&self, key: &LockKey) -> Result<Option<HolderInfo>> {
-        let row = query(&self.sql.inspect)
-            .bind(key.as_str().as_bytes())
-            .bind(self.advisory_id(key))
-            .fetch_optional(&self.pool)
+        let row = self
+            .retry_gone(|| {
+                query(&self.sql.inspect)
+                    .bind(key.as_str().as_bytes())
+                    .bind(self.advisory_id(key))
+                    .fetch_optional(&self.pool)
+            })
             .await
             .map_err(|e| db_error("inspecting the lease", e))?;
         let Some(row) = row else { return Ok(None) };
@@ -417,6 +556,65 @@ pub(crate) fn release_channel(table: &str) -> String {
     format!("lockkit_rel_{table}")
 }
 
+/// `bytes` as an SQL expression of type `bytea` that needs no quoting: hex digits only.
+fn bytea_literal(bytes: &[u8]) -> String {
+    use std::fmt::Write as _;
+    let mut hex = String::with_capacity(bytes.len() * 2);
+    for b in bytes {
+        let _ = write!(hex, "{b:02x}");
+    }
+    format!("decode('{hex}', 'hex')")
+}
+
+/// `text` as an SQL expression of type `text` that needs no quoting (any text: it is
+/// carried as hex).
+fn text_literal(text: &str) -> String {
+    format!("convert_from({}, 'UTF8')", bytea_literal(text.as_bytes()))
+}
+
+/// How long the clearing of an advisory holder's record in its release script waits for
+/// the key's row (a row-mode transaction deciding over the key holds it for a moment).
+pub(crate) const CLEAR_LOCK_WAIT: Duration = Duration::from_secs(1);
+
+/// The last release of an advisory session, in one round trip (a simple query: its
+/// statements run as one transaction, which commits at its end): lets go of every advisory
+/// lock of the session (at once: session locks are not transactional), clears its lease
+/// and its name, and clears the key's record if it is still this hold's (`owner`, `token`)
+/// with the announcement to row-mode waiters, which goes out when the script commits.
+/// The script's commit does not wait for its WAL flush (`synchronous_commit = off`, for this
+/// transaction only): the record only names a holder while the key's advisory lock is held,
+/// so a clearing lost in a server crash leaves a record of a hold that is over, which every
+/// client reads as free (and no advisory lock outlives the crash); the fence is not
+/// touched. `pause` (tests only) sleeps between the unlock and the clearing. If the script fails,
+/// the unlock has taken effect or the connection is unusable; its `SET`s are undone with the
+/// rest of the transaction, so the caller resets the connection again (or closes it).
+pub(crate) fn advisory_release_script(
+    table: &str,
+    key: &str,
+    owner: &str,
+    token: i64,
+    pause: Duration,
+) -> String {
+    let pause = if pause.is_zero() {
+        String::new()
+    } else {
+        format!("SELECT pg_sleep({}); ", pause.as_secs_f64())
+    };
+    format!(
+        "SELECT pg_advisory_unlock_all(); {pause}SET idle_session_timeout = 0; \
+         RESET application_name; SET lock_timeout = {wait}; SET LOCAL synchronous_commit = off; \
+         WITH cleared AS (UPDATE \"{table}\" SET owner = NULL, holds = 0, expires_at = NULL, \
+         attempts = NULL, holder = NULL WHERE name = {name} AND owner = {owner} \
+         AND fence = {token} AND expires_at = 'infinity' RETURNING 1) \
+         SELECT pg_notify({channel}, {payload}) FROM cleared",
+        wait = CLEAR_LOCK_WAIT.as_millis(),
+        name = bytea_literal(key.as_bytes()),
+        owner = text_literal(owner),
+        channel = text_literal(&release_channel(table)),
+        payload = text_literal(&crate::row::notify::release_payload(key)),
+    )
+}
+
 /// `now + $n microseconds` on the server's clock: `clock_timestamp()`, the time of the
 /// statement itself (not `now()`, the time the transaction began).
 fn from_now(param: u8) -> String {
@@ -440,10 +638,17 @@ pub(crate) struct Sql {
     pub(crate) row_release_one: Arc<str>,
     pub(crate) row_release_all: Arc<str>,
     pub(crate) row_clear_live: Arc<str>,
+    /// One statement that grants a free plain lock, or changes nothing (see `Sql::new`).
+    pub(crate) row_grant_free: Arc<str>,
+    /// One statement that lets go of a plain lock of depth one and announces it, or
+    /// changes nothing (see `Sql::new`).
+    pub(crate) row_release_last: Arc<str>,
     pub(crate) notify_release: Arc<str>,
     pub(crate) inspect: Arc<str>,
     pub(crate) advisory_take: Arc<str>,
     pub(crate) advisory_insert: Arc<str>,
+    /// Deletes the key's read, write and permit holds whose lease is over (see `Sql::new`).
+    pub(crate) advisory_prune: Arc<str>,
     pub(crate) advisory_depth: Arc<str>,
     pub(crate) advisory_clear: Arc<str>,
     #[cfg_attr(not(feature = "testing"), allow(dead_code))]
@@ -593,6 +798,10 @@ impl Sql {
             )
         };
         let h = holds_table(t);
+        // A recorded advisory hold names itself on its session, in the same statement:
+        // `$4 || <token> || 'x1'` as its `application_name` (none when `$4` is null).
+        let name_hold = "CASE WHEN $4::text IS NULL THEN NULL \
+             ELSE set_config('application_name', $4::text || fence::text || 'x1', false) END AS named";
         Sql {
             holds: HoldsSql::new(t),
             holder_column_exists: s(format!("SELECT holder FROM \"{t}\" LIMIT 0")),
@@ -664,6 +873,52 @@ impl Sql {
                 "UPDATE \"{t}\" SET owner = NULL, holds = 0, expires_at = NULL, attempts = NULL, \
                  holder = NULL WHERE name = $1 AND {leased}"
             )),
+            // The plain lock's fast path, one statement in a transaction of its own: `$1` is
+            // the key, `$2` the owner, `$3` the lease (µs), `$4` the ledger, `$5` the holder
+            // identity, `$6` the key's advisory id, `$7`/`$8` its readers' lock. It grants
+            // only where the transaction of `run_acquire` would make a new hold with nothing
+            // else to do, and otherwise changes nothing (the caller then runs that
+            // transaction):
+            // - the key's row exists, with no running row-mode lease (`took`), or it does not
+            //   exist yet (`made`: a key without a row has no holds either);
+            // - no other session holds the key's advisory lock exclusively, and no advisory
+            //   reader holds its readers' lock (the same tries as the transaction's);
+            // - the key has no row in the holds table but waiting writers' markers (not a
+            //   live hold: any row at all, so that a hold renewed or re-entered meanwhile is
+            //   never taken for one that ran out);
+            // - the row is the version this statement's snapshot sees (`xmin`). A
+            //   transaction that added a hold committed an update of this row (its `fence`)
+            //   under the row's lock; if that happened after this statement's snapshot, the
+            //   `UPDATE` re-checks the newer version of the row but would still read the
+            //   holds table as of its snapshot, and miss the hold. The `xmin` of the newer
+            //   version differs from the one the snapshot sees, so nothing is changed then.
+            row_grant_free: s(format!(
+                "WITH took AS (UPDATE \"{t}\" SET owner = $2, holds = 1, fence = fence + 1, \
+                 expires_at = {lease}, attempts = $4, holder = $5 \
+                 WHERE name = $1 AND xmin = (SELECT xmin FROM \"{t}\" WHERE name = $1) \
+                 AND NOT COALESCE({leased}, FALSE) \
+                 AND NOT EXISTS (SELECT 1 FROM \"{h}\" WHERE name = $1 AND kind <> 'q') \
+                 AND pg_try_advisory_xact_lock_shared($6) AND pg_try_advisory_xact_lock($7, $8) \
+                 RETURNING fence), \
+                 made AS (INSERT INTO \"{t}\" (name, owner, holds, fence, expires_at, attempts, holder) \
+                 SELECT $1, $2, 1, 1, {lease}, $4, $5 \
+                 WHERE NOT EXISTS (SELECT 1 FROM \"{t}\" WHERE name = $1) \
+                 AND pg_try_advisory_xact_lock_shared($6) AND pg_try_advisory_xact_lock($7, $8) \
+                 ON CONFLICT (name) DO NOTHING RETURNING fence) \
+                 SELECT fence FROM took UNION ALL SELECT fence FROM made",
+                lease = from_now(3)
+            )),
+            // The release's fast path, one statement in a transaction of its own: `$1` the
+            // key, `$2` the owner, `$3` the ledger of the one hold being let go; `$4`, `$5`
+            // the announcement. Only a running row-mode lease of depth one whose ledger is
+            // exactly this hold's (the release `release` would make with nothing else to
+            // do); the announcement goes out when the statement commits. A row means done.
+            row_release_last: s(format!(
+                "WITH released AS (UPDATE \"{t}\" SET owner = NULL, holds = 0, expires_at = NULL, \
+                 attempts = NULL, holder = NULL \
+                 WHERE name = $1 AND owner = $2 AND holds = 1 AND attempts = $3 AND {leased} \
+                 RETURNING 1) SELECT pg_notify($4, $5) FROM released"
+            )),
             notify_release: s("SELECT pg_notify($1, $2)".to_owned()),
             inspect: s(format!(
                 "SELECT owner, holds, fence, holder, {left_us} AS left_us FROM \"{t}\" \
@@ -677,19 +932,37 @@ impl Sql {
                  + (SELECT COUNT(*) FROM \"{h}\" WHERE position($1 in name) = 1 \
                  AND expires_at > clock_timestamp())"
             )),
-            // Not beside a live row-mode lease, nor beside row-mode holds of a read-write lock
-            // or a semaphore (its statement begins after the advisory lock was granted, so it
-            // sees every hold committed before: row mode adds none while the lock is held).
+            // Not beside a live row-mode lease, nor where the key has any row-mode read,
+            // write or permit hold row, live or not (only writers' markers, `q`, are let
+            // be). Its statement begins after the advisory lock was granted, so it sees every
+            // hold committed before, and row mode adds none while the lock is held: a
+            // row-mode transaction decides with `pg_try_advisory_xact_lock_shared` of the key
+            // (and its readers' lock), which it holds to its commit (an advisory request
+            // queues behind it) or which fails (it sees the key held). But a renewal
+            // (`HoldsSql::renew`) takes no key lock: while it is in flight this statement's
+            // snapshot sees the hold's old, maybe expired, version, so "expired" cannot be
+            // told from "about to be extended" here. A hold row that is there at all keeps
+            // it out; `advisory_prune` deletes the expired ones (waiting for a renewal in
+            // flight), then this runs again.
             advisory_take: s(format!(
                 "UPDATE \"{t}\" SET fence = fence + 1, owner = $1, holds = 1, \
                  expires_at = 'infinity', attempts = NULL, holder = $3 \
                  WHERE name = $2 AND NOT COALESCE({leased}, FALSE) \
-                 AND NOT EXISTS (SELECT 1 FROM \"{h}\" h WHERE h.name = $2 AND h.kind <> 'q' \
-                 AND h.expires_at > clock_timestamp()) RETURNING fence"
+                 AND NOT EXISTS (SELECT 1 FROM \"{h}\" h WHERE h.name = $2 AND h.kind <> 'q') \
+                 RETURNING fence, {name_hold}"
+            )),
+            // The key's read, write and permit holds whose lease is over. A locking delete:
+            // a hold whose renewal is in flight is waited for, and its renewed version
+            // checked again (then kept). Run by an advisory holder only, once the take found
+            // hold rows (never on the uncontended path).
+            advisory_prune: s(format!(
+                "DELETE FROM \"{h}\" WHERE name = $1 AND kind <> 'q' \
+                 AND expires_at <= clock_timestamp()"
             )),
             advisory_insert: s(format!(
                 "INSERT INTO \"{t}\" (name, owner, holds, fence, expires_at, holder) \
-                 VALUES ($2, $1, 1, 1, 'infinity', $3) ON CONFLICT (name) DO NOTHING RETURNING fence"
+                 VALUES ($2, $1, 1, 1, 'infinity', $3) ON CONFLICT (name) DO NOTHING \
+                 RETURNING fence, {name_hold}"
             )),
             advisory_depth: s(format!(
                 "UPDATE \"{t}\" SET holds = $1 \

@@ -1387,3 +1387,520 @@ async fn cancelled_retried_and_racing_downgrades_leave_nothing_behind() {
         .await
         .unwrap();
 }
+
+/// A plain lock asked while another transaction grants a read on the same key (it holds
+/// the key's row, adds the read hold and raises the fence, as row mode's transactions do)
+/// waits for that transaction and is then refused: the one-statement grant of a free key
+/// must not decide on the holds as they were before the read committed (issue 13: the
+/// statement re-checks the newer row but reads the holds table as of its snapshot; it
+/// compares the row's `xmin` with the one its snapshot saw and changes nothing).
+#[tokio::test]
+async fn a_plain_lock_never_passes_a_read_granted_while_it_waits() {
+    use sqlx::Connection;
+    let Some(url) = env::service_url("LOCKKIT_TEST_POSTGRES_URL") else {
+        return;
+    };
+    let (locker, _) = locker().await.unwrap();
+    for round in 0..3 {
+        let k = key(&format!("read-while-plain-waits-{round}"));
+        // The key's row exists and is free (a plain lock taken and let go).
+        locker
+            .try_acquire(&k)
+            .await
+            .unwrap()
+            .unwrap()
+            .release()
+            .await
+            .unwrap();
+        let mut reader = sqlx::PgConnection::connect(&url).await.unwrap();
+        let mut tx = reader.begin().await.unwrap();
+        sqlx::query("SELECT 1 FROM lockkit_test_pg WHERE name = $1 FOR UPDATE")
+            .bind(k.as_str().as_bytes())
+            .execute(&mut *tx)
+            .await
+            .unwrap();
+        let plain = tokio::spawn({
+            let (locker, k) = (locker.clone(), k.clone());
+            async move { locker.try_acquire(&k).ttl(Duration::from_secs(30)).await }
+        });
+        // The plain lock's statement has taken its snapshot and waits for the row.
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        sqlx::query(
+            "WITH fenced AS (UPDATE lockkit_test_pg SET fence = fence + 1 WHERE name = $1 \
+             RETURNING fence) INSERT INTO lockkit_test_pg_holds (name, kind, holder, owner, \
+             holds, token, expires_at) SELECT $1, 'r', 'sql-reader', 'sql-reader', 1, fence, \
+             clock_timestamp() + interval '60 seconds' FROM fenced",
+        )
+        .bind(k.as_str().as_bytes())
+        .execute(&mut *tx)
+        .await
+        .unwrap();
+        tx.commit().await.unwrap();
+        let plain = plain.await.unwrap().unwrap();
+        assert!(
+            plain.is_none(),
+            "round {round}: a plain lock was granted beside a read hold"
+        );
+        sqlx::query("DELETE FROM lockkit_test_pg_holds WHERE name = $1")
+            .bind(k.as_str().as_bytes())
+            .execute(&mut reader)
+            .await
+            .unwrap();
+    }
+}
+
+/// A pooled connection whose session ended since its last use (pooled connections used
+/// within the last second are handed out unchecked, issue 13) does not fail an
+/// acquisition: row mode's one-statement grant decides in a transaction on another
+/// connection, advisory mode prepares another dedicated connection.
+#[tokio::test]
+async fn a_pooled_connection_ended_since_its_last_use_does_not_fail_an_acquisition() {
+    let Some(url) = env::service_url("LOCKKIT_TEST_POSTGRES_URL") else {
+        return;
+    };
+    let admin = sqlx::PgPool::connect(&url).await.unwrap();
+    for mode in ["row", "advisory"] {
+        // Named, so that only this client's sessions are ended.
+        let name = format!("pgtest-{}", uuid::Uuid::new_v4().simple());
+        let backend = PostgresBackend::connect(&format!(
+            "{url}?mode={mode}&table={SHARED_TABLE}&pool_size=1&max_holds=1&application_name={name}"
+        ))
+        .await
+        .unwrap();
+        let locker = Locker::new(backend.clone());
+        let k = key(&format!("dead-pooled-{mode}"));
+        locker
+            .try_acquire(&k)
+            .await
+            .unwrap()
+            .unwrap()
+            .release()
+            .await
+            .unwrap();
+        // Let the pool's check of the returned connection finish, then end every session
+        // of this client (not the advisory hold's: there is none now).
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let (ended,): (i64,) = sqlx::query_as(
+            "SELECT count(*) FILTER (WHERE pg_terminate_backend(pid)) FROM pg_stat_activity \
+             WHERE application_name = $1",
+        )
+        .bind(&name)
+        .fetch_one(&admin)
+        .await
+        .unwrap();
+        assert!(ended >= 1, "{mode}: no session of the client was found");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let held = locker
+            .try_acquire(&k)
+            .await
+            .unwrap_or_else(|e| panic!("{mode}: {e}"))
+            .unwrap_or_else(|| panic!("{mode}: the free key was refused"));
+        held.release().await.unwrap();
+        backend.close().await;
+    }
+}
+
+/// Ends every session whose `application_name` is `name` (one test client's own).
+async fn end_sessions_named(admin: &sqlx::PgPool, name: &str) -> i64 {
+    let (ended,): (i64,) = sqlx::query_as(
+        "SELECT count(*) FILTER (WHERE pg_terminate_backend(pid)) FROM pg_stat_activity \
+         WHERE application_name = $1",
+    )
+    .bind(name)
+    .fetch_one(admin)
+    .await
+    .unwrap();
+    ended
+}
+
+/// Every pooled connection of a client ended within a second of its last use (as by a
+/// server restart right after a busy spell), then one call: none fails. Pooled connections
+/// used within the last second are handed out unchecked (issue 13); the first one found
+/// gone makes the backend's pools check every connection for a while, and the statements
+/// that may be sent twice (and every transaction's BEGIN) are sent again on another.
+#[tokio::test]
+async fn dead_pooled_connections_fail_no_call() {
+    let Some(url) = env::service_url("LOCKKIT_TEST_POSTGRES_URL") else {
+        return;
+    };
+    let admin = sqlx::PgPool::connect(&url).await.unwrap();
+    let mut failures = Vec::new();
+    for op in [
+        "try_acquire",
+        "release",
+        "inspect",
+        "extend",
+        "read_try_now",
+        "read_extend",
+        "advisory_try_acquire",
+        "advisory_inspect",
+    ] {
+        // Named, so that only this client's sessions are ended.
+        let name = format!("pgtest-{}", uuid::Uuid::new_v4().simple());
+        let mode = if op.starts_with("advisory") {
+            "advisory"
+        } else {
+            "row"
+        };
+        let backend = PostgresBackend::connect(&format!(
+            "{url}?mode={mode}&table={SHARED_TABLE}&pool_size=4&max_holds=4&application_name={name}"
+        ))
+        .await
+        .unwrap();
+        let locker = Locker::new(backend.clone());
+        let k = key(&format!("dead-pool-{op}"));
+        let plain = match op {
+            "release" | "extend" => Some(
+                locker
+                    .try_acquire(&k)
+                    .ttl(Duration::from_secs(30))
+                    .no_watchdog()
+                    .await
+                    .unwrap()
+                    .unwrap(),
+            ),
+            _ => None,
+        };
+        let read = match op {
+            "read_extend" => Some(
+                locker
+                    .owner()
+                    .read(&k)
+                    .ttl(Duration::from_secs(30))
+                    .no_watchdog()
+                    .try_now()
+                    .await
+                    .unwrap()
+                    .unwrap(),
+            ),
+            _ => None,
+        };
+        // Four pooled connections busy at once (for advisory, four dedicated ones too),
+        // then all back in the pool, each used just now.
+        let mut busy = Vec::new();
+        for i in 0..4 {
+            let (locker, k) = (locker.clone(), key(&format!("dead-pool-warm{i}")));
+            busy.push(tokio::spawn(async move {
+                let held = locker.try_acquire(&k).await.unwrap().unwrap();
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                locker.inspect(&k).await.unwrap();
+                held.release().await.unwrap();
+            }));
+        }
+        for task in busy {
+            task.await.unwrap();
+        }
+        // Let the pool's check of the returned connections finish, then end every session
+        // of this client.
+        tokio::time::sleep(Duration::from_millis(150)).await;
+        let ended = end_sessions_named(&admin, &name).await;
+        assert!(
+            ended >= 4,
+            "{op}: only {ended} sessions of the client were found"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let outcome: Result<(), String> = match op {
+            "try_acquire" | "advisory_try_acquire" => match locker.try_acquire(&k).await {
+                Ok(Some(held)) => held.release().await.map(|_| ()).map_err(|e| e.to_string()),
+                Ok(None) => Err("the free key was refused".into()),
+                Err(e) => Err(e.to_string()),
+            },
+            "release" => plain
+                .unwrap()
+                .release()
+                .await
+                .map(|_| ())
+                .map_err(|e| e.to_string()),
+            "extend" => plain
+                .unwrap()
+                .extend(Duration::from_secs(30))
+                .await
+                .map_err(|e| e.to_string()),
+            "read_extend" => read
+                .unwrap()
+                .extend(Duration::from_secs(30))
+                .await
+                .map_err(|e| e.to_string()),
+            "read_try_now" => match locker.owner().read(&k).try_now().await {
+                Ok(Some(held)) => held.release().await.map(|_| ()).map_err(|e| e.to_string()),
+                Ok(None) => Err("the free key was refused".into()),
+                Err(e) => Err(e.to_string()),
+            },
+            "inspect" | "advisory_inspect" => locker
+                .inspect(&k)
+                .await
+                .map(|_| ())
+                .map_err(|e| e.to_string()),
+            _ => unreachable!(),
+        };
+        if let Err(e) = outcome {
+            failures.push(format!("{op}: {e}"));
+        }
+        backend.close().await;
+    }
+    assert!(
+        failures.is_empty(),
+        "calls failed after their pooled connections ended: {failures:#?}"
+    );
+}
+
+/// Renews a row-mode hold in a transaction left open: `HoldsSql::renew`'s statement (the
+/// watchdog's), for `owner`'s hold of `kind` on `key` in `table`'s holds table.
+async fn renewal_in_flight(
+    url: &str,
+    table: &str,
+    key: &LockKey,
+    kind: &str,
+    owner: &str,
+) -> sqlx::Transaction<'static, sqlx::Postgres> {
+    let pool = sqlx::PgPool::connect(url).await.unwrap();
+    let mut tx = pool.begin().await.unwrap();
+    let renewed = sqlx::query(sqlx::AssertSqlSafe(format!(
+        "UPDATE \"{table}_holds\" SET expires_at = GREATEST(expires_at, clock_timestamp() + \
+         interval '60 seconds') WHERE name = $1 AND kind = $2 AND owner = $3 \
+         AND expires_at > clock_timestamp()"
+    )))
+    .bind(key.as_str().as_bytes())
+    .bind(kind)
+    .bind(owner)
+    .execute(&mut *tx)
+    .await
+    .unwrap();
+    assert_eq!(renewed.rows_affected(), 1, "the hold was not live");
+    tx
+}
+
+/// A row-mode read whose renewal is in flight when its old lease runs out (its commit slow,
+/// as with a slow fsync or a synchronous standby) keeps a mode=advisory plain lock out:
+/// the advisory take does not read the hold's old version as the last word.
+#[tokio::test]
+async fn an_advisory_lock_is_not_granted_beside_a_read_whose_renewal_is_in_flight() {
+    let Some(url) = env::service_url("LOCKKIT_TEST_POSTGRES_URL") else {
+        return;
+    };
+    let (rows, _) = client_of("row").await.unwrap();
+    let (advisory, _) = client_of("advisory").await.unwrap();
+    let k = key("advisory-beside-a-renewal");
+    let reader = rows.owner();
+    let read = reader
+        .read(&k)
+        .ttl(Duration::from_millis(1500))
+        .no_watchdog()
+        .try_now()
+        .await
+        .unwrap()
+        .unwrap();
+    let tx = renewal_in_flight(&url, SHARED_TABLE, &k, "r", &reader.id().to_string()).await;
+    // The read's old lease ends before the renewal commits.
+    tokio::time::sleep(Duration::from_millis(1800)).await;
+    let plain = tokio::spawn({
+        let (advisory, k) = (advisory.clone(), k.clone());
+        async move {
+            advisory
+                .acquire(&k)
+                .ttl(Duration::from_secs(30))
+                .wait(Duration::from_secs(1))
+                .await
+        }
+    });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    tx.commit().await.unwrap();
+    let plain = match plain.await.unwrap() {
+        Ok(held) => Some(held),
+        Err(lockkit_core::Error::Timeout { .. }) => None,
+        Err(e) => panic!("{e}"),
+    };
+    let holders = rows.holders(&k).await.unwrap();
+    let beside = plain.is_some();
+    if let Some(held) = plain {
+        held.release().await.unwrap();
+    }
+    // Its guard counts its lease as over (no watchdog): the release says so.
+    let _ = read.release().await;
+    assert!(
+        !beside,
+        "an advisory plain lock was granted beside a live (renewed) read: {holders:#?}"
+    );
+    assert!(
+        holders
+            .iter()
+            .any(|h| h.kind == Some(lockkit_core::LockKind::Read)),
+        "the renewed read is not listed: {holders:#?}"
+    );
+}
+
+/// A row-mode read hold that ran out (its holder gone, nothing renewing it) does not keep
+/// mode=advisory out: its row is deleted and the key taken.
+#[tokio::test]
+async fn an_expired_row_mode_read_does_not_keep_an_advisory_lock_out() {
+    let Some((rows, _)) = client_of("row").await else {
+        return;
+    };
+    let (advisory, _) = client_of("advisory").await.unwrap();
+    let k = key("advisory-over-an-expired-read");
+    let _read = rows
+        .owner()
+        .read(&k)
+        .ttl(Duration::from_millis(300))
+        .no_watchdog()
+        .try_now()
+        .await
+        .unwrap()
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let held = advisory
+        .try_acquire(&k)
+        .await
+        .unwrap()
+        .expect("an expired read hold kept the advisory lock out");
+    let url = env::service_url("LOCKKIT_TEST_POSTGRES_URL").unwrap();
+    let mut admin = <sqlx::PgConnection as sqlx::Connection>::connect(&url)
+        .await
+        .unwrap();
+    let (left,): (i64,) = sqlx::query_as(sqlx::AssertSqlSafe(format!(
+        "SELECT count(*) FROM \"{SHARED_TABLE}_holds\" WHERE name = $1 AND kind <> 'q'"
+    )))
+    .bind(k.as_str().as_bytes())
+    .fetch_one(&mut admin)
+    .await
+    .unwrap();
+    held.release().await.unwrap();
+    assert_eq!(left, 0, "the expired read's row is still there");
+}
+
+/// Row mode's one-statement plain lock does not take a key whose plain lease ran out while
+/// its renewal is in flight: it waits for the key's row and re-checks the renewed version.
+#[tokio::test]
+async fn a_free_key_grant_waits_for_a_plain_lease_renewal_in_flight() {
+    let Some(url) = env::service_url("LOCKKIT_TEST_POSTGRES_URL") else {
+        return;
+    };
+    let (a, _) = client_of("row").await.unwrap();
+    let (b, _) = client_of("row").await.unwrap();
+    let k = key("grant-beside-a-lease-renewal");
+    let held = a
+        .try_acquire(&k)
+        .ttl(Duration::from_millis(800))
+        .no_watchdog()
+        .await
+        .unwrap()
+        .unwrap();
+    let pool = sqlx::PgPool::connect(&url).await.unwrap();
+    let mut tx = pool.begin().await.unwrap();
+    let renewed = sqlx::query(sqlx::AssertSqlSafe(format!(
+        "UPDATE \"{SHARED_TABLE}\" SET expires_at = GREATEST(expires_at, clock_timestamp() + \
+         interval '60 seconds') WHERE name = $1 AND owner = $2 AND expires_at <> 'infinity' \
+         AND expires_at > clock_timestamp()"
+    )))
+    .bind(k.as_str().as_bytes())
+    .bind(held.owner().to_string())
+    .execute(&mut *tx)
+    .await
+    .unwrap();
+    assert_eq!(renewed.rows_affected(), 1);
+    tokio::time::sleep(Duration::from_millis(1000)).await;
+    let other = tokio::spawn({
+        let (b, k) = (b.clone(), k.clone());
+        async move { b.try_acquire(&k).ttl(Duration::from_secs(30)).await }
+    });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    tx.commit().await.unwrap();
+    let other = other.await.unwrap().unwrap();
+    let beside = other.is_some();
+    if let Some(other) = other {
+        other.release().await.unwrap();
+    }
+    // Its guard counts its lease as over (no watchdog): the release says so.
+    let _ = held.release().await;
+    assert!(!beside, "granted beside a renewed plain lease");
+}
+
+/// Row mode's one-statement plain lock does not take a key whose read hold ran out while
+/// its renewal is in flight (any hold row sends it to the transaction, whose locking read
+/// waits for the renewal).
+#[tokio::test]
+async fn a_free_key_grant_waits_for_a_read_renewal_in_flight() {
+    let Some(url) = env::service_url("LOCKKIT_TEST_POSTGRES_URL") else {
+        return;
+    };
+    let (rows, _) = client_of("row").await.unwrap();
+    let k = key("grant-beside-a-read-renewal");
+    let reader = rows.owner();
+    let read = reader
+        .read(&k)
+        .ttl(Duration::from_millis(800))
+        .no_watchdog()
+        .try_now()
+        .await
+        .unwrap()
+        .unwrap();
+    let tx = renewal_in_flight(&url, SHARED_TABLE, &k, "r", &reader.id().to_string()).await;
+    tokio::time::sleep(Duration::from_millis(1000)).await;
+    let other = tokio::spawn({
+        let (rows, k) = (rows.clone(), k.clone());
+        async move { rows.try_acquire(&k).ttl(Duration::from_secs(30)).await }
+    });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    tx.commit().await.unwrap();
+    let other = other.await.unwrap().unwrap();
+    let beside = other.is_some();
+    if let Some(other) = other {
+        other.release().await.unwrap();
+    }
+    // Its guard counts its lease as over (no watchdog): the release says so.
+    let _ = read.release().await;
+    assert!(!beside, "a plain lock granted beside a renewed read");
+}
+
+/// An owner asking again for a key it holds in mode=advisory, after the server ended the
+/// hold's session (as its idle timeout does when the lease runs out on the server a moment
+/// before it does locally, or `pg_terminate_backend`) and before the liveness check saw
+/// it: the re-entry finds the session gone, so the request reports the hold lost (the
+/// locker's answer to a re-entry of a hold the server no longer has), not a backend error,
+/// and the owner's next request takes the key afresh.
+#[tokio::test]
+async fn a_re_entry_on_an_ended_advisory_session_reports_the_hold_lost() {
+    let Some(url) = env::service_url("LOCKKIT_TEST_POSTGRES_URL") else {
+        return;
+    };
+    // A liveness check that does not come around during the test.
+    let backend = PostgresBackend::connect(&format!(
+        "{url}?mode=advisory&table={SHARED_TABLE}&liveness=60s"
+    ))
+    .await
+    .unwrap();
+    let locker = Locker::new(backend.clone());
+    let owner = locker.owner();
+    let k = key("re-entry-on-an-ended-session");
+    let first = owner
+        .try_acquire(&k)
+        .ttl(Duration::from_secs(2))
+        .no_watchdog()
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(
+        backend.take_away(&k).await.unwrap(),
+        "no session held the key"
+    );
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    match owner.try_acquire(&k).ttl(Duration::from_secs(10)).await {
+        Err(lockkit_core::Error::Lost { .. }) => {}
+        Err(e) => panic!("the re-entry failed: {e}"),
+        Ok(Some(held)) => panic!(
+            "re-entered a hold the server ended (token {})",
+            held.token()
+        ),
+        Ok(None) => panic!("the key, free since the session ended, was refused"),
+    }
+    assert!(!first.is_valid(), "the ended hold's guard is still valid");
+    let again = owner
+        .try_acquire(&k)
+        .ttl(Duration::from_secs(10))
+        .await
+        .unwrap()
+        .expect("the owner's next request was refused");
+    assert!(again.token() > first.token(), "not a fresh hold");
+    again.release().await.unwrap();
+    backend.close().await;
+}

@@ -437,7 +437,7 @@ async fn unmark(backend: &RowLocks, key: &LockKey, attempt: &str) -> Result<()> 
     let inner = &backend.inner;
     let fail = |e| db_error("removing a waiting writer's marker", e);
     let name = key.as_str().as_bytes();
-    let mut tx = inner.pool.begin().await.map_err(fail)?;
+    let mut tx = inner.begin().await.map_err(fail)?;
     query(&inner.sql.holds.key_lock)
         .bind(name)
         .fetch_optional(&mut *tx)
@@ -513,13 +513,18 @@ impl Drop for WriterMark {
 pub(crate) async fn renew(backend: &RowLocks, grant: &Grant, ttl: Duration) -> Result<()> {
     let inner = &backend.inner;
     let owner = grant.owner.to_string();
-    let done = query(&inner.sql.holds.renew)
-        .bind(micros(ttl))
-        .bind(grant.key.as_str().as_bytes())
-        .bind(code(grant.kind))
-        .bind(holder_of(grant.kind, &owner, grant.attempt))
-        .bind(&owner)
-        .execute(&inner.pool)
+    let holder = holder_of(grant.kind, &owner, grant.attempt);
+    // Sent again on another connection if the pooled one is gone: a renewal only lengthens.
+    let done = inner
+        .retry_gone(|| {
+            query(&inner.sql.holds.renew)
+                .bind(micros(ttl))
+                .bind(grant.key.as_str().as_bytes())
+                .bind(code(grant.kind))
+                .bind(&holder)
+                .bind(&owner)
+                .execute(&inner.pool)
+        })
         .await
         .map_err(|e| db_error("renewing the lease", e))?;
     if done.rows_affected() == 1 {
@@ -543,7 +548,7 @@ pub(crate) async fn release(backend: &RowLocks, grant: &Grant) -> Result<Release
         code(grant.kind),
         holder_of(grant.kind, &owner, grant.attempt),
     );
-    let mut tx = inner.pool.begin().await.map_err(fail)?;
+    let mut tx = inner.begin().await.map_err(fail)?;
     let row = query(&sql.lock_one)
         .bind(name)
         .bind(kind)
@@ -605,9 +610,12 @@ pub(crate) async fn holders(backend: &RowLocks, key: &LockKey) -> Result<Vec<Hol
     let inner = &backend.inner;
     let mut all: Vec<HolderInfo> = inner.inspect_lease(key).await?.into_iter().collect();
     let fail = |e| db_error("listing the holds", e);
-    let rows = query(&inner.sql.holds.list)
-        .bind(key.as_str().as_bytes())
-        .fetch_all(&inner.pool)
+    let rows = inner
+        .retry_gone(|| {
+            query(&inner.sql.holds.list)
+                .bind(key.as_str().as_bytes())
+                .fetch_all(&inner.pool)
+        })
         .await
         .map_err(fail)?;
     for row in rows {

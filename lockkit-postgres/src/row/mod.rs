@@ -67,7 +67,7 @@ impl RowLocks {
         let inner = &self.inner;
         let fail = |e| db_error("clearing a lease", e);
         let name = key.as_str().as_bytes();
-        let mut tx = inner.pool.begin().await.map_err(fail)?;
+        let mut tx = inner.begin().await.map_err(fail)?;
         // The key's row first, then its holds, as every transaction over them does: no
         // acquisition is half-way through its decision while they go.
         query(&inner.sql.holds.key_lock)
@@ -239,7 +239,33 @@ async fn run_acquire(
     let ttl = micros(req.ttl);
     let start = Instant::now();
     let fail = |e| db_error("the acquire transaction", e);
-    let mut tx = inner.pool.begin().await.map_err(fail)?;
+    // A plain lock on a free key, asked by a wait that left no marker: one statement.
+    if req.kind == LockKind::Exclusive && !marker.is_some_and(Marker::is_marked) {
+        if caller_gone(interrupt).await {
+            return Ok(Attempt::Busy { lease_left: None });
+        }
+        match grant_free(inner, req, &owner, ttl).await {
+            Ok(Some(fence)) => {
+                return Ok(Attempt::Granted(Grant::new(
+                    req,
+                    FencingToken::new(fence),
+                    1,
+                    start,
+                )));
+            }
+            Ok(None) => {}
+            // A pooled connection found dead (pooled connections used within the last
+            // second are not checked first; the loss is noted, so they are now): the
+            // transaction below begins on another. If the statement took effect after all
+            // (its reply lost), this attempt is in the lease's ledger and the transaction
+            // grants the same hold again.
+            Err(e) if inner.gone(&e) => {
+                tracing::debug!(error = %e, key = %req.key, "the one-statement grant lost its connection; deciding in a transaction");
+            }
+            Err(e) => return Err(db_error("granting a free key", e)),
+        }
+    }
+    let mut tx = inner.begin().await.map_err(fail)?;
     let mut row = lock_key_row(inner, &mut tx, &req.key).await.map_err(fail)?;
     if row.is_none() {
         // First use of this key: make its row (free), then lock it; a statement of its own
@@ -411,6 +437,31 @@ async fn run_acquire(
     )))
 }
 
+/// The fast path of a plain lock: grants `req` in one statement (one round trip, one
+/// commit) if the key is free of every kind of hold and nothing changed it while the
+/// statement ran (see `Sql::row_grant_free`); `Ok(None)`: nothing was changed, decide in a
+/// transaction. The new hold's fencing token on a grant.
+async fn grant_free(
+    inner: &Db,
+    req: &AcquireRequest,
+    owner: &str,
+    ttl: i64,
+) -> std::result::Result<Option<u64>, sqlx::Error> {
+    let (hi, lo) = inner.readers_lock(&req.key);
+    let granted = query(&inner.sql.row_grant_free)
+        .bind(req.key.as_str().as_bytes())
+        .bind(owner)
+        .bind(ttl)
+        .bind(first_attempt(req))
+        .bind(req.identity.encode_for(owner))
+        .bind(inner.advisory_id(&req.key))
+        .bind(hi)
+        .bind(lo)
+        .fetch_optional(&inner.pool)
+        .await?;
+    granted.map(|row| fence_of(&row)).transpose()
+}
+
 /// Whether the caller of a detached attempt has gone (its future was dropped): an attempt
 /// that would make a new hold for nobody makes none (it would only be given back, after
 /// keeping the key from others meanwhile). A caller that goes later still has its grant
@@ -525,11 +576,15 @@ async fn acquire(backend: &RowLocks, req: &AcquireRequest, wait: Duration) -> Re
 
 async fn renew(backend: &RowLocks, grant: &Grant, ttl: Duration) -> Result<()> {
     let inner = &backend.inner;
-    let done = query(&inner.sql.row_renew)
-        .bind(micros(ttl))
-        .bind(grant.key.as_str().as_bytes())
-        .bind(grant.owner.to_string())
-        .execute(&inner.pool)
+    // Sent again on another connection if the pooled one is gone: a renewal only lengthens.
+    let done = inner
+        .retry_gone(|| {
+            query(&inner.sql.row_renew)
+                .bind(micros(ttl))
+                .bind(grant.key.as_str().as_bytes())
+                .bind(grant.owner.to_string())
+                .execute(&inner.pool)
+        })
         .await
         .map_err(|e| db_error("renewing the lease", e))?;
     if done.rows_affected() == 1 {
@@ -549,7 +604,45 @@ async fn release(backend: &RowLocks, grant: &Grant) -> Result<Released> {
     let sql = &inner.sql;
     let name = grant.key.as_str().as_bytes();
     let fail = |e| db_error("the release transaction", e);
-    let mut tx = inner.pool.begin().await.map_err(fail)?;
+    if !grant.attempt.is_nil() {
+        // The last hold of a running lease, as a fresh grant leaves it: one statement.
+        let mut ledger = AttemptLedger::new();
+        ledger.add(grant.attempt);
+        let released = query(&sql.row_release_last)
+            .bind(name)
+            .bind(grant.owner.to_string())
+            .bind(ledger.render())
+            .bind(release_channel(&inner.config.table))
+            .bind(release_payload(grant.key.as_str()))
+            .fetch_optional(&inner.pool)
+            .await;
+        match released {
+            Ok(Some(_)) => return Ok(Released::Fully),
+            // Anything else (a deeper hold, a retried release, a lease that ran out) is
+            // decided in the transaction below.
+            Ok(None) => {}
+            // The row stayed locked past `lock_timeout`, or the statement ran past
+            // `statement_timeout`: the transaction would wait as long again.
+            Err(e)
+                if sql_state(&e)
+                    .is_some_and(|c| c == state::LOCK_NOT_AVAILABLE || c == "57014") =>
+            {
+                return Err(fail(e));
+            }
+            // The statement failed as a whole (a full notification queue): nothing was
+            // changed; the transaction below lets go even when the announcement fails.
+            // Or its pooled connection was gone (pooled connections used within the last
+            // second are not checked first; the loss is noted, so they are now): the
+            // transaction begins on another. If the statement took effect after all (its
+            // reply lost), the transaction finds the lease gone (`NotHeld`), as a retry of
+            // the release would.
+            Err(error) if inner.gone(&error) || matches!(error, sqlx::Error::Database(_)) => {
+                tracing::debug!(%error, key = %grant.key, "the one-statement release failed; releasing in a transaction");
+            }
+            Err(e) => return Err(fail(e)),
+        }
+    }
+    let mut tx = inner.begin().await.map_err(fail)?;
     let row = query(&sql.row_select_for_update)
         .bind(name)
         .bind(inner.advisory_id(&grant.key))
