@@ -1,4 +1,13 @@
 //! `FileBackend`: locks shared by the processes of one host, in a directory.
+//!
+//! One file per key. Its first line is `ceiling owner depth expires boot attempts [kind]
+//! [t<held token>] [n<last token>]`; the lines after it hold the holder's identity, readers
+//! and permits, and waiting writers' markers (see [`State`]). Format change (issue 13): the
+//! first field, which older versions read as the key's counter, is now a durable ceiling
+//! on the tokens handed out, synced only when it moves, and `n<token>` (ignored by older
+//! versions) is the last token handed out, trusted only in the boot that wrote it; see
+//! [`FileBackend`], "Fencing tokens", for why a mix of versions and a power loss still
+//! never repeat a token.
 
 use std::{
     collections::HashMap,
@@ -93,8 +102,9 @@ fn encoded_name(key: &LockKey) -> String {
     out
 }
 
-/// The state of one lock as stored in its file: `token owner depth expires boot attempts`.
-/// The token stays when the lock is free, so it keeps growing. A file without a boot id
+/// The state of one lock as stored in its file: `ceiling owner depth expires boot attempts
+/// [kind] [t<held token>] [n<last token>]`. The tokens stay when the lock is free, so they
+/// keep growing (see [`FileBackend`], "Fencing tokens"). A file without a boot id
 /// (written before it was stored) is read as written in this boot: a holder of an older
 /// version may still be running, and a double grant is worse than a key that stays held
 /// until that expiry. A file without attempts has an empty ledger: its holds are released
@@ -108,7 +118,14 @@ fn encoded_name(key: &LockKey) -> String {
 /// so that a lockkit version that reads only the first line still sees the key held.
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
 struct State {
-    /// The key's counter: the last token handed out, to any kind of hold.
+    /// The reserve ceiling: every token handed out is at most this, and it is on the disk
+    /// (synced) before any token up to it is handed out. The first field of the first line,
+    /// which older versions read as the key's counter (and add one to).
+    ceiling: u64,
+    /// The last token handed out, to any kind of hold (at most [`State::ceiling`]). Written
+    /// as a last field `n<token>` when below the ceiling (older versions ignore it), and
+    /// trusted only in the boot that wrote it: read in another boot, or from a file without
+    /// it, it is the ceiling (see [`load`]).
     token: u64,
     /// The first line's holder's own token, when it has one (0 when nobody holds it). It is
     /// the counter unless a shared hold was granted beside it since (a downgrade), and only
@@ -192,7 +209,14 @@ impl SharedHold {
 /// than half of it (a paused process) lets new readers in until it polls again.
 const WRITER_MARKER: Duration = Duration::from_secs(3);
 
-/// Reads a lock file's text as of this boot: an expiry written in another boot is over.
+/// How many tokens a key's ceiling moves up at a time ([`State::next_token`]): one sync per
+/// this many new holders of a key, while the boot lasts. A reboot, a crash between a
+/// ceiling's write and its sync, or an older version's write skips what was left of it.
+const RESERVE: u64 = 1024;
+
+/// Reads a lock file's text as of this boot: an expiry written in another boot is over, and
+/// so is the reserve of tokens below the ceiling (`n<token>`), which only the boot that
+/// wrote it can trust: its writes need not have reached the disk, the ceiling's did.
 fn load(text: &str) -> State {
     let mut state = State::parse(text);
     let boot = text.split_whitespace().nth(4);
@@ -203,6 +227,9 @@ fn load(text: &str) -> State {
         state.shared.clear();
         state.writers.clear();
     }
+    if ours == "-" || boot != Some(ours) {
+        state.token = state.ceiling;
+    }
     state
 }
 
@@ -210,7 +237,7 @@ impl State {
     fn parse(text: &str) -> State {
         let mut lines = text.lines();
         let mut parts = lines.next().unwrap_or("").split_whitespace();
-        let token = parts.next().and_then(|t| t.parse().ok()).unwrap_or(0);
+        let ceiling = parts.next().and_then(|t| t.parse().ok()).unwrap_or(0);
         let owner = parts
             .next()
             .filter(|o| *o != "-")
@@ -218,18 +245,29 @@ impl State {
         let depth = parts.next().and_then(|d| d.parse().ok()).unwrap_or(0);
         let expires = parts.next().and_then(|e| e.parse().ok()).unwrap_or(0);
         let attempts = parts.nth(1).map(AttemptLedger::parse).unwrap_or_default();
-        let tag = parts.next();
-        let held_token = parts
-            .next()
-            .and_then(|t| t.strip_prefix('t'))
-            .and_then(|t| t.parse().ok())
-            .unwrap_or(token);
+        // Then optionally the holder's kind (`x`, `w`, `s`), its own token (`t<token>`) and
+        // the last token handed out (`n<token>`), in this order.
+        let (mut tag, mut held, mut next) = (None, None, None);
+        for field in parts {
+            if let Some(t) = field.strip_prefix('t') {
+                held = t.parse::<u64>().ok();
+            } else if let Some(n) = field.strip_prefix('n') {
+                next = n.parse::<u64>().ok();
+            } else {
+                tag = Some(field);
+            }
+        }
+        let held_token = held.unwrap_or(ceiling);
+        // Never above the ceiling: a larger `n` (no version writes one) raises it.
+        let token = next.unwrap_or(ceiling);
+        let ceiling = ceiling.max(token);
         let identity = lines
             .next()
             .map(str::trim)
             .filter(|line| !line.is_empty() && *line != "-")
             .map(str::to_owned);
         let mut state = State {
+            ceiling,
             token,
             held_token: if owner.is_some() { held_token } else { 0 },
             owner,
@@ -291,7 +329,7 @@ impl State {
                 self.depth,
                 self.expires,
                 self.attempts.render(),
-                match (self.kind, extra || self.pinned()) {
+                match (self.kind, extra || self.pinned() || self.reserved()) {
                     (LockKind::Write, _) => " w",
                     (_, true) => " x",
                     _ => "",
@@ -302,9 +340,14 @@ impl State {
             None if self.pinned() => format!(" t{}", self.held_token),
             _ => String::new(),
         };
+        let next = if self.reserved() {
+            format!(" n{}", self.token)
+        } else {
+            String::new()
+        };
         let mut text = format!(
-            "{} {owner} {depth} {expires} {} {attempts}{tag}{held}\n",
-            self.token,
+            "{} {owner} {depth} {expires} {} {attempts}{tag}{held}{next}\n",
+            self.ceiling,
             boot_id(),
         );
         match self.identity.as_deref().filter(|_| self.owner.is_some()) {
@@ -324,10 +367,29 @@ impl State {
         text
     }
 
-    /// Whether the first line's holder has a token other than the counter (see
-    /// [`State::held_token`]).
+    /// Whether the first line's holder has a token other than the first field (the
+    /// ceiling, which is what older versions take for it): see [`State::held_token`].
     fn pinned(&self) -> bool {
-        self.owner.is_some() && self.held_token != self.token
+        self.owner.is_some() && self.held_token != self.ceiling
+    }
+
+    /// Whether tokens below the ceiling are still to hand out (then written as `n<token>`).
+    fn reserved(&self) -> bool {
+        self.token != self.ceiling
+    }
+
+    /// Hands out the next token. When it would pass the ceiling, the ceiling moves a
+    /// reserve of [`RESERVE`] tokens up, which the caller must sync before the token
+    /// leaves (see [`FileBackend::with_file`]). Where the boot cannot be told
+    /// ([`boot_id`] is `-`), `n` is never trusted, so the reserve is one token: a sync per
+    /// grant, as before the reserve.
+    fn next_token(&mut self) -> u64 {
+        self.token += 1;
+        if self.token > self.ceiling {
+            let reserve = if boot_id() == "-" { 1 } else { RESERVE };
+            self.ceiling = self.token.saturating_add(reserve - 1);
+        }
+        self.token
     }
 
     fn holder(&self, now: u64) -> Option<OwnerId> {
@@ -448,21 +510,61 @@ impl Locked {
         })
     }
 
-    /// Writes the state back. `durable`: also wait for the disk (`fdatasync`). Only a new
-    /// token needs that (it must never be handed out twice, even after a power loss); a
-    /// renewal or release changes only the lease, which a crash ends anyway, and syncing
-    /// it made renewals miss short leases under load.
-    fn write(&mut self, durable: bool) -> std::io::Result<()> {
+    /// Writes the state back, after `op` changed it from `before`. A moved ceiling
+    /// ([`State::next_token`]) goes to the disk first, on its own: the state is written
+    /// with every token up to the new ceiling counted as handed out (no `n`), and synced
+    /// (`fdatasync`); only then is the next token written (`n<token>`, not synced). So a
+    /// file that says `n` in this boot has its ceiling on the disk: a process that dies
+    /// between the write and its sync leaves a file whose reserve is all spent, and the
+    /// next grant moves the ceiling (and syncs) again. Nothing else is synced: a renewal or
+    /// release changes only a lease, which a crash ends anyway, and syncing it made
+    /// renewals miss short leases under load.
+    fn store(&mut self, before: &State, path: &Path) -> std::io::Result<()> {
+        if self.state.ceiling != before.ceiling {
+            let spent = State {
+                token: self.state.ceiling,
+                ..self.state.clone()
+            };
+            let text = spent.render();
+            self.write(&text)?;
+            self.file.sync_data()?;
+            synced(path, &text);
+            if !self.state.reserved() {
+                return Ok(());
+            }
+        }
         let text = self.state.render();
+        self.write(&text)
+    }
+
+    fn write(&mut self, text: &str) -> std::io::Result<()> {
         self.file.seek(SeekFrom::Start(0))?;
         self.file.write_all(text.as_bytes())?;
         self.file.set_len(text.len() as u64)?;
-        if durable {
-            self.file.sync_data()?;
-        }
         Ok(())
     }
 }
+
+/// Test hook: each lock file's syncs, as (how many, the text last synced).
+#[cfg(test)]
+fn syncs() -> std::sync::MutexGuard<'static, HashMap<PathBuf, (u64, String)>> {
+    static SYNCS: OnceLock<std::sync::Mutex<HashMap<PathBuf, (u64, String)>>> = OnceLock::new();
+    SYNCS
+        .get_or_init(Default::default)
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+}
+
+#[cfg(test)]
+fn synced(path: &Path, text: &str) {
+    let mut syncs = syncs();
+    let entry = syncs.entry(path.to_owned()).or_default();
+    entry.0 += 1;
+    entry.1 = text.to_owned();
+}
+
+#[cfg(not(test))]
+fn synced(_: &Path, _: &str) {}
 
 /// A waiter's registration in [`FileBackend::wakers`].
 struct Waker<'a> {
@@ -495,6 +597,27 @@ impl Drop for Waker<'_> {
 /// directory: `file:///var/lock/myapp`. Each operation takes the file's `flock` for a
 /// moment and reads or writes `token owner depth expiry`, the expiry on the host's
 /// monotonic clock. Tokens survive restarts in the files.
+///
+/// # Fencing tokens
+///
+/// A key's token must never be handed out twice, even after a power loss, but a sync of
+/// the file per grant cost most of an uncontended acquisition (~177 µs of ~234 µs). So the
+/// file's first field is a *ceiling*, synced whenever it moves, and the last token handed
+/// out is written beside it as a last field `n<token>`, not synced: a grant takes the next
+/// token and, only when that passes the ceiling, moves the ceiling [`RESERVE`] tokens up
+/// and syncs (once per 1,024 new holders of a key). `n` is trusted only in the boot that
+/// wrote it (the file records its boot): after a reboot, whatever of the later writes the
+/// disk kept, every token up to the synced ceiling counts as handed out, and the next one
+/// is above it. A moved ceiling is written and synced with no `n` (all of it spent), and
+/// only then is `n` written, so a process that dies before its sync leaves nothing that
+/// lets another trust an unsynced ceiling. Where the boot cannot be told, each grant syncs,
+/// as before. Within a boot, tokens still count up by one.
+///
+/// Older versions read the first field as the key's counter: their grant adds one to it
+/// (above every token handed out, all of which are at most the ceiling) and syncs, and any
+/// of their writes drops `n`, which spends the reserve: the next grant of this version
+/// moves the ceiling. A holder's own token is written as `t<token>` (which versions since
+/// read-write locks read) whenever it is not the first field.
 ///
 /// Waiters are woken at once by a release in the same process and, on Linux, by any change
 /// to the key's file (the directory is watched with inotify, one thread per process); they
@@ -673,9 +796,8 @@ impl FileBackend {
             let before = locked.state.clone();
             let outcome = op(&mut locked, now);
             if outcome.is_ok() && locked.state != before {
-                let durable = locked.state.token != before.token;
                 locked
-                    .write(durable)
+                    .store(&before, &path)
                     .map_err(|e| io_error(doing, &path, e))?;
             }
             outcome
@@ -811,7 +933,7 @@ fn grant_in(
             })
         }
         Ok(()) => {
-            state.token += 1;
+            state.next_token();
             state.writers.retain(|(owner, _)| *owner != req.owner);
             let mut attempts = AttemptLedger::new();
             attempts.add(req.attempt);
@@ -1016,6 +1138,7 @@ mod tests {
     #[test]
     fn state_round_trips() {
         let state = State {
+            ceiling: 7,
             token: 7,
             owner: Some(OwnerId::random()),
             depth: 2,
@@ -1043,6 +1166,7 @@ mod tests {
         // A holder whose token is below the counter (a read was granted beside it since):
         // an eighth field, which older versions do not read.
         let pinned = State {
+            ceiling: 9,
             token: 9,
             ..state.clone()
         };
@@ -1050,6 +1174,38 @@ mod tests {
         assert_eq!(State::parse(&text), pinned);
         let first: Vec<&str> = text.lines().next().unwrap().split_whitespace().collect();
         assert_eq!((first[0], first[6], first[7]), ("9", "x", "t7"), "{text}");
+        // Tokens reserved up to 1030, the last handed out 8: the ceiling first (what older
+        // versions count from), the holder's own token where they read it, `n` last.
+        let reserved = State {
+            ceiling: 1030,
+            token: 8,
+            ..state.clone()
+        };
+        let text = reserved.render();
+        assert_eq!(State::parse(&text), reserved);
+        let first: Vec<&str> = text.lines().next().unwrap().split_whitespace().collect();
+        assert_eq!(
+            (first[0], first[6], first[7], first[8]),
+            ("1030", "x", "t7", "n8"),
+            "{text}"
+        );
+        // Free, with a reserve: `n` after the tag.
+        let free = State {
+            ceiling: 1030,
+            token: 8,
+            ..State::default()
+        };
+        let text = free.render();
+        assert_eq!(State::parse(&text), free);
+        assert!(
+            text.starts_with("1030 - 0 0 ") && text.ends_with(" - x n8\n"),
+            "{text}"
+        );
+        // Read in this boot, the reserve stands; in another, or without a boot id, it is
+        // spent.
+        assert_eq!(load(&text).token, 8);
+        let other = text.replace(boot_id(), "00000000-0000-0000-0000-000000000000");
+        assert_eq!((load(&other).token, load(&other).ceiling), (1030, 1030));
         // A file from before attempts were stored: released unconditionally.
         let owner = OwnerId::random();
         let mut legacy = load(&format!("7 {owner} 2 99 -"));
@@ -1075,6 +1231,7 @@ mod tests {
             limit: std::num::NonZeroU32::new(4).unwrap(),
         };
         let state = State {
+            ceiling: 9,
             token: 9,
             shared: vec![reader(LockKind::Read), reader(permit)],
             writers: vec![(OwnerId::random(), 700)],
@@ -1089,6 +1246,7 @@ mod tests {
         );
         assert_eq!((first[2], first[3]), ("1", "500"), "{text}");
         let writer = State {
+            ceiling: 3,
             token: 3,
             held_token: 3,
             owner: Some(OwnerId::random()),
@@ -1142,6 +1300,217 @@ mod tests {
                 busy.is_none(),
                 "a live lease of this boot was ignored ({boot:?})"
             );
+        }
+    }
+
+    const OTHER_BOOT: &str = "00000000-0000-0000-0000-000000000000";
+
+    /// Grants `key` to a new owner and releases it at once: the token handed out.
+    async fn grant_once(backend: &FileBackend, key: &LockKey) -> u64 {
+        let grant = backend
+            .try_acquire(&request(key, Duration::from_secs(30)))
+            .await
+            .unwrap()
+            .expect("the key is free");
+        backend.release(&grant).await.unwrap();
+        grant.token.get()
+    }
+
+    fn sync_count(path: &Path) -> u64 {
+        syncs().get(path).map_or(0, |(count, _)| *count)
+    }
+
+    /// What a power loss and the reboot after it leave of `path`: the text `disk` (what had
+    /// reached the disk), written in the boot before this one.
+    fn power_loss(path: &Path, disk: &str) {
+        std::fs::write(path, disk.replace(boot_id(), OTHER_BOOT)).unwrap();
+    }
+
+    #[tokio::test]
+    async fn uncontended_grants_sync_once_per_reserve() {
+        let backend = FileBackend::open(temp_dir("reserve")).unwrap();
+        let key = LockKey::new("k").unwrap();
+        for expected in 1..=300 {
+            assert_eq!(grant_once(&backend, &key).await, expected);
+        }
+        assert_eq!(
+            sync_count(&backend.path(&key)),
+            1,
+            "300 grants of a key synced more than its one reserve"
+        );
+        // A read and a permit draw on the same reserve.
+        let read = backend
+            .try_acquire(&request(&key, Duration::from_secs(30)).with_kind(LockKind::Read))
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(read.token.get(), 301);
+        backend.release(&read).await.unwrap();
+        assert_eq!(sync_count(&backend.path(&key)), 1);
+    }
+
+    /// A power loss keeps of a lock file what was synced, or any later state (the writes
+    /// since may or may not have reached the disk, the first line's in one piece: a sector
+    /// is written whole), and the reboot after it brings a new boot id: the next token is
+    /// above every token handed out before, whichever it kept.
+    #[tokio::test]
+    async fn a_power_loss_never_hands_out_a_token_twice() {
+        let backend = FileBackend::open(temp_dir("power")).unwrap();
+        let key = LockKey::new("k").unwrap();
+        let path = backend.path(&key);
+        let mut highest = 0;
+        for round in 0..8 {
+            let mut written = Vec::new();
+            for _ in 0..3 + round {
+                let token = grant_once(&backend, &key).await;
+                assert!(token > highest, "round {round}: {token} after {highest}");
+                highest = token;
+                written.push(std::fs::read_to_string(&path).unwrap());
+            }
+            // Sometimes a holder was still there when the power went.
+            let held = (round % 2 == 1).then_some(());
+            let held = match held {
+                Some(()) => {
+                    let grant = backend
+                        .try_acquire(&request(&key, Duration::from_secs(3600)))
+                        .await
+                        .unwrap()
+                        .unwrap();
+                    assert!(grant.token.get() > highest);
+                    highest = grant.token.get();
+                    Some(grant)
+                }
+                None => None,
+            };
+            let synced = syncs().get(&path).unwrap().1.clone();
+            let latest = std::fs::read_to_string(&path).unwrap();
+            let disk = match round % 4 {
+                0 => synced,
+                1 => latest,
+                // Some of the writes since reached the disk, the later ones did not.
+                2 => written[1].clone(),
+                // The first line synced, the rest from later (the file spans sectors).
+                _ => {
+                    let first = synced.lines().next().unwrap().to_owned();
+                    let rest: String = latest.lines().skip(1).map(|l| format!("{l}\n")).collect();
+                    format!("{first}\n{rest}")
+                }
+            };
+            power_loss(&path, &disk);
+            drop(held);
+        }
+        let token = grant_once(&backend, &key).await;
+        assert!(token > highest, "{token} after {highest}");
+    }
+
+    /// A process that dies between writing a new ceiling and its sync leaves a ceiling that
+    /// may not be on the disk: the next grant in this boot syncs again rather than trust it.
+    #[tokio::test]
+    async fn a_ceiling_that_may_not_be_synced_is_not_relied_on() {
+        let backend = FileBackend::open(temp_dir("unsynced")).unwrap();
+        let key = LockKey::new("k").unwrap();
+        let path = backend.path(&key);
+        assert_eq!(grant_once(&backend, &key).await, 1);
+        // The first write of a grant that moves the ceiling, as it was before its sync.
+        let written = syncs().get(&path).unwrap().1.clone();
+        std::fs::write(&path, &written).unwrap();
+        // Its grant's lease holds the key until it runs out: end it now.
+        assert!(backend.take_away(&key).await.unwrap());
+        let before = sync_count(&path);
+        let token = grant_once(&backend, &key).await;
+        assert!(token > 1);
+        assert_eq!(
+            sync_count(&path),
+            before + 1,
+            "an unconfirmed ceiling was relied on"
+        );
+        // And then the power goes: the disk has what that grant synced.
+        let synced = syncs().get(&path).unwrap().1.clone();
+        assert_ne!(synced, written);
+        power_loss(&path, &synced);
+        assert!(grant_once(&backend, &key).await > token);
+    }
+
+    /// What a lockkit version from before the reserve does to a key's file (it reads the
+    /// first field as the key's counter, knows `t<token>` but not `n<token>`): a grant adds
+    /// one to the first field, and is synced; its release leaves that token; any other
+    /// write keeps the first field and drops `n`. Returns the token it granted.
+    fn older_version_writes(path: &Path, grant: bool) -> Option<u64> {
+        let mut file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .open(path)
+            .unwrap();
+        file.lock().unwrap();
+        let mut text = String::new();
+        file.read_to_string(&mut text).unwrap();
+        let first = text.lines().next().unwrap_or("").to_owned();
+        let counter: u64 = first
+            .split_whitespace()
+            .next()
+            .and_then(|t| t.parse().ok())
+            .unwrap_or(0);
+        let (text, token) = if grant {
+            let token = counter + 1;
+            (format!("{token} - 0 0 {} -\n", boot_id()), Some(token))
+        } else {
+            let kept: Vec<&str> = first
+                .split_whitespace()
+                .filter(|f| !f.starts_with('n'))
+                .collect();
+            let rest: String = text.lines().skip(1).map(|l| format!("{l}\n")).collect();
+            (format!("{}\n{rest}", kept.join(" ")), None)
+        };
+        file.seek(SeekFrom::Start(0)).unwrap();
+        file.write_all(text.as_bytes()).unwrap();
+        file.set_len(text.len() as u64).unwrap();
+        if grant {
+            file.sync_data().unwrap();
+            synced(path, &text);
+        }
+        token
+    }
+
+    /// Older and newer versions on one key: every token is above all handed out before, by
+    /// either, also after a power loss.
+    #[tokio::test]
+    async fn older_and_newer_versions_on_one_key_never_repeat_a_token() {
+        let backend = FileBackend::open(temp_dir("mixed")).unwrap();
+        let key = LockKey::new("k").unwrap();
+        let path = backend.path(&key);
+        let mut highest = 0;
+        let mut saw = |token: u64, who: &str| {
+            assert!(token > highest, "{who} handed out {token} after {highest}");
+            highest = token;
+        };
+        for round in 0..4 {
+            for _ in 0..3 {
+                saw(grant_once(&backend, &key).await, "newer");
+            }
+            // An older version rewrites the file while a newer holder holds it (a
+            // writer's marker, say), and drops `n`.
+            let grant = backend
+                .try_acquire(&request(&key, Duration::from_secs(30)))
+                .await
+                .unwrap()
+                .unwrap();
+            saw(grant.token.get(), "newer");
+            older_version_writes(&path, false);
+            // The holder keeps its token (the older version kept `t`).
+            let info = backend.inspect(&key).await.unwrap().unwrap();
+            assert_eq!(info.token.map(|t| t.get()), Some(grant.token.get()));
+            backend.release(&grant).await.unwrap();
+            saw(grant_once(&backend, &key).await, "newer");
+            saw(older_version_writes(&path, true).unwrap(), "older");
+            saw(grant_once(&backend, &key).await, "newer");
+            saw(grant_once(&backend, &key).await, "newer");
+            if round % 2 == 1 {
+                let synced = syncs().get(&path).unwrap().1.clone();
+                power_loss(&path, &synced);
+                saw(older_version_writes(&path, true).unwrap(), "older");
+            }
         }
     }
 
