@@ -494,14 +494,18 @@ struct Locked {
 }
 
 impl Locked {
-    fn open(path: &Path) -> std::io::Result<Locked> {
-        let mut file = OpenOptions::new()
+    /// Opens (creates) the file of a key, not locked yet.
+    fn open(path: &Path) -> std::io::Result<File> {
+        OpenOptions::new()
             .read(true)
             .write(true)
             .create(true)
             .truncate(false)
-            .open(path)?;
-        file.lock()?;
+            .open(path)
+    }
+
+    /// Reads the state of `file`, whose `flock` the caller holds.
+    fn read(mut file: File) -> std::io::Result<Locked> {
         let mut text = String::new();
         file.read_to_string(&mut text)?;
         Ok(Locked {
@@ -780,31 +784,41 @@ impl FileBackend {
         }
     }
 
-    /// Runs `op` on the locked file of `key` on a blocking thread, to completion even if
-    /// the caller goes away.
+    /// Runs `op` on the locked file of `key`, to completion even if the caller goes away.
+    ///
+    /// Where the file's `flock` is free at once (an uncontended key on a local disk), the
+    /// operation runs in the caller's task, in its first poll: a few syscalls on the file,
+    /// cheaper than a hand-off to a blocking thread and back, with no await point before
+    /// the file is written and closed. Two things move to a blocking thread, which finishes
+    /// them whatever becomes of the caller: the wait for a `flock` another operation holds
+    /// (a paused process may hold it long) with everything after it, and a sync (a moved
+    /// ceiling of tokens, [`Locked::store`]). Only a grant moves the ceiling, and a grant's
+    /// caller that goes away still receives it ([`detached_acquire`] gives it back).
     async fn with_file<T, F>(&self, key: &LockKey, doing: &'static str, op: F) -> Result<T>
     where
         T: Send + 'static,
         F: FnOnce(&mut Locked, u64) -> Result<T> + Send + 'static,
     {
         let path = self.path(key);
-        let work = tokio::task::spawn_blocking(move || {
-            let mut locked = Locked::open(&path).map_err(|e| io_error(doing, &path, e))?;
-            let now = host_now();
-            // Every write leaves the file pruned (see `State::prune`).
-            locked.state.prune(now);
-            let before = locked.state.clone();
-            let outcome = op(&mut locked, now);
-            if outcome.is_ok() && locked.state != before {
-                locked
-                    .store(&before, &path)
-                    .map_err(|e| io_error(doing, &path, e))?;
+        let file = Locked::open(&path).map_err(|e| io_error(doing, &path, e))?;
+        let applied = match file.try_lock() {
+            Ok(()) => apply(file, &path, doing, op)?,
+            Err(std::fs::TryLockError::WouldBlock) => {
+                return blocking(move || {
+                    file.lock().map_err(|e| io_error(doing, &path, e))?;
+                    match apply(file, &path, doing, op)? {
+                        Applied::Done(outcome) => outcome,
+                        Applied::Unsynced(write) => write.finish(&path, doing),
+                    }
+                })
+                .await;
             }
-            outcome
-        });
-        work.await.map_err(|e| {
-            Error::backend_with_source(SCHEME, false, "a file operation panicked", e)
-        })?
+            Err(std::fs::TryLockError::Error(e)) => return Err(io_error(doing, &path, e)),
+        };
+        match applied {
+            Applied::Done(outcome) => outcome,
+            Applied::Unsynced(write) => blocking(move || write.finish(&path, doing)).await,
+        }
     }
 
     /// One grant attempt. `waiting`: the caller waits, so a writer that is refused leaves
@@ -847,6 +861,67 @@ impl FileBackend {
             });
         }
     }
+}
+
+/// A file operation after its `op` ran: done, or a write to finish that needs a sync.
+enum Applied<T> {
+    Done(Result<T>),
+    Unsynced(Box<Unsynced<T>>),
+}
+
+/// A file operation whose state moved the ceiling of tokens: still to write, with a sync
+/// ([`Locked::store`]), before its outcome may leave. Holds the file's `flock`.
+struct Unsynced<T> {
+    locked: Locked,
+    before: State,
+    outcome: Result<T>,
+}
+
+impl<T> Unsynced<T> {
+    /// Writes and syncs the state: the operation's outcome, or the write's error.
+    fn finish(mut self: Box<Self>, path: &Path, doing: &'static str) -> Result<T> {
+        self.locked
+            .store(&self.before, path)
+            .map_err(|e| io_error(doing, path, e))?;
+        self.outcome
+    }
+}
+
+/// Reads `file` (its `flock` taken), prunes it, runs `op` on it and writes what `op`
+/// changed, unless that needs a sync, which is left to the caller ([`Applied::Unsynced`]).
+fn apply<T, F>(file: File, path: &Path, doing: &'static str, op: F) -> Result<Applied<T>>
+where
+    F: FnOnce(&mut Locked, u64) -> Result<T>,
+{
+    let mut locked = Locked::read(file).map_err(|e| io_error(doing, path, e))?;
+    let now = host_now();
+    // Every write leaves the file pruned (see `State::prune`).
+    locked.state.prune(now);
+    let before = locked.state.clone();
+    let outcome = op(&mut locked, now);
+    if outcome.is_err() || locked.state == before {
+        return Ok(Applied::Done(outcome));
+    }
+    if locked.state.ceiling != before.ceiling {
+        return Ok(Applied::Unsynced(Box::new(Unsynced {
+            locked,
+            before,
+            outcome,
+        })));
+    }
+    locked
+        .store(&before, path)
+        .map_err(|e| io_error(doing, path, e))?;
+    Ok(Applied::Done(outcome))
+}
+
+/// Runs `work` on a blocking thread; it finishes even if the caller goes away.
+async fn blocking<T: Send + 'static>(
+    work: impl FnOnce() -> Result<T> + Send + 'static,
+) -> Result<T> {
+    tokio::task::spawn_blocking(work)
+        .await
+        .map_err(|e| Error::backend_with_source(SCHEME, false, "a file operation panicked", e))?
 }
 
 /// Decides `req` on the state of its key's file (locked): a re-entry, a new hold by the
@@ -1512,6 +1587,73 @@ mod tests {
                 saw(older_version_writes(&path, true).unwrap(), "older");
             }
         }
+    }
+
+    /// The first grant of a key moves its ceiling, so its sync runs on a blocking thread
+    /// after the grant is decided: a caller that goes away then still gets its grant given
+    /// back (the key is free again), and the file's `flock` is let go.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_grant_dropped_during_its_sync_is_given_back() {
+        let backend = FileBackend::open(temp_dir("dropped")).unwrap();
+        let mut cut_short = 0;
+        for i in 0..20 {
+            let key = LockKey::new(format!("k{i}")).unwrap();
+            let req = request(&key, Duration::from_secs(3600));
+            let mut attempt = Box::pin(backend.try_acquire(&req));
+            // One poll: the grant is decided, its sync under way.
+            let first = tokio::select! {
+                biased;
+                done = &mut attempt => Some(done),
+                () = std::future::ready(()) => None,
+            };
+            if first.is_none() {
+                cut_short += 1;
+            }
+            drop(attempt);
+            let mut free = false;
+            for _ in 0..500 {
+                if backend.inspect(&key).await.unwrap().is_none() {
+                    free = true;
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(2)).await;
+            }
+            if first.is_none() {
+                assert!(
+                    free,
+                    "a grant dropped during its sync was left behind: {}",
+                    std::fs::read_to_string(backend.path(&key)).unwrap()
+                );
+            }
+        }
+        assert!(
+            cut_short > 0,
+            "no attempt was ever cut short during its sync"
+        );
+    }
+
+    /// An operation that finds the file's `flock` taken waits for it on a blocking thread:
+    /// the caller's runtime (here a single thread) goes on meanwhile.
+    #[tokio::test]
+    async fn a_taken_flock_is_waited_for_off_the_runtime() {
+        let backend = FileBackend::open(temp_dir("flock")).unwrap();
+        let key = LockKey::new("k").unwrap();
+        assert_eq!(grant_once(&backend, &key).await, 1);
+        let other = Locked::open(&backend.path(&key)).unwrap();
+        other.lock().unwrap();
+        let attempt = tokio::spawn({
+            let backend = backend.clone();
+            let key = key.clone();
+            async move { grant_once(&backend, &key).await }
+        });
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        assert!(!attempt.is_finished(), "granted through a taken flock");
+        drop(other);
+        let token = tokio::time::timeout(Duration::from_secs(10), attempt)
+            .await
+            .expect("the attempt never took the flock")
+            .unwrap();
+        assert_eq!(token, 2);
     }
 
     #[tokio::test]
