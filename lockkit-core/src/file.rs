@@ -1116,6 +1116,12 @@ impl LockBackend for FileBackend {
     }
 
     async fn acquire(&self, req: &AcquireRequest, wait: Duration) -> Result<Grant> {
+        // A free key is granted before any waiting is set up (the waiter's registration,
+        // the directory's watch, whose thread then hears every write in the directory).
+        // A refusal or an error falls through to the wait, which tries again at once.
+        if let Ok(Attempt::Granted(grant)) = self.attempt(req, None).await {
+            return Ok(grant);
+        }
         let mut waker = self.waker(&req.key);
         let policy = WaitPolicy::new(Backoff::new(
             Duration::from_millis(1),
@@ -1682,6 +1688,26 @@ mod tests {
             .expect("the attempt never took the flock")
             .unwrap();
         assert_eq!(token, 2);
+    }
+
+    /// A free key is granted without setting up a wait: no directory watch (whose thread
+    /// would then hear every write in the directory) and no waiter's entry.
+    #[tokio::test]
+    async fn an_uncontended_acquire_sets_up_no_wait() {
+        let backend = FileBackend::open(temp_dir("fast")).unwrap();
+        let key = LockKey::new("k").unwrap();
+        for _ in 0..3 {
+            let grant = backend
+                .acquire(
+                    &request(&key, Duration::from_secs(30)),
+                    Duration::from_secs(5),
+                )
+                .await
+                .unwrap();
+            backend.release(&grant).await.unwrap();
+        }
+        assert!(backend.watched.get().is_none(), "the directory was watched");
+        assert_eq!(backend.wakers().len(), 0);
     }
 
     #[tokio::test]
