@@ -546,7 +546,13 @@ impl Locked {
             };
             let text = spent.render();
             self.write(&text)?;
-            self.file.sync_data()?;
+            if let Err(e) = sync(&self.file, path) {
+                // The new ceiling may not be on the disk: put the file back as it was, so
+                // that no retry of this attempt finds its grant there (it would take the
+                // grant's token as granted) and the next grant moves the ceiling again.
+                let _ = self.write(&before.render());
+                return Err(e);
+            }
             synced(path, &text);
             if !self.state.reserved() {
                 return Ok(());
@@ -573,6 +579,28 @@ impl Locked {
         self.len = len;
         Ok(())
     }
+}
+
+/// `fdatasync`s `file`, the file of `path` (for the test hook that fails it).
+fn sync(file: &File, path: &Path) -> std::io::Result<()> {
+    #[cfg(test)]
+    if failing_syncs().contains(path) {
+        return Err(std::io::Error::other("a sync failed (test hook)"));
+    }
+    #[cfg(not(test))]
+    let _ = path;
+    file.sync_data()
+}
+
+/// Test hook: the files whose syncs fail.
+#[cfg(test)]
+fn failing_syncs() -> std::sync::MutexGuard<'static, std::collections::HashSet<PathBuf>> {
+    static FAILING: OnceLock<std::sync::Mutex<std::collections::HashSet<PathBuf>>> =
+        OnceLock::new();
+    FAILING
+        .get_or_init(Default::default)
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
 }
 
 /// Test hook: each lock file's syncs, as (how many, the text last synced).
@@ -1118,9 +1146,13 @@ impl LockBackend for FileBackend {
     async fn acquire(&self, req: &AcquireRequest, wait: Duration) -> Result<Grant> {
         // A free key is granted before any waiting is set up (the waiter's registration,
         // the directory's watch, whose thread then hears every write in the directory).
-        // A refusal or an error falls through to the wait, which tries again at once.
-        if let Ok(Attempt::Granted(grant)) = self.attempt(req, None).await {
-            return Ok(grant);
+        // A refusal falls through to the wait, which tries again at once.
+        // Errors as the wait takes them: only a retryable one is tried again.
+        match self.attempt(req, None).await {
+            Ok(Attempt::Granted(grant)) => return Ok(grant),
+            Ok(Attempt::Busy { .. }) => {}
+            Err(e) if e.is_retryable() && !wait.is_zero() => {}
+            Err(e) => return Err(e),
         }
         let mut waker = self.waker(&req.key);
         let policy = WaitPolicy::new(Backoff::new(
@@ -1538,6 +1570,34 @@ mod tests {
         assert_ne!(synced, written);
         power_loss(&path, &synced);
         assert!(grant_once(&backend, &key).await > token);
+    }
+
+    /// A grant whose ceiling's sync fails is not granted, and leaves nothing in the file
+    /// that a retry of the same attempt (the same request) could take for its grant: the
+    /// retry's token is under a synced ceiling.
+    #[tokio::test]
+    async fn a_failed_sync_grants_nothing_a_retry_could_find() {
+        let backend = FileBackend::open(temp_dir("failsync")).unwrap();
+        let key = LockKey::new("k").unwrap();
+        let path = backend.path(&key);
+        assert_eq!(grant_once(&backend, &key).await, 1);
+        // Spend the reserve so that the next grant moves the ceiling.
+        let text = std::fs::read_to_string(&path).unwrap();
+        std::fs::write(&path, text.replace(" n1", "")).unwrap();
+        let req = request(&key, Duration::from_secs(30));
+        failing_syncs().insert(path.clone());
+        let failed = backend.acquire(&req, Duration::from_secs(1)).await;
+        failing_syncs().remove(&path);
+        assert!(failed.is_err(), "granted without a sync");
+        assert!(
+            backend.inspect(&key).await.unwrap().is_none(),
+            "a failed grant holds"
+        );
+        let grant = backend.try_acquire(&req).await.unwrap().unwrap();
+        backend.release(&grant).await.unwrap();
+        let synced = syncs().get(&path).unwrap().1.clone();
+        power_loss(&path, &synced);
+        assert!(grant_once(&backend, &key).await > grant.token.get());
     }
 
     /// What a lockkit version from before the reserve does to a key's file (it reads the
