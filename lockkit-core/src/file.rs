@@ -862,7 +862,7 @@ impl FileBackend {
                     file.lock().map_err(|e| io_error(doing, &path, e))?;
                     match apply(file, &path, doing, op)? {
                         Applied::Done(outcome) => outcome,
-                        Applied::Unsynced(write) => write.finish(&path, doing),
+                        Applied::Unsynced(write) => (*write).finish(&path, doing),
                     }
                 })
                 .await;
@@ -871,7 +871,7 @@ impl FileBackend {
         };
         match applied {
             Applied::Done(outcome) => outcome,
-            Applied::Unsynced(write) => blocking(move || write.finish(&path, doing)).await,
+            Applied::Unsynced(write) => blocking(move || (*write).finish(&path, doing)).await,
         }
     }
 
@@ -933,11 +933,16 @@ struct Unsynced<T> {
 
 impl<T> Unsynced<T> {
     /// Writes and syncs the state: the operation's outcome, or the write's error.
-    fn finish(mut self: Box<Self>, path: &Path, doing: &'static str) -> Result<T> {
-        self.locked
-            .store(&self.before, path)
+    fn finish(self, path: &Path, doing: &'static str) -> Result<T> {
+        let Unsynced {
+            mut locked,
+            before,
+            outcome,
+        } = self;
+        locked
+            .store(&before, path)
             .map_err(|e| io_error(doing, path, e))?;
-        self.outcome
+        outcome
     }
 }
 
