@@ -545,11 +545,14 @@ impl Locked {
                 ..self.state.clone()
             };
             let text = spent.render();
-            self.write(&text)?;
-            if let Err(e) = sync(&self.file, path) {
-                // The new ceiling may not be on the disk: put the file back as it was, so
-                // that no retry of this attempt finds its grant there (it would take the
-                // grant's token as granted) and the next grant moves the ceiling again.
+            let written = self
+                .write(&text)
+                .and_then(|()| injected(path, Failing::Write));
+            if let Err(e) = written.and_then(|()| sync(&self.file, path)) {
+                // The new ceiling may be in the file (all or part of the write) but not on
+                // the disk: put the file back as it was, so that no retry of this attempt
+                // finds its grant there (it would take the grant's token as granted) and
+                // the next grant moves the ceiling again.
                 let _ = self.write(&before.render());
                 return Err(e);
             }
@@ -583,20 +586,39 @@ impl Locked {
 
 /// `fdatasync`s `file`, the file of `path` (for the test hook that fails it).
 fn sync(file: &File, path: &Path) -> std::io::Result<()> {
-    #[cfg(test)]
-    if failing_syncs().contains(path) {
-        return Err(std::io::Error::other("a sync failed (test hook)"));
-    }
-    #[cfg(not(test))]
-    let _ = path;
+    injected(path, Failing::Sync)?;
     file.sync_data()
 }
 
-/// Test hook: the files whose syncs fail.
+/// Test hook: which step of a new ceiling's store fails for a file.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Failing {
+    /// The write reaches the file and then reports an error.
+    Write,
+    /// The sync fails.
+    Sync,
+}
+
+/// Test hook: the error injected at `step` for `path`, if any (never outside tests).
 #[cfg(test)]
-fn failing_syncs() -> std::sync::MutexGuard<'static, std::collections::HashSet<PathBuf>> {
-    static FAILING: OnceLock<std::sync::Mutex<std::collections::HashSet<PathBuf>>> =
-        OnceLock::new();
+fn injected(path: &Path, step: Failing) -> std::io::Result<()> {
+    match failing_syncs().get(path) {
+        Some(failing) if *failing == step => Err(std::io::Error::other(format!(
+            "{step:?} failed (test hook)"
+        ))),
+        _ => Ok(()),
+    }
+}
+
+#[cfg(not(test))]
+fn injected(_: &Path, _: Failing) -> std::io::Result<()> {
+    Ok(())
+}
+
+/// Test hook: the files whose writes or syncs fail.
+#[cfg(test)]
+fn failing_syncs() -> std::sync::MutexGuard<'static, HashMap<PathBuf, Failing>> {
+    static FAILING: OnceLock<std::sync::Mutex<HashMap<PathBuf, Failing>>> = OnceLock::new();
     FAILING
         .get_or_init(Default::default)
         .lock()
@@ -1586,23 +1608,29 @@ mod tests {
         let key = LockKey::new("k").unwrap();
         let path = backend.path(&key);
         assert_eq!(grant_once(&backend, &key).await, 1);
-        // Spend the reserve so that the next grant moves the ceiling.
-        let text = std::fs::read_to_string(&path).unwrap();
-        std::fs::write(&path, text.replace(" n1", "")).unwrap();
-        let req = request(&key, Duration::from_secs(30));
-        failing_syncs().insert(path.clone());
-        let failed = backend.acquire(&req, Duration::from_secs(1)).await;
-        failing_syncs().remove(&path);
-        assert!(failed.is_err(), "granted without a sync");
-        assert!(
-            backend.inspect(&key).await.unwrap().is_none(),
-            "a failed grant holds"
-        );
-        let grant = backend.try_acquire(&req).await.unwrap().unwrap();
-        backend.release(&grant).await.unwrap();
-        let synced = syncs().get(&path).unwrap().1.clone();
-        power_loss(&path, &synced);
-        assert!(grant_once(&backend, &key).await > grant.token.get());
+        for step in [Failing::Sync, Failing::Write] {
+            // Spend the reserve so that the next grant moves the ceiling.
+            let text = std::fs::read_to_string(&path).unwrap();
+            let spent: String = text
+                .split_inclusive(' ')
+                .filter(|f| !f.starts_with('n'))
+                .collect();
+            std::fs::write(&path, spent).unwrap();
+            let req = request(&key, Duration::from_secs(30));
+            failing_syncs().insert(path.clone(), step);
+            let failed = backend.acquire(&req, Duration::from_secs(1)).await;
+            failing_syncs().remove(&path);
+            assert!(failed.is_err(), "{step:?}: granted without a sync");
+            assert!(
+                backend.inspect(&key).await.unwrap().is_none(),
+                "{step:?}: a failed grant holds"
+            );
+            let grant = backend.try_acquire(&req).await.unwrap().unwrap();
+            backend.release(&grant).await.unwrap();
+            let synced = syncs().get(&path).unwrap().1.clone();
+            power_loss(&path, &synced);
+            assert!(grant_once(&backend, &key).await > grant.token.get());
+        }
     }
 
     /// What a lockkit version from before the reserve does to a key's file (it reads the
