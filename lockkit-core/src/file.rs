@@ -2,7 +2,7 @@
 //!
 //! One file per key. Its first line is `ceiling owner depth expires boot attempts [kind]
 //! [t<held token>] [n<last token>]`; the lines after it hold the holder's identity, readers
-//! and permits, and waiting writers' markers (see [`State`]). Format change (issue 13): the
+//! and permits, and waiting writers' markers. Format change (issue 13): the
 //! first field, which older versions read as the key's counter, is now a durable ceiling
 //! on the tokens handed out, synced only when it moves, and `n<token>` (ignored by older
 //! versions) is the last token handed out, trusted only in the boot that wrote it; see
@@ -684,14 +684,17 @@ impl Drop for Waker<'_> {
 /// the file per grant cost most of an uncontended acquisition (~177 µs of ~234 µs). So the
 /// file's first field is a *ceiling*, synced whenever it moves, and the last token handed
 /// out is written beside it as a last field `n<token>`, not synced: a grant takes the next
-/// token and, only when that passes the ceiling, moves the ceiling [`RESERVE`] tokens up
+/// token and, only when that passes the ceiling, moves the ceiling 1,024 tokens up
 /// and syncs (once per 1,024 new holders of a key). `n` is trusted only in the boot that
 /// wrote it (the file records its boot): after a reboot, whatever of the later writes the
 /// disk kept, every token up to the synced ceiling counts as handed out, and the next one
 /// is above it. A moved ceiling is written and synced with no `n` (all of it spent), and
 /// only then is `n` written, so a process that dies before its sync leaves nothing that
-/// lets another trust an unsynced ceiling. Where the boot cannot be told, each grant syncs,
-/// as before. Within a boot, tokens still count up by one.
+/// lets another trust an unsynced ceiling, and a write or sync of a new ceiling that fails
+/// puts the file back as it was. Writes that do not move the ceiling leave its bytes as
+/// they are, so a power loss that keeps only some of them (a sector is written whole)
+/// keeps the synced ceiling. Where the boot cannot be told, each grant syncs, as before.
+/// Within a boot, tokens still count up by one.
 ///
 /// Older versions read the first field as the key's counter: their grant adds one to it
 /// (above every token handed out, all of which are at most the ceiling) and syncs, and any
