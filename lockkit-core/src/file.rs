@@ -214,6 +214,10 @@ const WRITER_MARKER: Duration = Duration::from_secs(3);
 /// ceiling's write and its sync, or an older version's write skips what was left of it.
 const RESERVE: u64 = 1024;
 
+/// The highest token handed out: 2^63 - 1, so that tokens fit a signed 64-bit number,
+/// which is how storage often keeps them (see [`State::next_token`]).
+const MAX_TOKEN: u64 = i64::MAX as u64;
+
 /// Reads a lock file's text as of this boot: an expiry written in another boot is over, and
 /// so is the reserve of tokens below the ceiling (`n<token>`), which only the boot that
 /// wrote it can trust: its writes need not have reached the disk, the ceiling's did.
@@ -383,13 +387,31 @@ impl State {
     /// leaves (see [`FileBackend::with_file`]). Where the boot cannot be told
     /// ([`boot_id`] is `-`), `n` is never trusted, so the reserve is one token: a sync per
     /// grant, as before the reserve.
-    fn next_token(&mut self) -> u64 {
-        self.token += 1;
+    ///
+    /// # Errors
+    /// The key's tokens are used up: the next would pass [`MAX_TOKEN`] (a first field or
+    /// `n` written near it by hand or by another program; a key gets there in no other way).
+    fn next_token(&mut self, key: &LockKey) -> Result<u64> {
+        let next = self.token.checked_add(1).filter(|t| *t <= MAX_TOKEN);
+        let Some(next) = next else {
+            return Err(Error::backend(
+                SCHEME,
+                false,
+                format!(
+                    "the fencing tokens of `{key}` are used up (the last handed out is {}, and \
+                     tokens stay below 2^63): use another key name; do not restart this key's \
+                     tokens by deleting its file, as storage fenced by them would then take \
+                     a new holder's writes for an old one's",
+                    self.token
+                ),
+            ));
+        };
+        self.token = next;
         if self.token > self.ceiling {
             let reserve = if boot_id() == "-" { 1 } else { RESERVE };
-            self.ceiling = self.token.saturating_add(reserve - 1);
+            self.ceiling = self.token.saturating_add(reserve - 1).min(MAX_TOKEN);
         }
-        self.token
+        Ok(self.token)
     }
 
     fn holder(&self, now: u64) -> Option<OwnerId> {
@@ -535,7 +557,10 @@ impl Locked {
     /// (`fdatasync`); only then is the next token written (`n<token>`, not synced). So a
     /// file that says `n` in this boot has its ceiling on the disk: a process that dies
     /// between the write and its sync leaves a file whose reserve is all spent, and the
-    /// next grant moves the ceiling (and syncs) again. Nothing else is synced: a renewal or
+    /// next grant moves the ceiling (and syncs) again. The directory is synced after the file
+    /// (its entry for the file: a new key's file, whose first ceiling this is, must not go
+    /// missing in a power loss, which would start its tokens again at 1; an already
+    /// synced directory costs next to nothing). Nothing else is synced: a renewal or
     /// release changes only a lease, which a crash ends anyway, and syncing it made
     /// renewals miss short leases under load.
     fn store(&mut self, before: &State, path: &Path) -> std::io::Result<()> {
@@ -548,7 +573,10 @@ impl Locked {
             let written = self
                 .write(&text)
                 .and_then(|()| injected(path, Failing::Write));
-            if let Err(e) = written.and_then(|()| sync(&self.file, path)) {
+            let synced_all = written
+                .and_then(|()| sync(&self.file, path))
+                .and_then(|()| sync_dir(path));
+            if let Err(e) = synced_all {
                 // The new ceiling may be in the file (all or part of the write) but not on
                 // the disk: put the file back as it was, so that no retry of this attempt
                 // finds its grant there (it would take the grant's token as granted) and
@@ -588,6 +616,16 @@ impl Locked {
 fn sync(file: &File, path: &Path) -> std::io::Result<()> {
     injected(path, Failing::Sync)?;
     file.sync_data()
+}
+
+/// `fsync`s the directory of the file `path`: its entry for the file.
+fn sync_dir(path: &Path) -> std::io::Result<()> {
+    let Some(dir) = path.parent() else {
+        return Ok(());
+    };
+    File::open(dir)?.sync_all()?;
+    dir_synced(path);
+    Ok(())
 }
 
 /// Test hook: which step of a new ceiling's store fails for a file.
@@ -645,6 +683,24 @@ fn synced(path: &Path, text: &str) {
 
 #[cfg(not(test))]
 fn synced(_: &Path, _: &str) {}
+
+/// Test hook: how many times the directory was synced for each lock file.
+#[cfg(test)]
+fn dir_syncs() -> std::sync::MutexGuard<'static, HashMap<PathBuf, u64>> {
+    static SYNCS: OnceLock<std::sync::Mutex<HashMap<PathBuf, u64>>> = OnceLock::new();
+    SYNCS
+        .get_or_init(Default::default)
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+}
+
+#[cfg(test)]
+fn dir_synced(path: &Path) {
+    *dir_syncs().entry(path.to_owned()).or_default() += 1;
+}
+
+#[cfg(not(test))]
+fn dir_synced(_: &Path) {}
 
 /// A waiter's registration in [`FileBackend::wakers`].
 struct Waker<'a> {
@@ -715,6 +771,62 @@ pub struct FileBackend {
     /// The directory's watch for other processes' changes, if it can be watched (made on
     /// the first wait; ends with the backend's last clone).
     watched: Arc<OnceLock<Option<crate::file_watch::Watch>>>,
+    /// What the directory's file system is (read once, at [`FileBackend::open`]).
+    fs: FsKind,
+}
+
+/// What a lock directory's file system is, as far as the backend cares (`statfs`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum FsKind {
+    /// A local disk's, or one not known here.
+    Local,
+    /// A network or FUSE file system's (NFS, SMB/CIFS, FUSE and virtiofs, 9p, Ceph, AFS,
+    /// Coda, Lustre, GlusterFS, cluster file systems): a `flock`, a read, a write or a
+    /// close may wait for a server, for as long as an outage lasts.
+    Remote,
+    /// In memory (`tmpfs`, `ramfs`): emptied at every boot, tokens with it.
+    Tmpfs,
+}
+
+impl FsKind {
+    /// From `statfs`'s `f_type` (the magic numbers of `linux/magic.h` and statfs(2)).
+    fn from_magic(magic: u64) -> FsKind {
+        match magic & 0xFFFF_FFFF {
+            0x6969 // NFS
+            | 0x517B // SMB
+            | 0xFF53_4D42 // CIFS
+            | 0xFE53_4D42 // SMB2
+            | 0x6573_5546 // FUSE (virtiofs, sshfs, glusterfs, ...)
+            | 0x0102_1997 // 9p
+            | 0x00C3_6400 // Ceph
+            | 0x5346_414F // AFS
+            | 0x6B41_4653 // kAFS
+            | 0x7375_7245 // Coda
+            | 0x0BD0_0BD0 // Lustre
+            | 0x7461_636F // OCFS2
+            | 0x0116_1970 // GFS2
+            => FsKind::Remote,
+            0x0102_1994 // tmpfs
+            | 0x8584_58F6 // ramfs
+            => FsKind::Tmpfs,
+            _ => FsKind::Local,
+        }
+    }
+
+    /// The file system of `dir`; [`FsKind::Local`] where it cannot be told.
+    #[cfg(any(target_os = "linux", target_os = "android"))]
+    fn of(dir: &Path) -> FsKind {
+        match rustix::fs::statfs(dir) {
+            #[allow(clippy::unnecessary_cast, clippy::cast_sign_loss)]
+            Ok(stat) => FsKind::from_magic(stat.f_type as i64 as u64),
+            Err(_) => FsKind::Local,
+        }
+    }
+
+    #[cfg(not(any(target_os = "linux", target_os = "android")))]
+    fn of(_: &Path) -> FsKind {
+        FsKind::Local
+    }
 }
 
 fn io_error(doing: &str, path: &Path, e: std::io::Error) -> Error {
@@ -756,10 +868,19 @@ impl FileBackend {
             ))
         })?;
         let _ = std::fs::remove_file(probe);
+        let fs = FsKind::of(&dir);
+        if fs == FsKind::Tmpfs {
+            tracing::warn!(
+                dir = %dir.display(),
+                "lock directory is on tmpfs, emptied at every boot: fencing tokens start \
+                 again at 1 after a reboot; use a directory on a disk, e.g. /var/lib/<app>/locks"
+            );
+        }
         Ok(FileBackend {
             dir: Arc::new(dir),
             wakers: Arc::default(),
             watched: Arc::default(),
+            fs,
         })
     }
 
@@ -867,37 +988,54 @@ impl FileBackend {
     ///
     /// Where the file's `flock` is free at once (an uncontended key on a local disk), the
     /// operation runs in the caller's task, in its first poll: a few syscalls on the file,
-    /// cheaper than a hand-off to a blocking thread and back, with no await point before
-    /// the file is written and closed. Two things move to a blocking thread, which finishes
-    /// them whatever becomes of the caller: the wait for a `flock` another operation holds
-    /// (a paused process may hold it long) with everything after it, and a sync (a moved
-    /// ceiling of tokens, [`Locked::store`]). Only a grant moves the ceiling, and a grant's
-    /// caller that goes away still receives it ([`detached_acquire`] gives it back).
+    /// cheaper than a hand-off to a blocking thread and back, with no await point while
+    /// the `flock` is held. The rest runs on a blocking thread, which finishes it whatever
+    /// becomes of the caller: an operation that finds the `flock` taken (a paused process
+    /// may hold it long) waits for it there, and one whose state needs a sync (a moved
+    /// ceiling of tokens, [`Locked::store`], which only a grant moves) lets go of the
+    /// `flock` before anything is written and runs again there from the start (so `op` may
+    /// run twice; only its last run's changes are written). So no `flock` is ever held
+    /// while waiting for a blocking thread: with the pool busy (its threads waiting for
+    /// `flock`s, say), one held there would keep its key from every process, and a thread
+    /// waiting for that same `flock` would wait forever. A grant's caller that goes away
+    /// still receives its grant ([`detached_acquire`] gives it back).
+    ///
+    /// On a network or FUSE file system (see [`FsKind`]) every operation runs on a blocking
+    /// thread: a `flock` there is a request to a server, and an outage could block the
+    /// runtime's worker for as long as it lasts.
     async fn with_file<T, F>(&self, key: &LockKey, doing: &'static str, op: F) -> Result<T>
     where
         T: Send + 'static,
-        F: FnOnce(&mut Locked, u64) -> Result<T> + Send + 'static,
+        F: Fn(&mut Locked, u64) -> Result<T> + Send + 'static,
     {
+        in_runtime()?;
         let path = self.path(key);
-        let file = Locked::open(&path).map_err(|e| io_error(doing, &path, e))?;
-        let applied = match file.try_lock() {
-            Ok(()) => apply(file, &path, doing, op)?,
-            Err(std::fs::TryLockError::WouldBlock) => {
-                return blocking(move || {
-                    file.lock().map_err(|e| io_error(doing, &path, e))?;
-                    match apply(file, &path, doing, op)? {
-                        Applied::Done(outcome) => outcome,
-                        Applied::Unsynced(write) => (*write).finish(&path, doing),
-                    }
-                })
-                .await;
+        let mut opened = None;
+        if self.fs != FsKind::Remote {
+            let file = Locked::open(&path).map_err(|e| io_error(doing, &path, e))?;
+            match file.try_lock() {
+                Ok(()) => match apply(file, &path, doing, &op)? {
+                    Applied::Done(outcome) => return outcome,
+                    // Nothing written yet: the `flock` goes with the file (closed here),
+                    // and the operation runs again on a blocking thread.
+                    Applied::Unsynced(_) => {}
+                },
+                Err(std::fs::TryLockError::WouldBlock) => opened = Some(file),
+                Err(std::fs::TryLockError::Error(e)) => return Err(io_error(doing, &path, e)),
             }
-            Err(std::fs::TryLockError::Error(e)) => return Err(io_error(doing, &path, e)),
-        };
-        match applied {
-            Applied::Done(outcome) => outcome,
-            Applied::Unsynced(write) => blocking(move || (*write).finish(&path, doing)).await,
         }
+        blocking(move || {
+            let file = match opened {
+                Some(file) => file,
+                None => Locked::open(&path).map_err(|e| io_error(doing, &path, e))?,
+            };
+            file.lock().map_err(|e| io_error(doing, &path, e))?;
+            match apply(file, &path, doing, &op)? {
+                Applied::Done(outcome) => outcome,
+                Applied::Unsynced(write) => (*write).finish(&path, doing),
+            }
+        })
+        .await
     }
 
     /// One grant attempt. `waiting`: the caller waits, so a writer that is refused leaves
@@ -973,9 +1111,9 @@ impl<T> Unsynced<T> {
 
 /// Reads `file` (its `flock` taken), prunes it, runs `op` on it and writes what `op`
 /// changed, unless that needs a sync, which is left to the caller ([`Applied::Unsynced`]).
-fn apply<T, F>(file: File, path: &Path, doing: &'static str, op: F) -> Result<Applied<T>>
+fn apply<T, F>(file: File, path: &Path, doing: &'static str, op: &F) -> Result<Applied<T>>
 where
-    F: FnOnce(&mut Locked, u64) -> Result<T>,
+    F: Fn(&mut Locked, u64) -> Result<T>,
 {
     let mut locked = Locked::read(file).map_err(|e| io_error(doing, path, e))?;
     let now = host_now();
@@ -997,6 +1135,19 @@ where
         .store(&before, path)
         .map_err(|e| io_error(doing, path, e))?;
     Ok(Applied::Done(outcome))
+}
+
+/// Every file operation needs a Tokio runtime, whether or not this one would have used its
+/// blocking threads: an error that says so, not a panic some of the time.
+fn in_runtime() -> Result<()> {
+    match tokio::runtime::Handle::try_current() {
+        Ok(_) => Ok(()),
+        Err(_) => Err(Error::Config(
+            "the file backend needs a Tokio runtime (a taken flock and a sync are waited for \
+             on its blocking threads); call it from within one"
+                .into(),
+        )),
+    }
 }
 
 /// Runs `work` on a blocking thread; it finishes even if the caller goes away.
@@ -1092,7 +1243,7 @@ fn grant_in(
             })
         }
         Ok(()) => {
-            state.next_token();
+            state.next_token(&req.key)?;
             state.writers.retain(|(owner, _)| *owner != req.owner);
             let mut attempts = AttemptLedger::new();
             attempts.add(req.attempt);
@@ -1209,7 +1360,9 @@ impl LockBackend for FileBackend {
         let held = grant.clone();
         self.with_file(&grant.key, "renewing", move |file, now| {
             let Some(hold) = file.state.hold_of(&held, now) else {
-                return Err(Error::NotHeld { key: held.key });
+                return Err(Error::NotHeld {
+                    key: held.key.clone(),
+                });
             };
             *hold.expires = (*hold.expires).max(now.saturating_add(nanos(ttl)));
             Ok(())
@@ -1222,7 +1375,9 @@ impl LockBackend for FileBackend {
         let outcome = self
             .with_file(&grant.key, "releasing", move |file, now| {
                 let Some(hold) = file.state.hold_of(&held, now) else {
-                    return Err(Error::NotHeld { key: held.key });
+                    return Err(Error::NotHeld {
+                        key: held.key.clone(),
+                    });
                 };
                 if !hold.attempts.take(held.attempt, *hold.depth) {
                     // A retried release: it took effect already.
@@ -1248,14 +1403,14 @@ impl LockBackend for FileBackend {
     }
 
     async fn ping(&self) -> Result<()> {
+        in_runtime()?;
         let dir = self.dir.clone();
-        tokio::task::spawn_blocking(move || {
+        blocking(move || {
             std::fs::metadata(&*dir)
                 .map(|_| ())
                 .map_err(|e| io_error("reading", &dir, e))
         })
         .await
-        .map_err(|e| Error::backend_with_source(SCHEME, true, "a file operation panicked", e))?
     }
 
     async fn inspect(&self, key: &LockKey) -> Result<Option<HolderInfo>> {
@@ -1263,8 +1418,18 @@ impl LockBackend for FileBackend {
     }
 
     async fn holders(&self, key: &LockKey) -> Result<Vec<HolderInfo>> {
+        in_runtime()?;
         let path = self.path(key);
-        if !path.exists() {
+        // Not made for an inspection. A stat, which on a network file system may wait for
+        // its server: off the runtime's workers there, as every file operation.
+        let exists = match self.fs {
+            FsKind::Remote => {
+                let path = path.clone();
+                blocking(move || Ok(path.exists())).await?
+            }
+            _ => path.exists(),
+        };
+        if !exists {
             return Ok(Vec::new());
         }
         self.with_file(key, "inspecting", move |file, now| {
@@ -1485,6 +1650,10 @@ mod tests {
             .expect("the key is free");
         backend.release(&grant).await.unwrap();
         grant.token.get()
+    }
+
+    fn dir_sync_count(path: &Path) -> u64 {
+        dir_syncs().get(path).copied().unwrap_or(0)
     }
 
     fn sync_count(path: &Path) -> u64 {
@@ -1784,6 +1953,166 @@ mod tests {
             .expect("the attempt never took the flock")
             .unwrap();
         assert_eq!(token, 2);
+    }
+
+    /// Whether another process could take `path`'s `flock` now.
+    fn flock_free(path: &Path) -> bool {
+        Locked::open(path).unwrap().try_lock().is_ok()
+    }
+
+    /// A first grant moves its key's ceiling, whose sync needs a blocking thread. With the
+    /// blocking pool busy (here its one thread waits for another key's `flock`, held by a
+    /// paused process), the grant waits for a thread without holding its key's `flock`:
+    /// other processes can take the key meanwhile.
+    #[test]
+    fn a_grant_waiting_for_a_blocking_thread_holds_no_flock() {
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .max_blocking_threads(1)
+            .enable_all()
+            .build()
+            .unwrap();
+        rt.block_on(async {
+            let backend = FileBackend::open(temp_dir("parked")).unwrap();
+            let k2 = LockKey::new("k2").unwrap();
+            let paused = Locked::open(&backend.path(&k2)).unwrap();
+            paused.lock().unwrap();
+            let b = backend.clone();
+            let w =
+                tokio::spawn(
+                    async move { b.try_acquire(&request(&k2, Duration::from_secs(30))).await },
+                );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            let k = LockKey::new("k").unwrap();
+            let a = tokio::time::timeout(
+                Duration::from_millis(300),
+                backend.try_acquire(&request(&k, Duration::from_secs(30))),
+            )
+            .await;
+            assert!(a.is_err(), "granted with the only blocking thread busy");
+            for _ in 0..3 {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                assert!(
+                    flock_free(&backend.path(&k)),
+                    "a grant waiting for a blocking thread holds its key's flock"
+                );
+            }
+            drop(paused);
+            w.await.unwrap().unwrap().unwrap();
+        });
+    }
+
+    /// The blocking pool's threads wait for a key's `flock`; when its holder lets go, a
+    /// first grant in the caller's task may take the flock before them, and must not then
+    /// wait for a blocking thread with it (they would wait for each other forever).
+    #[test]
+    fn a_grant_never_waits_for_a_blocking_thread_with_a_flock_waited_for_there() {
+        let mut stuck = 0;
+        for round in 0..10 {
+            let rt = tokio::runtime::Builder::new_multi_thread()
+                .worker_threads(1)
+                .max_blocking_threads(1 + round % 2)
+                .enable_all()
+                .build()
+                .unwrap();
+            let deadlocked = rt.block_on(async {
+                let backend = FileBackend::open(temp_dir("deadlock")).unwrap();
+                let k = LockKey::new("k").unwrap();
+                let other_process = Locked::open(&backend.path(&k)).unwrap();
+                other_process.lock().unwrap();
+                for _ in 0..2 {
+                    let (b, k) = (backend.clone(), k.clone());
+                    tokio::spawn(async move {
+                        b.try_acquire(&request(&k, Duration::from_secs(30))).await
+                    });
+                }
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                drop(other_process);
+                let a = tokio::time::timeout(
+                    Duration::from_secs(3),
+                    backend.try_acquire(&request(&k, Duration::from_secs(30))),
+                )
+                .await;
+                a.is_err()
+            });
+            if deadlocked {
+                stuck += 1;
+                // A deadlocked runtime cannot shut down its blocking pool: leak it.
+                std::mem::forget(rt);
+            }
+        }
+        assert_eq!(stuck, 0, "{stuck} of 10 rounds deadlocked");
+    }
+
+    /// Outside a Tokio runtime, a file operation says so (it needs the runtime's blocking
+    /// threads for a taken flock or a sync), whether or not it would have needed them.
+    #[test]
+    fn outside_a_runtime_operations_fail_with_a_clear_error() {
+        let backend = FileBackend::open(temp_dir("noruntime")).unwrap();
+        let key = LockKey::new("k").unwrap();
+        let req = request(&key, Duration::from_secs(30));
+        let mut attempt = Box::pin(backend.try_acquire(&req));
+        let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+        match attempt.as_mut().poll(&mut cx) {
+            std::task::Poll::Ready(Err(Error::Config(message))) => {
+                assert!(message.contains("Tokio runtime"), "{message}");
+            }
+            other => panic!("{:?}", other.map(|r| r.map(|g| g.map(|g| g.token)))),
+        }
+    }
+
+    /// Tokens stay below 2^63 (storage often keeps them as a signed 64-bit number): a key
+    /// whose tokens are used up refuses new holds with an error that says so, and a
+    /// ceiling near the end is cut short there.
+    #[tokio::test]
+    async fn used_up_tokens_refuse_new_holds() {
+        let backend = FileBackend::open(temp_dir("overflow")).unwrap();
+        let key = LockKey::new("k").unwrap();
+        let path = backend.path(&key);
+        let max = MAX_TOKEN;
+        std::fs::write(&path, format!("{} - 0 0 {} -\n", max - 3, boot_id())).unwrap();
+        assert_eq!(grant_once(&backend, &key).await, max - 2);
+        assert_eq!(load(&std::fs::read_to_string(&path).unwrap()).ceiling, max);
+        assert_eq!(grant_once(&backend, &key).await, max - 1);
+        assert_eq!(grant_once(&backend, &key).await, max);
+        for text in [
+            format!("{max} - 0 0 {} -\n", boot_id()),
+            format!("{} - 0 0 {} - x n{}\n", u64::MAX, boot_id(), u64::MAX),
+        ] {
+            std::fs::write(&path, &text).unwrap();
+            let refused = backend
+                .try_acquire(&request(&key, Duration::from_secs(30)))
+                .await
+                .unwrap_err();
+            assert!(refused.to_string().contains("used up"), "{refused}");
+            assert_eq!(std::fs::read_to_string(&path).unwrap(), text);
+        }
+    }
+
+    /// The first grant of a new key syncs the directory too (the file's entry in it), so a
+    /// power loss cannot take the file, and with it the key's tokens, away; later grants
+    /// from the same reserve sync nothing.
+    #[tokio::test]
+    async fn a_new_keys_directory_entry_is_synced_before_its_first_token() {
+        let backend = FileBackend::open(temp_dir("direntry")).unwrap();
+        let key = LockKey::new("k").unwrap();
+        let path = backend.path(&key);
+        assert_eq!(dir_sync_count(&path), 0);
+        assert_eq!(grant_once(&backend, &key).await, 1);
+        assert_eq!(dir_sync_count(&path), 1);
+        for _ in 0..5 {
+            grant_once(&backend, &key).await;
+        }
+        assert_eq!(dir_sync_count(&path), 1);
+    }
+
+    #[test]
+    fn network_and_fuse_file_systems_are_told_apart() {
+        for magic in [0x6969, 0xFF53_4D42, 0xFE53_4D42, 0x6573_5546, 0x0102_1997] {
+            assert_eq!(FsKind::from_magic(magic), FsKind::Remote, "{magic:#x}");
+        }
+        assert_eq!(FsKind::from_magic(0x0102_1994), FsKind::Tmpfs);
+        assert_eq!(FsKind::from_magic(0xEF53), FsKind::Local);
     }
 
     /// A free key is granted without setting up a wait: no directory watch (whose thread
