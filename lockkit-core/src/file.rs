@@ -1,5 +1,10 @@
 //! `FileBackend`: locks shared by the processes of one host, in a directory.
 //!
+//! The directory must be on a local file system of that host's kernel, and on a disk:
+//! `/var/lib/<app>/locks`, not `/var/lock` or `/run/lock` (a tmpfs on systemd
+//! distributions, emptied at every boot: tokens would start again at 1). See
+//! [`FileBackend`], "Where to put the directory".
+//!
 //! One file per key. Its first line is `ceiling owner depth expires boot attempts [kind]
 //! [t<held token>] [n<last token>]`; the lines after it hold the holder's identity, readers
 //! and permits, and waiting writers' markers. Format change (issue 13): the
@@ -730,9 +735,32 @@ impl Drop for Waker<'_> {
 }
 
 /// Locks shared between the processes of one host, kept as one small file per key in a
-/// directory: `file:///var/lock/myapp`. Each operation takes the file's `flock` for a
+/// directory: `file:///var/lib/myapp/locks`. Each operation takes the file's `flock` for a
 /// moment and reads or writes `token owner depth expiry`, the expiry on the host's
 /// monotonic clock. Tokens survive restarts in the files.
+///
+/// # Where to put the directory
+///
+/// On a disk of the host whose processes share the locks: the files are the tokens' only
+/// record. Not on a tmpfs (`/tmp` on some distributions, and `/var/lock`, which systemd
+/// distributions link to `/run/lock`): it is emptied at every boot, and the tokens start
+/// again at 1, below tokens that fenced storage may still hold (a warning is logged at
+/// [`FileBackend::open`] for a tmpfs). `/var/lib/<app>/locks` is a good place.
+///
+/// The backend needs one kernel: `flock` and the expiries (`CLOCK_MONOTONIC`, the boot id)
+/// are those of the kernel that runs the processes. So not a network file system shared by
+/// several hosts (NFS, SMB), and not a directory shared between virtual machines or
+/// sandboxes with kernels of their own (virtiofs, 9p, gVisor, Kata containers): their locks
+/// and clocks are not one. A network or FUSE file system used by one host still works, but
+/// every operation on it runs on a blocking thread (a `flock` there is a request to a
+/// server, which an outage could keep from returning): slower, never on the runtime's
+/// workers.
+///
+/// Within a boot, the reserve of tokens (below) trusts the kernel's page cache: a write is
+/// seen by every later read, synced or not. What breaks that could repeat a token: a disk
+/// that loses its volatile write cache while the host stays up, or a process restored from
+/// a checkpoint (CRIU) or a virtual machine resumed from a memory snapshot, either of which
+/// goes back to an earlier state in the same boot.
 ///
 /// # Fencing tokens
 ///
@@ -750,7 +778,11 @@ impl Drop for Waker<'_> {
 /// puts the file back as it was. Writes that do not move the ceiling leave its bytes as
 /// they are, so a power loss that keeps only some of them (a sector is written whole)
 /// keeps the synced ceiling. Where the boot cannot be told, each grant syncs, as before.
-/// Within a boot, tokens still count up by one.
+/// Within a boot, tokens still count up by one. A moved ceiling's sync syncs the directory
+/// too (its entry for the file), so a power loss cannot take a new key's file away and
+/// start its tokens again. Tokens stay below 2^63 (they fit a signed 64-bit number): a
+/// key whose tokens are used up (only a first field written near the end by hand gets
+/// there) refuses new holds with an error.
 ///
 /// Older versions read the first field as the key's counter: their grant adds one to it
 /// (above every token handed out, all of which are at most the ceiling) and syncs, and any
@@ -897,7 +929,7 @@ impl FileBackend {
         let (path, query) = path.split_once('?').unwrap_or((path, ""));
         if !path.starts_with('/') {
             return Err(Error::Config(format!(
-                "`{url}` must name an absolute directory: file:///var/lock/app[?ttl=30s]"
+                "`{url}` must name an absolute directory: file:///var/lib/app/locks[?ttl=30s]"
             )));
         }
         crate::config::only_ttl_option(url, query)?;
