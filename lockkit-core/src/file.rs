@@ -2138,6 +2138,38 @@ mod tests {
         assert_eq!(dir_sync_count(&path), 1);
     }
 
+    /// On a network or FUSE file system every operation runs on a blocking thread: the
+    /// same outcomes, and a caller's runtime that never runs file I/O on its workers
+    /// (here a taken `flock` on a single-threaded runtime: a timer still fires meanwhile).
+    #[tokio::test]
+    async fn on_a_network_file_system_operations_run_off_the_runtime() {
+        let mut backend = FileBackend::open(temp_dir("remote")).unwrap();
+        backend.fs = FsKind::Remote;
+        let key = LockKey::new("k").unwrap();
+        for expected in 1..=3 {
+            assert_eq!(grant_once(&backend, &key).await, expected);
+        }
+        let held = backend
+            .try_acquire(&request(&key, Duration::from_secs(30)))
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(backend.holders(&key).await.unwrap().len(), 1);
+        backend.release(&held).await.unwrap();
+        assert!(backend.inspect(&key).await.unwrap().is_none());
+        let other = Locked::open(&backend.path(&key)).unwrap();
+        other.lock().unwrap();
+        let attempt = tokio::spawn({
+            let backend = backend.clone();
+            let key = key.clone();
+            async move { grant_once(&backend, &key).await }
+        });
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        assert!(!attempt.is_finished());
+        drop(other);
+        assert_eq!(attempt.await.unwrap(), 5);
+    }
+
     #[test]
     fn network_and_fuse_file_systems_are_told_apart() {
         for magic in [0x6969, 0xFF53_4D42, 0xFE53_4D42, 0x6573_5546, 0x0102_1997] {
