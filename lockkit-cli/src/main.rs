@@ -71,10 +71,14 @@ const LOST_EXIT: u8 = 75;
     long_about = "Distributed locks from the command line.\n\nThe backend comes from --url or \
                   $LOCKKIT_URL (memory://, file:///dir, redis://, redis+cluster://, redlock://, \
                   zk://, mysql://, postgres://, etcd://); without either, a lock directory under the system's \
-                  temporary directory is used."
+                  temporary directory is used: fine for locks alone, but it may be a tmpfs, emptied \
+                  at every boot (and cleaned of old files), so fencing tokens may start again at 1; \
+                  for tokens that must keep growing, use a directory on a disk, e.g. \
+                  file:///var/lib/<app>/locks."
 )]
 struct Cli {
-    /// Backend URL (default: $LOCKKIT_URL, else a lock directory in the temp directory).
+    /// Backend URL (default: $LOCKKIT_URL, else a lock directory in the temp directory,
+    /// whose fencing tokens may start again after a reboot).
     #[arg(long, global = true, env = "LOCKKIT_URL")]
     url: Option<String>,
     /// More diagnostics on stderr: -v shows lockkit's spans (each acquire, renew and
@@ -316,7 +320,7 @@ async fn fence(url: &str, resource: &str, token: FencingToken, command: &[String
             let dir = dir.split_once('?').map_or(dir, |(dir, _)| dir);
             if !dir.starts_with('/') {
                 eprintln!(
-                    "lockkit: a file:// fence needs an absolute directory: file:///var/lock/app"
+                    "lockkit: a file:// fence needs an absolute directory: file:///var/lib/app/locks"
                 );
                 return ExitCode::from(2);
             }

@@ -1,9 +1,23 @@
 //! `FileBackend`: locks shared by the processes of one host, in a directory.
+//!
+//! The directory must be on a local file system of that host's kernel, and on a disk:
+//! `/var/lib/<app>/locks`, not `/var/lock` or `/run/lock` (a tmpfs on systemd
+//! distributions, emptied at every boot: tokens would start again at 1). See
+//! [`FileBackend`], "Where to put the directory".
+//!
+//! One file per key. Its first line is `ceiling owner depth expires boot attempts [kind]
+//! [t<held token>] [n<last token>]`; the lines after it hold the holder's identity, readers
+//! and permits, and waiting writers' markers. Format change (issue 13): the
+//! first field, which older versions read as the key's counter, is now a durable ceiling
+//! on the tokens handed out, synced only when it moves, and `n<token>` (ignored by older
+//! versions) is the last token handed out, trusted only in the boot that wrote it; see
+//! [`FileBackend`], "Fencing tokens", for why a mix of versions and a power loss still
+//! never repeat a token.
 
 use std::{
     collections::HashMap,
     fs::{File, OpenOptions},
-    io::{Read, Seek, SeekFrom, Write},
+    io::Read,
     path::{Path, PathBuf},
     sync::{
         Arc, OnceLock,
@@ -93,8 +107,9 @@ fn encoded_name(key: &LockKey) -> String {
     out
 }
 
-/// The state of one lock as stored in its file: `token owner depth expires boot attempts`.
-/// The token stays when the lock is free, so it keeps growing. A file without a boot id
+/// The state of one lock as stored in its file: `ceiling owner depth expires boot attempts
+/// [kind] [t<held token>] [n<last token>]`. The tokens stay when the lock is free, so they
+/// keep growing (see [`FileBackend`], "Fencing tokens"). A file without a boot id
 /// (written before it was stored) is read as written in this boot: a holder of an older
 /// version may still be running, and a double grant is worse than a key that stays held
 /// until that expiry. A file without attempts has an empty ledger: its holds are released
@@ -108,7 +123,14 @@ fn encoded_name(key: &LockKey) -> String {
 /// so that a lockkit version that reads only the first line still sees the key held.
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
 struct State {
-    /// The key's counter: the last token handed out, to any kind of hold.
+    /// The reserve ceiling: every token handed out is at most this, and it is on the disk
+    /// (synced) before any token up to it is handed out. The first field of the first line,
+    /// which older versions read as the key's counter (and add one to).
+    ceiling: u64,
+    /// The last token handed out, to any kind of hold (at most [`State::ceiling`]). Written
+    /// as a last field `n<token>` when below the ceiling (older versions ignore it), and
+    /// trusted only in the boot that wrote it: read in another boot, or from a file without
+    /// it, it is the ceiling (see [`load`]).
     token: u64,
     /// The first line's holder's own token, when it has one (0 when nobody holds it). It is
     /// the counter unless a shared hold was granted beside it since (a downgrade), and only
@@ -192,7 +214,18 @@ impl SharedHold {
 /// than half of it (a paused process) lets new readers in until it polls again.
 const WRITER_MARKER: Duration = Duration::from_secs(3);
 
-/// Reads a lock file's text as of this boot: an expiry written in another boot is over.
+/// How many tokens a key's ceiling moves up at a time ([`State::next_token`]): one sync per
+/// this many new holders of a key, while the boot lasts. A reboot, a crash between a
+/// ceiling's write and its sync, or an older version's write skips what was left of it.
+const RESERVE: u64 = 1024;
+
+/// The highest token handed out: 2^63 - 1, so that tokens fit a signed 64-bit number,
+/// which is how storage often keeps them (see [`State::next_token`]).
+const MAX_TOKEN: u64 = i64::MAX as u64;
+
+/// Reads a lock file's text as of this boot: an expiry written in another boot is over, and
+/// so is the reserve of tokens below the ceiling (`n<token>`), which only the boot that
+/// wrote it can trust: its writes need not have reached the disk, the ceiling's did.
 fn load(text: &str) -> State {
     let mut state = State::parse(text);
     let boot = text.split_whitespace().nth(4);
@@ -203,6 +236,9 @@ fn load(text: &str) -> State {
         state.shared.clear();
         state.writers.clear();
     }
+    if ours == "-" || boot != Some(ours) {
+        state.token = state.ceiling;
+    }
     state
 }
 
@@ -210,7 +246,7 @@ impl State {
     fn parse(text: &str) -> State {
         let mut lines = text.lines();
         let mut parts = lines.next().unwrap_or("").split_whitespace();
-        let token = parts.next().and_then(|t| t.parse().ok()).unwrap_or(0);
+        let ceiling = parts.next().and_then(|t| t.parse().ok()).unwrap_or(0);
         let owner = parts
             .next()
             .filter(|o| *o != "-")
@@ -218,18 +254,29 @@ impl State {
         let depth = parts.next().and_then(|d| d.parse().ok()).unwrap_or(0);
         let expires = parts.next().and_then(|e| e.parse().ok()).unwrap_or(0);
         let attempts = parts.nth(1).map(AttemptLedger::parse).unwrap_or_default();
-        let tag = parts.next();
-        let held_token = parts
-            .next()
-            .and_then(|t| t.strip_prefix('t'))
-            .and_then(|t| t.parse().ok())
-            .unwrap_or(token);
+        // Then optionally the holder's kind (`x`, `w`, `s`), its own token (`t<token>`) and
+        // the last token handed out (`n<token>`), in this order.
+        let (mut tag, mut held, mut next) = (None, None, None);
+        for field in parts {
+            if let Some(t) = field.strip_prefix('t') {
+                held = t.parse::<u64>().ok();
+            } else if let Some(n) = field.strip_prefix('n') {
+                next = n.parse::<u64>().ok();
+            } else {
+                tag = Some(field);
+            }
+        }
+        let held_token = held.unwrap_or(ceiling);
+        // Never above the ceiling: a larger `n` (no version writes one) raises it.
+        let token = next.unwrap_or(ceiling);
+        let ceiling = ceiling.max(token);
         let identity = lines
             .next()
             .map(str::trim)
             .filter(|line| !line.is_empty() && *line != "-")
             .map(str::to_owned);
         let mut state = State {
+            ceiling,
             token,
             held_token: if owner.is_some() { held_token } else { 0 },
             owner,
@@ -291,7 +338,7 @@ impl State {
                 self.depth,
                 self.expires,
                 self.attempts.render(),
-                match (self.kind, extra || self.pinned()) {
+                match (self.kind, extra || self.pinned() || self.reserved()) {
                     (LockKind::Write, _) => " w",
                     (_, true) => " x",
                     _ => "",
@@ -302,9 +349,14 @@ impl State {
             None if self.pinned() => format!(" t{}", self.held_token),
             _ => String::new(),
         };
+        let next = if self.reserved() {
+            format!(" n{}", self.token)
+        } else {
+            String::new()
+        };
         let mut text = format!(
-            "{} {owner} {depth} {expires} {} {attempts}{tag}{held}\n",
-            self.token,
+            "{} {owner} {depth} {expires} {} {attempts}{tag}{held}{next}\n",
+            self.ceiling,
             boot_id(),
         );
         match self.identity.as_deref().filter(|_| self.owner.is_some()) {
@@ -324,10 +376,47 @@ impl State {
         text
     }
 
-    /// Whether the first line's holder has a token other than the counter (see
-    /// [`State::held_token`]).
+    /// Whether the first line's holder has a token other than the first field (the
+    /// ceiling, which is what older versions take for it): see [`State::held_token`].
     fn pinned(&self) -> bool {
-        self.owner.is_some() && self.held_token != self.token
+        self.owner.is_some() && self.held_token != self.ceiling
+    }
+
+    /// Whether tokens below the ceiling are still to hand out (then written as `n<token>`).
+    fn reserved(&self) -> bool {
+        self.token != self.ceiling
+    }
+
+    /// Hands out the next token. When it would pass the ceiling, the ceiling moves a
+    /// reserve of [`RESERVE`] tokens up, which the caller must sync before the token
+    /// leaves (see [`FileBackend::with_file`]). Where the boot cannot be told
+    /// ([`boot_id`] is `-`), `n` is never trusted, so the reserve is one token: a sync per
+    /// grant, as before the reserve.
+    ///
+    /// # Errors
+    /// The key's tokens are used up: the next would pass [`MAX_TOKEN`] (a first field or
+    /// `n` written near it by hand or by another program; a key gets there in no other way).
+    fn next_token(&mut self, key: &LockKey) -> Result<u64> {
+        let next = self.token.checked_add(1).filter(|t| *t <= MAX_TOKEN);
+        let Some(next) = next else {
+            return Err(Error::backend(
+                SCHEME,
+                false,
+                format!(
+                    "the fencing tokens of `{key}` are used up (the last handed out is {}, and \
+                     tokens stay below 2^63): use another key name; do not restart this key's \
+                     tokens by deleting its file, as storage fenced by them would then take \
+                     a new holder's writes for an old one's",
+                    self.token
+                ),
+            ));
+        };
+        self.token = next;
+        if self.token > self.ceiling {
+            let reserve = if boot_id() == "-" { 1 } else { RESERVE };
+            self.ceiling = self.token.saturating_add(reserve - 1).min(MAX_TOKEN);
+        }
+        Ok(self.token)
     }
 
     fn holder(&self, now: u64) -> Option<OwnerId> {
@@ -429,40 +518,194 @@ struct HeldRef<'a> {
 struct Locked {
     file: File,
     state: State,
+    /// The file's length, as read or last written.
+    len: u64,
 }
 
 impl Locked {
-    fn open(path: &Path) -> std::io::Result<Locked> {
-        let mut file = OpenOptions::new()
+    /// Opens (creates) the file of a key, not locked yet.
+    fn open(path: &Path) -> std::io::Result<File> {
+        OpenOptions::new()
             .read(true)
             .write(true)
             .create(true)
             .truncate(false)
-            .open(path)?;
-        file.lock()?;
-        let mut text = String::new();
-        file.read_to_string(&mut text)?;
+            .open(path)
+    }
+
+    /// Reads the state of `file`, whose `flock` the caller holds.
+    fn read(mut file: File) -> std::io::Result<Locked> {
+        // Read to the end without asking for the size first (`read_to_string` does: a
+        // `statx` and an `lseek` more per operation).
+        let mut bytes = Vec::new();
+        let mut chunk = [0_u8; 1024];
+        loop {
+            match file.read(&mut chunk) {
+                Ok(0) => break,
+                Ok(n) => bytes.extend_from_slice(&chunk[..n]),
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(e),
+            }
+        }
+        let text = String::from_utf8(bytes)
+            .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, e))?;
         Ok(Locked {
             state: load(&text),
+            len: text.len() as u64,
             file,
         })
     }
 
-    /// Writes the state back. `durable`: also wait for the disk (`fdatasync`). Only a new
-    /// token needs that (it must never be handed out twice, even after a power loss); a
-    /// renewal or release changes only the lease, which a crash ends anyway, and syncing
-    /// it made renewals miss short leases under load.
-    fn write(&mut self, durable: bool) -> std::io::Result<()> {
-        let text = self.state.render();
-        self.file.seek(SeekFrom::Start(0))?;
-        self.file.write_all(text.as_bytes())?;
-        self.file.set_len(text.len() as u64)?;
-        if durable {
-            self.file.sync_data()?;
+    /// Writes the state back, after `op` changed it from `before`. A moved ceiling
+    /// ([`State::next_token`]) goes to the disk first, on its own: the state is written
+    /// with every token up to the new ceiling counted as handed out (no `n`), and synced
+    /// (`fdatasync`); only then is the next token written (`n<token>`, not synced). So a
+    /// file that says `n` in this boot has its ceiling on the disk: a process that dies
+    /// between the write and its sync leaves a file whose reserve is all spent, and the
+    /// next grant moves the ceiling (and syncs) again. The directory is synced after the file
+    /// (its entry for the file: a new key's file, whose first ceiling this is, must not go
+    /// missing in a power loss, which would start its tokens again at 1; an already
+    /// synced directory costs next to nothing). Nothing else is synced: a renewal or
+    /// release changes only a lease, which a crash ends anyway, and syncing it made
+    /// renewals miss short leases under load.
+    fn store(&mut self, before: &State, path: &Path) -> std::io::Result<()> {
+        if self.state.ceiling != before.ceiling {
+            let spent = State {
+                token: self.state.ceiling,
+                ..self.state.clone()
+            };
+            let text = spent.render();
+            let written = self
+                .write(&text)
+                .and_then(|()| injected(path, Failing::Write));
+            let synced_all = written
+                .and_then(|()| sync(&self.file, path))
+                .and_then(|()| sync_dir(path));
+            if let Err(e) = synced_all {
+                // The new ceiling may be in the file (all or part of the write) but not on
+                // the disk: put the file back as it was, so that no retry of this attempt
+                // finds its grant there (it would take the grant's token as granted) and
+                // the next grant moves the ceiling again.
+                let _ = self.write(&before.render());
+                return Err(e);
+            }
+            synced(path, &text);
+            if !self.state.reserved() {
+                return Ok(());
+            }
         }
+        let text = self.state.render();
+        self.write(&text)
+    }
+
+    /// Replaces the file's text: one positioned write, and a truncation only when the text
+    /// is shorter than the file.
+    fn write(&mut self, text: &str) -> std::io::Result<()> {
+        #[cfg(unix)]
+        std::os::unix::fs::FileExt::write_all_at(&self.file, text.as_bytes(), 0)?;
+        #[cfg(not(unix))]
+        {
+            std::io::Seek::seek(&mut self.file, std::io::SeekFrom::Start(0))?;
+            std::io::Write::write_all(&mut self.file, text.as_bytes())?;
+        }
+        let len = text.len() as u64;
+        if len < self.len {
+            self.file.set_len(len)?;
+        }
+        self.len = len;
         Ok(())
     }
 }
+
+/// `fdatasync`s `file`, the file of `path` (for the test hook that fails it).
+fn sync(file: &File, path: &Path) -> std::io::Result<()> {
+    injected(path, Failing::Sync)?;
+    file.sync_data()
+}
+
+/// `fsync`s the directory of the file `path`: its entry for the file.
+fn sync_dir(path: &Path) -> std::io::Result<()> {
+    let Some(dir) = path.parent() else {
+        return Ok(());
+    };
+    File::open(dir)?.sync_all()?;
+    dir_synced(path);
+    Ok(())
+}
+
+/// Test hook: which step of a new ceiling's store fails for a file.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Failing {
+    /// The write reaches the file and then reports an error.
+    Write,
+    /// The sync fails.
+    Sync,
+}
+
+/// Test hook: the error injected at `step` for `path`, if any (never outside tests).
+#[cfg(test)]
+fn injected(path: &Path, step: Failing) -> std::io::Result<()> {
+    match failing_syncs().get(path) {
+        Some(failing) if *failing == step => Err(std::io::Error::other(format!(
+            "{step:?} failed (test hook)"
+        ))),
+        _ => Ok(()),
+    }
+}
+
+#[cfg(not(test))]
+fn injected(_: &Path, _: Failing) -> std::io::Result<()> {
+    Ok(())
+}
+
+/// Test hook: the files whose writes or syncs fail.
+#[cfg(test)]
+fn failing_syncs() -> std::sync::MutexGuard<'static, HashMap<PathBuf, Failing>> {
+    static FAILING: OnceLock<std::sync::Mutex<HashMap<PathBuf, Failing>>> = OnceLock::new();
+    FAILING
+        .get_or_init(Default::default)
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+}
+
+/// Test hook: each lock file's syncs, as (how many, the text last synced).
+#[cfg(test)]
+fn syncs() -> std::sync::MutexGuard<'static, HashMap<PathBuf, (u64, String)>> {
+    static SYNCS: OnceLock<std::sync::Mutex<HashMap<PathBuf, (u64, String)>>> = OnceLock::new();
+    SYNCS
+        .get_or_init(Default::default)
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+}
+
+#[cfg(test)]
+fn synced(path: &Path, text: &str) {
+    let mut syncs = syncs();
+    let entry = syncs.entry(path.to_owned()).or_default();
+    entry.0 += 1;
+    entry.1 = text.to_owned();
+}
+
+#[cfg(not(test))]
+fn synced(_: &Path, _: &str) {}
+
+/// Test hook: how many times the directory was synced for each lock file.
+#[cfg(test)]
+fn dir_syncs() -> std::sync::MutexGuard<'static, HashMap<PathBuf, u64>> {
+    static SYNCS: OnceLock<std::sync::Mutex<HashMap<PathBuf, u64>>> = OnceLock::new();
+    SYNCS
+        .get_or_init(Default::default)
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+}
+
+#[cfg(test)]
+fn dir_synced(path: &Path) {
+    *dir_syncs().entry(path.to_owned()).or_default() += 1;
+}
+
+#[cfg(not(test))]
+fn dir_synced(_: &Path) {}
 
 /// A waiter's registration in [`FileBackend::wakers`].
 struct Waker<'a> {
@@ -492,9 +735,60 @@ impl Drop for Waker<'_> {
 }
 
 /// Locks shared between the processes of one host, kept as one small file per key in a
-/// directory: `file:///var/lock/myapp`. Each operation takes the file's `flock` for a
+/// directory: `file:///var/lib/myapp/locks`. Each operation takes the file's `flock` for a
 /// moment and reads or writes `token owner depth expiry`, the expiry on the host's
 /// monotonic clock. Tokens survive restarts in the files.
+///
+/// # Where to put the directory
+///
+/// On a disk of the host whose processes share the locks: the files are the tokens' only
+/// record. Not on a tmpfs (`/tmp` on some distributions, and `/var/lock`, which systemd
+/// distributions link to `/run/lock`): it is emptied at every boot, and the tokens start
+/// again at 1, below tokens that fenced storage may still hold (a warning is logged at
+/// [`FileBackend::open`] for a tmpfs). `/var/lib/<app>/locks` is a good place.
+///
+/// The backend needs one kernel: `flock` and the expiries (`CLOCK_MONOTONIC`, the boot id)
+/// are those of the kernel that runs the processes. So not a network file system shared by
+/// several hosts (NFS, SMB), and not a directory shared between virtual machines or
+/// sandboxes with kernels of their own (virtiofs, 9p, gVisor, Kata containers): their locks
+/// and clocks are not one. A network or FUSE file system used by one host still works, but
+/// every operation on it runs on a blocking thread (a `flock` there is a request to a
+/// server, which an outage could keep from returning): slower, never on the runtime's
+/// workers.
+///
+/// Within a boot, the reserve of tokens (below) trusts the kernel's page cache: a write is
+/// seen by every later read, synced or not. What breaks that could repeat a token: a disk
+/// that loses its volatile write cache while the host stays up, or a process restored from
+/// a checkpoint (CRIU) or a virtual machine resumed from a memory snapshot, either of which
+/// goes back to an earlier state in the same boot.
+///
+/// # Fencing tokens
+///
+/// A key's token must never be handed out twice, even after a power loss, but a sync of
+/// the file per grant cost most of an uncontended acquisition (~177 µs of ~234 µs). So the
+/// file's first field is a *ceiling*, synced whenever it moves, and the last token handed
+/// out is written beside it as a last field `n<token>`, not synced: a grant takes the next
+/// token and, only when that passes the ceiling, moves the ceiling 1,024 tokens up
+/// and syncs (once per 1,024 new holders of a key). `n` is trusted only in the boot that
+/// wrote it (the file records its boot): after a reboot, whatever of the later writes the
+/// disk kept, every token up to the synced ceiling counts as handed out, and the next one
+/// is above it. A moved ceiling is written and synced with no `n` (all of it spent), and
+/// only then is `n` written, so a process that dies before its sync leaves nothing that
+/// lets another trust an unsynced ceiling, and a write or sync of a new ceiling that fails
+/// puts the file back as it was. Writes that do not move the ceiling leave its bytes as
+/// they are, so a power loss that keeps only some of them (a sector is written whole)
+/// keeps the synced ceiling. Where the boot cannot be told, each grant syncs, as before.
+/// Within a boot, tokens still count up by one. A moved ceiling's sync syncs the directory
+/// too (its entry for the file), so a power loss cannot take a new key's file away and
+/// start its tokens again. Tokens stay below 2^63 (they fit a signed 64-bit number): a
+/// key whose tokens are used up (only a first field written near the end by hand gets
+/// there) refuses new holds with an error.
+///
+/// Older versions read the first field as the key's counter: their grant adds one to it
+/// (above every token handed out, all of which are at most the ceiling) and syncs, and any
+/// of their writes drops `n`, which spends the reserve: the next grant of this version
+/// moves the ceiling. A holder's own token is written as `t<token>` (which versions since
+/// read-write locks read) whenever it is not the first field.
 ///
 /// Waiters are woken at once by a release in the same process and, on Linux, by any change
 /// to the key's file (the directory is watched with inotify, one thread per process); they
@@ -509,6 +803,62 @@ pub struct FileBackend {
     /// The directory's watch for other processes' changes, if it can be watched (made on
     /// the first wait; ends with the backend's last clone).
     watched: Arc<OnceLock<Option<crate::file_watch::Watch>>>,
+    /// What the directory's file system is (read once, at [`FileBackend::open`]).
+    fs: FsKind,
+}
+
+/// What a lock directory's file system is, as far as the backend cares (`statfs`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum FsKind {
+    /// A local disk's, or one not known here.
+    Local,
+    /// A network or FUSE file system's (NFS, SMB/CIFS, FUSE and virtiofs, 9p, Ceph, AFS,
+    /// Coda, Lustre, GlusterFS, cluster file systems): a `flock`, a read, a write or a
+    /// close may wait for a server, for as long as an outage lasts.
+    Remote,
+    /// In memory (`tmpfs`, `ramfs`): emptied at every boot, tokens with it.
+    Tmpfs,
+}
+
+impl FsKind {
+    /// From `statfs`'s `f_type` (the magic numbers of `linux/magic.h` and statfs(2)).
+    fn from_magic(magic: u64) -> FsKind {
+        match magic & 0xFFFF_FFFF {
+            0x6969 // NFS
+            | 0x517B // SMB
+            | 0xFF53_4D42 // CIFS
+            | 0xFE53_4D42 // SMB2
+            | 0x6573_5546 // FUSE (virtiofs, sshfs, glusterfs, ...)
+            | 0x0102_1997 // 9p
+            | 0x00C3_6400 // Ceph
+            | 0x5346_414F // AFS
+            | 0x6B41_4653 // kAFS
+            | 0x7375_7245 // Coda
+            | 0x0BD0_0BD0 // Lustre
+            | 0x7461_636F // OCFS2
+            | 0x0116_1970 // GFS2
+            => FsKind::Remote,
+            0x0102_1994 // tmpfs
+            | 0x8584_58F6 // ramfs
+            => FsKind::Tmpfs,
+            _ => FsKind::Local,
+        }
+    }
+
+    /// The file system of `dir`; [`FsKind::Local`] where it cannot be told.
+    #[cfg(any(target_os = "linux", target_os = "android"))]
+    fn of(dir: &Path) -> FsKind {
+        match rustix::fs::statfs(dir) {
+            #[allow(clippy::unnecessary_cast, clippy::cast_sign_loss)]
+            Ok(stat) => FsKind::from_magic(stat.f_type as i64 as u64),
+            Err(_) => FsKind::Local,
+        }
+    }
+
+    #[cfg(not(any(target_os = "linux", target_os = "android")))]
+    fn of(_: &Path) -> FsKind {
+        FsKind::Local
+    }
 }
 
 fn io_error(doing: &str, path: &Path, e: std::io::Error) -> Error {
@@ -550,10 +900,19 @@ impl FileBackend {
             ))
         })?;
         let _ = std::fs::remove_file(probe);
+        let fs = FsKind::of(&dir);
+        if fs == FsKind::Tmpfs {
+            tracing::warn!(
+                dir = %dir.display(),
+                "lock directory is on tmpfs, emptied at every boot: fencing tokens start \
+                 again at 1 after a reboot; use a directory on a disk, e.g. /var/lib/<app>/locks"
+            );
+        }
         Ok(FileBackend {
             dir: Arc::new(dir),
             wakers: Arc::default(),
             watched: Arc::default(),
+            fs,
         })
     }
 
@@ -570,7 +929,7 @@ impl FileBackend {
         let (path, query) = path.split_once('?').unwrap_or((path, ""));
         if !path.starts_with('/') {
             return Err(Error::Config(format!(
-                "`{url}` must name an absolute directory: file:///var/lock/app[?ttl=30s]"
+                "`{url}` must name an absolute directory: file:///var/lib/app/locks[?ttl=30s]"
             )));
         }
         crate::config::only_ttl_option(url, query)?;
@@ -657,32 +1016,58 @@ impl FileBackend {
         }
     }
 
-    /// Runs `op` on the locked file of `key` on a blocking thread, to completion even if
-    /// the caller goes away.
+    /// Runs `op` on the locked file of `key`, to completion even if the caller goes away.
+    ///
+    /// Where the file's `flock` is free at once (an uncontended key on a local disk), the
+    /// operation runs in the caller's task, in its first poll: a few syscalls on the file,
+    /// cheaper than a hand-off to a blocking thread and back, with no await point while
+    /// the `flock` is held. The rest runs on a blocking thread, which finishes it whatever
+    /// becomes of the caller: an operation that finds the `flock` taken (a paused process
+    /// may hold it long) waits for it there, and one whose state needs a sync (a moved
+    /// ceiling of tokens, [`Locked::store`], which only a grant moves) lets go of the
+    /// `flock` before anything is written and runs again there from the start (so `op` may
+    /// run twice; only its last run's changes are written). So no `flock` is ever held
+    /// while waiting for a blocking thread: with the pool busy (its threads waiting for
+    /// `flock`s, say), one held there would keep its key from every process, and a thread
+    /// waiting for that same `flock` would wait forever. A grant's caller that goes away
+    /// still receives its grant ([`detached_acquire`] gives it back).
+    ///
+    /// On a network or FUSE file system (see [`FsKind`]) every operation runs on a blocking
+    /// thread: a `flock` there is a request to a server, and an outage could block the
+    /// runtime's worker for as long as it lasts.
     async fn with_file<T, F>(&self, key: &LockKey, doing: &'static str, op: F) -> Result<T>
     where
         T: Send + 'static,
-        F: FnOnce(&mut Locked, u64) -> Result<T> + Send + 'static,
+        F: Fn(&mut Locked, u64) -> Result<T> + Send + 'static,
     {
+        in_runtime()?;
         let path = self.path(key);
-        let work = tokio::task::spawn_blocking(move || {
-            let mut locked = Locked::open(&path).map_err(|e| io_error(doing, &path, e))?;
-            let now = host_now();
-            // Every write leaves the file pruned (see `State::prune`).
-            locked.state.prune(now);
-            let before = locked.state.clone();
-            let outcome = op(&mut locked, now);
-            if outcome.is_ok() && locked.state != before {
-                let durable = locked.state.token != before.token;
-                locked
-                    .write(durable)
-                    .map_err(|e| io_error(doing, &path, e))?;
+        let mut opened = None;
+        if self.fs != FsKind::Remote {
+            let file = Locked::open(&path).map_err(|e| io_error(doing, &path, e))?;
+            match file.try_lock() {
+                Ok(()) => match apply(file, &path, doing, &op)? {
+                    Applied::Done(outcome) => return outcome,
+                    // Nothing written yet: the `flock` goes with the file (closed here),
+                    // and the operation runs again on a blocking thread.
+                    Applied::Unsynced(_) => {}
+                },
+                Err(std::fs::TryLockError::WouldBlock) => opened = Some(file),
+                Err(std::fs::TryLockError::Error(e)) => return Err(io_error(doing, &path, e)),
             }
-            outcome
-        });
-        work.await.map_err(|e| {
-            Error::backend_with_source(SCHEME, false, "a file operation panicked", e)
-        })?
+        }
+        blocking(move || {
+            let file = match opened {
+                Some(file) => file,
+                None => Locked::open(&path).map_err(|e| io_error(doing, &path, e))?,
+            };
+            file.lock().map_err(|e| io_error(doing, &path, e))?;
+            match apply(file, &path, doing, &op)? {
+                Applied::Done(outcome) => outcome,
+                Applied::Unsynced(write) => (*write).finish(&path, doing),
+            }
+        })
+        .await
     }
 
     /// One grant attempt. `waiting`: the caller waits, so a writer that is refused leaves
@@ -725,6 +1110,85 @@ impl FileBackend {
             });
         }
     }
+}
+
+/// A file operation after its `op` ran: done, or a write to finish that needs a sync.
+enum Applied<T> {
+    Done(Result<T>),
+    Unsynced(Box<Unsynced<T>>),
+}
+
+/// A file operation whose state moved the ceiling of tokens: still to write, with a sync
+/// ([`Locked::store`]), before its outcome may leave. Holds the file's `flock`.
+struct Unsynced<T> {
+    locked: Locked,
+    before: State,
+    outcome: Result<T>,
+}
+
+impl<T> Unsynced<T> {
+    /// Writes and syncs the state: the operation's outcome, or the write's error.
+    fn finish(self, path: &Path, doing: &'static str) -> Result<T> {
+        let Unsynced {
+            mut locked,
+            before,
+            outcome,
+        } = self;
+        locked
+            .store(&before, path)
+            .map_err(|e| io_error(doing, path, e))?;
+        outcome
+    }
+}
+
+/// Reads `file` (its `flock` taken), prunes it, runs `op` on it and writes what `op`
+/// changed, unless that needs a sync, which is left to the caller ([`Applied::Unsynced`]).
+fn apply<T, F>(file: File, path: &Path, doing: &'static str, op: &F) -> Result<Applied<T>>
+where
+    F: Fn(&mut Locked, u64) -> Result<T>,
+{
+    let mut locked = Locked::read(file).map_err(|e| io_error(doing, path, e))?;
+    let now = host_now();
+    // Every write leaves the file pruned (see `State::prune`).
+    locked.state.prune(now);
+    let before = locked.state.clone();
+    let outcome = op(&mut locked, now);
+    if outcome.is_err() || locked.state == before {
+        return Ok(Applied::Done(outcome));
+    }
+    if locked.state.ceiling != before.ceiling {
+        return Ok(Applied::Unsynced(Box::new(Unsynced {
+            locked,
+            before,
+            outcome,
+        })));
+    }
+    locked
+        .store(&before, path)
+        .map_err(|e| io_error(doing, path, e))?;
+    Ok(Applied::Done(outcome))
+}
+
+/// Every file operation needs a Tokio runtime, whether or not this one would have used its
+/// blocking threads: an error that says so, not a panic some of the time.
+fn in_runtime() -> Result<()> {
+    match tokio::runtime::Handle::try_current() {
+        Ok(_) => Ok(()),
+        Err(_) => Err(Error::Config(
+            "the file backend needs a Tokio runtime (a taken flock and a sync are waited for \
+             on its blocking threads); call it from within one"
+                .into(),
+        )),
+    }
+}
+
+/// Runs `work` on a blocking thread; it finishes even if the caller goes away.
+async fn blocking<T: Send + 'static>(
+    work: impl FnOnce() -> Result<T> + Send + 'static,
+) -> Result<T> {
+    tokio::task::spawn_blocking(work)
+        .await
+        .map_err(|e| Error::backend_with_source(SCHEME, false, "a file operation panicked", e))?
 }
 
 /// Decides `req` on the state of its key's file (locked): a re-entry, a new hold by the
@@ -811,7 +1275,7 @@ fn grant_in(
             })
         }
         Ok(()) => {
-            state.token += 1;
+            state.next_token(&req.key)?;
             state.writers.retain(|(owner, _)| *owner != req.owner);
             let mut attempts = AttemptLedger::new();
             attempts.add(req.attempt);
@@ -893,6 +1357,16 @@ impl LockBackend for FileBackend {
     }
 
     async fn acquire(&self, req: &AcquireRequest, wait: Duration) -> Result<Grant> {
+        // A free key is granted before any waiting is set up (the waiter's registration,
+        // the directory's watch, whose thread then hears every write in the directory).
+        // A refusal falls through to the wait, which tries again at once.
+        // Errors as the wait takes them: only a retryable one is tried again.
+        match self.attempt(req, None).await {
+            Ok(Attempt::Granted(grant)) => return Ok(grant),
+            Ok(Attempt::Busy { .. }) => {}
+            Err(e) if e.is_retryable() && !wait.is_zero() => {}
+            Err(e) => return Err(e),
+        }
         let mut waker = self.waker(&req.key);
         let policy = WaitPolicy::new(Backoff::new(
             Duration::from_millis(1),
@@ -918,7 +1392,9 @@ impl LockBackend for FileBackend {
         let held = grant.clone();
         self.with_file(&grant.key, "renewing", move |file, now| {
             let Some(hold) = file.state.hold_of(&held, now) else {
-                return Err(Error::NotHeld { key: held.key });
+                return Err(Error::NotHeld {
+                    key: held.key.clone(),
+                });
             };
             *hold.expires = (*hold.expires).max(now.saturating_add(nanos(ttl)));
             Ok(())
@@ -931,7 +1407,9 @@ impl LockBackend for FileBackend {
         let outcome = self
             .with_file(&grant.key, "releasing", move |file, now| {
                 let Some(hold) = file.state.hold_of(&held, now) else {
-                    return Err(Error::NotHeld { key: held.key });
+                    return Err(Error::NotHeld {
+                        key: held.key.clone(),
+                    });
                 };
                 if !hold.attempts.take(held.attempt, *hold.depth) {
                     // A retried release: it took effect already.
@@ -957,14 +1435,14 @@ impl LockBackend for FileBackend {
     }
 
     async fn ping(&self) -> Result<()> {
+        in_runtime()?;
         let dir = self.dir.clone();
-        tokio::task::spawn_blocking(move || {
+        blocking(move || {
             std::fs::metadata(&*dir)
                 .map(|_| ())
                 .map_err(|e| io_error("reading", &dir, e))
         })
         .await
-        .map_err(|e| Error::backend_with_source(SCHEME, true, "a file operation panicked", e))?
     }
 
     async fn inspect(&self, key: &LockKey) -> Result<Option<HolderInfo>> {
@@ -972,8 +1450,18 @@ impl LockBackend for FileBackend {
     }
 
     async fn holders(&self, key: &LockKey) -> Result<Vec<HolderInfo>> {
+        in_runtime()?;
         let path = self.path(key);
-        if !path.exists() {
+        // Not made for an inspection. A stat, which on a network file system may wait for
+        // its server: off the runtime's workers there, as every file operation.
+        let exists = match self.fs {
+            FsKind::Remote => {
+                let path = path.clone();
+                blocking(move || Ok(path.exists())).await?
+            }
+            _ => path.exists(),
+        };
+        if !exists {
             return Ok(Vec::new());
         }
         self.with_file(key, "inspecting", move |file, now| {
@@ -1011,11 +1499,14 @@ impl LockBackend for FileBackend {
 
 #[cfg(test)]
 mod tests {
+    use std::io::{Seek, SeekFrom, Write};
+
     use super::*;
 
     #[test]
     fn state_round_trips() {
         let state = State {
+            ceiling: 7,
             token: 7,
             owner: Some(OwnerId::random()),
             depth: 2,
@@ -1043,6 +1534,7 @@ mod tests {
         // A holder whose token is below the counter (a read was granted beside it since):
         // an eighth field, which older versions do not read.
         let pinned = State {
+            ceiling: 9,
             token: 9,
             ..state.clone()
         };
@@ -1050,6 +1542,38 @@ mod tests {
         assert_eq!(State::parse(&text), pinned);
         let first: Vec<&str> = text.lines().next().unwrap().split_whitespace().collect();
         assert_eq!((first[0], first[6], first[7]), ("9", "x", "t7"), "{text}");
+        // Tokens reserved up to 1030, the last handed out 8: the ceiling first (what older
+        // versions count from), the holder's own token where they read it, `n` last.
+        let reserved = State {
+            ceiling: 1030,
+            token: 8,
+            ..state.clone()
+        };
+        let text = reserved.render();
+        assert_eq!(State::parse(&text), reserved);
+        let first: Vec<&str> = text.lines().next().unwrap().split_whitespace().collect();
+        assert_eq!(
+            (first[0], first[6], first[7], first[8]),
+            ("1030", "x", "t7", "n8"),
+            "{text}"
+        );
+        // Free, with a reserve: `n` after the tag.
+        let free = State {
+            ceiling: 1030,
+            token: 8,
+            ..State::default()
+        };
+        let text = free.render();
+        assert_eq!(State::parse(&text), free);
+        assert!(
+            text.starts_with("1030 - 0 0 ") && text.ends_with(" - x n8\n"),
+            "{text}"
+        );
+        // Read in this boot, the reserve stands; in another, or without a boot id, it is
+        // spent.
+        assert_eq!(load(&text).token, 8);
+        let other = text.replace(boot_id(), "00000000-0000-0000-0000-000000000000");
+        assert_eq!((load(&other).token, load(&other).ceiling), (1030, 1030));
         // A file from before attempts were stored: released unconditionally.
         let owner = OwnerId::random();
         let mut legacy = load(&format!("7 {owner} 2 99 -"));
@@ -1075,6 +1599,7 @@ mod tests {
             limit: std::num::NonZeroU32::new(4).unwrap(),
         };
         let state = State {
+            ceiling: 9,
             token: 9,
             shared: vec![reader(LockKind::Read), reader(permit)],
             writers: vec![(OwnerId::random(), 700)],
@@ -1089,6 +1614,7 @@ mod tests {
         );
         assert_eq!((first[2], first[3]), ("1", "500"), "{text}");
         let writer = State {
+            ceiling: 3,
             token: 3,
             held_token: 3,
             owner: Some(OwnerId::random()),
@@ -1143,6 +1669,534 @@ mod tests {
                 "a live lease of this boot was ignored ({boot:?})"
             );
         }
+    }
+
+    const OTHER_BOOT: &str = "00000000-0000-0000-0000-000000000000";
+
+    /// Grants `key` to a new owner and releases it at once: the token handed out.
+    async fn grant_once(backend: &FileBackend, key: &LockKey) -> u64 {
+        let grant = backend
+            .try_acquire(&request(key, Duration::from_secs(30)))
+            .await
+            .unwrap()
+            .expect("the key is free");
+        backend.release(&grant).await.unwrap();
+        grant.token.get()
+    }
+
+    fn dir_sync_count(path: &Path) -> u64 {
+        dir_syncs().get(path).copied().unwrap_or(0)
+    }
+
+    fn sync_count(path: &Path) -> u64 {
+        syncs().get(path).map_or(0, |(count, _)| *count)
+    }
+
+    /// What a power loss and the reboot after it leave of `path`: the text `disk` (what had
+    /// reached the disk), written in the boot before this one.
+    fn power_loss(path: &Path, disk: &str) {
+        std::fs::write(path, disk.replace(boot_id(), OTHER_BOOT)).unwrap();
+    }
+
+    #[tokio::test]
+    async fn uncontended_grants_sync_once_per_reserve() {
+        let backend = FileBackend::open(temp_dir("reserve")).unwrap();
+        let key = LockKey::new("k").unwrap();
+        for expected in 1..=300 {
+            assert_eq!(grant_once(&backend, &key).await, expected);
+        }
+        assert_eq!(
+            sync_count(&backend.path(&key)),
+            1,
+            "300 grants of a key synced more than its one reserve"
+        );
+        // A read and a permit draw on the same reserve.
+        let read = backend
+            .try_acquire(&request(&key, Duration::from_secs(30)).with_kind(LockKind::Read))
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(read.token.get(), 301);
+        backend.release(&read).await.unwrap();
+        assert_eq!(sync_count(&backend.path(&key)), 1);
+    }
+
+    /// A power loss keeps of a lock file what was synced, or any later state (the writes
+    /// since may or may not have reached the disk, the first line's in one piece: a sector
+    /// is written whole), and the reboot after it brings a new boot id: the next token is
+    /// above every token handed out before, whichever it kept.
+    #[tokio::test]
+    async fn a_power_loss_never_hands_out_a_token_twice() {
+        let backend = FileBackend::open(temp_dir("power")).unwrap();
+        let key = LockKey::new("k").unwrap();
+        let path = backend.path(&key);
+        let mut highest = 0;
+        for round in 0..8 {
+            let mut written = Vec::new();
+            for _ in 0..3 + round {
+                let token = grant_once(&backend, &key).await;
+                assert!(token > highest, "round {round}: {token} after {highest}");
+                highest = token;
+                written.push(std::fs::read_to_string(&path).unwrap());
+            }
+            // Sometimes a holder was still there when the power went.
+            let held = (round % 2 == 1).then_some(());
+            let held = match held {
+                Some(()) => {
+                    let grant = backend
+                        .try_acquire(&request(&key, Duration::from_secs(3600)))
+                        .await
+                        .unwrap()
+                        .unwrap();
+                    assert!(grant.token.get() > highest);
+                    highest = grant.token.get();
+                    Some(grant)
+                }
+                None => None,
+            };
+            let synced = syncs().get(&path).unwrap().1.clone();
+            let latest = std::fs::read_to_string(&path).unwrap();
+            let disk = match round % 4 {
+                0 => synced,
+                1 => latest,
+                // Some of the writes since reached the disk, the later ones did not.
+                2 => written[1].clone(),
+                // The first line synced, the rest from later (the file spans sectors).
+                _ => {
+                    let first = synced.lines().next().unwrap().to_owned();
+                    let rest: String = latest.lines().skip(1).map(|l| format!("{l}\n")).collect();
+                    format!("{first}\n{rest}")
+                }
+            };
+            power_loss(&path, &disk);
+            drop(held);
+        }
+        let token = grant_once(&backend, &key).await;
+        assert!(token > highest, "{token} after {highest}");
+    }
+
+    /// A process that dies between writing a new ceiling and its sync leaves a ceiling that
+    /// may not be on the disk: the next grant in this boot syncs again rather than trust it.
+    #[tokio::test]
+    async fn a_ceiling_that_may_not_be_synced_is_not_relied_on() {
+        let backend = FileBackend::open(temp_dir("unsynced")).unwrap();
+        let key = LockKey::new("k").unwrap();
+        let path = backend.path(&key);
+        assert_eq!(grant_once(&backend, &key).await, 1);
+        // The first write of a grant that moves the ceiling, as it was before its sync.
+        let written = syncs().get(&path).unwrap().1.clone();
+        std::fs::write(&path, &written).unwrap();
+        // Its grant's lease holds the key until it runs out: end it now.
+        assert!(backend.take_away(&key).await.unwrap());
+        let before = sync_count(&path);
+        let token = grant_once(&backend, &key).await;
+        assert!(token > 1);
+        assert_eq!(
+            sync_count(&path),
+            before + 1,
+            "an unconfirmed ceiling was relied on"
+        );
+        // And then the power goes: the disk has what that grant synced.
+        let synced = syncs().get(&path).unwrap().1.clone();
+        assert_ne!(synced, written);
+        power_loss(&path, &synced);
+        assert!(grant_once(&backend, &key).await > token);
+    }
+
+    /// A grant whose ceiling's sync fails is not granted, and leaves nothing in the file
+    /// that a retry of the same attempt (the same request) could take for its grant: the
+    /// retry's token is under a synced ceiling.
+    #[tokio::test]
+    async fn a_failed_sync_grants_nothing_a_retry_could_find() {
+        let backend = FileBackend::open(temp_dir("failsync")).unwrap();
+        let key = LockKey::new("k").unwrap();
+        let path = backend.path(&key);
+        assert_eq!(grant_once(&backend, &key).await, 1);
+        for step in [Failing::Sync, Failing::Write] {
+            // Spend the reserve so that the next grant moves the ceiling.
+            let text = std::fs::read_to_string(&path).unwrap();
+            let spent: String = text
+                .split_inclusive(' ')
+                .filter(|f| !f.starts_with('n'))
+                .collect();
+            std::fs::write(&path, spent).unwrap();
+            let req = request(&key, Duration::from_secs(30));
+            failing_syncs().insert(path.clone(), step);
+            let failed = backend.acquire(&req, Duration::from_secs(1)).await;
+            failing_syncs().remove(&path);
+            assert!(failed.is_err(), "{step:?}: granted without a sync");
+            assert!(
+                backend.inspect(&key).await.unwrap().is_none(),
+                "{step:?}: a failed grant holds"
+            );
+            let grant = backend.try_acquire(&req).await.unwrap().unwrap();
+            backend.release(&grant).await.unwrap();
+            let synced = syncs().get(&path).unwrap().1.clone();
+            power_loss(&path, &synced);
+            assert!(grant_once(&backend, &key).await > grant.token.get());
+        }
+    }
+
+    /// What a lockkit version from before the reserve does to a key's file (it reads the
+    /// first field as the key's counter, knows `t<token>` but not `n<token>`): a grant adds
+    /// one to the first field, and is synced; its release leaves that token; any other
+    /// write keeps the first field and drops `n`. Returns the token it granted.
+    fn older_version_writes(path: &Path, grant: bool) -> Option<u64> {
+        let mut file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .open(path)
+            .unwrap();
+        file.lock().unwrap();
+        let mut text = String::new();
+        file.read_to_string(&mut text).unwrap();
+        let first = text.lines().next().unwrap_or("").to_owned();
+        let counter: u64 = first
+            .split_whitespace()
+            .next()
+            .and_then(|t| t.parse().ok())
+            .unwrap_or(0);
+        let (text, token) = if grant {
+            let token = counter + 1;
+            (format!("{token} - 0 0 {} -\n", boot_id()), Some(token))
+        } else {
+            let kept: Vec<&str> = first
+                .split_whitespace()
+                .filter(|f| !f.starts_with('n'))
+                .collect();
+            let rest: String = text.lines().skip(1).map(|l| format!("{l}\n")).collect();
+            (format!("{}\n{rest}", kept.join(" ")), None)
+        };
+        file.seek(SeekFrom::Start(0)).unwrap();
+        file.write_all(text.as_bytes()).unwrap();
+        file.set_len(text.len() as u64).unwrap();
+        if grant {
+            file.sync_data().unwrap();
+            synced(path, &text);
+        }
+        token
+    }
+
+    /// Older and newer versions on one key: every token is above all handed out before, by
+    /// either, also after a power loss.
+    #[tokio::test]
+    async fn older_and_newer_versions_on_one_key_never_repeat_a_token() {
+        let backend = FileBackend::open(temp_dir("mixed")).unwrap();
+        let key = LockKey::new("k").unwrap();
+        let path = backend.path(&key);
+        let mut highest = 0;
+        let mut saw = |token: u64, who: &str| {
+            assert!(token > highest, "{who} handed out {token} after {highest}");
+            highest = token;
+        };
+        for round in 0..4 {
+            for _ in 0..3 {
+                saw(grant_once(&backend, &key).await, "newer");
+            }
+            // An older version rewrites the file while a newer holder holds it (a
+            // writer's marker, say), and drops `n`.
+            let grant = backend
+                .try_acquire(&request(&key, Duration::from_secs(30)))
+                .await
+                .unwrap()
+                .unwrap();
+            saw(grant.token.get(), "newer");
+            older_version_writes(&path, false);
+            // The holder keeps its token (the older version kept `t`).
+            let info = backend.inspect(&key).await.unwrap().unwrap();
+            assert_eq!(info.token.map(|t| t.get()), Some(grant.token.get()));
+            backend.release(&grant).await.unwrap();
+            saw(grant_once(&backend, &key).await, "newer");
+            saw(older_version_writes(&path, true).unwrap(), "older");
+            saw(grant_once(&backend, &key).await, "newer");
+            saw(grant_once(&backend, &key).await, "newer");
+            if round % 2 == 1 {
+                let synced = syncs().get(&path).unwrap().1.clone();
+                power_loss(&path, &synced);
+                saw(older_version_writes(&path, true).unwrap(), "older");
+            }
+        }
+    }
+
+    /// The first grant of a key moves its ceiling, so its sync runs on a blocking thread
+    /// after the grant is decided: a caller that goes away then still gets its grant given
+    /// back (the key is free again), and the file's `flock` is let go.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_grant_dropped_during_its_sync_is_given_back() {
+        let backend = FileBackend::open(temp_dir("dropped")).unwrap();
+        let mut cut_short = 0;
+        for i in 0..20 {
+            let key = LockKey::new(format!("k{i}")).unwrap();
+            let req = request(&key, Duration::from_secs(3600));
+            let mut attempt = Box::pin(backend.try_acquire(&req));
+            // One poll: the grant is decided, its sync under way.
+            let first = tokio::select! {
+                biased;
+                done = &mut attempt => Some(done),
+                () = std::future::ready(()) => None,
+            };
+            if first.is_none() {
+                cut_short += 1;
+            }
+            drop(attempt);
+            let mut free = false;
+            for _ in 0..500 {
+                if backend.inspect(&key).await.unwrap().is_none() {
+                    free = true;
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(2)).await;
+            }
+            if first.is_none() {
+                assert!(
+                    free,
+                    "a grant dropped during its sync was left behind: {}",
+                    std::fs::read_to_string(backend.path(&key)).unwrap()
+                );
+            }
+        }
+        assert!(
+            cut_short > 0,
+            "no attempt was ever cut short during its sync"
+        );
+    }
+
+    /// An operation that finds the file's `flock` taken waits for it on a blocking thread:
+    /// the caller's runtime (here a single thread) goes on meanwhile.
+    #[tokio::test]
+    async fn a_taken_flock_is_waited_for_off_the_runtime() {
+        let backend = FileBackend::open(temp_dir("flock")).unwrap();
+        let key = LockKey::new("k").unwrap();
+        assert_eq!(grant_once(&backend, &key).await, 1);
+        let other = Locked::open(&backend.path(&key)).unwrap();
+        other.lock().unwrap();
+        let attempt = tokio::spawn({
+            let backend = backend.clone();
+            let key = key.clone();
+            async move { grant_once(&backend, &key).await }
+        });
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        assert!(!attempt.is_finished(), "granted through a taken flock");
+        drop(other);
+        let token = tokio::time::timeout(Duration::from_secs(10), attempt)
+            .await
+            .expect("the attempt never took the flock")
+            .unwrap();
+        assert_eq!(token, 2);
+    }
+
+    /// Whether another process could take `path`'s `flock` now.
+    fn flock_free(path: &Path) -> bool {
+        Locked::open(path).unwrap().try_lock().is_ok()
+    }
+
+    /// A first grant moves its key's ceiling, whose sync needs a blocking thread. With the
+    /// blocking pool busy (here its one thread waits for another key's `flock`, held by a
+    /// paused process), the grant waits for a thread without holding its key's `flock`:
+    /// other processes can take the key meanwhile.
+    #[test]
+    fn a_grant_waiting_for_a_blocking_thread_holds_no_flock() {
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .max_blocking_threads(1)
+            .enable_all()
+            .build()
+            .unwrap();
+        rt.block_on(async {
+            let backend = FileBackend::open(temp_dir("parked")).unwrap();
+            let k2 = LockKey::new("k2").unwrap();
+            let paused = Locked::open(&backend.path(&k2)).unwrap();
+            paused.lock().unwrap();
+            let b = backend.clone();
+            let w =
+                tokio::spawn(
+                    async move { b.try_acquire(&request(&k2, Duration::from_secs(30))).await },
+                );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            let k = LockKey::new("k").unwrap();
+            let a = tokio::time::timeout(
+                Duration::from_millis(300),
+                backend.try_acquire(&request(&k, Duration::from_secs(30))),
+            )
+            .await;
+            assert!(a.is_err(), "granted with the only blocking thread busy");
+            for _ in 0..3 {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                assert!(
+                    flock_free(&backend.path(&k)),
+                    "a grant waiting for a blocking thread holds its key's flock"
+                );
+            }
+            drop(paused);
+            w.await.unwrap().unwrap().unwrap();
+        });
+    }
+
+    /// The blocking pool's threads wait for a key's `flock`; when its holder lets go, a
+    /// first grant in the caller's task may take the flock before them, and must not then
+    /// wait for a blocking thread with it (they would wait for each other forever).
+    #[test]
+    fn a_grant_never_waits_for_a_blocking_thread_with_a_flock_waited_for_there() {
+        let mut stuck = 0;
+        for round in 0..10 {
+            let rt = tokio::runtime::Builder::new_multi_thread()
+                .worker_threads(1)
+                .max_blocking_threads(1 + round % 2)
+                .enable_all()
+                .build()
+                .unwrap();
+            let deadlocked = rt.block_on(async {
+                let backend = FileBackend::open(temp_dir("deadlock")).unwrap();
+                let k = LockKey::new("k").unwrap();
+                let other_process = Locked::open(&backend.path(&k)).unwrap();
+                other_process.lock().unwrap();
+                for _ in 0..2 {
+                    let (b, k) = (backend.clone(), k.clone());
+                    tokio::spawn(async move {
+                        b.try_acquire(&request(&k, Duration::from_secs(30))).await
+                    });
+                }
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                drop(other_process);
+                let a = tokio::time::timeout(
+                    Duration::from_secs(3),
+                    backend.try_acquire(&request(&k, Duration::from_secs(30))),
+                )
+                .await;
+                a.is_err()
+            });
+            if deadlocked {
+                stuck += 1;
+                // A deadlocked runtime cannot shut down its blocking pool: leak it.
+                std::mem::forget(rt);
+            }
+        }
+        assert_eq!(stuck, 0, "{stuck} of 10 rounds deadlocked");
+    }
+
+    /// Outside a Tokio runtime, a file operation says so (it needs the runtime's blocking
+    /// threads for a taken flock or a sync), whether or not it would have needed them.
+    #[test]
+    fn outside_a_runtime_operations_fail_with_a_clear_error() {
+        let backend = FileBackend::open(temp_dir("noruntime")).unwrap();
+        let key = LockKey::new("k").unwrap();
+        let req = request(&key, Duration::from_secs(30));
+        let mut attempt = Box::pin(backend.try_acquire(&req));
+        let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+        match attempt.as_mut().poll(&mut cx) {
+            std::task::Poll::Ready(Err(Error::Config(message))) => {
+                assert!(message.contains("Tokio runtime"), "{message}");
+            }
+            other => panic!("{:?}", other.map(|r| r.map(|g| g.map(|g| g.token)))),
+        }
+    }
+
+    /// Tokens stay below 2^63 (storage often keeps them as a signed 64-bit number): a key
+    /// whose tokens are used up refuses new holds with an error that says so, and a
+    /// ceiling near the end is cut short there.
+    #[tokio::test]
+    async fn used_up_tokens_refuse_new_holds() {
+        let backend = FileBackend::open(temp_dir("overflow")).unwrap();
+        let key = LockKey::new("k").unwrap();
+        let path = backend.path(&key);
+        let max = MAX_TOKEN;
+        std::fs::write(&path, format!("{} - 0 0 {} -\n", max - 3, boot_id())).unwrap();
+        assert_eq!(grant_once(&backend, &key).await, max - 2);
+        assert_eq!(load(&std::fs::read_to_string(&path).unwrap()).ceiling, max);
+        assert_eq!(grant_once(&backend, &key).await, max - 1);
+        assert_eq!(grant_once(&backend, &key).await, max);
+        for text in [
+            format!("{max} - 0 0 {} -\n", boot_id()),
+            format!("{} - 0 0 {} - x n{}\n", u64::MAX, boot_id(), u64::MAX),
+        ] {
+            std::fs::write(&path, &text).unwrap();
+            let refused = backend
+                .try_acquire(&request(&key, Duration::from_secs(30)))
+                .await
+                .unwrap_err();
+            assert!(refused.to_string().contains("used up"), "{refused}");
+            assert_eq!(std::fs::read_to_string(&path).unwrap(), text);
+        }
+    }
+
+    /// The first grant of a new key syncs the directory too (the file's entry in it), so a
+    /// power loss cannot take the file, and with it the key's tokens, away; later grants
+    /// from the same reserve sync nothing.
+    #[tokio::test]
+    async fn a_new_keys_directory_entry_is_synced_before_its_first_token() {
+        let backend = FileBackend::open(temp_dir("direntry")).unwrap();
+        let key = LockKey::new("k").unwrap();
+        let path = backend.path(&key);
+        assert_eq!(dir_sync_count(&path), 0);
+        assert_eq!(grant_once(&backend, &key).await, 1);
+        assert_eq!(dir_sync_count(&path), 1);
+        for _ in 0..5 {
+            grant_once(&backend, &key).await;
+        }
+        assert_eq!(dir_sync_count(&path), 1);
+    }
+
+    /// On a network or FUSE file system every operation runs on a blocking thread: the
+    /// same outcomes, and a caller's runtime that never runs file I/O on its workers
+    /// (here a taken `flock` on a single-threaded runtime: a timer still fires meanwhile).
+    #[tokio::test]
+    async fn on_a_network_file_system_operations_run_off_the_runtime() {
+        let mut backend = FileBackend::open(temp_dir("remote")).unwrap();
+        backend.fs = FsKind::Remote;
+        let key = LockKey::new("k").unwrap();
+        for expected in 1..=3 {
+            assert_eq!(grant_once(&backend, &key).await, expected);
+        }
+        let held = backend
+            .try_acquire(&request(&key, Duration::from_secs(30)))
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(backend.holders(&key).await.unwrap().len(), 1);
+        backend.release(&held).await.unwrap();
+        assert!(backend.inspect(&key).await.unwrap().is_none());
+        let other = Locked::open(&backend.path(&key)).unwrap();
+        other.lock().unwrap();
+        let attempt = tokio::spawn({
+            let backend = backend.clone();
+            let key = key.clone();
+            async move { grant_once(&backend, &key).await }
+        });
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        assert!(!attempt.is_finished());
+        drop(other);
+        assert_eq!(attempt.await.unwrap(), 5);
+    }
+
+    #[test]
+    fn network_and_fuse_file_systems_are_told_apart() {
+        for magic in [0x6969, 0xFF53_4D42, 0xFE53_4D42, 0x6573_5546, 0x0102_1997] {
+            assert_eq!(FsKind::from_magic(magic), FsKind::Remote, "{magic:#x}");
+        }
+        assert_eq!(FsKind::from_magic(0x0102_1994), FsKind::Tmpfs);
+        assert_eq!(FsKind::from_magic(0xEF53), FsKind::Local);
+    }
+
+    /// A free key is granted without setting up a wait: no directory watch (whose thread
+    /// would then hear every write in the directory) and no waiter's entry.
+    #[tokio::test]
+    async fn an_uncontended_acquire_sets_up_no_wait() {
+        let backend = FileBackend::open(temp_dir("fast")).unwrap();
+        let key = LockKey::new("k").unwrap();
+        for _ in 0..3 {
+            let grant = backend
+                .acquire(
+                    &request(&key, Duration::from_secs(30)),
+                    Duration::from_secs(5),
+                )
+                .await
+                .unwrap();
+            backend.release(&grant).await.unwrap();
+        }
+        assert!(backend.watched.get().is_none(), "the directory was watched");
+        assert_eq!(backend.wakers().len(), 0);
     }
 
     #[tokio::test]
