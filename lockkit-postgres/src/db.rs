@@ -556,6 +556,21 @@ pub(crate) fn release_channel(table: &str) -> String {
     format!("lockkit_rel_{table}")
 }
 
+/// `key` as the hex a release announces (any key fits any database encoding).
+pub(crate) fn key_hex(key: &str) -> String {
+    use std::fmt::Write as _;
+    key.bytes()
+        .fold(String::with_capacity(key.len() * 2), |mut out, b| {
+            let _ = write!(out, "{b:02x}");
+            out
+        })
+}
+
+/// The payload of a release of `key` on [`release_channel`].
+pub(crate) fn release_payload(key: &str) -> String {
+    format!("r:{}", key_hex(key))
+}
+
 /// `bytes` as an SQL expression of type `bytea` that needs no quoting: hex digits only.
 fn bytea_literal(bytes: &[u8]) -> String {
     use std::fmt::Write as _;
@@ -611,7 +626,7 @@ pub(crate) fn advisory_release_script(
         name = bytea_literal(key.as_bytes()),
         owner = text_literal(owner),
         channel = text_literal(&release_channel(table)),
-        payload = text_literal(&crate::row::notify::release_payload(key)),
+        payload = text_literal(&release_payload(key)),
     )
 }
 

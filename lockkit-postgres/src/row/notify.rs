@@ -12,7 +12,6 @@
 
 use std::{
     collections::HashMap,
-    fmt::Write as _,
     sync::{Arc, Mutex},
     time::Duration,
 };
@@ -32,19 +31,8 @@ const HEARTBEAT: Duration = Duration::from_secs(1);
 /// that heard nothing for this long is not relied on.
 const STALE_AFTER: Duration = Duration::from_secs(3);
 
-/// `key` as the hex a release announces (any key fits any database encoding).
-fn hex(key: &str) -> String {
-    key.bytes()
-        .fold(String::with_capacity(key.len() * 2), |mut out, b| {
-            let _ = write!(out, "{b:02x}");
-            out
-        })
-}
-
-/// The payload of a release of `key`.
-pub(crate) fn release_payload(key: &str) -> String {
-    format!("r:{}", hex(key))
-}
+// Built in `db`, which writes the advisory release script's announcement too.
+pub(crate) use crate::db::{key_hex as hex, release_payload};
 
 const HEARTBEAT_PAYLOAD: &str = "h";
 
