@@ -22,7 +22,7 @@ use sqlx::{MySql, Row, Transaction};
 use tokio::time::Instant;
 
 use crate::db::{
-    BACKEND, Db, LOCK_NOWAIT, LOCK_WAIT_TIMEOUT, db_error, error_number, micros, query, row_text,
+    BACKEND, Db, LOCK_NOWAIT, LOCK_WAIT_TIMEOUT, error_number, micros, query, row_text,
 };
 use kinds::{HoldRow, HoldView, Marker, Verdict, WriterMark};
 
@@ -48,7 +48,7 @@ impl RowLocks {
         .bind(prefix.as_bytes())
         .fetch_one(&self.inner.pool)
         .await
-        .map_err(|e| db_error("counting live leases", e))?;
+        .map_err(|e| crate::db::db_error("counting live leases", e))?;
         Ok(u64::try_from(n).unwrap_or(0))
     }
 }
