@@ -28,8 +28,16 @@ const JARS: [&str; 7] = [
     "slf4j-nop.jar",
 ];
 
-/// Compiles the Curator helper; `None` (a loud skip, or a failure in CI) without Java.
+/// Compiles the Curator helper once per test process; `None` (a loud skip, or a failure in
+/// CI) without Java. Once: tests run in parallel, and a `javac` rewriting `Interop.class`
+/// while another test's JVM loads it gave "Truncated class file" (a CI failure, and the
+/// likely cause of an earlier one where the helper ended before saying HELD).
 fn curator_classpath() -> Option<String> {
+    static COMPILED: std::sync::OnceLock<Option<String>> = std::sync::OnceLock::new();
+    COMPILED.get_or_init(compile_curator_helper).clone()
+}
+
+fn compile_curator_helper() -> Option<String> {
     let jars: Vec<PathBuf> = JARS
         .iter()
         .map(|j| Path::new("/usr/share/java").join(j))
@@ -48,7 +56,9 @@ fn curator_classpath() -> Option<String> {
         );
         return None;
     }
-    let out = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("curator");
+    // A directory of this process's own: another run's javac cannot rewrite it either.
+    let out =
+        PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!("curator-{}", std::process::id()));
     std::fs::create_dir_all(&out).unwrap();
     let jars = jars
         .iter()
