@@ -35,6 +35,7 @@ mod lost;
 mod memory;
 mod options;
 mod owner;
+mod recent_loss;
 mod rules;
 pub mod spi;
 pub mod telemetry;

@@ -2,14 +2,7 @@
 //! mapping, and the reads both modes answer the same way (is a key's row locked now, what
 //! does the lease table say about a key).
 
-use std::{
-    future::Future,
-    sync::{
-        Arc,
-        atomic::{AtomicU64, Ordering},
-    },
-    time::Duration,
-};
+use std::{future::Future, sync::Arc, time::Duration};
 
 use lockkit_core::{Error, FencingToken, HolderIdentity, HolderInfo, LockKey, Result};
 use sqlx::{
@@ -77,44 +70,13 @@ pub(crate) fn micros(d: Duration) -> u64 {
 pub(crate) const LOCK_WAIT_TIMEOUT: u16 = 1205;
 pub(crate) const LOCK_NOWAIT: u16 = 3572;
 
-/// When a connection to this database was last found dead (a server restart, a `KILL`, a
-/// network drop): for a while afterwards the pools ping every connection before handing it
-/// out, not only those that idled, since the others are likely dead too.
-#[derive(Debug)]
-pub(crate) struct DeadSeen {
-    since: std::time::Instant,
-    /// Milliseconds from `since` to the last sighting, plus one (zero: never).
-    at: AtomicU64,
-}
-
 /// How long after a dead connection was seen the pools ping before every use.
 pub(crate) const PING_AFTER_DEATH: Duration = Duration::from_secs(5);
 
-impl DeadSeen {
-    fn new() -> Arc<Self> {
-        Arc::new(DeadSeen {
-            since: std::time::Instant::now(),
-            at: AtomicU64::new(0),
-        })
-    }
-
-    fn now(&self) -> u64 {
-        u64::try_from(self.since.elapsed().as_millis())
-            .unwrap_or(u64::MAX - 1)
-            .saturating_add(1)
-    }
-
-    /// A connection was found dead now.
-    pub(crate) fn note(&self) {
-        self.at.store(self.now(), Ordering::Relaxed);
-    }
-
-    /// Whether a connection was found dead within [`PING_AFTER_DEATH`].
-    fn recent(&self) -> bool {
-        let at = self.at.load(Ordering::Relaxed);
-        at != 0 && u128::from(self.now().saturating_sub(at)) < PING_AFTER_DEATH.as_millis()
-    }
-}
+/// When a connection to this database was last found dead (a server restart, a `KILL`, a
+/// network drop): for a while afterwards the pools ping every connection before handing it
+/// out, not only those that idled, since the others are likely dead too.
+pub(crate) type DeadSeen = lockkit_core::spi::RecentLoss;
 
 /// One database: the pools and the statements on its tables.
 pub(crate) struct Db {
@@ -131,7 +93,7 @@ pub(crate) struct Db {
 impl Db {
     /// Opens the pools `config` asks for and makes sure the tables are there.
     pub(crate) async fn connect(config: MysqlConfig) -> Result<Arc<Db>> {
-        let dead_seen = DeadSeen::new();
+        let dead_seen = Arc::new(DeadSeen::new());
         let (seen, holds_seen) = (dead_seen.clone(), dead_seen.clone());
         // No ping before every statement (it was a round trip of its own on every lock
         // operation): a connection that has just been used is taken as alive, and one that
@@ -444,7 +406,7 @@ async fn ping_if_idle(
     meta: sqlx::pool::PoolConnectionMetadata,
     dead_seen: &DeadSeen,
 ) -> std::result::Result<bool, sqlx::Error> {
-    if (meta.idle_for >= IDLE_PING_AFTER || dead_seen.recent())
+    if (meta.idle_for >= IDLE_PING_AFTER || dead_seen.within(PING_AFTER_DEATH))
         && let Err(e) = sqlx::Connection::ping(conn).await
     {
         dead_seen.note();

@@ -1,14 +1,7 @@
 //! The database: its connection pool, the lease table and its statements, error mapping,
 //! and the reads every mode answers the same way.
 
-use std::{
-    future::Future,
-    sync::{
-        Arc,
-        atomic::{AtomicU64, Ordering},
-    },
-    time::Duration,
-};
+use std::{future::Future, sync::Arc, time::Duration};
 
 use lockkit_core::{Error, FencingToken, HolderIdentity, HolderInfo, LockKey, Result};
 use sqlx::{
@@ -143,38 +136,7 @@ pub(crate) const PING_AFTER_LOSS: Duration = Duration::from_secs(5);
 /// When a connection of one backend (one `connect`: its shared pool and its dedicated
 /// connections) was last found gone. Per backend: one server's restart does not make the
 /// pools of other backends check every connection.
-#[derive(Debug)]
-pub(crate) struct DeadSeen {
-    since: std::time::Instant,
-    /// Milliseconds from `since` to the last sighting, plus one (zero: never).
-    at: AtomicU64,
-}
-
-impl DeadSeen {
-    fn new() -> Arc<Self> {
-        Arc::new(DeadSeen {
-            since: std::time::Instant::now(),
-            at: AtomicU64::new(0),
-        })
-    }
-
-    fn now(&self) -> u64 {
-        u64::try_from(self.since.elapsed().as_millis())
-            .unwrap_or(u64::MAX - 1)
-            .saturating_add(1)
-    }
-
-    /// A connection was found gone now.
-    pub(crate) fn note(&self) {
-        self.at.store(self.now(), Ordering::Relaxed);
-    }
-
-    /// Whether a connection was found gone within [`PING_AFTER_LOSS`].
-    fn recent(&self) -> bool {
-        let at = self.at.load(Ordering::Relaxed);
-        at != 0 && u128::from(self.now().saturating_sub(at)) < PING_AFTER_LOSS.as_millis()
-    }
-}
+pub(crate) type DeadSeen = lockkit_core::spi::RecentLoss;
 
 /// The pools' check before handing out a connection (their `before_acquire`): a ping
 /// after an idle spell of [`PING_IDLE_AFTER`], or within [`PING_AFTER_LOSS`] of a
@@ -184,7 +146,7 @@ pub(crate) async fn ping_if_idle(
     meta: sqlx::pool::PoolConnectionMetadata,
     dead_seen: &DeadSeen,
 ) -> std::result::Result<bool, sqlx::Error> {
-    if (meta.idle_for >= PING_IDLE_AFTER || dead_seen.recent())
+    if (meta.idle_for >= PING_IDLE_AFTER || dead_seen.within(PING_AFTER_LOSS))
         && let Err(e) = sqlx::Connection::ping(conn).await
     {
         dead_seen.note();
@@ -205,7 +167,7 @@ pub(crate) struct Db {
 impl Db {
     /// Opens the pool `config` asks for and makes sure the table is there.
     pub(crate) async fn connect(config: PostgresConfig) -> Result<Arc<Db>> {
-        let dead_seen = DeadSeen::new();
+        let dead_seen = Arc::new(DeadSeen::new());
         let seen = dead_seen.clone();
         let pool = PgPoolOptions::new()
             .max_connections(config.pool_size)
