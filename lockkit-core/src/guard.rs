@@ -57,9 +57,36 @@ pub(crate) struct HoldShared {
     /// The longest lease this hold ever asked the server for (ms): how long a record of
     /// it may outlive it there. Shared with the owner, which remembers it past the hold.
     longest_lease: Arc<std::sync::atomic::AtomicU64>,
-    /// Counts this hold in the `lockkit_holds` gauge while it lives.
     /// Counted in `lockkit_holds` until released (or dropped).
     counted: crate::telemetry::Gauged,
+    /// The runtime the keeper runs on.
+    runtime: tokio::runtime::Handle,
+    /// Whether the keeper task runs yet, and the hold's entry among those waiting for it.
+    keeper: Mutex<KeeperStart>,
+}
+
+/// A hold's keeper: not yet started (waiting in [`crate::keeper_start`], or not at all on a
+/// current-thread runtime, where it starts at once), or started.
+#[derive(Default)]
+struct KeeperStart {
+    started: bool,
+    waiting: Option<crate::keeper_start::EntryKey>,
+}
+
+impl crate::keeper_start::Deferred for HoldShared {
+    fn start_keeper(self: Arc<Self>) {
+        let mut keeper = self.keeper.lock().unwrap_or_else(|e| e.into_inner());
+        if keeper.started {
+            return;
+        }
+        keeper.started = true;
+        if let Some(entry) = keeper.waiting.take() {
+            crate::keeper_start::forget(entry);
+        }
+        drop(keeper);
+        let runtime = self.runtime.clone();
+        runtime.spawn(keep(self));
+    }
 }
 
 impl HoldShared {
@@ -115,11 +142,24 @@ pub(crate) struct Hold {
 impl Drop for Hold {
     fn drop(&mut self) {
         self.shared.stop.cancel();
+        let waiting = self
+            .shared
+            .keeper
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .waiting
+            .take();
+        if let Some(entry) = waiting {
+            crate::keeper_start::forget(entry);
+        }
     }
 }
 
 impl Hold {
-    /// Starts a hold from a fresh grant and spawns its keeper (watchdog + local expiry).
+    /// Starts a hold from a fresh grant, with its keeper (watchdog + local expiry): spawned
+    /// when it is first due (the first renewal or the local expiry), or at once when the
+    /// hold is lost or extended first, or on a current-thread runtime (see
+    /// [`crate::keeper_start`]). A hold released before then never gets a task.
     pub(crate) fn start(
         backend: Arc<dyn LockBackend>,
         grant: Grant,
@@ -144,10 +184,17 @@ impl Hold {
             guards: std::sync::atomic::AtomicU32::new(0),
             longest_lease: Arc::default(),
             counted: crate::telemetry::Gauged::hold(scheme),
+            runtime: runtime.clone(),
+            keeper: Mutex::default(),
         });
         shared.asked_for(shared.grant.ttl);
-        runtime.spawn(keep(shared.clone()));
-        Arc::new(Hold { shared })
+        let hold = Arc::new(Hold {
+            shared: shared.clone(),
+        });
+        if !defer_keeper(&shared, runtime) {
+            crate::keeper_start::Deferred::start_keeper(shared);
+        }
+        hold
     }
 
     /// Still usable for a reentrant acquisition.
@@ -187,6 +234,40 @@ impl Hold {
         self.shared.loss.fire(reason);
         self.shared.lost_error(reason)
     }
+}
+
+/// Puts a new hold's keeper off until it is first due (see [`crate::keeper_start`]); `false`
+/// if it must start now (a current-thread runtime, no timer thread).
+fn defer_keeper(shared: &Arc<HoldShared>, runtime: &tokio::runtime::Handle) -> bool {
+    if !crate::keeper_start::defers_on(runtime) {
+        return false;
+    }
+    // What the keeper first waits for, as `keep` computes it.
+    let valid_until = shared.lease().valid_until;
+    let due = if shared.options.watchdog {
+        (shared.grant.lease_start + shared.options.renew_period()).min(valid_until)
+    } else {
+        valid_until
+    };
+    let deferred: Arc<dyn crate::keeper_start::Deferred> = shared.clone();
+    {
+        // Held while the entry goes in: a keeper started meanwhile (the timer, a loss)
+        // waits for it and removes it.
+        let mut keeper = shared.keeper.lock().unwrap_or_else(|e| e.into_inner());
+        keeper.waiting = crate::keeper_start::defer(due, Arc::downgrade(&deferred));
+        if keeper.waiting.is_none() {
+            return false;
+        }
+    }
+    // A loss (a backend's session ended, a release found the hold gone) is reported by the
+    // keeper at once, as it always was: start it then.
+    let weak = Arc::downgrade(shared);
+    shared.loss.on_fire(move || {
+        if let Some(shared) = weak.upgrade() {
+            crate::keeper_start::Deferred::start_keeper(shared);
+        }
+    });
+    true
 }
 
 /// Tells the operator, at `error`, that a hold was lost while it was held (not after its
@@ -544,6 +625,9 @@ impl LockGuard {
                 lease.ttl = ttl;
                 lease.valid_until = start + local_validity(ttl);
                 drop(lease);
+                // The keeper must count its next renewal from this TTL: start it now if it
+                // was waiting for the old one.
+                crate::keeper_start::Deferred::start_keeper(self.hold.shared.clone());
                 shared.changed.notify_one();
                 Ok(())
             }

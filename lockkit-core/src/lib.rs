@@ -27,6 +27,7 @@ mod file_watch;
 mod guard;
 mod holder;
 mod into_key;
+mod keeper_start;
 mod key;
 mod kind;
 mod local_hold;

@@ -1,6 +1,6 @@
 //! The lost signal.
 
-use std::sync::{Arc, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock};
 
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
@@ -16,6 +16,23 @@ pub struct LossSignal {
     fired: CancellationToken,
     reason: Arc<OnceLock<LostReason>>,
     at: Arc<OnceLock<Instant>>,
+    on_fire: Arc<FireHooks>,
+}
+
+/// What runs once when the signal fires (see [`LossSignal::on_fire`]).
+#[derive(Default)]
+struct FireHooks(Mutex<Vec<Box<dyn FnOnce() + Send>>>);
+
+impl std::fmt::Debug for FireHooks {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("FireHooks")
+    }
+}
+
+impl FireHooks {
+    fn take(&self) -> Vec<Box<dyn FnOnce() + Send>> {
+        std::mem::take(&mut *self.0.lock().unwrap_or_else(|e| e.into_inner()))
+    }
 }
 
 impl LossSignal {
@@ -31,6 +48,26 @@ impl LossSignal {
         self.fired.cancel();
         if first {
             tracing::debug!(%reason, "lock lost");
+        }
+        for hook in self.on_fire.take() {
+            hook();
+        }
+    }
+
+    /// Runs `hook` once when the signal fires, on the thread that fires it, or at once if
+    /// it already has. Hooks must be quick and must not fire this signal.
+    pub(crate) fn on_fire(&self, hook: impl FnOnce() + Send + 'static) {
+        self.on_fire
+            .0
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(Box::new(hook));
+        // A fire that came before the push found no hook: run it here. Both take under the
+        // lock, so it runs once.
+        if self.is_fired() {
+            for hook in self.on_fire.take() {
+                hook();
+            }
         }
     }
 

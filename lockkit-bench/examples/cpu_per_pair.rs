@@ -1,0 +1,77 @@
+//! Latency per uncontended acquire+release on one Redis key, for `perf stat` and `/usr/bin/time`
+//! (CPU and context switches per pair): `cpu_per_pair <lockkit|rslock|raw|ping> <pairs>`, with
+//! `LOCKKIT_TEST_REDIS_URL` set (`scripts/services.sh env`); `SPAWN=1` runs it in a task.
+use std::time::{Duration, Instant};
+#[tokio::main(flavor = "multi_thread", worker_threads = 2)]
+async fn main() {
+    if std::env::var_os("SPAWN").is_some() {
+        tokio::spawn(body()).await.unwrap();
+    } else {
+        body().await
+    }
+}
+async fn body() {
+    let args: Vec<String> = std::env::args().collect();
+    let which = args[1].clone();
+    let n: usize = args[2].parse().unwrap();
+    let url = std::env::var("LOCKKIT_TEST_REDIS_URL").unwrap();
+    let mut samples = Vec::with_capacity(n);
+    match which.as_str() {
+        "lockkit" => {
+            let locker = lockkit::connect(&url).await.unwrap();
+            for _ in 0..n {
+                let s = Instant::now();
+                let g = locker
+                    .acquire("cpu/same")
+                    .ttl(Duration::from_secs(30))
+                    .await
+                    .unwrap();
+                g.release().await.unwrap();
+                samples.push(s.elapsed());
+            }
+        }
+        "rslock" => {
+            let m = rslock::LockManager::new(vec![url.clone()]);
+            for _ in 0..n {
+                let s = Instant::now();
+                let l = m.lock(b"cpu/rs", Duration::from_secs(30)).await.unwrap();
+                m.unlock(&l).await;
+                samples.push(s.elapsed());
+            }
+        }
+        "raw" => {
+            use tokio::io::{AsyncReadExt, AsyncWriteExt};
+            let addr = url.trim_start_matches("redis://").to_owned();
+            let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+            s.set_nodelay(true).unwrap();
+            let mut buf = [0u8; 64];
+            for _ in 0..n {
+                let t = Instant::now();
+                for _ in 0..2 {
+                    s.write_all(b"*1\r\n$4\r\nPING\r\n").await.unwrap();
+                    let mut got = 0;
+                    while got < 7 {
+                        got += s.read(&mut buf[got..]).await.unwrap();
+                    }
+                }
+                samples.push(t.elapsed());
+            }
+        }
+        _ => {
+            let c = redis::Client::open(url.as_str()).unwrap();
+            let mut con = c.get_multiplexed_async_connection().await.unwrap();
+            for _ in 0..n {
+                let s = Instant::now();
+                let _: String = redis::cmd("PING").query_async(&mut con).await.unwrap();
+                let _: String = redis::cmd("PING").query_async(&mut con).await.unwrap();
+                samples.push(s.elapsed());
+            }
+        }
+    }
+    samples.sort();
+    println!(
+        "{which}: p50 {:?} p99 {:?}",
+        samples[n / 2],
+        samples[n * 99 / 100]
+    );
+}
