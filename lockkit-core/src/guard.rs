@@ -77,6 +77,14 @@ impl crate::keeper_start::Deferred for HoldShared {
     fn start_keeper(self: Arc<Self>) {
         let mut keeper = self.keeper.lock().unwrap_or_else(|e| e.into_inner());
         if keeper.started {
+            drop(keeper);
+            // The caller (the timer thread, a thread that fired the loss) may hold the last
+            // reference, and a grant's backend state may need a runtime to be dropped in
+            // (a pooled connection): drop it on the hold's runtime.
+            if let Some(shared) = Arc::into_inner(self) {
+                let runtime = shared.runtime.clone();
+                runtime.spawn(async move { drop(shared) });
+            }
             return;
         }
         keeper.started = true;

@@ -17,7 +17,10 @@
 //!
 //! Holds on a current-thread runtime never wait here: such a runtime runs tasks only while
 //! it is driven, and its clock may be paused, so they get their keeper at once, as before.
-//! If the thread cannot be started, holds get their keeper at once too.
+//! If the thread cannot be started, holds get their keeper at once too. The thread never
+//! drops the last reference to a hold (see `HoldShared::start_keeper`): a backend's grant
+//! may need a runtime to be dropped in. A child made by `fork` without `exec` has no timer
+//! thread (nor any of its runtimes' threads): it must not use its parent's lockers.
 
 use std::{
     collections::BTreeMap,
@@ -42,6 +45,8 @@ struct Timers {
     armed: Option<Instant>,
     /// The thread runs.
     running: bool,
+    /// A start of the thread failed (said once).
+    spawn_failed: bool,
 }
 
 static TIMERS: Mutex<Timers> = Mutex::new(Timers {
@@ -49,6 +54,7 @@ static TIMERS: Mutex<Timers> = Mutex::new(Timers {
     next_seq: 0,
     armed: None,
     running: false,
+    spawn_failed: false,
 });
 
 /// Wakes the thread: an entry earlier than `armed` arrived.
@@ -81,7 +87,10 @@ pub(crate) fn defer(due: tokio::time::Instant, hold: Weak<dyn Deferred>) -> Opti
             .name("lockkit-keepers".into())
             .spawn(run);
         if let Err(error) = started {
-            tracing::warn!(%error, "could not start the keepers' timer thread; every hold gets a keeper task at once");
+            if !timers.spawn_failed {
+                timers.spawn_failed = true;
+                tracing::warn!(%error, "could not start the keepers' timer thread; holds get their keeper task at once");
+            }
             return None;
         }
         timers.running = true;
@@ -119,7 +128,14 @@ fn run() {
             drop(timers);
             for hold in due {
                 if let Some(hold) = hold.upgrade() {
-                    hold.start_keeper();
+                    // Nothing here should panic; if something does, the other holds must
+                    // still get their keepers.
+                    let started = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                        hold.start_keeper()
+                    }));
+                    if started.is_err() {
+                        tracing::error!("a hold's keeper could not be started (a panic)");
+                    }
                 }
             }
             timers = self::timers();
