@@ -2,9 +2,9 @@
 //! (then in a task of its own), so dropping the caller cannot strand what the server
 //! already granted.
 
-use std::{future::Future, panic::AssertUnwindSafe, pin::Pin, sync::Arc, task::Poll};
+use std::{future::Future, panic::AssertUnwindSafe, pin::Pin, task::Poll};
 
-use tokio::sync::Notify;
+use tokio_util::sync::CancellationToken;
 
 use crate::{Error, Grant, Result};
 
@@ -88,16 +88,20 @@ where
 
 /// Lets a detached acquisition learn that its caller has gone, so it can stop waiting
 /// (and clean up) instead of waiting out its whole deadline.
+/// Once fired it stays fired: every later [`Interrupt::interrupted`] resolves at once, so
+/// one part of an attempt that noticed the interrupt cannot hide it from another.
 #[derive(Debug, Clone, Default)]
-pub struct Interrupt(Arc<Notify>);
+pub struct Interrupt(CancellationToken);
 
 impl Interrupt {
-    /// Resolves once the caller of [`detached_acquire`] has dropped its future.
+    /// Resolves once the caller of [`detached_acquire`] has dropped its future, and at once
+    /// from then on.
     ///
     /// # Cancel safety
-    /// Cancel safe; a wake-up that arrives while nobody waits is kept for the next call.
+    /// Cancel safe: drop it and call again at any time; an interrupt that came while
+    /// nobody waited is seen by every later call.
     pub async fn interrupted(&self) {
-        self.0.notified().await;
+        self.0.cancelled().await;
     }
 }
 
@@ -107,7 +111,7 @@ struct InterruptOnDrop(Option<Interrupt>);
 impl Drop for InterruptOnDrop {
     fn drop(&mut self) {
         if let Some(interrupt) = self.0.take() {
-            interrupt.0.notify_one();
+            interrupt.0.cancel();
         }
     }
 }
@@ -155,7 +159,10 @@ where
 #[cfg(test)]
 mod tests {
     use std::{
-        sync::atomic::{AtomicUsize, Ordering},
+        sync::{
+            Arc,
+            atomic::{AtomicUsize, Ordering},
+        },
         time::Duration,
     };
 
@@ -245,5 +252,37 @@ mod tests {
     async fn a_panic_in_the_work_is_none() {
         let got = detached(async { panic!("boom") }, |_: ()| {}).await;
         assert_eq!(got, None);
+    }
+
+    /// An attempt may look for its caller's interrupt in more than one place (a quick check,
+    /// then a wait): the first look must not use it up (a second wait hung forever).
+    #[tokio::test]
+    async fn an_interrupt_is_seen_by_every_later_look() {
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        let call = detached_acquire(
+            "test",
+            move |interrupt| async move {
+                interrupt.interrupted().await;
+                let again = tokio::time::timeout(Duration::from_secs(60), async {
+                    interrupt.interrupted().await;
+                    interrupt.interrupted().await;
+                })
+                .await;
+                let _ = tx.send(again.is_ok());
+                Ok(())
+            },
+            |()| None,
+            |_grant| async {},
+        );
+        assert!(
+            tokio::time::timeout(Duration::from_millis(20), call)
+                .await
+                .is_err()
+        );
+        let seen_again = tokio::time::timeout(Duration::from_secs(120), rx)
+            .await
+            .expect("the attempt ended")
+            .expect("it answered");
+        assert!(seen_again, "a second look at the interrupt waited forever");
     }
 }

@@ -574,8 +574,7 @@ impl ZkBackend {
                     }
                     // The listing is only a head start: a failed one, or one without the
                     // node (never expected), leaves the first look to the queue. One left
-                    // unanswered is passed on: the interrupt fires once, so a caller gone
-                    // must be heeded now.
+                    // unanswered is passed on: a caller gone is heeded now.
                     let listed = match listing {
                         Some(listing) => {
                             // Bounded as a listing sent on its own was: one request
