@@ -88,6 +88,7 @@ where
 
 /// Lets a detached acquisition learn that its caller has gone, so it can stop waiting
 /// (and clean up) instead of waiting out its whole deadline.
+///
 /// Once fired it stays fired: every later [`Interrupt::interrupted`] resolves at once, so
 /// one part of an attempt that noticed the interrupt cannot hide it from another.
 #[derive(Debug, Clone, Default)]
