@@ -127,6 +127,30 @@ pub(crate) struct Held {
     marker: Option<String>,
 }
 
+/// A hold that nobody refers to any more and that was never released deletes its node:
+/// a hold given up as lost while its session lived on (the link was silent past two thirds
+/// of the session timeout, then came back) is not released by its guard, and its node
+/// would keep the key for as long as the session lives. The node is this hold's alone (a
+/// newer hold of the same owner has a node of its own), so deleting it is always safe.
+impl Drop for Held {
+    fn drop(&mut self) {
+        if self.released.load(Ordering::SeqCst) || self.session.dead.load(Ordering::SeqCst) {
+            return;
+        }
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        let (session, node, marker) =
+            (self.session.clone(), self.node.clone(), self.marker.clone());
+        runtime.spawn(async move {
+            delete_until_gone(session.clone(), node).await;
+            if let Some(marker) = marker {
+                delete_until_gone(session, marker).await;
+            }
+        });
+    }
+}
+
 impl std::fmt::Debug for Held {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Held").field("node", &self.node).finish()
