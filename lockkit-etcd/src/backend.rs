@@ -7,7 +7,7 @@ mod kinds;
 use std::{
     sync::{
         Arc,
-        atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering},
+        atomic::{AtomicBool, AtomicU64, Ordering},
     },
     time::Duration,
 };
@@ -31,7 +31,7 @@ use crate::{
     EtcdConfig,
     lease::{Lease, retry_backoff},
     path::{Contender, DOWNGRADED, classify, contender_name, lock_range},
-    request::{BACKEND, RETRY_PAUSE, Unanswered, ask, etcd_error, unanswered},
+    request::{BACKEND, Members, RETRY_PAUSE, Unanswered, ask, etcd_error, unanswered},
 };
 use holds::{Downgrade, Holds, Slot, WriteState};
 use kinds::{Blocker, range_of};
@@ -118,11 +118,9 @@ impl Held {
 pub(crate) struct Inner {
     config: EtcdConfig,
     client: Client,
-    /// One client per member (the same client when there is one member), for keep-alive
-    /// streams.
-    members: Arc<[Client]>,
-    /// Which member the next lease's keep-alives start on.
-    next_member: AtomicUsize,
+    /// One client per member (the same client when there is one member): requests and
+    /// keep-alive streams go to them in turn.
+    members: Arc<Members>,
     held: Holds,
     /// Predecessor watches that fired, for herd checks.
     wakeups: AtomicU64,
@@ -181,7 +179,7 @@ impl EtcdBackend {
         let mut client = Client::connect(&config.endpoints, Some(options.clone()))
             .await
             .map_err(|e| etcd_error(&format!("connecting to `{members}`"), e))?;
-        // Each connects lazily, when a keep-alive stream first goes through it.
+        // Each connects lazily, when a request first goes through it.
         let mut member_clients = Vec::new();
         if config.endpoints.len() > 1 {
             for endpoint in &config.endpoints {
@@ -228,8 +226,7 @@ impl EtcdBackend {
             inner: Arc::new(Inner {
                 config,
                 client,
-                members: member_clients.into(),
-                next_member: AtomicUsize::new(0),
+                members: Arc::new(Members::new(member_clients)),
                 held: Holds::default(),
                 wakeups: AtomicU64::new(0),
             }),
@@ -309,11 +306,11 @@ impl EtcdBackend {
     /// Asks `request` (idempotent) with retries until one request limit from now.
     async fn ask_within_limit<T, F, Fut>(&self, request: F, doing: &str) -> Result<T>
     where
-        F: FnMut() -> Fut,
+        F: FnMut(Client) -> Fut,
         Fut: std::future::Future<Output = std::result::Result<T, etcd_client::Error>>,
     {
         let end = Instant::now() + self.request_limit();
-        match ask(request, end, self.per_try(), None).await {
+        match ask(&self.inner.members, request, end, self.per_try(), None).await {
             Ok((answer, _)) => answer.map_err(|e| etcd_error(doing, e)),
             Err(_) => Err(unanswered(doing, self.request_limit())),
         }
@@ -329,9 +326,8 @@ impl EtcdBackend {
         (range, kind, revision): (&str, LockKind, i64),
         blocker: &Blocker,
     ) -> bool {
-        let client = self.client();
-        let send = || {
-            let (mut client, check) = (client.clone(), check.clone());
+        let send = |mut client: Client| {
+            let check = check.clone();
             async move { client.txn(check).await }
         };
         match self.ask_within_limit(send, "looking again").await {
@@ -359,12 +355,11 @@ impl EtcdBackend {
         // Requests that fail on the way (a member down or frozen, a connection that broke
         // while idle) are asked again until the wait ends, and one request limit past it.
         // A lease granted whose answer never arrives carries no key and expires by itself.
-        let client = self.client();
-        let grant_lease = || {
-            let mut client = client.clone();
-            async move { client.lease_grant(session_ttl, None).await }
-        };
+        let members = &self.inner.members;
+        let grant_lease =
+            |mut client: Client| async move { client.lease_grant(session_ttl, None).await };
         let (granted, sent) = match ask(
+            members,
             grant_lease,
             self.request_end(deadline),
             per_try,
@@ -380,10 +375,8 @@ impl EtcdBackend {
             }
         };
         let ttl = Duration::from_secs(u64::try_from(granted.ttl()).unwrap_or(0));
-        let first_member = self.inner.next_member.fetch_add(1, Ordering::Relaxed);
         let lease = Lease::keep(
-            self.client(),
-            (self.inner.members.clone(), first_member),
+            self.inner.members.clone(),
             granted.id(),
             ttl,
             sent,
@@ -432,11 +425,12 @@ impl EtcdBackend {
             .when([Compare::create_revision(name.clone(), CompareOp::Equal, 0)])
             .and_then(created)
             .or_else(found);
-        let send_create = || {
-            let (mut client, create) = (client.clone(), create.clone());
+        let send_create = |mut client: Client| {
+            let create = create.clone();
             async move { client.txn(create).await }
         };
         let (answer, sent) = match ask(
+            members,
             send_create,
             self.request_end(deadline),
             per_try,
@@ -522,11 +516,12 @@ impl EtcdBackend {
             let (sent, at, blocker) = match look.take() {
                 Some(seen) => seen,
                 None => {
-                    let send_check = || {
-                        let (mut client, check) = (client.clone(), check.clone());
+                    let send_check = |mut client: Client| {
+                        let check = check.clone();
                         async move { client.txn(check).await }
                     };
                     let (answer, sent) = match ask(
+                        members,
                         send_check,
                         self.request_end(deadline),
                         per_try,
@@ -574,11 +569,12 @@ impl EtcdBackend {
             if blocker.deletes_only {
                 watch = watch.with_filters([WatchFilterType::NoPut]);
             }
-            let open_watch = || {
-                let (mut client, key, watch) = (client.clone(), blocker.key.clone(), watch.clone());
+            let open_watch = |mut client: Client| {
+                let (key, watch) = (blocker.key.clone(), watch.clone());
                 async move { client.watch(key, Some(watch)).await }
             };
             let mut stream = match ask(
+                members,
                 open_watch,
                 self.request_end(deadline),
                 per_try,
@@ -798,10 +794,9 @@ impl EtcdBackend {
                 "",
                 Some(PutOptions::new().with_lease(held.lease.id)),
             )]);
-        let client = self.client();
         let tries = std::sync::atomic::AtomicU32::new(0);
-        let send = || {
-            let (mut client, mark) = (client.clone(), mark.clone());
+        let send = |mut client: Client| {
+            let mark = mark.clone();
             tries.fetch_add(1, Ordering::SeqCst);
             async move { client.txn(mark).await }
         };
@@ -829,11 +824,7 @@ impl EtcdBackend {
         if lease == 0 {
             return None;
         }
-        let client = self.client();
-        let read = || {
-            let mut client = client.clone();
-            async move { client.lease_time_to_live(lease, None).await }
-        };
+        let read = |mut client: Client| async move { client.lease_time_to_live(lease, None).await };
         let left = self.ask_within_limit(read, "reading a lease").await.ok()?;
         u64::try_from(left.ttl())
             .ok()
@@ -856,9 +847,8 @@ impl EtcdBackend {
                 data,
                 Some(PutOptions::new().with_lease(held.lease.id)),
             )]);
-        let client = self.client();
-        let send = || {
-            let (mut client, write) = (client.clone(), write.clone());
+        let send = |mut client: Client| {
+            let write = write.clone();
             async move { client.txn(write).await }
         };
         let _ = self
@@ -1010,10 +1000,9 @@ impl LockBackend for EtcdBackend {
 
     async fn renew(&self, grant: &Grant, ttl: Duration) -> Result<()> {
         let held = self.held_of(grant)?;
-        let client = self.client();
         let sent = Instant::now();
-        let look = || {
-            let (mut client, name) = (client.clone(), held.name.clone());
+        let look = |mut client: Client| {
+            let name = held.name.clone();
             async move {
                 client
                     .get(name, Some(GetOptions::new().with_keys_only()))
@@ -1080,10 +1069,9 @@ impl LockBackend for EtcdBackend {
                 held.revision,
             )])
             .and_then([TxnOp::delete(held.name.clone(), None)]);
-        let client = self.client();
         let tries = std::sync::atomic::AtomicU32::new(0);
-        let send = || {
-            let (mut client, delete) = (client.clone(), delete.clone());
+        let send = |mut client: Client| {
+            let delete = delete.clone();
             tries.fetch_add(1, Ordering::SeqCst);
             async move { client.txn(delete).await }
         };
@@ -1107,10 +1095,9 @@ impl LockBackend for EtcdBackend {
     }
 
     async fn ping(&self) -> Result<()> {
-        let client = self.client();
         let prefix = self.inner.config.prefix.clone();
-        let read = || {
-            let (mut client, prefix) = (client.clone(), prefix.clone());
+        let read = |mut client: Client| {
+            let prefix = prefix.clone();
             async move {
                 client
                     .get(prefix, Some(GetOptions::new().with_count_only()))
@@ -1123,13 +1110,12 @@ impl LockBackend for EtcdBackend {
 
     async fn inspect(&self, key: &LockKey) -> Result<Option<HolderInfo>> {
         let range = self.lock_range(key);
-        let client = self.client();
         let first = GetOptions::new()
             .with_prefix()
             .with_sort(SortTarget::Create, SortOrder::Ascend)
             .with_limit(1);
-        let read = || {
-            let (mut client, range, first) = (client.clone(), range.clone(), first.clone());
+        let read = |mut client: Client| {
+            let (range, first) = (range.clone(), first.clone());
             async move { client.get(range, Some(first)).await }
         };
         let got = self
@@ -1168,12 +1154,11 @@ impl LockBackend for EtcdBackend {
     /// contenders wait. A write key kept only for a downgraded read is not listed.
     async fn holders(&self, key: &LockKey) -> Result<Vec<HolderInfo>> {
         let range = self.lock_range(key);
-        let client = self.client();
         let all = GetOptions::new()
             .with_prefix()
             .with_sort(SortTarget::Create, SortOrder::Ascend);
-        let read = || {
-            let (mut client, range, all) = (client.clone(), range.clone(), all.clone());
+        let read = |mut client: Client| {
+            let (range, all) = (range.clone(), all.clone());
             async move { client.get(range, Some(all)).await }
         };
         let got = self

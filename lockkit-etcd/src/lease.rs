@@ -11,7 +11,7 @@ use std::{
 use etcd_client::Client;
 use lockkit_core::{LossSignal, LostReason, spi::Backoff};
 
-use crate::request::ask;
+use crate::request::{Members, ask};
 use tokio::{sync::Notify, time::Instant};
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -50,12 +50,9 @@ pub(crate) struct Lease {
     pub(crate) id: i64,
     /// The TTL the cluster granted.
     pub(crate) ttl: Duration,
-    client: Client,
-    /// One client per member, for keep-alive streams: a stream that goes silent is opened
-    /// afresh on the next member, never again on a frozen one by chance.
-    members: Arc<[Client]>,
-    /// The member whose client opens the first stream.
-    first_member: usize,
+    /// The cluster's members: a keep-alive stream that goes silent is opened afresh on the
+    /// next member, never again on a frozen one by chance; revocations go to them in turn.
+    members: Arc<Members>,
     /// When the last keep-alive the server confirmed (or the grant) was sent: the cluster
     /// cannot expire the lease before this plus the TTL.
     confirmed: Mutex<Instant>,
@@ -70,10 +67,9 @@ pub(crate) struct Lease {
 
 impl Lease {
     /// Starts keeping lease `id` (granted with `ttl` by a request sent at `sent`) alive,
-    /// through `members[first_member]` first.
+    /// through the members in turn.
     pub(crate) fn keep(
-        client: Client,
-        (members, first_member): (Arc<[Client]>, usize),
+        members: Arc<Members>,
         id: i64,
         ttl: Duration,
         sent: Instant,
@@ -82,9 +78,7 @@ impl Lease {
         let lease = Arc::new(Lease {
             id,
             ttl,
-            client,
             members,
-            first_member,
             confirmed: Mutex::new(sent),
             last_sent: Mutex::new(sent),
             state: Mutex::new(State::default()),
@@ -174,12 +168,9 @@ impl Lease {
     /// if it did not happen yet (the keeper retries it in the background).
     pub(crate) async fn end_and_revoke(&self) -> bool {
         self.end();
-        let revoke = || {
-            let mut client = self.client.clone();
-            async move { client.lease_revoke(self.id).await }
-        };
+        let revoke = |mut client: Client| async move { client.lease_revoke(self.id).await };
         let end = Instant::now() + self.request_limit;
-        match ask(revoke, end, self.request_limit / 2, None).await {
+        match ask(&self.members, revoke, end, self.request_limit / 2, None).await {
             Ok((Ok(_), _)) => true,
             Ok((Err(e), _)) => lease_not_found(&e),
             Err(_) => false,
@@ -192,11 +183,15 @@ impl Lease {
         let give_up_at = *lock(&self.last_sent) + self.ttl + Duration::from_secs(60);
         let mut backoff = retry_backoff();
         loop {
-            let mut client = self.client.clone();
+            let member = self.members.first();
+            let mut client = self.members.client(member).clone();
             match tokio::time::timeout(self.request_limit, client.lease_revoke(self.id)).await {
                 Ok(Ok(_)) => return,
                 Ok(Err(e)) if lease_not_found(&e) => return,
-                outcome => tracing::debug!(lease = self.id, ?outcome, "revoking a lease failed"),
+                outcome => {
+                    self.members.failed(member);
+                    tracing::debug!(lease = self.id, ?outcome, "revoking a lease failed");
+                }
             }
             if Instant::now() >= give_up_at {
                 tracing::warn!(
@@ -229,14 +224,15 @@ enum Stopped {
 /// the loss deadline for the next member (or the one after it) to answer.
 async fn keep_alive(lease: Arc<Lease>) {
     let mut backoff = retry_backoff();
-    let mut member = lease.first_member;
+    let mut member = lease.members.first();
     while !lease.is_over() {
         let confirmed = lease.alive_until();
-        let client = &lease.members[member % lease.members.len()];
+        let client = lease.members.client(member);
         match keep_one_stream(&lease, client).await {
             Stopped::Over => break,
             Stopped::Failed => {
-                member = member.wrapping_add(1);
+                lease.members.failed(member);
+                member = lease.members.after(member);
                 if lease.alive_until() > confirmed {
                     // The stream worked for a while: this is a fresh failure.
                     backoff = retry_backoff();
