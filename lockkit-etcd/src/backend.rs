@@ -176,7 +176,7 @@ impl EtcdBackend {
             .with_keep_alive_while_idle(false)
             .with_require_leader(true);
         let members = config.endpoints.join(",");
-        let mut client = Client::connect(&config.endpoints, Some(options.clone()))
+        let client = Client::connect(&config.endpoints, Some(options.clone()))
             .await
             .map_err(|e| etcd_error(&format!("connecting to `{members}`"), e))?;
         // Each connects lazily, when a request first goes through it.
@@ -191,29 +191,38 @@ impl EtcdBackend {
         } else {
             member_clients.push(client.clone());
         }
+        let (limit, try_time) = (request_limit_of(&config), per_try_of(&config));
+        let member_clients = Arc::new(Members::new(member_clients, try_time));
         // The client connects lazily: a lease grant proves a member answers and the
-        // cluster has a leader, and says which TTL the cluster grants.
+        // cluster has a leader, and says which TTL the cluster grants. Asked of the members
+        // in turn: one of them down or frozen does not fail the connection.
         let asked = config.session_ttl.as_secs();
-        let granted = tokio::time::timeout(
-            config.connect_timeout,
-            client.lease_grant(i64::try_from(asked).unwrap_or(i64::MAX), None),
-        )
-        .await
-        .map_err(|_| {
-            Error::backend(
-                BACKEND,
-                true,
-                format!(
-                    "no etcd member of `{members}` answered within {:?}; are they running, \
-                     and does the cluster have a leader?",
-                    config.connect_timeout
-                ),
-            )
-        })?
-        .map_err(|e| etcd_error(&format!("granting a lease on `{members}`"), e))?;
+        let asked_ttl = i64::try_from(asked).unwrap_or(i64::MAX);
+        let grant = |mut client: Client| async move { client.lease_grant(asked_ttl, None).await };
+        let end = Instant::now() + config.connect_timeout;
+        let granted = match ask(&member_clients, grant, end, try_time, None).await {
+            Ok((Ok(granted), _)) => granted,
+            Ok((Err(e), _)) => {
+                return Err(etcd_error(&format!("granting a lease on `{members}`"), e));
+            }
+            Err(_) => {
+                return Err(Error::backend(
+                    BACKEND,
+                    true,
+                    format!(
+                        "no etcd member of `{members}` answered within {:?}; are they \
+                         running, and does the cluster have a leader?",
+                        config.connect_timeout
+                    ),
+                ));
+            }
+        };
         let probe = granted.id();
-        let mut revoker = client.clone();
-        tokio::spawn(async move { revoker.lease_revoke(probe).await });
+        let revoker = member_clients.clone();
+        tokio::spawn(async move {
+            let revoke = |mut client: Client| async move { client.lease_revoke(probe).await };
+            let _ = ask(&revoker, revoke, Instant::now() + limit, try_time, None).await;
+        });
         if u64::try_from(granted.ttl()).ok() != Some(asked) {
             return Err(Error::Config(format!(
                 "the cluster granted a {} s lease for the {asked} s session_ttl asked: it \
@@ -226,7 +235,7 @@ impl EtcdBackend {
             inner: Arc::new(Inner {
                 config,
                 client,
-                members: Arc::new(Members::new(member_clients)),
+                members: member_clients,
                 held: Holds::default(),
                 wakeups: AtomicU64::new(0),
             }),
@@ -254,14 +263,9 @@ impl EtcdBackend {
         lock_range(&self.inner.config.prefix, key)
     }
 
-    /// How long one request may stay unanswered: `connect_timeout`, but at most a third of
-    /// the session TTL.
+    /// How long one request may stay unanswered (see [`request_limit_of`]).
     fn request_limit(&self) -> Duration {
-        let config = &self.inner.config;
-        config
-            .connect_timeout
-            .min(config.session_ttl / 3)
-            .max(Duration::from_millis(100))
+        request_limit_of(&self.inner.config)
     }
 
     /// How long a request sent now may stay unanswered by an acquisition whose wait ends
@@ -297,10 +301,9 @@ impl EtcdBackend {
         }
     }
 
-    /// How long one try of a request may stay unanswered before it is sent again (perhaps
-    /// to another member): half the request limit.
+    /// How long one try of a request may stay unanswered (see [`per_try_of`]).
     fn per_try(&self) -> Duration {
-        (self.request_limit() / 2).max(Duration::from_millis(100))
+        per_try_of(&self.inner.config)
     }
 
     /// Asks `request` (idempotent) with retries until one request limit from now.
@@ -674,7 +677,7 @@ impl EtcdBackend {
             });
         }
         tokio::spawn(watch_own_key(
-            self.client(),
+            (self.inner.members.clone(), self.request_limit(), per_try),
             lease,
             name,
             revision,
@@ -857,6 +860,21 @@ impl EtcdBackend {
     }
 }
 
+/// How long one request may stay unanswered: `connect_timeout`, but at most a third of the
+/// session TTL.
+fn request_limit_of(config: &EtcdConfig) -> Duration {
+    config
+        .connect_timeout
+        .min(config.session_ttl / 3)
+        .max(Duration::from_millis(100))
+}
+
+/// How long one try of a request may stay unanswered before it is sent again (to another
+/// member): half the request limit.
+fn per_try_of(config: &EtcdConfig) -> Duration {
+    (request_limit_of(config) / 2).max(Duration::from_millis(100))
+}
+
 /// Tells the hold on `lease` when its key `name` (created at `revision`) is deleted under
 /// it (a DELETE event from revision `from` on), until the lease is over.
 ///
@@ -866,8 +884,11 @@ impl EtcdBackend {
 /// moving past it could skip the DELETE. Replaying from an old revision costs nothing (the
 /// server filters the PUTs); once that revision is compacted away, a read says whether the
 /// key is still the hold's own.
+///
+/// The watch is opened, and the key read, through the members in turn (`members`, with the
+/// request limit and the time of one try), so a frozen member does not keep it unopened.
 async fn watch_own_key(
-    client: Client,
+    (members, limit, per_try): (Arc<Members>, Duration, Duration),
     lease: Arc<Lease>,
     name: String,
     revision: i64,
@@ -878,15 +899,22 @@ async fn watch_own_key(
         let watch = WatchOptions::new()
             .with_start_revision(from)
             .with_filters([WatchFilterType::NoPut]);
-        let mut watcher = client.clone();
+        let open = |mut client: Client| {
+            let (name, watch) = (name.clone(), watch.clone());
+            async move { client.watch(name, Some(watch)).await }
+        };
         let opened = tokio::select! {
-            opened = watcher.watch(name.clone(), Some(watch)) => opened,
+            opened = ask(&members, open, Instant::now() + limit, per_try, None) => opened,
             () = lease.over() => return,
         };
         let mut stream = match opened {
-            Ok(stream) => stream,
-            Err(e) => {
-                tracing::debug!(name, error = %e, "watching a held key failed; retrying");
+            Ok((Ok(stream), _)) => stream,
+            failed => {
+                let error = match failed {
+                    Ok((Err(e), _)) => e.to_string(),
+                    _ => "no member answered".to_owned(),
+                };
+                tracing::debug!(name, error, "watching a held key failed; retrying");
                 tokio::select! {
                     () = tokio::time::sleep(backoff.next_delay()) => continue,
                     () = lease.over() => return,
@@ -904,12 +932,16 @@ async fn watch_own_key(
                         if answer.canceled() {
                             // Compacted past (or no leader): is the key still the one the
                             // hold created? A linearizable read says so as of its revision.
-                            let mut getter = client.clone();
-                            let read = tokio::time::timeout(
-                                lease.ttl / 3,
-                                getter.get(name.clone(), Some(GetOptions::new().with_keys_only())),
-                            );
-                            if let Ok(Ok(got)) = read.await {
+                            let get = |mut client: Client| {
+                                let name = name.clone();
+                                async move {
+                                    client
+                                        .get(name, Some(GetOptions::new().with_keys_only()))
+                                        .await
+                                }
+                            };
+                            let end = Instant::now() + lease.ttl / 3;
+                            if let Ok((Ok(got), _)) = ask(&members, get, end, per_try, None).await {
                                 let ours = got
                                     .kvs()
                                     .first()

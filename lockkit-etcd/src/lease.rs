@@ -50,8 +50,9 @@ pub(crate) struct Lease {
     pub(crate) id: i64,
     /// The TTL the cluster granted.
     pub(crate) ttl: Duration,
-    /// The cluster's members: a keep-alive stream that goes silent is opened afresh on the
-    /// next member, never again on a frozen one by chance; revocations go to them in turn.
+    /// The cluster's members: a keep-alive stream that goes silent is opened afresh on
+    /// another member, not again on the silent one while another is left to try;
+    /// revocations go to them in turn.
     members: Arc<Members>,
     /// When the last keep-alive the server confirmed (or the grant) was sent: the cluster
     /// cannot expire the lease before this plus the TTL.
@@ -183,15 +184,15 @@ impl Lease {
         let give_up_at = *lock(&self.last_sent) + self.ttl + Duration::from_secs(60);
         let mut backoff = retry_backoff();
         loop {
-            let member = self.members.first();
-            let mut client = self.members.client(member).clone();
-            match tokio::time::timeout(self.request_limit, client.lease_revoke(self.id)).await {
-                Ok(Ok(_)) => return,
-                Ok(Err(e)) if lease_not_found(&e) => return,
-                outcome => {
-                    self.members.failed(member);
-                    tracing::debug!(lease = self.id, ?outcome, "revoking a lease failed");
+            let revoke = |mut client: Client| async move { client.lease_revoke(self.id).await };
+            let end = Instant::now() + self.request_limit;
+            match ask(&self.members, revoke, end, self.request_limit / 2, None).await {
+                Ok((Ok(_), _)) => return,
+                Ok((Err(e), _)) if lease_not_found(&e) => return,
+                Ok((Err(e), _)) => {
+                    tracing::debug!(lease = self.id, error = %e, "revoking a lease failed");
                 }
+                Err(_) => tracing::debug!(lease = self.id, "revoking a lease went unanswered"),
             }
             if Instant::now() >= give_up_at {
                 tracing::warn!(
@@ -219,24 +220,30 @@ enum Stopped {
 ///
 /// A stream that leaves a keep-alive unanswered for a sixth of the TTL (its member frozen,
 /// its connection dead without a word, or the member stuck forwarding it to a frozen
-/// leader) is opened afresh on the next member: the silence is noticed at most a third of
-/// the TTL after the last confirmed keep-alive was sent, which leaves another third before
-/// the loss deadline for the next member (or the one after it) to answer.
+/// leader) is opened afresh on another member (one not tried since the last confirmed
+/// keep-alive, and not passed over if there is such a one; see [`Members`]): the silence
+/// is noticed at most a third of the TTL after the last confirmed keep-alive was sent,
+/// which leaves another third before the loss deadline for the next member (or the one
+/// after it) to answer.
 async fn keep_alive(lease: Arc<Lease>) {
     let mut backoff = retry_backoff();
     let mut member = lease.members.first();
+    // The members whose streams failed since the last confirmed keep-alive: the next stream
+    // goes to one that is not among them, so that a frozen member is not tried again while
+    // another is left.
+    let mut tried = Vec::new();
     while !lease.is_over() {
         let confirmed = lease.alive_until();
-        let client = lease.members.client(member);
-        match keep_one_stream(&lease, client).await {
+        match keep_one_stream(&lease, member).await {
             Stopped::Over => break,
             Stopped::Failed => {
                 lease.members.failed(member);
-                member = lease.members.after(member);
                 if lease.alive_until() > confirmed {
                     // The stream worked for a while: this is a fresh failure.
                     backoff = retry_backoff();
+                    tried.clear();
                 }
+                member = lease.members.next_avoiding(member, &mut tried);
                 tokio::select! {
                     () = tokio::time::sleep(backoff.next_delay()) => {}
                     () = tokio::time::sleep_until(lease.alive_until()) => {
@@ -258,15 +265,15 @@ async fn sleep_until_some(at: Option<Instant>) {
     }
 }
 
-/// Opens one keep-alive stream through `client` and keeps the lease alive through it
+/// Opens one keep-alive stream through `member` and keeps the lease alive through it
 /// while it works: a keep-alive every sixth of the TTL; [`Stopped::Failed`] as soon as the
 /// oldest unanswered one has waited a whole interval (exactly then, not at the next tick: a
 /// tick that comes a hair early would let the silence run a second interval).
-async fn keep_one_stream(lease: &Lease, client: &Client) -> Stopped {
+async fn keep_one_stream(lease: &Lease, member: usize) -> Stopped {
     let every = (lease.ttl / 6).max(Duration::from_millis(100));
     let sent = Instant::now();
     *lock(&lease.last_sent) = sent;
-    let mut client = client.clone();
+    let mut client = lease.members.client(member).clone();
     // A stream opened on a frozen member never answers: try another after one interval.
     let opened = tokio::select! {
         opened = client.lease_keep_alive(lease.id) => opened,
@@ -290,6 +297,7 @@ async fn keep_one_stream(lease: &Lease, client: &Client) -> Stopped {
     };
     // Opening the stream sent a keep-alive and read its answer.
     lease.confirm(sent);
+    lease.members.answered(member);
     let mut pending: VecDeque<Instant> = VecDeque::new();
     let mut ticks = tokio::time::interval_at(sent + every, every);
     ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
