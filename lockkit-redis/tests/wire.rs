@@ -352,3 +352,91 @@ async fn a_lease_out_of_range_changes_nothing() {
         "{refused:?}"
     );
 }
+
+/// The release and renewal scripts read the hash with one `HMGET`: what is not the grant's
+/// own (a plain string another client wrote over it, a read-write lock's hash where the
+/// owner's field is a read count, a hash of another owner) is never changed, and a hold
+/// count that is not a number is an error, not a deletion.
+#[tokio::test]
+async fn release_and_renewal_leave_what_is_not_theirs_untouched() {
+    use lockkit_core::{Error, LockBackend};
+    let Some(url) = env::service_url("LOCKKIT_TEST_REDIS_URL") else {
+        return;
+    };
+    let backend = RedisBackend::connect(&url).await.unwrap();
+    let mut admin = redis::Client::open(url.as_str())
+        .unwrap()
+        .get_multiplexed_async_connection()
+        .await
+        .unwrap();
+    let name = format!("wire/not-theirs/{}", Uuid::new_v4().simple());
+    let owner = lockkit_core::OwnerId::random();
+    let field = owner.to_string();
+    let grant = backend
+        .try_acquire(&request(&name, owner, Duration::from_secs(30)))
+        .await
+        .unwrap()
+        .unwrap();
+    let refused = |outcome: Result<(), Error>, what: &str| {
+        assert!(
+            matches!(outcome, Err(Error::NotHeld { .. })),
+            "{what}: {outcome:?}"
+        );
+    };
+
+    let _: () = admin.set_ex(&name, "someone-else", 30).await.unwrap();
+    refused(
+        backend.release(&grant).await.map(drop),
+        "release of a string",
+    );
+    refused(
+        backend.renew(&grant, Duration::from_secs(60)).await,
+        "renewal of a string",
+    );
+    let value: String = admin.get(&name).await.unwrap();
+    assert_eq!(value, "someone-else");
+
+    let _: () = admin.del(&name).await.unwrap();
+    let _: () = admin
+        .hset_multiple(&name, &[("mode", "read"), (field.as_str(), "1")])
+        .await
+        .unwrap();
+    refused(
+        backend.release(&grant).await.map(drop),
+        "release of a rw hash",
+    );
+    refused(
+        backend.renew(&grant, Duration::from_secs(60)).await,
+        "renewal of a rw hash",
+    );
+    let mut fields: Vec<(String, String)> = admin.hgetall(&name).await.unwrap();
+    fields.sort();
+    let mut expected = vec![
+        ("mode".to_owned(), "read".to_owned()),
+        (field.clone(), "1".to_owned()),
+    ];
+    expected.sort();
+    assert_eq!(fields, expected, "the read-write lock's hash changed");
+    let pttl: i64 = admin.pttl(&name).await.unwrap();
+    assert_eq!(pttl, -1, "a renewal set an expiry on another lock's hash");
+
+    let _: () = admin.del(&name).await.unwrap();
+    let _: () = admin.hset(&name, "other-owner:1", "1").await.unwrap();
+    refused(
+        backend.release(&grant).await.map(drop),
+        "release of another owner's hold",
+    );
+    let count: String = admin.hget(&name, "other-owner:1").await.unwrap();
+    assert_eq!(count, "1");
+
+    let _: () = admin.del(&name).await.unwrap();
+    let _: () = admin.hset(&name, &field, "many").await.unwrap();
+    let outcome = backend.release(&grant).await;
+    assert!(
+        matches!(outcome, Err(Error::Backend { .. })),
+        "a count that is not a number: {outcome:?}"
+    );
+    let exists: bool = admin.exists(&name).await.unwrap();
+    assert!(exists, "a hash whose count is not a number was deleted");
+    let _: () = admin.del(&name).await.unwrap();
+}
