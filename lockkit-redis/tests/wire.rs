@@ -356,7 +356,7 @@ async fn a_lease_out_of_range_changes_nothing() {
 /// The release and renewal scripts read the hash with one `HMGET`: what is not the grant's
 /// own (a plain string another client wrote over it, a read-write lock's hash where the
 /// owner's field is a read count, a hash of another owner) is never changed, and a hold
-/// count that is not a number is an error, not a deletion.
+/// count that is not an integer is an error, not a deletion.
 #[tokio::test]
 async fn release_and_renewal_leave_what_is_not_theirs_untouched() {
     use lockkit_core::{Error, LockBackend};
@@ -377,6 +377,12 @@ async fn release_and_renewal_leave_what_is_not_theirs_untouched() {
         .await
         .unwrap()
         .unwrap();
+    let fields: Vec<(String, String)> = admin.hgetall(&name).await.unwrap();
+    let attempt = fields
+        .into_iter()
+        .map(|(f, _)| f)
+        .find(|f| f.starts_with("lockkit-attempt:"))
+        .expect("the grant's attempt field");
     let refused = |outcome: Result<(), Error>, what: &str| {
         assert!(
             matches!(outcome, Err(Error::NotHeld { .. })),
@@ -429,14 +435,25 @@ async fn release_and_renewal_leave_what_is_not_theirs_untouched() {
     let count: String = admin.hget(&name, "other-owner:1").await.unwrap();
     assert_eq!(count, "1");
 
-    let _: () = admin.del(&name).await.unwrap();
-    let _: () = admin.hset(&name, &field, "many").await.unwrap();
-    let outcome = backend.release(&grant).await;
-    assert!(
-        matches!(outcome, Err(Error::Backend { .. })),
-        "a count that is not a number: {outcome:?}"
-    );
-    let exists: bool = admin.exists(&name).await.unwrap();
-    assert!(exists, "a hash whose count is not a number was deleted");
+    // Counts `HINCRBY` would refuse, whether Lua's `tonumber` reads them or not, beside the
+    // grant's own attempt field (without it the release would report the count and stop).
+    for count in ["many", "1.0", "0x1", " 1"] {
+        let _: () = admin.del(&name).await.unwrap();
+        let _: () = admin
+            .hset_multiple(&name, &[(field.as_str(), count), (attempt.as_str(), "1")])
+            .await
+            .unwrap();
+        let outcome = backend.release(&grant).await;
+        assert!(
+            matches!(outcome, Err(Error::Backend { .. })),
+            "a count of {count:?}: {outcome:?}"
+        );
+        let kept: Option<String> = admin.hget(&name, &field).await.unwrap();
+        assert_eq!(
+            kept.as_deref(),
+            Some(count),
+            "a hash whose count is {count:?} was changed"
+        );
+    }
     let _: () = admin.del(&name).await.unwrap();
 }

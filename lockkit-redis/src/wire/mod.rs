@@ -216,8 +216,9 @@ return 1
 /// master whose vote failed, changes nothing and reports the holds left.
 ///
 /// One `HMGET` reads the owner's count, the read-write `mode` and the attempt's field (a key
-/// of another type answers it with an error, caught: not ours); the last hold deletes the
-/// hash without counting down first. Each `redis.call` costs the server about as much as a
+/// of another type answers it with an error, caught: not ours; the server still counts it
+/// in `errorstat_WRONGTYPE`); the last hold deletes the hash without counting down first.
+/// A count that is not an integer (as `HINCRBY` reads it) is an error, and changes nothing. Each `redis.call` costs the server about as much as a
 /// command of its own, and this is half of every uncontended pair.
 pub(crate) static RELEASE: LazyLock<Script> = LazyLock::new(|| {
     Script::new(
@@ -226,10 +227,10 @@ local found = redis.pcall('hmget', KEYS[1], ARGV[1], 'mode', ARGV[2])
 if found.err or not found[1] or found[2] then
   return -1
 end
-local count = tonumber(found[1])
-if not count then
-  return redis.error_reply('ERR lockkit: the hold count of ' .. ARGV[1] .. ' is not a number')
+if not string.find(found[1], '^%-?%d+$') then
+  return redis.error_reply('ERR lockkit: the hold count of ' .. ARGV[1] .. ' is not an integer')
 end
+local count = tonumber(found[1])
 if ARGV[2] ~= '' and not found[3] then
   return count
 end
