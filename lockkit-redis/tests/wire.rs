@@ -252,21 +252,36 @@ fn request(
     )
 }
 
-#[tokio::test]
-async fn a_retried_acquire_or_release_takes_effect_once() {
-    use lockkit_core::LockBackend;
-    let Some(url) = env::service_url("LOCKKIT_TEST_REDIS_URL") else {
-        return;
-    };
+/// A backend driven through the SPI, an admin connection, a fresh lock name under `group`,
+/// an owner and its hash field; `None` without a server.
+async fn spi_setup(
+    group: &str,
+) -> Option<(
+    RedisBackend,
+    redis::aio::MultiplexedConnection,
+    String,
+    lockkit_core::OwnerId,
+    String,
+)> {
+    let url = env::service_url("LOCKKIT_TEST_REDIS_URL")?;
     let backend = RedisBackend::connect(&url).await.unwrap();
-    let mut admin = redis::Client::open(url.as_str())
+    let admin = redis::Client::open(url.as_str())
         .unwrap()
         .get_multiplexed_async_connection()
         .await
         .unwrap();
-    let name = format!("wire/retry/{}", Uuid::new_v4().simple());
+    let name = format!("wire/{group}/{}", Uuid::new_v4().simple());
     let owner = lockkit_core::OwnerId::random();
     let field = owner.to_string();
+    Some((backend, admin, name, owner, field))
+}
+
+#[tokio::test]
+async fn a_retried_acquire_or_release_takes_effect_once() {
+    use lockkit_core::LockBackend;
+    let Some((backend, mut admin, name, owner, field)) = spi_setup("retry").await else {
+        return;
+    };
 
     // A fresh owner's acquire sent twice (the first reply lost): one hold, not two.
     let req = request(&name, owner, Duration::from_secs(30));
@@ -319,22 +334,11 @@ async fn a_retried_acquire_or_release_takes_effect_once() {
 #[tokio::test]
 async fn a_lease_out_of_range_changes_nothing() {
     use lockkit_core::LockBackend;
-    let Some(url) = env::service_url("LOCKKIT_TEST_REDIS_URL") else {
+    let Some((backend, mut admin, name, owner, _)) = spi_setup("absurd").await else {
         return;
     };
-    let backend = RedisBackend::connect(&url).await.unwrap();
-    let mut admin = redis::Client::open(url.as_str())
-        .unwrap()
-        .get_multiplexed_async_connection()
-        .await
-        .unwrap();
-    let name = format!("wire/absurd/{}", Uuid::new_v4().simple());
     // Past what PEXPIRE accepts: the script must refuse before writing anything.
-    let absurd = request(
-        &name,
-        lockkit_core::OwnerId::random(),
-        Duration::from_secs(u64::MAX / 2000),
-    );
+    let absurd = request(&name, owner, Duration::from_secs(u64::MAX / 2000));
     assert!(backend.try_acquire(&absurd).await.is_err());
     let exists: bool = admin.exists(&name).await.unwrap();
     assert!(
@@ -360,18 +364,9 @@ async fn a_lease_out_of_range_changes_nothing() {
 #[tokio::test]
 async fn release_and_renewal_leave_what_is_not_theirs_untouched() {
     use lockkit_core::{Error, LockBackend};
-    let Some(url) = env::service_url("LOCKKIT_TEST_REDIS_URL") else {
+    let Some((backend, mut admin, name, owner, field)) = spi_setup("not-theirs").await else {
         return;
     };
-    let backend = RedisBackend::connect(&url).await.unwrap();
-    let mut admin = redis::Client::open(url.as_str())
-        .unwrap()
-        .get_multiplexed_async_connection()
-        .await
-        .unwrap();
-    let name = format!("wire/not-theirs/{}", Uuid::new_v4().simple());
-    let owner = lockkit_core::OwnerId::random();
-    let field = owner.to_string();
     let grant = backend
         .try_acquire(&request(&name, owner, Duration::from_secs(30)))
         .await
