@@ -40,6 +40,36 @@ macro_rules! hook {
 }
 pub(crate) use hook;
 
+/// Waits until nothing is left on the server under `prefix` ([`Harness::residue`]), for at
+/// most `within`; panics with `what` if something is still there then. A waiter cut short
+/// while its last attempt was already at the server may still be granted a key released
+/// just after, and gives that grant back in the background: clean-up may land a little
+/// after the case's last call, but long before any lease or marker runs out by itself, so
+/// `within` must stay below those. `Err(why)` when the harness cannot count.
+pub(crate) async fn residue_clears<H: Harness>(
+    h: &H,
+    prefix: &str,
+    within: Duration,
+    what: &str,
+) -> std::result::Result<(), String> {
+    let deadline = tokio::time::Instant::now() + within;
+    loop {
+        let left = match h.residue(prefix).await {
+            Ok(left) => left,
+            Err(crate::HookError::Unsupported(why)) => return Err(why),
+            Err(crate::HookError::Failed(why)) => panic!("residue hook failed: {why}"),
+        };
+        if left == 0 {
+            return Ok(());
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "{left} server-side item(s) under {prefix} still there {within:?} after {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
 /// A lease long enough that it never runs out during a case.
 pub(crate) const LONG_TTL: Duration = Duration::from_secs(60);
 

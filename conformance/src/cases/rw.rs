@@ -14,7 +14,7 @@ use std::{
 use lockkit_core::spi::{AcquireRequest, Released};
 use lockkit_core::{Error, FencingToken, LockKey, LockKind, Locker, LossSignal};
 
-use super::{LONG_TTL, assert_busy, generous_wait};
+use super::{LONG_TTL, assert_busy, generous_wait, residue_clears};
 use crate::{Check, Harness, Outcome, Space, support::expect_err};
 
 async fn needs_read_write<H: Harness>(h: &H) -> Option<Outcome> {
@@ -349,11 +349,17 @@ async fn cancelled_waiters_leave_no_marker<H: Harness>(
     };
     second.release().await.check("release");
     reader.release().await.check("release reader");
-    match h.residue(space.prefix()).await {
-        Ok(left) => assert_eq!(left, 0, "state left behind under {}", space.prefix()),
-        Err(crate::HookError::Unsupported(_)) => {}
-        Err(crate::HookError::Failed(why)) => panic!("residue hook failed: {why}"),
-    }
+    // A plain lock cut short while its attempt was still at the server can be granted the
+    // key the reader just released; it gives that back in the background (seen here:
+    // ~0.1-0.2 s on a loaded machine). Two seconds stay below a marker's own three-second
+    // lease (MySQL row mode), so a marker left behind is still live, and counted, then.
+    let _unsupported = residue_clears(
+        h,
+        space.prefix(),
+        Duration::from_secs(2),
+        "the last reader's release",
+    )
+    .await;
     Outcome::Passed
 }
 
