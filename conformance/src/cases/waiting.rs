@@ -424,8 +424,6 @@ pub async fn release_wakes_only_the_next_waiter<H: Harness>(h: &H) -> Outcome {
         }));
         waiters.push(client);
     }
-    // Let every waiter settle into the queue.
-    tokio::time::sleep(Duration::from_millis(500)).await;
     // Wake-ups where the backend counts them (keep-alives cannot blur them); otherwise
     // requests to the server.
     let by_wakeups = h.watch_wakeups(&holder).await.is_ok();
@@ -440,9 +438,27 @@ pub async fn release_wakes_only_the_next_waiter<H: Harness>(h: &H) -> Outcome {
         }
     };
     let what = if by_wakeups { "wake-ups" } else { "requests" };
+    // Let every waiter settle into the queue: at least half a second, then until no
+    // waiter's count moves for a quarter of one. A loaded machine may still be setting
+    // some waiters up after the first half second, and their set-up is not a herd. (After
+    // 10 s what still moves is periodic, keep-alives: go on.)
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let settle_until = Instant::now() + Duration::from_secs(10);
     let mut before = Vec::new();
     for client in &waiters {
         before.push(hook!(count(client).await));
+    }
+    loop {
+        tokio::time::sleep(Duration::from_millis(250)).await;
+        let mut now = Vec::new();
+        for client in &waiters {
+            now.push(hook!(count(client).await));
+        }
+        let settled = now == before;
+        before = now;
+        if settled || Instant::now() >= settle_until {
+            break;
+        }
     }
     held.release().await.check("release");
     let next = tokio::time::timeout(generous_wait(h), granted_rx.recv())
