@@ -24,9 +24,11 @@ async fn extend_renews_the_lease_on_the_server() {
         return;
     };
     let k = key("extend");
+    // Long enough that a loaded machine reaches the extend in time (400 ms was not, with 12
+    // test threads); far below the 20 s the extended lease must show.
     let held = locker
         .try_acquire(&k)
-        .ttl(Duration::from_millis(400))
+        .ttl(Duration::from_secs(3))
         .no_watchdog()
         .await
         .unwrap()
@@ -1380,8 +1382,9 @@ async fn cancelled_retried_and_racing_downgrades_leave_nothing_behind() {
     let (w, r) = tokio::join!(write.release(), backend.release(&first));
     assert_eq!(w.unwrap(), lockkit_core::spi::Released::Fully);
     assert_eq!(r.unwrap(), lockkit_core::spi::Released::Fully);
-    // Orphaned downgrades are given back in their own tasks: give them a moment.
-    let next = b.write(&k).wait(Duration::from_secs(2)).await;
+    // Orphaned downgrades are given back in their own tasks: give them a moment (10 s, far
+    // below the reads' 60 s leases; 2 s was too short with 12 test threads).
+    let next = b.write(&k).wait(Duration::from_secs(10)).await;
     next.expect("a cancelled downgrade left a read behind")
         .release()
         .await
