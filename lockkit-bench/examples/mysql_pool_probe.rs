@@ -23,7 +23,9 @@ async fn main() {
         sqlx::query(s).execute(&mut *held).await.unwrap();
     }
     let sep = if url.contains('?') { '&' } else { '?' };
-    let locker = lockkit::connect(&format!("{url}{sep}mode=row")).await.unwrap();
+    let locker = lockkit::connect(&format!("{url}{sep}mode=row"))
+        .await
+        .unwrap();
     let key = format!("probe/{}/same", std::process::id());
     let mut t: [Vec<f64>; 3] = [vec![], vec![], vec![]];
     for _round in 0..15 {
@@ -61,9 +63,13 @@ async fn main() {
             }
         }
     }
-    for (name, v) in ["held conn, 2 UPDATEs", "pool, 2 UPDATEs", "lockkit row pair"]
-        .iter()
-        .zip(t.iter_mut())
+    for (name, v) in [
+        "held conn, 2 UPDATEs",
+        "pool, 2 UPDATEs",
+        "lockkit row pair",
+    ]
+    .iter()
+    .zip(t.iter_mut())
     {
         println!("{name:24} p50 {:7.1} p99 {:7.1}", pct(v, 0.5), pct(v, 0.99));
     }
