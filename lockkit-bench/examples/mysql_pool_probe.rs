@@ -27,10 +27,17 @@ async fn main() {
         .await
         .unwrap();
     let key = format!("probe/{}/same", std::process::id());
+    // `PROBE_ONLY=0|1|2` runs one of the three alone (to count its statements on the server).
+    let only: Option<usize> = std::env::var("PROBE_ONLY")
+        .ok()
+        .and_then(|v| v.parse().ok());
     let mut t: [Vec<f64>; 3] = [vec![], vec![], vec![]];
     for _round in 0..15 {
         #[allow(clippy::needless_range_loop)]
         for which in 0..3 {
+            if only.is_some_and(|only| only != which) {
+                continue;
+            }
             for _ in 0..200 {
                 let start = Instant::now();
                 match which {
@@ -71,6 +78,8 @@ async fn main() {
     .iter()
     .zip(t.iter_mut())
     {
-        println!("{name:24} p50 {:7.1} p99 {:7.1}", pct(v, 0.5), pct(v, 0.99));
+        if !v.is_empty() {
+            println!("{name:24} p50 {:7.1} p99 {:7.1}", pct(v, 0.5), pct(v, 0.99));
+        }
     }
 }

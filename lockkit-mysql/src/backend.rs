@@ -78,7 +78,11 @@ impl MysqlBackend {
     /// Closes every connection of this client. Holds still open end with their connections.
     pub async fn close(&self) {
         self.db.holds_pool.close().await;
-        self.db.pool.close().await;
+        // Closed first (sqlx marks the pool closed when `close` is called), so a statement
+        // completing meanwhile does not keep its connection; then the kept ones go back.
+        let closing = self.db.pool.close();
+        self.db.return_kept();
+        closing.await;
     }
 
     /// Dedicated for-update connections open now (held or waiting locks, and idle ones).
@@ -86,6 +90,21 @@ impl MysqlBackend {
     #[cfg_attr(docsrs, doc(cfg(feature = "testing")))]
     pub fn dedicated_connections(&self) -> u32 {
         self.db.holds_pool.size()
+    }
+
+    /// The server connection ids of the shared pool's connections kept between
+    /// one-statement calls (row mode's grant of a free key, release of a sole hold,
+    /// renewal), for fault tests that `KILL` them.
+    ///
+    /// # Errors
+    /// Database errors.
+    #[cfg(feature = "testing")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "testing")))]
+    pub async fn kept_connection_ids(&self) -> Result<Vec<u64>> {
+        self.db
+            .kept_connection_ids()
+            .await
+            .map_err(|e| crate::db::db_error("reading kept connections' ids", e))
     }
 
     /// The server connection id of a connection of the shared pool (the one a pool of one

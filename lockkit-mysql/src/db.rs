@@ -2,12 +2,18 @@
 //! mapping, and the reads both modes answer the same way (is a key's row locked now, what
 //! does the lease table say about a key).
 
-use std::{future::Future, sync::Arc, time::Duration};
+use std::{
+    future::Future,
+    sync::{Arc, Mutex},
+    time::{Duration, Instant},
+};
 
 use lockkit_core::{Error, FencingToken, HolderIdentity, HolderInfo, LockKey, Result};
 use sqlx::{
     AssertSqlSafe, MySql, MySqlPool, Row, Transaction,
-    mysql::{MySqlPoolOptions, MySqlRow},
+    mysql::{MySqlArguments, MySqlPoolOptions, MySqlQueryResult, MySqlRow},
+    pool::PoolConnection,
+    query::Query,
 };
 use tokio::sync::OnceCell;
 
@@ -88,6 +94,61 @@ pub(crate) struct Db {
     pub(crate) holds_pool: MySqlPool,
     pub(crate) sql: Sql,
     schema: OnceCell<()>,
+    /// Connections of the shared pool kept out of it between one-statement calls
+    /// ([`Db::execute_one`]), with when each was last used.
+    kept: Mutex<Vec<Kept>>,
+    /// At most this many are kept: a quarter of `pool_size` (none for a pool of up to three).
+    keep_at_most: usize,
+}
+
+/// A connection kept out of the shared pool between one-statement calls
+/// ([`Db::execute_one`]).
+struct Kept {
+    conn: PoolConnection<MySql>,
+    /// When its last statement completed.
+    used: Instant,
+    /// When it left the pool.
+    out_since: Instant,
+}
+
+/// How long a connection stays out of the pool at most, however busy: then it goes back,
+/// so the pool's checks and `max_lifetime` (a failover behind one address) still reach it.
+const KEPT_AT_MOST: Duration = Duration::from_secs(60);
+
+/// MySQL errors after which a connection is clean (the autocommitted statement rolled
+/// back): it may be kept.
+const DUPLICATE_KEY: u16 = 1062;
+const DEADLOCK: u16 = 1213;
+
+/// Gives back idle kept connections every [`IDLE_PING_AFTER`] while `db` lives and its pool
+/// is open, so connections nobody uses are not kept out of the pool.
+async fn sweep_kept(db: std::sync::Weak<Db>) {
+    loop {
+        tokio::time::sleep(IDLE_PING_AFTER).await;
+        let Some(db) = db.upgrade() else { return };
+        db.sweep_kept();
+        if db.pool.is_closed() {
+            return;
+        }
+    }
+}
+
+impl Drop for Db {
+    /// Kept connections go back to the pool, which needs a Tokio runtime (sqlx spawns the
+    /// return, and panics without one). Outside one (a client dropped after its runtime, or
+    /// on a thread of its own), each is taken out of the pool and closed in place.
+    fn drop(&mut self) {
+        let kept = std::mem::take(
+            self.kept
+                .get_mut()
+                .unwrap_or_else(|poisoned| poisoned.into_inner()),
+        );
+        if tokio::runtime::Handle::try_current().is_err() {
+            for kept in kept {
+                drop(kept.conn.detach());
+            }
+        }
+    }
 }
 
 impl Db {
@@ -132,6 +193,7 @@ impl Db {
             })
             .after_connect(|conn, _| Box::pin(read_committed(conn)))
             .connect_lazy_with(config.connect.clone());
+        let keep_at_most = config.pool_size / 4;
         let db = Arc::new(Db {
             sql: Sql::new(&config.table),
             config,
@@ -139,7 +201,12 @@ impl Db {
             pool,
             holds_pool,
             schema: OnceCell::new(),
+            kept: Mutex::new(Vec::new()),
+            keep_at_most: usize::try_from(keep_at_most).unwrap_or(0),
         });
+        if db.keep_at_most > 0 {
+            tokio::spawn(sweep_kept(Arc::downgrade(&db)));
+        }
         db.ensure_schema().await?;
         Ok(db)
     }
@@ -181,6 +248,141 @@ impl Db {
                 outcome => return outcome,
             }
         }
+    }
+
+    /// Runs one autocommitted statement on a connection of the shared pool, like
+    /// `statement.execute(&pool)`, without sqlx's cost of giving a connection back: sqlx
+    /// pings every connection returned to its pool (a round trip and a task of its own),
+    /// which doubled the time of two one-row `UPDATE`s here (`mysql_pool_probe`). So a
+    /// connection whose statement completed (or failed with an error that leaves it clean:
+    /// a duplicate key, a lock wait timeout, a deadlock) is kept out of the pool for the
+    /// next call, up to [`Db::keep_at_most`], which come out of `pool_size`, and only while
+    /// the pool has a connection to spare (a caller waiting for one gets it instead).
+    /// A kept connection goes back to the pool (which checks it before use) once it idled
+    /// [`IDLE_PING_AFTER`] (a sweeper looks every second), once it has been out for
+    /// [`KEPT_AT_MOST`] (so the pool's `max_lifetime` still applies), at once when any
+    /// connection was seen dead within [`PING_AFTER_DEATH`], and when the pool closes. A
+    /// connection whose statement failed on the way, or whose caller went away mid-way, is
+    /// never kept: it goes back to the pool, which pings it or closes it, as before.
+    pub(crate) async fn execute_one(
+        &self,
+        statement: Query<'_, MySql, MySqlArguments>,
+    ) -> std::result::Result<MySqlQueryResult, sqlx::Error> {
+        let (mut conn, out_since) = match self.take_kept() {
+            Some(kept) => kept,
+            None => (self.pool.acquire().await?, Instant::now()),
+        };
+        let done = statement.execute(&mut *conn).await;
+        let clean = match &done {
+            Ok(_) => true,
+            Err(e) => matches!(
+                error_number(e),
+                Some(DUPLICATE_KEY | LOCK_WAIT_TIMEOUT | DEADLOCK)
+            ),
+        };
+        if clean {
+            self.keep(conn, out_since);
+        }
+        done
+    }
+
+    /// A kept connection still fit to use, with when it left the pool.
+    fn take_kept(&self) -> Option<(PoolConnection<MySql>, Instant)> {
+        let mut kept = self
+            .kept
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        let returned = self.unfit_kept(&mut kept);
+        let taken = kept.pop().map(|k| (k.conn, k.out_since));
+        drop(kept);
+        drop(returned);
+        taken
+    }
+
+    /// Takes out of `kept` every connection that must go back to the pool (for the caller to
+    /// drop after letting go of the lock).
+    fn unfit_kept(&self, kept: &mut Vec<Kept>) -> Vec<Kept> {
+        if self.pool.is_closed() || self.dead_seen.within(PING_AFTER_DEATH) {
+            return std::mem::take(kept);
+        }
+        // Ordered by last use: the idle ones come first.
+        let idle = kept
+            .iter()
+            .take_while(|k| k.used.elapsed() >= IDLE_PING_AFTER)
+            .count();
+        let mut unfit: Vec<Kept> = kept.drain(..idle).collect();
+        let (old, fit): (Vec<Kept>, Vec<Kept>) = std::mem::take(kept)
+            .into_iter()
+            .partition(|k| k.out_since.elapsed() >= KEPT_AT_MOST);
+        *kept = fit;
+        unfit.extend(old);
+        unfit
+    }
+
+    /// Keeps `conn` for the next [`Db::execute_one`] if there is room and the pool can spare
+    /// it; otherwise it goes back to the pool.
+    fn keep(&self, conn: PoolConnection<MySql>, out_since: Instant) {
+        let spare = self.pool.num_idle() > 0 || self.pool.size() < self.config.pool_size;
+        let mut kept = self
+            .kept
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        if spare
+            && kept.len() < self.keep_at_most
+            && !self.pool.is_closed()
+            && out_since.elapsed() < KEPT_AT_MOST
+        {
+            kept.push(Kept {
+                conn,
+                used: Instant::now(),
+                out_since,
+            });
+        } else {
+            drop(kept);
+            drop(conn);
+        }
+    }
+
+    /// Gives back to the pool every kept connection that idled, or has been out too long.
+    fn sweep_kept(&self) {
+        let mut kept = self
+            .kept
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        let returned = self.unfit_kept(&mut kept);
+        drop(kept);
+        drop(returned);
+    }
+
+    /// Gives every kept connection back to the pool (when the pool closes: it waits for
+    /// all its connections).
+    pub(crate) fn return_kept(&self) {
+        let kept = std::mem::take(
+            &mut *self
+                .kept
+                .lock()
+                .unwrap_or_else(|poisoned| poisoned.into_inner()),
+        );
+        drop(kept);
+    }
+
+    /// The server ids of the connections kept for one-statement calls now.
+    #[cfg(feature = "testing")]
+    pub(crate) async fn kept_connection_ids(&self) -> std::result::Result<Vec<u64>, sqlx::Error> {
+        let mut ids = Vec::new();
+        let mut back = Vec::new();
+        while let Some((mut conn, out_since)) = self.take_kept() {
+            let id = sqlx::query_as::<_, (u64,)>("SELECT CONNECTION_ID()")
+                .fetch_one(&mut *conn)
+                .await;
+            back.push((conn, out_since));
+            ids.push(id?.0);
+        }
+        // Back in their order of use (the most recent was taken first).
+        for (conn, out_since) in back.into_iter().rev() {
+            self.keep(conn, out_since);
+        }
+        Ok(ids)
     }
 
     /// A transaction on the shared pool, begun on a connection that answers.

@@ -163,13 +163,14 @@ async fn run_acquire(
         // the full transaction below grants it again.
         let taken = inner
             .retry_gone(|| {
-                query(&sql.row_take_free)
-                    .bind(owner.clone())
-                    .bind(ttl)
-                    .bind(first_attempt(req))
-                    .bind(req.identity.encode_for(&owner))
-                    .bind(name.to_vec())
-                    .execute(&inner.pool)
+                inner.execute_one(
+                    query(&sql.row_take_free)
+                        .bind(owner.clone())
+                        .bind(ttl)
+                        .bind(first_attempt(req))
+                        .bind(req.identity.encode_for(&owner))
+                        .bind(name.to_vec()),
+                )
             })
             .await
             .map_err(fail)?;
@@ -188,13 +189,14 @@ async fn run_acquire(
         // sends this attempt to the full transaction, which finds the lease its own.)
         let created = inner
             .retry_gone(|| {
-                query(&sql.row_insert)
-                    .bind(name.to_vec())
-                    .bind(owner.clone())
-                    .bind(ttl)
-                    .bind(first_attempt(req))
-                    .bind(req.identity.encode_for(&owner))
-                    .execute(&inner.pool)
+                inner.execute_one(
+                    query(&sql.row_insert)
+                        .bind(name.to_vec())
+                        .bind(owner.clone())
+                        .bind(ttl)
+                        .bind(first_attempt(req))
+                        .bind(req.identity.encode_for(&owner)),
+                )
             })
             .await;
         match created {
@@ -655,11 +657,12 @@ async fn renew(backend: &RowLocks, grant: &Grant, ttl: Duration) -> Result<()> {
         // (Sent again on a dead connection: a renewal repeated changes nothing more.)
         let done = inner
             .retry_gone(|| {
-                query(&inner.sql.row_renew)
-                    .bind(micros(ttl))
-                    .bind(grant.key.as_str().as_bytes().to_vec())
-                    .bind(grant.owner.to_string())
-                    .execute(&inner.pool)
+                inner.execute_one(
+                    query(&inner.sql.row_renew)
+                        .bind(micros(ttl))
+                        .bind(grant.key.as_str().as_bytes().to_vec())
+                        .bind(grant.owner.to_string()),
+                )
             })
             .await
             .map_err(|e| inner.fail("renewing the lease", e))?;
@@ -706,11 +709,12 @@ async fn release_lease(backend: &RowLocks, grant: &Grant) -> Result<Released> {
     let mut sole = AttemptLedger::new();
     sole.add(grant.attempt);
     let release_sole = || {
-        query(&sql.row_release_sole)
-            .bind(name.to_vec())
-            .bind(owner.clone())
-            .bind(sole.render())
-            .execute(&inner.pool)
+        inner.execute_one(
+            query(&sql.row_release_sole)
+                .bind(name.to_vec())
+                .bind(owner.clone())
+                .bind(sole.render()),
+        )
     };
     match release_sole().await {
         Ok(done) if done.rows_affected() == 1 => return Ok(Released::Fully),
