@@ -401,13 +401,29 @@ pub async fn release_wakes_only_the_next_waiter<H: Harness>(h: &H) -> Outcome {
         .await
         .check("acquire")
         .check("free key");
+    // Wake-ups where the backend counts them (keep-alives cannot blur them); otherwise
+    // requests to the server.
+    let by_wakeups = h.watch_wakeups(&holder).await.is_ok();
+    let count = |client: &lockkit_core::Locker| {
+        let client = client.clone();
+        async move {
+            if by_wakeups {
+                h.watch_wakeups(&client).await
+            } else {
+                h.requests_sent(&client).await
+            }
+        }
+    };
+    let what = if by_wakeups { "wake-ups" } else { "requests" };
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     let (granted_tx, mut granted_rx) = tokio::sync::mpsc::unbounded_channel();
     let mut waiters = Vec::new();
+    let mut warmed = Vec::new();
     let mut tasks = Vec::new();
     for i in 0..WAITERS {
         let client = h.client().await;
         let _ = client.inspect(&key).await.check("warm up");
+        warmed.push(hook!(count(&client).await));
         let (key, granted_tx, mut stop_rx) = (key.clone(), granted_tx.clone(), stop_rx.clone());
         let wait = generous_wait(h) + Duration::from_secs(30);
         let waiter = client.clone();
@@ -424,24 +440,11 @@ pub async fn release_wakes_only_the_next_waiter<H: Harness>(h: &H) -> Outcome {
         }));
         waiters.push(client);
     }
-    // Wake-ups where the backend counts them (keep-alives cannot blur them); otherwise
-    // requests to the server.
-    let by_wakeups = h.watch_wakeups(&holder).await.is_ok();
-    let count = |client: &lockkit_core::Locker| {
-        let client = client.clone();
-        async move {
-            if by_wakeups {
-                h.watch_wakeups(&client).await
-            } else {
-                h.requests_sent(&client).await
-            }
-        }
-    };
-    let what = if by_wakeups { "wake-ups" } else { "requests" };
-    // Let every waiter settle into the queue: at least half a second, then until no
+    // Let every waiter settle into the queue: at least half a second, then until every
+    // waiter has asked the server since its warm-up (where requests are counted) and no
     // waiter's count moves for a quarter of one. A loaded machine may still be setting
-    // some waiters up after the first half second, and their set-up is not a herd. (After
-    // 10 s what still moves is periodic, keep-alives: go on.)
+    // some waiters up after the first half second (even not yet started), and their set-up
+    // is not a herd. (After 10 s what still moves is periodic, keep-alives: go on.)
     tokio::time::sleep(Duration::from_millis(500)).await;
     let settle_until = Instant::now() + Duration::from_secs(10);
     let mut before = Vec::new();
@@ -454,7 +457,8 @@ pub async fn release_wakes_only_the_next_waiter<H: Harness>(h: &H) -> Outcome {
         for client in &waiters {
             now.push(hook!(count(client).await));
         }
-        let settled = now == before;
+        let queued = by_wakeups || now.iter().zip(&warmed).all(|(now, warm)| now > warm);
+        let settled = queued && now == before;
         before = now;
         if settled || Instant::now() >= settle_until {
             break;
