@@ -6,15 +6,15 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 scripts/services.sh up
 eval "$(scripts/services.sh env)"
 # The shared conformance suites (every backend's `conformance` binary, and the in-memory
-# and file suites') wait on leases and servers, not on the CPU, and every case works under
-# keys of its own: eight cases at a time. Everything else, some of it with sub-second
-# leases and fault timings, four at a time. (All at twelve took 17 min against 18, and
-# PostgreSQL's own cases with sub-second leases then failed; the suites alone at twelve
-# overloaded the three-member ZooKeeper ensemble once in CI: requests unanswered in 800 ms.)
+# and file suites) run first, `LOCKKIT_SUITE_THREADS` cases at a time (default 4, as
+# everything else). They wait on leases and servers, not on the CPU, and 12 at a time cut
+# their time from ~450 s to ~300 s; but at 12, and again at 8, CI failed ZooKeeper-ensemble
+# cases (requests unanswered in 800 ms: the ensemble's three JVMs on two cores overloaded),
+# so the default stays 4 until the ensemble harness bounds its own concurrency.
 suites=(conformance memory file)
 suite_targets=()
 for name in "${suites[@]}"; do suite_targets+=(--test "$name"); done
-RUST_TEST_THREADS="${LOCKKIT_SUITE_THREADS:-8}" cargo test --workspace "${suite_targets[@]}"
+RUST_TEST_THREADS="${LOCKKIT_SUITE_THREADS:-4}" cargo test --workspace "${suite_targets[@]}"
 export RUST_TEST_THREADS="${RUST_TEST_THREADS:-4}"
 # Every other test target of the workspace, by name, from cargo's metadata.
 others=()
