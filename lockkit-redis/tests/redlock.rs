@@ -171,6 +171,93 @@ async fn tokens_stay_monotonic_across_different_quorums() {
     guard.release().await.unwrap();
 }
 
+/// Microseconds since the epoch, as the acquire script's clock floor counts.
+fn now_us() -> u64 {
+    u64::try_from(
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_micros(),
+    )
+    .unwrap()
+}
+
+/// Each round proposes one token to every master; where a master counts ahead of it, the
+/// round still writes the highest token back to the quorum. Else a later quorum without
+/// that master would count from the others' lower counters and hand out a smaller token.
+#[tokio::test]
+async fn a_master_counting_past_the_proposal_has_its_token_written_back() {
+    let Some(masters) = masters() else { return };
+    let key = key();
+    let names = LockNames::new("", &key, false).unwrap();
+    let ahead = now_us() + 1_000_000_000_000;
+    let _: () = admin(&masters[4])
+        .await
+        .set(&names.token, ahead)
+        .await
+        .unwrap();
+    let first = client(&masters, "").await;
+    let guard = first.locker.try_acquire(&key).await.unwrap().unwrap();
+    let token = guard.token().get();
+    assert_eq!(token, ahead + 1, "the highest master's count is the token");
+    guard.release().await.unwrap();
+    for master in &masters[..4] {
+        let counter: u64 = admin(master).await.get(&names.token).await.unwrap();
+        assert!(
+            counter >= token,
+            "{master} counts {counter}, below the token {token} of a quorum it was in"
+        );
+    }
+    // A quorum without the master that counted ahead.
+    let second = client(&masters, "").await;
+    second.proxies[3].reset();
+    second.proxies[4].reset();
+    let next = second.locker.try_acquire(&key).await.unwrap().unwrap();
+    assert!(
+        next.token().get() > token,
+        "token {} after {token}",
+        next.token()
+    );
+    next.release().await.unwrap();
+}
+
+/// An uncontended acquire and release make one round each to every master: the masters
+/// agree on the round's proposed token, so there is nothing to write back.
+#[tokio::test]
+async fn an_uncontended_pair_is_two_rounds() {
+    let Some(masters) = masters() else { return };
+    let key = key();
+    let c = client(&masters, "").await;
+    // The first pair loads the scripts.
+    let warm = c.locker.try_acquire(&key).await.unwrap().unwrap();
+    let mut last = warm.token().get();
+    warm.release().await.unwrap();
+    let before: Vec<u64> = c.proxies.iter().map(FaultProxy::requests_seen).collect();
+    const PAIRS: u64 = 5;
+    for _ in 0..PAIRS {
+        let guard = c.locker.try_acquire(&key).await.unwrap().unwrap();
+        assert!(guard.token().get() > last);
+        last = guard.token().get();
+        guard.release().await.unwrap();
+    }
+    for (i, proxy) in c.proxies.iter().enumerate() {
+        let sent = proxy.requests_seen() - before[i];
+        assert_eq!(
+            sent,
+            2 * PAIRS,
+            "master {i} saw {sent} requests for {PAIRS} acquire+release pairs"
+        );
+    }
+    for master in &masters {
+        let counter: u64 = admin(master).await.get(&names(&key).token).await.unwrap();
+        assert_eq!(counter, last, "{master}'s counter is the last token");
+    }
+}
+
+fn names(key: &LockKey) -> LockNames {
+    LockNames::new("", key, false).unwrap()
+}
+
 #[tokio::test]
 async fn contenders_on_different_master_subsets_never_overlap() {
     let Some(masters) = masters() else { return };

@@ -156,6 +156,23 @@ impl Wake for MastersMessages<'_> {
     }
 }
 
+/// How far ahead of this client's clock a round's proposed token is: far enough that it
+/// stays ahead of each master's own clock (see [`wire::ACQUIRE`]) across the round trip and
+/// ordinary clock skew, so that a quorum's masters answer one same token.
+const PROPOSAL_LEAD: Duration = Duration::from_secs(1);
+
+/// The token a Redlock round proposes to every master: this client's clock in microseconds
+/// since the epoch, plus [`PROPOSAL_LEAD`]. It only ever raises a master's counter, so it
+/// cannot weaken the tokens' order; a master whose counter or clock is ahead answers more,
+/// and the round then writes the highest token back (as it always did).
+fn proposed_token() -> u64 {
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap_or_default()
+        + PROPOSAL_LEAD;
+    u64::try_from(now.as_micros()).unwrap_or(u64::MAX)
+}
+
 /// What one master said to an acquire attempt.
 enum Vote {
     Granted(Grant),
@@ -284,10 +301,14 @@ impl RedlockBackend {
     /// removes it).
     async fn run_acquire(&self, req: &AcquireRequest, marker: bool) -> (Result<Attempt>, bool) {
         let start = Instant::now();
+        let proposed = proposed_token();
         let votes: Vec<Vote> = self
             .on_all(self.node_timeout(req.ttl), |node| {
                 let req = req.clone();
-                async move { node.run_acquire_marking(&req, None, marker).await }
+                async move {
+                    node.run_acquire_marking(&req, None, marker, Some(proposed))
+                        .await
+                }
             })
             .await
             .into_iter()
@@ -341,7 +362,12 @@ impl RedlockBackend {
                 .max()
                 .unwrap_or(FencingToken::new(0));
             let depth = granted.iter().map(|g| g.depth).max().unwrap_or(1);
-            if self.write_back(req, token, &votes).await >= quorum {
+            // Where every granting master answered this very token (the usual case for a
+            // plain lock: each raised its counter to the round's proposed token), their
+            // counters already stand at it, and writing it back would change nothing.
+            let recorded =
+                kinds::hold_field(req).is_none() && granted.iter().all(|g| g.token == token);
+            if recorded || self.write_back(req, token, &votes).await >= quorum {
                 return Ok(Attempt::Granted(Grant::new(req, token, depth, start)));
             }
             self.give_back(req, &votes).await;

@@ -228,11 +228,15 @@ impl RedisBackend {
     /// [`Self::attempt`]. With `marker`, a busy writer or plain lock
     /// registers as a waiting writer (see [`Self::attempt_marking`]): the caller must then
     /// see that the marker is forgotten when its wait ends without a grant.
+    ///
+    /// `proposed_token` (Redlock's, for a plain lock only) raises a new holder's token to
+    /// at least that value (see [`wire::ACQUIRE`]); read and write holds ignore it.
     pub(crate) async fn run_acquire_marking(
         &self,
         req: &AcquireRequest,
         interrupt: Option<&lockkit_core::spi::Interrupt>,
         marker: bool,
+        proposed_token: Option<u64>,
     ) -> Result<Attempt> {
         if req.kind != LockKind::Exclusive {
             return self.run_kind_acquire(req, interrupt, marker).await;
@@ -247,15 +251,19 @@ impl RedisBackend {
         let start = Instant::now();
         let wanted = self.inner.config.wait_replicas;
         let ((granted, value, depth), confirmed): ((i64, i64, i64), Option<i64>) = if wanted == 0 {
-            let outcome = wire::ACQUIRE
-                .key(&names.lock)
+            let mut script = wire::ACQUIRE.key(&names.lock);
+            script
                 .key(&names.token)
                 .key(&waiting_writers)
                 .arg(ttl_millis(req.ttl))
                 .arg(req.owner.to_string())
                 .arg(attempt_field(req.attempt))
                 .arg(req.identity.encode())
-                .arg(marker_ms)
+                .arg(marker_ms);
+            if let Some(proposed) = proposed_token {
+                script.arg(proposed);
+            }
+            let outcome = script
                 .invoke_async(&mut conn)
                 .await
                 .map_err(|e| self.fail("running the acquire script", e))?;
@@ -275,6 +283,7 @@ impl RedisBackend {
                 .arg(attempt_field(req.attempt))
                 .arg(req.identity.encode())
                 .arg(marker_ms)
+                .arg(proposed_token.map(|t| t.to_string()).unwrap_or_default())
                 .cmd("WAIT")
                 .arg(wanted)
                 .arg(ttl_millis(self.inner.config.wait_replicas_timeout));
@@ -368,7 +377,7 @@ impl RedisBackend {
                 }
                 async move {
                     let outcome = this
-                        .run_acquire_marking(&request, Some(&interrupt), marker.is_some())
+                        .run_acquire_marking(&request, Some(&interrupt), marker.is_some(), None)
                         .await;
                     if marker.as_ref().is_some_and(|share| share.finish()) {
                         this.forget_writer_later(&request);

@@ -98,7 +98,8 @@ pub(crate) const MAX_TTL_MS: u64 = 1_000_000_000_000;
 
 /// KEYS: lock, token, waiting writers (`S(n):lockkit_wwait`, see [`KindNames`]). ARGV: ttl
 /// ms, owner field, attempt field (`''`: none), the holder's identity (`''`: none; stored in
-/// [`HOLDER_FIELD`] by a new holder only), marker ms (`0`: do not mark).
+/// [`HOLDER_FIELD`] by a new holder only), marker ms (`0`: do not mark), and optionally a
+/// proposed token (decimal, below 2^53; `''` or absent: none).
 /// Returns `{1, token, depth}` when granted, `{0, pttl, 0}` when held by someone else in
 /// Redisson's layout (who publishes on release), `{0, pttl, 1}` when held in another format
 /// (a plain `SET NX PX` string: nobody publishes its release), `{0, pttl, 2}` when held as
@@ -114,7 +115,9 @@ pub(crate) const MAX_TTL_MS: u64 = 1_000_000_000_000;
 /// owner's marker.
 ///
 /// A new holder's token is the incremented counter, raised to the server's clock in
-/// microseconds since the epoch when the counter is behind it. So a server that lost the
+/// microseconds since the epoch when the counter is behind it, and to the proposed token
+/// when that is higher still (Redlock proposes one token to every master, so that a
+/// quorum's counters agree after one round and need no write-back). So a server that lost the
 /// counter or holds an old copy of it (restarted without persistence, a replica promoted
 /// before the last increments reached it) still hands out tokens greater than any given
 /// before, unless clocks stepped back by more than the time since those grants; and the
@@ -149,6 +152,11 @@ if t == 'none' then
   redis.call('pexpire', KEYS[1], ttl)
   local now = redis.call('time')
   local floor = now[1] .. string.format('%06d', tonumber(now[2]))
+  local proposed = ARGV[6]
+  if proposed and #proposed <= 16 and string.match(proposed, '^[1-9]%d*$')
+      and tonumber(proposed) < 9007199254740992 and tonumber(proposed) > tonumber(floor) then
+    floor = proposed
+  end
   local token = redis.call('incr', KEYS[2])
   if token < tonumber(floor) then
     redis.call('set', KEYS[2], floor)
