@@ -28,6 +28,7 @@ mod guard;
 mod holder;
 mod into_key;
 mod keeper_start;
+mod kept;
 mod key;
 mod kind;
 mod local_hold;

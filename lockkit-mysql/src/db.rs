@@ -2,13 +2,12 @@
 //! mapping, and the reads both modes answer the same way (is a key's row locked now, what
 //! does the lease table say about a key).
 
-use std::{
-    future::Future,
-    sync::{Arc, Mutex},
-    time::{Duration, Instant},
-};
+use std::{future::Future, sync::Arc, time::Duration};
 
-use lockkit_core::{Error, FencingToken, HolderIdentity, HolderInfo, LockKey, Result};
+use lockkit_core::{
+    Error, FencingToken, HolderIdentity, HolderInfo, LockKey, Result,
+    spi::{KeptConnections, Lent},
+};
 use sqlx::{
     AssertSqlSafe, MySql, MySqlPool, Row, Transaction,
     mysql::{MySqlArguments, MySqlPoolOptions, MySqlQueryResult, MySqlRow},
@@ -95,20 +94,9 @@ pub(crate) struct Db {
     pub(crate) sql: Sql,
     schema: OnceCell<()>,
     /// Connections of the shared pool kept out of it between one-statement calls
-    /// ([`Db::execute_one`]), with when each was last used.
-    kept: Mutex<Vec<Kept>>,
-    /// At most this many are kept: a quarter of `pool_size` (none for a pool of up to three).
-    keep_at_most: usize,
-}
-
-/// A connection kept out of the shared pool between one-statement calls
-/// ([`Db::execute_one`]).
-struct Kept {
-    conn: PoolConnection<MySql>,
-    /// When its last statement completed.
-    used: Instant,
-    /// When it left the pool.
-    out_since: Instant,
+    /// ([`Db::execute_one`]): at most a quarter of `pool_size` (none for a pool of up to
+    /// three).
+    kept: KeptConnections<PoolConnection<MySql>>,
 }
 
 /// How long a connection stays out of the pool at most, however busy: then it goes back,
@@ -138,14 +126,10 @@ impl Drop for Db {
     /// return, and panics without one). Outside one (a client dropped after its runtime, or
     /// on a thread of its own), each is taken out of the pool and closed in place.
     fn drop(&mut self) {
-        let kept = std::mem::take(
-            self.kept
-                .get_mut()
-                .unwrap_or_else(|poisoned| poisoned.into_inner()),
-        );
+        let kept = self.kept.take_all_mut();
         if tokio::runtime::Handle::try_current().is_err() {
-            for kept in kept {
-                drop(kept.conn.detach());
+            for conn in kept {
+                drop(conn.detach());
             }
         }
     }
@@ -201,10 +185,13 @@ impl Db {
             pool,
             holds_pool,
             schema: OnceCell::new(),
-            kept: Mutex::new(Vec::new()),
-            keep_at_most: usize::try_from(keep_at_most).unwrap_or(0),
+            kept: KeptConnections::new(
+                usize::try_from(keep_at_most).unwrap_or(0),
+                IDLE_PING_AFTER,
+                KEPT_AT_MOST,
+            ),
         });
-        if db.keep_at_most > 0 {
+        if db.kept.at_most() > 0 {
             tokio::spawn(sweep_kept(Arc::downgrade(&db)));
         }
         db.ensure_schema().await?;
@@ -268,11 +255,11 @@ impl Db {
         &self,
         statement: Query<'_, MySql, MySqlArguments>,
     ) -> std::result::Result<MySqlQueryResult, sqlx::Error> {
-        let (mut conn, out_since) = match self.take_kept() {
-            Some(kept) => kept,
-            None => (self.pool.acquire().await?, Instant::now()),
+        let mut lent = match self.kept.take(self.return_all_kept()) {
+            Some(lent) => lent,
+            None => Lent::from_pool(self.pool.acquire().await?),
         };
-        let done = statement.execute(&mut *conn).await;
+        let done = statement.execute(&mut *lent.conn).await;
         let clean = match &done {
             Ok(_) => true,
             Err(e) => matches!(
@@ -281,89 +268,33 @@ impl Db {
             ),
         };
         if clean {
-            self.keep(conn, out_since);
+            self.keep(lent);
         }
         done
     }
 
-    /// A kept connection still fit to use, with when it left the pool.
-    fn take_kept(&self) -> Option<(PoolConnection<MySql>, Instant)> {
-        let mut kept = self
-            .kept
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner());
-        let returned = self.unfit_kept(&mut kept);
-        let taken = kept.pop().map(|k| (k.conn, k.out_since));
-        drop(kept);
-        drop(returned);
-        taken
+    /// Whether every kept connection must go back to the pool now: the pool closed, or a
+    /// connection was seen dead within [`PING_AFTER_DEATH`].
+    fn return_all_kept(&self) -> bool {
+        self.pool.is_closed() || self.dead_seen.within(PING_AFTER_DEATH)
     }
 
-    /// Takes out of `kept` every connection that must go back to the pool (for the caller to
-    /// drop after letting go of the lock).
-    fn unfit_kept(&self, kept: &mut Vec<Kept>) -> Vec<Kept> {
-        if self.pool.is_closed() || self.dead_seen.within(PING_AFTER_DEATH) {
-            return std::mem::take(kept);
-        }
-        // Ordered by last use: the idle ones come first.
-        let idle = kept
-            .iter()
-            .take_while(|k| k.used.elapsed() >= IDLE_PING_AFTER)
-            .count();
-        let mut unfit: Vec<Kept> = kept.drain(..idle).collect();
-        let (old, fit): (Vec<Kept>, Vec<Kept>) = std::mem::take(kept)
-            .into_iter()
-            .partition(|k| k.out_since.elapsed() >= KEPT_AT_MOST);
-        *kept = fit;
-        unfit.extend(old);
-        unfit
-    }
-
-    /// Keeps `conn` for the next [`Db::execute_one`] if there is room and the pool can spare
-    /// it; otherwise it goes back to the pool.
-    fn keep(&self, conn: PoolConnection<MySql>, out_since: Instant) {
+    /// Keeps `lent` for the next [`Db::execute_one`] if there is room and the pool is open
+    /// and can spare it; otherwise it goes back to the pool.
+    fn keep(&self, lent: Lent<PoolConnection<MySql>>) {
         let spare = self.pool.num_idle() > 0 || self.pool.size() < self.config.pool_size;
-        let mut kept = self
-            .kept
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner());
-        if spare
-            && kept.len() < self.keep_at_most
-            && !self.pool.is_closed()
-            && out_since.elapsed() < KEPT_AT_MOST
-        {
-            kept.push(Kept {
-                conn,
-                used: Instant::now(),
-                out_since,
-            });
-        } else {
-            drop(kept);
-            drop(conn);
-        }
+        self.kept.keep(lent, || spare && !self.return_all_kept());
     }
 
     /// Gives back to the pool every kept connection that idled, or has been out too long.
     fn sweep_kept(&self) {
-        let mut kept = self
-            .kept
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner());
-        let returned = self.unfit_kept(&mut kept);
-        drop(kept);
-        drop(returned);
+        self.kept.sweep(self.return_all_kept());
     }
 
     /// Gives every kept connection back to the pool (when the pool closes: it waits for
     /// all its connections).
     pub(crate) fn return_kept(&self) {
-        let kept = std::mem::take(
-            &mut *self
-                .kept
-                .lock()
-                .unwrap_or_else(|poisoned| poisoned.into_inner()),
-        );
-        drop(kept);
+        drop(self.kept.take_all());
     }
 
     /// The server ids of the connections kept for one-statement calls now.
@@ -371,16 +302,16 @@ impl Db {
     pub(crate) async fn kept_connection_ids(&self) -> std::result::Result<Vec<u64>, sqlx::Error> {
         let mut ids = Vec::new();
         let mut back = Vec::new();
-        while let Some((mut conn, out_since)) = self.take_kept() {
+        while let Some(mut lent) = self.kept.take(self.return_all_kept()) {
             let id = sqlx::query_as::<_, (u64,)>("SELECT CONNECTION_ID()")
-                .fetch_one(&mut *conn)
+                .fetch_one(&mut *lent.conn)
                 .await;
-            back.push((conn, out_since));
+            back.push(lent);
             ids.push(id?.0);
         }
         // Back in their order of use (the most recent was taken first).
-        for (conn, out_since) in back.into_iter().rev() {
-            self.keep(conn, out_since);
+        for lent in back.into_iter().rev() {
+            self.keep(lent);
         }
         Ok(ids)
     }

@@ -1,0 +1,212 @@
+//! Connections a SQL backend keeps out of its pool between one-statement calls.
+//!
+//! sqlx checks every connection given back to its pool (a round trip and a task of its
+//! own), which nearly doubled the time of two one-row statements (`mysql_pool_probe` in
+//! `lockkit-bench`). A backend's one-statement calls (a grant of a free key, a release, a
+//! renewal) therefore keep the connection they used for the next such call, a few at a
+//! time, and give each back once it idles, has been out too long, or the pool needs it.
+//! This store holds them and decides which must go back; the backend decides when one may
+//! be kept (a clean statement, a pool with a connection to spare).
+
+use std::{
+    sync::Mutex,
+    time::{Duration, Instant},
+};
+
+/// Connections kept out of a pool, ordered by last use (the longest idle first).
+///
+/// Dropping a connection taken out of the store gives it back to its pool, as dropping a
+/// pooled connection does: the store never closes or checks one itself.
+pub struct KeptConnections<C> {
+    kept: Mutex<Vec<Kept<C>>>,
+    at_most: usize,
+    idle_at_most: Duration,
+    out_at_most: Duration,
+}
+
+impl<C> std::fmt::Debug for KeptConnections<C> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("KeptConnections")
+            .field("kept", &self.lock().len())
+            .field("at_most", &self.at_most)
+            .finish()
+    }
+}
+
+struct Kept<C> {
+    conn: C,
+    /// When its last statement completed.
+    used: Instant,
+    /// When it left the pool.
+    out_since: Instant,
+}
+
+/// A connection taken from the store or from the pool, for one call.
+#[derive(Debug)]
+pub struct Lent<C> {
+    /// The connection.
+    pub conn: C,
+    /// When it left the pool (the store bounds how long a connection stays out).
+    pub out_since: Instant,
+}
+
+impl<C> Lent<C> {
+    /// A connection just taken from the pool.
+    pub fn from_pool(conn: C) -> Self {
+        Lent {
+            conn,
+            out_since: Instant::now(),
+        }
+    }
+}
+
+impl<C> KeptConnections<C> {
+    /// A store of at most `at_most` connections (0: it keeps none), each given back once it
+    /// idled `idle_at_most` or has been out of the pool `out_at_most`.
+    pub fn new(at_most: usize, idle_at_most: Duration, out_at_most: Duration) -> Self {
+        KeptConnections {
+            kept: Mutex::new(Vec::new()),
+            at_most,
+            idle_at_most,
+            out_at_most,
+        }
+    }
+
+    /// How many connections it keeps at most.
+    pub fn at_most(&self) -> usize {
+        self.at_most
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Vec<Kept<C>>> {
+        self.kept
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    /// The most recently used connection still fit to use. Those that idled or have been
+    /// out too long are given back to the pool on the way (all of them with `return_all`:
+    /// the pool closed, a connection was seen dead), outside the store's lock.
+    pub fn take(&self, return_all: bool) -> Option<Lent<C>> {
+        let mut kept = self.lock();
+        let returned = self.unfit(&mut kept, return_all);
+        let taken = kept.pop().map(|k| Lent {
+            conn: k.conn,
+            out_since: k.out_since,
+        });
+        drop(kept);
+        drop(returned);
+        taken
+    }
+
+    /// Keeps `lent` for the next [`Self::take`] when `allowed` (the caller's judgement: a
+    /// clean statement, an open pool with a connection to spare), there is room, and it
+    /// has not been out too long; otherwise it goes back to the pool. `allowed` is asked
+    /// under the store's lock, so a pool marked closed before [`Self::take_all`] never has
+    /// a connection kept after it.
+    pub fn keep(&self, lent: Lent<C>, allowed: impl FnOnce() -> bool) {
+        let mut kept = self.lock();
+        if kept.len() < self.at_most && lent.out_since.elapsed() < self.out_at_most && allowed() {
+            kept.push(Kept {
+                conn: lent.conn,
+                used: Instant::now(),
+                out_since: lent.out_since,
+            });
+        } else {
+            drop(kept);
+            drop(lent);
+        }
+    }
+
+    /// Gives back every connection that idled or has been out too long (every one with
+    /// `return_all`). For a sweeper that runs while nobody calls.
+    pub fn sweep(&self, return_all: bool) {
+        let mut kept = self.lock();
+        let returned = self.unfit(&mut kept, return_all);
+        drop(kept);
+        drop(returned);
+    }
+
+    /// Takes every kept connection out, for the caller to give back or detach.
+    pub fn take_all(&self) -> Vec<C> {
+        let kept = std::mem::take(&mut *self.lock());
+        kept.into_iter().map(|k| k.conn).collect()
+    }
+
+    /// [`Self::take_all`] through `&mut self`, for a `Drop` that cannot block.
+    pub fn take_all_mut(&mut self) -> Vec<C> {
+        let kept = std::mem::take(
+            self.kept
+                .get_mut()
+                .unwrap_or_else(|poisoned| poisoned.into_inner()),
+        );
+        kept.into_iter().map(|k| k.conn).collect()
+    }
+
+    /// Takes out of `kept` every connection that must go back to the pool (for the caller
+    /// to drop after letting go of the lock).
+    fn unfit(&self, kept: &mut Vec<Kept<C>>, return_all: bool) -> Vec<Kept<C>> {
+        if return_all {
+            return std::mem::take(kept);
+        }
+        // Ordered by last use: the idle ones come first.
+        let idle = kept
+            .iter()
+            .take_while(|k| k.used.elapsed() >= self.idle_at_most)
+            .count();
+        let mut unfit: Vec<Kept<C>> = kept.drain(..idle).collect();
+        let (old, fit): (Vec<Kept<C>>, Vec<Kept<C>>) = std::mem::take(kept)
+            .into_iter()
+            .partition(|k| k.out_since.elapsed() >= self.out_at_most);
+        *kept = fit;
+        unfit.extend(old);
+        unfit
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn store(at_most: usize) -> KeptConnections<u32> {
+        KeptConnections::new(at_most, Duration::from_millis(50), Duration::from_secs(60))
+    }
+
+    #[test]
+    fn keeps_up_to_its_bound_and_lends_the_latest_first() {
+        let s = store(2);
+        for conn in 1..=3 {
+            s.keep(Lent::from_pool(conn), || true);
+        }
+        assert_eq!(s.take(false).map(|l| l.conn), Some(2));
+        assert_eq!(s.take(false).map(|l| l.conn), Some(1));
+        assert!(s.take(false).is_none());
+    }
+
+    #[test]
+    fn keeps_nothing_the_caller_does_not_allow_or_a_store_of_none() {
+        let s = store(2);
+        s.keep(Lent::from_pool(1), || false);
+        assert!(s.take(false).is_none());
+        let none = store(0);
+        none.keep(Lent::from_pool(1), || true);
+        assert!(none.take(false).is_none());
+    }
+
+    #[test]
+    fn gives_back_idle_old_and_all_when_asked() {
+        let s = store(3);
+        s.keep(Lent::from_pool(1), || true);
+        std::thread::sleep(Duration::from_millis(60));
+        s.keep(Lent::from_pool(2), || true);
+        s.sweep(false);
+        assert_eq!(s.take_all(), vec![2], "the idle one went back");
+        let old = Lent {
+            conn: 3,
+            out_since: Instant::now() - Duration::from_secs(61),
+        };
+        s.keep(old, || true);
+        assert!(s.take(false).is_none(), "out too long: not kept");
+        s.keep(Lent::from_pool(4), || true);
+        assert!(s.take(true).is_none(), "return_all gives everything back");
+    }
+}
