@@ -77,7 +77,11 @@ impl PostgresBackend {
             Locks::Row(locks) => locks.stop_listening(),
             Locks::Advisory(locks) => locks.close().await,
         }
-        self.db.pool.close().await;
+        // Closed first (sqlx marks the pool closed when `close` is called), so a statement
+        // completing meanwhile does not keep its connection; then the kept ones go back.
+        let closing = self.db.pool.close();
+        self.db.return_kept();
+        closing.await;
     }
 
     /// Operator action: takes `key` away from its holder. In row mode its lease is cleared
@@ -107,6 +111,20 @@ impl PostgresBackend {
             Locks::Row(locks) => locks.held_under(prefix).await,
             Locks::Advisory(locks) => locks.held_under(prefix).await,
         }
+    }
+
+    /// The server process ids of the shared pool's connections kept out of it between
+    /// one-statement calls now, for fault tests that end them.
+    ///
+    /// # Errors
+    /// Database errors.
+    #[cfg(feature = "testing")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "testing")))]
+    pub async fn kept_connection_pids(&self) -> Result<Vec<i32>> {
+        self.db
+            .kept_connection_pids()
+            .await
+            .map_err(|e| crate::db::db_error("reading kept connections' process ids", e))
     }
 
     /// Keys this client's waiters listen for now (none once every wait has ended).

@@ -3,10 +3,14 @@
 
 use std::{future::Future, sync::Arc, time::Duration};
 
-use lockkit_core::{Error, FencingToken, HolderIdentity, HolderInfo, LockKey, Result};
+use lockkit_core::{
+    Error, FencingToken, HolderIdentity, HolderInfo, LockKey, Result,
+    spi::{KeptConnections, Lent},
+};
 use sqlx::{
     AssertSqlSafe, PgPool, Postgres, Row, Transaction,
-    postgres::{PgPoolOptions, PgRow},
+    pool::PoolConnection,
+    postgres::{PgArguments, PgPoolOptions, PgQueryResult, PgRow},
 };
 
 use crate::PostgresConfig;
@@ -162,6 +166,41 @@ pub(crate) struct Db {
     pub(crate) dead_seen: Arc<DeadSeen>,
     pub(crate) pool: PgPool,
     pub(crate) sql: Sql,
+    /// Connections of the shared pool kept out of it between one-statement calls
+    /// ([`Db::execute_one`], [`Db::fetch_optional_one`]): at most a quarter of `pool_size`
+    /// (none for a pool of up to three).
+    kept: KeptConnections<PoolConnection<Postgres>>,
+}
+
+/// How long a connection stays out of the pool at most, however busy: then it goes back,
+/// so the pool's checks and `max_lifetime` still reach it.
+const KEPT_AT_MOST: Duration = Duration::from_secs(60);
+
+/// Gives back idle kept connections every [`PING_IDLE_AFTER`] while `db` lives and its
+/// pool is open, so connections nobody uses are not kept out of the pool.
+async fn sweep_kept(db: std::sync::Weak<Db>) {
+    loop {
+        tokio::time::sleep(PING_IDLE_AFTER).await;
+        let Some(db) = db.upgrade() else { return };
+        db.kept.sweep(db.return_all_kept());
+        if db.pool.is_closed() {
+            return;
+        }
+    }
+}
+
+impl Drop for Db {
+    /// Kept connections go back to the pool, which needs a Tokio runtime (sqlx spawns the
+    /// return, and panics without one). Outside one (a client dropped after its runtime, or
+    /// on a thread of its own), each is taken out of the pool and closed in place.
+    fn drop(&mut self) {
+        let kept = self.kept.take_all_mut();
+        if tokio::runtime::Handle::try_current().is_err() {
+            for conn in kept {
+                drop(conn.detach());
+            }
+        }
+    }
 }
 
 impl Db {
@@ -183,12 +222,17 @@ impl Db {
             .connect_with(config.connect.clone())
             .await
             .map_err(|e| db_error("connecting to PostgreSQL", e))?;
+        let keep_at_most = usize::try_from(config.pool_size / 4).unwrap_or(0);
         let db = Arc::new(Db {
             sql: Sql::new(&config.table),
             config,
             dead_seen,
             pool,
+            kept: KeptConnections::new(keep_at_most, PING_IDLE_AFTER, KEPT_AT_MOST),
         });
+        if db.kept.at_most() > 0 {
+            tokio::spawn(sweep_kept(Arc::downgrade(&db)));
+        }
         db.ensure_schema().await?;
         Ok(db)
     }
@@ -226,6 +270,100 @@ impl Db {
                 outcome => return outcome,
             }
         }
+    }
+
+    /// Runs one autocommitted statement like `statement.execute(&pool)`, without sqlx's
+    /// cost of giving a connection back to its pool (a check, a round trip, in a task of
+    /// its own, on every return): the connection is kept for the next one-statement call
+    /// while the pool can spare it (see [`KeptConnections`]). A connection whose statement
+    /// failed on the way, or whose caller went away mid-way, is never kept: it goes back to
+    /// the pool, which checks it, as before.
+    pub(crate) async fn execute_one(
+        &self,
+        statement: sqlx::query::Query<'_, Postgres, PgArguments>,
+    ) -> std::result::Result<PgQueryResult, sqlx::Error> {
+        let mut lent = self.lend().await?;
+        let done = statement.execute(&mut *lent.conn).await;
+        self.keep(lent, &done);
+        done
+    }
+
+    /// [`Db::execute_one`] for a statement that returns at most one row.
+    pub(crate) async fn fetch_optional_one(
+        &self,
+        statement: sqlx::query::Query<'_, Postgres, PgArguments>,
+    ) -> std::result::Result<Option<PgRow>, sqlx::Error> {
+        let mut lent = self.lend().await?;
+        let done = statement.fetch_optional(&mut *lent.conn).await;
+        self.keep(lent, &done);
+        done
+    }
+
+    /// A kept connection, or one from the pool.
+    async fn lend(&self) -> std::result::Result<Lent<PoolConnection<Postgres>>, sqlx::Error> {
+        match self.kept.take(self.return_all_kept()) {
+            Some(lent) => Ok(lent),
+            None => Ok(Lent::from_pool(self.pool.acquire().await?)),
+        }
+    }
+
+    /// Keeps `lent` after a statement that completed, or failed with an error that leaves
+    /// the connection clean (the autocommitted statement rolled back: a unique violation,
+    /// a lock not available, a serialization failure or deadlock), if there is room and
+    /// the pool is open and can spare it; otherwise it goes back to the pool.
+    fn keep<T>(
+        &self,
+        lent: Lent<PoolConnection<Postgres>>,
+        done: &std::result::Result<T, sqlx::Error>,
+    ) {
+        let clean = match done {
+            Ok(_) => true,
+            Err(e) => sql_state(e).is_some_and(|c| {
+                [
+                    state::UNIQUE_VIOLATION,
+                    state::LOCK_NOT_AVAILABLE,
+                    state::SERIALIZATION_FAILURE,
+                    state::DEADLOCK,
+                ]
+                .contains(&c.as_str())
+            }),
+        };
+        if !clean {
+            return;
+        }
+        let spare = self.pool.num_idle() > 0 || self.pool.size() < self.config.pool_size;
+        self.kept.keep(lent, || spare && !self.return_all_kept());
+    }
+
+    /// Whether every kept connection must go back to the pool now: the pool closed, or a
+    /// connection was seen gone within [`PING_AFTER_LOSS`].
+    fn return_all_kept(&self) -> bool {
+        self.pool.is_closed() || self.dead_seen.within(PING_AFTER_LOSS)
+    }
+
+    /// Gives every kept connection back to the pool (when the pool closes: it waits for
+    /// all its connections).
+    pub(crate) fn return_kept(&self) {
+        drop(self.kept.take_all());
+    }
+
+    /// The server process ids of the connections kept for one-statement calls now.
+    #[cfg(feature = "testing")]
+    pub(crate) async fn kept_connection_pids(&self) -> std::result::Result<Vec<i32>, sqlx::Error> {
+        let mut pids = Vec::new();
+        let mut back = Vec::new();
+        while let Some(mut lent) = self.kept.take(self.return_all_kept()) {
+            let pid = sqlx::query_scalar::<_, i32>("SELECT pg_backend_pid()")
+                .fetch_one(&mut *lent.conn)
+                .await;
+            back.push(lent);
+            pids.push(pid?);
+        }
+        // Back in their order of use (the most recent was taken first).
+        for lent in back.into_iter().rev() {
+            self.keep(lent, &Ok::<(), sqlx::Error>(()));
+        }
+        Ok(pids)
     }
 
     /// A transaction on the shared pool, begun on a connection that answers.

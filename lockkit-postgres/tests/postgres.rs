@@ -1907,3 +1907,147 @@ async fn a_re_entry_on_an_ended_advisory_session_reports_the_hold_lost() {
     again.release().await.unwrap();
     backend.close().await;
 }
+
+/// Row mode's URL for the kept-connection cases: a pool of four keeps one connection out
+/// of sqlx's pool between one-statement calls.
+fn kept_url() -> Option<String> {
+    let url = env::service_url("LOCKKIT_TEST_POSTGRES_URL")?;
+    Some(format!(
+        "{url}?mode=row&table=lockkit_test_pg_kept&pool_size=4"
+    ))
+}
+
+/// Row mode keeps a few pooled connections out of sqlx's pool between its one-statement
+/// calls (sqlx checks every connection given back). Ended by the server right after use (a
+/// restart, `pg_terminate_backend`), a kept connection costs its first statement, never
+/// the caller's call: the grant of a free key, a renewal and a release, each on a client
+/// of its own (a gone connection seen sends a client's next calls to the pool for a while).
+#[tokio::test]
+async fn a_kept_connection_ended_right_after_use_fails_no_call() {
+    let Some(url) = kept_url() else { return };
+    let admin = sqlx::PgPool::connect(&env::service_url("LOCKKIT_TEST_POSTGRES_URL").unwrap())
+        .await
+        .unwrap();
+    for call in ["grant", "renewal", "release"] {
+        let backend = PostgresBackend::connect(&url).await.unwrap();
+        let locker = Locker::new(backend.clone());
+        let key = key("kept");
+        let first = locker.try_acquire(&key).await.unwrap().expect("free");
+        let held = match call {
+            "grant" => {
+                first.release().await.unwrap();
+                None
+            }
+            _ => Some(first),
+        };
+        let kept = backend.kept_connection_pids().await.unwrap();
+        assert_eq!(kept.len(), 1, "{call}: the last call's connection is kept");
+        // Well within the idle spell after which a kept connection goes back to the pool.
+        let (ended,): (bool,) = sqlx::query_as("SELECT pg_terminate_backend($1)")
+            .bind(kept[0])
+            .fetch_one(&admin)
+            .await
+            .unwrap();
+        assert!(ended, "{call}: the kept connection's backend was ended");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        match (call, held) {
+            ("grant", None) => locker
+                .try_acquire(&key)
+                .await
+                .expect("a grant on a dead kept connection goes to another")
+                .expect("free")
+                .release()
+                .await
+                .map(|_| ())
+                .unwrap(),
+            ("renewal", Some(held)) => {
+                held.extend(Duration::from_secs(30))
+                    .await
+                    .expect("a renewal on a dead kept connection goes to another");
+                held.release().await.map(|_| ()).unwrap();
+            }
+            (_, Some(held)) => held
+                .release()
+                .await
+                .map(|_| ())
+                .expect("a release on a dead kept connection goes to another"),
+            _ => unreachable!(),
+        }
+        assert!(locker.inspect(&key).await.unwrap().is_none(), "{call}");
+        tokio::time::timeout(Duration::from_secs(30), backend.close())
+            .await
+            .expect("close gives the kept connections back and ends");
+    }
+}
+
+/// `close` ends while a one-statement call is in flight on a kept connection: the call's
+/// connection goes back to the closing pool, not into the kept set (sqlx's `close` waits
+/// for every connection of the pool).
+#[tokio::test]
+async fn close_ends_with_a_renewal_in_flight_on_a_kept_connection() {
+    let Some(url) = kept_url() else { return };
+    let backend = PostgresBackend::connect(&url).await.unwrap();
+    let locker = Locker::new(backend.clone());
+    let key = key("kept-close");
+    let held = locker
+        .try_acquire(&key)
+        .ttl(Duration::from_secs(30))
+        .no_watchdog()
+        .await
+        .unwrap()
+        .expect("free");
+    assert_eq!(backend.kept_connection_pids().await.unwrap().len(), 1);
+    // Another connection holds the key's row lock: the renewal waits on it.
+    let base = env::service_url("LOCKKIT_TEST_POSTGRES_URL").unwrap();
+    let mut outside = <sqlx::PgConnection as sqlx::Connection>::connect(&base)
+        .await
+        .unwrap();
+    sqlx::query("BEGIN").execute(&mut outside).await.unwrap();
+    sqlx::query("SELECT name FROM lockkit_test_pg_kept WHERE name = $1 FOR UPDATE")
+        .bind(key.as_str().as_bytes())
+        .fetch_optional(&mut outside)
+        .await
+        .unwrap()
+        .expect("the key's row");
+    let renewal = tokio::spawn(async move {
+        let _ = held.extend(Duration::from_secs(30)).await;
+        held
+    });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let closing = tokio::spawn({
+        let backend = backend.clone();
+        async move { backend.close().await }
+    });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    sqlx::query("COMMIT").execute(&mut outside).await.unwrap();
+    tokio::time::timeout(Duration::from_secs(20), closing)
+        .await
+        .expect("close ended while a renewal was in flight on a kept connection")
+        .unwrap();
+    drop(renewal.await.unwrap());
+}
+
+/// A client dropped after its runtime (or on a thread without one) closes its kept
+/// connections in place: sqlx gives pooled connections back in a task, and would panic
+/// without a runtime.
+#[test]
+fn a_client_with_kept_connections_drops_outside_a_runtime() {
+    let Some(url) = kept_url() else { return };
+    let runtime = tokio::runtime::Runtime::new().unwrap();
+    let backend = runtime.block_on(async {
+        let backend = PostgresBackend::connect(&url).await.unwrap();
+        let locker = Locker::new(backend.clone());
+        let held = locker
+            .try_acquire(key("kept-drop"))
+            .await
+            .unwrap()
+            .expect("free");
+        held.release().await.unwrap();
+        assert_eq!(backend.kept_connection_pids().await.unwrap().len(), 1);
+        backend
+    });
+    drop(runtime);
+    std::thread::spawn(move || drop(backend))
+        .join()
+        .expect("dropping the client outside a runtime must not panic");
+}

@@ -517,13 +517,14 @@ pub(crate) async fn renew(backend: &RowLocks, grant: &Grant, ttl: Duration) -> R
     // Sent again on another connection if the pooled one is gone: a renewal only lengthens.
     let done = inner
         .retry_gone(|| {
-            query(&inner.sql.holds.renew)
-                .bind(micros(ttl))
-                .bind(grant.key.as_str().as_bytes())
-                .bind(code(grant.kind))
-                .bind(&holder)
-                .bind(&owner)
-                .execute(&inner.pool)
+            inner.execute_one(
+                query(&inner.sql.holds.renew)
+                    .bind(micros(ttl))
+                    .bind(grant.key.as_str().as_bytes())
+                    .bind(code(grant.kind))
+                    .bind(&holder)
+                    .bind(&owner),
+            )
         })
         .await
         .map_err(|e| db_error("renewing the lease", e))?;

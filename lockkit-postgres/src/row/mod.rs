@@ -448,16 +448,18 @@ async fn grant_free(
     ttl: i64,
 ) -> std::result::Result<Option<u64>, sqlx::Error> {
     let (hi, lo) = inner.readers_lock(&req.key);
-    let granted = query(&inner.sql.row_grant_free)
-        .bind(req.key.as_str().as_bytes())
-        .bind(owner)
-        .bind(ttl)
-        .bind(first_attempt(req))
-        .bind(req.identity.encode_for(owner))
-        .bind(inner.advisory_id(&req.key))
-        .bind(hi)
-        .bind(lo)
-        .fetch_optional(&inner.pool)
+    let granted = inner
+        .fetch_optional_one(
+            query(&inner.sql.row_grant_free)
+                .bind(req.key.as_str().as_bytes())
+                .bind(owner)
+                .bind(ttl)
+                .bind(first_attempt(req))
+                .bind(req.identity.encode_for(owner))
+                .bind(inner.advisory_id(&req.key))
+                .bind(hi)
+                .bind(lo),
+        )
         .await?;
     granted.map(|row| fence_of(&row)).transpose()
 }
@@ -579,11 +581,12 @@ async fn renew(backend: &RowLocks, grant: &Grant, ttl: Duration) -> Result<()> {
     // Sent again on another connection if the pooled one is gone: a renewal only lengthens.
     let done = inner
         .retry_gone(|| {
-            query(&inner.sql.row_renew)
-                .bind(micros(ttl))
-                .bind(grant.key.as_str().as_bytes())
-                .bind(grant.owner.to_string())
-                .execute(&inner.pool)
+            inner.execute_one(
+                query(&inner.sql.row_renew)
+                    .bind(micros(ttl))
+                    .bind(grant.key.as_str().as_bytes())
+                    .bind(grant.owner.to_string()),
+            )
         })
         .await
         .map_err(|e| db_error("renewing the lease", e))?;
@@ -608,13 +611,15 @@ async fn release(backend: &RowLocks, grant: &Grant) -> Result<Released> {
         // The last hold of a running lease, as a fresh grant leaves it: one statement.
         let mut ledger = AttemptLedger::new();
         ledger.add(grant.attempt);
-        let released = query(&sql.row_release_last)
-            .bind(name)
-            .bind(grant.owner.to_string())
-            .bind(ledger.render())
-            .bind(release_channel(&inner.config.table))
-            .bind(release_payload(grant.key.as_str()))
-            .fetch_optional(&inner.pool)
+        let released = inner
+            .fetch_optional_one(
+                query(&sql.row_release_last)
+                    .bind(name)
+                    .bind(grant.owner.to_string())
+                    .bind(ledger.render())
+                    .bind(release_channel(&inner.config.table))
+                    .bind(release_payload(grant.key.as_str())),
+            )
             .await;
         match released {
             Ok(Some(_)) => return Ok(Released::Fully),
