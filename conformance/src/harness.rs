@@ -58,6 +58,17 @@ pub trait Harness: Send + Sync + 'static {
         Duration::from_millis(500)
     }
 
+    /// At most this many cases of this harness run at once in one test process, for a
+    /// server that cannot take the suite's concurrency (`RUST_TEST_THREADS`); `None`, the
+    /// default: no bound. [`crate::run_case`] holds a permit, shared by every harness of
+    /// the same [`Harness::name`] in the process (the first one's bound counts; 0 counts
+    /// as 1), from after the harness is made until the case's runtime is shut down (or
+    /// the case panics); a case's [`crate::CASE_LIMIT`] starts once it has its permit. A
+    /// waiting case still takes one of the test threads.
+    fn parallel_cases(&self) -> Option<usize> {
+        None
+    }
+
     /// Builds a client from a URL, to check URL validation.
     async fn connect(&self, url: &str) -> lockkit_core::Result<Locker> {
         let _ = url;

@@ -27,7 +27,13 @@ mod memory_harness;
 pub mod proxy;
 mod support;
 
-use std::{future::Future, io::Write, sync::Arc, time::Duration};
+use std::{
+    collections::HashMap,
+    future::Future,
+    io::Write,
+    sync::{Arc, Mutex, OnceLock, PoisonError},
+    time::Duration,
+};
 
 pub use fenced::{FencedStore, StaleToken, UnfencedStore};
 pub use file_harness::FileHarness;
@@ -250,24 +256,55 @@ where
         .enable_all()
         .build()
         .unwrap_or_else(|e| panic!("cannot start a Tokio runtime: {e}"));
-    runtime.block_on(async {
+    let permit = runtime.block_on(async {
         let Some(harness) = make.await else {
             report_skip(
                 name,
                 "the harness is not configured (see the SKIPPED line above)",
             );
-            return;
+            return None;
         };
         let harness = Arc::new(harness);
         let label = harness.name();
+        // Waiting for a permit is not the case's time: the limit starts once it has one.
+        let permit = match harness.parallel_cases() {
+            Some(bound) => Some(
+                case_gate(&label, bound)
+                    .acquire_owned()
+                    .await
+                    .unwrap_or_else(|e| panic!("the case gate of {label} is closed: {e}")),
+            ),
+            None => None,
+        };
         let run = holder::with_entry(suite_module, case(harness));
         match tokio::time::timeout(CASE_LIMIT, run).await {
             Ok(Outcome::Passed) => {}
             Ok(Outcome::Skipped(why)) => report_skip(&format!("{name} on {label}"), &why),
             Err(_) => panic!("{name} on {label} did not finish within {CASE_LIMIT:?}"),
         }
+        permit
     });
+    // The permit is given back only once the case's tasks (its clients' sessions) are gone.
     runtime.shutdown_timeout(Duration::from_secs(5));
+    drop(permit);
+}
+
+/// The semaphore bounding how many cases of the harness named `name` run at once in this
+/// process ([`Harness::parallel_cases`]): made with `bound` permits by the first case of
+/// that harness to ask. Tokio's semaphore serves every case's own runtime.
+fn case_gate(name: &str, bound: usize) -> Arc<tokio::sync::Semaphore> {
+    static GATES: OnceLock<Mutex<HashMap<String, Arc<tokio::sync::Semaphore>>>> = OnceLock::new();
+    let mut gates = GATES
+        .get_or_init(Mutex::default)
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner);
+    gates
+        .entry(name.to_owned())
+        .or_insert_with(|| {
+            let permits = bound.clamp(1, tokio::sync::Semaphore::MAX_PERMITS);
+            Arc::new(tokio::sync::Semaphore::new(permits))
+        })
+        .clone()
 }
 
 /// Prints a skip to the real stderr, so the test harness's capture cannot hide it.
