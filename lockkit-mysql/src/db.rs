@@ -316,10 +316,15 @@ impl Db {
         Ok(ids)
     }
 
-    /// A transaction on the shared pool, begun on a connection that answers.
+    /// A transaction on the shared pool, begun on a connection that answers. When the pool
+    /// has no idle connection left, the kept ones go back to it first, so a transaction
+    /// never waits for a connection that sits kept.
     pub(crate) async fn begin(
         &self,
     ) -> std::result::Result<Transaction<'static, MySql>, sqlx::Error> {
+        if self.pool.num_idle() == 0 {
+            self.return_kept();
+        }
         self.retry_gone(|| self.pool.begin()).await
     }
 

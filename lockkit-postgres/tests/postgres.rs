@@ -2051,3 +2051,64 @@ fn a_client_with_kept_connections_drops_outside_a_runtime() {
         .join()
         .expect("dropping the client outside a runtime must not panic");
 }
+
+/// A transaction is never kept waiting for a connection that sits kept between
+/// one-statement calls: with every other connection of the pool busy, its `BEGIN` takes the
+/// kept one back (else it would wait for the sweeper, a second or two, past a short
+/// `connect_timeout`).
+#[tokio::test]
+async fn a_transaction_takes_back_a_kept_connection_when_the_pool_is_full() {
+    let Some(base) = env::service_url("LOCKKIT_TEST_POSTGRES_URL") else {
+        return;
+    };
+    let url =
+        format!("{base}?mode=row&table=lockkit_test_pg_kept&pool_size=4&connect_timeout=200ms");
+    let backend = PostgresBackend::connect(&url).await.unwrap();
+    let locker = Locker::new(backend.clone());
+    let (read_key, other) = (key("kept-full-read"), key("kept-full-other"));
+    for k in [&read_key, &other] {
+        locker
+            .try_acquire(k)
+            .await
+            .unwrap()
+            .expect("free")
+            .release()
+            .await
+            .unwrap();
+    }
+    assert_eq!(backend.kept_connection_pids().await.unwrap().len(), 1);
+    // An outside session holds the key's row: each read's transaction waits on it, on a
+    // connection of its own.
+    let mut outside = <sqlx::PgConnection as sqlx::Connection>::connect(&base)
+        .await
+        .unwrap();
+    sqlx::query("BEGIN").execute(&mut outside).await.unwrap();
+    sqlx::query("SELECT name FROM lockkit_test_pg_kept WHERE name = $1 FOR UPDATE")
+        .bind(read_key.as_str().as_bytes())
+        .fetch_optional(&mut outside)
+        .await
+        .unwrap()
+        .expect("the key's row");
+    let reads: Vec<_> = (0..4)
+        .map(|_| {
+            let (locker, key) = (locker.clone(), read_key.clone());
+            tokio::spawn(async move {
+                locker
+                    .read(&key)
+                    .ttl(Duration::from_secs(30))
+                    .try_now()
+                    .await
+            })
+        })
+        .collect();
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    sqlx::query("COMMIT").execute(&mut outside).await.unwrap();
+    for read in reads {
+        let read = read
+            .await
+            .unwrap()
+            .expect("a read's transaction got a connection")
+            .expect("readers share the key");
+        read.release().await.unwrap();
+    }
+}

@@ -221,8 +221,64 @@ async fn a_master_counting_past_the_proposal_has_its_token_written_back() {
     next.release().await.unwrap();
 }
 
+/// A plain lock's token is never more than a few milliseconds ahead of the clock of the
+/// masters that gave it (they take a proposed token at most 20 ms ahead of theirs): so a
+/// majority wiped a little later still counts past it from their clocks, as every other
+/// kind of hold does.
+#[tokio::test]
+async fn a_majority_wiped_after_a_plain_lock_still_counts_past_its_token() {
+    let Some(masters) = masters() else { return };
+    let key = key();
+    let names = LockNames::new("", &key, false).unwrap();
+    let a = client(&masters, "").await;
+    let b = client(&masters, "").await;
+    let plain = a
+        .locker
+        .acquire(&key)
+        .ttl(TTL)
+        .try_now()
+        .await
+        .unwrap()
+        .unwrap();
+    for master in &masters {
+        let (secs, micros): (u64, u64) = redis::cmd("TIME")
+            .query_async(&mut admin(master).await)
+            .await
+            .unwrap();
+        let clock = secs * 1_000_000 + micros;
+        assert!(
+            plain.token().get() <= clock + 20_000,
+            "token {} is more than 20 ms ahead of {master}'s clock {clock}",
+            plain.token()
+        );
+    }
+    // Past the 20 ms, three of five masters lose the lock and its counter (restarted
+    // without persistence).
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    for master in &masters[..3] {
+        let _: () = admin(master)
+            .await
+            .del(&[&names.lock, &names.token])
+            .await
+            .unwrap();
+    }
+    let writer = b.locker.write(&key).ttl(TTL).try_now().await.unwrap();
+    let writer = writer.expect("three of five masters forgot the plain lock");
+    assert!(
+        writer.token() > plain.token(),
+        "token {} after {}",
+        writer.token(),
+        plain.token()
+    );
+    writer.release().await.unwrap();
+    let _ = plain.release().await;
+}
+
 /// An uncontended acquire and release make one round each to every master: the masters
-/// agree on the round's proposed token, so there is nothing to write back.
+/// agree on the round's proposed token, so there is nothing to write back. (A request that
+/// reaches its master more than 10 ms after the round began finds the master's clock past
+/// the proposal, and that round writes back: two such rounds are allowed for a loaded
+/// machine; three rounds per pair would be 30 requests.)
 #[tokio::test]
 async fn an_uncontended_pair_is_two_rounds() {
     let Some(masters) = masters() else { return };
@@ -233,7 +289,7 @@ async fn an_uncontended_pair_is_two_rounds() {
     let mut last = warm.token().get();
     warm.release().await.unwrap();
     let before: Vec<u64> = c.proxies.iter().map(FaultProxy::requests_seen).collect();
-    const PAIRS: u64 = 5;
+    const PAIRS: u64 = 10;
     for _ in 0..PAIRS {
         let guard = c.locker.try_acquire(&key).await.unwrap().unwrap();
         assert!(guard.token().get() > last);
@@ -242,9 +298,8 @@ async fn an_uncontended_pair_is_two_rounds() {
     }
     for (i, proxy) in c.proxies.iter().enumerate() {
         let sent = proxy.requests_seen() - before[i];
-        assert_eq!(
-            sent,
-            2 * PAIRS,
+        assert!(
+            (2 * PAIRS..=2 * PAIRS + 2).contains(&sent),
             "master {i} saw {sent} requests for {PAIRS} acquire+release pairs"
         );
     }

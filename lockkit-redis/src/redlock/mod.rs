@@ -156,15 +156,20 @@ impl Wake for MastersMessages<'_> {
     }
 }
 
-/// How far ahead of this client's clock a round's proposed token is: far enough that it
-/// stays ahead of each master's own clock (see [`wire::ACQUIRE`]) across the round trip and
-/// ordinary clock skew, so that a quorum's masters answer one same token.
-const PROPOSAL_LEAD: Duration = Duration::from_secs(1);
+/// How far ahead of this client's clock a round's proposed token is: enough that it stays
+/// ahead of each master's own clock while the round's request reaches it, so that a
+/// quorum's masters answer one same token; half the [`wire::PROPOSAL_AHEAD_AT_MOST`] a
+/// master accepts, which leaves room for master clocks up to 10 ms apart from this one.
+const PROPOSAL_LEAD: Duration = Duration::from_millis(10);
+const _: () = assert!(PROPOSAL_LEAD.as_micros() < wire::PROPOSAL_AHEAD_AT_MOST.as_micros());
 
 /// The token a Redlock round proposes to every master: this client's clock in microseconds
-/// since the epoch, plus [`PROPOSAL_LEAD`]. It only ever raises a master's counter, so it
-/// cannot weaken the tokens' order; a master whose counter or clock is ahead answers more,
-/// and the round then writes the highest token back (as it always did).
+/// since the epoch, plus [`PROPOSAL_LEAD`]. It only ever raises a master's counter, and a
+/// master takes it only while it is at most [`wire::PROPOSAL_AHEAD_AT_MOST`] ahead of its
+/// own clock, so tokens stay as close to the masters' clocks as before, and a master wiped
+/// later still counts past them. A master whose counter or clock is ahead of it, or that
+/// refuses it, answers another token, and the round then writes the highest back (as it
+/// always did).
 fn proposed_token() -> u64 {
     let now = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)

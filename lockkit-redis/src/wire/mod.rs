@@ -92,6 +92,10 @@ pub(crate) const HOLDER_FIELD: &str = "lockkit-holder";
 /// [`ACQUIRE`]'s third reply value when busy and the owner is marked as a waiting writer.
 pub(crate) const BUSY_MARKED: i64 = 2;
 
+/// How far ahead of a server's clock [`ACQUIRE`] accepts a proposed token (the `20000` µs
+/// of its source).
+pub(crate) const PROPOSAL_AHEAD_AT_MOST: std::time::Duration = std::time::Duration::from_millis(20);
+
 /// Longest lease the scripts accept, in ms (about 31 years): checked before anything is
 /// written, so an absurd TTL never leaves a lock without an expiry.
 pub(crate) const MAX_TTL_MS: u64 = 1_000_000_000_000;
@@ -116,8 +120,11 @@ pub(crate) const MAX_TTL_MS: u64 = 1_000_000_000_000;
 ///
 /// A new holder's token is the incremented counter, raised to the server's clock in
 /// microseconds since the epoch when the counter is behind it, and to the proposed token
-/// when that is higher still (Redlock proposes one token to every master, so that a
-/// quorum's counters agree after one round and need no write-back). So a server that lost the
+/// when that is higher still but at most [`PROPOSAL_AHEAD_AT_MOST`] ahead of the server's
+/// clock (Redlock proposes one token to every master, so that a quorum's counters agree
+/// after one round and need no write-back). So no token is ever more than that ahead of
+/// the clock of the server that gave it, and a server wiped (or a replica promoted) later
+/// than that still counts past it from its clock. So a server that lost the
 /// counter or holds an old copy of it (restarted without persistence, a replica promoted
 /// before the last increments reached it) still hands out tokens greater than any given
 /// before, unless clocks stepped back by more than the time since those grants; and the
@@ -153,9 +160,11 @@ if t == 'none' then
   local now = redis.call('time')
   local floor = now[1] .. string.format('%06d', tonumber(now[2]))
   local proposed = ARGV[6]
-  if proposed and #proposed <= 16 and string.match(proposed, '^[1-9]%d*$')
-      and tonumber(proposed) < 9007199254740992 and tonumber(proposed) > tonumber(floor) then
-    floor = proposed
+  if proposed and #proposed <= 16 and string.match(proposed, '^[1-9]%d*$') then
+    local p = tonumber(proposed)
+    if p > tonumber(floor) and p <= tonumber(floor) + 20000 then
+      floor = proposed
+    end
   end
   local token = redis.call('incr', KEYS[2])
   if token < tonumber(floor) then
@@ -292,6 +301,12 @@ mod tests {
 
     fn names(key: &str, cluster: bool) -> Result<LockNames> {
         LockNames::new("", &LockKey::new(key).unwrap(), cluster)
+    }
+
+    #[test]
+    fn the_acquire_script_bounds_a_proposal_as_documented() {
+        let micros = PROPOSAL_AHEAD_AT_MOST.as_micros();
+        assert!(ACQUIRE_LUA.contains(&format!("p <= tonumber(floor) + {micros} then")));
     }
 
     #[test]
