@@ -218,7 +218,8 @@ impl Db {
     /// it was sent on turns out dead (it died since its last use, say in a server restart),
     /// up to `pool_size + 1` times in all. Only for statements that are harmless to send
     /// again (a first statement that was never run, or one whose repetition changes
-    /// nothing the caller relies on).
+    /// nothing the caller relies on). Before each try, a kept connection goes back to a
+    /// full pool ([`Db::make_room`]).
     pub(crate) async fn retry_gone<T, F, Fut>(
         &self,
         mut statement: F,
@@ -230,6 +231,7 @@ impl Db {
         let mut tries = 0;
         loop {
             tries += 1;
+            self.make_room();
             match statement().await {
                 Err(e) if self.gone(&e) && tries <= self.config.pool_size => {}
                 outcome => return outcome,
@@ -316,16 +318,23 @@ impl Db {
         Ok(ids)
     }
 
-    /// A transaction on the shared pool, begun on a connection that answers. When the pool
-    /// has no idle connection left, the kept ones go back to it first, so a transaction
-    /// never waits for a connection that sits kept.
+    /// A transaction on the shared pool, begun on a connection that answers (a kept
+    /// connection goes back to a full pool first: see [`Db::retry_gone`]).
     pub(crate) async fn begin(
         &self,
     ) -> std::result::Result<Transaction<'static, MySql>, sqlx::Error> {
-        if self.pool.num_idle() == 0 {
-            self.return_kept();
-        }
         self.retry_gone(|| self.pool.begin()).await
+    }
+
+    /// When the pool is at its size with no idle connection, gives one kept connection
+    /// back to it, so a caller that asks the pool for one does not wait for a connection
+    /// that sits kept (until the sweeper would give it back, a second or two). Below its
+    /// size the pool opens a connection instead, which costs less than a kept one's
+    /// return.
+    fn make_room(&self) {
+        if self.pool.num_idle() == 0 && self.pool.size() >= self.config.pool_size {
+            drop(self.kept.take(false));
+        }
     }
 
     /// Creates the tables if allowed; otherwise checks they exist.

@@ -251,7 +251,8 @@ impl Db {
     /// it was sent on turns out gone (it died since its last use, say in a server
     /// restart), up to `pool_size + 1` times in all. Only for statements that are harmless
     /// to send again: reads, renewals (which only lengthen a lease), a `BEGIN`, statements
-    /// whose second run changes nothing the first did not.
+    /// whose second run changes nothing the first did not. Before each try, a kept
+    /// connection goes back to a full pool ([`Db::make_room`]).
     pub(crate) async fn retry_gone<T, F, Fut>(
         &self,
         mut statement: F,
@@ -263,6 +264,7 @@ impl Db {
         let mut tries = 0;
         loop {
             tries += 1;
+            self.make_room();
             match statement().await {
                 Err(e) if self.gone(&e) && tries <= self.config.pool_size => {
                     tracing::debug!(error = %e, "a pooled connection was gone; sending the statement on another");
@@ -366,16 +368,23 @@ impl Db {
         Ok(pids)
     }
 
-    /// A transaction on the shared pool, begun on a connection that answers. When the pool
-    /// has no idle connection left, the kept ones go back to it first, so a transaction
-    /// never waits for a connection that sits kept.
+    /// A transaction on the shared pool, begun on a connection that answers (a kept
+    /// connection goes back to a full pool first: see [`Db::retry_gone`]).
     pub(crate) async fn begin(
         &self,
     ) -> std::result::Result<Transaction<'static, Postgres>, sqlx::Error> {
-        if self.pool.num_idle() == 0 {
-            self.return_kept();
-        }
         self.retry_gone(|| self.pool.begin()).await
+    }
+
+    /// When the pool is at its size with no idle connection, gives one kept connection
+    /// back to it, so a caller that asks the pool for one does not wait for a connection
+    /// that sits kept (until the sweeper would give it back, a second or two). Below its
+    /// size the pool opens a connection instead, which costs less than a kept one's
+    /// return.
+    fn make_room(&self) {
+        if self.pool.num_idle() == 0 && self.pool.size() >= self.config.pool_size {
+            drop(self.kept.take(false));
+        }
     }
 
     /// Checks the table is there, and creates it if it is not and that is allowed (so a

@@ -240,18 +240,20 @@ async fn a_majority_wiped_after_a_plain_lock_still_counts_past_its_token() {
         .await
         .unwrap()
         .unwrap();
+    // Read after the grant: the fastest master's clock now is past its clock then.
+    let mut fastest = 0;
     for master in &masters {
         let (secs, micros): (u64, u64) = redis::cmd("TIME")
             .query_async(&mut admin(master).await)
             .await
             .unwrap();
-        let clock = secs * 1_000_000 + micros;
-        assert!(
-            plain.token().get() <= clock + 20_000,
-            "token {} is more than 20 ms ahead of {master}'s clock {clock}",
-            plain.token()
-        );
+        fastest = fastest.max(secs * 1_000_000 + micros);
     }
+    assert!(
+        plain.token().get() <= fastest + 20_000,
+        "token {} is more than 20 ms ahead of the fastest master's clock {fastest}",
+        plain.token()
+    );
     // Past the 20 ms, three of five masters lose the lock and its counter (restarted
     // without persistence).
     tokio::time::sleep(Duration::from_millis(100)).await;
@@ -277,8 +279,9 @@ async fn a_majority_wiped_after_a_plain_lock_still_counts_past_its_token() {
 /// An uncontended acquire and release make one round each to every master: the masters
 /// agree on the round's proposed token, so there is nothing to write back. (A request that
 /// reaches its master more than 10 ms after the round began finds the master's clock past
-/// the proposal, and that round writes back: two such rounds are allowed for a loaded
-/// machine; three rounds per pair would be 30 requests.)
+/// the proposal, and that round writes back, loading its script the first time: a few
+/// such rounds are allowed for a loaded machine; three rounds per pair would be 30
+/// requests.)
 #[tokio::test]
 async fn an_uncontended_pair_is_two_rounds() {
     let Some(masters) = masters() else { return };
@@ -299,7 +302,7 @@ async fn an_uncontended_pair_is_two_rounds() {
     for (i, proxy) in c.proxies.iter().enumerate() {
         let sent = proxy.requests_seen() - before[i];
         assert!(
-            (2 * PAIRS..=2 * PAIRS + 2).contains(&sent),
+            (2 * PAIRS..=2 * PAIRS + PAIRS / 2).contains(&sent),
             "master {i} saw {sent} requests for {PAIRS} acquire+release pairs"
         );
     }

@@ -166,10 +166,14 @@ const _: () = assert!(PROPOSAL_LEAD.as_micros() < wire::PROPOSAL_AHEAD_AT_MOST.a
 /// The token a Redlock round proposes to every master: this client's clock in microseconds
 /// since the epoch, plus [`PROPOSAL_LEAD`]. It only ever raises a master's counter, and a
 /// master takes it only while it is at most [`wire::PROPOSAL_AHEAD_AT_MOST`] ahead of its
-/// own clock, so tokens stay as close to the masters' clocks as before, and a master wiped
-/// later still counts past them. A master whose counter or clock is ahead of it, or that
-/// refuses it, answers another token, and the round then writes the highest back (as it
-/// always did).
+/// own clock. So a plain lock's token may be up to that much (plus the masters' clock skew)
+/// ahead of the clocks of the masters that gave it, where before proposals it was at most
+/// the fastest one's clock: a majority of masters wiped (restarted without persistence, or
+/// replaced by replicas behind) within those 20 ms could count from their clocks to a
+/// smaller token. Redlock already asks a master restarted empty to stay away for a lease
+/// (its locks are lost too), which is far longer. A master whose counter or clock is ahead
+/// of the proposal, or that refuses it, answers another token, and the round then writes
+/// the highest back (as it always did).
 fn proposed_token() -> u64 {
     let now = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
@@ -372,6 +376,13 @@ impl RedlockBackend {
             // counters already stand at it, and writing it back would change nothing.
             let recorded =
                 kinds::hold_field(req).is_none() && granted.iter().all(|g| g.token == token);
+            if !recorded && kinds::hold_field(req).is_none() {
+                tracing::debug!(
+                    key = %req.key,
+                    "the masters answered different tokens (a clock or counter ahead of the \
+                     proposal, or a late request): writing the highest back"
+                );
+            }
             if recorded || self.write_back(req, token, &votes).await >= quorum {
                 return Ok(Attempt::Granted(Grant::new(req, token, depth, start)));
             }
