@@ -77,6 +77,16 @@ impl<C> KeptConnections<C> {
         self.at_most
     }
 
+    /// How many connections it keeps now (without touching them).
+    pub fn len(&self) -> usize {
+        self.lock().len()
+    }
+
+    /// Whether it keeps none now.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
     fn lock(&self) -> std::sync::MutexGuard<'_, Vec<Kept<C>>> {
         self.kept
             .lock()
@@ -142,6 +152,17 @@ impl<C> KeptConnections<C> {
         kept.into_iter().map(|k| k.conn).collect()
     }
 
+    /// For the owner's `Drop`: kept connections go back to their pool as they drop, which
+    /// for sqlx needs a Tokio runtime (it gives a connection back in a task, and panics
+    /// without one). Outside one (an owner dropped after its runtime, or on a thread of its
+    /// own), each is handed to `close_in_place` instead.
+    pub fn drop_all(&mut self, close_in_place: impl FnMut(C)) {
+        let kept = self.take_all_mut();
+        if tokio::runtime::Handle::try_current().is_err() {
+            kept.into_iter().for_each(close_in_place);
+        }
+    }
+
     /// Takes out of `kept` every connection that must go back to the pool (for the caller
     /// to drop after letting go of the lock).
     fn unfit(&self, kept: &mut Vec<Kept<C>>, return_all: bool) -> Vec<Kept<C>> {
@@ -160,6 +181,23 @@ impl<C> KeptConnections<C> {
         *kept = fit;
         unfit.extend(old);
         unfit
+    }
+}
+
+/// A sweeper to spawn beside a store of kept connections: every `every`, while `owner`
+/// lives, runs `sweep` (give back what idled, see [`KeptConnections::sweep`]), and stops
+/// once it answers `false` (the pool closed).
+pub async fn sweep_while<T>(
+    owner: std::sync::Weak<T>,
+    every: Duration,
+    sweep: impl Fn(&T) -> bool,
+) {
+    loop {
+        tokio::time::sleep(every).await;
+        let Some(owner) = owner.upgrade() else { return };
+        if !sweep(&owner) {
+            return;
+        }
     }
 }
 

@@ -92,6 +92,14 @@ impl MysqlBackend {
         self.db.holds_pool.size()
     }
 
+    /// How many of the shared pool's connections are kept out of it between one-statement
+    /// calls now (counted without using them).
+    #[cfg(feature = "testing")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "testing")))]
+    pub fn kept_connections(&self) -> usize {
+        self.db.kept_count()
+    }
+
     /// The server connection ids of the shared pool's connections kept between
     /// one-statement calls (row mode's grant of a free key, release of a sole hold,
     /// renewal), for fault tests that `KILL` them.

@@ -6,7 +6,7 @@ use std::{future::Future, sync::Arc, time::Duration};
 
 use lockkit_core::{
     Error, FencingToken, HolderIdentity, HolderInfo, LockKey, Result,
-    spi::{KeptConnections, Lent},
+    spi::{KeptConnections, Lent, sweep_while},
 };
 use sqlx::{
     AssertSqlSafe, MySql, MySqlPool, Row, Transaction,
@@ -108,30 +108,11 @@ const KEPT_AT_MOST: Duration = Duration::from_secs(60);
 const DUPLICATE_KEY: u16 = 1062;
 const DEADLOCK: u16 = 1213;
 
-/// Gives back idle kept connections every [`IDLE_PING_AFTER`] while `db` lives and its pool
-/// is open, so connections nobody uses are not kept out of the pool.
-async fn sweep_kept(db: std::sync::Weak<Db>) {
-    loop {
-        tokio::time::sleep(IDLE_PING_AFTER).await;
-        let Some(db) = db.upgrade() else { return };
-        db.sweep_kept();
-        if db.pool.is_closed() {
-            return;
-        }
-    }
-}
-
 impl Drop for Db {
-    /// Kept connections go back to the pool, which needs a Tokio runtime (sqlx spawns the
-    /// return, and panics without one). Outside one (a client dropped after its runtime, or
-    /// on a thread of its own), each is taken out of the pool and closed in place.
+    /// Kept connections go back to the pool, or are closed in place outside a runtime
+    /// ([`KeptConnections::drop_all`]).
     fn drop(&mut self) {
-        let kept = self.kept.take_all_mut();
-        if tokio::runtime::Handle::try_current().is_err() {
-            for conn in kept {
-                drop(conn.detach());
-            }
-        }
+        self.kept.drop_all(|conn| drop(conn.detach()));
     }
 }
 
@@ -192,7 +173,15 @@ impl Db {
             ),
         });
         if db.kept.at_most() > 0 {
-            tokio::spawn(sweep_kept(Arc::downgrade(&db)));
+            // Gives back idle kept connections while the client lives and its pool is open.
+            tokio::spawn(sweep_while(
+                Arc::downgrade(&db),
+                IDLE_PING_AFTER,
+                |db: &Db| {
+                    db.kept.sweep(db.return_all_kept());
+                    !db.pool.is_closed()
+                },
+            ));
         }
         db.ensure_schema().await?;
         Ok(db)
@@ -288,9 +277,10 @@ impl Db {
         self.kept.keep(lent, || spare && !self.return_all_kept());
     }
 
-    /// Gives back to the pool every kept connection that idled, or has been out too long.
-    fn sweep_kept(&self) {
-        self.kept.sweep(self.return_all_kept());
+    /// How many connections are kept now.
+    #[cfg(feature = "testing")]
+    pub(crate) fn kept_count(&self) -> usize {
+        self.kept.len()
     }
 
     /// Gives every kept connection back to the pool (when the pool closes: it waits for

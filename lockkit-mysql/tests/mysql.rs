@@ -1679,14 +1679,11 @@ fn a_client_with_kept_connections_drops_outside_a_runtime() {
 
 /// A transaction is never kept waiting for a connection that sits kept between
 /// one-statement calls: with every other connection of the pool busy, its `BEGIN` takes the
-/// kept one back (else it would wait for the sweeper, a second or two, past a short
-/// `connect_timeout`).
+/// kept one back (else it would wait until the sweeper gave it back, a second or two).
 #[tokio::test]
 async fn a_transaction_takes_back_a_kept_connection_when_the_pool_is_full() {
     let table = "lockkit_test_row_kept";
-    let Some(url) = url(&format!(
-        "mode=row&table={table}&pool_size=4&connect_timeout=200ms"
-    )) else {
+    let Some(url) = url(&format!("mode=row&table={table}&pool_size=4")) else {
         return;
     };
     let backend = MysqlBackend::connect(&url).await.unwrap();
@@ -1702,7 +1699,9 @@ async fn a_transaction_takes_back_a_kept_connection_when_the_pool_is_full() {
             .await
             .unwrap();
     }
-    assert_eq!(backend.kept_connection_ids().await.unwrap().len(), 1);
+    // Counted without using it: its last use (the release above) starts its idle second.
+    let released = std::time::Instant::now();
+    assert_eq!(backend.kept_connections(), 1);
     // An outside session holds the key's row: each read's transaction waits on it, on a
     // connection of its own.
     let base = env::service_url("LOCKKIT_TEST_MYSQL_URL").unwrap();
@@ -1728,7 +1727,16 @@ async fn a_transaction_takes_back_a_kept_connection_when_the_pool_is_full() {
             })
         })
         .collect();
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    // Three reads take the pool's other connections; the fourth takes the kept one back
+    // at once. Without that it would wait until the kept one had idled a second.
+    while backend.kept_connections() > 0 && released.elapsed() < Duration::from_millis(900) {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(
+        backend.kept_connections(),
+        0,
+        "the fourth read's transaction took the kept connection back"
+    );
     sqlx::query("COMMIT").execute(&mut outside).await.unwrap();
     for read in reads {
         let read = read

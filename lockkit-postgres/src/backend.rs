@@ -113,6 +113,14 @@ impl PostgresBackend {
         }
     }
 
+    /// How many of the shared pool's connections are kept out of it between one-statement
+    /// calls now (counted without using them).
+    #[cfg(feature = "testing")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "testing")))]
+    pub fn kept_connections(&self) -> usize {
+        self.db.kept_count()
+    }
+
     /// The server process ids of the shared pool's connections kept out of it between
     /// one-statement calls now, for fault tests that end them.
     ///

@@ -5,7 +5,7 @@ use std::{future::Future, sync::Arc, time::Duration};
 
 use lockkit_core::{
     Error, FencingToken, HolderIdentity, HolderInfo, LockKey, Result,
-    spi::{KeptConnections, Lent},
+    spi::{KeptConnections, Lent, sweep_while},
 };
 use sqlx::{
     AssertSqlSafe, PgPool, Postgres, Row, Transaction,
@@ -176,30 +176,11 @@ pub(crate) struct Db {
 /// so the pool's checks and `max_lifetime` still reach it.
 const KEPT_AT_MOST: Duration = Duration::from_secs(60);
 
-/// Gives back idle kept connections every [`PING_IDLE_AFTER`] while `db` lives and its
-/// pool is open, so connections nobody uses are not kept out of the pool.
-async fn sweep_kept(db: std::sync::Weak<Db>) {
-    loop {
-        tokio::time::sleep(PING_IDLE_AFTER).await;
-        let Some(db) = db.upgrade() else { return };
-        db.kept.sweep(db.return_all_kept());
-        if db.pool.is_closed() {
-            return;
-        }
-    }
-}
-
 impl Drop for Db {
-    /// Kept connections go back to the pool, which needs a Tokio runtime (sqlx spawns the
-    /// return, and panics without one). Outside one (a client dropped after its runtime, or
-    /// on a thread of its own), each is taken out of the pool and closed in place.
+    /// Kept connections go back to the pool, or are closed in place outside a runtime
+    /// ([`KeptConnections::drop_all`]).
     fn drop(&mut self) {
-        let kept = self.kept.take_all_mut();
-        if tokio::runtime::Handle::try_current().is_err() {
-            for conn in kept {
-                drop(conn.detach());
-            }
-        }
+        self.kept.drop_all(|conn| drop(conn.detach()));
     }
 }
 
@@ -231,7 +212,15 @@ impl Db {
             kept: KeptConnections::new(keep_at_most, PING_IDLE_AFTER, KEPT_AT_MOST),
         });
         if db.kept.at_most() > 0 {
-            tokio::spawn(sweep_kept(Arc::downgrade(&db)));
+            // Gives back idle kept connections while the client lives and its pool is open.
+            tokio::spawn(sweep_while(
+                Arc::downgrade(&db),
+                PING_IDLE_AFTER,
+                |db: &Db| {
+                    db.kept.sweep(db.return_all_kept());
+                    !db.pool.is_closed()
+                },
+            ));
         }
         db.ensure_schema().await?;
         Ok(db)
@@ -341,6 +330,12 @@ impl Db {
     /// connection was seen gone within [`PING_AFTER_LOSS`].
     fn return_all_kept(&self) -> bool {
         self.pool.is_closed() || self.dead_seen.within(PING_AFTER_LOSS)
+    }
+
+    /// How many connections are kept now.
+    #[cfg(feature = "testing")]
+    pub(crate) fn kept_count(&self) -> usize {
+        self.kept.len()
     }
 
     /// Gives every kept connection back to the pool (when the pool closes: it waits for

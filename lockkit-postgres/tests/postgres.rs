@@ -2054,15 +2054,13 @@ fn a_client_with_kept_connections_drops_outside_a_runtime() {
 
 /// A transaction is never kept waiting for a connection that sits kept between
 /// one-statement calls: with every other connection of the pool busy, its `BEGIN` takes the
-/// kept one back (else it would wait for the sweeper, a second or two, past a short
-/// `connect_timeout`).
+/// kept one back (else it would wait until the sweeper gave it back, a second or two).
 #[tokio::test]
 async fn a_transaction_takes_back_a_kept_connection_when_the_pool_is_full() {
     let Some(base) = env::service_url("LOCKKIT_TEST_POSTGRES_URL") else {
         return;
     };
-    let url =
-        format!("{base}?mode=row&table=lockkit_test_pg_kept&pool_size=4&connect_timeout=200ms");
+    let url = format!("{base}?mode=row&table=lockkit_test_pg_kept&pool_size=4");
     let backend = PostgresBackend::connect(&url).await.unwrap();
     let locker = Locker::new(backend.clone());
     let (read_key, other) = (key("kept-full-read"), key("kept-full-other"));
@@ -2076,7 +2074,9 @@ async fn a_transaction_takes_back_a_kept_connection_when_the_pool_is_full() {
             .await
             .unwrap();
     }
-    assert_eq!(backend.kept_connection_pids().await.unwrap().len(), 1);
+    // Counted without using it: its last use (the release above) starts its idle second.
+    let released = std::time::Instant::now();
+    assert_eq!(backend.kept_connections(), 1);
     // An outside session holds the key's row: each read's transaction waits on it, on a
     // connection of its own.
     let mut outside = <sqlx::PgConnection as sqlx::Connection>::connect(&base)
@@ -2101,7 +2101,16 @@ async fn a_transaction_takes_back_a_kept_connection_when_the_pool_is_full() {
             })
         })
         .collect();
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    // Three reads take the pool's other connections; the fourth takes the kept one back
+    // at once. Without that it would wait until the kept one had idled a second.
+    while backend.kept_connections() > 0 && released.elapsed() < Duration::from_millis(900) {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(
+        backend.kept_connections(),
+        0,
+        "the fourth read's transaction took the kept connection back"
+    );
     sqlx::query("COMMIT").execute(&mut outside).await.unwrap();
     for read in reads {
         let read = read
