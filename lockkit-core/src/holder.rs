@@ -3,6 +3,7 @@
 //! holds this key?" gets a process to look at, not an opaque owner id.
 
 use std::{
+    fmt::Write as _,
     sync::OnceLock,
     time::{Duration, SystemTime, UNIX_EPOCH},
 };
@@ -225,14 +226,19 @@ fn number_field(fields: &[(String, Flat)], name: &str) -> Option<u64> {
 
 /// `text` cut to at most [`MAX_NAME_BYTES`] bytes at a character boundary.
 fn cut(text: &str) -> String {
+    cut_str(text).to_owned()
+}
+
+/// `text` cut to at most [`MAX_NAME_BYTES`] bytes, at a character boundary.
+fn cut_str(text: &str) -> &str {
     if text.len() <= MAX_NAME_BYTES {
-        return text.to_owned();
+        return text;
     }
     let mut end = MAX_NAME_BYTES;
     while !text.is_char_boundary(end) {
         end -= 1;
     }
-    text[..end].to_owned()
+    &text[..end]
 }
 
 impl HolderIdentity {
@@ -278,16 +284,18 @@ impl HolderIdentity {
         let mut out = String::with_capacity(160);
         out.push_str("{\"host\":");
         push_json_string(&mut out, &self.host);
-        out.push_str(&format!(",\"pid\":{},\"program\":", self.pid));
+        // `write!` into the string itself: this runs on every acquisition.
+        let _ = write!(out, ",\"pid\":{},\"program\":", self.pid);
         push_json_string(&mut out, &self.program);
-        out.push_str(&format!(
+        let _ = write!(
+            out,
             ",\"requested_at_ms\":{},\"lockkit\":",
             self.requested_at_ms()
-        ));
-        push_json_string(&mut out, &cut(&self.version));
+        );
+        push_json_string(&mut out, cut_str(&self.version));
         if let Some(owner) = owner {
             out.push_str(",\"owner\":");
-            push_json_string(&mut out, &cut(owner));
+            push_json_string(&mut out, cut_str(owner));
         }
         out.push('}');
         out

@@ -78,7 +78,8 @@ impl LockOptions {
 /// [`Error::InvalidTtl`] naming the accepted range.
 pub fn validate_ttl(ttl: Duration, info: &BackendInfo) -> Result<()> {
     let caps = &info.capabilities;
-    let range = match caps.max_ttl {
+    // Formatted only for an error: this runs on every acquisition.
+    let range = || match caps.max_ttl {
         Some(max) => format!("{:?} ..= {:?}", caps.min_ttl, max),
         None => format!("at least {:?}", caps.min_ttl),
     };
@@ -86,15 +87,16 @@ pub fn validate_ttl(ttl: Duration, info: &BackendInfo) -> Result<()> {
         return Err(Error::InvalidTtl {
             ttl,
             reason: format!(
-                "a zero lease would expire before it is granted; `{}` accepts {range}",
-                info.scheme
+                "a zero lease would expire before it is granted; `{}` accepts {}",
+                info.scheme,
+                range()
             ),
         });
     }
     if ttl < caps.min_ttl || caps.max_ttl.is_some_and(|max| ttl > max) {
         return Err(Error::InvalidTtl {
             ttl,
-            reason: format!("`{}` accepts leases of {range}", info.scheme),
+            reason: format!("`{}` accepts leases of {}", info.scheme, range()),
         });
     }
     Ok(())

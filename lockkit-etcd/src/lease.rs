@@ -225,7 +225,18 @@ enum Stopped {
 /// is noticed at most a third of the TTL after the last confirmed keep-alive was sent,
 /// which leaves another third before the loss deadline for the next member (or the one
 /// after it) to answer.
+///
+/// The lease was granted with its whole TTL, so the first stream is opened when the first
+/// keep-alive is due, a sixth of the TTL after the grant was sent, as every keep-alive after
+/// it: a hold released before then never opens one (a gRPC stream and a keep-alive request
+/// less per short hold). A member that is frozen by then is noticed, as ever, at most a
+/// third of the TTL after the last confirmed keep-alive (here the grant) was sent.
 async fn keep_alive(lease: Arc<Lease>) {
+    let first_due = *lock(&lease.last_sent) + keep_alive_every(lease.ttl);
+    tokio::select! {
+        () = tokio::time::sleep_until(first_due) => {}
+        () = lease.over() => {}
+    }
     let mut backoff = retry_backoff();
     let mut member = lease.members.first();
     // The members whose streams failed since the last confirmed keep-alive: the next stream
@@ -257,6 +268,11 @@ async fn keep_alive(lease: Arc<Lease>) {
     lease.revoke_until_gone().await;
 }
 
+/// How often a lease of `ttl` is kept alive: every sixth of it, at most ten times a second.
+fn keep_alive_every(ttl: Duration) -> Duration {
+    (ttl / 6).max(Duration::from_millis(100))
+}
+
 /// Completes at `at`, or never when there is none.
 async fn sleep_until_some(at: Option<Instant>) {
     match at {
@@ -270,7 +286,7 @@ async fn sleep_until_some(at: Option<Instant>) {
 /// oldest unanswered one has waited a whole interval (exactly then, not at the next tick: a
 /// tick that comes a hair early would let the silence run a second interval).
 async fn keep_one_stream(lease: &Lease, member: usize) -> Stopped {
-    let every = (lease.ttl / 6).max(Duration::from_millis(100));
+    let every = keep_alive_every(lease.ttl);
     let sent = Instant::now();
     *lock(&lease.last_sent) = sent;
     let mut client = lease.members.client(member).clone();

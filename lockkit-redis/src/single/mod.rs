@@ -242,7 +242,7 @@ impl RedisBackend {
             return self.run_kind_acquire(req, interrupt, marker).await;
         }
         let names = self.names(&req.key)?;
-        let waiting_writers = self.kind_names(&req.key)?.waiting_writers;
+        let waiting_writers = wire::waiting_writers_of(&names);
         let marker_ms = if marker { wire::WRITER_MARKER_MS } else { 0 };
         let config = &self.inner.config;
         let within = config.response_timeout + config.wait_replicas_timeout;

@@ -40,6 +40,15 @@ fn suffix_base(name: &str) -> String {
     }
 }
 
+/// The waiting-writer set of the lock named `names` (`S(n):lockkit_wwait`, as
+/// [`KindNames::waiting_writers`]), without the other names a [`KindNames`] makes: a plain
+/// lock's acquisition needs only this one.
+pub(crate) fn waiting_writers_of(names: &LockNames) -> String {
+    let mut name = suffix_base(&names.lock);
+    name.push_str(":lockkit_wwait");
+    name
+}
+
 /// The Redis names of one key's read-write lock and semaphore layouts, beside
 /// [`LockNames`] (all in the lock's cluster slot).
 #[derive(Debug, Clone)]
@@ -72,7 +81,7 @@ impl KindNames {
             token: names.token.clone(),
             lock_channel: names.channel.clone(),
             rw_channel: prefixed("redisson_rwlock", &names.lock),
-            waiting_writers: format!("{base}:lockkit_wwait"),
+            waiting_writers: waiting_writers_of(names),
             permits: format!("{base}:timeout"),
             sem_channel: prefixed("redisson_sc", &names.lock),
             permit_info: format!("{base}:lockkit_permits"),
@@ -687,3 +696,23 @@ return {'other'}
 "
     ))
 });
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use lockkit_core::LockKey;
+
+    #[test]
+    fn a_plain_locks_waiting_writers_are_the_read_write_locks() {
+        for (key, cluster) in [("orders/42", false), ("a{b}c", true), ("x}y", false)] {
+            let names = LockNames::new("p/", &LockKey::new(key).unwrap(), cluster).unwrap();
+            assert_eq!(
+                waiting_writers_of(&names),
+                KindNames::new(&names).waiting_writers,
+                "{key}"
+            );
+        }
+        let names = LockNames::new("", &LockKey::new("orders/42").unwrap(), false).unwrap();
+        assert_eq!(waiting_writers_of(&names), "{orders/42}:lockkit_wwait");
+    }
+}
