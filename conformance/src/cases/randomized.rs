@@ -1,7 +1,7 @@
 //! The randomized history test: many owners on a few keys doing random acquisitions (random
 //! TTL and wait), re-entries with shorter and longer TTLs, extensions up and down, releases,
 //! drops and cancellations mid-acquire, while the links of their clients are delayed and
-//! stalled at random. Every hold's believed-valid interval goes into a [`History`]; the
+//! stalled at random. Every hold's believed-valid interval goes into a [`History`](crate::History); the
 //! case fails on two owners believing they hold one key at once, on a new holder's token
 //! that does not grow, and on a key left held at the end.
 //!
