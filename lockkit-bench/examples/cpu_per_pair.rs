@@ -1,7 +1,7 @@
 //! Latency per uncontended acquire+release on one Redis key, for `perf stat` and `/usr/bin/time`
-//! (CPU and context switches per pair): `cpu_per_pair <lockkit|rslock|redlock|rslock5|raw|ping> <pairs>`, with
+//! (CPU and context switches per pair): `cpu_per_pair <lockkit|rslock|redlock|rslock5|url|raw|ping> <pairs>`, with
 //! `LOCKKIT_TEST_REDIS_URL` set (`scripts/services.sh env`; `redlock` and `rslock5` use
-//! `LOCKKIT_TEST_REDLOCK_URL`'s five masters); `SPAWN=1` runs it in a task.
+//! `LOCKKIT_TEST_REDLOCK_URL`'s five masters; `url` any backend at `CPP_URL`); `SPAWN=1` runs it in a task.
 use std::time::{Duration, Instant};
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() {
@@ -57,6 +57,21 @@ async fn body() {
                 let s = Instant::now();
                 let l = m.lock(b"cpu/rs", Duration::from_secs(30)).await.unwrap();
                 m.unlock(&l).await;
+                samples.push(s.elapsed());
+            }
+        }
+        "url" => {
+            // Any backend: `CPP_URL` (say a `mysql://...?mode=for-update` URL).
+            let url = std::env::var("CPP_URL").unwrap();
+            let locker = lockkit::connect(&url).await.unwrap();
+            for _ in 0..n {
+                let s = Instant::now();
+                let g = locker
+                    .acquire("cpu/same")
+                    .ttl(Duration::from_secs(30))
+                    .await
+                    .unwrap();
+                g.release().await.unwrap();
                 samples.push(s.elapsed());
             }
         }

@@ -290,18 +290,22 @@ async fn lock(
     interrupt: Interrupt,
 ) -> Result<Option<Grant>> {
     let inner = &backend.inner;
-    // One round trip sets the session up, opens the lock transaction and learns the
-    // connection's id (for the killer below). A pooled connection that died since its last
-    // use fails here, before anything was done: close it and take another (every one of
-    // them may have died, in a server restart: up to `max_holds + 1` tries).
+    // One round trip sets the session up, opens the lock transaction, learns the
+    // connection's id (for the killer below) and tries the row lock without waiting: an
+    // uncontended lock needs no round trip of its own. A pooled connection that died since
+    // its last use fails before the id arrives, before anything was done: close it and take
+    // another (every one of them may have died, in a server restart: up to `max_holds + 1`
+    // tries).
     let session = format!(
         "SET SESSION wait_timeout = {}, innodb_lock_wait_timeout = {}; START TRANSACTION; \
-         SELECT CONNECTION_ID()",
+         SELECT CONNECTION_ID(); SELECT name FROM `{}_mutex` WHERE name = X'{}' FOR UPDATE NOWAIT",
         whole_seconds(req.ttl).max(1),
-        whole_seconds(wait).max(1)
+        whole_seconds(wait).max(1),
+        inner.config.table,
+        hex(req.key.as_str().as_bytes())
     );
     let mut tries = 0;
-    let (mut conn, id) = loop {
+    let (mut conn, id, first_try) = loop {
         tries += 1;
         let mut conn = inner.holds_pool.acquire().await.map_err(|e| match e {
             sqlx::Error::PoolTimedOut => Error::backend(
@@ -315,15 +319,17 @@ async fn lock(
             ),
             e => db_error("opening a dedicated connection", e),
         })?;
-        let set_up = sqlx::raw_sql(AssertSqlSafe(session.clone()))
-            .fetch_all(&mut *conn)
-            .await
-            .and_then(|rows| match rows.first() {
-                Some(row) => row.try_get::<u64, _>(0),
-                None => Err(sqlx::Error::RowNotFound),
-            });
+        let set_up = set_up_and_try(&mut conn, &session).await;
         match set_up {
-            Ok(id) => break (conn, id),
+            Ok((id, tried)) => {
+                // Not free: a wait goes on with the waiting statement, in the transaction
+                // the failed try left open (a lock wait error ends only its statement).
+                let first_try = match tried {
+                    Err(e) if !wait.is_zero() && is_busy(&e) => None,
+                    tried => Some(tried),
+                };
+                break (conn, id, first_try);
+            }
             Err(e) => {
                 // Never back to the pool half set up.
                 conn.close_on_drop();
@@ -373,7 +379,7 @@ async fn lock(
             true
         })
     };
-    let outcome = lock_and_record(backend, req, &mut conn, wait, deadline, fired).await;
+    let outcome = lock_and_record(backend, req, &mut conn, wait, deadline, fired, first_try).await;
     let _ = stop_killer.send(());
     // A killer that fired is waited for no longer than its own bound (its KILL opens a
     // connection): if it has not finished by then the connection is treated as killed and
@@ -421,6 +427,44 @@ async fn lock(
         req.loss.clone(),
     ));
     Ok(Some(grant_for(req, &held, 1, granted_at)))
+}
+
+/// The outcome of a row-lock statement: the key's row (locked), none (the key's row does
+/// not exist yet), or the error (a lock wait error when it is taken).
+type LockTry = std::result::Result<Option<sqlx::mysql::MySqlRow>, sqlx::Error>;
+
+/// Whether `e` says the row lock is taken (not a failure).
+fn is_busy(e: &sqlx::Error) -> bool {
+    matches!(error_number(e), Some(LOCK_WAIT_TIMEOUT | LOCK_NOWAIT))
+}
+
+/// Runs `session` (the set-up, `SELECT CONNECTION_ID()`, then the row lock's `NOWAIT` try)
+/// on `conn`. `Err`: the set-up failed before the connection's id arrived (nothing was
+/// done). `Ok((id, try))`: the id, and how the try ended.
+async fn set_up_and_try(
+    conn: &mut PoolConnection<MySql>,
+    session: &str,
+) -> std::result::Result<(u64, LockTry), sqlx::Error> {
+    use futures_util::TryStreamExt as _;
+    let mut results = sqlx::raw_sql(AssertSqlSafe(session.to_owned())).fetch_many(&mut **conn);
+    let mut rows = Vec::with_capacity(2);
+    let ended = loop {
+        match results.try_next().await {
+            Ok(Some(sqlx::Either::Right(row))) => rows.push(row),
+            Ok(Some(sqlx::Either::Left(_))) => {}
+            Ok(None) => break Ok(()),
+            Err(e) => break Err(e),
+        }
+    };
+    drop(results);
+    let mut rows = rows.into_iter();
+    let id = match (rows.next(), ended) {
+        (Some(row), ended) => (row.try_get::<u64, _>(0)?, ended),
+        (None, Err(e)) => return Err(e),
+        (None, Ok(())) => return Err(sqlx::Error::RowNotFound),
+    };
+    let (id, ended) = id;
+    Ok((id, ended.map(|()| rows.next())))
 }
 
 /// Puts the server's default `wait_timeout` back on a connection about to return to the
@@ -472,6 +516,7 @@ async fn lock_and_record(
     wait: Duration,
     deadline: Instant,
     mut fired: tokio::sync::watch::Receiver<bool>,
+    mut first_try: Option<LockTry>,
 ) -> std::result::Result<Option<(u64, Instant)>, LockFailure> {
     let inner = &backend.inner;
     let name = req.key.as_str().as_bytes();
@@ -496,14 +541,16 @@ async fn lock_and_record(
                     .execute(&mut **conn)
                     .await
             };
-            locked = match begun {
-                Ok(_) => {
+            locked = match (begun, first_try.take()) {
+                // The set-up's try, in the transaction it opened.
+                (_, Some(tried)) => tried,
+                (Ok(_), None) => {
                     query(statement)
                         .bind(name)
                         .fetch_optional(&mut **conn)
                         .await
                 }
-                Err(e) => Err(e),
+                (Err(e), None) => Err(e),
             };
             if !matches!(locked, Ok(None)) {
                 break;
@@ -575,7 +622,8 @@ async fn lock_and_record(
 }
 
 /// Records `req`'s owner as the holder with a new fencing token, committed at once on a
-/// pooled connection, outside the lock transaction: if this holder's transaction rolls
+/// pooled connection ([`Db::execute_one`]: a kept one when there is, with no give-back
+/// ping), outside the lock transaction: if this holder's transaction rolls
 /// back, its token stays used. `Ok(None)`: a live row-mode lease holds the key; nothing
 /// was changed.
 async fn record_holder(
@@ -590,11 +638,12 @@ async fn record_holder(
     // repeated finds its own record (`take_weighing_holds` takes it).
     let taken = inner
         .retry_gone(|| {
-            query(&inner.sql.holder_take)
-                .bind(owner.clone())
-                .bind(identity.clone())
-                .bind(name.to_vec())
-                .execute(&inner.pool)
+            inner.execute_one(
+                query(&inner.sql.holder_take)
+                    .bind(owner.clone())
+                    .bind(identity.clone())
+                    .bind(name.to_vec()),
+            )
         })
         .await?;
     if taken.rows_affected() == 1 {
@@ -603,11 +652,12 @@ async fn record_holder(
     // No row yet, or a live lease or row-mode holds to weigh.
     match inner
         .retry_gone(|| {
-            query(&inner.sql.holder_insert)
-                .bind(name.to_vec())
-                .bind(owner.clone())
-                .bind(identity.clone())
-                .execute(&inner.pool)
+            inner.execute_one(
+                query(&inner.sql.holder_insert)
+                    .bind(name.to_vec())
+                    .bind(owner.clone())
+                    .bind(identity.clone()),
+            )
         })
         .await
     {
