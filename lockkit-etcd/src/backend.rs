@@ -32,6 +32,7 @@ use crate::{
     lease::{Lease, retry_backoff},
     path::{Contender, DOWNGRADED, classify, contender_name, lock_range},
     request::{BACKEND, Members, RETRY_PAUSE, Unanswered, ask, etcd_error, unanswered},
+    spare::{Spare, SpareLease},
 };
 use holds::{Downgrade, Holds, Slot, WriteState};
 use kinds::{Blocker, range_of};
@@ -124,6 +125,8 @@ pub(crate) struct Inner {
     held: Holds,
     /// Predecessor watches that fired, for herd checks.
     wakeups: AtomicU64,
+    /// A lease granted ahead of need (see [`crate::spare`]).
+    spare: Spare,
 }
 
 /// An etcd lock service: the Raft-backed CP backend.
@@ -200,8 +203,8 @@ impl EtcdBackend {
         let asked_ttl = i64::try_from(asked).unwrap_or(i64::MAX);
         let grant = |mut client: Client| async move { client.lease_grant(asked_ttl, None).await };
         let end = Instant::now() + config.connect_timeout;
-        let granted = match ask(&member_clients, grant, end, try_time, None).await {
-            Ok((Ok(granted), _)) => granted,
+        let (granted, probe_sent) = match ask(&member_clients, grant, end, try_time, None).await {
+            Ok((Ok(granted), sent)) => (granted, sent),
             Ok((Err(e), _)) => {
                 return Err(etcd_error(&format!("granting a lease on `{members}`"), e));
             }
@@ -218,12 +221,8 @@ impl EtcdBackend {
             }
         };
         let probe = granted.id();
-        let revoker = member_clients.clone();
-        tokio::spawn(async move {
-            let revoke = |mut client: Client| async move { client.lease_revoke(probe).await };
-            let _ = ask(&revoker, revoke, Instant::now() + limit, try_time, None).await;
-        });
         if u64::try_from(granted.ttl()).ok() != Some(asked) {
+            revoke_in_background(member_clients.clone(), probe, limit, try_time);
             return Err(Error::Config(format!(
                 "the cluster granted a {} s lease for the {asked} s session_ttl asked: it \
                  grants no lease shorter than its minimum (about 1.5 election timeouts); \
@@ -231,6 +230,13 @@ impl EtcdBackend {
                 granted.ttl()
             )));
         }
+        // The probe carries nothing: it serves the first acquisition (see `crate::spare`).
+        let spare = Spare::default();
+        let _none_there = spare.offer(SpareLease {
+            id: probe,
+            ttl: granted.ttl(),
+            sent: probe_sent,
+        });
         Ok(EtcdBackend {
             inner: Arc::new(Inner {
                 config,
@@ -238,6 +244,7 @@ impl EtcdBackend {
                 members: member_clients,
                 held: Holds::default(),
                 wakeups: AtomicU64::new(0),
+                spare,
             }),
         })
     }
@@ -306,6 +313,34 @@ impl EtcdBackend {
         per_try_of(&self.inner.config)
     }
 
+    /// Grants the next spare lease in the background (see [`crate::spare`]); the caller
+    /// took the refill from [`Spare::take`].
+    fn refill_spare(&self, session_ttl: i64) {
+        let backend = self.clone();
+        tokio::spawn(async move {
+            let inner = &backend.inner;
+            let (limit, per_try) = (backend.request_limit(), backend.per_try());
+            let grant =
+                |mut client: Client| async move { client.lease_grant(session_ttl, None).await };
+            let granted =
+                match ask(&inner.members, grant, Instant::now() + limit, per_try, None).await {
+                    Ok((Ok(granted), sent)) => Some(SpareLease {
+                        id: granted.id(),
+                        ttl: granted.ttl(),
+                        sent,
+                    }),
+                    Ok((Err(error), _)) => {
+                        tracing::debug!(%error, "granting a spare lease failed");
+                        None
+                    }
+                    Err(_) => None,
+                };
+            if let Some(surplus) = inner.spare.refilled(granted) {
+                revoke_in_background(inner.members.clone(), surplus.id, limit, per_try);
+            }
+        });
+    }
+
     /// Asks `request` (idempotent) with retries until one request limit from now.
     async fn ask_within_limit<T, F, Fut>(&self, request: F, doing: &str) -> Result<T>
     where
@@ -359,33 +394,49 @@ impl EtcdBackend {
         // while idle) are asked again until the wait ends, and one request limit past it.
         // A lease granted whose answer never arrives carries no key and expires by itself.
         let members = &self.inner.members;
-        let grant_lease =
-            |mut client: Client| async move { client.lease_grant(session_ttl, None).await };
-        let (granted, sent) = match ask(
-            members,
-            grant_lease,
-            self.request_end(deadline),
-            per_try,
-            Some(&interrupt),
-        )
-        .await
-        {
-            Ok((Ok(granted), sent)) => (granted, sent),
-            Ok((Err(e), _)) => return Err(etcd_error("granting the contender's lease", e)),
-            Err(Unanswered::Interrupted) => return Ok(None),
-            Err(Unanswered::TooLate) => {
-                return Err(unanswered("granting a lease", self.request_limit()));
+        let taken = self.inner.spare.take(Instant::now());
+        if let Some(stale) = taken.stale {
+            revoke_in_background(members.clone(), stale.id, self.request_limit(), per_try);
+        }
+        if taken.refill {
+            self.refill_spare(session_ttl);
+        }
+        let granted = match taken.lease {
+            Some(spare) => spare,
+            None => {
+                let grant_lease =
+                    |mut client: Client| async move { client.lease_grant(session_ttl, None).await };
+                match ask(
+                    members,
+                    grant_lease,
+                    self.request_end(deadline),
+                    per_try,
+                    Some(&interrupt),
+                )
+                .await
+                {
+                    Ok((Ok(granted), sent)) => SpareLease {
+                        id: granted.id(),
+                        ttl: granted.ttl(),
+                        sent,
+                    },
+                    Ok((Err(e), _)) => return Err(etcd_error("granting the contender's lease", e)),
+                    Err(Unanswered::Interrupted) => return Ok(None),
+                    Err(Unanswered::TooLate) => {
+                        return Err(unanswered("granting a lease", self.request_limit()));
+                    }
+                }
             }
         };
-        let ttl = Duration::from_secs(u64::try_from(granted.ttl()).unwrap_or(0));
+        let ttl = Duration::from_secs(u64::try_from(granted.ttl).unwrap_or(0));
         let lease = Lease::keep(
             self.inner.members.clone(),
-            granted.id(),
+            granted.id,
             ttl,
-            sent,
+            granted.sent,
             self.request_limit(),
         );
-        let name = contender_name(&range, req.kind, granted.id());
+        let name = contender_name(&range, req.kind, granted.id);
         // Any failure from here on gives the contender up (its lease revoked).
         let failed = |why: std::result::Result<etcd_client::Error, Unanswered>, doing: &str| {
             let lease = lease.clone();
@@ -408,7 +459,7 @@ impl EtcdBackend {
             TxnOp::put(
                 name.clone(),
                 contender_record(&req.owner.to_string(), 1, &req.identity.encode()),
-                Some(PutOptions::new().with_lease(granted.id())),
+                Some(PutOptions::new().with_lease(granted.id)),
             ),
             TxnOp::get(
                 range.clone(),
@@ -451,7 +502,7 @@ impl EtcdBackend {
         } else {
             match range_of(&answer, 0).first() {
                 // An earlier try created it: look afresh for what it waits for.
-                Some(kv) if kv.lease() == granted.id() => (kv.create_revision(), 1),
+                Some(kv) if kv.lease() == granted.id => (kv.create_revision(), 1),
                 _ => {
                     Self::give_up(&lease).await;
                     return Err(Error::backend(
@@ -862,6 +913,15 @@ impl EtcdBackend {
 
 /// How long one request may stay unanswered: `connect_timeout`, but at most a third of the
 /// session TTL.
+/// Revokes lease `id` (it carries nothing) in a task of its own, best effort: one that
+/// stays is expired by the cluster within its TTL.
+fn revoke_in_background(members: Arc<Members>, id: i64, limit: Duration, per_try: Duration) {
+    tokio::spawn(async move {
+        let revoke = |mut client: Client| async move { client.lease_revoke(id).await };
+        let _ = ask(&members, revoke, Instant::now() + limit, per_try, None).await;
+    });
+}
+
 fn request_limit_of(config: &EtcdConfig) -> Duration {
     config
         .connect_timeout

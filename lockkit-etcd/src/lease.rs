@@ -269,7 +269,7 @@ async fn keep_alive(lease: Arc<Lease>) {
 }
 
 /// How often a lease of `ttl` is kept alive: every sixth of it, at most ten times a second.
-fn keep_alive_every(ttl: Duration) -> Duration {
+pub(crate) fn keep_alive_every(ttl: Duration) -> Duration {
     (ttl / 6).max(Duration::from_millis(100))
 }
 
