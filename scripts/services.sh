@@ -509,6 +509,10 @@ write_mariadb_cnf() {
     echo "innodb_buffer_pool_size=128M"
     echo "innodb_log_file_size=64M"
     echo "innodb_flush_log_at_trx_commit=2"
+    # A lock wait timeout rolls back the whole transaction, not just its statement: the
+    # stricter of MariaDB's two behaviours, which mode=for-update must survive (a lock taken
+    # in a transaction a timeout had already ended would be let go at once).
+    echo "innodb_rollback_on_timeout=1"
     echo "[client]"
     echo "socket=$sock"
     echo "port=$(port_of mariadb)"

@@ -229,8 +229,9 @@ enum Stopped {
 /// The lease was granted with its whole TTL, so the first stream is opened when the first
 /// keep-alive is due, a sixth of the TTL after the grant was sent, as every keep-alive after
 /// it: a hold released before then never opens one (a gRPC stream and a keep-alive request
-/// less per short hold). A member that is frozen by then is noticed, as ever, at most a
-/// third of the TTL after the last confirmed keep-alive (here the grant) was sent.
+/// less per short hold). A member that is frozen when the first stream opens is passed
+/// over one keep-alive interval later, as one that freezes later is; the loss deadline
+/// still counts from when the grant was sent (two thirds of the TTL after it).
 async fn keep_alive(lease: Arc<Lease>) {
     let first_due = *lock(&lease.last_sent) + keep_alive_every(lease.ttl);
     tokio::select! {

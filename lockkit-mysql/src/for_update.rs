@@ -296,13 +296,17 @@ async fn lock(
     // its last use fails before the id arrives, before anything was done: close it and take
     // another (every one of them may have died, in a server restart: up to `max_holds + 1`
     // tries).
+    // `NOWAIT` covers row locks, not the table's metadata lock (which an `ALTER` queued
+    // behind a holder's transaction keeps out): `lock_wait_timeout` bounds that wait, which
+    // comes before the killer below exists, by the wait asked (a second at least).
     let session = format!(
-        "SET SESSION wait_timeout = {}, innodb_lock_wait_timeout = {}; START TRANSACTION; \
+        "SET SESSION wait_timeout = {}, innodb_lock_wait_timeout = {wait_s}, \
+         lock_wait_timeout = {wait_s}; START TRANSACTION; \
          SELECT CONNECTION_ID(); SELECT name FROM `{}_mutex` WHERE name = X'{}' FOR UPDATE NOWAIT",
         whole_seconds(req.ttl).max(1),
-        whole_seconds(wait).max(1),
         inner.config.table,
-        hex(req.key.as_str().as_bytes())
+        hex(req.key.as_str().as_bytes()),
+        wait_s = whole_seconds(wait).max(1),
     );
     let mut tries = 0;
     let (mut conn, id, first_try) = loop {
@@ -322,8 +326,12 @@ async fn lock(
         let set_up = set_up_and_try(&mut conn, &session).await;
         match set_up {
             Ok((id, tried)) => {
-                // Not free: a wait goes on with the waiting statement, in the transaction
-                // the failed try left open (a lock wait error ends only its statement).
+                // Not free: a wait goes on with the waiting statement in a transaction of
+                // its own. Not in the one the try opened: on MariaDB a `NOWAIT` that finds
+                // the row locked is a lock wait timeout, and with
+                // `innodb_rollback_on_timeout=ON` that rolls back the whole transaction,
+                // leaving the session in autocommit, where a granted `FOR UPDATE` would let
+                // go of the row at once.
                 let first_try = match tried {
                     Err(e) if !wait.is_zero() && is_busy(&e) => None,
                     tried => Some(tried),
@@ -470,7 +478,8 @@ async fn set_up_and_try(
 /// Puts the server's default `wait_timeout` back on a connection about to return to the
 /// pool (a hold or a waiter set it to its lease); sent with the connection's last
 /// statement, never as a round trip of its own.
-pub(crate) const RESTORE_SESSION: &str = "SET SESSION wait_timeout = @@GLOBAL.wait_timeout";
+pub(crate) const RESTORE_SESSION: &str = "SET SESSION wait_timeout = @@GLOBAL.wait_timeout, \
+     lock_wait_timeout = @@GLOBAL.lock_wait_timeout";
 
 /// Ends the transaction of a connection that took no lock (or whose lock is not wanted) and
 /// makes it fit for the pool again, in one round trip; a connection where that fails is
@@ -526,8 +535,9 @@ async fn lock_and_record(
         &inner.sql.mutex_lock
     };
     let mut row_lease_poll = Backoff::new(ROW_LEASE_POLL, ROW_LEASE_POLL);
-    // The caller's set-up opened the first transaction.
-    let mut in_transaction = true;
+    // The caller's set-up opened the first transaction, which only the set-up's own try
+    // may use (a `START TRANSACTION` ends it otherwise).
+    let mut in_transaction = first_try.is_some();
     loop {
         if *fired.borrow() {
             return Ok(None);

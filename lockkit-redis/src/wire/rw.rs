@@ -712,7 +712,10 @@ mod tests {
                 "{key}"
             );
         }
+        // Redisson's `suffixName`: the name in braces, unless it has a hash tag already.
         let names = LockNames::new("", &LockKey::new("orders/42").unwrap(), false).unwrap();
         assert_eq!(waiting_writers_of(&names), "{orders/42}:lockkit_wwait");
+        let names = LockNames::new("p/", &LockKey::new("a{b}c").unwrap(), true).unwrap();
+        assert_eq!(waiting_writers_of(&names), "p/a{b}c:lockkit_wwait");
     }
 }
