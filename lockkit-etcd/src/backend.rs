@@ -29,7 +29,7 @@ use tokio::time::Instant;
 
 use crate::{
     EtcdConfig,
-    lease::{Lease, retry_backoff},
+    lease::{Lease, lease_not_found, retry_backoff},
     path::{Contender, DOWNGRADED, classify, contender_name, lock_range},
     request::{BACKEND, Members, RETRY_PAUSE, Unanswered, ask, etcd_error, unanswered},
     spare::{Spare, SpareLease},
@@ -127,6 +127,8 @@ pub(crate) struct Inner {
     wakeups: AtomicU64,
     /// A lease granted ahead of need (see [`crate::spare`]).
     spare: Spare,
+    /// Spares the cluster no longer knew when a contender used them.
+    spares_lost: AtomicU64,
 }
 
 /// An etcd lock service: the Raft-backed CP backend.
@@ -203,8 +205,8 @@ impl EtcdBackend {
         let asked_ttl = i64::try_from(asked).unwrap_or(i64::MAX);
         let grant = |mut client: Client| async move { client.lease_grant(asked_ttl, None).await };
         let end = Instant::now() + config.connect_timeout;
-        let (granted, probe_sent) = match ask(&member_clients, grant, end, try_time, None).await {
-            Ok((Ok(granted), sent)) => (granted, sent),
+        let granted = match ask(&member_clients, grant, end, try_time, None).await {
+            Ok((Ok(granted), _)) => granted,
             Ok((Err(e), _)) => {
                 return Err(etcd_error(&format!("granting a lease on `{members}`"), e));
             }
@@ -221,8 +223,8 @@ impl EtcdBackend {
             }
         };
         let probe = granted.id();
+        revoke_in_background(member_clients.clone(), probe, limit, try_time);
         if u64::try_from(granted.ttl()).ok() != Some(asked) {
-            revoke_in_background(member_clients.clone(), probe, limit, try_time);
             return Err(Error::Config(format!(
                 "the cluster granted a {} s lease for the {asked} s session_ttl asked: it \
                  grants no lease shorter than its minimum (about 1.5 election timeouts); \
@@ -230,13 +232,6 @@ impl EtcdBackend {
                 granted.ttl()
             )));
         }
-        // The probe carries nothing: it serves the first acquisition (see `crate::spare`).
-        let spare = Spare::default();
-        let _none_there = spare.offer(SpareLease {
-            id: probe,
-            ttl: granted.ttl(),
-            sent: probe_sent,
-        });
         Ok(EtcdBackend {
             inner: Arc::new(Inner {
                 config,
@@ -244,7 +239,8 @@ impl EtcdBackend {
                 members: member_clients,
                 held: Holds::default(),
                 wakeups: AtomicU64::new(0),
-                spare,
+                spare: Spare::default(),
+                spares_lost: AtomicU64::new(0),
             }),
         })
     }
@@ -263,6 +259,19 @@ impl EtcdBackend {
     /// With predecessor watches, one release wakes exactly one waiter (no herd).
     pub fn watch_wakeups(&self) -> u64 {
         self.inner.wakeups.load(Ordering::SeqCst)
+    }
+
+    /// The spare lease's id, if there is one (see [`crate::spare`]; for tests).
+    #[doc(hidden)]
+    pub fn spare_lease(&self) -> Option<i64> {
+        self.inner.spare.peek()
+    }
+
+    /// How many spare leases the cluster no longer knew when a contender used them (the
+    /// contender was then granted a lease of its own; for tests).
+    #[doc(hidden)]
+    pub fn spares_lost(&self) -> u64 {
+        self.inner.spares_lost.load(Ordering::SeqCst)
     }
 
     /// The key range whose keys are `key`'s contenders (ends with `/`).
@@ -295,6 +304,24 @@ impl EtcdBackend {
     /// The live hold behind `grant`, checking it belongs to this client, owner and key.
     fn held_of(&self, grant: &Grant) -> Result<Arc<Held>> {
         self.inner.held.held_of(grant)
+    }
+
+    /// Gives a contender up ([`Self::give_up`]) after a request failed (`Ok`) or went
+    /// unanswered (`Err`): an error saying what it was `doing`, or no grant when the caller
+    /// went away.
+    async fn abandon(
+        &self,
+        lease: &Lease,
+        why: std::result::Result<etcd_client::Error, Unanswered>,
+        doing: &str,
+    ) -> Result<Option<Grant>> {
+        let outcome = match why {
+            Ok(e) => Err(etcd_error(doing, e)),
+            Err(Unanswered::Interrupted) => Ok(None),
+            Err(Unanswered::TooLate) => Err(unanswered(doing, self.request_limit())),
+        };
+        Self::give_up(lease).await;
+        outcome
     }
 
     /// Ends a contender that will not hold the lock, waiting at most one request limit for
@@ -401,100 +428,108 @@ impl EtcdBackend {
         if taken.refill {
             self.refill_spare(session_ttl);
         }
-        let granted = match taken.lease {
-            Some(spare) => spare,
-            None => {
-                let grant_lease =
-                    |mut client: Client| async move { client.lease_grant(session_ttl, None).await };
-                match ask(
-                    members,
-                    grant_lease,
-                    self.request_end(deadline),
-                    per_try,
-                    Some(&interrupt),
-                )
-                .await
-                {
-                    Ok((Ok(granted), sent)) => SpareLease {
-                        id: granted.id(),
-                        ttl: granted.ttl(),
-                        sent,
-                    },
-                    Ok((Err(e), _)) => return Err(etcd_error("granting the contender's lease", e)),
-                    Err(Unanswered::Interrupted) => return Ok(None),
-                    Err(Unanswered::TooLate) => {
-                        return Err(unanswered("granting a lease", self.request_limit()));
+        // A spare the cluster no longer knows (revoked by someone, lost in a restore) fails
+        // the creation with nothing written: the contender then asks for a lease of its own.
+        let mut spare = taken.lease;
+        let (granted, lease, name, answer, sent) = loop {
+            let from_spare = spare.is_some();
+            let granted = match spare.take() {
+                Some(spare) => spare,
+                None => {
+                    let grant_lease = |mut client: Client| async move {
+                        client.lease_grant(session_ttl, None).await
+                    };
+                    match ask(
+                        members,
+                        grant_lease,
+                        self.request_end(deadline),
+                        per_try,
+                        Some(&interrupt),
+                    )
+                    .await
+                    {
+                        Ok((Ok(granted), sent)) => SpareLease {
+                            id: granted.id(),
+                            ttl: granted.ttl(),
+                            sent,
+                        },
+                        Ok((Err(e), _)) => {
+                            return Err(etcd_error("granting the contender's lease", e));
+                        }
+                        Err(Unanswered::Interrupted) => return Ok(None),
+                        Err(Unanswered::TooLate) => {
+                            return Err(unanswered("granting a lease", self.request_limit()));
+                        }
                     }
                 }
-            }
-        };
-        let ttl = Duration::from_secs(u64::try_from(granted.ttl).unwrap_or(0));
-        let lease = Lease::keep(
-            self.inner.members.clone(),
-            granted.id,
-            ttl,
-            granted.sent,
-            self.request_limit(),
-        );
-        let name = contender_name(&range, req.kind, granted.id);
-        // Any failure from here on gives the contender up (its lease revoked).
-        let failed = |why: std::result::Result<etcd_client::Error, Unanswered>, doing: &str| {
-            let lease = lease.clone();
-            let outcome = match why {
-                Ok(e) => Err(etcd_error(doing, e)),
-                Err(Unanswered::Interrupted) => Ok(None),
-                Err(Unanswered::TooLate) => Err(unanswered(doing, self.request_limit())),
             };
-            async move {
-                Self::give_up(&lease).await;
-                outcome
-            }
-        };
-
-        // Create the contender key, unless an earlier try whose answer was lost did; the
-        // same transaction reads the key just before it, and whether the range is used as
-        // another kind (a semaphore, or a lock for a semaphore).
-        let conflicts = kinds::conflict_ops(&range, req.kind);
-        let mut created = vec![
-            TxnOp::put(
-                name.clone(),
-                contender_record(&req.owner.to_string(), 1, &req.identity.encode()),
-                Some(PutOptions::new().with_lease(granted.id)),
-            ),
-            TxnOp::get(
-                range.clone(),
-                Some(
-                    GetOptions::new()
-                        .with_prefix()
-                        .with_keys_only()
-                        .with_sort(SortTarget::Create, SortOrder::Descend)
-                        .with_limit(2),
+            let ttl = Duration::from_secs(u64::try_from(granted.ttl).unwrap_or(0));
+            let lease = Lease::keep(
+                self.inner.members.clone(),
+                granted.id,
+                ttl,
+                granted.sent,
+                self.request_limit(),
+            );
+            let name = contender_name(&range, req.kind, granted.id);
+            // Create the contender key, unless an earlier try whose answer was lost did; the
+            // same transaction reads the key just before it, and whether the range is used as
+            // another kind (a semaphore, or a lock for a semaphore).
+            let conflicts = kinds::conflict_ops(&range, req.kind);
+            let mut created = vec![
+                TxnOp::put(
+                    name.clone(),
+                    contender_record(&req.owner.to_string(), 1, &req.identity.encode()),
+                    Some(PutOptions::new().with_lease(granted.id)),
                 ),
-            ),
-        ];
-        created.extend(conflicts.iter().cloned());
-        let mut found = vec![TxnOp::get(name.clone(), None)];
-        found.extend(conflicts);
-        let create = Txn::new()
-            .when([Compare::create_revision(name.clone(), CompareOp::Equal, 0)])
-            .and_then(created)
-            .or_else(found);
-        let send_create = |mut client: Client| {
-            let create = create.clone();
-            async move { client.txn(create).await }
+                TxnOp::get(
+                    range.clone(),
+                    Some(
+                        GetOptions::new()
+                            .with_prefix()
+                            .with_keys_only()
+                            .with_sort(SortTarget::Create, SortOrder::Descend)
+                            .with_limit(2),
+                    ),
+                ),
+            ];
+            created.extend(conflicts.iter().cloned());
+            let mut found = vec![TxnOp::get(name.clone(), None)];
+            found.extend(conflicts);
+            let create = Txn::new()
+                .when([Compare::create_revision(name.clone(), CompareOp::Equal, 0)])
+                .and_then(created)
+                .or_else(found);
+            let send_create = |mut client: Client| {
+                let create = create.clone();
+                async move { client.txn(create).await }
+            };
+            let why = match ask(
+                members,
+                send_create,
+                self.request_end(deadline),
+                per_try,
+                Some(&interrupt),
+            )
+            .await
+            {
+                Ok((Ok(answer), sent)) => break (granted, lease, name, answer, sent),
+                Ok((Err(e), _)) if from_spare && lease_not_found(&e) => {
+                    self.inner.spares_lost.fetch_add(1, Ordering::SeqCst);
+                    lease.end();
+                    continue;
+                }
+                Ok((Err(e), _)) => Ok(e),
+                Err(why) => Err(why),
+            };
+            return self
+                .abandon(&lease, why, "creating the contender key")
+                .await;
         };
-        let (answer, sent) = match ask(
-            members,
-            send_create,
-            self.request_end(deadline),
-            per_try,
-            Some(&interrupt),
-        )
-        .await
-        {
-            Ok((Ok(answer), sent)) => (answer, sent),
-            Ok((Err(e), _)) => return failed(Ok(e), "creating the contender key").await,
-            Err(why) => return failed(Err(why), "creating the contender key").await,
+        // Any failure from here on gives the contender up (its lease revoked).
+        let failed = |why: std::result::Result<etcd_client::Error, Unanswered>,
+                      doing: &'static str| {
+            self.abandon(&lease, why, doing)
         };
         let at = revision_of(&answer);
         let (revision, conflicts_at) = if answer.succeeded() {
@@ -911,8 +946,6 @@ impl EtcdBackend {
     }
 }
 
-/// How long one request may stay unanswered: `connect_timeout`, but at most a third of the
-/// session TTL.
 /// Revokes lease `id` (it carries nothing) in a task of its own, best effort: one that
 /// stays is expired by the cluster within its TTL.
 fn revoke_in_background(members: Arc<Members>, id: i64, limit: Duration, per_try: Duration) {
@@ -922,6 +955,8 @@ fn revoke_in_background(members: Arc<Members>, id: i64, limit: Duration, per_try
     });
 }
 
+/// How long one request may stay unanswered: `connect_timeout`, but at most a third of the
+/// session TTL.
 fn request_limit_of(config: &EtcdConfig) -> Duration {
     config
         .connect_timeout

@@ -1,18 +1,22 @@
 //! One etcd lease granted ahead of need, so that an acquisition does not wait for a lease
 //! grant (a Raft write of its own) before it creates its contender key.
 //!
-//! A contender takes the spare if it was granted less than one keep-alive interval ago
-//! (a sixth of its TTL: its first keep-alive is due then, as a lease granted for the
-//! contender would have its first one a sixth of the TTL after its grant), and the backend
-//! grants the next spare in the background, beside the contender's own requests (etcd
-//! batches concurrent proposals into one Raft round). A spare found older than that is
-//! revoked in the background and the contender is granted a lease as before. A spare never
-//! taken (a client that stopped acquiring) carries no key and expires on the cluster by
-//! itself, within its TTL.
+//! A client that acquires often (two acquisitions within [`FRESH_FOR`]) keeps one spare: a
+//! contender takes it if it was granted less than [`FRESH_FOR`] ago (and less than one
+//! keep-alive interval, a sixth of its TTL, when that is shorter), and the backend grants
+//! the next one in the background, beside the contender's own requests. A client that
+//! acquires seldom keeps none and is granted a lease per contender, as before. A spare
+//! found too old is revoked in the background. A spare the cluster no longer knows
+//! (revoked by someone, lost in a restore) fails the contender's creation with nothing
+//! written, and the contender is then granted a lease of its own. A spare left when the
+//! client stops (or is dropped) carries no key and expires on the cluster within its TTL.
 //!
 //! Nothing changes for the hold: the lease is new, carries only its contender's key, and its
-//! life on the cluster is counted from when its grant was sent, as for a lease granted on
-//! the spot (`Lease::keep` is given that instant).
+//! life on the cluster is counted from when its grant was sent (`Lease::keep` is given that
+//! instant). The age bound keeps it close to a lease granted on the spot: etcd before 3.5.8
+//! (etcd-io/etcd#15247) lets a leader that was frozen for longer than a lease's TTL revoke,
+//! when it resumes, a lease it granted before it froze, so an old spare would widen that
+//! window.
 
 use std::{sync::Mutex, time::Duration};
 
@@ -27,12 +31,16 @@ pub(crate) struct SpareLease {
     pub(crate) sent: Instant,
 }
 
+/// How old a spare may be to serve a contender, and how close two acquisitions must come
+/// for the client to keep a spare.
+pub(crate) const FRESH_FOR: Duration = Duration::from_millis(500);
+
 impl SpareLease {
-    /// Whether the lease may still serve a contender at `now`: granted less than one
-    /// keep-alive interval of its TTL ago.
+    /// Whether the lease may still serve a contender at `now`: granted less than
+    /// [`FRESH_FOR`] and less than one keep-alive interval of its TTL ago.
     fn fresh_at(&self, now: Instant) -> bool {
         let ttl = Duration::from_secs(u64::try_from(self.ttl).unwrap_or(0));
-        now < self.sent + crate::lease::keep_alive_every(ttl)
+        now < self.sent + FRESH_FOR.min(crate::lease::keep_alive_every(ttl))
     }
 }
 
@@ -40,6 +48,8 @@ impl SpareLease {
 struct Slot {
     lease: Option<SpareLease>,
     refilling: bool,
+    /// When a contender last looked for a spare.
+    last_take: Option<Instant>,
 }
 
 /// The spare lease of one backend, and whether its next grant is under way.
@@ -65,21 +75,31 @@ impl Spare {
     }
 
     /// Takes the spare lease for a contender if it is fresh at `now`; a stale one comes
-    /// back in [`Taken::stale`]. Marks a refill as under way when none was and the slot is
-    /// now empty (the caller must then call [`Spare::refilled`], whatever the grant gives).
+    /// back in [`Taken::stale`]. When the last contender looked less than [`FRESH_FOR`]
+    /// ago and no refill is under way, marks one as under way (the caller must then call
+    /// [`Spare::refilled`], whatever the grant gives).
     pub(crate) fn take(&self, now: Instant) -> Taken {
         let mut slot = self.slot();
         let (lease, stale) = match slot.lease.take() {
             Some(lease) if lease.fresh_at(now) => (Some(lease), None),
             stale => (None, stale),
         };
-        let refill = !slot.refilling;
-        slot.refilling = true;
+        let often = slot
+            .last_take
+            .is_some_and(|last| now.saturating_duration_since(last) < FRESH_FOR);
+        slot.last_take = Some(now);
+        let refill = often && !slot.refilling;
+        slot.refilling |= refill;
         Taken {
             lease,
             stale,
             refill,
         }
+    }
+
+    /// The spare lease's id, if there is one.
+    pub(crate) fn peek(&self) -> Option<i64> {
+        self.slot().lease.map(|lease| lease.id)
     }
 
     /// Ends a refill: keeps `lease` as the spare if the slot is empty, or gives it back
@@ -95,17 +115,6 @@ impl Spare {
             surplus => surplus,
         }
     }
-
-    /// Offers `lease` (granted and never used: the connection's probe) as the spare;
-    /// gives it back if there is one already.
-    pub(crate) fn offer(&self, lease: SpareLease) -> Option<SpareLease> {
-        let mut slot = self.slot();
-        if slot.lease.is_some() {
-            return Some(lease);
-        }
-        slot.lease = Some(lease);
-        None
-    }
 }
 
 #[cfg(test)]
@@ -117,39 +126,67 @@ mod tests {
     }
 
     #[tokio::test(start_paused = true)]
-    async fn a_spare_serves_one_contender_within_its_first_keep_alive_interval() {
+    async fn a_client_that_acquires_often_keeps_one_fresh_spare() {
         let spare = Spare::default();
-        let now = Instant::now();
-        assert_eq!(spare.offer(lease(1, now)), None);
+        let t0 = Instant::now();
+        // The first contender finds none, and one acquisition says nothing of the rate.
         assert_eq!(
-            spare.offer(lease(2, now)),
-            Some(lease(2, now)),
-            "one spare at most"
+            spare.take(t0),
+            Taken {
+                lease: None,
+                stale: None,
+                refill: false
+            }
         );
-        let taken = spare.take(now + Duration::from_millis(999));
-        assert_eq!(taken.lease, Some(lease(1, now)));
-        assert!(taken.refill);
-        // Taken once: the next contender finds none, and a refill is under way already.
-        let again = spare.take(now);
+        // A second within FRESH_FOR: refill (once, while it is under way).
+        let t1 = t0 + Duration::from_millis(100);
         assert_eq!(
-            (again.lease, again.stale, again.refill),
-            (None, None, false)
+            spare.take(t1),
+            Taken {
+                lease: None,
+                stale: None,
+                refill: true
+            }
         );
-        assert_eq!(spare.refilled(Some(lease(3, now))), None);
-        // A 6 s lease's first keep-alive is due 1 s after its grant: then it is stale.
-        let late = spare.take(now + Duration::from_secs(1));
-        assert_eq!((late.lease, late.stale), (None, Some(lease(3, now))));
-        assert!(late.refill);
-        assert_eq!(spare.refilled(None), None);
+        assert!(!spare.take(t1).refill, "one refill at a time");
+        assert_eq!(spare.refilled(Some(lease(1, t1))), None);
+        // Taken once, within FRESH_FOR of its grant.
+        let t2 = t1 + FRESH_FOR - Duration::from_millis(1);
+        let taken = spare.take(t2);
+        assert_eq!(
+            (taken.lease, taken.stale, taken.refill),
+            (Some(lease(1, t1)), None, true)
+        );
+        assert_eq!(spare.take(t2).lease, None, "a spare serves one contender");
+        // A refill that finds the slot full gives its lease back.
+        assert_eq!(spare.refilled(Some(lease(2, t2))), None);
+        assert_eq!(spare.refilled(Some(lease(3, t2))), Some(lease(3, t2)));
     }
 
     #[tokio::test(start_paused = true)]
-    async fn a_refill_that_finds_a_spare_gives_its_lease_back() {
+    async fn an_old_spare_is_handed_back_and_a_slow_client_keeps_none() {
         let spare = Spare::default();
-        let now = Instant::now();
-        assert!(spare.take(now).refill);
-        assert_eq!(spare.offer(lease(1, now)), None);
-        assert_eq!(spare.refilled(Some(lease(2, now))), Some(lease(2, now)));
-        assert_eq!(spare.take(now).lease, Some(lease(1, now)));
+        let t0 = Instant::now();
+        let _ = spare.take(t0);
+        assert!(spare.take(t0).refill);
+        assert_eq!(spare.refilled(Some(lease(1, t0))), None);
+        // FRESH_FOR later: too old to serve, and the client is not acquiring often.
+        let late = t0 + FRESH_FOR;
+        assert_eq!(
+            spare.take(late),
+            Taken {
+                lease: None,
+                stale: Some(lease(1, t0)),
+                refill: false
+            }
+        );
+        // A lease of a 1 s TTL (a keep-alive interval of 166 ms) is stale sooner.
+        let short = SpareLease {
+            id: 2,
+            ttl: 1,
+            sent: late,
+        };
+        assert!(short.fresh_at(late + Duration::from_millis(100)));
+        assert!(!short.fresh_at(late + Duration::from_millis(170)));
     }
 }
