@@ -11,6 +11,32 @@ async fn main() {
         body().await
     }
 }
+/// `n` uncontended pairs on one key through lockkit at `url`.
+async fn lockkit_pairs(url: &str, n: usize, samples: &mut Vec<Duration>) {
+    let locker = lockkit::connect(url).await.unwrap();
+    for _ in 0..n {
+        let s = Instant::now();
+        let g = locker
+            .acquire("cpu/same")
+            .ttl(Duration::from_secs(30))
+            .await
+            .unwrap();
+        g.release().await.unwrap();
+        samples.push(s.elapsed());
+    }
+}
+
+/// `n` uncontended pairs on one key through rslock over `masters`.
+async fn rslock_pairs(masters: Vec<String>, n: usize, samples: &mut Vec<Duration>) {
+    let m = rslock::LockManager::new(masters);
+    for _ in 0..n {
+        let s = Instant::now();
+        let l = m.lock(b"cpu/rs", Duration::from_secs(30)).await.unwrap();
+        m.unlock(&l).await;
+        samples.push(s.elapsed());
+    }
+}
+
 async fn body() {
     let args: Vec<String> = std::env::args().collect();
     let which = args[1].clone();
@@ -18,71 +44,22 @@ async fn body() {
     let url = std::env::var("LOCKKIT_TEST_REDIS_URL").unwrap();
     let mut samples = Vec::with_capacity(n);
     match which.as_str() {
-        "lockkit" => {
-            let locker = lockkit::connect(&url).await.unwrap();
-            for _ in 0..n {
-                let s = Instant::now();
-                let g = locker
-                    .acquire("cpu/same")
-                    .ttl(Duration::from_secs(30))
-                    .await
-                    .unwrap();
-                g.release().await.unwrap();
-                samples.push(s.elapsed());
-            }
-        }
+        "lockkit" => lockkit_pairs(&url, n, &mut samples).await,
         "redlock" => {
             let url = std::env::var("LOCKKIT_TEST_REDLOCK_URL").unwrap();
-            let locker = lockkit::connect(&url).await.unwrap();
-            for _ in 0..n {
-                let s = Instant::now();
-                let g = locker
-                    .acquire("cpu/same")
-                    .ttl(Duration::from_secs(30))
-                    .await
-                    .unwrap();
-                g.release().await.unwrap();
-                samples.push(s.elapsed());
-            }
+            lockkit_pairs(&url, n, &mut samples).await
         }
+        // Any backend: `CPP_URL` (say a `mysql://...?mode=for-update` URL).
+        "url" => lockkit_pairs(&std::env::var("CPP_URL").unwrap(), n, &mut samples).await,
+        "rslock" => rslock_pairs(vec![url.clone()], n, &mut samples).await,
         "rslock5" => {
             let url = std::env::var("LOCKKIT_TEST_REDLOCK_URL").unwrap();
-            let masters: Vec<String> = url
+            let masters = url
                 .trim_start_matches("redlock://")
                 .split(',')
                 .map(|h| format!("redis://{h}"))
                 .collect();
-            let m = rslock::LockManager::new(masters);
-            for _ in 0..n {
-                let s = Instant::now();
-                let l = m.lock(b"cpu/rs", Duration::from_secs(30)).await.unwrap();
-                m.unlock(&l).await;
-                samples.push(s.elapsed());
-            }
-        }
-        "url" => {
-            // Any backend: `CPP_URL` (say a `mysql://...?mode=for-update` URL).
-            let url = std::env::var("CPP_URL").unwrap();
-            let locker = lockkit::connect(&url).await.unwrap();
-            for _ in 0..n {
-                let s = Instant::now();
-                let g = locker
-                    .acquire("cpu/same")
-                    .ttl(Duration::from_secs(30))
-                    .await
-                    .unwrap();
-                g.release().await.unwrap();
-                samples.push(s.elapsed());
-            }
-        }
-        "rslock" => {
-            let m = rslock::LockManager::new(vec![url.clone()]);
-            for _ in 0..n {
-                let s = Instant::now();
-                let l = m.lock(b"cpu/rs", Duration::from_secs(30)).await.unwrap();
-                m.unlock(&l).await;
-                samples.push(s.elapsed());
-            }
+            rslock_pairs(masters, n, &mut samples).await
         }
         "raw" => {
             use tokio::io::{AsyncReadExt, AsyncWriteExt};
