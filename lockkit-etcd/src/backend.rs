@@ -29,10 +29,12 @@ use tokio::time::Instant;
 
 use crate::{
     EtcdConfig,
-    lease::{Lease, lease_not_found, retry_backoff},
+    lease::{
+        Lease, lease_not_found, retry_backoff,
+        spare::{Spare, SpareLease},
+    },
     path::{Contender, DOWNGRADED, classify, contender_name, lock_range},
     request::{BACKEND, Members, RETRY_PAUSE, Unanswered, ask, etcd_error, unanswered},
-    spare::{Spare, SpareLease},
 };
 use holds::{Downgrade, Holds, Slot, WriteState};
 use kinds::{Blocker, range_of};
@@ -125,7 +127,7 @@ pub(crate) struct Inner {
     held: Holds,
     /// Predecessor watches that fired, for herd checks.
     wakeups: AtomicU64,
-    /// A lease granted ahead of need (see [`crate::spare`]).
+    /// A lease granted ahead of need (see [`crate::lease::spare`]).
     spare: Spare,
     /// Spares the cluster no longer knew when a contender used them.
     spares_lost: AtomicU64,
@@ -261,7 +263,7 @@ impl EtcdBackend {
         self.inner.wakeups.load(Ordering::SeqCst)
     }
 
-    /// The spare lease's id, if there is one (see [`crate::spare`]; for tests).
+    /// The spare lease's id, if there is one (see [`crate::lease::spare`]; for tests).
     #[doc(hidden)]
     pub fn spare_lease(&self) -> Option<i64> {
         self.inner.spare.peek()
@@ -340,7 +342,7 @@ impl EtcdBackend {
         per_try_of(&self.inner.config)
     }
 
-    /// Grants the next spare lease in the background (see [`crate::spare`]); the caller
+    /// Grants the next spare lease in the background (see [`crate::lease::spare`]); the caller
     /// took the refill from [`Spare::take`].
     fn refill_spare(&self, session_ttl: i64) {
         let backend = self.clone();

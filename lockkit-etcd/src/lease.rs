@@ -11,6 +11,8 @@ use std::{
 use etcd_client::Client;
 use lockkit_core::{LossSignal, LostReason, spi::Backoff};
 
+pub(crate) mod spare;
+
 use crate::request::{Members, ask};
 use tokio::{sync::Notify, time::Instant};
 

@@ -44,7 +44,6 @@ mod config;
 mod lease;
 pub mod path;
 mod request;
-mod spare;
 
 pub use backend::EtcdBackend;
 pub use config::{EtcdConfig, SCHEMES};

@@ -1,4 +1,4 @@
-//! The lease granted ahead of need (`lockkit-etcd/src/spare.rs`): a spare the cluster no
+//! The lease granted ahead of need (`lockkit-etcd/src/lease/spare.rs`): a spare the cluster no
 //! longer knows (revoked by an operator's script, lost in a restore) must not fail the
 //! acquisition that takes it; the contender is granted a lease of its own instead.
 

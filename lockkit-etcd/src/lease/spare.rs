@@ -40,7 +40,7 @@ impl SpareLease {
     /// [`FRESH_FOR`] and less than one keep-alive interval of its TTL ago.
     fn fresh_at(&self, now: Instant) -> bool {
         let ttl = Duration::from_secs(u64::try_from(self.ttl).unwrap_or(0));
-        now < self.sent + FRESH_FOR.min(crate::lease::keep_alive_every(ttl))
+        now < self.sent + FRESH_FOR.min(super::keep_alive_every(ttl))
     }
 }
 
