@@ -475,9 +475,9 @@ async fn set_up_and_try(
     Ok((id, ended.map(|()| rows.next())))
 }
 
-/// Puts the server's default `wait_timeout` back on a connection about to return to the
-/// pool (a hold or a waiter set it to its lease); sent with the connection's last
-/// statement, never as a round trip of its own.
+/// Puts the server's defaults of `wait_timeout` and `lock_wait_timeout` back on a connection
+/// about to return to the pool (a hold or a waiter set them to its lease and its wait); sent
+/// with the connection's last statement, never as a round trip of its own.
 pub(crate) const RESTORE_SESSION: &str = "SET SESSION wait_timeout = @@GLOBAL.wait_timeout, \
      lock_wait_timeout = @@GLOBAL.lock_wait_timeout";
 
