@@ -466,12 +466,10 @@ async fn set_up_and_try(
     };
     drop(results);
     let mut rows = rows.into_iter();
-    let id = match (rows.next(), ended) {
-        (Some(row), ended) => (row.try_get::<u64, _>(0)?, ended),
-        (None, Err(e)) => return Err(e),
-        (None, Ok(())) => return Err(sqlx::Error::RowNotFound),
+    let Some(first) = rows.next() else {
+        return Err(ended.err().unwrap_or(sqlx::Error::RowNotFound));
     };
-    let (id, ended) = id;
+    let id = first.try_get::<u64, _>(0)?;
     Ok((id, ended.map(|()| rows.next())))
 }
 
