@@ -39,8 +39,8 @@ use std::{
 
 use async_trait::async_trait;
 use lockkit_core::spi::{
-    AcquireRequest, Backoff, CountRelease, Grant, HoldCount, Interrupt, LocalHolds, Released,
-    deadline_after, detached_acquire, granted_or_timeout,
+    AcquireRequest, Backoff, CountRelease, Grant, HoldCount, Interrupt, KeptConnections, Lent,
+    LocalHolds, Released, deadline_after, detached_acquire, granted_or_timeout, sweep_while,
 };
 use lockkit_core::{
     BackendInfo, Capabilities, Consistency, Error, FencingToken, HolderInfo, LockBackend, LockKey,
@@ -54,8 +54,8 @@ use sqlx::{
 use tokio::time::Instant;
 
 use crate::db::{
-    BACKEND, Db, advisory_release_script, connection_gone, db_error, ping_if_idle, query,
-    release_channel, row_text, sql_state,
+    BACKEND, Db, DeadSeen, KEPT_AT_MOST, PING_AFTER_LOSS, PING_IDLE_AFTER, advisory_release_script,
+    connection_gone, db_error, ping_if_idle, query, release_channel, row_text, sql_state,
 };
 use crate::row::notify::release_payload;
 
@@ -128,8 +128,55 @@ const SESSION: &str = "SET statement_timeout = 0; SET lock_timeout = 0; \
 pub(crate) struct AdvisoryLocks {
     inner: Arc<Db>,
     /// Dedicated connections: one per hold and per waiter.
-    holds_pool: PgPool,
+    dedicated: Arc<Dedicated>,
     held: Holds,
+}
+
+/// The pool of dedicated connections, and those kept out of it between holds.
+///
+/// sqlx checks every connection given back to its pool (a round trip, in a task of its
+/// own): a connection whose hold ended cleanly (the release let go of every lock on it and
+/// cleared its lease and name, in one statement) is kept for the next acquisition instead,
+/// a few at a time, as the shared pool's one-statement calls do ([`KeptConnections`]). A
+/// kept connection goes back to the pool once it idled [`PING_IDLE_AFTER`] (the pool then
+/// checks it before lending it again), or was out [`KEPT_AT_MOST`]; every one goes back
+/// when the pool closes or a connection was seen gone lately. An acquisition takes a kept
+/// connection before asking the pool, so none ever waits for a connection that sits kept.
+struct Dedicated {
+    pool: PgPool,
+    kept: KeptConnections<PoolConnection<Postgres>>,
+    dead_seen: Arc<DeadSeen>,
+}
+
+impl Dedicated {
+    /// Whether every kept connection must go back to the pool now.
+    fn return_all_kept(&self) -> bool {
+        self.pool.is_closed() || self.dead_seen.within(PING_AFTER_LOSS)
+    }
+
+    /// A kept connection, or one from the pool.
+    async fn lend(&self) -> std::result::Result<Lent<PoolConnection<Postgres>>, sqlx::Error> {
+        match self.kept.take(self.return_all_kept()) {
+            Some(lent) => Ok(lent),
+            None => Ok(Lent::from_pool(self.pool.acquire().await?)),
+        }
+    }
+
+    /// Keeps `conn`, which holds no lock, no lease and no name (a statement that let go of
+    /// all of them just completed on it), for the next acquisition, if there is room;
+    /// otherwise it goes back to the pool.
+    fn keep_clean(&self, conn: PoolConnection<Postgres>, out_since: std::time::Instant) {
+        let lent = Lent { conn, out_since };
+        self.kept.keep(lent, || !self.return_all_kept());
+    }
+}
+
+impl Drop for Dedicated {
+    /// Kept connections go back to the pool, or are closed in place outside a runtime
+    /// ([`KeptConnections::drop_all`]).
+    fn drop(&mut self) {
+        self.kept.drop_all(|conn| drop(conn.detach()));
+    }
 }
 
 impl AdvisoryLocks {
@@ -164,9 +211,29 @@ impl AdvisoryLocks {
                 Box::pin(async move { sqlx::raw_sql(SESSION).execute(conn).await.map(|_| ()) })
             })
             .connect_lazy_with(db.config.connect.clone());
+        let dedicated = Arc::new(Dedicated {
+            pool: holds_pool,
+            kept: KeptConnections::new(
+                usize::try_from(db.config.max_holds / 4).unwrap_or(0),
+                PING_IDLE_AFTER,
+                KEPT_AT_MOST,
+            ),
+            dead_seen: db.dead_seen.clone(),
+        });
+        if dedicated.kept.at_most() > 0 {
+            // Gives back idle kept connections while the client lives and its pool is open.
+            tokio::spawn(sweep_while(
+                Arc::downgrade(&dedicated),
+                PING_IDLE_AFTER,
+                |dedicated: &Dedicated| {
+                    dedicated.kept.sweep(dedicated.return_all_kept());
+                    !dedicated.pool.is_closed()
+                },
+            ));
+        }
         Ok(AdvisoryLocks {
             inner: db,
-            holds_pool,
+            dedicated,
             held: Holds::default(),
         })
     }
@@ -179,7 +246,12 @@ impl AdvisoryLocks {
             forget(self, &held);
             end_session(&held.session, &mut *held.session.conn.lock().await);
         }
-        self.holds_pool.close().await;
+        // Closed first (sqlx marks the pool closed when `close` is called), so a release
+        // completing meanwhile does not keep its connection; then the kept ones go back
+        // (the close waits for every connection out of the pool).
+        let closing = self.dedicated.pool.close();
+        drop(self.dedicated.kept.take_all());
+        closing.await;
     }
 
     /// Operator action: ends the session holding `key`'s advisory lock (whoever it is).
@@ -223,6 +295,12 @@ impl AdvisoryLocks {
         }
         let leased = self.inner.leases_under(prefix).await?;
         Ok(held + leased)
+    }
+
+    /// How many dedicated connections are kept out of their pool now.
+    #[cfg(feature = "testing")]
+    pub(crate) fn kept_count(&self) -> usize {
+        self.dedicated.kept.len()
     }
 
     /// Whether some session holds `key`'s advisory lock now.
@@ -351,6 +429,8 @@ fn lock_std<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 /// server (`idle_session_timeout`) is the latest lease of its live holds.
 pub(crate) struct Session {
     conn: tokio::sync::Mutex<Option<PoolConnection<Postgres>>>,
+    /// When the connection left the pool (see [`Dedicated`]).
+    out_since: std::time::Instant,
     /// The connection died or was closed: the server has let its locks go.
     broken: AtomicBool,
     /// The holds on this connection (one that ended is skipped).
@@ -358,9 +438,10 @@ pub(crate) struct Session {
 }
 
 impl Session {
-    fn new(conn: PoolConnection<Postgres>) -> Arc<Session> {
+    fn new(lent: Lent<PoolConnection<Postgres>>) -> Arc<Session> {
         Arc::new(Session {
-            conn: tokio::sync::Mutex::new(Some(conn)),
+            conn: tokio::sync::Mutex::new(Some(lent.conn)),
+            out_since: lent.out_since,
             broken: AtomicBool::new(false),
             members: std::sync::Mutex::new(Vec::new()),
         })
@@ -688,21 +769,33 @@ async fn acquire(
 /// A dedicated connection ready for `req`'s wait, with its backend's pid and start (which
 /// name it for the terminator). One round trip: those, the first wait's `lock_timeout` and
 /// the lease, already (a waiter paused once it is granted, before its record, must not keep
-/// the key past its lease). A pooled connection is handed out unchecked when it was used
-/// within the last second ([`PING_IDLE_AFTER`](crate::db::PING_IDLE_AFTER)), so one found
+/// the key past its lease), and, where [`tries_at_set_up`] says so, a first try of the lock
+/// (`Some(got)`; the statement never waits for it). A kept connection ([`Dedicated`]) or a
+/// pooled one used within the last second
+/// ([`PING_IDLE_AFTER`](crate::db::PING_IDLE_AFTER)) is handed out unchecked, so one found
 /// dead here (its server restarted, its link cut) is closed, noted (the pools then check
 /// every connection for a while), and the statement sent again on another, up to
-/// `max_holds + 1` times in all: nothing is held yet.
+/// `max_holds + 1` times in all: a dead session holds nothing. A connection whose statement
+/// failed otherwise, or did not answer in time, is closed: that ends any lock its try took.
 async fn prepared_connection(
     backend: &AdvisoryLocks,
     req: &AcquireRequest,
+    wait: Duration,
     deadline: Instant,
-) -> Result<(PoolConnection<Postgres>, i32, String)> {
+) -> Result<(Lent<PoolConnection<Postgres>>, i32, String, Option<bool>)> {
     let inner = &backend.inner;
-    let mut tries = 0;
+    let id = inner.advisory_id(&req.key);
+    let (hi, lo) = inner.readers_lock(&req.key);
+    let tries = tries_at_set_up(req.kind, wait);
+    let statement = match (tries, req.kind == LockKind::Read) {
+        (false, _) => SET_UP,
+        (true, false) => SET_UP_AND_TRY,
+        (true, true) => SET_UP_AND_TRY_SHARED,
+    };
+    let mut sent = 0;
     loop {
-        tries += 1;
-        let mut conn = backend.holds_pool.acquire().await.map_err(|e| match e {
+        sent += 1;
+        let mut lent = backend.dedicated.lend().await.map_err(|e| match e {
             sqlx::Error::PoolTimedOut => Error::backend(
                 BACKEND,
                 true,
@@ -715,26 +808,29 @@ async fn prepared_connection(
             ),
             e => db_error("opening a dedicated connection", e),
         })?;
-        let session = sqlx::query_as::<_, (i32, String, String, String)>(
-            "SELECT pg_backend_pid(), COALESCE(NULLIF(current_setting('lockkit.backend_start', true), ''), \
-             (SELECT backend_start::text FROM pg_stat_get_activity(pg_backend_pid()))), \
-             set_config('lock_timeout', $1, false), set_config('idle_session_timeout', $2, false)",
-        )
-        .bind(lock_timeout(deadline).to_string())
-        .bind(millis_up(req.ttl).to_string())
-        .fetch_one(&mut *conn);
+        let mut set_up =
+            sqlx::query_as::<_, (i32, String, String, String, Option<bool>)>(statement)
+                .bind(lock_timeout(deadline).to_string())
+                .bind(millis_up(req.ttl).to_string());
+        if tries {
+            set_up = set_up.bind(id);
+            if req.kind == LockKind::Read {
+                set_up = set_up.bind(hi).bind(lo);
+            }
+        }
+        let session = set_up.fetch_one(&mut *lent.conn);
         match tokio::time::timeout(inner.config.connect_timeout, session).await {
-            Ok(Ok((pid, started, _, _))) => return Ok((conn, pid, started)),
+            Ok(Ok((pid, started, _, _, tried))) => return Ok((lent, pid, started, tried)),
             Ok(Err(e)) => {
-                conn.close_on_drop();
-                if inner.gone(&e) && tries <= inner.config.max_holds {
-                    tracing::debug!(error = %e, "a pooled dedicated connection was dead; trying another");
+                lent.conn.close_on_drop();
+                if inner.gone(&e) && sent <= inner.config.max_holds {
+                    tracing::debug!(error = %e, "a dedicated connection was dead; trying another");
                     continue;
                 }
                 return Err(db_error("preparing a dedicated connection", e));
             }
             Err(_) => {
-                conn.close_on_drop();
+                lent.conn.close_on_drop();
                 return Err(Error::backend(
                     BACKEND,
                     true,
@@ -743,6 +839,41 @@ async fn prepared_connection(
             }
         }
     }
+}
+
+/// The set-up of a dedicated connection ([`prepared_connection`]): `$1` the wait's
+/// `lock_timeout`, `$2` the lease (`idle_session_timeout`), both in ms.
+const SET_UP: &str = "SELECT pg_backend_pid(), \
+     COALESCE(NULLIF(current_setting('lockkit.backend_start', true), ''), \
+     (SELECT backend_start::text FROM pg_stat_get_activity(pg_backend_pid()))), \
+     set_config('lock_timeout', $1, false), set_config('idle_session_timeout', $2, false), \
+     NULL::bool";
+
+/// [`SET_UP`], and a try of the key's lock `$3` (`pg_try_advisory_lock`: it never waits, and the
+/// server refuses it while a waiter is queued for the key, so it jumps no queue). The lease
+/// is the session's from the statement's end, the lock's too.
+const SET_UP_AND_TRY: &str = "SELECT pg_backend_pid(), \
+     COALESCE(NULLIF(current_setting('lockkit.backend_start', true), ''), \
+     (SELECT backend_start::text FROM pg_stat_get_activity(pg_backend_pid()))), \
+     set_config('lock_timeout', $1, false), set_config('idle_session_timeout', $2, false), \
+     pg_try_advisory_lock($3)";
+
+/// [`SET_UP_AND_TRY`] for a reader: the key's lock `$3` and its readers' lock (`$4`, `$5`),
+/// shared. A reader
+/// tries only when it does not wait: a try that took the first and not the second would
+/// leave the session holding one, which the wait would then take a second time.
+const SET_UP_AND_TRY_SHARED: &str = "SELECT pg_backend_pid(), \
+     COALESCE(NULLIF(current_setting('lockkit.backend_start', true), ''), \
+     (SELECT backend_start::text FROM pg_stat_get_activity(pg_backend_pid()))), \
+     set_config('lock_timeout', $1, false), set_config('idle_session_timeout', $2, false), \
+     CASE WHEN pg_try_advisory_lock_shared($3) \
+     THEN pg_try_advisory_lock_shared($4, $5) ELSE false END";
+
+/// Whether the set-up statement also tries the lock: always when the caller does not
+/// wait; when it waits, for a plain lock or a writer (the set-up's round trip then decides
+/// an uncontended key, and a busy one goes on to wait in the server's queue as before).
+fn tries_at_set_up(kind: LockKind, wait: Duration) -> bool {
+    wait.is_zero() || kind != LockKind::Read
 }
 
 /// How one try on the dedicated connection ended.
@@ -779,8 +910,8 @@ async fn lock(
     let inner = &backend.inner;
     // The wait counts from the request, not from when a dedicated connection was free.
     let deadline = deadline_after(wait);
-    let (mut conn, pid, started) = prepared_connection(backend, req, deadline).await?;
-    let id = inner.advisory_id(&req.key);
+    let (lent, pid, started, tried) = prepared_connection(backend, req, wait, deadline).await?;
+    let (mut conn, out_since) = (lent.conn, lent.out_since);
     // The server ends the wait at the deadline (`lock_timeout`); the caller's going away,
     // or a wait the server did not end, is ended by terminating this connection's backend
     // from the shared pool if it answers within `QUICK_TERMINATE`, else from a connection
@@ -843,7 +974,7 @@ async fn lock(
             true
         })
     };
-    let outcome = lock_and_record(backend, req, &mut conn, id, wait, deadline, fired).await;
+    let outcome = lock_and_record(backend, req, &mut conn, tried, wait, deadline, fired).await;
     if let Err(e) = &outcome
         && e.connection_gone
     {
@@ -862,19 +993,19 @@ async fn lock(
         }
         Ok(Some(granted)) => granted,
         Ok(None) => {
-            reset_or_close(conn, inner.config.connect_timeout).await;
+            reset_or_close(backend, conn, out_since).await;
             return Ok(None);
         }
         Err(e) => {
             if e.connection_gone {
                 conn.close_on_drop();
             } else {
-                reset_or_close(conn, inner.config.connect_timeout).await;
+                reset_or_close(backend, conn, out_since).await;
             }
             return Err(e.error);
         }
     };
-    let session = Session::new(conn);
+    let session = Session::new(Lent { conn, out_since });
     let held = Arc::new(Held {
         session: session.clone(),
         key: req.key.clone(),
@@ -1023,12 +1154,18 @@ async fn name_session(session: &Session, conn: &mut PoolConnection<Postgres>, bo
 const RESET: &str =
     "SELECT pg_advisory_unlock_all(); SET idle_session_timeout = 0; RESET application_name";
 
-/// Lets go of any advisory lock `conn` holds and clears its lease, then gives it back to
-/// the pool; closes it instead if that fails or takes longer than `bound`.
-async fn reset_or_close(mut conn: PoolConnection<Postgres>, bound: Duration) {
+/// Lets go of any advisory lock `conn` holds and clears its lease, then keeps it for the
+/// next acquisition or gives it back to the pool ([`Dedicated::keep_clean`]); closes it
+/// instead if that fails or takes longer than the connect timeout.
+async fn reset_or_close(
+    backend: &AdvisoryLocks,
+    mut conn: PoolConnection<Postgres>,
+    out_since: std::time::Instant,
+) {
     let reset = sqlx::raw_sql(RESET).execute(&mut *conn);
-    if !matches!(tokio::time::timeout(bound, reset).await, Ok(Ok(_))) {
-        conn.close_on_drop();
+    match tokio::time::timeout(backend.inner.config.connect_timeout, reset).await {
+        Ok(Ok(_)) => backend.dedicated.keep_clean(conn, out_since),
+        _ => conn.close_on_drop(),
     }
 }
 
@@ -1040,11 +1177,12 @@ async fn lock_and_record(
     backend: &AdvisoryLocks,
     req: &AcquireRequest,
     conn: &mut PoolConnection<Postgres>,
-    id: i64,
+    mut tried: Option<bool>,
     wait: Duration,
     deadline: Instant,
     mut fired: tokio::sync::watch::Receiver<bool>,
 ) -> std::result::Result<Option<(u64, Instant)>, LockFailure> {
+    let id = backend.inner.advisory_id(&req.key);
     let mut row_lease_poll = Backoff::new(ROW_LEASE_POLL, ROW_LEASE_POLL);
     // The caller set the first try's `lock_timeout`.
     let mut first = true;
@@ -1052,8 +1190,16 @@ async fn lock_and_record(
         if *fired.borrow() {
             return Ok(None);
         }
-        let locked =
-            try_lock_once(backend, req, conn, id, wait, deadline, first, &mut fired).await?;
+        let locked = try_lock_once(
+            backend,
+            req,
+            conn,
+            id,
+            (wait, deadline),
+            (first, tried.take()),
+            &mut fired,
+        )
+        .await?;
         first = false;
         match locked {
             Locked::Held(token, at) => return Ok(Some((token, at))),
@@ -1081,16 +1227,15 @@ fn lock_timeout(deadline: Instant) -> u64 {
 }
 
 /// One take of the advisory lock, then the record and the lease. `first`: the session's
-/// `lock_timeout` is already set for this wait.
-#[allow(clippy::too_many_arguments)]
+/// `lock_timeout` is already set for this wait; `tried`: the set-up statement tried the
+/// lock already, and got it (`Some(true)`) or found it busy.
 async fn try_lock_once(
     backend: &AdvisoryLocks,
     req: &AcquireRequest,
     conn: &mut PoolConnection<Postgres>,
     id: i64,
-    wait: Duration,
-    deadline: Instant,
-    first: bool,
+    (wait, deadline): (Duration, Instant),
+    (first, tried): (bool, Option<bool>),
     fired: &mut tokio::sync::watch::Receiver<bool>,
 ) -> std::result::Result<Locked, LockFailure> {
     // Every statement on `conn` gives way to the terminator: on a link that went silent
@@ -1100,7 +1245,12 @@ async fn try_lock_once(
     // A reader also takes the readers' lock (shared), which row mode looks for; on any
     // path but a grant the caller lets go of every lock of this connection.
     let (hi, lo) = backend.inner.readers_lock(&req.key);
-    if wait.is_zero() {
+    if tried == Some(true) {
+        // Taken by the set-up statement.
+    } else if wait.is_zero() {
+        if tried == Some(false) {
+            return Ok(Locked::NotGranted);
+        }
         let tried = if read {
             sqlx::query_as::<_, (bool,)>(
                 "SELECT CASE WHEN pg_try_advisory_lock_shared($1) \
@@ -1422,7 +1572,8 @@ async fn release(backend: &AdvisoryLocks, grant: &Grant) -> Result<Released> {
     drop(conn);
     // One round trip: let go first, then clear the record if it is still this hold's and
     // announce that (the record only says who held it, and the next advisory holder
-    // overwrites it anyway). The connection goes back to the pool without a lease.
+    // overwrites it anyway). The connection, without a lock, a lease or a name, is kept
+    // for the next acquisition or goes back to the pool ([`Dedicated::keep_clean`]).
     #[cfg(feature = "testing")]
     let pause = clear_pause();
     #[cfg(not(feature = "testing"))]
@@ -1436,7 +1587,10 @@ async fn release(backend: &AdvisoryLocks, grant: &Grant) -> Result<Released> {
     );
     let released = sqlx::raw_sql(AssertSqlSafe(script)).execute(&mut *c);
     let unlocked = match tokio::time::timeout(bound + pause, released).await {
-        Ok(Ok(_)) => return Ok(Released::Fully),
+        Ok(Ok(_)) => {
+            backend.dedicated.keep_clean(c, session.out_since);
+            return Ok(Released::Fully);
+        }
         // The script failed part-way (the record's row stayed locked, a full notification
         // queue): undone but for the unlock, if that ran. Reset the connection as before,
         // then clear the record from the pool.

@@ -121,6 +121,17 @@ impl PostgresBackend {
         self.db.kept_count()
     }
 
+    /// How many dedicated connections (advisory mode) are kept out of their pool between
+    /// holds now (0 in row mode).
+    #[cfg(feature = "testing")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "testing")))]
+    pub fn kept_dedicated_connections(&self) -> usize {
+        match &self.locks {
+            Locks::Row(_) => 0,
+            Locks::Advisory(locks) => locks.kept_count(),
+        }
+    }
+
     /// The server process ids of the shared pool's connections kept out of it between
     /// one-statement calls now, for fault tests that end them.
     ///

@@ -174,7 +174,7 @@ pub(crate) struct Db {
 
 /// How long a connection stays out of the pool at most, however busy: then it goes back,
 /// so the pool's checks and `max_lifetime` still reach it.
-const KEPT_AT_MOST: Duration = Duration::from_secs(60);
+pub(crate) const KEPT_AT_MOST: Duration = Duration::from_secs(60);
 
 impl Drop for Db {
     /// Kept connections go back to the pool, or are closed in place outside a runtime

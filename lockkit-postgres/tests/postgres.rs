@@ -2121,3 +2121,97 @@ async fn a_transaction_takes_back_a_kept_connection_when_the_pool_is_full() {
         read.release().await.unwrap();
     }
 }
+
+/// Advisory mode's URL for its kept-connection cases: four dedicated connections, of which
+/// one is kept out of sqlx's pool between holds; named, so that the test finds its sessions.
+fn advisory_kept_url(name: &str) -> Option<String> {
+    let url = env::service_url("LOCKKIT_TEST_POSTGRES_URL")?;
+    Some(format!(
+        "{url}?mode=advisory&table={SHARED_TABLE}&max_holds=4&application_name={name}"
+    ))
+}
+
+/// Advisory mode keeps a released hold's dedicated connection out of sqlx's pool for the
+/// next acquisition (sqlx checks every connection given back: a round trip, in a task of
+/// its own). The kept connection holds nothing: another client takes the key at once, and
+/// no session of the client holds an advisory lock; the next acquisition takes it (none is
+/// kept while it holds); `close` gives it back to the pool and ends.
+#[tokio::test]
+async fn an_advisory_release_keeps_its_connection_clean_for_the_next_hold() {
+    let name = format!("pgtest-{}", uuid::Uuid::new_v4().simple());
+    let Some(url) = advisory_kept_url(&name) else {
+        return;
+    };
+    let admin = sqlx::PgPool::connect(&env::service_url("LOCKKIT_TEST_POSTGRES_URL").unwrap())
+        .await
+        .unwrap();
+    let backend = PostgresBackend::connect(&url).await.unwrap();
+    let locker = Locker::new(backend.clone());
+    let k = key("advisory-kept");
+    let held = locker.try_acquire(&k).await.unwrap().expect("free");
+    assert_eq!(backend.kept_dedicated_connections(), 0);
+    held.release().await.unwrap();
+    assert_eq!(
+        backend.kept_dedicated_connections(),
+        1,
+        "the released hold's connection is kept"
+    );
+    let (locks,): (i64,) = sqlx::query_as(
+        "SELECT count(*) FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid \
+         WHERE l.locktype = 'advisory' AND a.application_name = $1",
+    )
+    .bind(&name)
+    .fetch_one(&admin)
+    .await
+    .unwrap();
+    assert_eq!(locks, 0, "a kept connection holds no advisory lock");
+    let (other, other_backend) = client_of("advisory").await.unwrap();
+    other
+        .try_acquire(&k)
+        .await
+        .unwrap()
+        .expect("another client takes the key at once")
+        .release()
+        .await
+        .unwrap();
+    other_backend.close().await;
+    let again = locker.try_acquire(&k).await.unwrap().expect("free");
+    assert_eq!(
+        backend.kept_dedicated_connections(),
+        0,
+        "the next acquisition took the kept connection"
+    );
+    again.release().await.unwrap();
+    assert_eq!(backend.kept_dedicated_connections(), 1);
+    tokio::time::timeout(Duration::from_secs(30), backend.close())
+        .await
+        .expect("close gives the kept connection back and ends");
+}
+
+/// A client dropped after its runtime (or on a thread without one) closes its kept
+/// dedicated connections in place: sqlx gives pooled connections back in a task, and would
+/// panic without a runtime.
+#[test]
+fn an_advisory_client_with_kept_connections_drops_outside_a_runtime() {
+    let name = format!("pgtest-{}", uuid::Uuid::new_v4().simple());
+    let Some(url) = advisory_kept_url(&name) else {
+        return;
+    };
+    let runtime = tokio::runtime::Runtime::new().unwrap();
+    let backend = runtime.block_on(async {
+        let backend = PostgresBackend::connect(&url).await.unwrap();
+        let locker = Locker::new(backend.clone());
+        let held = locker
+            .try_acquire(key("advisory-kept-drop"))
+            .await
+            .unwrap()
+            .expect("free");
+        held.release().await.unwrap();
+        assert_eq!(backend.kept_dedicated_connections(), 1);
+        backend
+    });
+    drop(runtime);
+    std::thread::spawn(move || drop(backend))
+        .join()
+        .expect("dropping the client outside a runtime must not panic");
+}
