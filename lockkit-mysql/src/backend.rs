@@ -77,9 +77,12 @@ impl MysqlBackend {
 
     /// Closes every connection of this client. Holds still open end with their connections.
     pub async fn close(&self) {
-        self.db.holds_pool.close().await;
-        // Closed first (sqlx marks the pool closed when `close` is called), so a statement
-        // completing meanwhile does not keep its connection; then the kept ones go back.
+        // Each pool is closed first (sqlx marks it closed when `close` is called), so a
+        // statement completing meanwhile does not keep its connection; then the kept ones
+        // go back (a pool's close waits for all its connections).
+        let closing_holds = self.db.holds_pool.close();
+        self.db.return_kept_holds();
+        closing_holds.await;
         let closing = self.db.pool.close();
         self.db.return_kept();
         closing.await;
@@ -98,6 +101,14 @@ impl MysqlBackend {
     #[cfg_attr(docsrs, doc(cfg(feature = "testing")))]
     pub fn kept_connections(&self) -> usize {
         self.db.kept_count()
+    }
+
+    /// How many dedicated for-update connections are kept out of their pool between holds
+    /// now.
+    #[cfg(feature = "testing")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "testing")))]
+    pub fn kept_dedicated_connections(&self) -> usize {
+        self.db.kept_holds_count()
     }
 
     /// The server connection ids of the shared pool's connections kept between

@@ -97,6 +97,10 @@ pub(crate) struct Db {
     /// ([`Db::execute_one`]): at most a quarter of `pool_size` (none for a pool of up to
     /// three).
     kept: KeptConnections<PoolConnection<MySql>>,
+    /// Dedicated connections kept out of `holds_pool` between for-update holds
+    /// ([`Db::lend_hold_connection`], [`Db::keep_hold_connection`]): at most a quarter of
+    /// `max_holds`.
+    kept_holds: KeptConnections<PoolConnection<MySql>>,
 }
 
 /// How long a connection stays out of the pool at most, however busy: then it goes back,
@@ -113,6 +117,7 @@ impl Drop for Db {
     /// ([`KeptConnections::drop_all`]).
     fn drop(&mut self) {
         self.kept.drop_all(|conn| drop(conn.detach()));
+        self.kept_holds.drop_all(|conn| drop(conn.detach()));
     }
 }
 
@@ -159,6 +164,7 @@ impl Db {
             .after_connect(|conn, _| Box::pin(read_committed(conn)))
             .connect_lazy_with(config.connect.clone());
         let keep_at_most = config.pool_size / 4;
+        let keep_holds_at_most = config.max_holds / 4;
         let db = Arc::new(Db {
             sql: Sql::new(&config.table),
             config,
@@ -171,15 +177,22 @@ impl Db {
                 IDLE_PING_AFTER,
                 KEPT_AT_MOST,
             ),
+            kept_holds: KeptConnections::new(
+                usize::try_from(keep_holds_at_most).unwrap_or(0),
+                IDLE_PING_AFTER,
+                KEPT_AT_MOST,
+            ),
         });
-        if db.kept.at_most() > 0 {
-            // Gives back idle kept connections while the client lives and its pool is open.
+        if db.kept.at_most() > 0 || db.kept_holds.at_most() > 0 {
+            // Gives back idle kept connections while the client lives and its pools are
+            // open.
             tokio::spawn(sweep_while(
                 Arc::downgrade(&db),
                 IDLE_PING_AFTER,
                 |db: &Db| {
                     db.kept.sweep(db.return_all_kept());
-                    !db.pool.is_closed()
+                    db.kept_holds.sweep(db.return_all_kept_holds());
+                    !db.pool.is_closed() || !db.holds_pool.is_closed()
                 },
             ));
         }
@@ -281,6 +294,50 @@ impl Db {
     #[cfg(feature = "testing")]
     pub(crate) fn kept_count(&self) -> usize {
         self.kept.len()
+    }
+
+    /// Whether every kept dedicated connection must go back to its pool now: the pool
+    /// closed, or a connection was seen dead within [`PING_AFTER_DEATH`].
+    fn return_all_kept_holds(&self) -> bool {
+        self.holds_pool.is_closed() || self.dead_seen.within(PING_AFTER_DEATH)
+    }
+
+    /// A dedicated connection for a for-update hold or waiter: a kept one, or one from
+    /// `holds_pool`. Kept ones are taken first, and kept only while the pool has one to
+    /// spare ([`Db::keep_hold_connection`]), so no caller waits for a connection that sits
+    /// kept.
+    pub(crate) async fn lend_hold_connection(
+        &self,
+    ) -> std::result::Result<Lent<PoolConnection<MySql>>, sqlx::Error> {
+        match self.kept_holds.take(self.return_all_kept_holds()) {
+            Some(lent) => Ok(lent),
+            None => Ok(Lent::from_pool(self.holds_pool.acquire().await?)),
+        }
+    }
+
+    /// Keeps a dedicated connection whose last statement ended its transaction and put
+    /// the session's defaults back (a release's commit, a rollback), for the next hold,
+    /// if there is room; otherwise it goes back to `holds_pool`. sqlx checks every
+    /// connection given back to its pool (a round trip, in a task of its own).
+    pub(crate) fn keep_hold_connection(&self, lent: Lent<PoolConnection<MySql>>) {
+        // Only while the pool can spare it (an idle connection, or room to open one): else
+        // a caller may be waiting for a connection, and gets this one.
+        let spare =
+            self.holds_pool.num_idle() > 0 || self.holds_pool.size() < self.config.max_holds;
+        self.kept_holds
+            .keep(lent, || spare && !self.return_all_kept_holds());
+    }
+
+    /// How many dedicated connections are kept now.
+    #[cfg(feature = "testing")]
+    pub(crate) fn kept_holds_count(&self) -> usize {
+        self.kept_holds.len()
+    }
+
+    /// Gives every kept dedicated connection back to `holds_pool` (when it closes: it waits
+    /// for all its connections).
+    pub(crate) fn return_kept_holds(&self) {
+        drop(self.kept_holds.take_all());
     }
 
     /// Gives every kept connection back to the pool (when the pool closes: it waits for

@@ -11,7 +11,7 @@ use std::{
 
 use async_trait::async_trait;
 use lockkit_core::spi::{
-    AcquireRequest, Backoff, CountRelease, Grant, HoldCount, Interrupt, LocalHolds, Released,
+    AcquireRequest, Backoff, CountRelease, Grant, HoldCount, Interrupt, Lent, LocalHolds, Released,
     deadline_after, detached_acquire, granted_or_timeout,
 };
 use lockkit_core::{
@@ -126,6 +126,8 @@ fn plain_lock_only(req: &AcquireRequest) -> Result<()> {
 /// One for-update hold: its connection (inside the lock transaction) and local depth.
 pub(crate) struct Held {
     conn: tokio::sync::Mutex<Option<PoolConnection<MySql>>>,
+    /// When that connection left its pool (see [`Db::keep_hold_connection`]).
+    out_since: std::time::Instant,
     /// The server's id of that connection (for `KILL`).
     pub(crate) connection_id: u64,
     key: LockKey,
@@ -309,9 +311,9 @@ async fn lock(
         wait_s = whole_seconds(wait).max(1),
     );
     let mut tries = 0;
-    let (mut conn, id, first_try) = loop {
+    let (lent, id, first_try) = loop {
         tries += 1;
-        let mut conn = inner.holds_pool.acquire().await.map_err(|e| match e {
+        let lent = inner.lend_hold_connection().await.map_err(|e| match e {
             sqlx::Error::PoolTimedOut => Error::backend(
                 BACKEND,
                 true,
@@ -323,6 +325,7 @@ async fn lock(
             ),
             e => db_error("opening a dedicated connection", e),
         })?;
+        let (mut conn, out_since) = (lent.conn, lent.out_since);
         let set_up = set_up_and_try(&mut conn, &session).await;
         match set_up {
             Ok((id, tried)) => {
@@ -336,7 +339,7 @@ async fn lock(
                     Err(e) if !wait.is_zero() && is_busy(&e) => None,
                     tried => Some(tried),
                 };
-                break (conn, id, first_try);
+                break (Lent { conn, out_since }, id, first_try);
             }
             Err(e) => {
                 // Never back to the pool half set up.
@@ -347,6 +350,7 @@ async fn lock(
             }
         }
     };
+    let (mut conn, out_since) = (lent.conn, lent.out_since);
     // The server waits in whole seconds; the deadline and cancellation interrupt it sooner,
     // by `KILL` of this connection (a `KILL QUERY` that arrives between two statements does
     // nothing). The killer is stopped and *awaited* before the connection is used for
@@ -404,7 +408,7 @@ async fn lock(
         }
         Ok(Some(granted)) => granted,
         Ok(None) => {
-            end_and_restore(&mut conn).await;
+            end_and_restore(inner, conn, out_since).await;
             return Ok(None);
         }
         Err(e) => {
@@ -412,13 +416,14 @@ async fn lock(
                 inner.dead_seen.note();
                 conn.close_on_drop();
             } else {
-                end_and_restore(&mut conn).await;
+                end_and_restore(inner, conn, out_since).await;
             }
             return Err(e.error);
         }
     };
     let held = Arc::new(Held {
         conn: tokio::sync::Mutex::new(Some(conn)),
+        out_since,
         connection_id: id,
         key: req.key.clone(),
         owner: req.owner,
@@ -480,16 +485,21 @@ pub(crate) const RESTORE_SESSION: &str = "SET SESSION wait_timeout = @@GLOBAL.wa
      lock_wait_timeout = @@GLOBAL.lock_wait_timeout";
 
 /// Ends the transaction of a connection that took no lock (or whose lock is not wanted) and
-/// makes it fit for the pool again, in one round trip; a connection where that fails is
-/// closed instead.
-async fn end_and_restore(conn: &mut PoolConnection<MySql>) {
+/// makes it fit for the pool again, in one round trip, then keeps it for the next hold or
+/// gives it back ([`Db::keep_hold_connection`]); a connection where that fails is closed
+/// instead.
+async fn end_and_restore(
+    inner: &Db,
+    mut conn: PoolConnection<MySql>,
+    out_since: std::time::Instant,
+) {
     let statement = format!("ROLLBACK; {RESTORE_SESSION}");
-    if sqlx::raw_sql(AssertSqlSafe(statement))
-        .execute(&mut **conn)
+    match sqlx::raw_sql(AssertSqlSafe(statement))
+        .execute(&mut *conn)
         .await
-        .is_err()
     {
-        conn.close_on_drop();
+        Ok(_) => inner.keep_hold_connection(Lent { conn, out_since }),
+        Err(_) => conn.close_on_drop(),
     }
 }
 
@@ -875,9 +885,11 @@ async fn release(backend: &ForUpdateLocks, grant: &Grant) -> Result<Released> {
     };
     // A release dropped before its statement ran must not put a connection still in the
     // lock transaction back in the pool.
-    let mut c = ClosedIfDropped {
-        conn: c,
-        done: false,
+    let mut guard = ClosedIfDropped(Some(c));
+    let Some(c) = guard.0.as_mut() else {
+        return Err(Error::NotHeld {
+            key: grant.key.clone(),
+        });
     };
     // One round trip: clear the holder record inside the lock transaction (so the row lock
     // keeps the next holder out until the record is gone), commit (which ends the lock),
@@ -895,10 +907,17 @@ async fn release(backend: &ForUpdateLocks, grant: &Grant) -> Result<Released> {
         hex(owner.as_bytes())
     );
     let Err(e) = sqlx::raw_sql(AssertSqlSafe(statement))
-        .execute(&mut *c.conn)
+        .execute(&mut **c)
         .await
     else {
-        c.done = true;
+        // Committed, and the session's defaults back: kept for the next hold, or back
+        // to the pool.
+        if let Some(conn) = guard.0.take() {
+            backend.inner.keep_hold_connection(Lent {
+                conn,
+                out_since: held.out_since,
+            });
+        }
         return Ok(Released::Fully);
     };
     if backend.inner.gone(&e) {
@@ -912,7 +931,7 @@ async fn release(backend: &ForUpdateLocks, grant: &Grant) -> Result<Released> {
     // the session's lock wait): end the lock anyway, then clear the record on its own,
     // best effort, as `inspect` and mode=row treat a record whose row is unlocked as over.
     if let Err(e) = sqlx::raw_sql(AssertSqlSafe(format!("ROLLBACK; {RESTORE_SESSION}")))
-        .execute(&mut *c.conn)
+        .execute(&mut **c)
         .await
     {
         return if connection_gone(&e) {
@@ -923,8 +942,8 @@ async fn release(backend: &ForUpdateLocks, grant: &Grant) -> Result<Released> {
             Err(db_error("ending the lock transaction", e))
         };
     }
-    c.done = true;
-    drop(c);
+    // Back to the pool (which checks it).
+    drop(guard.0.take());
     tracing::debug!(error = %e, "clearing the holder record in the lock transaction failed");
     #[cfg(feature = "testing")]
     release_clear_pause().await;
@@ -968,16 +987,13 @@ async fn release_clear_pause() {
 }
 
 /// A pooled connection that is closed rather than given back to the pool when dropped
-/// before its last statement ran (`done`).
-struct ClosedIfDropped {
-    conn: PoolConnection<MySql>,
-    done: bool,
-}
+/// before its last statement ran (then the caller takes it out).
+struct ClosedIfDropped(Option<PoolConnection<MySql>>);
 
 impl Drop for ClosedIfDropped {
     fn drop(&mut self) {
-        if !self.done {
-            self.conn.close_on_drop();
+        if let Some(conn) = self.0.as_mut() {
+            conn.close_on_drop();
         }
     }
 }

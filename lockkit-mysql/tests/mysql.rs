@@ -1747,3 +1747,94 @@ async fn a_transaction_takes_back_a_kept_connection_when_the_pool_is_full() {
         read.release().await.unwrap();
     }
 }
+
+/// For-update mode keeps a released hold's dedicated connection out of sqlx's pool for the
+/// next acquisition (sqlx checks every connection given back: a round trip, in a task of
+/// its own). The kept connection is out of its lock transaction: another client takes the
+/// key at once; the next acquisition takes it (none is kept while it holds); a busy try's
+/// connection, rolled back, is kept too; `close` gives them back and ends.
+#[tokio::test]
+async fn a_for_update_release_keeps_its_connection_clean_for_the_next_hold() {
+    let table = "lockkit_test_fu_kept";
+    let (Some(url), Some(other_url)) = (
+        url(&format!("mode=for-update&table={table}&max_holds=4")),
+        url(&format!("mode=for-update&table={table}")),
+    ) else {
+        return;
+    };
+    let backend = MysqlBackend::connect(&url).await.unwrap();
+    let locker = Locker::new(backend.clone());
+    let key = key();
+    let held = locker.try_acquire(&key).await.unwrap().expect("free");
+    assert_eq!(backend.kept_dedicated_connections(), 0);
+    held.release().await.unwrap();
+    assert_eq!(
+        backend.kept_dedicated_connections(),
+        1,
+        "the released hold's connection is kept"
+    );
+    let other_backend = MysqlBackend::connect(&other_url).await.unwrap();
+    let other = Locker::new(other_backend.clone());
+    let theirs = other
+        .try_acquire(&key)
+        .await
+        .unwrap()
+        .expect("another client takes the key at once");
+    assert!(
+        locker.try_acquire(&key).await.unwrap().is_none(),
+        "the key is busy while the other client holds it"
+    );
+    assert_eq!(
+        backend.kept_dedicated_connections(),
+        1,
+        "the busy try's connection, rolled back, is kept"
+    );
+    theirs.release().await.unwrap();
+    // Well within the idle second after which the sweeper gives a kept connection back.
+    let again = locker.try_acquire(&key).await.unwrap().expect("free");
+    assert_eq!(
+        backend.kept_dedicated_connections(),
+        0,
+        "the next acquisition took the kept connection"
+    );
+    again.release().await.unwrap();
+    assert_eq!(backend.kept_dedicated_connections(), 1);
+    other_backend.close().await;
+    tokio::time::timeout(Duration::from_secs(30), backend.close())
+        .await
+        .expect("close gives the kept connection back and ends");
+}
+
+/// A dedicated connection is kept only while the pool has one to spare: with every
+/// dedicated connection out and an acquisition waiting for one, a release hands its
+/// connection to that acquisition (kept, it would wait until the sweeper gave it back, a
+/// second or more after the release: past the 250 ms the pool waits for a connection).
+#[tokio::test]
+async fn a_released_dedicated_connection_goes_to_an_acquisition_waiting_for_one() {
+    let Some(url) = url("mode=for-update&table=lockkit_test_fu_kept&max_holds=4") else {
+        return;
+    };
+    let backend = MysqlBackend::connect(&url).await.unwrap();
+    let locker = Locker::new(backend.clone());
+    let mut held = Vec::new();
+    for _ in 0..4 {
+        held.push(locker.try_acquire(key()).await.unwrap().expect("free"));
+    }
+    let fifth = tokio::spawn({
+        let locker = locker.clone();
+        async move { locker.try_acquire(key()).await }
+    });
+    // The fifth waits for a dedicated connection now.
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    held.pop().unwrap().release().await.unwrap();
+    let fifth = fifth
+        .await
+        .unwrap()
+        .expect("the released connection went to the waiting acquisition")
+        .expect("free");
+    fifth.release().await.unwrap();
+    for h in held {
+        h.release().await.unwrap();
+    }
+    backend.close().await;
+}

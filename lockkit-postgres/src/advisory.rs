@@ -141,9 +141,12 @@ pub(crate) struct AdvisoryLocks {
 /// kept connection goes back to the pool once it idled [`PING_IDLE_AFTER`] (the pool then
 /// checks it before lending it again), or was out [`KEPT_AT_MOST`]; every one goes back
 /// when the pool closes or a connection was seen gone lately. An acquisition takes a kept
-/// connection before asking the pool, so none ever waits for a connection that sits kept.
+/// connection before asking the pool, and a connection is kept only while the pool has one
+/// to spare, so none waits for a connection that sits kept.
 struct Dedicated {
     pool: PgPool,
+    /// The pool's size (`max_holds`).
+    max: u32,
     kept: KeptConnections<PoolConnection<Postgres>>,
     dead_seen: Arc<DeadSeen>,
 }
@@ -163,11 +166,13 @@ impl Dedicated {
     }
 
     /// Keeps `conn`, which holds no lock, no lease and no name (a statement that let go of
-    /// all of them just completed on it), for the next acquisition, if there is room;
-    /// otherwise it goes back to the pool.
+    /// all of them just completed on it), for the next acquisition, if there is room and
+    /// the pool can spare it (an idle connection, or room to open one: else a caller may be
+    /// waiting for a connection, and gets this one); otherwise it goes back to the pool.
     fn keep_clean(&self, conn: PoolConnection<Postgres>, out_since: std::time::Instant) {
         let lent = Lent { conn, out_since };
-        self.kept.keep(lent, || !self.return_all_kept());
+        let spare = self.pool.num_idle() > 0 || self.pool.size() < self.max;
+        self.kept.keep(lent, || spare && !self.return_all_kept());
     }
 }
 
@@ -213,6 +218,7 @@ impl AdvisoryLocks {
             .connect_lazy_with(db.config.connect.clone());
         let dedicated = Arc::new(Dedicated {
             pool: holds_pool,
+            max: db.config.max_holds,
             kept: KeptConnections::new(
                 usize::try_from(db.config.max_holds / 4).unwrap_or(0),
                 PING_IDLE_AFTER,
@@ -786,7 +792,10 @@ async fn prepared_connection(
     let inner = &backend.inner;
     let id = inner.advisory_id(&req.key);
     let (hi, lo) = inner.readers_lock(&req.key);
-    let tries = tries_at_set_up(req.kind, wait);
+    // Past its deadline already (the pool was slow to lend a connection), a wait takes
+    // nothing here: the terminator is about to end it.
+    let tries = tries_at_set_up(req.kind, wait) && (wait.is_zero() || Instant::now() < deadline);
+    let name = set_up_name(req);
     let statement = match (tries, req.kind == LockKind::Read) {
         (false, _) => SET_UP,
         (true, false) => SET_UP_AND_TRY,
@@ -813,13 +822,24 @@ async fn prepared_connection(
                 .bind(lock_timeout(deadline).to_string())
                 .bind(millis_up(req.ttl).to_string());
         if tries {
-            set_up = set_up.bind(id);
+            set_up = set_up.bind(&name).bind(id);
             if req.kind == LockKind::Read {
                 set_up = set_up.bind(hi).bind(lo);
             }
         }
         let session = set_up.fetch_one(&mut *lent.conn);
-        match tokio::time::timeout(inner.config.connect_timeout, session).await {
+        let answered = tokio::time::timeout(inner.config.connect_timeout, session).await;
+        #[cfg(feature = "testing")]
+        if let Ok(Ok((_, _, _, _, Some(true)))) = &answered
+            && set_up_reply_lost(&req.key)
+        {
+            // As if the answer had been lost on a link gone silent: no goodbye reaches the
+            // server, and the session (still holding the lock) stays open.
+            std::mem::forget(lent.conn.detach());
+            tokio::spawn(end_unanswered_set_up(backend.clone(), name));
+            return Err(set_up_unanswered());
+        }
+        match answered {
             Ok(Ok((pid, started, _, _, tried))) => return Ok((lent, pid, started, tried)),
             Ok(Err(e)) => {
                 lent.conn.close_on_drop();
@@ -831,14 +851,47 @@ async fn prepared_connection(
             }
             Err(_) => {
                 lent.conn.close_on_drop();
-                return Err(Error::backend(
-                    BACKEND,
-                    true,
-                    "a dedicated connection did not answer in time; is the server reachable?",
-                ));
+                if tries {
+                    // The try may have taken the lock, and the close may never reach the
+                    // server (a link gone silent): end the session from elsewhere, or the
+                    // key would stay held, by nobody, for the lease.
+                    tokio::spawn(end_unanswered_set_up(backend.clone(), name));
+                }
+                return Err(set_up_unanswered());
             }
         }
     }
+}
+
+/// A set-up that did not answer in time.
+fn set_up_unanswered() -> Error {
+    Error::backend(
+        BACKEND,
+        true,
+        "a dedicated connection did not answer in time; is the server reachable?",
+    )
+}
+
+/// Test hook: the next set-up of one key that takes the lock loses its answer.
+#[cfg(feature = "testing")]
+static SET_UP_REPLY_LOST: std::sync::Mutex<Option<String>> = std::sync::Mutex::new(None);
+
+/// Makes the next acquisition of `key` whose set-up statement takes the lock behave as if
+/// that statement's answer had been lost on a link gone silent (test hook): its connection
+/// is dropped without a goodbye, its session left open on the server, holding the lock.
+#[cfg(feature = "testing")]
+pub fn set_set_up_reply_lost(key: &str) {
+    *SET_UP_REPLY_LOST.lock().unwrap_or_else(|e| e.into_inner()) = Some(key.to_owned());
+}
+
+#[cfg(feature = "testing")]
+fn set_up_reply_lost(key: &LockKey) -> bool {
+    let mut set = SET_UP_REPLY_LOST.lock().unwrap_or_else(|e| e.into_inner());
+    let lost = set.as_deref() == Some(key.as_str());
+    if lost {
+        *set = None;
+    }
+    lost
 }
 
 /// The set-up of a dedicated connection ([`prepared_connection`]): `$1` the wait's
@@ -849,16 +902,19 @@ const SET_UP: &str = "SELECT pg_backend_pid(), \
      set_config('lock_timeout', $1, false), set_config('idle_session_timeout', $2, false), \
      NULL::bool";
 
-/// [`SET_UP`], and a try of the key's lock `$3` (`pg_try_advisory_lock`: it never waits, and the
-/// server refuses it while a waiter is queued for the key, so it jumps no queue). The lease
-/// is the session's from the statement's end, the lock's too.
+/// [`SET_UP`], and a try of the key's lock `$4` (`pg_try_advisory_lock`: it never waits, and
+/// the server refuses it while a waiter is queued for the key, so it jumps no queue). The
+/// lease is the session's from the statement's end, the lock's too. The session is named
+/// `$3` ([`set_up_name`]) first (a `CASE` evaluates its condition first): a set-up whose
+/// answer never comes has that session ended by name ([`end_unanswered_set_up`]).
 const SET_UP_AND_TRY: &str = "SELECT pg_backend_pid(), \
      COALESCE(NULLIF(current_setting('lockkit.backend_start', true), ''), \
      (SELECT backend_start::text FROM pg_stat_get_activity(pg_backend_pid()))), \
      set_config('lock_timeout', $1, false), set_config('idle_session_timeout', $2, false), \
-     pg_try_advisory_lock($3)";
+     CASE WHEN set_config('application_name', $3, false) IS NULL THEN NULL \
+     ELSE pg_try_advisory_lock($4) END";
 
-/// [`SET_UP_AND_TRY`] for a reader: the key's lock `$3` and its readers' lock (`$4`, `$5`),
+/// [`SET_UP_AND_TRY`] for a reader: the key's lock `$4` and its readers' lock (`$5`, `$6`),
 /// shared. A reader
 /// tries only when it does not wait: a try that took the first and not the second would
 /// leave the session holding one, which the wait would then take a second time.
@@ -866,8 +922,52 @@ const SET_UP_AND_TRY_SHARED: &str = "SELECT pg_backend_pid(), \
      COALESCE(NULLIF(current_setting('lockkit.backend_start', true), ''), \
      (SELECT backend_start::text FROM pg_stat_get_activity(pg_backend_pid()))), \
      set_config('lock_timeout', $1, false), set_config('idle_session_timeout', $2, false), \
-     CASE WHEN pg_try_advisory_lock_shared($3) \
-     THEN pg_try_advisory_lock_shared($4, $5) ELSE false END";
+     CASE WHEN set_config('application_name', $3, false) IS NULL THEN NULL \
+     WHEN pg_try_advisory_lock_shared($4) THEN pg_try_advisory_lock_shared($5, $6) \
+     ELSE false END";
+
+/// The name a set-up that tries the lock gives its session first (`application_name`, at
+/// most 63 bytes): this acquisition's own. The grant's record renames the session for
+/// `holders`; a wait keeps it; a reset or release clears it.
+fn set_up_name(req: &AcquireRequest) -> String {
+    format!("{APP_PREFIX}-set-up {}", req.attempt.simple())
+}
+
+/// Ends the session a set-up that tries the lock named `name`, after its answer did not
+/// come in time: from an idle pooled connection if one answers within
+/// [`QUICK_TERMINATE`], else from a connection opened for it, each within the connect
+/// timeout. Best effort: a session that is still there after that ends at its lease
+/// (`idle_session_timeout`, set by the same statement).
+async fn end_unanswered_set_up(backend: AdvisoryLocks, name: String) {
+    let inner = &backend.inner;
+    let (options, bound) = (inner.config.connect.clone(), inner.config.connect_timeout);
+    let end = || {
+        sqlx::query(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name = $1",
+        )
+        .bind(name.clone())
+    };
+    let pooled = async {
+        let mut c = inner.pool.acquire().await?;
+        end().execute(&mut *c).await
+    };
+    if matches!(
+        tokio::time::timeout(QUICK_TERMINATE.min(bound), pooled).await,
+        Ok(Ok(_))
+    ) {
+        return;
+    }
+    let terminate = async {
+        let mut control = PgConnection::connect_with(&options).await?;
+        end().execute(&mut control).await?;
+        control.close().await
+    };
+    match tokio::time::timeout(bound, terminate).await {
+        Ok(Ok(())) => {}
+        Ok(Err(error)) => tracing::debug!(%error, "ending an unanswered set-up's session failed"),
+        Err(_) => tracing::debug!("ending an unanswered set-up's session got no answer in time"),
+    }
+}
 
 /// Whether the set-up statement also tries the lock: always when the caller does not
 /// wait; when it waits, for a plain lock or a writer (the set-up's round trip then decides

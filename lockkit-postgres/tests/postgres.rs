@@ -2174,7 +2174,7 @@ async fn an_advisory_release_keeps_its_connection_clean_for_the_next_hold() {
         .release()
         .await
         .unwrap();
-    other_backend.close().await;
+    // Well within the idle second after which the sweeper gives a kept connection back.
     let again = locker.try_acquire(&k).await.unwrap().expect("free");
     assert_eq!(
         backend.kept_dedicated_connections(),
@@ -2183,9 +2183,58 @@ async fn an_advisory_release_keeps_its_connection_clean_for_the_next_hold() {
     );
     again.release().await.unwrap();
     assert_eq!(backend.kept_dedicated_connections(), 1);
+    other_backend.close().await;
     tokio::time::timeout(Duration::from_secs(30), backend.close())
         .await
         .expect("close gives the kept connection back and ends");
+}
+
+/// A dedicated connection is kept only while the pool has one to spare: with every
+/// dedicated connection out and an acquisition waiting for one, a release hands its
+/// connection to that acquisition (kept, it would wait until the sweeper gave it back, a
+/// second or more after the release: past this client's one-second connect timeout, which
+/// bounds the wait for a dedicated connection).
+#[tokio::test]
+async fn a_released_dedicated_connection_goes_to_an_acquisition_waiting_for_one() {
+    let name = format!("pgtest-{}", uuid::Uuid::new_v4().simple());
+    let Some(url) = advisory_kept_url(&name) else {
+        return;
+    };
+    let backend = PostgresBackend::connect(&format!("{url}&connect_timeout=1s"))
+        .await
+        .unwrap();
+    let locker = Locker::new(backend.clone());
+    let mut held = Vec::new();
+    for i in 0..4 {
+        held.push(
+            locker
+                .try_acquire(key(&format!("advisory-full-{i}")))
+                .await
+                .unwrap()
+                .expect("free"),
+        );
+    }
+    let fifth = tokio::spawn({
+        let locker = locker.clone();
+        async move {
+            locker
+                .acquire(key("advisory-full-4"))
+                .wait(Duration::from_secs(30))
+                .await
+        }
+    });
+    // The fifth waits for a dedicated connection now.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    held.pop().unwrap().release().await.unwrap();
+    let fifth = fifth
+        .await
+        .unwrap()
+        .expect("the released connection went to the waiting acquisition");
+    fifth.release().await.unwrap();
+    for h in held {
+        h.release().await.unwrap();
+    }
+    backend.close().await;
 }
 
 /// A client dropped after its runtime (or on a thread without one) closes its kept
@@ -2214,4 +2263,35 @@ fn an_advisory_client_with_kept_connections_drops_outside_a_runtime() {
     std::thread::spawn(move || drop(backend))
         .join()
         .expect("dropping the client outside a runtime must not panic");
+}
+
+/// A set-up statement that took the lock and whose answer never came (a link gone silent
+/// right after the server's grant, so the client's close never reaches the server either)
+/// has its session ended by the name it gave it: the key is free again long before the
+/// lease the statement set (two minutes), with no hold behind it.
+#[tokio::test]
+async fn an_unanswered_set_up_that_took_the_lock_does_not_keep_the_key() {
+    let Some((locker, backend)) = client_of("advisory").await else {
+        return;
+    };
+    let k = key("advisory-unanswered");
+    lockkit_postgres::set_set_up_reply_lost(k.as_str());
+    let first = locker.try_acquire(&k).ttl(Duration::from_secs(120)).await;
+    assert!(
+        !matches!(first, Ok(Some(_))),
+        "an acquisition whose set-up went unanswered was granted"
+    );
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        if let Some(held) = locker.try_acquire(&k).await.unwrap() {
+            held.release().await.unwrap();
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the unanswered set-up's session kept the key"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    backend.close().await;
 }
