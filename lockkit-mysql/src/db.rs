@@ -309,9 +309,18 @@ impl Db {
     pub(crate) async fn lend_hold_connection(
         &self,
     ) -> std::result::Result<Lent<PoolConnection<MySql>>, sqlx::Error> {
-        match self.kept_holds.take(self.return_all_kept_holds()) {
-            Some(lent) => Ok(lent),
-            None => Ok(Lent::from_pool(self.holds_pool.acquire().await?)),
+        if let Some(lent) = self.kept_holds.take(self.return_all_kept_holds()) {
+            return Ok(lent);
+        }
+        match self.holds_pool.acquire().await {
+            Ok(conn) => Ok(Lent::from_pool(conn)),
+            // One kept while the pool had a connection to spare, which another caller took
+            // as this one began to wait: take it now rather than fail.
+            Err(sqlx::Error::PoolTimedOut) => self
+                .kept_holds
+                .take(self.return_all_kept_holds())
+                .ok_or(sqlx::Error::PoolTimedOut),
+            Err(e) => Err(e),
         }
     }
 

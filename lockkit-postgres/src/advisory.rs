@@ -159,9 +159,18 @@ impl Dedicated {
 
     /// A kept connection, or one from the pool.
     async fn lend(&self) -> std::result::Result<Lent<PoolConnection<Postgres>>, sqlx::Error> {
-        match self.kept.take(self.return_all_kept()) {
-            Some(lent) => Ok(lent),
-            None => Ok(Lent::from_pool(self.pool.acquire().await?)),
+        if let Some(lent) = self.kept.take(self.return_all_kept()) {
+            return Ok(lent);
+        }
+        match self.pool.acquire().await {
+            Ok(conn) => Ok(Lent::from_pool(conn)),
+            // One kept while the pool had a connection to spare, which another caller took
+            // as this one began to wait: take it now rather than fail.
+            Err(sqlx::Error::PoolTimedOut) => self
+                .kept
+                .take(self.return_all_kept())
+                .ok_or(sqlx::Error::PoolTimedOut),
+            Err(e) => Err(e),
         }
     }
 
@@ -792,15 +801,6 @@ async fn prepared_connection(
     let inner = &backend.inner;
     let id = inner.advisory_id(&req.key);
     let (hi, lo) = inner.readers_lock(&req.key);
-    // Past its deadline already (the pool was slow to lend a connection), a wait takes
-    // nothing here: the terminator is about to end it.
-    let tries = tries_at_set_up(req.kind, wait) && (wait.is_zero() || Instant::now() < deadline);
-    let name = set_up_name(req);
-    let statement = match (tries, req.kind == LockKind::Read) {
-        (false, _) => SET_UP,
-        (true, false) => SET_UP_AND_TRY,
-        (true, true) => SET_UP_AND_TRY_SHARED,
-    };
     let mut sent = 0;
     loop {
         sent += 1;
@@ -817,6 +817,18 @@ async fn prepared_connection(
             ),
             e => db_error("opening a dedicated connection", e),
         })?;
+        // Past its deadline already (the pool was slow to lend a connection), a wait takes
+        // nothing here: the terminator is about to end it.
+        let tries =
+            tries_at_set_up(req.kind, wait) && (wait.is_zero() || Instant::now() < deadline);
+        // A name of this send's own: a set-up sent again (here on another connection, or
+        // by a caller that retries the same attempt) is never ended for a lost one.
+        let name = set_up_name();
+        let statement = match (tries, req.kind == LockKind::Read) {
+            (false, _) => SET_UP,
+            (true, false) => SET_UP_AND_TRY,
+            (true, true) => SET_UP_AND_TRY_SHARED,
+        };
         let mut set_up =
             sqlx::query_as::<_, (i32, String, String, String, Option<bool>)>(statement)
                 .bind(lock_timeout(deadline).to_string())
@@ -927,10 +939,10 @@ const SET_UP_AND_TRY_SHARED: &str = "SELECT pg_backend_pid(), \
      ELSE false END";
 
 /// The name a set-up that tries the lock gives its session first (`application_name`, at
-/// most 63 bytes): this acquisition's own. The grant's record renames the session for
+/// most 63 bytes): unique to the send. The grant's record renames the session for
 /// `holders`; a wait keeps it; a reset or release clears it.
-fn set_up_name(req: &AcquireRequest) -> String {
-    format!("{APP_PREFIX}-set-up {}", req.attempt.simple())
+fn set_up_name() -> String {
+    format!("{APP_PREFIX}-set-up {}", uuid::Uuid::new_v4().simple())
 }
 
 /// Ends the session a set-up that tries the lock named `name`, after its answer did not

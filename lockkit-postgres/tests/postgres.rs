@@ -2295,3 +2295,51 @@ async fn an_unanswered_set_up_that_took_the_lock_does_not_keep_the_key() {
     }
     backend.close().await;
 }
+
+/// An acquisition lent a dedicated connection only after its deadline (the pool was full)
+/// takes nothing: its set-up does not try the lock, so no token is spent and no record
+/// written for a grant nobody waits for any more.
+#[tokio::test]
+async fn an_acquisition_past_its_deadline_before_its_set_up_takes_nothing() {
+    let name = format!("pgtest-{}", uuid::Uuid::new_v4().simple());
+    let Some(base) = advisory_kept_url(&name) else {
+        return;
+    };
+    let url = base.replace("max_holds=4", "max_holds=1");
+    let admin = sqlx::PgPool::connect(&env::service_url("LOCKKIT_TEST_POSTGRES_URL").unwrap())
+        .await
+        .unwrap();
+    let backend = PostgresBackend::connect(&url).await.unwrap();
+    let locker = Locker::new(backend.clone());
+    let only = locker
+        .try_acquire(key("advisory-late-holder"))
+        .await
+        .unwrap()
+        .expect("free");
+    let late = key("advisory-late");
+    let waiting = tokio::spawn({
+        let (locker, late) = (locker.clone(), late.clone());
+        async move { locker.acquire(&late).wait(Duration::from_millis(200)).await }
+    });
+    // Past the waiter's deadline, the only dedicated connection comes free.
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    only.release().await.unwrap();
+    let outcome = waiting.await.unwrap();
+    assert!(
+        outcome.is_err(),
+        "granted past its deadline: {:?}",
+        outcome.map(|g| g.token())
+    );
+    let (records,): (i64,) = sqlx::query_as(sqlx::AssertSqlSafe(format!(
+        "SELECT count(*) FROM {SHARED_TABLE} WHERE name = $1"
+    )))
+    .bind(late.as_str().as_bytes())
+    .fetch_one(&admin)
+    .await
+    .unwrap();
+    assert_eq!(
+        records, 0,
+        "a late acquisition wrote a record (and spent a token)"
+    );
+    backend.close().await;
+}
