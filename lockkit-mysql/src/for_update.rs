@@ -292,6 +292,8 @@ async fn lock(
     interrupt: Interrupt,
 ) -> Result<Option<Grant>> {
     let inner = &backend.inner;
+    // The wait counts from the request, not from when a dedicated connection was free.
+    let deadline = deadline_after(wait);
     // One round trip sets the session up, opens the lock transaction, learns the
     // connection's id (for the killer below) and tries the row lock without waiting: an
     // uncontended lock needs no round trip of its own. A pooled connection that died since
@@ -351,11 +353,16 @@ async fn lock(
         }
     };
     let (mut conn, out_since) = (lent.conn, lent.out_since);
+    if !wait.is_zero() && Instant::now() >= deadline {
+        // Lent a connection only past the deadline (the pool was full): whatever the
+        // set-up's try found, take nothing (no token spent, no record written).
+        end_and_restore(inner, conn, out_since).await;
+        return Ok(None);
+    }
     // The server waits in whole seconds; the deadline and cancellation interrupt it sooner,
     // by `KILL` of this connection (a `KILL QUERY` that arrives between two statements does
     // nothing). The killer is stopped and *awaited* before the connection is used for
     // anything else, and a connection it fired at is closed, never reused.
-    let deadline = deadline_after(wait);
     let (stop_killer, stopped) = tokio::sync::oneshot::channel::<()>();
     let (fire, fired) = tokio::sync::watch::channel(false);
     let killer = {

@@ -1838,3 +1838,47 @@ async fn a_released_dedicated_connection_goes_to_an_acquisition_waiting_for_one(
     }
     backend.close().await;
 }
+
+/// An acquisition lent a dedicated connection only after its deadline (the pool was full)
+/// takes nothing, whatever its set-up's try found: no token is spent and no record written
+/// for a grant nobody waits for any more. The wait counts from the request.
+#[tokio::test]
+async fn an_acquisition_past_its_deadline_before_its_set_up_takes_nothing() {
+    let table = "lockkit_test_fu_kept";
+    let Some(url) = url(&format!("mode=for-update&table={table}&max_holds=1")) else {
+        return;
+    };
+    let backend = MysqlBackend::connect(&url).await.unwrap();
+    let locker = Locker::new(backend.clone());
+    let only = locker.try_acquire(key()).await.unwrap().expect("free");
+    let late = key();
+    let waiting = tokio::spawn({
+        let (locker, late) = (locker.clone(), late.clone());
+        async move { locker.acquire(&late).wait(Duration::from_millis(50)).await }
+    });
+    // Past the waiter's deadline, and within the 250 ms the pool waits for a connection,
+    // the only dedicated connection comes free.
+    tokio::time::sleep(Duration::from_millis(120)).await;
+    only.release().await.unwrap();
+    let outcome = waiting.await.unwrap();
+    assert!(
+        outcome.is_err(),
+        "granted past its deadline: {:?}",
+        outcome.map(|g| g.token())
+    );
+    let mut admin = MySqlConnection::connect(&env::service_url("LOCKKIT_TEST_MYSQL_URL").unwrap())
+        .await
+        .unwrap();
+    let (records,): (i64,) = sqlx::query_as(sqlx::AssertSqlSafe(format!(
+        "SELECT COUNT(*) FROM `{table}` WHERE name = ? AND fence > 0"
+    )))
+    .bind(late.as_str().as_bytes())
+    .fetch_one(&mut admin)
+    .await
+    .unwrap();
+    assert_eq!(
+        records, 0,
+        "a late acquisition wrote a record (and spent a token)"
+    );
+    backend.close().await;
+}
