@@ -284,6 +284,9 @@ impl HolderInfo {
     }
 }
 
+/// [`LockBackend::response_bound`] of a backend that names none.
+pub const DEFAULT_RESPONSE_BOUND: Duration = Duration::from_secs(30);
+
 /// The service a lock lives in. Object-safe: `Arc<dyn LockBackend>` is how configuration
 /// swaps backends.
 ///
@@ -355,6 +358,16 @@ pub trait LockBackend: Send + Sync + Debug + 'static {
     fn validity_bound(&self, grant: &Grant) -> Option<Instant> {
         let _ = grant;
         None
+    }
+
+    /// How long past its wait an acquisition may go unanswered before [`crate::Locker`]
+    /// gives up on it: a backend's own bound on a request the server does not answer (a
+    /// link gone silent), with room for its slowest legitimate answer after a deadline.
+    /// The locker then returns a retryable [`crate::Error::Backend`] and gives back by its
+    /// attempt id whatever the attempt may still take. A zero wait is bounded by this alone;
+    /// a wait without a deadline is not bounded. Default: [`DEFAULT_RESPONSE_BOUND`].
+    fn response_bound(&self) -> Duration {
+        DEFAULT_RESPONSE_BOUND
     }
 
     /// One plain round trip to the service (`PING`, `SELECT 1`, ...), for health checks and

@@ -624,22 +624,37 @@ impl Acquire {
                 runtime: runtime.clone(),
                 armed: true,
             });
+            // A backend that does not answer (a link gone silent) is given up on this long
+            // after the deadline; `unknown_outcome` then gives back what the attempt takes.
+            let bound = backend.response_bound();
             let outcome = match wait {
-                Some(wait) if wait.is_zero() => backend.try_acquire(&request).await,
+                Some(wait) if wait.is_zero() => {
+                    answered_by(
+                        tokio::time::Instant::now().checked_add(bound),
+                        bound,
+                        backend.info().scheme,
+                        backend.try_acquire(&request),
+                    )
+                    .await
+                }
                 Some(_) => {
                     let left = deadline.saturating_duration_since(tokio::time::Instant::now());
-                    backend
-                        .acquire(&request, left)
-                        .await
-                        .map(Some)
-                        // The whole wait, not what was left of it on a retry.
-                        .map_err(|error| match error {
-                            Error::Timeout { key, .. } => Error::Timeout {
-                                key,
-                                waited: started.elapsed(),
-                            },
-                            other => other,
-                        })
+                    answered_by(
+                        deadline.checked_add(bound),
+                        bound,
+                        backend.info().scheme,
+                        backend.acquire(&request, left),
+                    )
+                    .await
+                    .map(Some)
+                    // The whole wait, not what was left of it on a retry.
+                    .map_err(|error| match error {
+                        Error::Timeout { key, .. } => Error::Timeout {
+                            key,
+                            waited: started.elapsed(),
+                        },
+                        other => other,
+                    })
                 }
                 None => backend.acquire(&request, WAIT_FOREVER).await.map(Some),
             };
@@ -759,6 +774,33 @@ impl Acquire {
             )));
         }
     }
+}
+
+/// `attempt`'s outcome, or, if it has none by `until` (`None`: no bound), a retryable
+/// backend error that says the server did not answer (the attempt is dropped: a backend
+/// acquisition is cancel safe, and the caller gives back what it may still take).
+async fn answered_by<T>(
+    until: Option<tokio::time::Instant>,
+    bound: Duration,
+    backend: &'static str,
+    attempt: impl std::future::Future<Output = Result<T>>,
+) -> Result<T> {
+    let Some(until) = until else {
+        return attempt.await;
+    };
+    tokio::time::timeout_at(until, attempt)
+        .await
+        .unwrap_or_else(|_| {
+            Err(Error::backend(
+                backend,
+                true,
+                format!(
+                    "the server did not answer the acquisition within its wait and {bound:?} \
+                     more; is the server reachable? (a link gone silent holds requests \
+                     without an error)"
+                ),
+            ))
+        })
 }
 
 /// Gives back a fresh acquisition's attempt when dropped armed: see [`give_back_attempt`].

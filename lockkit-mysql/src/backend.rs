@@ -213,6 +213,14 @@ impl LockBackend for MysqlBackend {
         self.locks().info()
     }
 
+    /// Twice the connect timeout: MySQL has no bound of its own on a statement the server
+    /// never answers (sqlx waits as long as the link stays open), and a for-update wait's
+    /// end (`KILL` from a connection opened for it, then the waiter's own statement) takes
+    /// up to that past the deadline.
+    fn response_bound(&self) -> Duration {
+        self.db.config.connect_timeout.saturating_mul(2)
+    }
+
     async fn try_acquire(&self, req: &AcquireRequest) -> Result<Option<Grant>> {
         self.locks().try_acquire(req).await
     }

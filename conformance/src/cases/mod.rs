@@ -105,6 +105,9 @@ impl LockBackend for CountingBackend {
     fn info(&self) -> BackendInfo {
         self.inner.info()
     }
+    fn response_bound(&self) -> Duration {
+        self.inner.response_bound()
+    }
     async fn try_acquire(&self, req: &AcquireRequest) -> Result<Option<Grant>> {
         self.inner.try_acquire(req).await
     }

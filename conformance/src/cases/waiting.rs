@@ -72,6 +72,48 @@ pub async fn wait_times_out_near_deadline<H: Harness>(h: &H) -> Outcome {
     Outcome::Passed
 }
 
+/// An acquisition whose client is cut off from its servers (no byte passes; connections
+/// stay open, as when packets are dropped) ends, with an error or a timeout, within its
+/// wait and the backend's bound on an unanswered request, however far it got: it never
+/// hangs on a link gone silent, and is never granted. Once the link is back, another client
+/// gets the key: the attempt left no lock behind.
+pub async fn a_wait_on_a_cut_link_ends<H: Harness>(h: &H) -> Outcome {
+    let space = Space::new("a_wait_on_a_cut_link_ends");
+    let key = space.key("k");
+    let (a, b) = (h.client().await, h.client().await);
+    // Used just now, so that pooled connections are handed out unchecked.
+    a.try_acquire(&key)
+        .ttl(LONG_TTL)
+        .await
+        .check("acquire")
+        .check("free key")
+        .release()
+        .await
+        .check("release");
+    hook!(h.cut_link(&a, true).await);
+    let wait = Duration::from_secs(2);
+    // Wide: a wait plus any backend's bound on an unanswered request.
+    let ended = tokio::time::timeout(
+        wait + Duration::from_secs(60),
+        a.acquire(&key).ttl(LONG_TTL).wait(wait),
+    )
+    .await;
+    hook!(h.cut_link(&a, false).await);
+    let outcome = ended.check("an acquisition on a cut link must end, not hang");
+    if let Ok(held) = outcome {
+        panic!("granted on a cut link (token {})", held.token().get());
+    }
+    b.acquire(&key)
+        .ttl(LONG_TTL)
+        .wait(generous_wait(h) + Duration::from_secs(10))
+        .await
+        .check("the key must be free once the link is back")
+        .release()
+        .await
+        .check("release");
+    Outcome::Passed
+}
+
 /// A release wakes a waiter promptly: long before the holder's 60 s lease would have
 /// ended, so the waiter was notified, not polling at the lease.
 pub async fn waiter_is_woken_promptly_by_release<H: Harness>(h: &H) -> Outcome {
