@@ -284,8 +284,10 @@ impl HolderInfo {
     }
 }
 
-/// [`LockBackend::response_bound`] of a backend that names none.
-pub const DEFAULT_RESPONSE_BOUND: Duration = Duration::from_secs(30);
+/// [`LockBackend::response_bound`] of a backend that names none: long enough for the slow
+/// answers a backend's own timeouts allow (reconnects, elections, replica waits), short
+/// enough that a link gone silent does not hold a caller for good.
+pub const DEFAULT_RESPONSE_BOUND: Duration = Duration::from_secs(120);
 
 /// The service a lock lives in. Object-safe: `Arc<dyn LockBackend>` is how configuration
 /// swaps backends.
@@ -365,7 +367,10 @@ pub trait LockBackend: Send + Sync + Debug + 'static {
     /// link gone silent), with room for its slowest legitimate answer after a deadline.
     /// The locker then returns a retryable [`crate::Error::Backend`] and gives back by its
     /// attempt id whatever the attempt may still take. A zero wait is bounded by this alone;
-    /// a wait without a deadline is not bounded. Default: [`DEFAULT_RESPONSE_BOUND`].
+    /// a wait without a deadline (the default of [`crate::Locker::acquire`]) is not
+    /// bounded, and neither is anything when this is [`Duration::MAX`]. A re-entry through
+    /// [`crate::LockGuard::reenter`] is bounded like a zero wait. Default:
+    /// [`DEFAULT_RESPONSE_BOUND`].
     fn response_bound(&self) -> Duration {
         DEFAULT_RESPONSE_BOUND
     }

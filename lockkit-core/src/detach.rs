@@ -104,6 +104,11 @@ impl Interrupt {
     pub async fn interrupted(&self) {
         self.0.cancelled().await;
     }
+
+    /// Whether the caller has gone already (see [`Interrupt::interrupted`]).
+    pub fn is_interrupted(&self) -> bool {
+        self.0.is_cancelled()
+    }
 }
 
 /// Fires the interrupt when the caller's future is dropped before the end.

@@ -1338,6 +1338,13 @@ impl Drop for WriterMark<'_> {
 
 #[async_trait]
 impl LockBackend for FileBackend {
+    /// None ([`Duration::MAX`]): an operation waits only for the file's `flock`, which its
+    /// holder keeps for one short read and write; given up on, it would leave its blocking
+    /// thread (and the give-back's) waiting for that same `flock` all the same.
+    fn response_bound(&self) -> Duration {
+        Duration::MAX
+    }
+
     fn info(&self) -> BackendInfo {
         BackendInfo::new(
             SCHEME,

@@ -670,7 +670,18 @@ impl LockGuard {
             shared.loss.clone(),
         )
         .with_kind(self.grant.kind);
-        match shared.backend.try_acquire(&req).await? {
+        // Bounded like a zero wait: a re-entry cut off here is given back by the backend
+        // (its attempt runs detached) when it completes.
+        let bound = shared.backend.response_bound();
+        let reentered = crate::locker::answered_by(
+            tokio::time::Instant::now().checked_add(bound),
+            bound,
+            shared.backend.as_ref(),
+            &self.grant.key,
+            shared.backend.try_acquire(&req),
+        )
+        .await?;
+        match reentered {
             Some(grant)
                 if grant.depth > 1 && grant.token == shared.grant.token && self.hold.is_live() =>
             {

@@ -45,7 +45,9 @@ mod wait;
 
 pub(crate) use attempts::AttemptLedger;
 pub(crate) use backend::{AcquireRequest, Grant, Released};
-pub use backend::{BackendInfo, Capabilities, Consistency, HolderInfo, LockBackend};
+pub use backend::{
+    BackendInfo, Capabilities, Consistency, DEFAULT_RESPONSE_BOUND, HolderInfo, LockBackend,
+};
 pub(crate) use detach::detached_acquire;
 pub use error::{BoxError, Error, LostReason, Result};
 pub use fencing::FencingToken;

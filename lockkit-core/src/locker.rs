@@ -632,7 +632,8 @@ impl Acquire {
                     answered_by(
                         tokio::time::Instant::now().checked_add(bound),
                         bound,
-                        backend.info().scheme,
+                        backend.as_ref(),
+                        &key,
                         backend.try_acquire(&request),
                     )
                     .await
@@ -642,7 +643,8 @@ impl Acquire {
                     answered_by(
                         deadline.checked_add(bound),
                         bound,
-                        backend.info().scheme,
+                        backend.as_ref(),
+                        &key,
                         backend.acquire(&request, left),
                     )
                     .await
@@ -777,12 +779,13 @@ impl Acquire {
 }
 
 /// `attempt`'s outcome, or, if it has none by `until` (`None`: no bound), a retryable
-/// backend error that says the server did not answer (the attempt is dropped: a backend
-/// acquisition is cancel safe, and the caller gives back what it may still take).
-async fn answered_by<T>(
+/// backend error that says so (the attempt is dropped: a backend acquisition is cancel
+/// safe, and the caller gives back what it may still take).
+pub(crate) async fn answered_by<T>(
     until: Option<tokio::time::Instant>,
     bound: Duration,
-    backend: &'static str,
+    backend: &dyn LockBackend,
+    key: &LockKey,
     attempt: impl std::future::Future<Output = Result<T>>,
 ) -> Result<T> {
     let Some(until) = until else {
@@ -792,12 +795,14 @@ async fn answered_by<T>(
         .await
         .unwrap_or_else(|_| {
             Err(Error::backend(
-                backend,
+                backend.info().scheme,
                 true,
                 format!(
-                    "the server did not answer the acquisition within its wait and {bound:?} \
-                     more; is the server reachable? (a link gone silent holds requests \
-                     without an error)"
+                    "the acquisition of `{key}` had no answer within its wait and {bound:?} \
+                     more, and was given up (whatever it may still take is given back): the \
+                     server may be unreachable (a link gone silent holds requests without an \
+                     error) or slow, or the request waits behind a lock of another client's \
+                     transaction; try again"
                 ),
             ))
         })

@@ -73,8 +73,72 @@ async fn an_unanswered_acquisition_ends_after_its_wait_and_the_backends_bound() 
             took >= wait + BOUND,
             "wait {wait:?}: given up after {took:?}, before the wait and the bound"
         );
+        // The backend's own bound, not the default (time is paused: no drift).
+        assert!(
+            took < wait + BOUND + Duration::from_secs(1),
+            "wait {wait:?}: given up only after {took:?}"
+        );
     }
     // Both attempts are given back by their attempt ids, in the background.
     tokio::time::sleep(Duration::from_secs(1)).await;
     assert_eq!(releases.load(Ordering::SeqCst), 2);
+}
+
+/// A guard's re-entry is bounded like a zero wait: on a server that stops answering it ends
+/// with a retryable error after the backend's bound.
+#[tokio::test(start_paused = true)]
+async fn an_unanswered_reentry_ends_after_the_backends_bound() {
+    #[derive(Debug)]
+    struct SilentAfterFirst(Silent);
+    #[async_trait]
+    impl LockBackend for SilentAfterFirst {
+        fn info(&self) -> BackendInfo {
+            self.0.info()
+        }
+        fn response_bound(&self) -> Duration {
+            BOUND
+        }
+        async fn try_acquire(&self, req: &AcquireRequest) -> Result<Option<Grant>> {
+            if self.0.releases.load(Ordering::SeqCst) == 0
+                && self.0.memory.inspect(&req.key).await?.is_none()
+            {
+                return self.0.memory.try_acquire(req).await;
+            }
+            std::future::pending().await
+        }
+        async fn acquire(&self, req: &AcquireRequest, wait: Duration) -> Result<Grant> {
+            self.0.acquire(req, wait).await
+        }
+        async fn renew(&self, grant: &Grant, ttl: Duration) -> Result<()> {
+            self.0.renew(grant, ttl).await
+        }
+        async fn release(&self, grant: &Grant) -> Result<Released> {
+            self.0.release(grant).await
+        }
+        async fn inspect(&self, key: &LockKey) -> Result<Option<HolderInfo>> {
+            self.0.inspect(key).await
+        }
+    }
+    let locker = Locker::new(SilentAfterFirst(Silent {
+        memory: MemoryBackend::new(),
+        releases: Arc::new(AtomicU32::new(0)),
+    }));
+    let key = LockKey::new("silent-reentry").unwrap();
+    let held = locker.try_acquire(&key).await.unwrap().expect("free");
+    let started = tokio::time::Instant::now();
+    let reentered = tokio::time::timeout(Duration::from_secs(3600), held.reenter())
+        .await
+        .expect("an unanswered re-entry must end, not wait forever");
+    assert!(
+        matches!(
+            reentered,
+            Err(Error::Backend {
+                retryable: true,
+                ..
+            })
+        ),
+        "{:?}",
+        reentered.map(|g| g.token())
+    );
+    assert!(started.elapsed() >= BOUND);
 }

@@ -353,9 +353,10 @@ async fn lock(
         }
     };
     let (mut conn, out_since) = (lent.conn, lent.out_since);
-    if !wait.is_zero() && Instant::now() >= deadline {
-        // Lent a connection only past the deadline (the pool was full): whatever the
-        // set-up's try found, take nothing (no token spent, no record written).
+    if (!wait.is_zero() && Instant::now() >= deadline) || interrupt.is_interrupted() {
+        // Lent a connection only past the deadline (the pool was full), or the caller went
+        // away meanwhile: whatever the set-up's try found, take nothing (no token spent, no
+        // record written).
         end_and_restore(inner, conn, out_since).await;
         return Ok(None);
     }
@@ -805,13 +806,15 @@ async fn watch(
 /// Best effort: shows the depth to `inspect`.
 async fn record_depth(backend: &ForUpdateLocks, held: &Held, depth: u32) {
     let inner = &backend.inner;
-    let _ = query(&inner.sql.holder_depth)
+    // Best effort, and bounded: it only feeds `inspect`, and a link gone silent must not
+    // hold up the re-entry or release whose depth it records.
+    let record = query(&inner.sql.holder_depth)
         .bind(depth)
         .bind(held.key.as_str().as_bytes())
         .bind(held.owner.to_string())
         .bind(held.token.get())
-        .execute(&inner.pool)
-        .await;
+        .execute(&inner.pool);
+    let _ = tokio::time::timeout(inner.config.connect_timeout, record).await;
 }
 
 fn forget(backend: &ForUpdateLocks, held: &Held) {

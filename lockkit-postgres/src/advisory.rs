@@ -952,15 +952,36 @@ fn set_up_name() -> String {
 /// (`idle_session_timeout`, set by the same statement).
 async fn end_unanswered_set_up(backend: AdvisoryLocks, name: String) {
     let inner = &backend.inner;
-    let (options, bound) = (inner.config.connect.clone(), inner.config.connect_timeout);
     let end = || {
         sqlx::query(
             "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name = $1",
         )
         .bind(name.clone())
     };
+    terminate_elsewhere(
+        &inner.pool,
+        &inner.config.connect,
+        inner.config.connect_timeout,
+        "an unanswered set-up's session",
+        end,
+    )
+    .await;
+}
+
+/// Runs `end` (a `pg_terminate_backend` statement) from elsewhere than the session it ends:
+/// from an idle pooled connection if one answers within [`QUICK_TERMINATE`] (opening a
+/// connection, authentication included, can take a second on a loaded machine), else from
+/// a connection opened for it, within `bound` (a pool that is busy or cut off gets a moment
+/// only). Best effort: a failure is logged, naming `what` was to end.
+async fn terminate_elsewhere(
+    pool: &PgPool,
+    options: &sqlx::postgres::PgConnectOptions,
+    bound: Duration,
+    what: &str,
+    end: impl Fn() -> sqlx::query::Query<'static, Postgres, sqlx::postgres::PgArguments>,
+) {
     let pooled = async {
-        let mut c = inner.pool.acquire().await?;
+        let mut c = pool.acquire().await?;
         end().execute(&mut *c).await
     };
     if matches!(
@@ -970,14 +991,14 @@ async fn end_unanswered_set_up(backend: AdvisoryLocks, name: String) {
         return;
     }
     let terminate = async {
-        let mut control = PgConnection::connect_with(&options).await?;
+        let mut control = PgConnection::connect_with(options).await?;
         end().execute(&mut control).await?;
         control.close().await
     };
     match tokio::time::timeout(bound, terminate).await {
         Ok(Ok(())) => {}
-        Ok(Err(error)) => tracing::debug!(%error, "ending an unanswered set-up's session failed"),
-        Err(_) => tracing::debug!("ending an unanswered set-up's session got no answer in time"),
+        Ok(Err(error)) => tracing::debug!(%error, "ending {what} failed"),
+        Err(_) => tracing::debug!("ending {what} got no answer in time"),
     }
 }
 
@@ -1058,31 +1079,9 @@ async fn lock(
                 .bind(pid)
                 .bind(started.clone())
             };
-            // First from an idle pooled connection: a queued waiter keeps its place (and,
-            // for a writer, keeps new readers out) until its session ends, and opening a
-            // connection (authentication included) can take a second on a loaded machine.
-            // A pool that is busy or cut off gets a moment only; then a connection opened
-            // for this.
-            let pooled = async {
-                let mut c = pool.acquire().await?;
-                end().execute(&mut *c).await
-            };
-            if matches!(
-                tokio::time::timeout(QUICK_TERMINATE.min(bound), pooled).await,
-                Ok(Ok(_))
-            ) {
-                return true;
-            }
-            let terminate = async {
-                let mut control = PgConnection::connect_with(&options).await?;
-                end().execute(&mut control).await?;
-                control.close().await
-            };
-            match tokio::time::timeout(bound, terminate).await {
-                Ok(Ok(())) => {}
-                Ok(Err(error)) => tracing::debug!(%error, "ending a waiter's session failed"),
-                Err(_) => tracing::debug!("ending a waiter's session got no answer in time"),
-            }
+            // A queued waiter keeps its place (and, for a writer, keeps new readers out)
+            // until its session ends.
+            terminate_elsewhere(&pool, &options, bound, "a waiter's session", end).await;
             true
         })
     };
@@ -1554,16 +1553,17 @@ async fn watch(backend: AdvisoryLocks, held: Weak<Held>, loss: lockkit_core::Los
 /// Best effort: shows the depth to `inspect` and `holders`.
 async fn record_depth(backend: &AdvisoryLocks, held: &Held, depth: u32) {
     let inner = &backend.inner;
-    let _ = inner
-        .retry_gone(|| {
-            query(&inner.sql.advisory_depth)
-                .bind(i32::try_from(depth).unwrap_or(i32::MAX))
-                .bind(held.key.as_str().as_bytes())
-                .bind(held.owner.to_string())
-                .bind(token_param(held.token))
-                .execute(&inner.pool)
-        })
-        .await;
+    // Best effort, and bounded: it only feeds `inspect`, and a link gone silent must not
+    // hold up the re-entry or release whose depth it records.
+    let record = inner.retry_gone(|| {
+        query(&inner.sql.advisory_depth)
+            .bind(i32::try_from(depth).unwrap_or(i32::MAX))
+            .bind(held.key.as_str().as_bytes())
+            .bind(held.owner.to_string())
+            .bind(token_param(held.token))
+            .execute(&inner.pool)
+    });
+    let _ = tokio::time::timeout(inner.config.connect_timeout, record).await;
     let mut conn = held.session.conn.lock().await;
     if let Some(c) = conn.as_mut() {
         name_session(&held.session, c, inner.config.connect_timeout).await;
