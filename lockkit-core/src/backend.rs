@@ -289,6 +289,36 @@ impl HolderInfo {
 /// enough that a link gone silent does not hold a caller for good.
 pub const DEFAULT_RESPONSE_BOUND: Duration = Duration::from_secs(120);
 
+/// `attempt`'s outcome, or, if it has none by `until` (`None`: no bound), a retryable
+/// backend error that says so (the attempt is dropped: a backend acquisition is cancel
+/// safe, and the caller gives back what it may still take).
+pub(crate) async fn answered_by<T>(
+    until: Option<tokio::time::Instant>,
+    bound: Duration,
+    backend: &dyn LockBackend,
+    key: &LockKey,
+    attempt: impl std::future::Future<Output = Result<T>>,
+) -> Result<T> {
+    let Some(until) = until else {
+        return attempt.await;
+    };
+    tokio::time::timeout_at(until, attempt)
+        .await
+        .unwrap_or_else(|_| {
+            Err(crate::Error::backend(
+                backend.info().scheme,
+                true,
+                format!(
+                    "the acquisition of `{key}` had no answer within its wait and {bound:?} \
+                     more, and was given up (whatever it may still take is given back): the \
+                     server may be unreachable (a link gone silent holds requests without an \
+                     error) or slow, or the request waits behind a lock of another client's \
+                     transaction; try again"
+                ),
+            ))
+        })
+}
+
 /// The service a lock lives in. Object-safe: `Arc<dyn LockBackend>` is how configuration
 /// swaps backends.
 ///

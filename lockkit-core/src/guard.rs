@@ -673,7 +673,7 @@ impl LockGuard {
         // Bounded like a zero wait: a re-entry cut off here is given back by the backend
         // (its attempt runs detached) when it completes.
         let bound = shared.backend.response_bound();
-        let reentered = crate::locker::answered_by(
+        let reentered = crate::backend::answered_by(
             tokio::time::Instant::now().checked_add(bound),
             bound,
             shared.backend.as_ref(),

@@ -629,7 +629,7 @@ impl Acquire {
             let bound = backend.response_bound();
             let outcome = match wait {
                 Some(wait) if wait.is_zero() => {
-                    answered_by(
+                    crate::backend::answered_by(
                         tokio::time::Instant::now().checked_add(bound),
                         bound,
                         backend.as_ref(),
@@ -640,7 +640,7 @@ impl Acquire {
                 }
                 Some(_) => {
                     let left = deadline.saturating_duration_since(tokio::time::Instant::now());
-                    answered_by(
+                    crate::backend::answered_by(
                         deadline.checked_add(bound),
                         bound,
                         backend.as_ref(),
@@ -776,36 +776,6 @@ impl Acquire {
             )));
         }
     }
-}
-
-/// `attempt`'s outcome, or, if it has none by `until` (`None`: no bound), a retryable
-/// backend error that says so (the attempt is dropped: a backend acquisition is cancel
-/// safe, and the caller gives back what it may still take).
-pub(crate) async fn answered_by<T>(
-    until: Option<tokio::time::Instant>,
-    bound: Duration,
-    backend: &dyn LockBackend,
-    key: &LockKey,
-    attempt: impl std::future::Future<Output = Result<T>>,
-) -> Result<T> {
-    let Some(until) = until else {
-        return attempt.await;
-    };
-    tokio::time::timeout_at(until, attempt)
-        .await
-        .unwrap_or_else(|_| {
-            Err(Error::backend(
-                backend.info().scheme,
-                true,
-                format!(
-                    "the acquisition of `{key}` had no answer within its wait and {bound:?} \
-                     more, and was given up (whatever it may still take is given back): the \
-                     server may be unreachable (a link gone silent holds requests without an \
-                     error) or slow, or the request waits behind a lock of another client's \
-                     transaction; try again"
-                ),
-            ))
-        })
 }
 
 /// Gives back a fresh acquisition's attempt when dropped armed: see [`give_back_attempt`].
