@@ -83,6 +83,7 @@ macro_rules! __with_catalogue {
             lease::extend_to_a_shorter_ttl_keeps_renewing,
             ownership::foreign_release_is_refused,
             ownership::a_dropped_release_leaves_no_orphan,
+            ownership::a_release_on_a_cut_link_ends,
             ownership::foreign_renew_is_refused,
             ownership::late_release_spares_next_holder,
             ownership::double_release_is_harmless,

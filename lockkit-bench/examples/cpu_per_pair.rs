@@ -2,6 +2,9 @@
 //! (CPU and context switches per pair): `cpu_per_pair <lockkit|rslock|redlock|rslock5|url|raw|ping> <pairs>`, with
 //! `LOCKKIT_TEST_REDIS_URL` set (`scripts/services.sh env`; `redlock` and `rslock5` use
 //! `LOCKKIT_TEST_REDLOCK_URL`'s five masters; `url` any backend at `CPP_URL`); `SPAWN=1` runs it in a task.
+//! `cpu_per_pair throughput <seconds>` runs the peer benchmark's throughput scenario alone
+//! (32 tasks over 1,000 keys, `try_acquire` + release, `CPP_URL` or the Redis URL) and prints
+//! pairs/s and the pairs done, for `perf record` and `perf stat`; `throughput-set` the `SET` floor.
 use std::time::{Duration, Instant};
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() {
@@ -37,9 +40,58 @@ async fn rslock_pairs(masters: Vec<String>, n: usize, samples: &mut Vec<Duration
     }
 }
 
+/// The peer benchmark's throughput scenario: 32 tasks over 1,000 keys for `seconds`.
+async fn throughput(url: &str, seconds: u64, set_floor: bool) {
+    let locker = lockkit::connect(url).await.unwrap();
+    let conn = redis::Client::open(std::env::var("LOCKKIT_TEST_REDIS_URL").unwrap())
+        .unwrap()
+        .get_multiplexed_async_connection()
+        .await
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(seconds);
+    let mut handles = Vec::new();
+    for t in 0..32usize {
+        let (locker, mut conn) = (locker.clone(), conn.clone());
+        handles.push(tokio::spawn(async move {
+            let (mut done, mut i) = (0u64, t);
+            while Instant::now() < deadline {
+                let key = format!("cpu/{}/{}", if set_floor { "set" } else { "t" }, i % 1000);
+                if set_floor {
+                    let () = redis::cmd("SET")
+                        .arg(&key)
+                        .arg("x")
+                        .query_async(&mut conn)
+                        .await
+                        .unwrap();
+                    done += 1;
+                } else if let Some(guard) = locker.try_acquire(key.as_str()).await.unwrap() {
+                    guard.release().await.unwrap();
+                    done += 1;
+                }
+                i += 32;
+            }
+            done
+        }));
+    }
+    let mut total = 0;
+    for handle in handles {
+        total += handle.await.unwrap();
+    }
+    println!(
+        "throughput: {total} in {seconds} s, {:.0}/s",
+        total as f64 / seconds as f64
+    );
+}
+
 async fn body() {
     let args: Vec<String> = std::env::args().collect();
     let which = args[1].clone();
+    if which.starts_with("throughput") {
+        let url = std::env::var("CPP_URL")
+            .or_else(|_| std::env::var("LOCKKIT_TEST_REDIS_URL"))
+            .unwrap();
+        return throughput(&url, args[2].parse().unwrap(), which == "throughput-set").await;
+    }
     let n: usize = args[2].parse().unwrap();
     let url = std::env::var("LOCKKIT_TEST_REDIS_URL").unwrap();
     let mut samples = Vec::with_capacity(n);

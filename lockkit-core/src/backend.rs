@@ -289,14 +289,29 @@ impl HolderInfo {
 /// enough that a link gone silent does not hold a caller for good.
 pub const DEFAULT_RESPONSE_BOUND: Duration = Duration::from_secs(120);
 
+/// What [`answered_by`] bounds, for the error it returns when the bound passes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Bounded {
+    /// An acquisition or a re-entry, bounded past its wait.
+    Acquisition,
+    /// A release: its lease runs out on the server if it did not get there.
+    Release,
+    /// An extension: the hold stays as valid as its last confirmed lease.
+    Extension,
+    /// A question about who holds a key (`inspect`, `holders`).
+    Inquiry,
+}
+
 /// `attempt`'s outcome, or, if it has none by `until` (`None`: no bound), a retryable
-/// backend error that says so (the attempt is dropped: a backend acquisition is cancel
-/// safe, and the caller gives back what it may still take).
+/// backend error that says so. The attempt is dropped then: a backend's acquisition,
+/// release and renewal are cancel safe, and the caller of an acquisition gives back what
+/// it may still take.
 pub(crate) async fn answered_by<T>(
     until: Option<tokio::time::Instant>,
     bound: Duration,
     backend: &dyn LockBackend,
     key: &LockKey,
+    what: Bounded,
     attempt: impl std::future::Future<Output = Result<T>>,
 ) -> Result<T> {
     let Some(until) = until else {
@@ -305,18 +320,51 @@ pub(crate) async fn answered_by<T>(
     tokio::time::timeout_at(until, attempt)
         .await
         .unwrap_or_else(|_| {
+            let (done, after) = match what {
+                Bounded::Acquisition => (
+                    format!(
+                        "the acquisition of `{key}` had no answer within its wait and {bound:?} \
+                         more, and was given up (whatever it may still take is given back)"
+                    ),
+                    "try again",
+                ),
+                Bounded::Release => (
+                    format!(
+                        "the release of `{key}` had no answer within {bound:?} and was given \
+                         up; if it did not reach the server, the lease runs out there by itself"
+                    ),
+                    "nothing to do for this hold",
+                ),
+                Bounded::Extension => (
+                    format!(
+                        "the extension of `{key}` had no answer within {bound:?} and was given \
+                         up; the hold counts as valid only until its last confirmed lease"
+                    ),
+                    "try again, or stop relying on the hold at its validity",
+                ),
+                Bounded::Inquiry => (
+                    format!(
+                        "the question of who holds `{key}` had no answer within {bound:?} and \
+                         was given up"
+                    ),
+                    "try again",
+                ),
+            };
             Err(crate::Error::backend(
                 backend.info().scheme,
                 true,
                 format!(
-                    "the acquisition of `{key}` had no answer within its wait and {bound:?} \
-                     more, and was given up (whatever it may still take is given back): the \
-                     server may be unreachable (a link gone silent holds requests without an \
-                     error) or slow, or the request waits behind a lock of another client's \
-                     transaction; try again"
+                    "{done}: the server may be unreachable (a link gone silent holds requests \
+                     without an error) or slow, or the request waits behind a lock of another \
+                     client's transaction; {after}"
                 ),
             ))
         })
+}
+
+/// `now + bound`, or `None` (no bound) if that is past the clock's range.
+pub(crate) fn bound_from_now(bound: Duration) -> Option<tokio::time::Instant> {
+    tokio::time::Instant::now().checked_add(bound)
 }
 
 /// The service a lock lives in. Object-safe: `Arc<dyn LockBackend>` is how configuration
@@ -399,7 +447,9 @@ pub trait LockBackend: Send + Sync + Debug + 'static {
     /// attempt id whatever the attempt may still take. A zero wait is bounded by this alone;
     /// a wait without a deadline (the default of [`crate::Locker::acquire`]) is not
     /// bounded, and neither is anything when this is [`Duration::MAX`]. A re-entry through
-    /// [`crate::LockGuard::reenter`] is bounded like a zero wait. Default:
+    /// [`crate::LockGuard::reenter`] is bounded like a zero wait, and so are a guard's
+    /// release and extension (the watchdog's renewals end at the local lease) and the
+    /// locker's `inspect` and `holders`. Default:
     /// [`DEFAULT_RESPONSE_BOUND`].
     fn response_bound(&self) -> Duration {
         DEFAULT_RESPONSE_BOUND

@@ -448,7 +448,17 @@ async fn release_one(hold: Arc<Hold>, grant: Grant) -> Result<Released> {
         // out), which an owner-checked release cannot tell apart. Its lease runs out.
         return Err(shared.lost_error(reason));
     }
-    let outcome = shared.backend.release(&grant).await;
+    // Bounded: a release on a link gone silent ends with an error; the lease runs out.
+    let bound = shared.backend.response_bound();
+    let outcome = crate::backend::answered_by(
+        crate::backend::bound_from_now(bound),
+        bound,
+        shared.backend.as_ref(),
+        &grant.key,
+        crate::backend::Bounded::Release,
+        shared.backend.release(&grant),
+    )
+    .await;
     if matches!(outcome, Ok(Released::Fully)) {
         crate::telemetry::released(
             shared.backend.info().scheme,
@@ -613,7 +623,9 @@ impl LockGuard {
     ///
     /// # Errors
     /// [`Error::Lost`] if the hold was lost (also when the server no longer knows it);
-    /// [`Error::InvalidTtl`] before any I/O; backend errors as they come.
+    /// [`Error::InvalidTtl`] before any I/O; backend errors as they come, and a retryable
+    /// [`Error::Backend`] if the server gives no answer within the backend's
+    /// [`crate::LockBackend::response_bound`] (the extension may or may not have happened).
     ///
     /// # Cancel safety
     /// If dropped mid-way the extension may or may not have happened; the hold is intact.
@@ -627,7 +639,16 @@ impl LockGuard {
         let start = Instant::now();
         // Before the request: once sent, the server may keep the hold this long.
         shared.asked_for(ttl);
-        match shared.backend.renew(&shared.grant, ttl).await {
+        let bound = shared.backend.response_bound();
+        let extended = crate::backend::answered_by(
+            crate::backend::bound_from_now(bound),
+            bound,
+            shared.backend.as_ref(),
+            &shared.grant.key,
+            crate::backend::Bounded::Extension,
+            shared.backend.renew(&shared.grant, ttl),
+        );
+        match extended.await {
             Ok(()) => {
                 let mut lease = shared.lease();
                 lease.ttl = ttl;
@@ -674,10 +695,11 @@ impl LockGuard {
         // (its attempt runs detached) when it completes.
         let bound = shared.backend.response_bound();
         let reentered = crate::backend::answered_by(
-            tokio::time::Instant::now().checked_add(bound),
+            crate::backend::bound_from_now(bound),
             bound,
             shared.backend.as_ref(),
             &self.grant.key,
+            crate::backend::Bounded::Acquisition,
             shared.backend.try_acquire(&req),
         )
         .await?;
@@ -710,7 +732,9 @@ impl LockGuard {
     /// [`Error::Lost`] if the hold was lost before the release: nothing is sent then, since
     /// what the server holds for this owner may be a newer hold of the same owner, and the
     /// lease runs out by itself; backend errors otherwise, in which case the lease runs out
-    /// on the server.
+    /// on the server. A release the server does not answer within the backend's
+    /// [`crate::LockBackend::response_bound`] (a link gone silent) ends with a retryable
+    /// [`Error::Backend`] then, rather than wait for good.
     ///
     /// # Cancel safety
     /// Dropping this future does not stop the release: the rest of it goes on in a task of

@@ -262,21 +262,42 @@ impl Locker {
     /// Who holds `key` now, as the backend sees it.
     ///
     /// # Errors
-    /// [`Error::InvalidKey`], or the backend's error.
+    /// [`Error::InvalidKey`], or the backend's error; a retryable [`Error::Backend`] if the
+    /// server gives no answer within the backend's [`LockBackend::response_bound`].
     pub async fn inspect(&self, key: impl IntoLockKey) -> Result<Option<HolderInfo>> {
         let key = key.into_lock_key()?;
-        self.backend.inspect(&key).await
+        inquire(self.backend.as_ref(), &key, self.backend.inspect(&key)).await
     }
 
     /// Every hold of `key` now: the holder of a lock or the writer, each reader, each
     /// permit ([`HolderInfo::kind`] says which), as the backend sees them.
     ///
     /// # Errors
-    /// [`Error::InvalidKey`], or the backend's error.
+    /// [`Error::InvalidKey`], or the backend's error; a retryable [`Error::Backend`] if the
+    /// server gives no answer within the backend's [`LockBackend::response_bound`].
     pub async fn holders(&self, key: impl IntoLockKey) -> Result<Vec<HolderInfo>> {
         let key = key.into_lock_key()?;
-        self.backend.holders(&key).await
+        inquire(self.backend.as_ref(), &key, self.backend.holders(&key)).await
     }
+}
+
+/// `inquiry`'s answer, or a retryable error once the backend's response bound passes
+/// without one (a link gone silent).
+async fn inquire<T>(
+    backend: &dyn LockBackend,
+    key: &LockKey,
+    inquiry: impl std::future::Future<Output = Result<T>>,
+) -> Result<T> {
+    let bound = backend.response_bound();
+    crate::backend::answered_by(
+        crate::backend::bound_from_now(bound),
+        bound,
+        backend,
+        key,
+        crate::backend::Bounded::Inquiry,
+        inquiry,
+    )
+    .await
 }
 
 /// An owner identity: acquisitions through one `Owner` (and its clones) are reentrant.
@@ -415,13 +436,19 @@ impl Semaphore {
     /// The permits held now, one entry each, as the backend sees them.
     ///
     /// # Errors
-    /// [`Error::InvalidKey`], or the backend's error.
+    /// [`Error::InvalidKey`], or the backend's error; a retryable [`Error::Backend`] if the
+    /// server gives no answer within the backend's [`LockBackend::response_bound`].
     pub async fn holders(&self) -> Result<Vec<HolderInfo>> {
         let key = self
             .key
             .clone()
             .map_err(|reason| Error::InvalidKey { reason })?;
-        self.locker.backend.holders(&key).await
+        inquire(
+            self.locker.backend.as_ref(),
+            &key,
+            self.locker.backend.holders(&key),
+        )
+        .await
     }
 }
 
@@ -630,10 +657,11 @@ impl Acquire {
             let outcome = match wait {
                 Some(wait) if wait.is_zero() => {
                     crate::backend::answered_by(
-                        tokio::time::Instant::now().checked_add(bound),
+                        crate::backend::bound_from_now(bound),
                         bound,
                         backend.as_ref(),
                         &key,
+                        crate::backend::Bounded::Acquisition,
                         backend.try_acquire(&request),
                     )
                     .await
@@ -645,6 +673,7 @@ impl Acquire {
                         bound,
                         backend.as_ref(),
                         &key,
+                        crate::backend::Bounded::Acquisition,
                         backend.acquire(&request, left),
                     )
                     .await

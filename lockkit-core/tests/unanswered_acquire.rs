@@ -1,7 +1,8 @@
 //! A backend whose server never answers an acquisition (a link gone silent: requests are
 //! held, no error comes) is given up on at the wait's deadline plus the backend's
 //! [`LockBackend::response_bound`]: the caller gets a retryable error instead of waiting
-//! forever, and the locker gives back whatever the attempt may still take.
+//! forever, and the locker gives back whatever the attempt may still take. A guard's
+//! re-entry, release and extension are bounded by the backend's bound alone.
 //!
 //! The backend here is the real in-memory backend behind a wrapper whose acquisitions never
 //! finish; releases reach the in-memory backend and are counted.
@@ -141,4 +142,141 @@ async fn an_unanswered_reentry_ends_after_the_backends_bound() {
         reentered.map(|g| g.token())
     );
     assert!(started.elapsed() >= BOUND);
+}
+
+/// A guard's release and extension are bounded too, and so are the locker's questions
+/// about a key: on a server that stops answering after the grant, each ends with a
+/// retryable error after the backend's bound, and the hold's watchdog stops with the
+/// release (the lease then runs out on the server).
+#[tokio::test(start_paused = true)]
+async fn an_unanswered_release_or_extension_ends_after_the_backends_bound() {
+    #[derive(Debug)]
+    struct SilentAfterGrant {
+        memory: MemoryBackend,
+        silent: Arc<std::sync::atomic::AtomicBool>,
+        renewals: Arc<AtomicU32>,
+    }
+    impl SilentAfterGrant {
+        async fn answer<T>(&self, answer: impl std::future::Future<Output = T>) -> T {
+            if self.silent.load(Ordering::SeqCst) {
+                std::future::pending().await
+            } else {
+                answer.await
+            }
+        }
+    }
+    #[async_trait]
+    impl LockBackend for SilentAfterGrant {
+        fn info(&self) -> BackendInfo {
+            self.memory.info()
+        }
+        fn response_bound(&self) -> Duration {
+            BOUND
+        }
+        async fn try_acquire(&self, req: &AcquireRequest) -> Result<Option<Grant>> {
+            self.answer(self.memory.try_acquire(req)).await
+        }
+        async fn acquire(&self, req: &AcquireRequest, wait: Duration) -> Result<Grant> {
+            self.answer(self.memory.acquire(req, wait)).await
+        }
+        async fn renew(&self, grant: &Grant, ttl: Duration) -> Result<()> {
+            self.renewals.fetch_add(1, Ordering::SeqCst);
+            self.answer(self.memory.renew(grant, ttl)).await
+        }
+        async fn release(&self, grant: &Grant) -> Result<Released> {
+            self.answer(self.memory.release(grant)).await
+        }
+        async fn inspect(&self, key: &LockKey) -> Result<Option<HolderInfo>> {
+            self.answer(self.memory.inspect(key)).await
+        }
+        async fn holders(&self, key: &LockKey) -> Result<Vec<HolderInfo>> {
+            self.answer(self.memory.holders(key)).await
+        }
+    }
+    let silent = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let renewals = Arc::new(AtomicU32::new(0));
+    let locker = Locker::new(SilentAfterGrant {
+        memory: MemoryBackend::new(),
+        silent: silent.clone(),
+        renewals: renewals.clone(),
+    });
+    let ttl = Duration::from_secs(600);
+    let (released, extended) = (
+        LockKey::new("silent-release").unwrap(),
+        LockKey::new("silent-extension").unwrap(),
+    );
+    let first = locker.try_acquire(&released).ttl(ttl).await.unwrap();
+    let second = locker.try_acquire(&extended).ttl(ttl).await.unwrap();
+    let (first, second) = (first.expect("free"), second.expect("free"));
+    silent.store(true, Ordering::SeqCst);
+    let started = tokio::time::Instant::now();
+    let (release, extension, inspected, holders) =
+        tokio::time::timeout(Duration::from_secs(3600), async {
+            tokio::join!(
+                first.release(),
+                second.extend(ttl),
+                locker.inspect(&extended),
+                locker.holders(&extended)
+            )
+        })
+        .await
+        .expect("an unanswered release, extension or question must end, not wait forever");
+    for (what, retryable) in [
+        (
+            "release",
+            matches!(
+                release,
+                Err(Error::Backend {
+                    retryable: true,
+                    ..
+                })
+            ),
+        ),
+        (
+            "extension",
+            matches!(
+                extension,
+                Err(Error::Backend {
+                    retryable: true,
+                    ..
+                })
+            ),
+        ),
+        (
+            "inspect",
+            matches!(
+                inspected,
+                Err(Error::Backend {
+                    retryable: true,
+                    ..
+                })
+            ),
+        ),
+        (
+            "holders",
+            matches!(
+                holders,
+                Err(Error::Backend {
+                    retryable: true,
+                    ..
+                })
+            ),
+        ),
+    ] {
+        assert!(retryable, "{what} was not given up with a retryable error");
+    }
+    let took = started.elapsed();
+    assert!(
+        took >= BOUND && took < BOUND + Duration::from_secs(1),
+        "{took:?}"
+    );
+    // The released hold's watchdog is gone: over a renewal period (ttl / 3) only the
+    // extended hold's keeper renews (once, unanswered until its local lease).
+    let before = renewals.load(Ordering::SeqCst);
+    tokio::time::sleep(ttl / 3 + Duration::from_secs(1)).await;
+    assert!(
+        renewals.load(Ordering::SeqCst) <= before + 1,
+        "the released hold is still renewed"
+    );
+    drop(second);
 }

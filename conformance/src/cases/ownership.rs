@@ -145,6 +145,58 @@ pub async fn a_dropped_release_leaves_no_orphan<H: Harness>(h: &H) -> Outcome {
     Outcome::Passed
 }
 
+/// A release or an extension whose client is cut off from its servers (no byte passes;
+/// connections stay open, as when packets are dropped) ends, with an error or (had it gone
+/// through before the cut took hold) its outcome, within the backend's bound on an
+/// unanswered request: neither hangs on a link gone silent. Once the link is back, another
+/// client gets both keys within their lease: nothing kept them past it.
+pub async fn a_release_on_a_cut_link_ends<H: Harness>(h: &H) -> Outcome {
+    let space = Space::new("a_release_on_a_cut_link_ends");
+    let (released, extended) = (space.key("released"), space.key("extended"));
+    let (a, b) = (h.client().await, h.client().await);
+    // Long enough that both calls still find their holds valid and go to the server.
+    let ttl = h.short_ttl().max(Duration::from_secs(5));
+    let first = a
+        .try_acquire(&released)
+        .ttl(ttl)
+        .await
+        .check("acquire")
+        .check("free key");
+    let second = a
+        .try_acquire(&extended)
+        .ttl(ttl)
+        .await
+        .check("acquire")
+        .check("free key");
+    hook!(h.cut_link(&a, true).await);
+    // Wide: any backend's bound on an unanswered request.
+    let ended = tokio::time::timeout(Duration::from_secs(60), async {
+        tokio::join!(first.release(), second.extend(ttl))
+    })
+    .await;
+    hook!(h.cut_link(&a, false).await);
+    let (release, extension) =
+        ended.check("a release and an extension on a cut link must end, not hang");
+    if let Err(error) = &release {
+        assert!(
+            !matches!(error, Error::NotHeld { .. }),
+            "a release on a cut link said the hold was not there: {error}"
+        );
+    }
+    drop(extension);
+    drop(second);
+    for key in [&released, &extended] {
+        b.acquire(key)
+            .wait(ttl + generous_wait(h))
+            .await
+            .check("the key must be free within its lease once the link is back")
+            .release()
+            .await
+            .check("release");
+    }
+    Outcome::Passed
+}
+
 /// Releasing twice is harmless: the second is `NotHeld`, even once someone else holds it.
 pub async fn double_release_is_harmless<H: Harness>(h: &H) -> Outcome {
     let space = Space::new("double_release_is_harmless");
