@@ -289,12 +289,25 @@ impl HolderInfo {
 /// enough that a link gone silent does not hold a caller for good.
 pub const DEFAULT_RESPONSE_BOUND: Duration = Duration::from_secs(120);
 
+/// [`LockBackend::response_bound`] of a SQL backend: twice its `connect_timeout`, and ten
+/// seconds more. sqlx bounds no statement the server never answers (it waits as long as the
+/// link stays open). The slowest legitimate answers such a backend gives chain a pool's
+/// wait or a connection opened to end a waiter's session (each within the connect timeout)
+/// and a statement that may wait for a row lock (PostgreSQL's shared pool cuts those at
+/// `statement_timeout`, ten seconds).
+pub fn sql_response_bound(connect_timeout: Duration) -> Duration {
+    connect_timeout
+        .saturating_mul(2)
+        .saturating_add(Duration::from_secs(10))
+}
+
 /// What [`answered_by`] bounds, for the error it returns when the bound passes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Bounded {
     /// An acquisition or a re-entry, bounded past its wait.
     Acquisition,
-    /// A release: its lease runs out on the server if it did not get there.
+    /// A release: it goes on in the background (see `release_one`), and its lease runs out
+    /// on the server if it does not get there. Not retryable: its guard is gone.
     Release,
     /// An extension: the hold stays as valid as its last confirmed lease.
     Extension,
@@ -302,10 +315,11 @@ pub(crate) enum Bounded {
     Inquiry,
 }
 
-/// `attempt`'s outcome, or, if it has none by `until` (`None`: no bound), a retryable
-/// backend error that says so. The attempt is dropped then: a backend's acquisition,
-/// release and renewal are cancel safe, and the caller of an acquisition gives back what
-/// it may still take.
+/// `attempt`'s outcome, or, if it has none by `until` (`None`: no bound), a backend error
+/// that says so (retryable but for a release). The attempt is dropped then: a backend's
+/// acquisition and renewal are cancel safe (see [`LockBackend::renew`]), the caller of an
+/// acquisition gives back what it may still take, and a release is detached first (see
+/// `release_one` in `guard.rs`), so that only a wait for it is dropped.
 pub(crate) async fn answered_by<T>(
     until: Option<tokio::time::Instant>,
     bound: Duration,
@@ -330,10 +344,11 @@ pub(crate) async fn answered_by<T>(
                 ),
                 Bounded::Release => (
                     format!(
-                        "the release of `{key}` had no answer within {bound:?} and was given \
-                         up; if it did not reach the server, the lease runs out there by itself"
+                        "the release of `{key}` had no answer within {bound:?}; it goes on in \
+                         the background, and if it does not reach the server the lease runs \
+                         out there by itself"
                     ),
-                    "nothing to do for this hold",
+                    "nothing needs doing for this hold",
                 ),
                 Bounded::Extension => (
                     format!(
@@ -350,9 +365,10 @@ pub(crate) async fn answered_by<T>(
                     "try again",
                 ),
             };
+            // A release cannot be tried again (its guard is gone); the others can.
             Err(crate::Error::backend(
                 backend.info().scheme,
-                true,
+                what != Bounded::Release,
                 format!(
                     "{done}: the server may be unreachable (a link gone silent holds requests \
                      without an error) or slow, or the request waits behind a lock of another \
@@ -409,6 +425,12 @@ pub trait LockBackend: Send + Sync + Debug + 'static {
     ///
     /// # Errors
     /// [`crate::Error::NotHeld`] when the key is not held by `grant.owner`.
+    ///
+    /// # Cancel safety
+    /// Dropping the future (the watchdog gives up on a renewal at the local lease's end,
+    /// an extension at [`LockBackend::response_bound`]) leaves the hold as it was or
+    /// renewed, never shorter on the server than the client counts it, and leaves no
+    /// connection, session or local state that blocks the hold's release or others'.
     async fn renew(&self, grant: &Grant, ttl: Duration) -> Result<()>;
 
     /// Gives back one hold, checking ownership on the server. Publishes the release so
@@ -418,6 +440,11 @@ pub trait LockBackend: Send + Sync + Debug + 'static {
     /// # Errors
     /// [`crate::Error::NotHeld`] when the key is not held by `grant.owner` (expired,
     /// released already, or taken over): nothing is changed then.
+    ///
+    /// # Cancel safety
+    /// [`crate::LockGuard`] never drops a release half-way: it finishes in the background
+    /// when the guard's caller stops waiting for it. A future dropped anyway (by a caller of
+    /// the backend itself) must leave no lock that outlives its lease.
     async fn release(&self, grant: &Grant) -> Result<Released>;
 
     /// Reports who holds `key`, if anyone (for a key held by several readers or permits,

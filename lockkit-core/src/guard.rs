@@ -448,7 +448,23 @@ async fn release_one(hold: Arc<Hold>, grant: Grant) -> Result<Released> {
         // out), which an owner-checked release cannot tell apart. Its lease runs out.
         return Err(shared.lost_error(reason));
     }
-    // Bounded: a release on a link gone silent ends with an error; the lease runs out.
+    // Bounded: on a link gone silent the caller hears an error at the backend's bound.
+    // The backend's release is not dropped there but goes on in the background (one may
+    // have let go of its own record of the hold and not yet of the server's lock), and its
+    // late outcome is settled as an on-time one would be.
+    let scheme = shared.backend.info().scheme;
+    let release = {
+        let (backend, grant) = (shared.backend.clone(), grant.clone());
+        async move { backend.release(&grant).await }
+    };
+    let late = {
+        let shared = hold.shared.clone();
+        move |outcome: Result<Released>| {
+            if let Err(error) = settle_release(&shared, outcome) {
+                tracing::debug!(key = %shared.grant.key, %error, "a release that ran late failed");
+            }
+        }
+    };
     let bound = shared.backend.response_bound();
     let outcome = crate::backend::answered_by(
         crate::backend::bound_from_now(bound),
@@ -456,9 +472,33 @@ async fn release_one(hold: Arc<Hold>, grant: Grant) -> Result<Released> {
         shared.backend.as_ref(),
         &grant.key,
         crate::backend::Bounded::Release,
-        shared.backend.release(&grant),
+        async move {
+            crate::detach::detached(release, late)
+                .await
+                .unwrap_or_else(|| {
+                    Err(Error::backend(
+                        scheme,
+                        false,
+                        "the release panicked; the lease will run out",
+                    ))
+                })
+        },
     )
     .await;
+    let outcome = settle_release(shared, outcome);
+    if outcome.is_err() && shared.guards.load(std::sync::atomic::Ordering::SeqCst) == 0 {
+        // No guard believes in the hold, and the server did not say it let go: the
+        // watchdog stops now, under `op`, so that no renewal slips in before the hold is
+        // dropped. The lease runs out on the server (unless the release lands late).
+        shared.stop.cancel();
+    }
+    outcome
+}
+
+/// What a release's outcome means for its hold, on time or late: a full release ends the
+/// hold (and tells sibling guards the server let go); a hold the server no longer knows is
+/// lost.
+fn settle_release(shared: &HoldShared, outcome: Result<Released>) -> Result<Released> {
     if matches!(outcome, Ok(Released::Fully)) {
         crate::telemetry::released(
             shared.backend.info().scheme,

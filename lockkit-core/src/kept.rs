@@ -108,6 +108,29 @@ impl<C> KeptConnections<C> {
         taken
     }
 
+    /// A kept connection ([`Self::take`]), or else one from the pool through `acquire`. If
+    /// the pool's wait runs out (`timed_out` says which error that is), a connection kept
+    /// meanwhile is taken rather than fail: one kept while the pool had a connection to
+    /// spare, which another caller took as this one began to wait.
+    ///
+    /// # Errors
+    /// `acquire`'s error, when no connection was kept meanwhile.
+    pub async fn lend<E>(
+        &self,
+        return_all: impl Fn() -> bool,
+        acquire: impl std::future::Future<Output = Result<C, E>>,
+        timed_out: impl FnOnce(&E) -> bool,
+    ) -> Result<Lent<C>, E> {
+        if let Some(lent) = self.take(return_all()) {
+            return Ok(lent);
+        }
+        match acquire.await {
+            Ok(conn) => Ok(Lent::from_pool(conn)),
+            Err(error) if timed_out(&error) => self.take(return_all()).ok_or(error),
+            Err(error) => Err(error),
+        }
+    }
+
     /// Keeps `lent` for the next [`Self::take`] when `allowed` (the caller's judgement: a
     /// clean statement, an open pool with a connection to spare), there is room, and it
     /// has not been out too long; otherwise it goes back to the pool. `allowed` is asked
@@ -246,5 +269,51 @@ mod tests {
         assert!(s.take(false).is_none(), "out too long: not kept");
         s.keep(Lent::from_pool(4), || true);
         assert!(s.take(true).is_none(), "return_all gives everything back");
+    }
+
+    #[tokio::test]
+    async fn lends_a_kept_connection_first_then_the_pools_then_one_kept_while_it_waited() {
+        let s = store(2);
+        s.keep(Lent::from_pool(1), || true);
+        let asked = std::sync::atomic::AtomicU32::new(0);
+        let pool = |conn: std::result::Result<u32, &'static str>| {
+            let asked = &asked;
+            async move {
+                asked.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                conn
+            }
+        };
+        let timed_out = |e: &&str| *e == "timed out";
+        let kept = s.lend(|| false, pool(Ok(9)), timed_out).await;
+        assert_eq!(kept.map(|l| l.conn), Ok(1), "the kept one, not the pool's");
+        let pooled = s.lend(|| false, pool(Ok(9)), timed_out).await;
+        assert_eq!(pooled.map(|l| l.conn), Ok(9));
+        // The pool's wait ran out while a connection was kept meanwhile: that one.
+        let waited = s.lend(
+            || false,
+            async {
+                s.keep(Lent::from_pool(2), || true);
+                Err("timed out")
+            },
+            timed_out,
+        );
+        assert_eq!(waited.await.map(|l| l.conn), Ok(2));
+        let failed = s.lend(|| false, pool(Err("timed out")), timed_out).await;
+        assert_eq!(
+            failed.map(|l| l.conn),
+            Err("timed out"),
+            "nothing kept: the error"
+        );
+        s.keep(Lent::from_pool(3), || true);
+        let refused = s.lend(|| true, pool(Err("refused")), timed_out).await;
+        assert_eq!(
+            refused.map(|l| l.conn),
+            Err("refused"),
+            "return_all: none is lent"
+        );
+        let other = s.lend(|| false, pool(Err("refused")), timed_out).await;
+        assert_eq!(other.map(|l| l.conn), Err("refused"));
+        // Asked only where nothing fit was kept: not for the first lend.
+        assert_eq!(asked.load(std::sync::atomic::Ordering::SeqCst), 4);
     }
 }

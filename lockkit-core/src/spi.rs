@@ -4,7 +4,7 @@
 //! wake-up, backoff, deadline), and the deadline and lease helpers every backend uses alike. Lock users need none of it: they use [`Locker`](crate::Locker).
 
 pub use crate::attempts::AttemptLedger;
-pub use crate::backend::{AcquireRequest, Grant, Released};
+pub use crate::backend::{AcquireRequest, Grant, Released, sql_response_bound};
 pub use crate::detach::{Interrupt, detached, detached_acquire};
 pub use crate::file::file_name;
 pub use crate::guard::local_validity;

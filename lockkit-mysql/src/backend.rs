@@ -213,18 +213,14 @@ impl LockBackend for MysqlBackend {
         self.locks().info()
     }
 
-    /// Twice the connect timeout, ten seconds at least: MySQL has no bound of its own on a
-    /// statement the server never answers (sqlx waits as long as the link stays open), and
-    /// a for-update wait's end (`KILL` from a connection opened for it, then the waiter's
+    /// [`lockkit_core::spi::sql_response_bound`]: twice the connect timeout, ten seconds at
+    /// least. MySQL has no bound of its own on a statement the server never answers (sqlx
+    /// waits as long as the link stays open), and a for-update wait's end (`KILL` from a connection opened for it, then the waiter's
     /// own statement) takes up to that past the deadline. A row-mode statement that waits
     /// longer behind another transaction's row lock (`innodb_lock_wait_timeout`) is given
     /// up on too, safely: its attempt is given back when it completes.
     fn response_bound(&self) -> Duration {
-        self.db
-            .config
-            .connect_timeout
-            .saturating_mul(2)
-            .max(Duration::from_secs(10))
+        lockkit_core::spi::sql_response_bound(self.db.config.connect_timeout)
     }
 
     async fn try_acquire(&self, req: &AcquireRequest) -> Result<Option<Grant>> {

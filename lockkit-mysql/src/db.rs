@@ -259,10 +259,14 @@ impl Db {
         &self,
         statement: Query<'_, MySql, MySqlArguments>,
     ) -> std::result::Result<MySqlQueryResult, sqlx::Error> {
-        let mut lent = match self.kept.take(self.return_all_kept()) {
-            Some(lent) => lent,
-            None => Lent::from_pool(self.pool.acquire().await?),
-        };
+        let mut lent = self
+            .kept
+            .lend(
+                || self.return_all_kept(),
+                self.pool.acquire(),
+                |e| matches!(e, sqlx::Error::PoolTimedOut),
+            )
+            .await?;
         let done = statement.execute(&mut *lent.conn).await;
         let clean = match &done {
             Ok(_) => true,
@@ -309,19 +313,13 @@ impl Db {
     pub(crate) async fn lend_hold_connection(
         &self,
     ) -> std::result::Result<Lent<PoolConnection<MySql>>, sqlx::Error> {
-        if let Some(lent) = self.kept_holds.take(self.return_all_kept_holds()) {
-            return Ok(lent);
-        }
-        match self.holds_pool.acquire().await {
-            Ok(conn) => Ok(Lent::from_pool(conn)),
-            // One kept while the pool had a connection to spare, which another caller took
-            // as this one began to wait: take it now rather than fail.
-            Err(sqlx::Error::PoolTimedOut) => self
-                .kept_holds
-                .take(self.return_all_kept_holds())
-                .ok_or(sqlx::Error::PoolTimedOut),
-            Err(e) => Err(e),
-        }
+        self.kept_holds
+            .lend(
+                || self.return_all_kept_holds(),
+                self.holds_pool.acquire(),
+                |e| matches!(e, sqlx::Error::PoolTimedOut),
+            )
+            .await
     }
 
     /// Keeps a dedicated connection whose last statement ended its transaction and put

@@ -159,19 +159,13 @@ impl Dedicated {
 
     /// A kept connection, or one from the pool.
     async fn lend(&self) -> std::result::Result<Lent<PoolConnection<Postgres>>, sqlx::Error> {
-        if let Some(lent) = self.kept.take(self.return_all_kept()) {
-            return Ok(lent);
-        }
-        match self.pool.acquire().await {
-            Ok(conn) => Ok(Lent::from_pool(conn)),
-            // One kept while the pool had a connection to spare, which another caller took
-            // as this one began to wait: take it now rather than fail.
-            Err(sqlx::Error::PoolTimedOut) => self
-                .kept
-                .take(self.return_all_kept())
-                .ok_or(sqlx::Error::PoolTimedOut),
-            Err(e) => Err(e),
-        }
+        self.kept
+            .lend(
+                || self.return_all_kept(),
+                self.pool.acquire(),
+                |e| matches!(e, sqlx::Error::PoolTimedOut),
+            )
+            .await
     }
 
     /// Keeps `conn`, which holds no lock, no lease and no name (a statement that let go of
@@ -619,6 +613,19 @@ async fn end_stale(backend: &AdvisoryLocks, held: &Held) {
         }
     }
     end_session(session, &mut conn);
+}
+
+/// Ends its hold as stale ([`end_stale`]) in a task of its own when dropped still armed.
+struct EndStaleIfDropped(Option<(AdvisoryLocks, Arc<Held>)>);
+
+impl Drop for EndStaleIfDropped {
+    fn drop(&mut self) {
+        if let Some((backend, held)) = self.0.take()
+            && let Ok(runtime) = tokio::runtime::Handle::try_current()
+        {
+            runtime.spawn(async move { end_stale(&backend, &held).await });
+        }
+    }
 }
 
 /// Closes a session's connection (the server lets its locks go); its holds are over.
@@ -1642,7 +1649,13 @@ async fn release(backend: &AdvisoryLocks, grant: &Grant) -> Result<Released> {
         key: grant.key.clone(),
     };
     let bound = backend.inner.config.connect_timeout;
+    // Dropped while it waits for the session (a renewal or a liveness check has it on a
+    // slow link), the release lets go in the background: its hold is forgotten already, so
+    // nothing else would, and a session that lives on (a downgrade's other hold) would keep
+    // the lock.
+    let mut waiting = EndStaleIfDropped(Some((backend.clone(), held.clone())));
     let mut conn = session.conn.lock().await;
+    waiting.0 = None;
     if conn.is_none() {
         // Closed (the hold is lost), or given back to the pool by the release of the
         // session's other hold, which let go of every lock on it, this one's too.

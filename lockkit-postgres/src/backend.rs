@@ -163,16 +163,9 @@ impl LockBackend for PostgresBackend {
         self.locks().info()
     }
 
-    /// Twice the connect timeout, ten seconds at least, as MySQL's: sqlx bounds no statement
-    /// the server never answers (it waits as long as the link stays open), and the slowest
-    /// legitimate answer past a deadline is a waiter's end (its statement cancelled, or its
-    /// session ended from a connection opened for it), within the connect timeout.
+    /// [`lockkit_core::spi::sql_response_bound`] of the connect timeout.
     fn response_bound(&self) -> Duration {
-        self.db
-            .config
-            .connect_timeout
-            .saturating_mul(2)
-            .max(Duration::from_secs(10))
+        lockkit_core::spi::sql_response_bound(self.db.config.connect_timeout)
     }
 
     async fn try_acquire(&self, req: &AcquireRequest) -> Result<Option<Grant>> {

@@ -292,10 +292,13 @@ impl Db {
 
     /// A kept connection, or one from the pool.
     async fn lend(&self) -> std::result::Result<Lent<PoolConnection<Postgres>>, sqlx::Error> {
-        match self.kept.take(self.return_all_kept()) {
-            Some(lent) => Ok(lent),
-            None => Ok(Lent::from_pool(self.pool.acquire().await?)),
-        }
+        self.kept
+            .lend(
+                || self.return_all_kept(),
+                self.pool.acquire(),
+                |e| matches!(e, sqlx::Error::PoolTimedOut),
+            )
+            .await
     }
 
     /// Keeps `lent` after a statement that completed, or failed with an error that leaves

@@ -2168,8 +2168,12 @@ impl LockBackend for ZkBackend {
                 })
             }
             Err(e) => {
-                // The hold is over for us either way; never leave its node behind.
-                delete_until_gone(held.session.clone(), held.node.clone()).await;
+                // The hold is over for us either way; never leave its node behind. Retried
+                // in a task of its own, so a caller that stops waiting cannot cut it short.
+                drop(DeleteOnDrop(Some((
+                    held.session.clone(),
+                    held.node.clone(),
+                ))));
                 Err(zk_error(
                     "deleting the lock node (retried in the background)",
                     e,

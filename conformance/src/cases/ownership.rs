@@ -169,22 +169,18 @@ pub async fn a_release_on_a_cut_link_ends<H: Harness>(h: &H) -> Outcome {
         .check("acquire")
         .check("free key");
     hook!(h.cut_link(&a, true).await);
-    // Wide: any backend's bound on an unanswered request.
+    // Wide: the SQL backends give up at their bound (20 s by default); every other one
+    // has request timeouts of its own, far shorter than its bound (120 s by default).
     let ended = tokio::time::timeout(Duration::from_secs(60), async {
         tokio::join!(first.release(), second.extend(ttl))
     })
     .await;
     hook!(h.cut_link(&a, false).await);
+    // Any outcome will do (the call went through before the cut took hold, it was given
+    // up on, or the hold was found lost meanwhile), as long as there is one.
     let (release, extension) =
         ended.check("a release and an extension on a cut link must end, not hang");
-    if let Err(error) = &release {
-        assert!(
-            !matches!(error, Error::NotHeld { .. }),
-            "a release on a cut link said the hold was not there: {error}"
-        );
-    }
-    drop(extension);
-    drop(second);
+    drop((release, extension, second));
     for key in [&released, &extended] {
         b.acquire(key)
             .wait(ttl + generous_wait(h))
