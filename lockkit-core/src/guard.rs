@@ -485,14 +485,10 @@ async fn release_one(hold: Arc<Hold>, grant: Grant) -> Result<Released> {
         },
     )
     .await;
-    let outcome = settle_release(shared, outcome);
-    if outcome.is_err() && shared.guards.load(std::sync::atomic::Ordering::SeqCst) == 0 {
-        // No guard believes in the hold, and the server did not say it let go: the
-        // watchdog stops now, under `op`, so that no renewal slips in before the hold is
-        // dropped. The lease runs out on the server (unless the release lands late).
-        shared.stop.cancel();
-    }
-    outcome
+    // After an error the watchdog stops when the hold is dropped, not here: an acquisition
+    // of the same owner may still join the hold (its re-entry reached the server before
+    // this release), and needs its watchdog.
+    settle_release(shared, outcome)
 }
 
 /// What a release's outcome means for its hold, on time or late: a full release ends the
@@ -773,8 +769,9 @@ impl LockGuard {
     /// what the server holds for this owner may be a newer hold of the same owner, and the
     /// lease runs out by itself; backend errors otherwise, in which case the lease runs out
     /// on the server. A release the server does not answer within the backend's
-    /// [`crate::LockBackend::response_bound`] (a link gone silent) ends with a retryable
-    /// [`Error::Backend`] then, rather than wait for good.
+    /// [`crate::LockBackend::response_bound`] (a link gone silent) ends with a
+    /// non-retryable [`Error::Backend`] then, rather than wait for good; the release goes
+    /// on in the background, and if it never reaches the server the lease runs out there.
     ///
     /// # Cancel safety
     /// Dropping this future does not stop the release: the rest of it goes on in a task of

@@ -144,6 +144,56 @@ async fn an_unanswered_reentry_ends_after_the_backends_bound() {
     assert!(started.elapsed() >= BOUND);
 }
 
+/// The in-memory backend behind a link that can be cut: while cut, every request waits
+/// until the link is back (as on a link gone silent), then goes through.
+#[derive(Debug)]
+struct SilentAfterGrant {
+    memory: MemoryBackend,
+    /// `true` while the link is cut: requests wait until it is back.
+    cut: tokio::sync::watch::Sender<bool>,
+    renewals: Arc<AtomicU32>,
+}
+impl SilentAfterGrant {
+    async fn answer<T>(&self, answer: impl std::future::Future<Output = T>) -> T {
+        let mut link = self.cut.subscribe();
+        let _ = link.wait_for(|cut| !*cut).await;
+        answer.await
+    }
+}
+#[async_trait]
+impl LockBackend for SilentAfterGrant {
+    fn info(&self) -> BackendInfo {
+        self.memory.info()
+    }
+    fn response_bound(&self) -> Duration {
+        BOUND
+    }
+    async fn try_acquire(&self, req: &AcquireRequest) -> Result<Option<Grant>> {
+        self.answer(self.memory.try_acquire(req)).await
+    }
+    async fn acquire(&self, req: &AcquireRequest, wait: Duration) -> Result<Grant> {
+        self.answer(self.memory.acquire(req, wait)).await
+    }
+    async fn renew(&self, grant: &Grant, ttl: Duration) -> Result<()> {
+        self.renewals.fetch_add(1, Ordering::SeqCst);
+        self.answer(self.memory.renew(grant, ttl)).await
+    }
+    async fn release(&self, grant: &Grant) -> Result<Released> {
+        // Behind any request sent before it, once the link is back: requests on one
+        // connection reach the server in order.
+        self.answer(async {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+            self.memory.release(grant).await
+        })
+        .await
+    }
+    async fn inspect(&self, key: &LockKey) -> Result<Option<HolderInfo>> {
+        self.answer(self.memory.inspect(key)).await
+    }
+    async fn holders(&self, key: &LockKey) -> Result<Vec<HolderInfo>> {
+        self.answer(self.memory.holders(key)).await
+    }
+}
 /// A guard's release and extension are bounded too, and so are the locker's questions
 /// about a key: on a server that stops answering after the grant, each ends with an error
 /// after the backend's bound (retryable but for the release, whose guard is gone), and the
@@ -151,48 +201,6 @@ async fn an_unanswered_reentry_ends_after_the_backends_bound() {
 /// link is back it reaches the server, which lets the key go long before the lease.
 #[tokio::test(start_paused = true)]
 async fn an_unanswered_release_or_extension_ends_after_the_backends_bound() {
-    #[derive(Debug)]
-    struct SilentAfterGrant {
-        memory: MemoryBackend,
-        /// `true` while the link is cut: requests wait until it is back.
-        cut: tokio::sync::watch::Sender<bool>,
-        renewals: Arc<AtomicU32>,
-    }
-    impl SilentAfterGrant {
-        async fn answer<T>(&self, answer: impl std::future::Future<Output = T>) -> T {
-            let mut link = self.cut.subscribe();
-            let _ = link.wait_for(|cut| !*cut).await;
-            answer.await
-        }
-    }
-    #[async_trait]
-    impl LockBackend for SilentAfterGrant {
-        fn info(&self) -> BackendInfo {
-            self.memory.info()
-        }
-        fn response_bound(&self) -> Duration {
-            BOUND
-        }
-        async fn try_acquire(&self, req: &AcquireRequest) -> Result<Option<Grant>> {
-            self.answer(self.memory.try_acquire(req)).await
-        }
-        async fn acquire(&self, req: &AcquireRequest, wait: Duration) -> Result<Grant> {
-            self.answer(self.memory.acquire(req, wait)).await
-        }
-        async fn renew(&self, grant: &Grant, ttl: Duration) -> Result<()> {
-            self.renewals.fetch_add(1, Ordering::SeqCst);
-            self.answer(self.memory.renew(grant, ttl)).await
-        }
-        async fn release(&self, grant: &Grant) -> Result<Released> {
-            self.answer(self.memory.release(grant)).await
-        }
-        async fn inspect(&self, key: &LockKey) -> Result<Option<HolderInfo>> {
-            self.answer(self.memory.inspect(key)).await
-        }
-        async fn holders(&self, key: &LockKey) -> Result<Vec<HolderInfo>> {
-            self.answer(self.memory.holders(key)).await
-        }
-    }
     let cut = tokio::sync::watch::Sender::new(false);
     let renewals = Arc::new(AtomicU32::new(0));
     let locker = Locker::new(SilentAfterGrant {
@@ -252,4 +260,63 @@ async fn an_unanswered_release_or_extension_ends_after_the_backends_bound() {
     );
     assert!(locker.inspect(&extended).await.unwrap().is_some());
     drop(second);
+}
+
+/// A release given up on at the bound must not leave an acquisition of the same owner,
+/// which joins the hold when the link is back, without its watchdog: the joined guard's
+/// hold is renewed for as long as it is held.
+#[tokio::test(start_paused = true)]
+async fn an_owner_joining_a_hold_whose_release_was_given_up_on_keeps_it_renewed() {
+    let cut = tokio::sync::watch::Sender::new(false);
+    let locker = Locker::new(SilentAfterGrant {
+        memory: MemoryBackend::new(),
+        cut: cut.clone(),
+        renewals: Arc::new(AtomicU32::new(0)),
+    });
+    let owner = locker.owner();
+    let key = LockKey::new("silent-join").unwrap();
+    let ttl = Duration::from_secs(30);
+    let first = owner.acquire(&key).ttl(ttl).await.unwrap();
+    let token = first.token();
+    cut.send_replace(true);
+    let joining = tokio::spawn({
+        let (owner, key) = (owner.clone(), key.clone());
+        async move {
+            owner
+                .acquire(&key)
+                .ttl(ttl)
+                .wait(Duration::from_secs(600))
+                .await
+        }
+    });
+    tokio::time::sleep(Duration::from_millis(10)).await;
+    let released = first.release().await;
+    assert!(
+        matches!(
+            released,
+            Err(Error::Backend {
+                retryable: false,
+                ..
+            })
+        ),
+        "{released:?}"
+    );
+    cut.send_replace(false);
+    let second = joining.await.unwrap().expect("the owner's acquisition");
+    assert_eq!(
+        second.token(),
+        token,
+        "the re-entry reached the server first: it joined the hold"
+    );
+    // Five leases on: held and renewed all along.
+    for _ in 0..15 {
+        tokio::time::sleep(ttl / 3).await;
+        assert!(second.is_valid(), "the joined hold ran out: no watchdog");
+        assert!(
+            locker.inspect(&key).await.unwrap().is_some(),
+            "the key ran out on the server under a guard that believes in it"
+        );
+    }
+    second.release().await.unwrap();
+    assert!(locker.inspect(&key).await.unwrap().is_none());
 }

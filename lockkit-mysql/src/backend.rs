@@ -75,8 +75,13 @@ impl MysqlBackend {
         &self.db.config
     }
 
-    /// Closes every connection of this client. Holds still open end with their connections.
+    /// Closes every connection of this client. A for-update hold still open ends with its
+    /// connection (its guard hears `SessionLost`); a row-mode lease lives in the table and
+    /// runs out there.
     pub async fn close(&self) {
+        if let Locks::ForUpdate(locks) = &self.locks {
+            locks.close().await;
+        }
         // Each pool is closed first (sqlx marks it closed when `close` is called), so a
         // statement completing meanwhile does not keep its connection; then the kept ones
         // go back (a pool's close waits for all its connections).
@@ -213,8 +218,8 @@ impl LockBackend for MysqlBackend {
         self.locks().info()
     }
 
-    /// [`lockkit_core::spi::sql_response_bound`]: twice the connect timeout, ten seconds at
-    /// least. MySQL has no bound of its own on a statement the server never answers (sqlx
+    /// [`lockkit_core::spi::sql_response_bound`]: twice the connect timeout and ten seconds
+    /// more. MySQL has no bound of its own on a statement the server never answers (sqlx
     /// waits as long as the link stays open), and a for-update wait's end (`KILL` from a connection opened for it, then the waiter's
     /// own statement) takes up to that past the deadline. A row-mode statement that waits
     /// longer behind another transaction's row lock (`innodb_lock_wait_timeout`) is given

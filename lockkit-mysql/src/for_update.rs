@@ -44,6 +44,19 @@ impl ForUpdateLocks {
         }
     }
 
+    /// Ends every hold of this client by closing its connection (the server rolls the
+    /// lock transaction back; each guard hears `SessionLost` from its hold's watch), so
+    /// that closing the pool of dedicated connections need not wait for them.
+    pub(crate) async fn close(&self) {
+        for held in self.held.all() {
+            held.broken.store(true, Ordering::SeqCst);
+            forget(self, &held);
+            if let Some(mut conn) = held.conn.lock().await.take() {
+                conn.close_on_drop();
+            }
+        }
+    }
+
     /// The server connection id holding `key` in this client, if any.
     pub(crate) fn connection_holding(&self, key: &LockKey) -> Option<u64> {
         self.held.any_on(key).map(|h| h.connection_id)
@@ -781,7 +794,13 @@ async fn watch(
             return;
         }
         let mut conn = held.conn.lock().await;
-        let Some(c) = conn.as_mut() else { return };
+        let Some(c) = conn.as_mut() else {
+            // Released (nothing to say), or ended by the client's close: say so.
+            if held.broken.load(Ordering::SeqCst) {
+                loss.fire(lockkit_core::LostReason::SessionLost);
+            }
+            return;
+        };
         // Read under the connection's lock: a re-entry or renewal that lengthened the lease
         // meanwhile has told the server, and this must not set a shorter timeout after it.
         let left = held.lease_until().saturating_duration_since(Instant::now());

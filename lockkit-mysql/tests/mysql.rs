@@ -1882,3 +1882,50 @@ async fn an_acquisition_past_its_deadline_before_its_set_up_takes_nothing() {
     );
     backend.close().await;
 }
+
+/// Closing a client while it holds locks ends the holds (each guard hears it) instead of
+/// waiting for their connections for as long as they are held, in both modes, as
+/// PostgreSQL's close does; another client then gets the keys.
+#[tokio::test]
+async fn closing_a_client_ends_its_holds() {
+    for mode in ["for-update", "row"] {
+        let Some(url) = url(&format!(
+            "mode={mode}&table=lockkit_test_close_{}",
+            mode.replace('-', "_")
+        )) else {
+            return;
+        };
+        let backend = MysqlBackend::connect(&url).await.unwrap();
+        let locker = Locker::new(backend.clone());
+        let rival = Locker::new(MysqlBackend::connect(&url).await.unwrap());
+        let k = key();
+        let held = locker
+            .try_acquire(&k)
+            .ttl(Duration::from_secs(60))
+            .await
+            .unwrap()
+            .expect("a free key");
+        let lost = held.lost();
+        tokio::time::timeout(Duration::from_secs(10), backend.close())
+            .await
+            .unwrap_or_else(|_| panic!("{mode}: close() waited for a live hold"));
+        if mode == "for-update" {
+            // The hold lived on its connection, which is gone: its guard is told.
+            tokio::time::timeout(Duration::from_secs(10), lost)
+                .await
+                .unwrap_or_else(|_| panic!("{mode}: the hold's guard was not told"));
+            rival
+                .acquire(&k)
+                .wait(Duration::from_secs(20))
+                .await
+                .expect("the key is free once its holder's client closed")
+                .release()
+                .await
+                .unwrap();
+        } else {
+            // A row lease lives in the table: it runs out (or is released) as before.
+            drop(lost);
+        }
+        drop(held);
+    }
+}

@@ -1655,8 +1655,8 @@ async fn release(backend: &AdvisoryLocks, grant: &Grant) -> Result<Released> {
     // the lock.
     let mut waiting = EndStaleIfDropped(Some((backend.clone(), held.clone())));
     let mut conn = session.conn.lock().await;
-    waiting.0 = None;
     if conn.is_none() {
+        waiting.0 = None;
         // Closed (the hold is lost), or given back to the pool by the release of the
         // session's other hold, which let go of every lock on it, this one's too.
         if session.broken.load(Ordering::SeqCst) {
@@ -1687,10 +1687,17 @@ async fn release(backend: &AdvisoryLocks, grant: &Grant) -> Result<Released> {
         if outcome.is_err() {
             end_session(session, &mut conn);
         }
+        // Armed until now: dropped before the unlock's outcome was known, the lock might
+        // stay on a session the other hold keeps alive.
+        waiting.0 = None;
         drop(conn);
         clear_record(backend, &held).await;
         return outcome;
     }
+    // From here the connection is this release's own: a statement sent on it completes
+    // (its first lets go of every lock), and a connection dropped half-way is not reused
+    // before sqlx has read that statement's answer.
+    waiting.0 = None;
     let Some(mut c) = conn.take() else {
         return Err(not_held());
     };
