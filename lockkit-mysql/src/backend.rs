@@ -79,13 +79,14 @@ impl MysqlBackend {
     /// connection (its guard hears `SessionLost`); a row-mode lease lives in the table and
     /// runs out there.
     pub async fn close(&self) {
+        // Each pool is closed first (sqlx marks it closed when `close` is called), so a
+        // statement completing meanwhile does not keep its connection and no acquisition
+        // starts; then the holds and waits end and the kept connections go back (a pool's
+        // close waits for all its connections).
+        let closing_holds = self.db.holds_pool.close();
         if let Locks::ForUpdate(locks) = &self.locks {
             locks.close().await;
         }
-        // Each pool is closed first (sqlx marks it closed when `close` is called), so a
-        // statement completing meanwhile does not keep its connection; then the kept ones
-        // go back (a pool's close waits for all its connections).
-        let closing_holds = self.db.holds_pool.close();
         self.db.return_kept_holds();
         closing_holds.await;
         let closing = self.db.pool.close();

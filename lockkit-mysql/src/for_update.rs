@@ -34,6 +34,9 @@ type Holds = Arc<LocalHolds<Held>>;
 pub(crate) struct ForUpdateLocks {
     inner: Arc<Db>,
     held: Holds,
+    /// `true` once [`ForUpdateLocks::close`] began: waiters stop waiting, and a grant that
+    /// lands after it lets go at once.
+    closing: Arc<tokio::sync::watch::Sender<bool>>,
 }
 
 impl ForUpdateLocks {
@@ -41,18 +44,26 @@ impl ForUpdateLocks {
         ForUpdateLocks {
             inner: db,
             held: Holds::default(),
+            closing: Arc::new(tokio::sync::watch::Sender::new(false)),
         }
     }
 
     /// Ends every hold of this client by closing its connection (the server rolls the
-    /// lock transaction back; each guard hears `SessionLost` from its hold's watch), so
-    /// that closing the pool of dedicated connections need not wait for them.
+    /// lock transaction back; each guard hears `SessionLost` from its hold's watch), and
+    /// every wait (by `KILL` of its connection, as at its deadline), so that closing the
+    /// pool of dedicated connections need not wait for them. A grant that lands meanwhile
+    /// lets go at once. Call it after the pool of dedicated connections was marked closed,
+    /// so that no new acquisition starts.
     pub(crate) async fn close(&self) {
+        self.closing.send_replace(true);
         for held in self.held.all() {
-            held.broken.store(true, Ordering::SeqCst);
             forget(self, &held);
-            if let Some(mut conn) = held.conn.lock().await.take() {
-                conn.close_on_drop();
+            let mut conn = held.conn.lock().await;
+            // Under the connection's lock, and only if the hold still had it: a release
+            // that completed meanwhile is no loss.
+            if let Some(mut taken) = conn.take() {
+                held.broken.store(true, Ordering::SeqCst);
+                taken.close_on_drop();
             }
         }
     }
@@ -384,6 +395,7 @@ async fn lock(
         // pool (which statements stuck behind other transactions' row locks can fill), and
         // never a shared control connection that a partition could leave hanging.
         let (options, bound) = (inner.config.connect.clone(), inner.config.connect_timeout);
+        let mut closing = backend.closing.subscribe();
         tokio::spawn(async move {
             let deadline_passes = async {
                 if wait.is_zero() {
@@ -394,6 +406,7 @@ async fn lock(
             tokio::select! {
                 _ = deadline_passes => {}
                 _ = interrupt.interrupted() => {}
+                _ = closing.wait_for(|closed| *closed) => {}
                 _ = stopped => return false,
             }
             fire.send_replace(true);
@@ -455,6 +468,15 @@ async fn lock(
     backend
         .held
         .insert(req.owner, req.key.clone(), held.clone());
+    if *backend.closing.borrow() {
+        // Granted as the client closed (after `close` listed the holds): let go at once.
+        end_stale(backend, &held).await;
+        return Err(Error::backend(
+            BACKEND,
+            false,
+            "the client was closed while this acquisition was granted; the lock was let go",
+        ));
+    }
     tokio::spawn(watch(
         backend.clone(),
         Arc::downgrade(&held),

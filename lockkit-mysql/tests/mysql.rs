@@ -1883,9 +1883,9 @@ async fn an_acquisition_past_its_deadline_before_its_set_up_takes_nothing() {
     backend.close().await;
 }
 
-/// Closing a client while it holds locks ends the holds (each guard hears it) instead of
-/// waiting for their connections for as long as they are held, in both modes, as
-/// PostgreSQL's close does; another client then gets the keys.
+/// Closing a client while it holds locks ends the holds (each guard hears it) and its
+/// waits, instead of waiting for their connections for as long as they are held or wait,
+/// in both modes, as PostgreSQL's close does; another client then gets the keys.
 #[tokio::test]
 async fn closing_a_client_ends_its_holds() {
     for mode in ["for-update", "row"] {
@@ -1906,9 +1906,40 @@ async fn closing_a_client_ends_its_holds() {
             .unwrap()
             .expect("a free key");
         let lost = held.lost();
+        // Waiters of this client, for far longer than the test: behind its own hold (granted
+        // when close lets that go) and behind a rival's (whose hold close does not touch).
+        let rivals = rival
+            .try_acquire(key())
+            .ttl(Duration::from_secs(60))
+            .await
+            .unwrap()
+            .expect("a free key");
+        let waiters = [k.clone(), rivals.key().clone()].map(|k| {
+            let locker = locker.clone();
+            tokio::spawn(async move {
+                locker
+                    .acquire(&k)
+                    .ttl(Duration::from_secs(60))
+                    .wait(Duration::from_secs(600))
+                    .await
+            })
+        });
+        tokio::time::sleep(Duration::from_millis(500)).await;
         tokio::time::timeout(Duration::from_secs(10), backend.close())
             .await
-            .unwrap_or_else(|_| panic!("{mode}: close() waited for a live hold"));
+            .unwrap_or_else(|_| panic!("{mode}: close() waited for a live hold or a waiter"));
+        for waiter in waiters {
+            let waited = tokio::time::timeout(Duration::from_secs(10), waiter)
+                .await
+                .unwrap_or_else(|_| panic!("{mode}: a waiter went on waiting on a closed client"))
+                .unwrap();
+            assert!(
+                waited.is_err(),
+                "{mode}: a waiter was granted on a closed client (token {:?})",
+                waited.map(|g| g.token())
+            );
+        }
+        rivals.release().await.unwrap();
         if mode == "for-update" {
             // The hold lived on its connection, which is gone: its guard is told.
             tokio::time::timeout(Duration::from_secs(10), lost)

@@ -130,6 +130,9 @@ pub(crate) struct AdvisoryLocks {
     /// Dedicated connections: one per hold and per waiter.
     dedicated: Arc<Dedicated>,
     held: Holds,
+    /// `true` once [`AdvisoryLocks::close`] began: waiters stop waiting, and a grant that
+    /// lands after it lets go at once.
+    closing: Arc<tokio::sync::watch::Sender<bool>>,
 }
 
 /// The pool of dedicated connections, and those kept out of it between holds.
@@ -244,21 +247,25 @@ impl AdvisoryLocks {
             inner: db,
             dedicated,
             held: Holds::default(),
+            closing: Arc::new(tokio::sync::watch::Sender::new(false)),
         })
     }
 
-    /// Ends every hold of this client (each guard hears `SessionLost`) and closes the
-    /// dedicated connections.
+    /// Ends every hold of this client (each guard hears `SessionLost`) and every wait (its
+    /// session terminated, as at its deadline), and closes the dedicated connections. A
+    /// grant that lands meanwhile lets go at once.
     pub(crate) async fn close(&self) {
+        // Closed first (sqlx marks the pool closed when `close` is called), so that no
+        // acquisition starts and a release completing meanwhile does not keep its
+        // connection; then the holds and waits end and the kept connections go back (the
+        // close waits for every connection out of the pool).
+        let closing = self.dedicated.pool.close();
+        self.closing.send_replace(true);
         for held in self.held.all() {
             // Not `ended` (that is a release): its watch hears the closed session.
             forget(self, &held);
             end_session(&held.session, &mut *held.session.conn.lock().await);
         }
-        // Closed first (sqlx marks the pool closed when `close` is called), so a release
-        // completing meanwhile does not keep its connection; then the kept ones go back
-        // (the close waits for every connection out of the pool).
-        let closing = self.dedicated.pool.close();
         drop(self.dedicated.kept.take_all());
         closing.await;
     }
@@ -1063,6 +1070,7 @@ async fn lock(
     let terminator = {
         let (options, bound) = (inner.config.connect.clone(), inner.config.connect_timeout);
         let pool = inner.pool.clone();
+        let mut closing = backend.closing.subscribe();
         tokio::spawn(async move {
             // A zero wait is a single try: ended only if it hangs (a link gone silent).
             let grace = if wait.is_zero() {
@@ -1074,6 +1082,7 @@ async fn lock(
             tokio::select! {
                 () = deadline_passes => {}
                 () = interrupt.interrupted() => {}
+                _ = closing.wait_for(|closed| *closed) => {}
                 _ = stopped => return false,
             }
             fire.send_replace(true);
@@ -1138,6 +1147,15 @@ async fn lock(
         .held
         .of(req.kind)
         .insert(req.owner, req.key.clone(), held.clone());
+    if *backend.closing.borrow() {
+        // Granted as the client closed (after `close` listed the holds): let go at once.
+        end_stale(backend, &held).await;
+        return Err(Error::backend(
+            BACKEND,
+            false,
+            "the client was closed while this acquisition was granted; the lock was let go",
+        ));
+    }
     tokio::spawn(watch(
         backend.clone(),
         Arc::downgrade(&held),

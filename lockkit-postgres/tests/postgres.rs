@@ -532,8 +532,9 @@ async fn a_late_record_clear_never_lets_row_mode_in_beside_an_advisory_hold() {
     after.release().await.unwrap();
 }
 
-/// Closing an advisory client while it holds a lock ends the hold (its guard hears it)
-/// instead of waiting forever for the hold's connection (review of the advisory mode, M3).
+/// Closing an advisory client while it holds a lock ends the hold (its guard hears it) and
+/// its waits, instead of waiting for their connections for as long as they are held or
+/// wait (review of the advisory mode, M3).
 #[tokio::test]
 async fn closing_an_advisory_client_ends_its_holds() {
     let (Some((locker, backend)), Some((rival, _))) =
@@ -549,12 +550,43 @@ async fn closing_an_advisory_client_ends_its_holds() {
         .unwrap()
         .expect("a free key");
     let lost = held.lost();
+    // Waiters of this client, for far longer than the test: behind its own hold (granted
+    // when close lets that go) and behind a rival's (whose hold close does not touch).
+    let rivals = rival
+        .try_acquire(key("close-rival"))
+        .ttl(Duration::from_secs(60))
+        .await
+        .unwrap()
+        .expect("a free key");
+    let waiters = [k.clone(), rivals.key().clone()].map(|k| {
+        let locker = locker.clone();
+        tokio::spawn(async move {
+            locker
+                .acquire(&k)
+                .ttl(Duration::from_secs(60))
+                .wait(Duration::from_secs(600))
+                .await
+        })
+    });
+    tokio::time::sleep(Duration::from_millis(500)).await;
     tokio::time::timeout(Duration::from_secs(10), backend.close())
         .await
-        .expect("close() waited for a live hold");
+        .expect("close() waited for a live hold or a waiter");
     tokio::time::timeout(Duration::from_secs(10), lost)
         .await
         .expect("the hold's guard was not told");
+    for waiter in waiters {
+        let waited = tokio::time::timeout(Duration::from_secs(10), waiter)
+            .await
+            .expect("a waiter went on waiting on a closed client")
+            .unwrap();
+        assert!(
+            waited.is_err(),
+            "a waiter was granted on a closed client (token {:?})",
+            waited.map(|g| g.token())
+        );
+    }
+    rivals.release().await.unwrap();
     let after = rival
         .acquire(&k)
         .wait(Duration::from_secs(20))
