@@ -408,3 +408,38 @@ async fn postgres_fence_without_create_schema_only_checks_the_table() {
         "{refused}"
     );
 }
+
+/// Clients that create the fence table at once on a fresh database all succeed: the
+/// catalog's collisions (`duplicate_table`, a `pg_type` unique violation) mean it exists.
+/// Found by a CI run in which two tests created `lockkit_fences` at the same moment.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_fence_tables_created_at_once_all_succeed() {
+    let Some(url) = service_url("LOCKKIT_TEST_POSTGRES_URL") else {
+        return;
+    };
+    let pool = sqlx::PgPool::connect(&url).await.unwrap();
+    for round in 0..10 {
+        let table = format!("lockkit_fence_race_{}_{round}", std::process::id());
+        let creations = (0..8).map(|_| {
+            let (pool, table) = (pool.clone(), table.clone());
+            tokio::spawn(async move {
+                fence::PostgresFence::new(pool)
+                    .with_table(&table)
+                    .unwrap()
+                    .create_table()
+                    .await
+            })
+        });
+        let creations: Vec<_> = creations.collect();
+        for created in creations {
+            created
+                .await
+                .unwrap()
+                .unwrap_or_else(|e| panic!("round {round}: {e}"));
+        }
+        sqlx::raw_sql(sqlx::AssertSqlSafe(format!("DROP TABLE {table}")))
+            .execute(&pool)
+            .await
+            .unwrap();
+    }
+}

@@ -118,8 +118,12 @@ impl PostgresFence {
             .await
         {
             Ok(_) => Ok(()),
-            // Two clients creating it at once collide on the catalog: it exists.
-            Err(e) if sql_state(&e).as_deref() == Some("23505") => Ok(()),
+            // Two clients creating it at once collide on the catalog (a `pg_type` unique
+            // violation, or `duplicate_table` when the other's commit lands between the
+            // `IF NOT EXISTS` check and the creation): it exists.
+            Err(e) if matches!(sql_state(&e).as_deref(), Some("23505" | "42P07" | "42710")) => {
+                Ok(())
+            }
             Err(e) => Err(db_error("creating the fence table", e)),
         }
     }
