@@ -124,6 +124,15 @@ pub struct AcquireRequest {
     /// [`Capabilities`] name. Reentrancy is per owner *and* kind: an owner's write and read
     /// holds of one key are separate holds; a permit is never reentrant.
     pub kind: LockKind,
+    /// Whether this owner may ask for the key again after its guards are gone: `true`
+    /// unless built [`AcquireRequest::for_one_use`]. An [`crate::Owner`] may; an owner the
+    /// [`crate::Locker`] made for this one acquisition never does (only its own guards
+    /// re-enter, while it holds). A backend may make the last release of a grant whose
+    /// owner never returns cheaper where that release's loss in a server crash is then
+    /// harmless (the lease runs out, as after a holder's crash), while the loss of an
+    /// owner's release that returns would leave it re-entering a hold it let go of, and
+    /// so keep the key from others for as long as it keeps coming back.
+    pub owner_returns: bool,
 }
 
 impl AcquireRequest {
@@ -137,12 +146,20 @@ impl AcquireRequest {
             attempt: Uuid::new_v4(),
             identity: Arc::new(HolderIdentity::now()),
             kind: LockKind::Exclusive,
+            owner_returns: true,
         }
     }
 
     /// The same request for another kind of hold.
     pub fn with_kind(mut self, kind: LockKind) -> Self {
         self.kind = kind;
+        self
+    }
+
+    /// The same request from an owner made for this one acquisition, which never asks
+    /// for the key again once its guards are gone (see [`AcquireRequest::owner_returns`]).
+    pub fn for_one_use(mut self) -> Self {
+        self.owner_returns = false;
         self
     }
 }
@@ -177,6 +194,8 @@ pub struct Grant {
     pub identity: Arc<HolderIdentity>,
     /// The kind of hold granted (the request's).
     pub kind: LockKind,
+    /// The request's [`AcquireRequest::owner_returns`].
+    pub owner_returns: bool,
 }
 
 impl Grant {
@@ -199,6 +218,7 @@ impl Grant {
             attempt: req.attempt,
             identity: req.identity.clone(),
             kind: req.kind,
+            owner_returns: req.owner_returns,
         }
     }
 
@@ -381,6 +401,19 @@ pub(crate) async fn answered_by<T>(
 /// `now + bound`, or `None` (no bound) if that is past the clock's range.
 pub(crate) fn bound_from_now(bound: Duration) -> Option<tokio::time::Instant> {
     tokio::time::Instant::now().checked_add(bound)
+}
+
+/// [`answered_by`] with the backend's own [`LockBackend::response_bound`], counted from now:
+/// what a call that does not wait for a lock (a try, a release, an extension, an inquiry)
+/// gets.
+pub(crate) async fn answered_within<T>(
+    backend: &dyn LockBackend,
+    key: &LockKey,
+    what: Bounded,
+    attempt: impl std::future::Future<Output = Result<T>>,
+) -> Result<T> {
+    let bound = backend.response_bound();
+    answered_by(bound_from_now(bound), bound, backend, key, what, attempt).await
 }
 
 /// The service a lock lives in. Object-safe: `Arc<dyn LockBackend>` is how configuration

@@ -465,10 +465,7 @@ async fn release_one(hold: Arc<Hold>, grant: Grant) -> Result<Released> {
             }
         }
     };
-    let bound = shared.backend.response_bound();
-    let outcome = crate::backend::answered_by(
-        crate::backend::bound_from_now(bound),
-        bound,
+    let outcome = crate::backend::answered_within(
         shared.backend.as_ref(),
         &grant.key,
         crate::backend::Bounded::Release,
@@ -675,10 +672,7 @@ impl LockGuard {
         let start = Instant::now();
         // Before the request: once sent, the server may keep the hold this long.
         shared.asked_for(ttl);
-        let bound = shared.backend.response_bound();
-        let extended = crate::backend::answered_by(
-            crate::backend::bound_from_now(bound),
-            bound,
+        let extended = crate::backend::answered_within(
             shared.backend.as_ref(),
             &shared.grant.key,
             crate::backend::Bounded::Extension,
@@ -720,19 +714,18 @@ impl LockGuard {
             });
         }
         let ttl = shared.lease().ttl;
-        let req = AcquireRequest::new(
+        let mut req = AcquireRequest::new(
             self.grant.key.clone(),
             self.grant.owner,
             ttl,
             shared.loss.clone(),
         )
         .with_kind(self.grant.kind);
+        // The same owner: one made for a single acquisition still never returns.
+        req.owner_returns = self.grant.owner_returns;
         // Bounded like a zero wait: a re-entry cut off here is given back by the backend
         // (its attempt runs detached) when it completes.
-        let bound = shared.backend.response_bound();
-        let reentered = crate::backend::answered_by(
-            crate::backend::bound_from_now(bound),
-            bound,
+        let reentered = crate::backend::answered_within(
             shared.backend.as_ref(),
             &self.grant.key,
             crate::backend::Bounded::Acquisition,

@@ -288,16 +288,7 @@ async fn inquire<T>(
     key: &LockKey,
     inquiry: impl std::future::Future<Output = Result<T>>,
 ) -> Result<T> {
-    let bound = backend.response_bound();
-    crate::backend::answered_by(
-        crate::backend::bound_from_now(bound),
-        bound,
-        backend,
-        key,
-        crate::backend::Bounded::Inquiry,
-        inquiry,
-    )
-    .await
+    crate::backend::answered_within(backend, key, crate::backend::Bounded::Inquiry, inquiry).await
 }
 
 /// An owner identity: acquisitions through one `Owner` (and its clones) are reentrant.
@@ -638,6 +629,11 @@ impl Acquire {
             let request =
                 AcquireRequest::new(key.clone(), owner_id, self.options.ttl, LossSignal::new())
                     .with_kind(kind);
+            let request = if owner.is_some() {
+                request
+            } else {
+                request.for_one_use()
+            };
             let backend = &locker.backend;
             // If this future is dropped before the outcome is seen, or the outcome is one the
             // client cannot know (a retryable error, a deadline passed while an attempt was
@@ -656,9 +652,7 @@ impl Acquire {
             let bound = backend.response_bound();
             let outcome = match wait {
                 Some(wait) if wait.is_zero() => {
-                    crate::backend::answered_by(
-                        crate::backend::bound_from_now(bound),
-                        bound,
+                    crate::backend::answered_within(
                         backend.as_ref(),
                         &key,
                         crate::backend::Bounded::Acquisition,

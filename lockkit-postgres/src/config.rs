@@ -14,7 +14,11 @@ use sqlx::postgres::PgConnectOptions;
 pub enum Mode {
     /// A lease table: one row per key with owner, hold count, fence and expiry, changed by
     /// short transactions on the server's clock (`clock_timestamp()`). Survives client and
-    /// server restarts. A release is announced with `NOTIFY`, so waiters wake at once.
+    /// server restarts; grants and renewals wait for their commit to reach the disk. The
+    /// last release of a lock taken without an [`Owner`](lockkit_core::Owner) does not (one
+    /// fsync less per lock): one acknowledged just before a server crash may come back
+    /// after it, and the key then stays held until that lease runs out, as after a holder's
+    /// crash. A release is announced with `NOTIFY`, so waiters wake at once.
     /// Read-write locks and counting semaphores live in `<table>_holds` beside it.
     Row,
     /// `pg_advisory_lock` held by a dedicated connection per hold; waiters queue in the

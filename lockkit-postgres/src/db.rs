@@ -1040,11 +1040,25 @@ impl Sql {
             // the announcement. Only a running row-mode lease of depth one whose ledger is
             // exactly this hold's (the release `release` would make with nothing else to
             // do); the announcement goes out when the statement commits. A row means done.
+            // With `$6` (the owner never returns: `Grant::owner_returns` is false) its commit
+            // does not wait for the WAL flush: `set_config(.., true)` is `SET LOCAL` for the
+            // statement's own transaction, read when it commits, and evaluated only when it
+            // let go (nothing else writes). A release lost in a server crash (or missing on
+            // a standby promoted after it) then leaves the lease to run out, as a holder's
+            // crash would, since nobody re-enters that hold; the fence is not touched. An
+            // acquisition that commits after it flushes its WAL record too (the log is one
+            // sequence), so a grant that survives a crash never rests on a release that did
+            // not. The release of an owner that returns stays synchronous: lost, it would let
+            // that owner re-enter the stale hold, and hold the key from others as long as it
+            // kept coming back. Grants and renewals always are: lost, they could hand the
+            // key out twice. Never run inside a transaction of more statements, whose
+            // commit would stop waiting too.
             row_release_last: s(format!(
                 "WITH released AS (UPDATE \"{t}\" SET owner = NULL, holds = 0, expires_at = NULL, \
                  attempts = NULL, holder = NULL \
                  WHERE name = $1 AND owner = $2 AND holds = 1 AND attempts = $3 AND {leased} \
-                 RETURNING 1) SELECT pg_notify($4, $5) FROM released"
+                 RETURNING 1) SELECT pg_notify($4, $5), \
+                 CASE WHEN $6 THEN set_config('synchronous_commit', 'off', true) END FROM released"
             )),
             notify_release: s("SELECT pg_notify($1, $2)".to_owned()),
             inspect: s(format!(

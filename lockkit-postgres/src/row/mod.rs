@@ -618,7 +618,8 @@ async fn release(backend: &RowLocks, grant: &Grant) -> Result<Released> {
                     .bind(grant.owner.to_string())
                     .bind(ledger.render())
                     .bind(release_channel(&inner.config.table))
-                    .bind(release_payload(grant.key.as_str())),
+                    .bind(release_payload(grant.key.as_str()))
+                    .bind(!grant.owner_returns),
             )
             .await;
         match released {
