@@ -2375,3 +2375,61 @@ async fn an_acquisition_past_its_deadline_before_its_set_up_takes_nothing() {
     );
     backend.close().await;
 }
+
+/// An `Owner`'s last row-mode release commits only once its WAL is flushed: lost in a server
+/// crash, it would come back as the owner's hold, which the owner's next acquisition would
+/// re-enter, keeping the key from everyone else for as long as the owner kept coming back
+/// (a lock taken without an `Owner` does not wait: nobody re-enters its hold, and the lease
+/// runs out). Right after each release the WAL must be flushed at least up to the last
+/// record that touched the table's pages (the release's `UPDATE`, which its commit record
+/// follows); the pages are read raw (`pageinspect`), since a read through the table could
+/// prune a page and log a newer record. Only this test uses its table.
+#[tokio::test]
+async fn an_owners_release_waits_for_its_flush() {
+    let Some(url) = env::service_url("LOCKKIT_TEST_POSTGRES_URL") else {
+        return;
+    };
+    let table = format!("flush_{}", &uuid::Uuid::new_v4().simple().to_string()[..8]);
+    let backend = PostgresBackend::connect(&format!("{url}?table={table}"))
+        .await
+        .unwrap();
+    let locker = Locker::new(backend.clone());
+    let admin = sqlx::PgPool::connect(&url).await.unwrap();
+    sqlx::query("CREATE EXTENSION IF NOT EXISTS pageinspect")
+        .execute(&admin)
+        .await
+        .or_else(|e| {
+            // Another run created it at the same moment.
+            let duplicate = e
+                .as_database_error()
+                .and_then(|d| d.code())
+                .is_some_and(|c| c == "23505" || c == "42710");
+            if duplicate {
+                Ok(Default::default())
+            } else {
+                Err(e)
+            }
+        })
+        .unwrap();
+    let flushed_past_the_table = format!(
+        "SELECT pg_current_wal_flush_lsn() >= max((page_header(get_raw_page('{table}', b::int))).lsn) \
+         FROM generate_series(0, pg_relation_size('{table}') / current_setting('block_size')::bigint - 1) b"
+    );
+    let owner = locker.owner();
+    let k = key("flush");
+    for round in 0..20 {
+        let held = owner.acquire(&k).await.unwrap();
+        assert!(held.grant().owner_returns);
+        held.release().await.unwrap();
+        let (flushed,): (bool,) =
+            sqlx::query_as(sqlx::AssertSqlSafe(flushed_past_the_table.clone()))
+                .fetch_one(&admin)
+                .await
+                .unwrap();
+        assert!(
+            flushed,
+            "round {round}: an Owner's release returned before its commit reached the disk"
+        );
+    }
+    backend.close().await;
+}
