@@ -2415,6 +2415,16 @@ async fn an_owners_release_waits_for_its_flush() {
         "SELECT pg_current_wal_flush_lsn() >= max((page_header(get_raw_page('{table}', b::int))).lsn) \
          FROM generate_series(0, pg_relation_size('{table}') / current_setting('block_size')::bigint - 1) b"
     );
+    // No vacuum may log a record of its own on these pages between a release and its check.
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+        "ALTER TABLE \"{table}\" SET (autovacuum_enabled = false)"
+    )))
+    .execute(&admin)
+    .await
+    .unwrap();
+    // One connection, checked out before the loop: no pool's check widens the window in
+    // which another session's commit could flush a release that did not wait.
+    let mut checker = admin.acquire().await.unwrap();
     let owner = locker.owner();
     let k = key("flush");
     for round in 0..20 {
@@ -2423,7 +2433,7 @@ async fn an_owners_release_waits_for_its_flush() {
         held.release().await.unwrap();
         let (flushed,): (bool,) =
             sqlx::query_as(sqlx::AssertSqlSafe(flushed_past_the_table.clone()))
-                .fetch_one(&admin)
+                .fetch_one(&mut *checker)
                 .await
                 .unwrap();
         assert!(
@@ -2431,5 +2441,12 @@ async fn an_owners_release_waits_for_its_flush() {
             "round {round}: an Owner's release returned before its commit reached the disk"
         );
     }
+    drop(checker);
     backend.close().await;
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+        "DROP TABLE IF EXISTS \"{table}_holds\", \"{table}\""
+    )))
+    .execute(&admin)
+    .await
+    .unwrap();
 }
