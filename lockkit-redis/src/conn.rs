@@ -26,6 +26,8 @@ pub(crate) const BACKEND: &str = "redis";
 /// A reconnecting, multiplexed command connection.
 #[derive(Clone)]
 pub(crate) enum Conn {
+    /// One plain-TCP server, driven by the callers' tasks (see [`crate::direct`]).
+    Direct(crate::direct::DirectConn),
     Single(ConnectionManager),
     Cluster(ClusterConnection),
 }
@@ -33,6 +35,7 @@ pub(crate) enum Conn {
 impl ConnectionLike for Conn {
     fn req_packed_command<'a>(&'a mut self, cmd: &'a Cmd) -> RedisFuture<'a, Value> {
         match self {
+            Conn::Direct(c) => c.req_packed_command(cmd),
             Conn::Single(c) => c.req_packed_command(cmd),
             Conn::Cluster(c) => c.req_packed_command(cmd),
         }
@@ -45,6 +48,7 @@ impl ConnectionLike for Conn {
         count: usize,
     ) -> RedisFuture<'a, Vec<Value>> {
         match self {
+            Conn::Direct(c) => c.req_packed_commands(pipeline, offset, count),
             Conn::Single(c) => c.req_packed_commands(pipeline, offset, count),
             Conn::Cluster(c) => c.req_packed_commands(pipeline, offset, count),
         }
@@ -52,6 +56,7 @@ impl ConnectionLike for Conn {
 
     fn get_db(&self) -> i64 {
         match self {
+            Conn::Direct(c) => c.get_db(),
             Conn::Single(c) => c.get_db(),
             Conn::Cluster(c) => c.get_db(),
         }

@@ -18,6 +18,7 @@
 
 mod config;
 mod conn;
+mod direct;
 mod redlock;
 mod single;
 mod wire;
@@ -26,6 +27,11 @@ pub use config::{RedisConfig, SCHEMES, Topology};
 pub use redlock::RedlockBackend;
 pub use single::RedisBackend;
 pub use wire::LockNames;
+
+/// The connection that single servers' commands run on, for its own tests.
+#[cfg(feature = "testing")]
+#[doc(hidden)]
+pub use direct::DirectConn;
 
 use lockkit_core::{LockBackend, Result};
 

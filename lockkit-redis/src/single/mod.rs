@@ -126,9 +126,26 @@ impl RedisBackend {
                         .set_number_of_retries(retries);
                     ConnectionManager::new_with_config(client.clone(), manager_config)
                 };
-                let conn = manager(config.response_timeout, 2)
-                    .await
-                    .map_err(|e| backend_error("connecting", url, e))?;
+                // A plain-TCP server is driven from the callers' tasks (one hand-off per
+                // round trip less each way); TLS, Unix sockets and RESP3 stay on redis-rs's
+                // multiplexed connection.
+                let conn = if crate::direct::supports(&client) {
+                    Conn::Direct(
+                        crate::direct::DirectConn::connect(
+                            &client,
+                            config.connect_timeout,
+                            config.response_timeout,
+                        )
+                        .await
+                        .map_err(|e| backend_error("connecting", url, e))?,
+                    )
+                } else {
+                    Conn::Single(
+                        manager(config.response_timeout, 2)
+                            .await
+                            .map_err(|e| backend_error("connecting", url, e))?,
+                    )
+                };
                 let grant_conns = if config.wait_replicas > 0 {
                     let mut own = Vec::with_capacity(GRANT_CONNECTIONS);
                     for _ in 0..GRANT_CONNECTIONS {
@@ -140,9 +157,9 @@ impl RedisBackend {
                     }
                     GrantConns::exclusive(own)
                 } else {
-                    GrantConns::Shared(Conn::Single(conn.clone()))
+                    GrantConns::Shared(conn.clone())
                 };
-                (Conn::Single(conn), grant_conns, client, target, false)
+                (conn, grant_conns, client, target, false)
             }
             Topology::Cluster(nodes) => {
                 let client = ClusterClientBuilder::new(nodes.clone())
