@@ -2,21 +2,24 @@
 //!
 //! redis-rs's multiplexed connection hands every command to a driver task and its reply
 //! back: two cross-thread hand-offs per round trip. Here the caller's task writes its
-//! command to the socket itself and reads replies itself: the task that finds the socket
-//! readable parses what arrived and hands each reply to the request it answers, in the
-//! order the commands were written (one TCP stream, one order, as on the multiplexed
-//! connection: a command sent after another runs after it on the server, which the
-//! give-backs of abandoned acquisitions rely on).
+//! command to the socket itself, and every task waiting for a reply watches the socket:
+//! the one that reads parses what arrived and hands each reply to the request it answers,
+//! in the order the commands were written (one TCP stream, one order, as on the
+//! multiplexed connection: a command sent after another runs after it on the server, which
+//! the give-backs of abandoned acquisitions rely on).
 //!
 //! # Cancel safety
-//! A request is queued (its bytes appended to the line's output, in order) at its first
-//! poll, and from then on it is part of the stream: dropping its future abandons only the
-//! reply, which is read and discarded in turn. A dropped request wakes another waiter, so
-//! the socket's readiness is always watched by someone while a reply is awaited.
+//! A request is queued (its bytes written, or appended to the line's output, in order) at
+//! its first poll, and from then on it is part of the stream: dropping its future abandons
+//! only the reply, which is read and discarded in turn. Every waiting request watches the
+//! socket itself, so a request whose caller stops polling it (without dropping it) holds
+//! up nobody else.
 //!
 //! The line is replaced when it breaks (an I/O error, the server closing it, a reply that
-//! does not parse): requests in flight fail with a connection error, and the next request
-//! opens a new line. Commands that were queued on a broken line are never sent again.
+//! does not parse, the runtime that opened it gone): requests in flight fail with a
+//! connection error, and the next request opens a new line, in a task of its own shared by
+//! every caller that needs it (a caller that gives up does not stop it). Commands that were
+//! queued on a broken line are never sent again.
 
 use std::{
     collections::{HashMap, VecDeque},
@@ -28,11 +31,12 @@ use std::{
     time::Duration,
 };
 
+use futures_util::{FutureExt, future::Shared as SharedFuture};
 use redis::{
     Cmd, ConnectionAddr, ErrorKind, Pipeline, ProtocolVersion, RedisError, RedisFuture,
     RedisResult, Value, aio::ConnectionLike,
 };
-use tokio::net::TcpStream;
+use tokio::{net::TcpStream, sync::Notify};
 
 /// Whether `client` can be served by a [`DirectConn`]: plain TCP and RESP2 (TLS, Unix
 /// sockets and RESP3 stay on redis-rs's own connection).
@@ -57,6 +61,36 @@ impl std::fmt::Debug for DirectConn {
     }
 }
 
+/// Why a line failed, kept to tell every request that was on it (cloneable, unlike
+/// `io::Error`).
+#[derive(Clone, Debug)]
+struct Failure {
+    kind: io::ErrorKind,
+    message: String,
+}
+
+impl Failure {
+    fn of(error: &io::Error) -> Self {
+        Failure {
+            kind: error.kind(),
+            message: error.to_string(),
+        }
+    }
+
+    fn io(&self) -> io::Error {
+        io::Error::new(self.kind, self.message.clone())
+    }
+}
+
+type Opening = SharedFuture<Pin<Box<dyn Future<Output = Result<Arc<Line>, Failure>> + Send>>>;
+
+/// The line in use, or the opening of the next one.
+enum Slot {
+    Empty,
+    Ready(Arc<Line>),
+    Opening(Opening),
+}
+
 struct Shared {
     host: String,
     port: u16,
@@ -65,10 +99,7 @@ struct Shared {
     db: i64,
     connect_timeout: Duration,
     response_timeout: Duration,
-    /// The line in use; `None` or broken: the next request opens another.
-    line: Mutex<Option<Arc<Line>>>,
-    /// One opening at a time.
-    opening: tokio::sync::Mutex<()>,
+    slot: Mutex<Slot>,
 }
 
 /// One TCP connection and what is in flight on it.
@@ -88,88 +119,140 @@ struct LineState {
     /// Requests that still expect replies, in the order their commands were queued.
     queue: VecDeque<u64>,
     requests: HashMap<u64, Request>,
-    broken: Option<(io::ErrorKind, String)>,
+    broken: Option<Failure>,
 }
 
 struct Request {
     expected: usize,
     replies: Vec<Value>,
-    waker: Option<Waker>,
+    /// Told when the replies are all there or the line broke.
+    done: Arc<Notify>,
     /// Its caller went away: its replies are read and dropped.
     abandoned: bool,
 }
 
+impl Request {
+    fn complete(&self) -> bool {
+        self.replies.len() >= self.expected
+    }
+}
+
 impl LineState {
-    fn request(&self, id: u64) -> Option<&Request> {
-        self.requests.get(&id)
-    }
-
-    /// Wakes the first request still waiting, other than `except`, so that someone
-    /// watches the socket.
-    fn wake_a_watcher(&self, except: u64) {
-        if let Some(waker) = self
-            .queue
-            .iter()
-            .filter(|id| **id != except)
-            .find_map(|id| self.requests.get(id).and_then(|r| r.waker.as_ref()))
-        {
-            waker.wake_by_ref();
-        }
-    }
-
-    fn break_with(&mut self, kind: io::ErrorKind, message: String) {
+    fn break_with(&mut self, failure: Failure) {
         if self.broken.is_none() {
-            self.broken = Some((kind, message));
+            self.broken = Some(failure);
         }
-        for request in self.requests.values_mut() {
-            if let Some(waker) = request.waker.take() {
-                waker.wake();
+        for request in self.requests.values() {
+            request.done.notify_one();
+        }
+    }
+
+    fn break_io(&mut self, error: &io::Error) {
+        self.break_with(Failure::of(error));
+    }
+
+    /// Writes what it can of the output and reads what has arrived (both without
+    /// blocking), then hands out the complete replies.
+    fn pump(&mut self, stream: &TcpStream) {
+        while self.broken.is_none() && self.written < self.out.len() {
+            match stream.try_write(&self.out[self.written..]) {
+                Ok(n) => self.written += n,
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
+                Err(e) => self.break_io(&e),
             }
+        }
+        if self.written == self.out.len() {
+            self.out.clear();
+            self.written = 0;
+        } else if self.written >= 64 * 1024 {
+            self.out.drain(..self.written);
+            self.written = 0;
+        }
+        while self.broken.is_none() {
+            self.input.reserve(4096);
+            match stream.try_read_buf(&mut self.input) {
+                Ok(0) => self.break_with(closed()),
+                Ok(_) => {}
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
+                Err(e) => self.break_io(&e),
+            }
+        }
+        if self.broken.is_none() {
+            self.dispatch();
         }
     }
 
     /// Hands each complete reply in `input` to the request it answers.
     fn dispatch(&mut self) {
-        loop {
+        let mut at = 0;
+        while at < self.input.len() {
             let Some(&front) = self.queue.front() else {
-                if !self.input.is_empty() {
-                    self.break_with(
-                        io::ErrorKind::InvalidData,
-                        "the server sent a reply nobody asked for".into(),
-                    );
-                }
+                self.break_with(unasked());
                 return;
             };
-            let len = match frame_len(&self.input, 0) {
+            let len = match frame_len(&self.input, at) {
                 Ok(Some(len)) => len,
-                Ok(None) => return,
+                Ok(None) => break,
                 Err(message) => {
-                    self.break_with(io::ErrorKind::InvalidData, message);
+                    self.break_with(Failure {
+                        kind: io::ErrorKind::InvalidData,
+                        message,
+                    });
                     return;
                 }
             };
-            let value = match redis::parse_redis_value(&self.input[..len]) {
+            let value = match redis::parse_redis_value(&self.input[at..at + len]) {
                 Ok(value) => value,
                 Err(e) => {
-                    self.break_with(io::ErrorKind::InvalidData, e.to_string());
+                    self.break_with(Failure {
+                        kind: io::ErrorKind::InvalidData,
+                        message: e.to_string(),
+                    });
                     return;
                 }
             };
-            self.input.drain(..len);
+            at += len;
             let Some(request) = self.requests.get_mut(&front) else {
-                self.queue.pop_front();
-                continue;
+                // Cannot happen: a request leaves the map only once complete (and out of
+                // the queue), or when the line broke. Refuse to guess.
+                self.break_with(unasked());
+                return;
             };
             request.replies.push(value);
-            if request.replies.len() >= request.expected {
+            if request.complete() {
                 self.queue.pop_front();
                 if request.abandoned {
                     self.requests.remove(&front);
-                } else if let Some(waker) = request.waker.take() {
-                    waker.wake();
+                } else {
+                    request.done.notify_one();
                 }
             }
         }
+        self.input.drain(..at);
+    }
+
+    /// Takes request `id`'s replies if they are all there, or the line's failure.
+    fn take(&mut self, id: u64) -> Option<io::Result<Vec<Value>>> {
+        if self.requests.get(&id).is_some_and(Request::complete) {
+            return self.requests.remove(&id).map(|r| Ok(r.replies));
+        }
+        let failure = self.broken.as_ref()?.io();
+        self.requests.remove(&id);
+        Some(Err(failure))
+    }
+}
+
+fn closed() -> Failure {
+    Failure {
+        kind: io::ErrorKind::UnexpectedEof,
+        message: "the server closed the connection".into(),
+    }
+}
+
+fn unasked() -> Failure {
+    Failure {
+        kind: io::ErrorKind::InvalidData,
+        message: "the server sent a reply nobody asked for".into(),
     }
 }
 
@@ -216,113 +299,25 @@ fn frame_len(buf: &[u8], at: usize) -> Result<Option<usize>, String> {
     }
 }
 
-fn lock(state: &Mutex<LineState>) -> MutexGuard<'_, LineState> {
-    state
+fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+    mutex
         .lock()
         .unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
-/// A queued request's wait for its replies.
-struct Replies {
-    line: Arc<Line>,
+/// Marks a request abandoned if its wait ends before its replies were taken.
+struct AbandonOnDrop<'a> {
+    line: &'a Line,
     id: u64,
-    done: bool,
 }
 
-impl Future for Replies {
-    type Output = io::Result<Vec<Value>>;
-
-    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
-        let this = &mut *self;
-        let line = &this.line;
-        let mut state = lock(&line.state);
-        loop {
-            if state
-                .request(this.id)
-                .is_some_and(|r| r.replies.len() >= r.expected)
-            {
-                let replies = state
-                    .requests
-                    .remove(&this.id)
-                    .map(|r| r.replies)
-                    .unwrap_or_default();
-                this.done = true;
-                state.wake_a_watcher(this.id);
-                return Poll::Ready(Ok(replies));
-            }
-            if let Some((kind, message)) = &state.broken {
-                let error = io::Error::new(*kind, message.clone());
-                state.requests.remove(&this.id);
-                this.done = true;
-                return Poll::Ready(Err(error));
-            }
-            let mut progress = false;
-            if state.written < state.out.len() {
-                match line.stream.poll_write_ready(cx) {
-                    Poll::Ready(Ok(())) => {
-                        let written = state.written;
-                        match line.stream.try_write(&state.out[written..]) {
-                            Ok(n) => {
-                                state.written += n;
-                                if state.written == state.out.len() {
-                                    state.out.clear();
-                                    state.written = 0;
-                                }
-                                progress = true;
-                            }
-                            Err(e) if e.kind() == io::ErrorKind::WouldBlock => progress = true,
-                            Err(e) => state.break_with(e.kind(), e.to_string()),
-                        }
-                    }
-                    Poll::Ready(Err(e)) => state.break_with(e.kind(), e.to_string()),
-                    Poll::Pending => {}
-                }
-                if state.broken.is_some() {
-                    continue;
-                }
-            }
-            match line.stream.poll_read_ready(cx) {
-                Poll::Ready(Ok(())) => {
-                    state.input.reserve(4096);
-                    match line.stream.try_read_buf(&mut state.input) {
-                        Ok(0) => state.break_with(
-                            io::ErrorKind::UnexpectedEof,
-                            "the server closed the connection".into(),
-                        ),
-                        Ok(_) => state.dispatch(),
-                        Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
-                        Err(e) => state.break_with(e.kind(), e.to_string()),
-                    }
-                    continue;
-                }
-                Poll::Ready(Err(e)) => {
-                    state.break_with(e.kind(), e.to_string());
-                    continue;
-                }
-                Poll::Pending => {}
-            }
-            if progress {
-                continue;
-            }
-            if let Some(request) = state.requests.get_mut(&this.id) {
-                request.waker = Some(cx.waker().clone());
-            }
-            return Poll::Pending;
-        }
-    }
-}
-
-impl Drop for Replies {
+impl Drop for AbandonOnDrop<'_> {
     fn drop(&mut self) {
-        if self.done {
-            return;
-        }
         let mut state = lock(&self.line.state);
         let complete = match state.requests.get_mut(&self.id) {
-            Some(request) if request.replies.len() >= request.expected => true,
+            Some(request) if request.complete() => true,
             Some(request) => {
                 request.abandoned = true;
-                request.waker = None;
                 false
             }
             None => false,
@@ -330,75 +325,90 @@ impl Drop for Replies {
         if complete {
             state.requests.remove(&self.id);
         }
-        // This task may have been the one the socket's readiness would wake.
-        state.wake_a_watcher(self.id);
     }
 }
 
 impl Line {
-    /// Queues `bytes` (answered by `expected` replies) and tries to write them at once.
-    fn submit(self: &Arc<Self>, bytes: &[u8], expected: usize) -> io::Result<Replies> {
-        let mut state = lock(&self.state);
-        if let Some((kind, message)) = &state.broken {
-            return Err(io::Error::new(*kind, message.clone()));
-        }
-        let id = state.next_id;
-        state.next_id += 1;
-        state.queue.push_back(id);
-        state.requests.insert(
-            id,
-            Request {
-                expected,
-                replies: Vec::with_capacity(expected),
-                waker: None,
-                abandoned: false,
-            },
-        );
-        if state.out.is_empty() {
-            match self.stream.try_write(bytes) {
-                Ok(n) => {
-                    if n < bytes.len() {
-                        state.out.extend_from_slice(&bytes[n..]);
-                    }
-                }
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
-                    state.out.extend_from_slice(bytes);
-                }
-                Err(e) => state.break_with(e.kind(), e.to_string()),
-            }
-        } else {
-            state.out.extend_from_slice(bytes);
-        }
-        Ok(Replies {
-            line: self.clone(),
-            id,
-            done: false,
-        })
-    }
-
-    /// Whether the line is known to be unusable: broken, or (with nothing in flight) the
-    /// server closed it or sent something unasked (seen without blocking).
-    fn is_broken(&self) -> bool {
+    /// Whether the line can take a request: not broken, its runtime still there, and (with
+    /// nothing in flight) not closed by the server nor sent anything unasked.
+    fn usable(&self) -> bool {
         let mut state = lock(&self.state);
         if state.broken.is_some() {
-            return true;
+            return false;
         }
-        if state.queue.is_empty() && state.input.is_empty() {
+        // Registers a no-op waker in the slot nobody else uses here (waiters use
+        // `readable()`): this only asks whether the runtime's I/O driver is still there.
+        let mut noop = Context::from_waker(Waker::noop());
+        let readiness = self.stream.poll_read_ready(&mut noop);
+        if let Poll::Ready(Err(e)) = readiness {
+            state.break_io(&e);
+            return false;
+        }
+        if state.queue.is_empty() && state.input.is_empty() && readiness.is_ready() {
             let mut probe = [0u8; 1];
             match self.stream.try_read(&mut probe) {
-                Ok(0) => state.break_with(
-                    io::ErrorKind::UnexpectedEof,
-                    "the server closed the connection".into(),
-                ),
-                Ok(_) => state.break_with(
-                    io::ErrorKind::InvalidData,
-                    "the server sent a reply nobody asked for".into(),
-                ),
+                Ok(0) => state.break_with(closed()),
+                Ok(_) => state.break_with(unasked()),
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
-                Err(e) => state.break_with(e.kind(), e.to_string()),
+                Err(e) => state.break_io(&e),
             }
         }
-        state.broken.is_some()
+        state.broken.is_none()
+    }
+
+    /// Queues `bytes` (answered by `expected` replies, at least one), writes what it can
+    /// at once, and waits for the replies.
+    async fn exchange(&self, bytes: &[u8], expected: usize) -> io::Result<Vec<Value>> {
+        let (id, done) = {
+            let mut state = lock(&self.state);
+            if let Some(failure) = &state.broken {
+                return Err(failure.io());
+            }
+            let id = state.next_id;
+            state.next_id += 1;
+            let done = Arc::new(Notify::new());
+            state.queue.push_back(id);
+            state.requests.insert(
+                id,
+                Request {
+                    expected,
+                    replies: Vec::with_capacity(expected),
+                    done: done.clone(),
+                    abandoned: false,
+                },
+            );
+            state.out.extend_from_slice(bytes);
+            state.pump(&self.stream);
+            (id, done)
+        };
+        let _abandon = AbandonOnDrop { line: self, id };
+        loop {
+            let wants_write = {
+                let mut state = lock(&self.state);
+                if let Some(outcome) = state.take(id) {
+                    return outcome;
+                }
+                state.pump(&self.stream);
+                if let Some(outcome) = state.take(id) {
+                    return outcome;
+                }
+                state.written < state.out.len()
+            };
+            // A completion or a break between the unlock and here leaves a permit.
+            tokio::select! {
+                () = done.notified() => {}
+                ready = self.stream.readable() => {
+                    if let Err(e) = ready {
+                        lock(&self.state).break_io(&e);
+                    }
+                }
+                ready = self.stream.writable(), if wants_write => {
+                    if let Err(e) = ready {
+                        lock(&self.state).break_io(&e);
+                    }
+                }
+            }
+        }
     }
 }
 
@@ -437,94 +447,152 @@ impl DirectConn {
                 db: settings.db(),
                 connect_timeout,
                 response_timeout,
-                line: Mutex::new(None),
-                opening: tokio::sync::Mutex::new(()),
+                slot: Mutex::new(Slot::Empty),
             }),
         };
         conn.line().await?;
         Ok(conn)
     }
 
-    /// The line in use, opening one if there is none or it broke.
+    /// The line in use; if there is none (or it broke), the opening of the next one, which
+    /// runs in a task of its own (bounded by the connect timeout) shared by every caller.
     async fn line(&self) -> RedisResult<Arc<Line>> {
-        if let Some(line) = self.current() {
-            return Ok(line);
-        }
-        let _opening = self.shared.opening.lock().await;
-        if let Some(line) = self.current() {
-            return Ok(line);
-        }
-        let timeout = self.shared.connect_timeout;
-        let line = tokio::time::timeout(timeout, self.open())
-            .await
-            .map_err(|_| timed_out("connecting", timeout))??;
-        *self
-            .shared
-            .line
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner) = Some(line.clone());
-        Ok(line)
-    }
-
-    fn current(&self) -> Option<Arc<Line>> {
-        let line = self
-            .shared
-            .line
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .clone()?;
-        (!line.is_broken()).then_some(line)
-    }
-
-    /// A new line, authenticated and on the configured database.
-    async fn open(&self) -> RedisResult<Arc<Line>> {
-        let shared = &self.shared;
-        let stream = TcpStream::connect((shared.host.as_str(), shared.port)).await?;
-        stream.set_nodelay(true)?;
-        let line = Arc::new(Line {
-            stream,
-            state: Mutex::new(LineState::default()),
-        });
-        if let Some(password) = &shared.password {
-            let mut auth = redis::cmd("AUTH");
-            if let Some(username) = &shared.username {
-                auth.arg(username);
+        let opening = {
+            let mut slot = lock(&self.shared.slot);
+            match &*slot {
+                Slot::Ready(line) if line.usable() => return Ok(line.clone()),
+                Slot::Opening(opening) => opening.clone(),
+                Slot::Ready(_) | Slot::Empty => {
+                    let opening = self.start_opening();
+                    *slot = Slot::Opening(opening.clone());
+                    opening
+                }
             }
-            auth.arg(password);
-            one(line.submit(&auth.get_packed_command(), 1)?.await?)?.extract_error()?;
-        }
-        if shared.db != 0 {
-            let select = redis::cmd("SELECT").arg(shared.db).get_packed_command();
-            one(line.submit(&select, 1)?.await?)?.extract_error()?;
-        }
-        Ok(line)
+        };
+        opening
+            .await
+            .map_err(|failure| RedisError::from(failure.io()))
     }
 
-    /// Sends `bytes`, answered by `expected` replies, and waits for them.
-    async fn exchange(&self, bytes: Vec<u8>, expected: usize) -> RedisResult<Vec<Value>> {
-        let line = self.line().await?;
-        let replies = line.submit(&bytes, expected)?;
+    /// Opens a line in a task (when there is a runtime), and puts it in the slot.
+    fn start_opening(&self) -> Opening {
+        let shared = self.shared.clone();
+        let work = async move {
+            let timeout = shared.connect_timeout;
+            let outcome = match tokio::time::timeout(timeout, open(&shared)).await {
+                Ok(Ok(line)) => Ok(line),
+                Ok(Err(e)) => Err(e),
+                Err(_) => Err(Failure {
+                    kind: io::ErrorKind::TimedOut,
+                    message: format!("connecting got no answer within {timeout:?}"),
+                }),
+            };
+            *lock(&shared.slot) = match &outcome {
+                Ok(line) => Slot::Ready(line.clone()),
+                Err(_) => Slot::Empty,
+            };
+            outcome
+        };
+        match tokio::runtime::Handle::try_current() {
+            Ok(runtime) => {
+                let task = runtime.spawn(work);
+                async move {
+                    task.await.unwrap_or_else(|e| {
+                        Err(Failure {
+                            kind: io::ErrorKind::Other,
+                            message: format!("opening the connection failed: {e}"),
+                        })
+                    })
+                }
+                .boxed()
+                .shared()
+            }
+            Err(_) => work.boxed().shared(),
+        }
+    }
+
+    /// Sends `bytes`, answered by `expected` replies (at least one), and waits for them.
+    async fn exchange(&self, bytes: &[u8], expected: usize) -> RedisResult<Vec<Value>> {
         let timeout = self.shared.response_timeout;
-        Ok(tokio::time::timeout(timeout, replies)
-            .await
-            .map_err(|_| timed_out("a request", timeout))??)
+        tokio::time::timeout(timeout, async {
+            let line = self.line().await?;
+            Ok(line.exchange(bytes, expected).await?)
+        })
+        .await
+        .map_err(|_| timed_out("a request", timeout))?
     }
 }
 
-fn one(mut replies: Vec<Value>) -> RedisResult<Value> {
-    replies
-        .pop()
-        .ok_or_else(|| RedisError::from((ErrorKind::Parse, "a request was answered by no reply")))
+/// A new line, authenticated and on the configured database.
+async fn open(shared: &Shared) -> Result<Arc<Line>, Failure> {
+    let io_failure = |e: io::Error| Failure::of(&e);
+    let stream = TcpStream::connect((shared.host.as_str(), shared.port))
+        .await
+        .map_err(io_failure)?;
+    stream.set_nodelay(true).map_err(io_failure)?;
+    let line = Arc::new(Line {
+        stream,
+        state: Mutex::new(LineState::default()),
+    });
+    let refused = |what: &str, reply: Value| -> Result<(), Failure> {
+        match reply {
+            Value::ServerError(e) => Err(Failure {
+                kind: io::ErrorKind::PermissionDenied,
+                // The server's words only: never the credentials.
+                message: format!("the server refused {what}: {}", e.details().unwrap_or("")),
+            }),
+            _ => Ok(()),
+        }
+    };
+    if let Some(password) = &shared.password {
+        let auth = |username: Option<&str>| {
+            let mut cmd = redis::cmd("AUTH");
+            if let Some(username) = username {
+                cmd.arg(username);
+            }
+            cmd.arg(password);
+            cmd.get_packed_command()
+        };
+        let mut reply = one(line
+            .exchange(&auth(shared.username.as_deref()), 1)
+            .await
+            .map_err(io_failure)?)?;
+        // A server without ACLs (before Redis 6) takes only the password, as redis-rs retries.
+        if shared.username.is_some()
+            && matches!(&reply, Value::ServerError(e)
+                if e.details().is_some_and(|d| d.contains("wrong number of arguments")))
+        {
+            reply = one(line.exchange(&auth(None), 1).await.map_err(io_failure)?)?;
+        }
+        refused("the credentials (AUTH)", reply)?;
+    }
+    if shared.db != 0 {
+        let select = redis::cmd("SELECT").arg(shared.db).get_packed_command();
+        let reply = one(line.exchange(&select, 1).await.map_err(io_failure)?)?;
+        refused("SELECT", reply)?;
+    }
+    Ok(line)
+}
+
+fn one(mut replies: Vec<Value>) -> Result<Value, Failure> {
+    replies.pop().ok_or_else(|| Failure {
+        kind: io::ErrorKind::InvalidData,
+        message: "a request was answered by no reply".into(),
+    })
 }
 
 impl ConnectionLike for DirectConn {
     fn req_packed_command<'a>(&'a mut self, cmd: &'a Cmd) -> RedisFuture<'a, Value> {
         Box::pin(async move {
-            let replies = self.exchange(cmd.get_packed_command(), 1).await?;
-            one(replies)?.extract_error()
+            let replies = self.exchange(&cmd.get_packed_command(), 1).await?;
+            one(replies)
+                .map_err(|failure| RedisError::from(failure.io()))?
+                .extract_error()
         })
     }
 
+    /// The replies as the server gave them (errors included): redis-rs's pipeline makes
+    /// them its result, as with its own connections. An empty pipeline sends nothing.
     fn req_packed_commands<'a>(
         &'a mut self,
         pipeline: &'a Pipeline,
@@ -532,12 +600,13 @@ impl ConnectionLike for DirectConn {
         count: usize,
     ) -> RedisFuture<'a, Vec<Value>> {
         Box::pin(async move {
+            if offset + count == 0 {
+                return Ok(Vec::new());
+            }
             let mut replies = self
-                .exchange(pipeline.get_packed_pipeline(), offset + count)
+                .exchange(&pipeline.get_packed_pipeline(), offset + count)
                 .await?;
-            let values: Vec<Value> = replies.drain(offset..).collect();
-            // As redis-rs's connections do: a server error in any of them fails the call.
-            values.into_iter().map(Value::extract_error).collect()
+            Ok(replies.drain(offset.min(replies.len())..).collect())
         })
     }
 

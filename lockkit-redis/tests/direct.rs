@@ -3,10 +3,14 @@
 //! them are dropped mid-way; a request cut short keeps its place in the stream (a later one
 //! never overtakes it); a connection the server closed is replaced.
 
-use std::{net::SocketAddr, time::Duration};
+use std::{
+    net::SocketAddr,
+    time::{Duration, Instant},
+};
 
 use lockkit_conformance::{FaultProxy, env};
 use lockkit_redis::DirectConn;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use uuid::Uuid;
 
 /// Far beyond anything below: only a request that is never answered trips it.
@@ -261,5 +265,296 @@ async fn a_dropped_request_leaves_the_socket_watched() {
     assert!(
         took < Duration::from_secs(10),
         "the first request was left unwatched for {took:?}"
+    );
+}
+
+async fn direct_with(url: &str, connect: Duration, response: Duration) -> DirectConn {
+    let client = redis::Client::open(url).unwrap();
+    DirectConn::connect(&client, connect, response)
+        .await
+        .unwrap()
+}
+
+fn upstream(url: &str) -> SocketAddr {
+    url.trim_start_matches("redis://")
+        .trim_end_matches('/')
+        .parse()
+        .unwrap()
+}
+
+async fn plain(url: &str) -> redis::aio::MultiplexedConnection {
+    redis::Client::open(url)
+        .unwrap()
+        .get_multiplexed_async_connection()
+        .await
+        .unwrap()
+}
+
+/// (Review of the first cut.) A caller that polls a request once while the line is being
+/// reopened, and keeps the future without polling it (guard.rs names this case for
+/// releases), must not hold every other request on the connection up.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_caller_parked_during_a_reconnect_holds_up_nobody() {
+    let Some(url) = env::service_url("LOCKKIT_TEST_REDIS_URL") else {
+        return;
+    };
+    let db1 = format!("{}/1", url.trim_end_matches('/'));
+    let mut conn = direct_with(&db1, Duration::from_secs(2), Duration::from_secs(2)).await;
+    let id: i64 = redis::cmd("CLIENT")
+        .arg("ID")
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    let killed: i64 = redis::cmd("CLIENT")
+        .arg("KILL")
+        .arg("ID")
+        .arg(id)
+        .query_async(&mut plain(&url).await)
+        .await
+        .unwrap();
+    assert_eq!(killed, 1);
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    let mut parked_conn = conn.clone();
+    let parked = tokio::spawn(async move {
+        let cmd = redis::cmd("PING");
+        let fut = cmd.query_async::<String>(&mut parked_conn);
+        let mut fut = std::pin::pin!(fut);
+        let first = futures_util::poll!(fut.as_mut());
+        tx.send(first.is_pending()).unwrap();
+        tokio::time::sleep(Duration::from_secs(30)).await;
+    });
+    assert!(rx.await.unwrap(), "the parked request finished in one poll");
+    let started = Instant::now();
+    let other = tokio::time::timeout(
+        Duration::from_secs(8),
+        redis::cmd("PING").query_async::<String>(&mut conn),
+    )
+    .await;
+    parked.abort();
+    assert!(
+        matches!(other, Ok(Ok(_))),
+        "another task's request got {other:?} after {:?} (connect and response timeouts: 2 s)",
+        started.elapsed()
+    );
+}
+
+/// (Review of the first cut, where the last task to poll was the socket's only watcher.)
+/// A request kept without being polled must not leave a request already waiting in another
+/// task unanswered until its response timeout, though its reply came long before.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_parked_request_does_not_starve_an_earlier_waiter() {
+    let Some(url) = env::service_url("LOCKKIT_TEST_REDIS_URL") else {
+        return;
+    };
+    let proxy = FaultProxy::start(upstream(&url)).await.unwrap();
+    let conn = direct_with(
+        &format!("redis://{}", proxy.local_addr()),
+        Duration::from_secs(2),
+        Duration::from_secs(5),
+    )
+    .await;
+    proxy.set_delay(Duration::from_millis(300));
+    let mut waiter_conn = conn.clone();
+    let waiter = tokio::spawn(async move {
+        let started = Instant::now();
+        let reply = redis::cmd("ECHO")
+            .arg("waiter")
+            .query_async::<String>(&mut waiter_conn)
+            .await;
+        (reply, started.elapsed())
+    });
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let mut parked_conn = conn.clone();
+    let parked = tokio::spawn(async move {
+        let mut cmd = redis::cmd("ECHO");
+        cmd.arg("parked");
+        let fut = cmd.query_async::<String>(&mut parked_conn);
+        let mut fut = std::pin::pin!(fut);
+        let _ = futures_util::poll!(fut.as_mut());
+        tokio::time::sleep(Duration::from_secs(30)).await;
+    });
+    let (reply, took) = waiter.await.unwrap();
+    parked.abort();
+    assert!(
+        reply.is_ok() && took < Duration::from_secs(3),
+        "the earlier request got {reply:?} after {took:?} (its reply was there after ~600 ms)"
+    );
+}
+
+/// (Review of the first cut, where each waiter made its own attempt in turn: the k-th
+/// waited k connect timeouts.) Requests behind a line that must be reopened share one
+/// attempt. A tarpit answers the first AUTH, closes, then accepts and is silent.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn callers_behind_a_broken_line_share_one_reconnect() {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        let (mut first, _) = listener.accept().await.unwrap();
+        let mut buf = [0u8; 256];
+        let _ = first.read(&mut buf).await;
+        first.write_all(b"+OK\r\n").await.unwrap();
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        drop(first);
+        let mut held = Vec::new();
+        loop {
+            let (s, _) = listener.accept().await.unwrap();
+            held.push(s);
+        }
+    });
+    let conn = direct_with(
+        &format!("redis://:s3cret-pw@{addr}"),
+        Duration::from_millis(300),
+        Duration::from_millis(300),
+    )
+    .await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let started = Instant::now();
+    let mut tasks = Vec::new();
+    for _ in 0..8 {
+        let mut c = conn.clone();
+        tasks.push(tokio::spawn(async move {
+            let r = redis::cmd("PING").query_async::<String>(&mut c).await;
+            (r.map_err(|e| e.to_string()), started.elapsed())
+        }));
+    }
+    let mut worst = Duration::ZERO;
+    for t in tasks {
+        let (r, took) = t.await.unwrap();
+        if let Err(e) = &r {
+            assert!(!e.contains("s3cret"), "credential in error: {e}");
+        }
+        worst = worst.max(took);
+    }
+    assert!(
+        worst < Duration::from_millis(1200),
+        "the slowest of 8 requests took {worst:?} (connect timeout 300 ms, response 300 ms)"
+    );
+}
+
+/// (Review of the first cut, where an empty pipeline was queued as a request expecting no
+/// reply, and ate the next reply: from then on replies reached the wrong requests.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_empty_pipeline_shifts_no_reply() {
+    let Some(url) = env::service_url("LOCKKIT_TEST_REDIS_URL") else {
+        return;
+    };
+    let mut conn = direct_with(&url, Duration::from_secs(2), Duration::from_secs(2)).await;
+    let _ = redis::pipe().query_async::<()>(&mut conn).await;
+    let (mut a, mut b) = (conn.clone(), conn.clone());
+    let (ra, rb) = tokio::join!(
+        async move {
+            redis::cmd("ECHO")
+                .arg("a")
+                .query_async::<String>(&mut a)
+                .await
+        },
+        async move {
+            redis::cmd("ECHO")
+                .arg("b")
+                .query_async::<String>(&mut b)
+                .await
+        },
+    );
+    assert_eq!(
+        (ra.as_deref().ok(), rb.as_deref().ok()),
+        (Some("a"), Some("b")),
+        "{ra:?} {rb:?}"
+    );
+}
+
+/// (Review of the first cut.) After the runtime that opened the line ends, a request must
+/// not be written to the old socket (`try_write` ignores the driver's shutdown) and then
+/// reported failed although it ran.
+#[test]
+fn a_request_after_the_opening_runtime_ended_is_not_reported_failed_yet_run() {
+    let Some(url) = env::service_url("LOCKKIT_TEST_REDIS_URL") else {
+        return;
+    };
+    let rt1 = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .unwrap();
+    let conn = rt1.block_on(async {
+        let mut c = direct_with(&url, Duration::from_secs(2), Duration::from_secs(2)).await;
+        let _: String = redis::cmd("PING").query_async(&mut c).await.unwrap();
+        c
+    });
+    drop(rt1);
+    let rt2 = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .unwrap();
+    rt2.block_on(async {
+        let key = format!("direct/rt/{}", Uuid::new_v4().simple());
+        let mut c = conn.clone();
+        let set: redis::RedisResult<()> = redis::cmd("SET")
+            .arg(&key)
+            .arg("ran")
+            .query_async(&mut c)
+            .await;
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let mut p = plain(&url).await;
+        let stored: Option<String> = redis::cmd("GET")
+            .arg(&key)
+            .query_async(&mut p)
+            .await
+            .unwrap();
+        let _: () = redis::cmd("DEL")
+            .arg(&key)
+            .query_async(&mut p)
+            .await
+            .unwrap();
+        assert!(
+            set.is_ok() || stored.is_none(),
+            "the SET was reported failed ({set:?}) but ran (stored {stored:?})"
+        );
+    });
+}
+
+/// (Review of the first cut, where a reconnect ran inside the caller's future.) Callers
+/// with short timeouts (a Redlock round's per-master timeout, 10..=100 ms) must still get
+/// the line replaced when its handshake takes longer than each of them waits.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn callers_with_short_timeouts_still_get_the_line_reopened() {
+    let Some(url) = env::service_url("LOCKKIT_TEST_REDIS_URL") else {
+        return;
+    };
+    let proxy = FaultProxy::start(upstream(&url)).await.unwrap();
+    let mut conn = direct_with(
+        &format!("redis://default:any@{}/1", proxy.local_addr()),
+        Duration::from_secs(2),
+        Duration::from_secs(2),
+    )
+    .await;
+    proxy.set_delay(Duration::from_millis(30));
+    let _: String = redis::cmd("PING").query_async(&mut conn).await.unwrap();
+    proxy.reset();
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    proxy.heal();
+    let mut ok = 0;
+    for _ in 0..20 {
+        let t = Instant::now();
+        let r = tokio::time::timeout(
+            Duration::from_millis(100),
+            redis::cmd("PING").query_async::<String>(&mut conn),
+        )
+        .await;
+        eprintln!(
+            "{:?} {:?} open={}",
+            t.elapsed(),
+            r,
+            proxy.open_connections()
+        );
+        if let Ok(Ok(_)) = r {
+            ok += 1;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(
+        ok > 0,
+        "none of 20 requests (each given 100 ms; a round trip is ~60 ms) was answered"
     );
 }
