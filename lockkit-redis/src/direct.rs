@@ -2,8 +2,8 @@
 //!
 //! redis-rs's multiplexed connection hands every command to a driver task and its reply
 //! back: two cross-thread hand-offs per round trip. Here the caller's task writes its
-//! command to the socket itself, and every task waiting for a reply watches the socket:
-//! the one that reads parses what arrived and hands each reply to the request it answers,
+//! command to the socket itself, and a request alone on the line reads its reply itself;
+//! whoever reads parses what arrived and hands each reply to the request it answers,
 //! in the order the commands were written (one TCP stream, one order, as on the
 //! multiplexed connection: a command sent after another runs after it on the server, which
 //! the give-backs of abandoned acquisitions rely on).
@@ -11,9 +11,10 @@
 //! # Cancel safety
 //! A request is queued (its bytes written, or appended to the line's output, in order) at
 //! its first poll, and from then on it is part of the stream: dropping its future abandons
-//! only the reply, which is read and discarded in turn. Every waiting request watches the
-//! socket itself, so a request whose caller stops polling it (without dropping it) holds
-//! up nobody else.
+//! only the reply, which is read and discarded in turn. A request whose caller stops
+//! polling it (without dropping it) holds up nobody else: a request sent while others wait
+//! has a reader task read for it (one per line, while requests wait), and watches the
+//! socket itself whenever none runs.
 //!
 //! The line is replaced when it breaks (an I/O error, the server closing it, a reply that
 //! does not parse, the runtime that opened it gone): requests in flight fail with a
@@ -120,6 +121,8 @@ struct LineState {
     queue: VecDeque<u64>,
     requests: HashMap<u64, Request>,
     broken: Option<Failure>,
+    /// A [`read_for_waiters`] task runs for this line.
+    reader: bool,
 }
 
 struct Request {
@@ -358,11 +361,24 @@ impl Line {
 
     /// Queues `bytes` (answered by `expected` replies, at least one), writes what it can
     /// at once, and waits for the replies.
-    async fn exchange(&self, bytes: &[u8], expected: usize) -> io::Result<Vec<Value>> {
-        let (id, done) = {
+    ///
+    /// A request alone on the line watches the socket itself: no task switch on the way.
+    /// One sent while others wait leaves the reading to one reader task for the line (see
+    /// [`read_for_waiters`]), so that 32 concurrent requests are not 32 tasks woken by
+    /// every reply; it watches the socket itself again whenever no reader runs.
+    async fn exchange(self: &Arc<Self>, bytes: &[u8], expected: usize) -> io::Result<Vec<Value>> {
+        let (id, done, first) = {
             let mut state = lock(&self.state);
             if let Some(failure) = &state.broken {
                 return Err(failure.io());
+            }
+            let first = state.queue.is_empty();
+            if !first
+                && !state.reader
+                && let Ok(runtime) = tokio::runtime::Handle::try_current()
+            {
+                state.reader = true;
+                runtime.spawn(read_for_waiters(self.clone()));
             }
             let id = state.next_id;
             state.next_id += 1;
@@ -379,11 +395,11 @@ impl Line {
             );
             state.out.extend_from_slice(bytes);
             state.pump(&self.stream);
-            (id, done)
+            (id, done, first)
         };
         let _abandon = AbandonOnDrop { line: self, id };
         loop {
-            let wants_write = {
+            let (watch, wants_write) = {
                 let mut state = lock(&self.state);
                 if let Some(outcome) = state.take(id) {
                     return outcome;
@@ -392,20 +408,74 @@ impl Line {
                 if let Some(outcome) = state.take(id) {
                     return outcome;
                 }
-                state.written < state.out.len()
+                (first || !state.reader, state.written < state.out.len())
             };
-            // A completion or a break between the unlock and here leaves a permit.
+            // A completion, a break or the reader's end between the unlock and here
+            // leaves a permit.
             tokio::select! {
                 () = done.notified() => {}
-                ready = self.stream.readable() => {
+                ready = self.stream.readable(), if watch => {
                     if let Err(e) = ready {
                         lock(&self.state).break_io(&e);
                     }
                 }
-                ready = self.stream.writable(), if wants_write => {
+                ready = self.stream.writable(), if watch && wants_write => {
                     if let Err(e) = ready {
                         lock(&self.state).break_io(&e);
                     }
+                }
+            }
+        }
+    }
+}
+
+/// Reads for the requests of `line` while any wait, then ends. However it ends (also when
+/// its runtime drops it), it says so, and wakes every waiting request, which then watches
+/// the socket itself until another reader starts.
+async fn read_for_waiters(line: Arc<Line>) {
+    /// Ends the reader's turn if its task is dropped mid-way (its runtime shutting down).
+    struct Stop<'a> {
+        line: &'a Line,
+        ended: bool,
+    }
+    impl Drop for Stop<'_> {
+        fn drop(&mut self) {
+            if self.ended {
+                return;
+            }
+            let mut state = lock(&self.line.state);
+            state.reader = false;
+            for request in state.requests.values() {
+                request.done.notify_one();
+            }
+        }
+    }
+    let mut stop = Stop {
+        line: &line,
+        ended: false,
+    };
+    loop {
+        let wants_write = {
+            let mut state = lock(&line.state);
+            state.pump(&line.stream);
+            if state.broken.is_some() || state.queue.is_empty() {
+                // Decided under the lock a request's submission takes: a request queued
+                // after this starts a reader of its own, or is first and reads itself.
+                state.reader = false;
+                stop.ended = true;
+                return;
+            }
+            state.written < state.out.len()
+        };
+        tokio::select! {
+            ready = line.stream.readable() => {
+                if let Err(e) = ready {
+                    lock(&line.state).break_io(&e);
+                }
+            }
+            ready = line.stream.writable(), if wants_write => {
+                if let Err(e) = ready {
+                    lock(&line.state).break_io(&e);
                 }
             }
         }

@@ -86,7 +86,7 @@ impl Master {
     /// The client, connecting first if this master has never answered.
     async fn get(&self) -> Result<RedisBackend> {
         self.node
-            .get_or_try_init(|| RedisBackend::from_config(self.config.clone()))
+            .get_or_try_init(|| RedisBackend::connect_as(self.config.clone(), false))
             .await
             .cloned()
     }
