@@ -29,10 +29,7 @@ async fn within<F: std::future::Future>(budget: Duration, fut: F) -> Result<F::O
 }
 
 async fn direct(url: &str, response_timeout: Duration) -> DirectConn {
-    let client = redis::Client::open(url).unwrap();
-    DirectConn::connect(&client, Duration::from_secs(2), response_timeout)
-        .await
-        .unwrap()
+    direct_with(url, Duration::from_secs(2), response_timeout).await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -114,12 +111,7 @@ async fn a_request_that_timed_out_keeps_its_place_in_the_stream() {
     let Some(url) = env::service_url("LOCKKIT_TEST_REDIS_URL") else {
         return;
     };
-    let upstream: SocketAddr = url
-        .trim_start_matches("redis://")
-        .trim_end_matches('/')
-        .parse()
-        .unwrap();
-    let proxy = FaultProxy::start(upstream).await.unwrap();
+    let proxy = FaultProxy::start(upstream(&url)).await.unwrap();
     let mut conn = direct(
         &format!("redis://{}", proxy.local_addr()),
         Duration::from_millis(200),
@@ -224,12 +216,7 @@ async fn a_dropped_request_leaves_the_socket_watched() {
     let Some(url) = env::service_url("LOCKKIT_TEST_REDIS_URL") else {
         return;
     };
-    let upstream: SocketAddr = url
-        .trim_start_matches("redis://")
-        .trim_end_matches('/')
-        .parse()
-        .unwrap();
-    let proxy = FaultProxy::start(upstream).await.unwrap();
+    let proxy = FaultProxy::start(upstream(&url)).await.unwrap();
     let conn = direct(
         &format!("redis://{}", proxy.local_addr()),
         Duration::from_secs(20),
