@@ -18,7 +18,6 @@
 
 mod config;
 mod conn;
-mod direct;
 mod redlock;
 mod single;
 mod wire;
@@ -31,7 +30,7 @@ pub use wire::LockNames;
 /// The connection that single servers' commands run on, for its own tests.
 #[cfg(feature = "testing")]
 #[doc(hidden)]
-pub use direct::DirectConn;
+pub use conn::direct::DirectConn;
 
 use lockkit_core::{LockBackend, Result};
 

@@ -115,7 +115,7 @@ impl RedisBackend {
     }
 
     /// As [`RedisBackend::from_config`]; `direct` lets a plain-TCP server's commands run on
-    /// a [`crate::direct::DirectConn`]. Redlock's masters do not: measured on this project's
+    /// a [`crate::conn::direct::DirectConn`]. Redlock's masters do not: measured on this project's
     /// 2-core machine, five masters' rounds gained no latency from it (the masters' own CPU
     /// bounds them there) and lost 30-45% of their throughput over 1,000 keys x 32 tasks
     /// (each request its own write, where the multiplexed connection batches concurrent ones).
@@ -138,9 +138,9 @@ impl RedisBackend {
                 // A plain-TCP server is driven from the callers' tasks (one hand-off per
                 // round trip less each way); TLS, Unix sockets and RESP3 stay on redis-rs's
                 // multiplexed connection.
-                let conn = if direct && crate::direct::supports(&client) {
+                let conn = if direct && crate::conn::direct::supports(&client) {
                     Conn::Direct(
-                        crate::direct::DirectConn::connect(
+                        crate::conn::direct::DirectConn::connect(
                             &client,
                             config.connect_timeout,
                             config.response_timeout,

@@ -21,13 +21,15 @@ use redis::{
 };
 use tokio::sync::{Notify, Semaphore, SemaphorePermit};
 
+pub(crate) mod direct;
+
 pub(crate) const BACKEND: &str = "redis";
 
 /// A reconnecting, multiplexed command connection.
 #[derive(Clone)]
 pub(crate) enum Conn {
-    /// One plain-TCP server, driven by the callers' tasks (see [`crate::direct`]).
-    Direct(crate::direct::DirectConn),
+    /// One plain-TCP server, driven by the callers' tasks (see [`direct`]).
+    Direct(direct::DirectConn),
     Single(ConnectionManager),
     Cluster(ClusterConnection),
 }
