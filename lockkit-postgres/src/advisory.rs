@@ -512,7 +512,7 @@ impl Session {
 }
 
 impl Drop for Session {
-    /// A connection still here when the last hold goes (an `end_stale` whose caller went
+    /// A connection still here when the last hold goes (a `let_go` whose caller went
     /// away half-way) may hold a lock: close it, never pool it.
     fn drop(&mut self) {
         if let Some(mut conn) = self.conn.get_mut().take() {
@@ -598,12 +598,20 @@ async fn unless_fired<T>(
     }
 }
 
-/// Ends a hold that is over: forgets it and lets its lock go. Another live hold on its
+/// Ends a hold that is over (its lease ran out, its session died), unless its release or
+/// another ending already runs: that one lets go (a re-entry that met a release under way
+/// and closed its session made the release report a clean release as a loss).
+async fn end_stale(backend: &AdvisoryLocks, held: &Held) {
+    if !held.ended.swap(true, Ordering::SeqCst) {
+        let_go(backend, held).await;
+    }
+}
+
+/// Lets an ended hold go: forgets it and lets its lock go. Another live hold on its
 /// session (a downgrade's write or read) keeps the connection, and only this hold's lock is
 /// let go; otherwise, or if that fails, the connection is closed (the server lets every
 /// lock of the session go).
-async fn end_stale(backend: &AdvisoryLocks, held: &Held) {
-    held.ended.store(true, Ordering::SeqCst);
+async fn let_go(backend: &AdvisoryLocks, held: &Held) {
     forget(backend, held);
     let session = &held.session;
     let mut conn = session.conn.lock().await;
@@ -622,15 +630,15 @@ async fn end_stale(backend: &AdvisoryLocks, held: &Held) {
     end_session(session, &mut conn);
 }
 
-/// Ends its hold as stale ([`end_stale`]) in a task of its own when dropped still armed.
-struct EndStaleIfDropped(Option<(AdvisoryLocks, Arc<Held>)>);
+/// Lets its ended hold go ([`let_go`]) in a task of its own when dropped still armed.
+struct LetGoIfDropped(Option<(AdvisoryLocks, Arc<Held>)>);
 
-impl Drop for EndStaleIfDropped {
+impl Drop for LetGoIfDropped {
     fn drop(&mut self) {
         if let Some((backend, held)) = self.0.take()
             && let Ok(runtime) = tokio::runtime::Handle::try_current()
         {
-            runtime.spawn(async move { end_stale(&backend, &held).await });
+            runtime.spawn(async move { let_go(&backend, &held).await });
         }
     }
 }
@@ -1441,7 +1449,7 @@ async fn try_lock_once(
         }
     }
     #[cfg(feature = "testing")]
-    grant_pause(&req.key).await;
+    GRANT_PAUSE.take(&req.key).await;
     // Held. Record the holder and its new token on this very connection, committed at once
     // (a token is never reused): its answer also proves the session, and so the lock,
     // was there when the token was taken, and the lease (the session's idle timeout, set
@@ -1661,7 +1669,15 @@ async fn release(backend: &AdvisoryLocks, grant: &Grant) -> Result<Released> {
         }
         CountRelease::Last => {}
     }
-    held.ended.store(true, Ordering::SeqCst);
+    if held.ended.swap(true, Ordering::SeqCst) {
+        // Ended as stale meanwhile (its lease ran out, its session died): that ending
+        // lets go, and the hold was not this release's to let go any more.
+        return Err(Error::NotHeld {
+            key: grant.key.clone(),
+        });
+    }
+    #[cfg(feature = "testing")]
+    RELEASE_PAUSE.take(&held.key).await;
     forget(backend, &held);
     let not_held = || Error::NotHeld {
         key: grant.key.clone(),
@@ -1671,7 +1687,7 @@ async fn release(backend: &AdvisoryLocks, grant: &Grant) -> Result<Released> {
     // slow link), the release lets go in the background: its hold is forgotten already, so
     // nothing else would, and a session that lives on (a downgrade's other hold) would keep
     // the lock.
-    let mut waiting = EndStaleIfDropped(Some((backend.clone(), held.clone())));
+    let mut waiting = LetGoIfDropped(Some((backend.clone(), held.clone())));
     let mut conn = session.conn.lock().await;
     if conn.is_none() {
         waiting.0 = None;
@@ -1786,36 +1802,62 @@ fn no_answer() -> Error {
     )
 }
 
+/// Test hook: a pause, taken once, by the next operation on one key that reaches its point.
+#[cfg(feature = "testing")]
+struct KeyedPause(std::sync::Mutex<Option<(String, Duration)>>);
+
+#[cfg(feature = "testing")]
+impl KeyedPause {
+    const fn new() -> Self {
+        KeyedPause(std::sync::Mutex::new(None))
+    }
+
+    fn set(&self, key: &str, pause: Duration) {
+        *self.0.lock().unwrap_or_else(|e| e.into_inner()) =
+            (!pause.is_zero()).then(|| (key.to_owned(), pause));
+    }
+
+    async fn take(&self, key: &LockKey) {
+        // Once: the next operation on the key is not paused.
+        let pause = {
+            let mut set = self.0.lock().unwrap_or_else(|e| e.into_inner());
+            match set.as_ref() {
+                Some((k, pause)) if k == key.as_str() => {
+                    let pause = *pause;
+                    *set = None;
+                    Some(pause)
+                }
+                _ => None,
+            }
+        };
+        if let Some(pause) = pause {
+            tokio::time::sleep(pause).await;
+        }
+    }
+}
+
 /// Test hook: a pause, for the next acquisition of one key, between the server's grant of
 /// the advisory lock and anything after it (the holder paused there, as by SIGSTOP).
 #[cfg(feature = "testing")]
-static GRANT_PAUSE: std::sync::Mutex<Option<(String, Duration)>> = std::sync::Mutex::new(None);
+static GRANT_PAUSE: KeyedPause = KeyedPause::new();
 
 /// Pauses the next acquisition of `key` between the server's grant and the holder's
 /// record (test hook); `Duration::ZERO` clears it.
 #[cfg(feature = "testing")]
 pub fn set_grant_pause(key: &str, pause: Duration) {
-    *GRANT_PAUSE.lock().unwrap_or_else(|e| e.into_inner()) =
-        (!pause.is_zero()).then(|| (key.to_owned(), pause));
+    GRANT_PAUSE.set(key, pause);
 }
 
+/// Test hook: a pause, for the next last release of one key, after the hold is marked
+/// ended and before it is forgotten (a re-entry of its owner finds it there, ended).
 #[cfg(feature = "testing")]
-async fn grant_pause(key: &LockKey) {
-    // Once: the next acquisition of the key is not paused.
-    let pause = {
-        let mut set = GRANT_PAUSE.lock().unwrap_or_else(|e| e.into_inner());
-        match set.as_ref() {
-            Some((k, pause)) if k == key.as_str() => {
-                let pause = *pause;
-                *set = None;
-                Some(pause)
-            }
-            _ => None,
-        }
-    };
-    if let Some(pause) = pause {
-        tokio::time::sleep(pause).await;
-    }
+static RELEASE_PAUSE: KeyedPause = KeyedPause::new();
+
+/// Pauses the next last release of `key` between marking its hold ended and forgetting
+/// it (test hook); `Duration::ZERO` clears it.
+#[cfg(feature = "testing")]
+pub fn set_release_pause(key: &str, pause: Duration) {
+    RELEASE_PAUSE.set(key, pause);
 }
 
 /// Test hook: a pause between a release's unlock and the clearing of its record.

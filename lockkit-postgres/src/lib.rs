@@ -72,7 +72,7 @@ pub async fn connect(
 }
 #[cfg(feature = "testing")]
 #[cfg_attr(docsrs, doc(cfg(feature = "testing")))]
-pub use advisory::{set_clear_pause, set_grant_pause, set_set_up_reply_lost};
+pub use advisory::{set_clear_pause, set_grant_pause, set_release_pause, set_set_up_reply_lost};
 #[cfg(feature = "testing")]
 #[cfg_attr(docsrs, doc(cfg(feature = "testing")))]
 pub use row::set_retry_pause;

@@ -3,7 +3,7 @@
 use std::time::Duration;
 
 use lockkit_conformance::env;
-use lockkit_core::{LockKey, Locker};
+use lockkit_core::{LockKey, Locker, spi::Released};
 use lockkit_postgres::PostgresBackend;
 
 fn key(what: &str) -> LockKey {
@@ -482,6 +482,42 @@ async fn an_ended_advisory_session_is_signalled_lost() {
         .expect("the key is free again");
     assert!(rival.token() > held.token());
     rival.release().await.unwrap();
+}
+
+/// A re-entry that finds its owner's hold ended by a release still under way waits for
+/// that release rather than ending the hold itself: the release must report `Fully`, not
+/// a loss (the CI flake of `a_reentry_racing_the_last_release_is_granted`, 1 round in about
+/// 2,000 under load: the re-entry took the ended hold for a stale one and closed its
+/// session, and the release then found it closed).
+#[tokio::test]
+async fn a_reentry_meeting_a_release_under_way_leaves_it_to_finish() {
+    let Some((advisory, _)) = client_of("advisory").await else {
+        return;
+    };
+    let k = key("reentry-meets-release");
+    let owner = advisory.owner();
+    let outer = owner
+        .acquire(&k)
+        .ttl(Duration::from_secs(60))
+        .await
+        .unwrap();
+    lockkit_postgres::set_release_pause(k.as_str(), Duration::from_millis(700));
+    let releasing = tokio::spawn(outer.release());
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let again = owner
+        .acquire(&k)
+        .ttl(Duration::from_secs(60))
+        .wait(Duration::from_secs(20))
+        .await
+        .expect("the owner takes the key again once its release is through");
+    let released = releasing.await.unwrap();
+    lockkit_postgres::set_release_pause(k.as_str(), Duration::ZERO);
+    assert_eq!(
+        released.expect("a clean release racing a re-entry is not reported lost"),
+        Released::Fully
+    );
+    assert!(again.is_valid());
+    again.release().await.unwrap();
 }
 
 /// An advisory release whose record is cleared late, after its owner already holds the
