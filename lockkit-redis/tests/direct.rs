@@ -498,6 +498,9 @@ fn a_request_after_the_opening_runtime_ended_is_not_reported_failed_yet_run() {
             set.is_ok() || stored.is_none(),
             "the SET was reported failed ({set:?}) but ran (stored {stored:?})"
         );
+        // (Second review, fault 2.) The opening spawned on the ended runtime is dropped
+        // unrun; the connection then opens on this one, within the same request.
+        assert!(set.is_ok(), "{set:?}");
     });
 }
 
@@ -544,4 +547,206 @@ async fn callers_with_short_timeouts_still_get_the_line_reopened() {
         ok > 0,
         "none of 20 requests (each given 100 ms; a round trip is ~60 ms) was answered"
     );
+}
+
+/// A server that answers each connection's first command with `reply` and then closes it.
+async fn answer_once_then_close(reply: &'static [u8]) -> SocketAddr {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        while let Ok((mut socket, _)) = listener.accept().await {
+            tokio::spawn(async move {
+                let mut buf = [0u8; 256];
+                if matches!(socket.read(&mut buf).await, Ok(n) if n > 0) {
+                    let _ = socket.write_all(reply).await;
+                    let _ = socket.shutdown().await;
+                }
+            });
+        }
+    });
+    addr
+}
+
+/// (Second review, fault 1.) A reply that arrives with the server's close, in one read,
+/// still reaches its request: an acquisition the server granted and then closed the
+/// connection on (a restart, a failover) must not be reported failed, which would leave
+/// the lock held with nobody to give it back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reply_that_arrives_with_the_close_is_delivered() {
+    let addr = answer_once_then_close(b"+PONG\r\n").await;
+    let mut conn = direct(&format!("redis://{addr}"), Duration::from_secs(5)).await;
+    for i in 0..20 {
+        let pong = redis::cmd("PING").query_async::<String>(&mut conn).await;
+        assert_eq!(pong.as_deref().ok(), Some("PONG"), "request {i}: {pong:?}");
+    }
+}
+
+/// (Second review, fault 6.) Refused credentials are a configuration error, not an I/O
+/// error (which lockkit retries until the wait ends, hinting at a server that is down).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn refused_credentials_are_not_an_io_error() {
+    let addr = answer_once_then_close(b"-WRONGPASS invalid username-password pair\r\n").await;
+    let client = redis::Client::open(format!("redis://user:secret-pass@{addr}")).unwrap();
+    let error = DirectConn::connect(&client, Duration::from_secs(2), Duration::from_secs(2))
+        .await
+        .expect_err("the server refused the credentials");
+    assert_eq!(
+        error.kind(),
+        redis::ErrorKind::AuthenticationFailed,
+        "{error}"
+    );
+    assert!(!error.is_io_error(), "{error}");
+    assert!(!error.to_string().contains("secret-pass"), "{error}");
+}
+
+fn runtime(multi_thread: bool) -> tokio::runtime::Runtime {
+    let mut builder = if multi_thread {
+        let mut b = tokio::runtime::Builder::new_multi_thread();
+        b.worker_threads(2);
+        b
+    } else {
+        tokio::runtime::Builder::new_current_thread()
+    };
+    builder.enable_all().build().unwrap()
+}
+
+/// Kills the server's side of `conn`'s line.
+async fn kill_line(url: &str, conn: &mut DirectConn) {
+    let id: i64 = redis::cmd("CLIENT")
+        .arg("ID")
+        .query_async(conn)
+        .await
+        .unwrap();
+    let _: i64 = redis::cmd("CLIENT")
+        .arg("KILL")
+        .arg("ID")
+        .arg(id)
+        .query_async(&mut plain(url).await)
+        .await
+        .unwrap();
+}
+
+/// (Second review, faults 2 and 4.) A reopening started from a runtime that then ends
+/// (polled once there, then dropped) does not leave the connection dead for every other
+/// runtime's callers, nor hands them a line on that runtime's dead I/O driver.
+#[test]
+fn a_reopening_from_a_runtime_that_ends_leaves_the_connection_working() {
+    let Some(url) = env::service_url("LOCKKIT_TEST_REDIS_URL") else {
+        return;
+    };
+    let home = runtime(true);
+    let mut conn = home.block_on(async {
+        let mut conn = direct(&url, Duration::from_secs(2)).await;
+        kill_line(&url, &mut conn).await;
+        // Until the close is seen; then the next request reopens.
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        conn
+    });
+    let passing = runtime(false);
+    passing.block_on(async {
+        let mut c = conn.clone();
+        let _ = within(
+            Duration::ZERO,
+            redis::cmd("PING").query_async::<String>(&mut c),
+        )
+        .await;
+    });
+    drop(passing);
+    home.block_on(async {
+        let mut answered = 0;
+        for _ in 0..10 {
+            let key = format!("direct/rt/{}", Uuid::new_v4().simple());
+            let set: redis::RedisResult<()> = redis::cmd("SET")
+                .arg(&key)
+                .arg("ran")
+                .query_async(&mut conn)
+                .await;
+            let stored: Option<String> = redis::cmd("GET")
+                .arg(&key)
+                .query_async(&mut plain(&url).await)
+                .await
+                .unwrap();
+            assert!(
+                set.is_ok() || stored.is_none(),
+                "the SET was reported failed ({set:?}) but ran"
+            );
+            answered += usize::from(set.is_ok());
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        assert!(
+            answered >= 9,
+            "only {answered} of 10 requests were answered"
+        );
+    });
+}
+
+/// (Second review, fault 3.) A request sent from a runtime that ends (or is never driven
+/// again) while others wait must not leave the line believing a reader runs for it:
+/// every later request would wait for replies nobody reads.
+#[test]
+fn a_waiter_sent_from_a_runtime_that_ends_leaves_later_requests_answered() {
+    let Some(url) = env::service_url("LOCKKIT_TEST_REDIS_URL") else {
+        return;
+    };
+    let home = runtime(true);
+    let conn = home.block_on(direct(&url, Duration::from_secs(5)));
+    let blocked = {
+        let mut c = conn.clone();
+        let key = format!("direct/blpop/{}", Uuid::new_v4().simple());
+        home.spawn(async move {
+            redis::cmd("BLPOP")
+                .arg(&key)
+                .arg(0.5)
+                .query_async::<Option<(String, String)>>(&mut c)
+                .await
+        })
+    };
+    std::thread::sleep(Duration::from_millis(100));
+    let passing = runtime(false);
+    passing.block_on(async {
+        let mut c = conn.clone();
+        let _ = within(
+            Duration::ZERO,
+            redis::cmd("ECHO").arg("x").query_async::<String>(&mut c),
+        )
+        .await;
+    });
+    drop(passing);
+    home.block_on(async {
+        assert!(matches!(blocked.await, Ok(Ok(None))));
+        let behind = {
+            let mut c = conn.clone();
+            let key = format!("direct/blpop/{}", Uuid::new_v4().simple());
+            tokio::spawn(async move {
+                let started = Instant::now();
+                let popped = redis::cmd("BLPOP")
+                    .arg(&key)
+                    .arg(0.3)
+                    .query_async::<Option<(String, String)>>(&mut c)
+                    .await;
+                (popped, started.elapsed())
+            })
+        };
+        let mut c = conn.clone();
+        let echo = within(
+            NEVER,
+            redis::cmd("ECHO").arg("y").query_async::<String>(&mut c),
+        )
+        .await;
+        assert_eq!(echo.unwrap().unwrap(), "y");
+        let (popped, waited) = behind.await.unwrap();
+        assert!(matches!(popped, Ok(None)), "{popped:?}");
+        assert!(
+            waited < Duration::from_secs(3),
+            "the BLPOP of 0.3 s answered after {waited:?}"
+        );
+        for i in 0..3 {
+            let echo = within(
+                Duration::from_secs(3),
+                redis::cmd("ECHO").arg(i).query_async::<i64>(&mut c),
+            )
+            .await;
+            assert_eq!(echo.map(|r| r.ok()), Ok(Some(i)), "sequential request {i}");
+        }
+    });
 }

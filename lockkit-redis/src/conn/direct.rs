@@ -17,10 +17,18 @@
 //! socket itself whenever none runs.
 //!
 //! The line is replaced when it breaks (an I/O error, the server closing it, a reply that
-//! does not parse, the runtime that opened it gone): requests in flight fail with a
-//! connection error, and the next request opens a new line, in a task of its own shared by
-//! every caller that needs it (a caller that gives up does not stop it). Commands that were
-//! queued on a broken line are never sent again.
+//! does not parse, the runtime that opened it gone): replies that arrived before the break
+//! still reach their requests, the other requests in flight fail with a connection error,
+//! and the next request opens a new line, in a task of its own shared by every caller that
+//! needs it (a caller that gives up does not stop it). Commands that were queued on a
+//! broken line are never sent again.
+//!
+//! # Runtimes
+//! Lines are opened, and their reader tasks run, on the runtime the connection was made on
+//! (its *home*), never on a caller's: a caller's runtime may end, or stop being driven (a
+//! `current_thread` runtime kept for `block_on`), while the line is in use. If home has
+//! ended, the runtime of the caller that found out becomes home. A reader task dropped
+//! before it ran still says that no reader runs.
 
 use std::{
     collections::{HashMap, VecDeque},
@@ -68,6 +76,9 @@ impl std::fmt::Debug for DirectConn {
 struct Failure {
     kind: io::ErrorKind,
     message: String,
+    /// The server refused the connection's set-up (credentials, database): not an I/O
+    /// error, and nothing a retry would change.
+    refused: Option<ErrorKind>,
 }
 
 impl Failure {
@@ -75,11 +86,27 @@ impl Failure {
         Failure {
             kind: error.kind(),
             message: error.to_string(),
+            refused: None,
+        }
+    }
+
+    fn new(kind: io::ErrorKind, message: impl Into<String>) -> Self {
+        Failure {
+            kind,
+            message: message.into(),
+            refused: None,
         }
     }
 
     fn io(&self) -> io::Error {
         io::Error::new(self.kind, self.message.clone())
+    }
+
+    fn redis(&self) -> RedisError {
+        match self.refused {
+            Some(kind) => RedisError::from((kind, "refused by the server", self.message.clone())),
+            None => RedisError::from(self.io()),
+        }
     }
 }
 
@@ -101,12 +128,18 @@ struct Shared {
     connect_timeout: Duration,
     response_timeout: Duration,
     slot: Mutex<Slot>,
+    /// The runtime lines are opened on and their reader tasks run on: the one the
+    /// connection was made on, while it runs (else the caller's, from then on). Not a
+    /// caller's: a caller's runtime may end, or stop being driven, with the line in use.
+    home: Mutex<Option<tokio::runtime::Handle>>,
 }
 
 /// One TCP connection and what is in flight on it.
 struct Line {
     stream: TcpStream,
     state: Mutex<LineState>,
+    /// The runtime whose I/O driver the stream is registered with: its reader runs there.
+    runtime: Option<tokio::runtime::Handle>,
 }
 
 #[derive(Default)]
@@ -156,12 +189,20 @@ impl LineState {
 
     /// Writes what it can of the output and reads what has arrived (both without
     /// blocking), then hands out the complete replies.
+    ///
+    /// Replies that arrived before the line failed (the server's close, a reset, a failed
+    /// write) are handed out first: a grant the server made and then closed the
+    /// connection on is still a grant.
     fn pump(&mut self, stream: &TcpStream) {
+        let mut failure = None;
         while self.broken.is_none() && self.written < self.out.len() {
             match stream.try_write(&self.out[self.written..]) {
                 Ok(n) => self.written += n,
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
-                Err(e) => self.break_io(&e),
+                Err(e) => {
+                    failure = Some(Failure::of(&e));
+                    break;
+                }
             }
         }
         if self.written == self.out.len() {
@@ -174,14 +215,23 @@ impl LineState {
         while self.broken.is_none() {
             self.input.reserve(4096);
             match stream.try_read_buf(&mut self.input) {
-                Ok(0) => self.break_with(closed()),
+                Ok(0) => {
+                    failure.get_or_insert_with(closed);
+                    break;
+                }
                 Ok(_) => {}
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
-                Err(e) => self.break_io(&e),
+                Err(e) => {
+                    failure.get_or_insert_with(|| Failure::of(&e));
+                    break;
+                }
             }
         }
         if self.broken.is_none() {
             self.dispatch();
+        }
+        if let Some(failure) = failure {
+            self.break_with(failure);
         }
     }
 
@@ -197,20 +247,14 @@ impl LineState {
                 Ok(Some(len)) => len,
                 Ok(None) => break,
                 Err(message) => {
-                    self.break_with(Failure {
-                        kind: io::ErrorKind::InvalidData,
-                        message,
-                    });
+                    self.break_with(Failure::new(io::ErrorKind::InvalidData, message));
                     return;
                 }
             };
             let value = match redis::parse_redis_value(&self.input[at..at + len]) {
                 Ok(value) => value,
                 Err(e) => {
-                    self.break_with(Failure {
-                        kind: io::ErrorKind::InvalidData,
-                        message: e.to_string(),
-                    });
+                    self.break_with(Failure::new(io::ErrorKind::InvalidData, e.to_string()));
                     return;
                 }
             };
@@ -246,17 +290,17 @@ impl LineState {
 }
 
 fn closed() -> Failure {
-    Failure {
-        kind: io::ErrorKind::UnexpectedEof,
-        message: "the server closed the connection".into(),
-    }
+    Failure::new(
+        io::ErrorKind::UnexpectedEof,
+        "the server closed the connection",
+    )
 }
 
 fn unasked() -> Failure {
-    Failure {
-        kind: io::ErrorKind::InvalidData,
-        message: "the server sent a reply nobody asked for".into(),
-    }
+    Failure::new(
+        io::ErrorKind::InvalidData,
+        "the server sent a reply nobody asked for",
+    )
 }
 
 /// The length of the RESP2 reply at `at` in `buf`: `None` while incomplete.
@@ -367,19 +411,16 @@ impl Line {
     /// [`read_for_waiters`]), so that 32 concurrent requests are not 32 tasks woken by
     /// every reply; it watches the socket itself again whenever no reader runs.
     async fn exchange(self: &Arc<Self>, bytes: &[u8], expected: usize) -> io::Result<Vec<Value>> {
-        let (id, done, first) = {
+        let (id, done, first, reader) = {
             let mut state = lock(&self.state);
             if let Some(failure) = &state.broken {
                 return Err(failure.io());
             }
             let first = state.queue.is_empty();
-            if !first
-                && !state.reader
-                && let Ok(runtime) = tokio::runtime::Handle::try_current()
-            {
-                state.reader = true;
-                runtime.spawn(read_for_waiters(self.clone()));
-            }
+            let reader = (!first && !state.reader)
+                .then(|| self.runtime.clone())
+                .flatten();
+            state.reader |= reader.is_some();
             let id = state.next_id;
             state.next_id += 1;
             let done = Arc::new(Notify::new());
@@ -395,9 +436,19 @@ impl Line {
             );
             state.out.extend_from_slice(bytes);
             state.pump(&self.stream);
-            (id, done, first)
+            (id, done, first, reader)
         };
         let _abandon = AbandonOnDrop { line: self, id };
+        if let Some(runtime) = reader {
+            // Outside the state's lock: a runtime that is shutting down drops the task at
+            // once, and its `Stop` (made here, so it runs even if the task is never polled)
+            // takes that lock to say no reader runs.
+            let stop = Stop {
+                line: self.clone(),
+                ended: false,
+            };
+            runtime.spawn(read_for_waiters(stop));
+        }
         loop {
             let (watch, wants_write) = {
                 let mut state = lock(&self.state);
@@ -429,31 +480,31 @@ impl Line {
     }
 }
 
-/// Reads for the requests of `line` while any wait, then ends. However it ends (also when
-/// its runtime drops it), it says so, and wakes every waiting request, which then watches
-/// the socket itself until another reader starts.
-async fn read_for_waiters(line: Arc<Line>) {
-    /// Ends the reader's turn if its task is dropped mid-way (its runtime shutting down).
-    struct Stop<'a> {
-        line: &'a Line,
-        ended: bool,
-    }
-    impl Drop for Stop<'_> {
-        fn drop(&mut self) {
-            if self.ended {
-                return;
-            }
-            let mut state = lock(&self.line.state);
-            state.reader = false;
-            for request in state.requests.values() {
-                request.done.notify_one();
-            }
+/// Ends a reader's turn if its task is dropped mid-way or before it ran (its runtime
+/// shutting down): says no reader runs, and wakes every waiting request.
+struct Stop {
+    line: Arc<Line>,
+    ended: bool,
+}
+
+impl Drop for Stop {
+    fn drop(&mut self) {
+        if self.ended {
+            return;
+        }
+        let mut state = lock(&self.line.state);
+        state.reader = false;
+        for request in state.requests.values() {
+            request.done.notify_one();
         }
     }
-    let mut stop = Stop {
-        line: &line,
-        ended: false,
-    };
+}
+
+/// Reads for the requests of `stop`'s line while any wait, then ends. However it ends
+/// (also when its runtime drops it, run or not), it says so, and wakes every waiting
+/// request, which then watches the socket itself until another reader starts.
+async fn read_for_waiters(mut stop: Stop) {
+    let line = stop.line.clone();
     loop {
         let wants_write = {
             let mut state = lock(&line.state);
@@ -518,6 +569,7 @@ impl DirectConn {
                 connect_timeout,
                 response_timeout,
                 slot: Mutex::new(Slot::Empty),
+                home: Mutex::new(tokio::runtime::Handle::try_current().ok()),
             }),
         };
         conn.line().await?;
@@ -526,25 +578,47 @@ impl DirectConn {
 
     /// The line in use; if there is none (or it broke), the opening of the next one, which
     /// runs in a task of its own (bounded by the connect timeout) shared by every caller.
+    /// A line that opened unusable (its runtime ended meanwhile) is replaced in turn, a
+    /// few times at most.
     async fn line(&self) -> RedisResult<Arc<Line>> {
-        let opening = {
-            let mut slot = lock(&self.shared.slot);
-            match &*slot {
-                Slot::Ready(line) if line.usable() => return Ok(line.clone()),
-                Slot::Opening(opening) => opening.clone(),
-                Slot::Ready(_) | Slot::Empty => {
-                    let opening = self.start_opening();
-                    *slot = Slot::Opening(opening.clone());
-                    opening
+        let mut last = None;
+        for _ in 0..3 {
+            let opening = {
+                let mut slot = lock(&self.shared.slot);
+                match &*slot {
+                    Slot::Ready(line) if line.usable() => return Ok(line.clone()),
+                    // An opening that ended without a line (its task dropped by a runtime
+                    // that ended): never handed out again.
+                    Slot::Opening(opening) if !opening.peek().is_some_and(Result::is_err) => {
+                        opening.clone()
+                    }
+                    Slot::Ready(_) | Slot::Empty | Slot::Opening(_) => {
+                        let opening = self.start_opening();
+                        *slot = Slot::Opening(opening.clone());
+                        opening
+                    }
                 }
+            };
+            match opening.await {
+                Ok(line) if line.usable() => return Ok(line),
+                Ok(_) => {
+                    last = Some(Failure::new(
+                        io::ErrorKind::NotConnected,
+                        "the runtime the connection was opened on ended",
+                    ));
+                }
+                Err(failure) if failure.refused.is_some() => return Err(failure.redis()),
+                Err(failure) => last = Some(failure),
             }
-        };
-        opening
-            .await
-            .map_err(|failure| RedisError::from(failure.io()))
+        }
+        Err(last
+            .unwrap_or_else(|| Failure::new(io::ErrorKind::NotConnected, "no connection"))
+            .redis())
     }
 
-    /// Opens a line in a task (when there is a runtime), and puts it in the slot.
+    /// Opens a line in a task on the home runtime (else the caller's, or inline without
+    /// one), and puts it in the slot. If the home runtime has ended (the task is dropped
+    /// unrun), the caller's runtime becomes home, for the next opening.
     fn start_opening(&self) -> Opening {
         let shared = self.shared.clone();
         let work = async move {
@@ -552,10 +626,10 @@ impl DirectConn {
             let outcome = match tokio::time::timeout(timeout, open(&shared)).await {
                 Ok(Ok(line)) => Ok(line),
                 Ok(Err(e)) => Err(e),
-                Err(_) => Err(Failure {
-                    kind: io::ErrorKind::TimedOut,
-                    message: format!("connecting got no answer within {timeout:?}"),
-                }),
+                Err(_) => Err(Failure::new(
+                    io::ErrorKind::TimedOut,
+                    format!("connecting got no answer within {timeout:?}"),
+                )),
             };
             *lock(&shared.slot) = match &outcome {
                 Ok(line) => Slot::Ready(line.clone()),
@@ -563,21 +637,27 @@ impl DirectConn {
             };
             outcome
         };
-        match tokio::runtime::Handle::try_current() {
-            Ok(runtime) => {
+        let caller = tokio::runtime::Handle::try_current().ok();
+        let home = lock(&self.shared.home).clone().or_else(|| caller.clone());
+        match home {
+            Some(runtime) => {
                 let task = runtime.spawn(work);
+                let shared = self.shared.clone();
                 async move {
                     task.await.unwrap_or_else(|e| {
-                        Err(Failure {
-                            kind: io::ErrorKind::Other,
-                            message: format!("opening the connection failed: {e}"),
-                        })
+                        if e.is_cancelled() {
+                            *lock(&shared.home) = caller;
+                        }
+                        Err(Failure::new(
+                            io::ErrorKind::Other,
+                            format!("opening the connection failed: {e}"),
+                        ))
                     })
                 }
                 .boxed()
                 .shared()
             }
-            Err(_) => work.boxed().shared(),
+            None => work.boxed().shared(),
         }
     }
 
@@ -603,13 +683,19 @@ async fn open(shared: &Shared) -> Result<Arc<Line>, Failure> {
     let line = Arc::new(Line {
         stream,
         state: Mutex::new(LineState::default()),
+        runtime: tokio::runtime::Handle::try_current().ok(),
     });
-    let refused = |what: &str, reply: Value| -> Result<(), Failure> {
+    let refused = |what: &str, kind: ErrorKind, reply: Value| -> Result<(), Failure> {
         match reply {
             Value::ServerError(e) => Err(Failure {
                 kind: io::ErrorKind::PermissionDenied,
                 // The server's words only: never the credentials.
-                message: format!("the server refused {what}: {}", e.details().unwrap_or("")),
+                message: format!(
+                    "the server refused {what}: {} {}",
+                    e.code(),
+                    e.details().unwrap_or("")
+                ),
+                refused: Some(kind),
             }),
             _ => Ok(()),
         }
@@ -634,20 +720,26 @@ async fn open(shared: &Shared) -> Result<Arc<Line>, Failure> {
         {
             reply = one(line.exchange(&auth(None), 1).await.map_err(io_failure)?)?;
         }
-        refused("the credentials (AUTH)", reply)?;
+        refused(
+            "the credentials (AUTH)",
+            ErrorKind::AuthenticationFailed,
+            reply,
+        )?;
     }
     if shared.db != 0 {
         let select = redis::cmd("SELECT").arg(shared.db).get_packed_command();
         let reply = one(line.exchange(&select, 1).await.map_err(io_failure)?)?;
-        refused("SELECT", reply)?;
+        refused("SELECT", ErrorKind::InvalidClientConfig, reply)?;
     }
     Ok(line)
 }
 
 fn one(mut replies: Vec<Value>) -> Result<Value, Failure> {
-    replies.pop().ok_or_else(|| Failure {
-        kind: io::ErrorKind::InvalidData,
-        message: "a request was answered by no reply".into(),
+    replies.pop().ok_or_else(|| {
+        Failure::new(
+            io::ErrorKind::InvalidData,
+            "a request was answered by no reply",
+        )
     })
 }
 
@@ -656,7 +748,7 @@ impl ConnectionLike for DirectConn {
         Box::pin(async move {
             let replies = self.exchange(&cmd.get_packed_command(), 1).await?;
             one(replies)
-                .map_err(|failure| RedisError::from(failure.io()))?
+                .map_err(|failure| failure.redis())?
                 .extract_error()
         })
     }
