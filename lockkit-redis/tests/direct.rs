@@ -750,3 +750,67 @@ fn a_waiter_sent_from_a_runtime_that_ends_leaves_later_requests_answered() {
         }
     });
 }
+
+/// (Third review, fault 2.) What a server says on a line just opened (here: it is full)
+/// reaches the request as its answer, not a made-up cause.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refusal_on_a_new_line_reaches_the_request() {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        while let Ok((mut socket, _)) = listener.accept().await {
+            let _ = socket
+                .write_all(b"-ERR max number of clients reached\r\n")
+                .await;
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    });
+    let client = redis::Client::open(format!("redis://{addr}")).unwrap();
+    let outcome =
+        match DirectConn::connect(&client, Duration::from_secs(2), Duration::from_secs(2)).await {
+            Ok(mut conn) => redis::cmd("PING").query_async::<String>(&mut conn).await,
+            Err(e) => Err(e),
+        };
+    let error = outcome.expect_err("the server is full");
+    assert!(
+        error.to_string().contains("max number of clients"),
+        "{error}"
+    );
+}
+
+/// (Third review, fault 1.) After the runtime the connection was made on ended, a request
+/// polled once from a `current_thread` runtime that is then kept idle must not leave the
+/// reopening on that runtime, stalled for every other caller.
+#[test]
+fn a_reopening_started_from_an_idle_runtime_serves_the_others() {
+    let Some(url) = env::service_url("LOCKKIT_TEST_REDIS_URL") else {
+        return;
+    };
+    let made_on = runtime(true);
+    let conn = made_on.block_on(direct(&url, Duration::from_secs(2)));
+    drop(made_on);
+    let idle = runtime(false);
+    idle.block_on(async {
+        let mut c = conn.clone();
+        let _ = within(
+            Duration::ZERO,
+            redis::cmd("PING").query_async::<String>(&mut c),
+        )
+        .await;
+    });
+    let other = runtime(true);
+    other.block_on(async {
+        let mut answered = 0;
+        for _ in 0..5 {
+            let mut c = conn.clone();
+            let pong = within(
+                Duration::from_secs(6),
+                redis::cmd("PING").query_async::<String>(&mut c),
+            )
+            .await;
+            answered += usize::from(matches!(pong, Ok(Ok(_))));
+        }
+        assert!(answered >= 4, "only {answered} of 5 requests were answered");
+    });
+    drop(idle);
+}

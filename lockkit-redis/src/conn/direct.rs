@@ -27,8 +27,9 @@
 //! Lines are opened, and their reader tasks run, on the runtime the connection was made on
 //! (its *home*), never on a caller's: a caller's runtime may end, or stop being driven (a
 //! `current_thread` runtime kept for `block_on`), while the line is in use. If home has
-//! ended, the runtime of the caller that found out becomes home. A reader task dropped
-//! before it ran still says that no reader runs.
+//! ended, a runtime of this module's own, on one thread, becomes home. A reader task
+//! dropped before it ran still says that no reader runs; an opening that stalls (its
+//! runtime no longer driven) is replaced after the connect timeout.
 
 use std::{
     collections::{HashMap, VecDeque},
@@ -112,11 +113,12 @@ impl Failure {
 
 type Opening = SharedFuture<Pin<Box<dyn Future<Output = Result<Arc<Line>, Failure>> + Send>>>;
 
-/// The line in use, or the opening of the next one.
+/// The line in use, or the opening of the next one (when it started, and its number: only
+/// the opening in the slot puts its outcome there).
 enum Slot {
     Empty,
     Ready(Arc<Line>),
-    Opening(Opening),
+    Opening(Opening, std::time::Instant, u64),
 }
 
 struct Shared {
@@ -132,6 +134,8 @@ struct Shared {
     /// connection was made on, while it runs (else the caller's, from then on). Not a
     /// caller's: a caller's runtime may end, or stop being driven, with the line in use.
     home: Mutex<Option<tokio::runtime::Handle>>,
+    /// The number of the next opening.
+    next_opening: std::sync::atomic::AtomicU64,
 }
 
 /// One TCP connection and what is in flight on it.
@@ -379,6 +383,13 @@ impl Line {
     /// Whether the line can take a request: not broken, its runtime still there, and (with
     /// nothing in flight) not closed by the server nor sent anything unasked.
     fn usable(&self) -> bool {
+        self.check(true)
+    }
+
+    /// [`usable`](Self::usable), without the probe for a close or an unasked reply when
+    /// `probe` is false (a line just opened: what the server said on it, such as "max
+    /// number of clients reached", is the first request's answer).
+    fn check(&self, probe: bool) -> bool {
         let mut state = lock(&self.state);
         if state.broken.is_some() {
             return false;
@@ -391,7 +402,7 @@ impl Line {
             state.break_io(&e);
             return false;
         }
-        if state.queue.is_empty() && state.input.is_empty() && readiness.is_ready() {
+        if probe && state.queue.is_empty() && state.input.is_empty() && readiness.is_ready() {
             let mut probe = [0u8; 1];
             match self.stream.try_read(&mut probe) {
                 Ok(0) => state.break_with(closed()),
@@ -570,6 +581,7 @@ impl DirectConn {
                 response_timeout,
                 slot: Mutex::new(Slot::Empty),
                 home: Mutex::new(tokio::runtime::Handle::try_current().ok()),
+                next_opening: std::sync::atomic::AtomicU64::new(0),
             }),
         };
         conn.line().await?;
@@ -581,6 +593,9 @@ impl DirectConn {
     /// A line that opened unusable (its runtime ended meanwhile) is replaced in turn, a
     /// few times at most.
     async fn line(&self) -> RedisResult<Arc<Line>> {
+        // An opening runs within the connect timeout: one pending well past it is not being
+        // run (its runtime is no longer driven) and is replaced.
+        let stalled_after = self.shared.connect_timeout + Duration::from_secs(1);
         let mut last = None;
         for _ in 0..3 {
             let opening = {
@@ -588,27 +603,33 @@ impl DirectConn {
                 match &*slot {
                     Slot::Ready(line) if line.usable() => return Ok(line.clone()),
                     // An opening that ended without a line (its task dropped by a runtime
-                    // that ended): never handed out again.
-                    Slot::Opening(opening) if !opening.peek().is_some_and(Result::is_err) => {
+                    // that ended) is never handed out again, nor one that stalled.
+                    Slot::Opening(opening, started, _)
+                        if !opening.peek().is_some_and(Result::is_err)
+                            && started.elapsed() < stalled_after =>
+                    {
                         opening.clone()
                     }
-                    Slot::Ready(_) | Slot::Empty | Slot::Opening(_) => {
-                        let opening = self.start_opening();
-                        *slot = Slot::Opening(opening.clone());
+                    Slot::Ready(_) | Slot::Empty | Slot::Opening(..) => {
+                        let number = self
+                            .shared
+                            .next_opening
+                            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                        let opening = self.start_opening(number);
+                        *slot = Slot::Opening(opening.clone(), std::time::Instant::now(), number);
                         opening
                     }
                 }
             };
             match opening.await {
-                Ok(line) if line.usable() => return Ok(line),
-                Ok(_) => {
-                    last = Some(Failure::new(
-                        io::ErrorKind::NotConnected,
-                        "the runtime the connection was opened on ended",
-                    ));
+                Ok(line) if line.check(false) => return Ok(line),
+                // Its runtime ended meanwhile: open another.
+                Ok(line) => last = lock(&line.state).broken.clone(),
+                // Its task was dropped unrun: open another (on another runtime).
+                Err(failure) if failure.kind == io::ErrorKind::Interrupted => {
+                    last = Some(failure);
                 }
-                Err(failure) if failure.refused.is_some() => return Err(failure.redis()),
-                Err(failure) => last = Some(failure),
+                Err(failure) => return Err(failure.redis()),
             }
         }
         Err(last
@@ -618,8 +639,8 @@ impl DirectConn {
 
     /// Opens a line in a task on the home runtime (else the caller's, or inline without
     /// one), and puts it in the slot. If the home runtime has ended (the task is dropped
-    /// unrun), the caller's runtime becomes home, for the next opening.
-    fn start_opening(&self) -> Opening {
+    /// unrun), [`spare_home`] becomes home, for the next opening.
+    fn start_opening(&self, number: u64) -> Opening {
         let shared = self.shared.clone();
         let work = async move {
             let timeout = shared.connect_timeout;
@@ -631,10 +652,14 @@ impl DirectConn {
                     format!("connecting got no answer within {timeout:?}"),
                 )),
             };
-            *lock(&shared.slot) = match &outcome {
-                Ok(line) => Slot::Ready(line.clone()),
-                Err(_) => Slot::Empty,
-            };
+            let mut slot = lock(&shared.slot);
+            if matches!(&*slot, Slot::Opening(_, _, current) if *current == number) {
+                *slot = match &outcome {
+                    Ok(line) => Slot::Ready(line.clone()),
+                    Err(_) => Slot::Empty,
+                };
+            }
+            drop(slot);
             outcome
         };
         let caller = tokio::runtime::Handle::try_current().ok();
@@ -645,12 +670,19 @@ impl DirectConn {
                 let shared = self.shared.clone();
                 async move {
                     task.await.unwrap_or_else(|e| {
-                        if e.is_cancelled() {
-                            *lock(&shared.home) = caller;
+                        if !e.is_cancelled() {
+                            return Err(Failure::new(
+                                io::ErrorKind::Other,
+                                format!("opening the connection failed: {e}"),
+                            ));
                         }
+                        // Home has ended. Not the caller's runtime instead: it may end too,
+                        // or (a `current_thread` one kept for `block_on`) never be driven
+                        // again, with the line on it. One that is always driven.
+                        *lock(&shared.home) = spare_home().or(caller);
                         Err(Failure::new(
-                            io::ErrorKind::Other,
-                            format!("opening the connection failed: {e}"),
+                            io::ErrorKind::Interrupted,
+                            format!("opening the connection was cut short: {e}"),
                         ))
                     })
                 }
@@ -673,6 +705,27 @@ impl DirectConn {
     }
 }
 
+/// A runtime of this module's own, driven by one thread (`lockkit-redis-io`), started the
+/// first time a connection's home runtime is found ended: that connection's lines live on
+/// it from then on. `None` if it cannot be started.
+fn spare_home() -> Option<tokio::runtime::Handle> {
+    static SPARE: std::sync::OnceLock<Option<tokio::runtime::Handle>> = std::sync::OnceLock::new();
+    SPARE
+        .get_or_init(|| {
+            let runtime = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .ok()?;
+            let handle = runtime.handle().clone();
+            std::thread::Builder::new()
+                .name("lockkit-redis-io".into())
+                .spawn(move || runtime.block_on(std::future::pending::<()>()))
+                .ok()?;
+            Some(handle)
+        })
+        .clone()
+}
+
 /// A new line, authenticated and on the configured database.
 async fn open(shared: &Shared) -> Result<Arc<Line>, Failure> {
     let io_failure = |e: io::Error| Failure::of(&e);
@@ -689,11 +742,15 @@ async fn open(shared: &Shared) -> Result<Arc<Line>, Failure> {
         match reply {
             Value::ServerError(e) => Err(Failure {
                 kind: io::ErrorKind::PermissionDenied,
-                // The server's words only: never the credentials.
-                message: format!(
-                    "the server refused {what}: {} {}",
-                    e.code(),
-                    e.details().unwrap_or("")
+                // The server's words only, never the credentials: a server that does not
+                // know AUTH (renamed) quotes its arguments back.
+                message: redact(
+                    &format!(
+                        "the server refused {what}: {} {}",
+                        e.code(),
+                        e.details().unwrap_or("")
+                    ),
+                    shared.password.as_deref(),
                 ),
                 refused: Some(kind),
             }),
@@ -732,6 +789,14 @@ async fn open(shared: &Shared) -> Result<Arc<Line>, Failure> {
         refused("SELECT", ErrorKind::InvalidClientConfig, reply)?;
     }
     Ok(line)
+}
+
+/// `text` with every occurrence of `secret` masked.
+fn redact(text: &str, secret: Option<&str>) -> String {
+    match secret.filter(|secret| !secret.is_empty()) {
+        Some(secret) => text.replace(secret, "***"),
+        None => text.to_owned(),
+    }
 }
 
 fn one(mut replies: Vec<Value>) -> Result<Value, Failure> {
