@@ -139,11 +139,11 @@ pub async fn renewal_stops_on_drop<H: Harness>(h: &H) -> Outcome {
 /// `max_hold` caps renewal: the lease runs out after about `max_hold` and the guard
 /// reports the loss.
 ///
-/// The lease is at least a second (`RENEWAL_SLACK_TTL`): the case asserts that no rival is granted
-/// before `max_hold`, so every renewal until then must land, and on a loaded 2-core CI
-/// machine a 300 ms lease (renewed every 100 ms) was once granted to the rival at one TTL
-/// (a grant's `fsync` or the keeper's task delayed 200 ms). A longer lease leaves two
-/// thirds of it for such a stall and still shows the cap.
+/// The lease is at least a second (`RENEWAL_SLACK_TTL`): the case asserts that no rival
+/// is granted before `max_hold`, so every renewal until then must land, and on a loaded
+/// 2-core CI machine a 300 ms lease (renewed every 100 ms) was once granted to the rival at
+/// one TTL (a grant's `fsync` or the keeper's task delayed 200 ms). A longer lease leaves
+/// two thirds of it for such a stall and still shows the cap.
 pub async fn max_hold_caps_renewal<H: Harness>(h: &H) -> Outcome {
     let space = Space::new("max_hold_caps_renewal");
     let key = space.key("k");
