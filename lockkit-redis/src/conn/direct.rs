@@ -28,8 +28,9 @@
 //! (its *home*), never on a caller's: a caller's runtime may end, or stop being driven (a
 //! `current_thread` runtime kept for `block_on`), while the line is in use. If home has
 //! ended, a runtime of this module's own, on one thread, becomes home. A reader task
-//! dropped before it ran still says that no reader runs; an opening that stalls (its
-//! runtime no longer driven) is replaced after the connect timeout.
+//! dropped before it ran still says that no reader runs; an opening that stalls (home no
+//! longer driven) is replaced after the connect timeout, on the spare runtime, and hands
+//! its callers no line (two lines at once could run commands out of order).
 
 use std::{
     collections::{HashMap, VecDeque},
@@ -595,9 +596,12 @@ impl DirectConn {
     async fn line(&self) -> RedisResult<Arc<Line>> {
         // An opening runs within the connect timeout: one pending well past it is not being
         // run (its runtime is no longer driven) and is replaced.
-        let stalled_after = self.shared.connect_timeout + Duration::from_secs(1);
+        let stalled_after = self
+            .shared
+            .connect_timeout
+            .saturating_add(Duration::from_secs(1));
         let mut last = None;
-        for _ in 0..3 {
+        for _ in 0..4 {
             let opening = {
                 let mut slot = lock(&self.shared.slot);
                 match &*slot {
@@ -611,6 +615,15 @@ impl DirectConn {
                         opening.clone()
                     }
                     Slot::Ready(_) | Slot::Empty | Slot::Opening(..) => {
+                        if let Slot::Opening(opening, ..) = &*slot
+                            && opening.peek().is_none()
+                        {
+                            // Stalled: home is not being driven (a `current_thread` runtime
+                            // between its `block_on`s). The next openings run on the spare.
+                            if let Some(spare) = spare_home() {
+                                *lock(&self.shared.home) = Some(spare);
+                            }
+                        }
                         let number = self
                             .shared
                             .next_opening
@@ -653,12 +666,19 @@ impl DirectConn {
                 )),
             };
             let mut slot = lock(&shared.slot);
-            if matches!(&*slot, Slot::Opening(_, _, current) if *current == number) {
-                *slot = match &outcome {
-                    Ok(line) => Slot::Ready(line.clone()),
-                    Err(_) => Slot::Empty,
-                };
+            if !matches!(&*slot, Slot::Opening(_, _, current) if *current == number) {
+                // Replaced as stalled: a line from here would be a second one beside the
+                // slot's, and commands sent on the two could run out of order. Its callers
+                // ask again, for the slot's.
+                return Err(Failure::new(
+                    io::ErrorKind::Interrupted,
+                    "the opening stalled and was replaced",
+                ));
             }
+            *slot = match &outcome {
+                Ok(line) => Slot::Ready(line.clone()),
+                Err(_) => Slot::Empty,
+            };
             drop(slot);
             outcome
         };
@@ -712,16 +732,24 @@ fn spare_home() -> Option<tokio::runtime::Handle> {
     static SPARE: std::sync::OnceLock<Option<tokio::runtime::Handle>> = std::sync::OnceLock::new();
     SPARE
         .get_or_init(|| {
-            let runtime = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-                .ok()?;
-            let handle = runtime.handle().clone();
+            // Built on its own thread: a runtime dropped here, in an async context (its
+            // thread failed to start), would panic.
+            let (sender, receiver) = std::sync::mpsc::channel();
             std::thread::Builder::new()
                 .name("lockkit-redis-io".into())
-                .spawn(move || runtime.block_on(std::future::pending::<()>()))
+                .spawn(move || {
+                    let Ok(runtime) = tokio::runtime::Builder::new_current_thread()
+                        .enable_all()
+                        .build()
+                    else {
+                        return;
+                    };
+                    if sender.send(runtime.handle().clone()).is_ok() {
+                        runtime.block_on(std::future::pending::<()>());
+                    }
+                })
                 .ok()?;
-            Some(handle)
+            receiver.recv().ok()
         })
         .clone()
 }
