@@ -814,3 +814,32 @@ fn a_reopening_started_from_an_idle_runtime_serves_the_others() {
     });
     drop(idle);
 }
+
+/// (Fourth review, fault 3.) A connection made on a `current_thread` runtime that then
+/// idles (kept for `block_on`): once its line breaks, the reopening would wait on that
+/// runtime forever. It is replaced after the connect timeout, on a runtime that runs.
+#[test]
+fn a_reopening_stalled_on_an_idle_home_is_replaced() {
+    let Some(url) = env::service_url("LOCKKIT_TEST_REDIS_URL") else {
+        return;
+    };
+    let home = runtime(false);
+    let conn = home.block_on(async {
+        let mut conn = direct_with(&url, Duration::from_millis(500), Duration::from_secs(3)).await;
+        kill_line(&url, &mut conn).await;
+        // The close arrives while home still runs; nobody reads it yet.
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        conn
+    });
+    let other = runtime(true);
+    other.block_on(async {
+        let mut answered = 0;
+        for _ in 0..4 {
+            let mut c = conn.clone();
+            let pong = within(NEVER, redis::cmd("PING").query_async::<String>(&mut c)).await;
+            answered += usize::from(matches!(pong, Ok(Ok(_))));
+        }
+        assert!(answered >= 2, "only {answered} of 4 requests were answered");
+    });
+    drop(home);
+}
