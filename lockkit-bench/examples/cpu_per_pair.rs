@@ -5,6 +5,10 @@
 //! `cpu_per_pair throughput <seconds>` runs the peer benchmark's throughput scenario alone
 //! (32 tasks over 1,000 keys, `try_acquire` + release, `CPP_URL` or the Redis URL) and prints
 //! pairs/s and the pairs done, for `perf record` and `perf stat`; `throughput-set` the `SET` floor.
+//! `cpu_per_pair wake <rounds>` times the wake of a waiter blocked 200-300 ms (release call to
+//! its grant; `SHOW=1` prints when each release returned, `ALONE=1` drops the waiter), and
+//! `wake-floor` / `wake-floor-rs` the same with a raw `PUBLISH` heard by a raw (or redis-rs)
+//! subscriber that then sends a `PING`; `idle-ping` one `PING` after each such pause.
 use std::time::{Duration, Instant};
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() {
@@ -37,6 +41,126 @@ async fn rslock_pairs(masters: Vec<String>, n: usize, samples: &mut Vec<Duration
         let l = m.lock(b"cpu/rs", Duration::from_secs(30)).await.unwrap();
         m.unlock(&l).await;
         samples.push(s.elapsed());
+    }
+}
+
+/// [`wake_floor`] with redis-rs's subscriber connection in place of the raw one.
+async fn wake_floor_rs(url: &str, n: usize, samples: &mut Vec<Duration>) {
+    use futures_util::StreamExt;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let addr = url.trim_start_matches("redis://").to_owned();
+    let mut publisher = tokio::net::TcpStream::connect(&addr).await.unwrap();
+    publisher.set_nodelay(true).unwrap();
+    let client = redis::Client::open(url).unwrap();
+    let (mut sink, mut stream) = client.get_async_pubsub().await.unwrap().split();
+    sink.subscribe("wf").await.unwrap();
+    let mut pinger = tokio::net::TcpStream::connect(&addr).await.unwrap();
+    pinger.set_nodelay(true).unwrap();
+    let mut buf = [0u8; 256];
+    for round in 0..n {
+        let waiting = tokio::spawn(async move {
+            let mut buf = [0u8; 256];
+            let _ = stream.next().await.unwrap();
+            pinger.write_all(b"*1\r\n$4\r\nPING\r\n").await.unwrap();
+            let mut got = 0;
+            while got < 7 {
+                got += pinger.read(&mut buf[got..]).await.unwrap();
+            }
+            (Instant::now(), stream, pinger)
+        });
+        tokio::time::sleep(Duration::from_millis(200 + (round as u64 * 37) % 100)).await;
+        let released = Instant::now();
+        publisher
+            .write_all(b"*3\r\n$7\r\nPUBLISH\r\n$2\r\nwf\r\n$1\r\n0\r\n")
+            .await
+            .unwrap();
+        let _ = publisher.read(&mut buf).await.unwrap();
+        let (granted, s, p) = waiting.await.unwrap();
+        (stream, pinger) = (s, p);
+        samples.push(granted - released);
+    }
+    drop(sink);
+}
+
+/// The floor under a wake: a subscriber idle for 200-300 ms hears a `PUBLISH` and sends a
+/// `PING`; from the publisher's call to the `PING`'s reply, in raw RESP on this runtime.
+async fn wake_floor(url: &str, n: usize, samples: &mut Vec<Duration>) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let addr = url.trim_start_matches("redis://").to_owned();
+    let mut publisher = tokio::net::TcpStream::connect(&addr).await.unwrap();
+    publisher.set_nodelay(true).unwrap();
+    let mut subscriber = tokio::net::TcpStream::connect(&addr).await.unwrap();
+    subscriber.set_nodelay(true).unwrap();
+    let mut buf = [0u8; 256];
+    subscriber
+        .write_all(b"*2\r\n$9\r\nSUBSCRIBE\r\n$2\r\nwf\r\n")
+        .await
+        .unwrap();
+    let _ = subscriber.read(&mut buf).await.unwrap();
+    let mut pinger = tokio::net::TcpStream::connect(&addr).await.unwrap();
+    pinger.set_nodelay(true).unwrap();
+    for round in 0..n {
+        let waiting = tokio::spawn(async move {
+            let mut buf = [0u8; 256];
+            let _ = subscriber.read(&mut buf).await.unwrap();
+            pinger.write_all(b"*1\r\n$4\r\nPING\r\n").await.unwrap();
+            let mut got = 0;
+            while got < 7 {
+                got += pinger.read(&mut buf[got..]).await.unwrap();
+            }
+            (Instant::now(), subscriber, pinger)
+        });
+        tokio::time::sleep(Duration::from_millis(200 + (round as u64 * 37) % 100)).await;
+        let released = Instant::now();
+        publisher
+            .write_all(b"*3\r\n$7\r\nPUBLISH\r\n$2\r\nwf\r\n$1\r\n0\r\n")
+            .await
+            .unwrap();
+        let _ = publisher.read(&mut buf).await.unwrap();
+        let (granted, s, p) = waiting.await.unwrap();
+        (subscriber, pinger) = (s, p);
+        samples.push(granted - released);
+    }
+}
+
+/// `n` wakes of a waiter blocked on a key another client holds.
+async fn wakes(url: &str, n: usize, samples: &mut Vec<Duration>) {
+    let holder = lockkit::connect(url).await.unwrap();
+    let waiter = lockkit::connect(url).await.unwrap();
+    for round in 0..n {
+        let key = format!("cpu/wake/{}/{round}", std::process::id());
+        let held = holder
+            .acquire(key.as_str())
+            .ttl(Duration::from_secs(30))
+            .await
+            .unwrap();
+        let alone = std::env::var_os("ALONE").is_some();
+        let waiting = {
+            let (waiter, key) = (waiter.clone(), key.clone());
+            tokio::spawn(async move {
+                if alone {
+                    return Instant::now();
+                }
+                let guard = waiter
+                    .acquire(key.as_str())
+                    .ttl(Duration::from_secs(30))
+                    .wait(Duration::from_secs(60))
+                    .await
+                    .unwrap();
+                let granted = Instant::now();
+                guard.release().await.unwrap();
+                granted
+            })
+        };
+        tokio::time::sleep(Duration::from_millis(200 + (round as u64 * 37) % 100)).await;
+        let released = Instant::now();
+        held.release().await.unwrap();
+        let returned = released.elapsed();
+        let granted = waiting.await.unwrap() - released;
+        if std::env::var_os("SHOW").is_some() {
+            println!("release returned after {returned:?}, granted after {granted:?}");
+        }
+        samples.push(granted);
     }
 }
 
@@ -103,6 +227,31 @@ async fn body() {
         }
         // Any backend: `CPP_URL` (say a `mysql://...?mode=for-update` URL).
         "url" => lockkit_pairs(&std::env::var("CPP_URL").unwrap(), n, &mut samples).await,
+        // The wake of one blocked waiter (release call to the waiter's grant), `CPP_URL` or
+        // the Redis URL.
+        "idle-ping" => {
+            use tokio::io::{AsyncReadExt, AsyncWriteExt};
+            let addr = url.trim_start_matches("redis://").to_owned();
+            let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+            s.set_nodelay(true).unwrap();
+            let mut buf = [0u8; 64];
+            for round in 0..n {
+                tokio::time::sleep(Duration::from_millis(200 + (round as u64 * 37) % 100)).await;
+                let t = Instant::now();
+                s.write_all(b"*1\r\n$4\r\nPING\r\n").await.unwrap();
+                let mut got = 0;
+                while got < 7 {
+                    got += s.read(&mut buf[got..]).await.unwrap();
+                }
+                samples.push(t.elapsed());
+            }
+        }
+        "wake-floor-rs" => wake_floor_rs(&url, n, &mut samples).await,
+        "wake-floor" => wake_floor(&url, n, &mut samples).await,
+        "wake" => {
+            let url = std::env::var("CPP_URL").unwrap_or(url.clone());
+            wakes(&url, n, &mut samples).await
+        }
         "rslock" => rslock_pairs(vec![url.clone()], n, &mut samples).await,
         "rslock5" => {
             let url = std::env::var("LOCKKIT_TEST_REDLOCK_URL").unwrap();

@@ -843,3 +843,22 @@ fn a_reopening_stalled_on_an_idle_home_is_replaced() {
     });
     drop(home);
 }
+
+/// (Tenth session's review, left then.) A reply that nests arrays without end (a hostile
+/// or broken server) is refused as malformed: measuring it recursed once per level, and
+/// 200,000 levels overflowed the worker's stack, which aborts the whole process.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reply_nested_without_end_is_refused_not_a_stack_overflow() {
+    let mut reply = b"*1\r\n".repeat(200_000);
+    reply.extend_from_slice(b":1\r\n");
+    let addr = answer_once_then_close(Vec::leak(reply)).await;
+    let mut conn = direct(&format!("redis://{addr}"), Duration::from_secs(5)).await;
+    let error = redis::cmd("PING")
+        .query_async::<redis::Value>(&mut conn)
+        .await
+        .expect_err("a reply nested 200,000 deep is not a reply");
+    assert!(
+        error.to_string().contains("nests arrays more than"),
+        "{error}"
+    );
+}

@@ -308,8 +308,18 @@ fn unasked() -> Failure {
     )
 }
 
-/// The length of the RESP2 reply at `at` in `buf`: `None` while incomplete.
+/// How deeply arrays may nest in a reply. Lock replies nest two deep; the bound keeps a
+/// malformed or hostile reply from exhausting the stack (in [`frame_len`] and in the
+/// parser after it).
+const MAX_REPLY_DEPTH: usize = 32;
+
+/// The length of the RESP2 reply at `at` in `buf`: `None` while incomplete; an error for a
+/// malformed reply or one that nests arrays more than [`MAX_REPLY_DEPTH`] deep.
 fn frame_len(buf: &[u8], at: usize) -> Result<Option<usize>, String> {
+    frame_len_within(buf, at, MAX_REPLY_DEPTH)
+}
+
+fn frame_len_within(buf: &[u8], at: usize, depth: usize) -> Result<Option<usize>, String> {
     let Some(&kind) = buf.get(at) else {
         return Ok(None);
     };
@@ -335,9 +345,14 @@ fn frame_len(buf: &[u8], at: usize) -> Result<Option<usize>, String> {
         }
         b'*' => {
             let n = number()?;
+            if n > 0 && depth == 0 {
+                return Err(format!(
+                    "a reply that nests arrays more than {MAX_REPLY_DEPTH} deep"
+                ));
+            }
             let mut end = after_line;
             for _ in 0..n.max(0) {
-                match frame_len(buf, end)? {
+                match frame_len_within(buf, end, depth - 1)? {
                     Some(len) => end += len,
                     None => return Ok(None),
                 }
@@ -872,7 +887,7 @@ impl ConnectionLike for DirectConn {
 
 #[cfg(test)]
 mod tests {
-    use super::frame_len;
+    use super::{MAX_REPLY_DEPTH, frame_len};
 
     #[test]
     fn frame_lengths_follow_resp2() {
@@ -888,5 +903,21 @@ mod tests {
         assert_eq!(frame_len(b"*1\r\n*1\r\n-ERR x\r\n", 0), Ok(Some(16)));
         assert!(frame_len(b"%1\r\n", 0).is_err());
         assert!(frame_len(b"$x\r\n", 0).is_err());
+    }
+
+    #[test]
+    fn frame_lengths_refuse_arrays_nested_past_the_bound() {
+        let nested = |levels: usize| {
+            let mut reply = b"*1\r\n".repeat(levels);
+            reply.extend_from_slice(b":1\r\n");
+            reply
+        };
+        let deepest = nested(MAX_REPLY_DEPTH);
+        assert_eq!(frame_len(&deepest, 0), Ok(Some(deepest.len())));
+        assert!(frame_len(&nested(MAX_REPLY_DEPTH + 1), 0).is_err());
+        // Empty arrays at the bound nest nothing further.
+        let mut empty = b"*1\r\n".repeat(MAX_REPLY_DEPTH);
+        empty.extend_from_slice(b"*0\r\n");
+        assert_eq!(frame_len(&empty, 0), Ok(Some(empty.len())));
     }
 }
