@@ -44,65 +44,71 @@ async fn rslock_pairs(masters: Vec<String>, n: usize, samples: &mut Vec<Duration
     }
 }
 
-/// [`wake_floor`] with redis-rs's subscriber connection in place of the raw one.
-async fn wake_floor_rs(url: &str, n: usize, samples: &mut Vec<Duration>) {
-    use futures_util::StreamExt;
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let addr = url.trim_start_matches("redis://").to_owned();
-    let mut publisher = tokio::net::TcpStream::connect(&addr).await.unwrap();
-    publisher.set_nodelay(true).unwrap();
-    let client = redis::Client::open(url).unwrap();
-    let (mut sink, mut stream) = client.get_async_pubsub().await.unwrap().split();
-    sink.subscribe("wf").await.unwrap();
-    let mut pinger = tokio::net::TcpStream::connect(&addr).await.unwrap();
-    pinger.set_nodelay(true).unwrap();
-    let mut buf = [0u8; 256];
-    for round in 0..n {
-        let waiting = tokio::spawn(async move {
-            let mut buf = [0u8; 256];
-            let _ = stream.next().await.unwrap();
-            pinger.write_all(b"*1\r\n$4\r\nPING\r\n").await.unwrap();
-            let mut got = 0;
-            while got < 7 {
-                got += pinger.read(&mut buf[got..]).await.unwrap();
-            }
-            (Instant::now(), stream, pinger)
-        });
-        tokio::time::sleep(Duration::from_millis(200 + (round as u64 * 37) % 100)).await;
-        let released = Instant::now();
-        publisher
-            .write_all(b"*3\r\n$7\r\nPUBLISH\r\n$2\r\nwf\r\n$1\r\n0\r\n")
+/// Who hears the floor's `PUBLISH`: a raw RESP connection, or redis-rs's subscriber (as
+/// lockkit uses).
+enum Subscriber {
+    Raw(tokio::net::TcpStream),
+    Rs {
+        /// Kept: dropping it would end the subscription.
+        _sink: redis::aio::PubSubSink,
+        stream: redis::aio::PubSubStream,
+    },
+}
+
+impl Subscriber {
+    async fn new(url: &str, raw: bool) -> Self {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        if !raw {
+            let client = redis::Client::open(url).unwrap();
+            let (mut sink, stream) = client.get_async_pubsub().await.unwrap().split();
+            sink.subscribe("wf").await.unwrap();
+            return Subscriber::Rs {
+                _sink: sink,
+                stream,
+            };
+        }
+        let addr = url.trim_start_matches("redis://");
+        let mut stream = tokio::net::TcpStream::connect(addr).await.unwrap();
+        stream.set_nodelay(true).unwrap();
+        stream
+            .write_all(b"*2\r\n$9\r\nSUBSCRIBE\r\n$2\r\nwf\r\n")
             .await
             .unwrap();
-        let _ = publisher.read(&mut buf).await.unwrap();
-        let (granted, s, p) = waiting.await.unwrap();
-        (stream, pinger) = (s, p);
-        samples.push(granted - released);
+        let _ = stream.read(&mut [0u8; 256]).await.unwrap();
+        Subscriber::Raw(stream)
     }
-    drop(sink);
+
+    /// Waits for the next message.
+    async fn heard(&mut self) {
+        use futures_util::StreamExt;
+        use tokio::io::AsyncReadExt;
+        match self {
+            Subscriber::Raw(stream) => {
+                let _ = stream.read(&mut [0u8; 256]).await.unwrap();
+            }
+            Subscriber::Rs { stream, .. } => {
+                let _ = stream.next().await.unwrap();
+            }
+        }
+    }
 }
 
 /// The floor under a wake: a subscriber idle for 200-300 ms hears a `PUBLISH` and sends a
-/// `PING`; from the publisher's call to the `PING`'s reply, in raw RESP on this runtime.
-async fn wake_floor(url: &str, n: usize, samples: &mut Vec<Duration>) {
+/// `PING`; from the publisher's call to the `PING`'s reply, in raw RESP on this runtime
+/// (`raw`: the subscriber too, else redis-rs's).
+async fn wake_floor(url: &str, n: usize, samples: &mut Vec<Duration>, raw: bool) {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let addr = url.trim_start_matches("redis://").to_owned();
     let mut publisher = tokio::net::TcpStream::connect(&addr).await.unwrap();
     publisher.set_nodelay(true).unwrap();
-    let mut subscriber = tokio::net::TcpStream::connect(&addr).await.unwrap();
-    subscriber.set_nodelay(true).unwrap();
-    let mut buf = [0u8; 256];
-    subscriber
-        .write_all(b"*2\r\n$9\r\nSUBSCRIBE\r\n$2\r\nwf\r\n")
-        .await
-        .unwrap();
-    let _ = subscriber.read(&mut buf).await.unwrap();
+    let mut subscriber = Subscriber::new(url, raw).await;
     let mut pinger = tokio::net::TcpStream::connect(&addr).await.unwrap();
     pinger.set_nodelay(true).unwrap();
+    let mut buf = [0u8; 256];
     for round in 0..n {
         let waiting = tokio::spawn(async move {
             let mut buf = [0u8; 256];
-            let _ = subscriber.read(&mut buf).await.unwrap();
+            subscriber.heard().await;
             pinger.write_all(b"*1\r\n$4\r\nPING\r\n").await.unwrap();
             let mut got = 0;
             while got < 7 {
@@ -246,8 +252,8 @@ async fn body() {
                 samples.push(t.elapsed());
             }
         }
-        "wake-floor-rs" => wake_floor_rs(&url, n, &mut samples).await,
-        "wake-floor" => wake_floor(&url, n, &mut samples).await,
+        "wake-floor-rs" => wake_floor(&url, n, &mut samples, false).await,
+        "wake-floor" => wake_floor(&url, n, &mut samples, true).await,
         "wake" => {
             let url = std::env::var("CPP_URL").unwrap_or(url.clone());
             wakes(&url, n, &mut samples).await
