@@ -638,7 +638,13 @@ fn pad_to(text: &str, len: u64) -> Option<String> {
     let first_line_end = text.find('\n').unwrap_or(text.len());
     let mut padded = String::with_capacity(text.len() + missing);
     padded.push_str(&text[..first_line_end]);
-    padded.extend(std::iter::repeat_n(' ', missing));
+    const SPACES: &str = "                                                                ";
+    let mut left = missing;
+    while left > 0 {
+        let run = left.min(SPACES.len());
+        padded.push_str(&SPACES[..run]);
+        left -= run;
+    }
     padded.push_str(&text[first_line_end..]);
     Some(padded)
 }
@@ -1715,6 +1721,24 @@ mod tests {
             .expect("the key is free");
         backend.release(&grant).await.unwrap();
         grant.token.get()
+    }
+
+    #[test]
+    fn padding_goes_on_the_first_line_and_only_within_its_bound() {
+        assert_eq!(pad_to("1 - 0\n", 6), None, "as long as the file");
+        assert_eq!(pad_to("1 - 0\n", 3), None, "longer than the file");
+        assert_eq!(pad_to("1 - 0\n", 9).as_deref(), Some("1 - 0   \n"));
+        assert_eq!(pad_to("1 - 0", 7).as_deref(), Some("1 - 0  "));
+        assert_eq!(
+            pad_to("1 a 1\nwho\nr b 1\n", 20).as_deref(),
+            Some("1 a 1    \nwho\nr b 1\n")
+        );
+        let text = "7 - 0 0 boot -\n";
+        let at_most = text.len() as u64 + PAD_AT_MOST;
+        let padded = pad_to(text, at_most).unwrap();
+        assert_eq!(padded.len() as u64, at_most);
+        assert_eq!(State::parse(&padded), State::parse(text));
+        assert_eq!(pad_to(text, at_most + 1), None, "past the bound: truncated");
     }
 
     /// A release pads the shorter free text to the file's length instead of truncating
