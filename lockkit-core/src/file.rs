@@ -607,6 +607,9 @@ impl Locked {
     fn write(&mut self, text: &str) -> std::io::Result<()> {
         let padded = pad_to(text, self.len);
         let bytes = padded.as_deref().unwrap_or(text).as_bytes();
+        // Counted before the write: one that fails part way may have grown the file, and the
+        // next write (the restore of a failed ceiling's store) must cover or cut all of it.
+        self.len = self.len.max(bytes.len() as u64);
         #[cfg(unix)]
         std::os::unix::fs::FileExt::write_all_at(&self.file, bytes, 0)?;
         #[cfg(not(unix))]
@@ -1824,8 +1827,9 @@ mod tests {
     }
 
     /// A power loss keeps of a lock file what was synced, or any later state (the writes
-    /// since may or may not have reached the disk, the first line's in one piece: a sector
-    /// is written whole), and the reboot after it brings a new boot id: the next token is
+    /// since may or may not have reached the disk, the first line's fields in one piece: a
+    /// sector is written whole, and only a padded line's trailing spaces reach past the
+    /// first), and the reboot after it brings a new boot id: the next token is
     /// above every token handed out before, whichever it kept.
     #[tokio::test]
     async fn a_power_loss_never_hands_out_a_token_twice() {
