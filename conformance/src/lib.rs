@@ -123,6 +123,7 @@ macro_rules! __with_catalogue {
             waiting::release_wakes_only_the_next_waiter,
             waiting::a_long_wait_yields_a_full_lease,
             waiting::a_wait_on_a_cut_link_ends,
+            waiting::a_clients_waiters_reach_the_server_one_at_a_time,
             lost::lost_fires_when_taken_away,
             lost::late_subscriber_sees_loss_at_once,
             lost::no_false_alarm_for_idle_holder,

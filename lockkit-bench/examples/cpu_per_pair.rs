@@ -9,6 +9,8 @@
 //! its grant; `SHOW=1` prints when each release returned, `ALONE=1` drops the waiter), and
 //! `wake-floor` / `wake-floor-rs` the same with a raw `PUBLISH` heard by a raw (or redis-rs)
 //! subscriber that then sends a `PING`; `idle-ping` one `PING` after each such pause.
+//! `cpu_per_pair hot <seconds>` has `TASKS` tasks (16) of one client take turns on one key
+//! and prints holds/s and the server's script calls per hold.
 use std::time::{Duration, Instant};
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() {
@@ -213,6 +215,71 @@ async fn throughput(url: &str, seconds: u64, set_floor: bool) {
     );
 }
 
+/// `TASKS` tasks (16 by default) of one client take turns on one key for `seconds`
+/// (blocking `acquire` + release): handoffs per second, and the server's script calls per
+/// handoff (`INFO commandstats`), which show how many local waiters each release wakes.
+async fn hot(url: &str, seconds: u64) {
+    let tasks: usize = std::env::var("TASKS")
+        .ok()
+        .and_then(|t| t.parse().ok())
+        .unwrap_or(16);
+    let locker = lockkit::connect(url).await.unwrap();
+    let mut conn = redis::Client::open(std::env::var("LOCKKIT_TEST_REDIS_URL").unwrap())
+        .unwrap()
+        .get_multiplexed_async_connection()
+        .await
+        .unwrap();
+    let key = format!("cpu/hot/{}", std::process::id());
+    async fn scripts(conn: &mut redis::aio::MultiplexedConnection) -> u64 {
+        let info: String = redis::cmd("INFO")
+            .arg("commandstats")
+            .query_async(conn)
+            .await
+            .unwrap();
+        info.lines()
+            .filter(|l| l.starts_with("cmdstat_evalsha:") || l.starts_with("cmdstat_eval:"))
+            .filter_map(|l| {
+                l.split("calls=")
+                    .nth(1)?
+                    .split(',')
+                    .next()?
+                    .parse::<u64>()
+                    .ok()
+            })
+            .sum()
+    }
+    let before = scripts(&mut conn).await;
+    let deadline = Instant::now() + Duration::from_secs(seconds);
+    let mut handles = Vec::new();
+    for _ in 0..tasks {
+        let (locker, key) = (locker.clone(), key.clone());
+        handles.push(tokio::spawn(async move {
+            let mut done = 0u64;
+            while Instant::now() < deadline {
+                let guard = locker
+                    .acquire(key.as_str())
+                    .ttl(Duration::from_secs(30))
+                    .wait(Duration::from_secs(60))
+                    .await
+                    .unwrap();
+                guard.release().await.unwrap();
+                done += 1;
+            }
+            done
+        }));
+    }
+    let mut total = 0;
+    for handle in handles {
+        total += handle.await.unwrap();
+    }
+    let calls = scripts(&mut conn).await - before;
+    println!(
+        "hot: {tasks} tasks, {total} holds in {seconds} s, {:.0}/s, {:.1} script calls per hold",
+        total as f64 / seconds as f64,
+        calls as f64 / total.max(1) as f64
+    );
+}
+
 async fn body() {
     let args: Vec<String> = std::env::args().collect();
     let which = args[1].clone();
@@ -221,6 +288,12 @@ async fn body() {
             .or_else(|_| std::env::var("LOCKKIT_TEST_REDIS_URL"))
             .unwrap();
         return throughput(&url, args[2].parse().unwrap(), which == "throughput-set").await;
+    }
+    if which == "hot" {
+        let url = std::env::var("CPP_URL")
+            .or_else(|_| std::env::var("LOCKKIT_TEST_REDIS_URL"))
+            .unwrap();
+        return hot(&url, args[2].parse().unwrap()).await;
     }
     let n: usize = args[2].parse().unwrap();
     let url = std::env::var("LOCKKIT_TEST_REDIS_URL").unwrap();

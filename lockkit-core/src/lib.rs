@@ -24,6 +24,7 @@ mod error;
 mod fencing;
 mod file;
 mod file_watch;
+mod gate;
 mod guard;
 mod holder;
 mod into_key;

@@ -77,6 +77,8 @@ pub struct Locker {
     client: Uuid,
     next_owner: Arc<AtomicU64>,
     defaults: LockOptions,
+    /// One waiting acquisition per key at a time, where a release wakes every waiter.
+    gates: Arc<crate::gate::WaiterGates>,
 }
 
 impl fmt::Debug for Locker {
@@ -104,6 +106,7 @@ impl Locker {
             client: Uuid::new_v4(),
             next_owner: Arc::new(AtomicU64::new(1)),
             defaults: LockOptions::default(),
+            gates: Arc::default(),
         }
     }
 
@@ -620,6 +623,33 @@ impl Acquire {
         // Whether this call began with no live hold of its owner on the key: a retry may
         // then meet another task's hold, but the call stays a fresh acquisition.
         let mut began_fresh = None;
+        // Where a release wakes every waiter (pub/sub, polling), a fresh exclusive
+        // acquisition that waits queues behind this client's other waiters on the key
+        // first, so that one of them, not all, goes to the server at each release (see
+        // `crate::gate`). Not a re-entry (it must never wait behind a waiter that waits for
+        // the owner's own hold), nor an attempt that does not wait.
+        let waits = wait.is_none_or(|wait| !wait.is_zero());
+        let _gate_pass = if waits
+            && kind == LockKind::Exclusive
+            && !locker.info.capabilities.queued_wait
+            && owner
+                .as_ref()
+                .is_none_or(|owner| owner.live_hold(&key, kind).is_none())
+        {
+            began_fresh = Some(true);
+            match locker.gates.enter(&key, deadline).await {
+                crate::gate::Entry::Passed(pass) => Some(pass),
+                crate::gate::Entry::Impatient => None,
+                crate::gate::Entry::DeadlinePassed => {
+                    return Err(Error::Timeout {
+                        key,
+                        waited: started.elapsed(),
+                    });
+                }
+            }
+        } else {
+            None
+        };
         loop {
             let existing = owner.as_ref().and_then(|owner| owner.live_hold(&key, kind));
             let began_fresh = *began_fresh.get_or_insert(existing.is_none());

@@ -5,7 +5,7 @@ use std::time::Duration;
 use lockkit_core::Error;
 use tokio::time::Instant;
 
-use super::{LONG_TTL, generous_wait, hook, residue_clears};
+use super::{InFlightBackend, LONG_TTL, generous_wait, hook, residue_clears};
 use crate::{Check, Harness, History, Outcome, Space, support::expect_err};
 
 /// A zero wait on a busy key fails with `Timeout` at once.
@@ -582,5 +582,69 @@ pub async fn a_long_wait_yields_a_full_lease<H: Harness>(h: &H) -> Outcome {
     );
     assert!(guard.lost_at().is_none(), "lost at once after a long wait");
     guard.release().await.check("release the waiter's grant");
+    Outcome::Passed
+}
+
+/// Where a release wakes every waiter (no server queue: pub/sub, `NOTIFY`, polling), the
+/// waiting acquisitions of one client on one key reach its backend one at a time, the
+/// others queued in the client: otherwise each release sends every one of them to the
+/// server again, for one grant (16 tasks of one Redis client ran 14 scripts per hold where
+/// 2 do). All of them still get the key in turn, with no overlap.
+pub async fn a_clients_waiters_reach_the_server_one_at_a_time<H: Harness>(h: &H) -> Outcome {
+    const WAITERS: usize = 12;
+    let space = Space::new("a_clients_waiters_reach_the_server_one_at_a_time");
+    let key = space.key("k");
+    let holder = h.client().await;
+    if holder.info().capabilities.queued_wait {
+        return Outcome::Skipped("the backend's waiters queue on the server (queued_wait)".into());
+    }
+    let (client, in_flight) = InFlightBackend::wrap(&h.client().await);
+    let held = holder
+        .try_acquire(&key)
+        .ttl(LONG_TTL)
+        .await
+        .check("acquire")
+        .check("free key");
+    let history = History::new();
+    let mut tasks = Vec::new();
+    for w in 0..WAITERS {
+        let (client, key, history) = (client.clone(), key.clone(), history.clone());
+        let wait = generous_wait(h) + Duration::from_secs(30);
+        tasks.push(tokio::spawn(async move {
+            let guard = client
+                .acquire(&key)
+                .ttl(LONG_TTL)
+                .wait(wait)
+                .await
+                .check("waiter");
+            let open = history.begin(format!("waiter {w}"), &guard);
+            tokio::time::sleep(Duration::from_millis(2)).await;
+            history.end(open, &guard);
+            guard.release().await.check("waiter release");
+        }));
+    }
+    // Every waiter has started by now (well within the client's patience for its queue).
+    let give_up = Instant::now() + Duration::from_secs(5);
+    while in_flight.started() < 1 && Instant::now() < give_up {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let at_once = in_flight.most();
+    held.release().await.check("release");
+    for task in tasks {
+        task.await.check("waiter task");
+    }
+    assert_eq!(history.records().len(), WAITERS);
+    history.assert_linear();
+    eprintln!(
+        "lockkit-conformance: a_clients_waiters_reach_the_server_one_at_a_time on {}: at most {at_once} of {WAITERS} waiting acquisitions at the backend at once",
+        h.name()
+    );
+    assert!(at_once >= 1, "no waiting acquisition reached the backend");
+    assert!(
+        at_once <= WAITERS as u64 / 2,
+        "{at_once} of one client's {WAITERS} waiting acquisitions of one key were at its \
+         backend at once: every release wakes them all (a herd)"
+    );
     Outcome::Passed
 }
