@@ -259,7 +259,10 @@ pub struct HolderInfo {
     pub identity: Option<HolderIdentity>,
     /// Contenders waiting behind the holder, where the backend can tell: exact on
     /// ZooKeeper, etcd and the memory backend, an estimate on Redis (clients subscribed to
-    /// the lock's release channel), `None` where the server does not say.
+    /// the lock's release channel), `None` where the server does not say. Where waiters do
+    /// not queue on the server (`queued_wait` false, as on the memory backend), a
+    /// [`crate::Locker`]'s exclusive waiters of one key queue in the locker and reach the
+    /// backend one at a time, so a locker's waiters count as one there.
     pub waiters: Option<u32>,
     /// The kind of hold, where the backend tells kinds apart (`None`: a plain lock, or
     /// not known).
