@@ -576,7 +576,17 @@ async fn a_reply_that_arrives_with_the_close_is_delivered() {
     let addr = answer_once_then_close(b"+PONG\r\n").await;
     let mut conn = direct(&format!("redis://{addr}"), Duration::from_secs(5)).await;
     for i in 0..20 {
-        let pong = redis::cmd("PING").query_async::<String>(&mut conn).await;
+        let mut pong = redis::cmd("PING").query_async::<String>(&mut conn).await;
+        // A request may go out on the line the server just closed, before its close reached
+        // this client (a loaded machine): it gets no reply, and the error is right. Its
+        // retry runs on a new line, whose reply comes with the close; that is the case
+        // tested, and it must be delivered (with the fault, every attempt failed).
+        if pong
+            .as_ref()
+            .is_err_and(|e| e.to_string().contains("closed"))
+        {
+            pong = redis::cmd("PING").query_async::<String>(&mut conn).await;
+        }
         assert_eq!(pong.as_deref().ok(), Some("PONG"), "request {i}: {pong:?}");
     }
 }

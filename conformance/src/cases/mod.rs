@@ -78,25 +78,52 @@ pub(crate) fn generous_wait<H: Harness>(h: &H) -> Duration {
     h.short_ttl() * 10 + h.expiry_slack() + Duration::from_secs(5)
 }
 
-/// Wraps a client's backend and counts renewals, to see when the watchdog stops.
+/// Wraps a client's backend and counts renewals (to see when the watchdog stops) and
+/// waiting acquisitions (`acquire` calls) in flight: how many there are now, and the most
+/// there were at once.
 #[derive(Debug)]
 pub(crate) struct CountingBackend {
     inner: Arc<dyn LockBackend>,
     pub(crate) renewals: AtomicU64,
+    waiting_now: AtomicU64,
+    waiting_most: AtomicU64,
+    waiting_started: AtomicU64,
 }
 
 impl CountingBackend {
-    /// A locker over `client`'s backend that counts renewals.
+    /// A locker over `client`'s backend that counts.
     pub(crate) fn wrap(client: &Locker) -> (Locker, Arc<CountingBackend>) {
         let counting = Arc::new(CountingBackend {
             inner: client.backend().clone(),
             renewals: AtomicU64::new(0),
+            waiting_now: AtomicU64::new(0),
+            waiting_most: AtomicU64::new(0),
+            waiting_started: AtomicU64::new(0),
         });
         (Locker::from_arc(counting.clone()), counting)
     }
 
     pub(crate) fn renewals(&self) -> u64 {
         self.renewals.load(Ordering::SeqCst)
+    }
+
+    /// The most waiting acquisitions in flight at once so far.
+    pub(crate) fn most_waiting(&self) -> u64 {
+        self.waiting_most.load(Ordering::SeqCst)
+    }
+
+    /// How many waiting acquisitions have started.
+    pub(crate) fn waiting_started(&self) -> u64 {
+        self.waiting_started.load(Ordering::SeqCst)
+    }
+}
+
+/// Counts one acquisition in flight until dropped (also when its future is).
+struct InFlight<'a>(&'a AtomicU64);
+
+impl Drop for InFlight<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::SeqCst);
     }
 }
 
@@ -115,84 +142,14 @@ impl LockBackend for CountingBackend {
         self.inner.holders(key).await
     }
     async fn acquire(&self, req: &AcquireRequest, wait: Duration) -> Result<Grant> {
+        self.waiting_started.fetch_add(1, Ordering::SeqCst);
+        let now = self.waiting_now.fetch_add(1, Ordering::SeqCst) + 1;
+        self.waiting_most.fetch_max(now, Ordering::SeqCst);
+        let _counted = InFlight(&self.waiting_now);
         self.inner.acquire(req, wait).await
     }
     async fn renew(&self, grant: &Grant, ttl: Duration) -> Result<()> {
         self.renewals.fetch_add(1, Ordering::SeqCst);
-        self.inner.renew(grant, ttl).await
-    }
-    async fn release(&self, grant: &Grant) -> Result<Released> {
-        self.inner.release(grant).await
-    }
-    async fn inspect(&self, key: &LockKey) -> Result<Option<HolderInfo>> {
-        self.inner.inspect(key).await
-    }
-}
-
-/// Wraps a client's backend and counts its waiting acquisitions (`acquire` calls) in flight:
-/// how many there are now, and the most there were at once.
-#[derive(Debug)]
-pub(crate) struct InFlightBackend {
-    inner: Arc<dyn LockBackend>,
-    now: AtomicU64,
-    most: AtomicU64,
-    started: AtomicU64,
-}
-
-impl InFlightBackend {
-    /// A locker over `client`'s backend that counts waiting acquisitions in flight.
-    pub(crate) fn wrap(client: &Locker) -> (Locker, Arc<InFlightBackend>) {
-        let counting = Arc::new(InFlightBackend {
-            inner: client.backend().clone(),
-            now: AtomicU64::new(0),
-            most: AtomicU64::new(0),
-            started: AtomicU64::new(0),
-        });
-        (Locker::from_arc(counting.clone()), counting)
-    }
-
-    /// The most waiting acquisitions in flight at once so far.
-    pub(crate) fn most(&self) -> u64 {
-        self.most.load(Ordering::SeqCst)
-    }
-
-    /// How many waiting acquisitions have started.
-    pub(crate) fn started(&self) -> u64 {
-        self.started.load(Ordering::SeqCst)
-    }
-}
-
-/// Counts one acquisition in flight until dropped (also when its future is).
-struct InFlight<'a>(&'a AtomicU64);
-
-impl Drop for InFlight<'_> {
-    fn drop(&mut self) {
-        self.0.fetch_sub(1, Ordering::SeqCst);
-    }
-}
-
-#[async_trait]
-impl LockBackend for InFlightBackend {
-    fn info(&self) -> BackendInfo {
-        self.inner.info()
-    }
-    fn response_bound(&self) -> Duration {
-        self.inner.response_bound()
-    }
-    async fn try_acquire(&self, req: &AcquireRequest) -> Result<Option<Grant>> {
-        self.inner.try_acquire(req).await
-    }
-    async fn holders(&self, key: &LockKey) -> Result<Vec<HolderInfo>> {
-        self.inner.holders(key).await
-    }
-    async fn acquire(&self, req: &AcquireRequest, wait: Duration) -> Result<Grant> {
-        self.started.fetch_add(1, Ordering::SeqCst);
-        let now = self.now.fetch_add(1, Ordering::SeqCst) + 1;
-        self.most.fetch_max(now, Ordering::SeqCst);
-        let _counted = InFlight(&self.now);
-        self.inner.acquire(req, wait).await
-    }
-    async fn renew(&self, grant: &Grant, ttl: Duration) -> Result<()> {
         self.inner.renew(grant, ttl).await
     }
     async fn release(&self, grant: &Grant) -> Result<Released> {

@@ -5,7 +5,7 @@ use std::time::Duration;
 use lockkit_core::Error;
 use tokio::time::Instant;
 
-use super::{InFlightBackend, LONG_TTL, generous_wait, hook, residue_clears};
+use super::{CountingBackend, LONG_TTL, generous_wait, hook, residue_clears};
 use crate::{Check, Harness, History, Outcome, Space, support::expect_err};
 
 /// A zero wait on a busy key fails with `Timeout` at once.
@@ -598,7 +598,7 @@ pub async fn a_clients_waiters_reach_the_server_one_at_a_time<H: Harness>(h: &H)
     if holder.info().capabilities.queued_wait {
         return Outcome::Skipped("the backend's waiters queue on the server (queued_wait)".into());
     }
-    let (client, in_flight) = InFlightBackend::wrap(&h.client().await);
+    let (client, counting) = CountingBackend::wrap(&h.client().await);
     let held = holder
         .try_acquire(&key)
         .ttl(LONG_TTL)
@@ -625,11 +625,11 @@ pub async fn a_clients_waiters_reach_the_server_one_at_a_time<H: Harness>(h: &H)
     }
     // Every waiter has started by now (well within the client's patience for its queue).
     let give_up = Instant::now() + Duration::from_secs(5);
-    while in_flight.started() < 1 && Instant::now() < give_up {
+    while counting.waiting_started() < 1 && Instant::now() < give_up {
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
     tokio::time::sleep(Duration::from_millis(200)).await;
-    let at_once = in_flight.most();
+    let at_once = counting.most_waiting();
     held.release().await.check("release");
     for task in tasks {
         task.await.check("waiter task");
