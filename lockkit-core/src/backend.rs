@@ -262,7 +262,9 @@ pub struct HolderInfo {
     /// the lock's release channel), `None` where the server does not say. Where waiters do
     /// not queue on the server (`queued_wait` false, as on the memory backend), a
     /// [`crate::Locker`]'s exclusive waiters of one key queue in the locker and reach the
-    /// backend one at a time, so a locker's waiters count as one there.
+    /// backend one at a time, so a locker's waiters count as one there, until the one at
+    /// the backend has waited there a second (then the rest go to the backend too; a
+    /// handoff within the locker starts that second again).
     pub waiters: Option<u32>,
     /// The kind of hold, where the backend tells kinds apart (`None`: a plain lock, or
     /// not known).

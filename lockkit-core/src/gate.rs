@@ -5,9 +5,12 @@
 //! grant (Redis: 14 scripts per hold where 2 do).
 //!
 //! A gate is held from the moment a waiting acquisition starts to its outcome (a grant, an
-//! error, its deadline), never while the lock is held. A waiter waits for the gate at most
-//! [`GATE_PATIENCE`] and then goes to the server anyway, so an acquisition kept unpolled
-//! (its future stored but no longer driven) holds the others up by that much at most.
+//! error, its deadline), never while the lock is held. A waiter goes to the server beside
+//! the gate's holder once that holder has held the gate for [`GATE_PATIENCE`] (counted from
+//! the last handoff, not from when the waiter came): an acquisition kept unpolled (its
+//! future stored but no longer driven), or one whose key another client holds for long,
+//! then no longer holds the others back, and they wait at the server as they would
+//! without a gate.
 
 use std::{
     collections::HashMap,
@@ -22,15 +25,34 @@ use tokio::{
 
 use crate::LockKey;
 
-/// How long a waiter waits for its key's gate before it goes to the server beside the
-/// gate's holder. Long beside a handoff (well under a millisecond to a few), short beside a
-/// wait a caller could notice.
+/// How long a gate's holder keeps the client's other waiters of the key back: once it has
+/// held the gate this long, they go to the server beside it. Long beside a handoff (well
+/// under a millisecond to a few), short beside a wait a caller could notice.
 pub(crate) const GATE_PATIENCE: Duration = Duration::from_secs(1);
 
 /// The gates of one client, by key; a key's entry goes with its last user.
 #[derive(Debug, Default)]
 pub(crate) struct WaiterGates {
-    gates: Mutex<HashMap<LockKey, Arc<AsyncMutex<()>>>>,
+    gates: Mutex<HashMap<LockKey, Arc<Gate>>>,
+}
+
+/// One key's gate.
+#[derive(Debug)]
+struct Gate {
+    lock: Arc<AsyncMutex<()>>,
+    /// When the gate last changed hands: its holder's patience is counted from here.
+    taken_at: Mutex<Instant>,
+}
+
+impl Gate {
+    fn taken_at(&self) -> Instant {
+        *self.taken_at.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Marks a handoff.
+    fn taken(&self) {
+        *self.taken_at.lock().unwrap_or_else(|e| e.into_inner()) = Instant::now();
+    }
 }
 
 /// How waiting for a gate ended.
@@ -38,53 +60,88 @@ pub(crate) enum Entry {
     /// Through the gate: the only waiting acquisition of this client on the key (among
     /// those that wait for gates) until the pass is dropped.
     Passed(GatePass),
-    /// The patience ran out first: go on without the gate.
+    /// The gate's holder held it for [`GATE_PATIENCE`]: go on without the gate.
     Impatient,
     /// `deadline` came first.
     DeadlinePassed,
+}
+
+impl Entry {
+    /// How it ended, for tracing.
+    pub(crate) fn label(&self) -> &'static str {
+        match self {
+            Entry::Passed(_) => "passed",
+            Entry::Impatient => "impatient",
+            Entry::DeadlinePassed => "deadline",
+        }
+    }
 }
 
 /// The right to wait on the server for a key; dropped with the acquisition's outcome.
 pub(crate) struct GatePass {
     gates: Arc<WaiterGates>,
     key: LockKey,
-    gate: Option<Arc<AsyncMutex<()>>>,
+    gate: Arc<Gate>,
     guard: Option<OwnedMutexGuard<()>>,
 }
 
 impl WaiterGates {
-    fn map(&self) -> std::sync::MutexGuard<'_, HashMap<LockKey, Arc<AsyncMutex<()>>>> {
+    fn map(&self) -> std::sync::MutexGuard<'_, HashMap<LockKey, Arc<Gate>>> {
         self.gates.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Waits for the gate of `key`, until `deadline` or [`GATE_PATIENCE`], whichever
-    /// comes first. Dropping the future meanwhile leaves the gate to the next waiter.
+    /// Waits for the gate of `key` until `deadline`, or until the gate's holder has held
+    /// it for [`GATE_PATIENCE`], whichever comes first. Dropping the future meanwhile
+    /// leaves the gate to the next waiter.
     pub(crate) async fn enter(self: &Arc<Self>, key: &LockKey, deadline: Instant) -> Entry {
-        let gate = self.map().entry(key.clone()).or_default().clone();
-        let free = gate.clone().try_lock_owned().ok();
+        let gate: Arc<Gate> = self
+            .map()
+            .entry(key.clone())
+            .or_insert_with(|| {
+                Arc::new(Gate {
+                    lock: Arc::default(),
+                    taken_at: Mutex::new(Instant::now()),
+                })
+            })
+            .clone();
+        // The pass owns the only reference this waiter takes, so that a waiter dropped at
+        // any point leaves only the map's and the other passes' (see `Drop`).
         let mut pass = GatePass {
             gates: self.clone(),
             key: key.clone(),
-            gate: Some(gate),
-            guard: free,
+            gate,
+            guard: None,
         };
-        if pass.guard.is_some() {
-            return Entry::Passed(pass);
-        }
-        let Some(gate) = pass.gate.clone() else {
-            return Entry::Impatient;
-        };
-        let patience = Instant::now() + GATE_PATIENCE;
-        // Bound to a name, so that the waiting future (and its reference to the gate) is
-        // gone before `pass` is dropped below: the entry is then forgotten if unused.
-        let locked = tokio::time::timeout_at(deadline.min(patience), gate.lock_owned()).await;
-        match locked {
+        let entered = Self::wait_for(&pass.gate, deadline).await;
+        match entered {
             Ok(guard) => {
                 pass.guard = Some(guard);
                 Entry::Passed(pass)
             }
-            Err(_) if deadline <= patience => Entry::DeadlinePassed,
-            Err(_) => Entry::Impatient,
+            Err(entry) => entry,
+        }
+    }
+
+    /// The gate's guard, or how waiting for it ended otherwise.
+    async fn wait_for(gate: &Gate, deadline: Instant) -> Result<OwnedMutexGuard<()>, Entry> {
+        if let Ok(guard) = gate.lock.clone().try_lock_owned() {
+            gate.taken();
+            return Ok(guard);
+        }
+        let waiting = gate.lock.clone().lock_owned();
+        tokio::pin!(waiting);
+        loop {
+            let patience_ends = gate.taken_at() + GATE_PATIENCE;
+            match tokio::time::timeout_at(deadline.min(patience_ends), &mut waiting).await {
+                Ok(guard) => {
+                    gate.taken();
+                    return Ok(guard);
+                }
+                Err(_) if Instant::now() >= deadline => return Err(Entry::DeadlinePassed),
+                // The gate changed hands meanwhile: its new holder gets its own patience.
+                Err(_) if gate.taken_at() + GATE_PATIENCE > Instant::now() => {}
+                Err(_) => return Err(Entry::Impatient),
+            }
         }
     }
 
@@ -99,14 +156,13 @@ impl Drop for GatePass {
     fn drop(&mut self) {
         // The next waiter may take the gate from here on.
         drop(self.guard.take());
-        let Some(gate) = self.gate.take() else {
-            return;
-        };
         let mut map = self.gates.map();
         // The map's reference and ours: nobody else waits for or holds this gate, and
         // none can start to, since taking a reference needs the map's lock.
-        if Arc::strong_count(&gate) == 2
-            && map.get(&self.key).is_some_and(|g| Arc::ptr_eq(g, &gate))
+        if Arc::strong_count(&self.gate) == 2
+            && map
+                .get(&self.key)
+                .is_some_and(|g| Arc::ptr_eq(g, &self.gate))
         {
             map.remove(&self.key);
         }
@@ -165,19 +221,56 @@ mod tests {
         let started = Instant::now();
         assert!(matches!(gates.enter(&key(), far()).await, Entry::Impatient));
         assert_eq!(started.elapsed(), GATE_PATIENCE);
+        // A holder stuck past its patience costs a later waiter nothing more.
+        let later = Instant::now();
+        assert!(matches!(gates.enter(&key(), far()).await, Entry::Impatient));
+        assert_eq!(later.elapsed(), Duration::ZERO);
+        // A deadline before the patience runs out.
+        let other = LockKey::new("other").unwrap();
+        let Entry::Passed(other_held) = gates.enter(&other, far()).await else {
+            panic!("another key's gate was refused");
+        };
         let started = Instant::now();
         let soon = started + Duration::from_millis(50);
         assert!(matches!(
-            gates.enter(&key(), soon).await,
+            gates.enter(&other, soon).await,
             Entry::DeadlinePassed
         ));
         assert_eq!(started.elapsed(), Duration::from_millis(50));
-        // Other keys have gates of their own.
-        let other = LockKey::new("other").unwrap();
-        assert!(matches!(gates.enter(&other, far()).await, Entry::Passed(_)));
-        assert_eq!(gates.len(), 1);
+        assert_eq!(gates.len(), 2);
         drop(held);
+        drop(other_held);
         assert_eq!(gates.len(), 0);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn the_patience_starts_again_when_the_gate_changes_hands() {
+        let gates = Arc::new(WaiterGates::default());
+        let Entry::Passed(first) = gates.enter(&key(), far()).await else {
+            panic!("a free gate was refused");
+        };
+        let started = Instant::now();
+        let enter = |gates: Arc<WaiterGates>| async move {
+            let entry = gates.enter(&key(), far()).await;
+            (entry, started.elapsed())
+        };
+        let second = tokio::spawn(enter(gates.clone()));
+        tokio::time::sleep(Duration::from_millis(1)).await;
+        let third = tokio::spawn(enter(gates.clone()));
+        // The first holder lets go after 800 ms: the second takes the gate, and the third
+        // waits for the second's own second, not for what is left of the first's.
+        tokio::time::sleep(Duration::from_millis(799)).await;
+        drop(first);
+        let (entry, at) = second.await.unwrap();
+        assert!(
+            matches!(entry, Entry::Passed(_)),
+            "the next waiter was refused"
+        );
+        assert_eq!(at, Duration::from_millis(800));
+        let (entry, at) = third.await.unwrap();
+        assert!(matches!(entry, Entry::Impatient));
+        assert_eq!(at, Duration::from_millis(800) + GATE_PATIENCE);
+        drop(entry);
     }
 
     #[tokio::test(start_paused = true)]

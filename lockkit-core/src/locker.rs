@@ -77,8 +77,9 @@ pub struct Locker {
     client: Uuid,
     next_owner: Arc<AtomicU64>,
     defaults: LockOptions,
-    /// One waiting acquisition per key at a time, where a release wakes every waiter.
-    gates: Arc<crate::gate::WaiterGates>,
+    /// One waiting acquisition per key at a time, where a release wakes every waiter;
+    /// `None` when turned off (tests only).
+    gates: Option<Arc<crate::gate::WaiterGates>>,
 }
 
 impl fmt::Debug for Locker {
@@ -106,8 +107,18 @@ impl Locker {
             client: Uuid::new_v4(),
             next_owner: Arc::new(AtomicU64::new(1)),
             defaults: LockOptions::default(),
-            gates: Arc::default(),
+            gates: Some(Arc::default()),
         }
+    }
+
+    /// Lets every waiting acquisition of this locker go to the backend at once, as if each
+    /// were a client of its own, instead of one per key at a time (see
+    /// [`HolderInfo::waiters`]). For tests that race a client's own acquisitions at the
+    /// server; it makes a busy key cost more server work per handoff.
+    #[doc(hidden)]
+    pub fn without_waiter_gates(mut self) -> Self {
+        self.gates = None;
+        self
     }
 
     /// Replaces the default options for acquisitions made through this locker.
@@ -525,7 +536,10 @@ impl Acquire {
 
     /// [`Acquire::run`] inside a `lockkit.acquire` span (at `debug`, never `info`: it is
     /// the hot path) that records the key, backend, owner, TTL and wait asked, and how it
-    /// ended: `outcome` (granted, busy, timeout, error), `token`, `depth`, `waited_ms`.
+    /// ended: `outcome` (granted, busy, timeout, error), `token`, `depth`, `waited_ms`, and
+    /// `gate` where the acquisition queued behind the client's other waiters of the key
+    /// (`passed`; `impatient`: went on beside a gate held for a second; `deadline`: the
+    /// wait ran out there, and one attempt that does not wait followed).
     async fn run_traced(self, wait: Option<Duration>) -> Result<Option<LockGuard>> {
         use tracing::{Instrument, field};
         let span = tracing::debug_span!(
@@ -539,6 +553,7 @@ impl Acquire {
             token = field::Empty,
             depth = field::Empty,
             waited_ms = field::Empty,
+            gate = field::Empty,
         );
         let backend = self.locker.info.scheme;
         let started = tokio::time::Instant::now();
@@ -626,29 +641,36 @@ impl Acquire {
         // Where a release wakes every waiter (pub/sub, polling), a fresh exclusive
         // acquisition that waits queues behind this client's other waiters on the key
         // first, so that one of them, not all, goes to the server at each release (see
-        // `crate::gate`). Not a re-entry (it must never wait behind a waiter that waits for
-        // the owner's own hold), nor an attempt that does not wait.
+        // `crate::gate`). Not while the owner has a hold of the key, live or not (a re-entry,
+        // or a hold whose record may still be on the server: it must never wait behind a
+        // waiter that waits for the owner's own record), nor an attempt that does not wait.
         let waits = wait.is_none_or(|wait| !wait.is_zero());
-        let _gate_pass = if waits
-            && kind == LockKind::Exclusive
-            && !locker.info.capabilities.queued_wait
-            && owner
-                .as_ref()
-                .is_none_or(|owner| owner.live_hold(&key, kind).is_none())
-        {
-            began_fresh = Some(true);
-            match locker.gates.enter(&key, deadline).await {
-                crate::gate::Entry::Passed(pass) => Some(pass),
-                crate::gate::Entry::Impatient => None,
-                crate::gate::Entry::DeadlinePassed => {
-                    return Err(Error::Timeout {
-                        key,
-                        waited: started.elapsed(),
-                    });
+        // After the deadline passed in the gate: one attempt that does not wait, so that a
+        // key that is free by then is still taken.
+        let mut wait = wait;
+        let mut last_try = false;
+        let gates = locker.gates.as_ref().filter(|_| {
+            waits
+                && kind == LockKind::Exclusive
+                && !locker.info.capabilities.queued_wait
+                && owner.as_ref().is_none_or(|owner| !owner.has_hold_on(&key))
+        });
+        let _gate_pass = match gates {
+            Some(gates) => {
+                began_fresh = Some(true);
+                let entry = gates.enter(&key, deadline).await;
+                tracing::Span::current().record("gate", entry.label());
+                match entry {
+                    crate::gate::Entry::Passed(pass) => Some(pass),
+                    crate::gate::Entry::Impatient => None,
+                    crate::gate::Entry::DeadlinePassed => {
+                        wait = Some(Duration::ZERO);
+                        last_try = true;
+                        None
+                    }
                 }
             }
-        } else {
-            None
+            None => None,
         };
         loop {
             let existing = owner.as_ref().and_then(|owner| owner.live_hold(&key, kind));
@@ -735,6 +757,12 @@ impl Acquire {
             // lease after this hold's release: giving it back blindly could take holds this
             // acquisition just added (on Redlock, depths differ from master to master).
             let Some(grant) = grant else {
+                if last_try {
+                    return Err(Error::Timeout {
+                        key,
+                        waited: started.elapsed(),
+                    });
+                }
                 return Ok(None);
             };
             // A re-entry of the hold this owner has now, which may not be the one seen before
@@ -883,6 +911,15 @@ fn give_back_attempt(
 
 impl Owner {
     /// This owner's hold on `key`, if it has one that is still live.
+    /// Whether a hold of this owner on `key` still exists, of any kind, live or not (held,
+    /// being released, or lost while its guard lives): a record of it may be on the server.
+    fn has_hold_on(&self, key: &LockKey) -> bool {
+        let holds = self.holds.lock().unwrap_or_else(|e| e.into_inner());
+        holds
+            .iter()
+            .any(|((held, _), owned)| held == key && owned.hold.strong_count() > 0)
+    }
+
     fn live_hold(&self, key: &LockKey, kind: LockKind) -> Option<Arc<Hold>> {
         let holds = self.holds.lock().unwrap_or_else(|e| e.into_inner());
         holds

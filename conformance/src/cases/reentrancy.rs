@@ -416,16 +416,31 @@ pub async fn lost_owner_is_excluded_while_another_holds<H: Harness>(h: &H) -> Ou
 
 /// Two tasks of one owner wait for a key another owner holds; both are granted (depth 1 and
 /// 2). Releasing either one leaves the other holding: a rival is never granted while a guard
-/// of the owner is still valid.
+/// of the owner is still valid. Run twice: as the client queues its waiters of a key (the
+/// second task then reaches the server after the first's grant, as a re-entry), and with
+/// that queue off, so that both reach the server at once as fresh acquisitions.
 pub async fn concurrent_acquisitions_of_one_owner_keep_the_key<H: Harness>(h: &H) -> Outcome {
     let space = Space::new("concurrent_acquisitions_of_one_owner_keep_the_key");
-    let key = space.key("k");
-    let (a, b) = (h.client().await, h.client().await);
-    if let Some(skip) = needs_reentrancy(h, &a) {
-        return skip;
+    for queued in [true, false] {
+        let key = space.key(if queued { "queued" } else { "unqueued" });
+        let (a, b) = (h.client().await, h.client().await);
+        if let Some(skip) = needs_reentrancy(h, &a) {
+            return skip;
+        }
+        let a = if queued { a } else { a.without_waiter_gates() };
+        one_owners_concurrent_acquisitions(h, &a, &b, &key).await;
     }
+    Outcome::Passed
+}
+
+async fn one_owners_concurrent_acquisitions<H: Harness>(
+    h: &H,
+    a: &lockkit_core::Locker,
+    b: &lockkit_core::Locker,
+    key: &lockkit_core::LockKey,
+) {
     let blocker = b
-        .try_acquire(&key)
+        .try_acquire(key)
         .ttl(LONG_TTL)
         .await
         .check("blocker")
@@ -451,7 +466,7 @@ pub async fn concurrent_acquisitions_of_one_owner_keep_the_key<H: Harness>(h: &H
         }
     }
     if guards.len() < 2 {
-        return Outcome::Passed;
+        return;
     }
     // Let anything the acquisitions set off in the background run first.
     tokio::time::sleep(h.short_ttl() / 2).await;
@@ -460,14 +475,13 @@ pub async fn concurrent_acquisitions_of_one_owner_keep_the_key<H: Harness>(h: &H
     let _ = first.release().await;
     if second.is_valid() {
         assert_busy(
-            &b,
-            &key,
+            b,
+            key,
             "one release of two concurrent acquisitions by one owner freed the key",
         )
         .await;
     }
     let _ = second.release().await;
-    Outcome::Passed
 }
 
 /// An acquisition retried with the same attempt id (after a lost reply, a timeout, a
