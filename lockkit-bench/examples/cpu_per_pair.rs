@@ -9,8 +9,10 @@
 //! its grant; `SHOW=1` prints when each release returned, `ALONE=1` drops the waiter), and
 //! `wake-floor` / `wake-floor-rs` the same with a raw `PUBLISH` heard by a raw (or redis-rs)
 //! subscriber that then sends a `PING`; `idle-ping` one `PING` after each such pause.
-//! `cpu_per_pair hot <seconds>` has `TASKS` tasks (16) of one client take turns on one key
-//! and prints holds/s and the server's script calls per hold.
+//! `cpu_per_pair hot <seconds>` has `TASKS` tasks (16) of one client take turns on one key,
+//! each holding it `HOLD_MS` (0), at `CPP_URL` or the Redis URL, and prints holds/s and,
+//! on a `redis://` URL, the server's script calls per hold (server-wide: run it alone);
+//! `UNGATED=1` lets the client's waiters reach the server all at once (no waiter queue).
 use std::time::{Duration, Instant};
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() {
@@ -223,30 +225,50 @@ async fn hot(url: &str, seconds: u64) {
         .ok()
         .and_then(|t| t.parse().ok())
         .unwrap_or(16);
+    let hold = Duration::from_millis(
+        std::env::var("HOLD_MS")
+            .ok()
+            .and_then(|t| t.parse().ok())
+            .unwrap_or(0),
+    );
     let locker = lockkit::connect(url).await.unwrap();
-    let mut conn = redis::Client::open(std::env::var("LOCKKIT_TEST_REDIS_URL").unwrap())
-        .unwrap()
-        .get_multiplexed_async_connection()
-        .await
-        .unwrap();
+    let locker = if std::env::var("UNGATED").is_ok_and(|v| v == "1") {
+        locker.without_waiter_gates()
+    } else {
+        locker
+    };
+    // Script calls are read from the server under test only when it is one Redis server.
+    let mut conn = if url.starts_with("redis://") {
+        Some(
+            redis::Client::open(url)
+                .unwrap()
+                .get_multiplexed_async_connection()
+                .await
+                .unwrap(),
+        )
+    } else {
+        None
+    };
     let key = format!("cpu/hot/{}", std::process::id());
-    async fn scripts(conn: &mut redis::aio::MultiplexedConnection) -> u64 {
+    async fn scripts(conn: &mut Option<redis::aio::MultiplexedConnection>) -> Option<u64> {
         let info: String = redis::cmd("INFO")
             .arg("commandstats")
-            .query_async(conn)
+            .query_async(conn.as_mut()?)
             .await
             .unwrap();
-        info.lines()
-            .filter(|l| l.starts_with("cmdstat_evalsha:") || l.starts_with("cmdstat_eval:"))
-            .filter_map(|l| {
-                l.split("calls=")
-                    .nth(1)?
-                    .split(',')
-                    .next()?
-                    .parse::<u64>()
-                    .ok()
-            })
-            .sum()
+        Some(
+            info.lines()
+                .filter(|l| l.starts_with("cmdstat_evalsha:") || l.starts_with("cmdstat_eval:"))
+                .filter_map(|l| {
+                    l.split("calls=")
+                        .nth(1)?
+                        .split(',')
+                        .next()?
+                        .parse::<u64>()
+                        .ok()
+                })
+                .sum(),
+        )
     }
     let before = scripts(&mut conn).await;
     let deadline = Instant::now() + Duration::from_secs(seconds);
@@ -262,6 +284,9 @@ async fn hot(url: &str, seconds: u64) {
                     .wait(Duration::from_secs(60))
                     .await
                     .unwrap();
+                if !hold.is_zero() {
+                    tokio::time::sleep(hold).await;
+                }
                 guard.release().await.unwrap();
                 done += 1;
             }
@@ -272,11 +297,16 @@ async fn hot(url: &str, seconds: u64) {
     for handle in handles {
         total += handle.await.unwrap();
     }
-    let calls = scripts(&mut conn).await - before;
+    let per_hold = match (before, scripts(&mut conn).await) {
+        (Some(before), Some(after)) => format!(
+            ", {:.1} script calls per hold",
+            (after - before) as f64 / total.max(1) as f64
+        ),
+        _ => String::new(),
+    };
     println!(
-        "hot: {tasks} tasks, {total} holds in {seconds} s, {:.0}/s, {:.1} script calls per hold",
+        "hot: {tasks} tasks, hold {hold:?}, {total} holds in {seconds} s, {:.1}/s{per_hold}",
         total as f64 / seconds as f64,
-        calls as f64 / total.max(1) as f64
     );
 }
 
