@@ -9,7 +9,8 @@ eval "$(scripts/services.sh env)"
 # and file suites) run first, `LOCKKIT_SUITE_THREADS` cases at a time (default 8; 4 for
 # everything else). They wait on leases and servers, not on the CPU, and 12 at a time cut
 # their time from ~450 s to ~300 s. At 12, and again at 8, CI failed ZooKeeper-ensemble
-# cases (requests unanswered in 800 ms: the ensemble's three JVMs on two cores overloaded),
+# cases (requests unanswered in 800 ms: the ensemble's three JVMs on two cores overloaded;
+# its clients now have 3 s sessions, 1.2 s),
 # so that harness bounds its own cases to 3 at once (`Harness::parallel_cases`), whatever
 # this says.
 suites=(conformance memory file)
