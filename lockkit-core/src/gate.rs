@@ -81,7 +81,8 @@ impl Entry {
 pub(crate) struct GatePass {
     gates: Arc<WaiterGates>,
     key: LockKey,
-    gate: Arc<Gate>,
+    /// `Some` until dropped: the reference goes under the map's lock (see `Drop`).
+    gate: Option<Arc<Gate>>,
     guard: Option<OwnedMutexGuard<()>>,
 }
 
@@ -109,10 +110,13 @@ impl WaiterGates {
         let mut pass = GatePass {
             gates: self.clone(),
             key: key.clone(),
-            gate,
+            gate: Some(gate),
             guard: None,
         };
-        let entered = Self::wait_for(&pass.gate, deadline).await;
+        let entered = match &pass.gate {
+            Some(gate) => Self::wait_for(gate, deadline).await,
+            None => Err(Entry::Impatient),
+        };
         match entered {
             Ok(guard) => {
                 pass.guard = Some(guard);
@@ -157,15 +161,20 @@ impl Drop for GatePass {
         // The next waiter may take the gate from here on.
         drop(self.guard.take());
         let mut map = self.gates.map();
+        let Some(gate) = self.gate.take() else {
+            return;
+        };
         // The map's reference and ours: nobody else waits for or holds this gate, and
-        // none can start to, since taking a reference needs the map's lock.
-        if Arc::strong_count(&self.gate) == 2
-            && map
-                .get(&self.key)
-                .is_some_and(|g| Arc::ptr_eq(g, &self.gate))
+        // none can start to, since taking a reference needs the map's lock. Ours goes
+        // under that lock too: two passes dropped at once would otherwise each count the
+        // other's and both leave the entry, to be kept for ever.
+        if Arc::strong_count(&gate) == 2
+            && map.get(&self.key).is_some_and(|g| Arc::ptr_eq(g, &gate))
         {
             map.remove(&self.key);
         }
+        drop(gate);
+        drop(map);
     }
 }
 
@@ -293,6 +302,77 @@ mod tests {
         drop(held);
         assert!(next.await.unwrap(), "the gate went to the dropped waiter");
         assert_eq!(gates.len(), 0);
+    }
+
+    /// Two passes of one key dropped at the same moment on two threads (a grant's and a
+    /// waiter's that gives up): the last one must still remove the key's entry, or the map
+    /// grows with every key ever waited for. (Found by review: each pass saw the other's
+    /// reference and kept the entry, within 5,000-60,000 rounds.)
+    #[test]
+    fn passes_dropped_at_once_on_two_threads_leave_no_entry() {
+        use std::sync::Barrier;
+        use std::task::{Context, Poll, Waker};
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .unwrap();
+        let _enter = rt.enter();
+        let gates = Arc::new(WaiterGates::default());
+        let barrier = Arc::new(Barrier::new(2));
+        let (tx_a, rx_a) = std::sync::mpsc::channel::<Option<GatePass>>();
+        let (tx_b, rx_b) = std::sync::mpsc::channel::<
+            Option<std::pin::Pin<Box<dyn std::future::Future<Output = Entry> + Send>>>,
+        >();
+        let (ba, bb) = (barrier.clone(), barrier.clone());
+        let ta = std::thread::spawn(move || {
+            while let Ok(Some(pass)) = rx_a.recv() {
+                ba.wait();
+                drop(pass);
+                ba.wait();
+            }
+        });
+        let tb = std::thread::spawn(move || {
+            while let Ok(Some(fut)) = rx_b.recv() {
+                bb.wait();
+                drop(fut);
+                bb.wait();
+            }
+        });
+        let iterations = 200_000;
+        for i in 0..iterations {
+            let key = LockKey::new(format!("k{i}")).unwrap();
+            let holder = rt.block_on(gates.enter(&key, far()));
+            let Entry::Passed(holder) = holder else {
+                panic!()
+            };
+            let (g, k) = (gates.clone(), key.clone());
+            let mut waiter: std::pin::Pin<Box<dyn std::future::Future<Output = Entry> + Send>> =
+                Box::pin(async move {
+                    g.enter(&k, Instant::now() + Duration::from_secs(3600))
+                        .await
+                });
+            let mut cx = Context::from_waker(Waker::noop());
+            assert!(matches!(waiter.as_mut().poll(&mut cx), Poll::Pending));
+            tx_a.send(Some(holder)).unwrap();
+            tx_b.send(Some(waiter)).unwrap();
+            // Both threads drop at once (the barrier); the map has settled once both passes,
+            // and with them their references to `gates`, are gone.
+            while Arc::strong_count(&gates) != 1 {
+                std::hint::spin_loop();
+            }
+            if gates.len() > 0 {
+                panic!(
+                    "after {} iterations: the key's entry outlived both its users ({} left)",
+                    i + 1,
+                    gates.len()
+                );
+            }
+        }
+        tx_a.send(None).unwrap();
+        tx_b.send(None).unwrap();
+        ta.join().unwrap();
+        tb.join().unwrap();
     }
 
     impl Entry {

@@ -57,6 +57,9 @@ pub(crate) struct HoldShared {
     /// The longest lease this hold ever asked the server for (ms): how long a record of
     /// it may outlive it there. Shared with the owner, which remembers it past the hold.
     longest_lease: Arc<std::sync::atomic::AtomicU64>,
+    /// Set once a release was answered "fully released": the server keeps no record of
+    /// this hold. Shared with the owner, which remembers it past the hold.
+    let_go: Arc<std::sync::atomic::AtomicBool>,
     /// Counted in `lockkit_holds` until released (or dropped).
     counted: crate::telemetry::Gauged,
     /// The runtime the keeper runs on.
@@ -191,6 +194,7 @@ impl Hold {
             changed: Notify::new(),
             guards: std::sync::atomic::AtomicU32::new(0),
             longest_lease: Arc::default(),
+            let_go: Arc::default(),
             counted: crate::telemetry::Gauged::hold(scheme),
             runtime: runtime.clone(),
             keeper: Mutex::default(),
@@ -217,6 +221,11 @@ impl Hold {
     /// The longest lease (ms) this hold asked for, kept up to date as it is extended.
     pub(crate) fn longest_lease(&self) -> Arc<std::sync::atomic::AtomicU64> {
         self.shared.longest_lease.clone()
+    }
+
+    /// Whether a release of this hold was answered "fully released", kept up to date.
+    pub(crate) fn let_go(&self) -> Arc<std::sync::atomic::AtomicBool> {
+        self.shared.let_go.clone()
     }
 
     /// Takes in a reentrant grant on this hold. The backend never shortens the lease on a
@@ -506,6 +515,9 @@ fn settle_release(shared: &HoldShared, outcome: Result<Released>) -> Result<Rele
             shared.loss.fire(LostReason::NotOurs);
         }
         shared.lease().released = true;
+        shared
+            .let_go
+            .store(true, std::sync::atomic::Ordering::SeqCst);
         shared.stop.cancel();
         shared.counted.end();
     }

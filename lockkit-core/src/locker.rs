@@ -36,6 +36,9 @@ struct OwnedHold {
     hold: Weak<Hold>,
     token: crate::FencingToken,
     longest_lease: Arc<std::sync::atomic::AtomicU64>,
+    /// Whether the server answered the hold's release "fully released" (its record is
+    /// gone there).
+    let_go: Arc<std::sync::atomic::AtomicBool>,
     /// When the hold was first seen over, and so when it may be forgotten.
     forget_at: Option<tokio::time::Instant>,
 }
@@ -646,20 +649,30 @@ impl Acquire {
         // waiter that waits for the owner's own record), nor an attempt that does not wait.
         let waits = wait.is_none_or(|wait| !wait.is_zero());
         // After the deadline passed in the gate: one attempt that does not wait, so that a
-        // key that is free by then is still taken.
+        // key that is free by then is still taken (busy: `Timeout`; an error of that
+        // attempt, such as a lost link, is returned as it is).
         let mut wait = wait;
         let mut last_try = false;
         let gates = locker.gates.as_ref().filter(|_| {
             waits
                 && kind == LockKind::Exclusive
                 && !locker.info.capabilities.queued_wait
-                && owner.as_ref().is_none_or(|owner| !owner.has_hold_on(&key))
+                && owner
+                    .as_ref()
+                    .is_none_or(|owner| !owner.may_have_record_on(&key))
         });
         let _gate_pass = match gates {
             Some(gates) => {
                 began_fresh = Some(true);
                 let entry = gates.enter(&key, deadline).await;
-                tracing::Span::current().record("gate", entry.label());
+                // Only into this acquisition's own span (not a caller's, when ours is off).
+                let span = tracing::Span::current();
+                if span
+                    .metadata()
+                    .is_some_and(|meta| meta.name() == "lockkit.acquire")
+                {
+                    span.record("gate", entry.label());
+                }
                 match entry {
                     crate::gate::Entry::Passed(pass) => Some(pass),
                     crate::gate::Entry::Impatient => None,
@@ -910,16 +923,22 @@ fn give_back_attempt(
 }
 
 impl Owner {
-    /// This owner's hold on `key`, if it has one that is still live.
-    /// Whether a hold of this owner on `key` still exists, of any kind, live or not (held,
-    /// being released, or lost while its guard lives): a record of it may be on the server.
-    fn has_hold_on(&self, key: &LockKey) -> bool {
-        let holds = self.holds.lock().unwrap_or_else(|e| e.into_inner());
-        holds
-            .iter()
-            .any(|((held, _), owned)| held == key && owned.hold.strong_count() > 0)
+    /// Whether a record of a hold of this owner on `key` may be on the server, of any kind:
+    /// a hold that still exists here, live or not (held, being released, lost while its
+    /// guard lives), or one that ended without the server answering its release "fully
+    /// released" (lost, dropped, a release that failed or outran its bound), for as long
+    /// as its token floor is remembered.
+    fn may_have_record_on(&self, key: &LockKey) -> bool {
+        let mut holds = self.holds.lock().unwrap_or_else(|e| e.into_inner());
+        let now = tokio::time::Instant::now();
+        holds.iter_mut().any(|((held, _), owned)| {
+            held == key
+                && (owned.hold.strong_count() > 0
+                    || (!owned.let_go.load(Ordering::SeqCst) && owned.remember(now)))
+        })
     }
 
+    /// This owner's hold on `key`, if it has one that is still live.
     fn live_hold(&self, key: &LockKey, kind: LockKind) -> Option<Arc<Hold>> {
         let holds = self.holds.lock().unwrap_or_else(|e| e.into_inner());
         holds
@@ -953,6 +972,9 @@ impl Owner {
             owned
                 .longest_lease
                 .fetch_max(ms, std::sync::atomic::Ordering::SeqCst);
+            // A refused grant came from a record of this owner on the server: whatever
+            // the hold's release said, a record is there now.
+            owned.let_go = Arc::default();
             if let Some(forget_at) = owned.forget_at.as_mut() {
                 let now = tokio::time::Instant::now();
                 let kept = now
@@ -1015,6 +1037,7 @@ fn start_hold(
                 hold: Arc::downgrade(&hold),
                 token,
                 longest_lease: hold.longest_lease(),
+                let_go: hold.let_go(),
                 forget_at: None,
             },
         );

@@ -113,6 +113,76 @@ async fn an_owner_with_a_record_on_the_server_skips_the_queue() {
     granted.release().await.unwrap();
 }
 
+/// The same, with the lost guard dropped first (as most callers do once it is invalid): no
+/// release is sent for a lost hold, so its record stays on the server until its lease ends,
+/// and the owner, which remembers that, still skips the queue. (Found by review: the
+/// owner then queued behind the waiter for its own record.)
+#[tokio::test(start_paused = true)]
+async fn an_owner_whose_lost_guard_was_dropped_still_skips_the_queue() {
+    let client = Locker::new(MemoryBackend::new());
+    let owner = client.owner();
+    let ttl = Duration::from_secs(1);
+    let started = Instant::now();
+    let held = owner.acquire(key()).ttl(ttl).no_watchdog().await.unwrap();
+    let token = held.token();
+    let waiter = tokio::spawn({
+        let client = client.clone();
+        async move { client.acquire(key()).await.unwrap() }
+    });
+    tokio::time::sleep_until(started + Duration::from_millis(992)).await;
+    assert!(!held.is_valid(), "the local lease should have run out");
+    drop(held);
+    for _ in 0..10 {
+        tokio::task::yield_now().await;
+    }
+    let again = owner
+        .acquire(key())
+        .ttl(ttl)
+        .wait(Duration::from_millis(500))
+        .await
+        .expect("the owner's record on the server should have been continued at once");
+    assert_eq!(again.token(), token, "the server continued the old hold");
+    assert_eq!(Instant::now(), started + Duration::from_millis(992));
+    assert!(!waiter.is_finished(), "the waiter took a held key");
+    again.release().await.unwrap();
+    let granted = waiter.await.unwrap();
+    granted.release().await.unwrap();
+}
+
+/// An owner whose last hold was released cleanly (the server said so) queues like anyone:
+/// nothing of it is left on the server.
+#[tokio::test(start_paused = true)]
+async fn an_owner_whose_hold_was_released_queues_again() {
+    let memory = MemoryBackend::new();
+    let other = Locker::new(memory.connect());
+    let client = Locker::new(memory);
+    let owner = client.owner();
+    owner.acquire(key()).await.unwrap().release().await.unwrap();
+    let blocker = other.try_acquire(key()).await.unwrap().unwrap();
+    let first = tokio::spawn({
+        let client = client.clone();
+        async move { client.acquire(key()).await.unwrap() }
+    });
+    for _ in 0..10 {
+        tokio::task::yield_now().await;
+    }
+    let second = tokio::spawn({
+        let owner = owner.clone();
+        async move { owner.acquire(key()).await.unwrap() }
+    });
+    for _ in 0..10 {
+        tokio::task::yield_now().await;
+    }
+    assert_eq!(
+        waiters_at_backend(&other).await,
+        1,
+        "the owner skipped the queue"
+    );
+    blocker.release().await.unwrap();
+    first.await.unwrap().release().await.unwrap();
+    second.await.unwrap().release().await.unwrap();
+}
+
 /// An acquisition whose deadline passes in the queue (behind a waiting acquisition whose
 /// future is kept but no longer polled) makes one attempt that does not wait before it
 /// times out, so a key that is free by then is taken.

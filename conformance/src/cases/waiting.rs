@@ -634,7 +634,7 @@ const STALL: Duration = Duration::from_millis(800);
 
 /// One round of [`a_clients_waiters_reach_the_server_one_at_a_time`]: how many of the
 /// waiting acquisitions were at the backend at once, at most, and the longest step of the
-/// run (from the first waiter's start to the release, and between grants).
+/// run (from the first waiter's start to the first grant, and between grants).
 async fn waiters_at_the_backend_at_once<H: Harness>(
     h: &H,
     holder: &lockkit_core::Locker,
@@ -690,10 +690,12 @@ async fn waiters_at_the_backend_at_once<H: Harness>(
     }
     assert_eq!(history.records().len(), QUEUED_WAITERS);
     history.assert_linear();
+    // Each waiter's time holding the client's queue: the first one's from the start to its
+    // grant, every later one's from the grant before (when the queue passed to it).
     let mut steps = vec![released_at - first_start];
     let mut grants = granted.lock().unwrap_or_else(|e| e.into_inner()).clone();
     grants.sort();
-    let mut last = released_at;
+    let mut last = first_start;
     for grant in grants {
         steps.push(grant.saturating_duration_since(last));
         last = grant;
