@@ -79,46 +79,10 @@ async fn one_waiter_of_a_client_reaches_the_backend_through_every_handoff() {
 /// An owner's hold whose local lease has run out (a hold is believed for a little less
 /// than its lease) while its record is still on the server: the owner asks again, and the
 /// server answers at once as a continuation. It must not queue behind another task of the
-/// client that waits at the server for that very record.
-#[tokio::test(start_paused = true)]
-async fn an_owner_with_a_record_on_the_server_skips_the_queue() {
-    let client = Locker::new(MemoryBackend::new());
-    let owner = client.owner();
-    let ttl = Duration::from_secs(1);
-    let started = Instant::now();
-    let held = owner.acquire(key()).ttl(ttl).no_watchdog().await.unwrap();
-    let waiter = tokio::spawn({
-        let client = client.clone();
-        async move { client.acquire(key()).await.unwrap() }
-    });
-    // Past the local lease (1 s less drift: 988 ms), before the server's (1 s).
-    tokio::time::sleep_until(started + Duration::from_millis(992)).await;
-    assert!(!held.is_valid(), "the local lease should have run out");
-    let again = owner
-        .acquire(key())
-        .ttl(ttl)
-        .wait(Duration::from_millis(500))
-        .await
-        .expect("the owner's record on the server should have been continued at once");
-    assert_eq!(
-        again.token(),
-        held.token(),
-        "the server continued the old hold"
-    );
-    assert_eq!(Instant::now(), started + Duration::from_millis(992));
-    assert!(!waiter.is_finished(), "the waiter took a held key");
-    again.release().await.unwrap();
-    drop(held);
-    let granted = waiter.await.unwrap();
-    granted.release().await.unwrap();
-}
-
-/// The same, with the lost guard dropped first (as most callers do once it is invalid): no
-/// release is sent for a lost hold, so its record stays on the server until its lease ends,
-/// and the owner, which remembers that, still skips the queue. (Found by review: the
-/// owner then queued behind the waiter for its own record.)
-#[tokio::test(start_paused = true)]
-async fn an_owner_whose_lost_guard_was_dropped_still_skips_the_queue() {
+/// client that waits at the server for that very record. With `drop_lost_guard`, the lost
+/// guard is dropped first, as most callers do once it is invalid: no release is sent for a
+/// lost hold, so its record stays on the server until its lease ends.
+async fn owner_past_its_local_lease_asks_again(drop_lost_guard: bool) {
     let client = Locker::new(MemoryBackend::new());
     let owner = client.owner();
     let ttl = Duration::from_secs(1);
@@ -129,12 +93,18 @@ async fn an_owner_whose_lost_guard_was_dropped_still_skips_the_queue() {
         let client = client.clone();
         async move { client.acquire(key()).await.unwrap() }
     });
+    // Past the local lease (1 s less drift: 988 ms), before the server's (1 s).
     tokio::time::sleep_until(started + Duration::from_millis(992)).await;
     assert!(!held.is_valid(), "the local lease should have run out");
-    drop(held);
-    for _ in 0..10 {
-        tokio::task::yield_now().await;
-    }
+    let held = if drop_lost_guard {
+        drop(held);
+        for _ in 0..10 {
+            tokio::task::yield_now().await;
+        }
+        None
+    } else {
+        Some(held)
+    };
     let again = owner
         .acquire(key())
         .ttl(ttl)
@@ -145,8 +115,21 @@ async fn an_owner_whose_lost_guard_was_dropped_still_skips_the_queue() {
     assert_eq!(Instant::now(), started + Duration::from_millis(992));
     assert!(!waiter.is_finished(), "the waiter took a held key");
     again.release().await.unwrap();
+    drop(held);
     let granted = waiter.await.unwrap();
     granted.release().await.unwrap();
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_owner_with_a_record_on_the_server_skips_the_queue() {
+    owner_past_its_local_lease_asks_again(false).await;
+}
+
+/// (Found by review: with the lost guard dropped, the owner queued behind the waiter for
+/// its own record.)
+#[tokio::test(start_paused = true)]
+async fn an_owner_whose_lost_guard_was_dropped_still_skips_the_queue() {
+    owner_past_its_local_lease_asks_again(true).await;
 }
 
 /// An owner whose last hold was released cleanly (the server said so) queues like anyone:
