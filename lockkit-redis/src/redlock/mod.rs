@@ -2,7 +2,13 @@
 
 mod kinds;
 
-use std::{sync::Arc, time::Duration};
+use std::{
+    sync::{
+        Arc,
+        atomic::{AtomicBool, Ordering},
+    },
+    time::Duration,
+};
 
 use async_trait::async_trait;
 use futures_util::future::{join_all, select_all};
@@ -30,11 +36,16 @@ const BACKEND: &str = "redlock";
 /// drift allowance is 1% of the lease plus 2 ms (Redlock's suggested factor).
 ///
 /// - A partial acquisition (no quorum, or slower than the lease) is given back on every
-///   master before retrying with jitter.
+///   master; a waiter retries after a random delay of about a millisecond.
 /// - Fencing tokens stay monotonic across the quorum: the grant takes the highest counter
 ///   among the granting masters and writes it back to them, so any later quorum, which
 ///   shares at least one master with this one, counts past it.
-/// - Waiters are woken by release messages from any master.
+/// - Waiters are woken by release messages from any master. A waiting plain lock's rounds
+///   after its first ask the key's leader master alone first (chosen from the key and the
+///   masters' addresses, the same in every client that lists the same addresses) and the
+///   others once the leader granted, so contenders woken by one release meet at one
+///   master instead of splitting the masters between them; while the leader is busy only
+///   its message wakes the waiter, and a full round still runs at least once a second.
 ///
 /// Read-write locks ([`LockKind::Read`], [`LockKind::Write`]) work the same way, with the
 /// single server's scripts and Redisson's `RReadWriteLock` layout on each master (a
@@ -101,13 +112,19 @@ impl std::fmt::Debug for RedlockBackend {
     }
 }
 
-/// A Redlock waiter's wake-ups: release messages from any master it could subscribe to.
+/// A Redlock waiter's wake-ups: release messages from any master it could subscribe to;
+/// after a round that ended at a busy leader master, only the leader's (see
+/// [`RedlockBackend::run_acquire`]).
 struct MastersMessages<'a> {
     backend: &'a RedlockBackend,
     /// The key's release channels (the mutex's; for read-write locks Redisson's too).
     channels: Vec<String>,
-    /// `None` until the first [`Wake::ready`] subscribed.
-    subscriptions: Option<Vec<Subscription>>,
+    /// `None` until the first [`Wake::ready`] subscribed; each with its master's index.
+    subscriptions: Option<Vec<(usize, Subscription)>>,
+    /// For a plain lock: the key's leader master, and whether the last round ended there,
+    /// busy. Other masters' messages cannot change that answer, so they do not wake the
+    /// waiter then (each would cost a round at the leader per waiter and release).
+    leader: Option<(usize, Arc<AtomicBool>)>,
 }
 
 #[async_trait]
@@ -127,28 +144,62 @@ impl Wake for MastersMessages<'_> {
             let subscribing = backend
                 .nodes
                 .iter()
-                .filter_map(Master::connected)
-                .flat_map(|node| channels.iter().map(move |channel| (node, channel)))
-                .map(|(node, channel)| tokio::time::timeout_at(bound, node.subscribe(channel)));
-            let subscribed = join_all(subscribing)
-                .await
-                .into_iter()
-                .filter_map(|outcome| outcome.ok()?.ok())
-                .collect();
+                .enumerate()
+                .filter_map(|(index, master)| Some((index, master.connected()?)))
+                .flat_map(|(index, node)| {
+                    channels.iter().map(move |channel| (index, node, channel))
+                })
+                .map(|(index, node, channel)| async move {
+                    let subscribed = tokio::time::timeout_at(bound, node.subscribe(channel)).await;
+                    Some((index, subscribed.ok()?.ok()?))
+                });
+            let subscribed = join_all(subscribing).await.into_iter().flatten().collect();
             self.subscriptions = Some(subscribed);
         }
         self.subscriptions.as_ref().is_some_and(|s| !s.is_empty())
     }
 
+    /// Any master's message wakes the waiter, except that while the last round ended at a
+    /// busy leader (read when a message comes, so after the round armed here), only the
+    /// leader's does, if the waiter hears the leader at all.
     fn arm(&self) -> Armed<'_> {
         match self.subscriptions.as_deref() {
             Some(subscriptions) if !subscriptions.is_empty() => {
-                let armed: Vec<_> = subscriptions
+                let mut armed: Vec<(usize, Armed<'_>)> = subscriptions
                     .iter()
-                    .map(|s| armed(&s.channel.notify))
+                    .map(|(index, s)| (*index, armed(&s.channel.notify)))
                     .collect();
+                let leader = self.leader.as_ref().and_then(|(leader, busy)| {
+                    subscriptions
+                        .iter()
+                        .any(|(index, _)| index == leader)
+                        .then_some((*leader, busy))
+                });
                 Box::pin(async move {
-                    select_all(armed).await;
+                    loop {
+                        if armed.is_empty() {
+                            never().await;
+                        }
+                        let (indices, waits): (Vec<usize>, Vec<Armed<'_>>) =
+                            armed.into_iter().unzip();
+                        let ((), fired, rest) = select_all(waits).await;
+                        let heeded = match (leader, indices.get(fired)) {
+                            (Some((leader, busy)), Some(from)) => {
+                                *from == leader || !busy.load(Ordering::Acquire)
+                            }
+                            _ => true,
+                        };
+                        if heeded {
+                            return;
+                        }
+                        armed = indices
+                            .into_iter()
+                            .enumerate()
+                            .filter(|(position, _)| *position != fired)
+                            .map(|(_, index)| index)
+                            .zip(rest)
+                            .collect();
+                    }
                 })
             }
             _ => never(),
@@ -182,6 +233,25 @@ fn proposed_token() -> u64 {
     u64::try_from(now.as_micros()).unwrap_or(u64::MAX)
 }
 
+/// A plain lock's round within a wait (see [`RedlockBackend::run_acquire`]).
+struct Contended {
+    /// Ask the key's leader master alone first.
+    leader_first: bool,
+    /// Set by the round: whether it ended at a busy leader.
+    leader_busy: Arc<AtomicBool>,
+}
+
+/// How often at least a waiting plain lock asks every master rather than the leader alone:
+/// a leader that still has the record of a hold nobody keeps (a contender that died between
+/// the leader's grant and giving it back) keeps answering busy until that record's lease
+/// ends, while a quorum of the others may be free.
+const FULL_ROUND_EVERY: Duration = Duration::from_secs(1);
+
+/// The mean delay before the next round of a wait after a round that was granted somewhere
+/// but not by a quorum (Redlock's random retry delay), uniform in half to one and a half
+/// of it.
+const SPLIT_RETRY_AFTER: Duration = Duration::from_millis(1);
+
 /// What one master said to an acquire attempt.
 enum Vote {
     Granted(Grant),
@@ -191,6 +261,45 @@ enum Vote {
     /// The master answered that it never grants this as asked (an upgrade, a key used as
     /// another kind): decisive once no majority is left without such masters.
     Refused(Error),
+}
+
+impl From<Result<Attempt>> for Vote {
+    fn from(answer: Result<Attempt>) -> Self {
+        match answer {
+            Ok(Attempt::Granted(grant)) => Vote::Granted(grant),
+            Ok(Attempt::Busy { lease_left }) => Vote::Busy(lease_left),
+            Err(
+                e @ (Error::WouldDeadlock { .. }
+                | Error::KindMismatch { .. }
+                | Error::Unsupported { .. }),
+            ) => Vote::Refused(e),
+            Err(e) => Vote::Failed(e),
+        }
+    }
+}
+
+/// The index of the master of `masters` that scores highest for `key`.
+fn leader_among(key: &str, masters: &[String]) -> usize {
+    masters
+        .iter()
+        .enumerate()
+        .max_by_key(|(_, address)| leader_score(key, address))
+        .map_or(0, |(index, _)| index)
+}
+
+/// A score of `address` for `key` (FNV-1a, then a SplitMix64 finish): stable across
+/// processes, platforms and releases, unlike the standard library's hasher.
+fn leader_score(key: &str, address: &str) -> u64 {
+    let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
+    for byte in key.bytes().chain([0xff]).chain(address.bytes()) {
+        hash ^= u64::from(byte);
+        hash = hash.wrapping_mul(0x0000_0100_0000_01b3);
+    }
+    hash ^= hash >> 30;
+    hash = hash.wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    hash ^= hash >> 27;
+    hash = hash.wrapping_mul(0x94d0_49bb_1331_11eb);
+    hash ^ (hash >> 31)
 }
 
 impl RedlockBackend {
@@ -285,22 +394,65 @@ impl RedlockBackend {
         F: Fn(RedisBackend) -> Fut,
         Fut: std::future::Future<Output = Result<T>>,
     {
+        self.on_masters(timeout, |_| true, op)
+            .await
+            .into_iter()
+            .flatten()
+            .collect()
+    }
+
+    /// Runs `op` at once on every master whose index `which` picks, each bounded by
+    /// `timeout`; one entry per master, `None` for those not picked.
+    async fn on_masters<T, F, Fut>(
+        &self,
+        timeout: Duration,
+        which: impl Fn(usize) -> bool,
+        op: F,
+    ) -> Vec<Option<Result<T>>>
+    where
+        F: Fn(RedisBackend) -> Fut,
+        Fut: std::future::Future<Output = Result<T>>,
+    {
         let op = &op;
-        let calls = self.nodes.iter().map(|master| {
+        let calls = self.nodes.iter().enumerate().map(|(index, master)| {
+            let picked = which(index);
             let call = async move { op(master.get().await?).await };
             async move {
-                tokio::time::timeout(timeout, call)
-                    .await
-                    .unwrap_or_else(|_| {
-                        Err(Error::backend(
-                            BACKEND,
-                            true,
-                            format!("a master did not answer within {timeout:?}"),
-                        ))
-                    })
+                if !picked {
+                    return None;
+                }
+                Some(
+                    tokio::time::timeout(timeout, call)
+                        .await
+                        .unwrap_or_else(|_| {
+                            Err(Error::backend(
+                                BACKEND,
+                                true,
+                                format!("a master did not answer within {timeout:?}"),
+                            ))
+                        }),
+                )
             }
         });
         join_all(calls).await
+    }
+
+    /// The index (in the URL's order) of the master that waiting plain locks of `key` ask
+    /// first; for tests.
+    #[doc(hidden)]
+    pub fn leader_master(&self, key: &LockKey) -> usize {
+        self.leader_of(key)
+    }
+
+    /// The master a contended round of a plain lock asks first (see [`Self::run_acquire`]):
+    /// the one whose address scores highest hashed with the key (rendezvous hashing), so
+    /// that every client listing the same masters, in any order, picks the same one, and
+    /// keys spread over all masters.
+    fn leader_of(&self, key: &LockKey) -> usize {
+        match &self.config.topology {
+            Topology::Redlock(masters) => leader_among(key.as_str(), masters),
+            _ => 0,
+        }
     }
 
     /// One Redlock round: ask every master, then keep the grant only if a quorum agreed
@@ -308,32 +460,88 @@ impl RedlockBackend {
     /// plain lock registers as waiting on the masters where it is busy. Also answers
     /// whether every master granted (then none keeps a marker of this owner: a grant
     /// removes it).
-    async fn run_acquire(&self, req: &AcquireRequest, marker: bool) -> (Result<Attempt>, bool) {
+    ///
+    /// With `leader_first` (a plain lock's round after its wait found the key busy), the
+    /// round asks the key's leader master ([`Self::leader_of`]) alone first, and the others
+    /// only once the leader granted. Contenders woken by one release then meet at one
+    /// master, where one of them wins, instead of splitting the masters between them and
+    /// giving their shares back (each give-back a release message that wakes them all
+    /// again). A busy leader ends the round as busy. A leader that fails or refuses has the
+    /// others asked as in a plain round, so a leader that is down costs one per-master
+    /// timeout, never the grant. Safety is the plain round's: the grant needs a quorum
+    /// within the lease counted from before the leader was asked.
+    async fn run_acquire(
+        &self,
+        req: &AcquireRequest,
+        marker: bool,
+        contended: Option<&Contended>,
+    ) -> (Result<Attempt>, bool) {
         let start = Instant::now();
         let proposed = proposed_token();
-        let votes: Vec<Vote> = self
-            .on_all(self.node_timeout(req.ttl), |node| {
-                let req = req.clone();
-                async move {
-                    node.run_acquire_marking(&req, None, marker, Some(proposed))
-                        .await
+        let timeout = self.node_timeout(req.ttl);
+        let ask = |node: RedisBackend| {
+            let req = req.clone();
+            async move {
+                node.run_acquire_marking(&req, None, marker, Some(proposed))
+                    .await
+            }
+        };
+        let mut votes: Vec<Option<Vote>> = vec![];
+        if let Some(contended) = contended {
+            contended.leader_busy.store(false, Ordering::Release);
+            if contended.leader_first && req.kind == LockKind::Exclusive && self.nodes.len() > 1 {
+                let leader = self.leader_of(&req.key);
+                votes = self
+                    .on_masters(timeout, |index| index == leader, ask)
+                    .await
+                    .into_iter()
+                    .map(|answer| answer.map(Vote::from))
+                    .collect();
+                if let Some(Some(Vote::Busy(lease_left))) = votes.get(leader) {
+                    contended.leader_busy.store(true, Ordering::Release);
+                    // Woken by then for the next full round (see `FULL_ROUND_EVERY`).
+                    let lease_left =
+                        lease_left.map_or(FULL_ROUND_EVERY, |left| left.min(FULL_ROUND_EVERY));
+                    return (
+                        Ok(Attempt::Busy {
+                            lease_left: Some(lease_left),
+                        }),
+                        false,
+                    );
                 }
-            })
-            .await
+            }
+        }
+        let asked: Vec<bool> = votes.iter().map(Option::is_some).collect();
+        let rest = self
+            .on_masters(
+                timeout,
+                |index| !asked.get(index).copied().unwrap_or(false),
+                ask,
+            )
+            .await;
+        let votes: Vec<Vote> = rest
             .into_iter()
-            .map(|vote| match vote {
-                Ok(Attempt::Granted(grant)) => Vote::Granted(grant),
-                Ok(Attempt::Busy { lease_left }) => Vote::Busy(lease_left),
-                Err(
-                    e @ (Error::WouldDeadlock { .. }
-                    | Error::KindMismatch { .. }
-                    | Error::Unsupported { .. }),
-                ) => Vote::Refused(e),
-                Err(e) => Vote::Failed(e),
+            .enumerate()
+            .map(|(index, answer)| match answer {
+                Some(answer) => Vote::from(answer),
+                None => votes
+                    .get_mut(index)
+                    .and_then(Option::take)
+                    .unwrap_or_else(|| Vote::Failed(Error::backend(BACKEND, true, "not asked"))),
             })
             .collect();
         let everywhere = votes.iter().all(|v| matches!(v, Vote::Granted(_)));
-        (self.decide(req, start, votes).await, everywhere)
+        let some_granted = votes.iter().any(|v| matches!(v, Vote::Granted(_)));
+        let outcome = self.decide(req, start, votes).await;
+        if contended.is_some() && some_granted && matches!(outcome, Ok(Attempt::Busy { .. })) {
+            // Split (or a master that lost the holder's record): what was granted was given
+            // back, and that release's message wakes this waiter too. Redlock's random
+            // delay before the retry keeps this from spinning and contenders from meeting
+            // in step.
+            let delay = SPLIT_RETRY_AFTER.mul_f64(0.5 + fastrand::f64());
+            tokio::time::sleep(delay).await;
+        }
+        (outcome, everywhere)
     }
 
     /// Decides a round sent at `start` from the masters' votes (see [`Self::run_acquire`]).
@@ -536,6 +744,7 @@ impl RedlockBackend {
         &self,
         req: &AcquireRequest,
         marker: Option<Arc<MarkShare>>,
+        contended: Option<Contended>,
     ) -> Result<Attempt> {
         let (this, request, giver) = (self.clone(), req.clone(), self.clone());
         lockkit_core::spi::detached_acquire(
@@ -547,7 +756,9 @@ impl RedlockBackend {
                     share.start();
                 }
                 async move {
-                    let (outcome, everywhere) = this.run_acquire(&request, marker.is_some()).await;
+                    let (outcome, everywhere) = this
+                        .run_acquire(&request, marker.is_some(), contended.as_ref())
+                        .await;
                     if marker
                         .as_ref()
                         .is_some_and(|share| share.finish_with(everywhere))
@@ -585,7 +796,7 @@ impl LockBackend for RedlockBackend {
 
     async fn try_acquire(&self, req: &AcquireRequest) -> Result<Option<Grant>> {
         kinds::refuse_permits(req.kind)?;
-        Ok(self.attempt(req, None).await?.into_grant())
+        Ok(self.attempt(req, None, None).await?.into_grant())
     }
 
     /// Waits for a quorum, woken by release messages from any master. A writer or plain
@@ -604,20 +815,41 @@ impl LockBackend for RedlockBackend {
             .is_exclusive()
             .then(|| WriterMarker::new(self.clone(), req.clone()));
         let share = marker.as_ref().map(WriterMarker::share);
+        let plain = req.kind == LockKind::Exclusive;
+        let leader_busy = Arc::new(AtomicBool::new(false));
         let mut messages = MastersMessages {
             backend: self,
             channels,
             subscriptions: None,
+            leader: plain.then(|| (self.leader_of(&req.key), leader_busy.clone())),
         };
-        // Masters publish one release one by one: after a wake-up, wait up to a
-        // millisecond, so contenders do not split the masters between them.
+        // Contenders woken by one release must not split the masters between them. A plain
+        // lock's rounds after the first meet at the key's leader master (see
+        // `run_acquire`), so they go at once; read-write rounds ask every master, and wait
+        // up to a millisecond after a wake-up, since masters publish one release one by one.
+        let settle = if plain {
+            Duration::ZERO
+        } else {
+            Duration::from_millis(1)
+        };
         let policy = WaitPolicy::new(Backoff::new(
             Duration::from_millis(50),
             Duration::from_millis(160),
         ))
-        .settle(Duration::from_millis(1));
+        .settle(settle);
+        let mut first_round = true;
+        let mut last_full_round = Instant::now();
         let outcome = wait_for_grant(&req.key, wait, policy, &mut messages, || {
-            self.attempt(req, share.clone())
+            let leader_first = !first_round && last_full_round.elapsed() < FULL_ROUND_EVERY;
+            first_round = false;
+            if !leader_first {
+                last_full_round = Instant::now();
+            }
+            let contended = plain.then(|| Contended {
+                leader_first,
+                leader_busy: leader_busy.clone(),
+            });
+            self.attempt(req, share.clone(), contended)
         })
         .await;
         // Even after a grant: masters outside the granting quorum may keep a marker.
@@ -776,4 +1008,48 @@ impl RedlockBackend {
         }
         Ok(answered)
     }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn masters(addresses: &[&str]) -> Vec<String> {
+        addresses.iter().map(|a| format!("redis://{a}")).collect()
+    }
+
+    #[test]
+    fn every_order_of_the_same_masters_picks_the_same_leader() {
+        let listed = masters(&["10.0.0.1:6379", "10.0.0.2:6379", "10.0.0.3:6379"]);
+        let mut reversed = listed.clone();
+        reversed.reverse();
+        for key in ["orders/1", "orders/2", "a", "ключ"] {
+            let picked = &listed[leader_among(key, &listed)];
+            assert_eq!(picked, &reversed[leader_among(key, &reversed)], "{key}");
+        }
+    }
+
+    #[test]
+    fn keys_spread_over_every_master() {
+        let listed = masters(&["a:1", "b:1", "c:1", "d:1", "e:1"]);
+        let mut per_master = [0_u32; 5];
+        for n in 0..5_000 {
+            per_master[leader_among(&format!("orders/{n}"), &listed)] += 1;
+        }
+        assert!(
+            per_master.iter().all(|&n| (800..1_200).contains(&n)),
+            "{per_master:?}"
+        );
+    }
+
+    /// Clients of different lockkit versions must pick the same leader: the score is a
+    /// wire format.
+    #[test]
+    fn the_leader_score_is_pinned() {
+        assert_eq!(leader_score("orders/1", "redis://127.0.0.1:6379"), PINNED);
+    }
+
+    /// Computed apart from this code (FNV-1a 64 over the key, 0xff and the address; the
+    /// SplitMix64 finish).
+    const PINNED: u64 = 6_576_391_933_637_441_231;
 }
