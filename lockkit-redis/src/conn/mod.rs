@@ -265,6 +265,17 @@ pub(crate) struct Subscription {
     pub(crate) channel: Arc<Channel>,
 }
 
+impl Subscription {
+    /// Makes the subscriber connection this subscription rides on again (resubscribing
+    /// every channel with waiters) if it died; cheap when it is alive.
+    ///
+    /// # Errors
+    /// When the server cannot be reached: the messages of this subscription stay lost.
+    pub(crate) async fn ensure_connected(&self) -> Result<()> {
+        self.wakeups.ensure_connected().await
+    }
+}
+
 /// A waiter's wake-ups: release messages on its key's channels, once subscribed. The first
 /// [`Wake::ready`] subscribes (a failure leaves the waiter polling); later ones reconnect a
 /// subscriber connection that died, and answer whether messages can be relied on.

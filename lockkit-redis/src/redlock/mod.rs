@@ -5,7 +5,7 @@ mod kinds;
 use std::{
     sync::{
         Arc,
-        atomic::{AtomicBool, Ordering},
+        atomic::{AtomicU64, Ordering},
     },
     time::Duration,
 };
@@ -44,8 +44,9 @@ const BACKEND: &str = "redlock";
 ///   after its first ask the key's leader master alone first (chosen from the key and the
 ///   masters' addresses, the same in every client that lists the same addresses) and the
 ///   others once the leader granted, so contenders woken by one release meet at one
-///   master instead of splitting the masters between them; while the leader is busy only
-///   its message wakes the waiter, and a full round still runs at least once a second.
+///   master instead of splitting the masters between them. After a round that found the
+///   key busy, only the masters that answered busy wake the waiter (never its own
+///   give-back), and a full round follows a busy leader within a second.
 ///
 /// Read-write locks ([`LockKind::Read`], [`LockKind::Write`]) work the same way, with the
 /// single server's scripts and Redisson's `RReadWriteLock` layout on each master (a
@@ -112,19 +113,32 @@ impl std::fmt::Debug for RedlockBackend {
     }
 }
 
-/// A Redlock waiter's wake-ups: release messages from any master it could subscribe to;
-/// after a round that ended at a busy leader master, only the leader's (see
-/// [`RedlockBackend::run_acquire`]).
+/// A Redlock waiter's wake-ups: release messages from the masters it could subscribe to.
+/// After a plain lock's round that found the key busy, only the messages of the masters
+/// that answered busy wake it (see [`RedlockBackend::run_acquire`]).
 struct MastersMessages<'a> {
     backend: &'a RedlockBackend,
     /// The key's release channels (the mutex's; for read-write locks Redisson's too).
     channels: Vec<String>,
     /// `None` until the first [`Wake::ready`] subscribed; each with its master's index.
     subscriptions: Option<Vec<(usize, Subscription)>>,
-    /// For a plain lock: the key's leader master, and whether the last round ended there,
-    /// busy. Other masters' messages cannot change that answer, so they do not wake the
-    /// waiter then (each would cost a round at the leader per waiter and release).
-    leader: Option<(usize, Arc<AtomicBool>)>,
+    /// Masters (bits by index) whose subscriber connection died and could not be made
+    /// again by the last [`Wake::ready`]: a waiter cannot count on their messages.
+    deaf: u64,
+    /// For a plain lock: the masters (bits by index) whose messages wake the waiter, as
+    /// its last round left them; 0 for all. A master that did not answer busy cannot
+    /// change that round's answer by a release, and one that granted and was given back
+    /// publishes this waiter's own release: their messages would each cost a round per
+    /// waiter and release (and a waiter woken by its own give-back spins).
+    heeded: Option<Arc<AtomicU64>>,
+}
+
+/// The bit of master `index` in a mask of masters; none past the 64th.
+fn master_bit(index: usize) -> u64 {
+    u32::try_from(index)
+        .ok()
+        .and_then(|index| 1_u64.checked_shl(index))
+        .unwrap_or(0)
 }
 
 #[async_trait]
@@ -132,14 +146,33 @@ impl Wake for MastersMessages<'_> {
     /// Subscribes on every master at once, each bounded by the response timeout (at most
     /// 500 ms): a frozen master (a minority Redlock tolerates) must not hold the waiter or
     /// the subscriptions on the others up; without its messages the waiter still polls.
+    /// Later calls make a dead subscriber connection again (resubscribing), within the same
+    /// bound; the masters where that fails are deaf until a later call succeeds.
     async fn ready(&mut self) -> bool {
-        if self.subscriptions.is_none() {
-            let backend = self.backend;
-            let bound = Instant::now()
-                + backend
-                    .config
-                    .response_timeout
-                    .min(Duration::from_millis(500));
+        let backend = self.backend;
+        let bound = Instant::now()
+            + backend
+                .config
+                .response_timeout
+                .min(Duration::from_millis(500));
+        if let Some(subscriptions) = &self.subscriptions {
+            // One subscriber connection per master, whatever the channels.
+            let mut masters: Vec<(usize, &Subscription)> = Vec::new();
+            for (index, subscription) in subscriptions {
+                if !masters.iter().any(|(seen, _)| seen == index) {
+                    masters.push((*index, subscription));
+                }
+            }
+            let reconnecting = masters.into_iter().map(|(index, subscription)| async move {
+                let alive = tokio::time::timeout_at(bound, subscription.ensure_connected()).await;
+                (index, matches!(alive, Ok(Ok(()))))
+            });
+            self.deaf = join_all(reconnecting)
+                .await
+                .into_iter()
+                .filter(|(_, alive)| !alive)
+                .fold(0, |deaf, (index, _)| deaf | master_bit(index));
+        } else {
             let channels = &self.channels;
             let subscribing = backend
                 .nodes
@@ -159,9 +192,10 @@ impl Wake for MastersMessages<'_> {
         self.subscriptions.as_ref().is_some_and(|s| !s.is_empty())
     }
 
-    /// Any master's message wakes the waiter, except that while the last round ended at a
-    /// busy leader (read when a message comes, so after the round armed here), only the
-    /// leader's does, if the waiter hears the leader at all.
+    /// Any master's message wakes the waiter, except that after a plain lock's round that
+    /// found the key busy (the mask is read when a message comes, so after the round armed
+    /// here) only the masters that answered busy do, as long as the waiter hears them all
+    /// (else every message wakes it).
     fn arm(&self) -> Armed<'_> {
         match self.subscriptions.as_deref() {
             Some(subscriptions) if !subscriptions.is_empty() => {
@@ -169,12 +203,11 @@ impl Wake for MastersMessages<'_> {
                     .iter()
                     .map(|(index, s)| (*index, armed(&s.channel.notify)))
                     .collect();
-                let leader = self.leader.as_ref().and_then(|(leader, busy)| {
-                    subscriptions
-                        .iter()
-                        .any(|(index, _)| index == leader)
-                        .then_some((*leader, busy))
-                });
+                let heard = subscriptions
+                    .iter()
+                    .fold(0, |heard, (index, _)| heard | master_bit(*index))
+                    & !self.deaf;
+                let heeded = self.heeded.as_deref();
                 Box::pin(async move {
                     loop {
                         if armed.is_empty() {
@@ -183,13 +216,13 @@ impl Wake for MastersMessages<'_> {
                         let (indices, waits): (Vec<usize>, Vec<Armed<'_>>) =
                             armed.into_iter().unzip();
                         let ((), fired, rest) = select_all(waits).await;
-                        let heeded = match (leader, indices.get(fired)) {
-                            (Some((leader, busy)), Some(from)) => {
-                                *from == leader || !busy.load(Ordering::Acquire)
-                            }
-                            _ => true,
-                        };
-                        if heeded {
+                        let mask = heeded.map_or(0, |h| h.load(Ordering::Acquire));
+                        let wakes = mask == 0
+                            || mask & !heard != 0
+                            || indices
+                                .get(fired)
+                                .is_none_or(|from| mask & master_bit(*from) != 0);
+                        if wakes {
                             return;
                         }
                         armed = indices
@@ -237,8 +270,9 @@ fn proposed_token() -> u64 {
 struct Contended {
     /// Ask the key's leader master alone first.
     leader_first: bool,
-    /// Set by the round: whether it ended at a busy leader.
-    leader_busy: Arc<AtomicBool>,
+    /// Set by the round: the masters (bits by index) that answered busy, if it found the
+    /// key busy; else 0 (see [`MastersMessages::heeded`]).
+    busy_masters: Arc<AtomicU64>,
 }
 
 /// How often at least a waiting plain lock asks every master rather than the leader alone:
@@ -278,13 +312,27 @@ impl From<Result<Attempt>> for Vote {
     }
 }
 
-/// The index of the master of `masters` that scores highest for `key`.
+/// The index of the master of `masters` (node URLs) whose address scores highest for
+/// `key`.
 fn leader_among(key: &str, masters: &[String]) -> usize {
     masters
         .iter()
         .enumerate()
-        .max_by_key(|(_, address)| leader_score(key, address))
+        .max_by_key(|(_, url)| leader_score(key, &master_address(url)))
         .map_or(0, |(index, _)| index)
+}
+
+/// The `host:port` of a node URL, lower-cased, without scheme, user, password, database or
+/// options: clients that reach a master with other credentials (an ACL user each, a
+/// password being rotated) or another database still pick the same leader. Clients that
+/// name one master differently (`localhost`, `127.0.0.1`) may not: that costs speed only.
+fn master_address(url: &str) -> String {
+    let rest = url.split_once("://").map_or(url, |(_, rest)| rest);
+    let authority = rest.split(['/', '?']).next().unwrap_or_default();
+    let host_port = authority
+        .rsplit_once('@')
+        .map_or(authority, |(_, host)| host);
+    host_port.to_ascii_lowercase()
 }
 
 /// A score of `address` for `key` (FNV-1a, then a SplitMix64 finish): stable across
@@ -488,7 +536,7 @@ impl RedlockBackend {
         };
         let mut votes: Vec<Option<Vote>> = vec![];
         if let Some(contended) = contended {
-            contended.leader_busy.store(false, Ordering::Release);
+            contended.busy_masters.store(0, Ordering::Release);
             if contended.leader_first && req.kind == LockKind::Exclusive && self.nodes.len() > 1 {
                 let leader = self.leader_of(&req.key);
                 votes = self
@@ -498,7 +546,9 @@ impl RedlockBackend {
                     .map(|answer| answer.map(Vote::from))
                     .collect();
                 if let Some(Some(Vote::Busy(lease_left))) = votes.get(leader) {
-                    contended.leader_busy.store(true, Ordering::Release);
+                    contended
+                        .busy_masters
+                        .store(master_bit(leader), Ordering::Release);
                     // Woken by then for the next full round (see `FULL_ROUND_EVERY`).
                     let lease_left =
                         lease_left.map_or(FULL_ROUND_EVERY, |left| left.min(FULL_ROUND_EVERY));
@@ -532,14 +582,30 @@ impl RedlockBackend {
             .collect();
         let everywhere = votes.iter().all(|v| matches!(v, Vote::Granted(_)));
         let some_granted = votes.iter().any(|v| matches!(v, Vote::Granted(_)));
+        let busy_masters = if self.nodes.len() <= 64 {
+            votes
+                .iter()
+                .enumerate()
+                .filter(|(_, v)| matches!(v, Vote::Busy(_)))
+                .fold(0, |mask, (index, _)| mask | master_bit(index))
+        } else {
+            0
+        };
         let outcome = self.decide(req, start, votes).await;
-        if contended.is_some() && some_granted && matches!(outcome, Ok(Attempt::Busy { .. })) {
-            // Split (or a master that lost the holder's record): what was granted was given
-            // back, and that release's message wakes this waiter too. Redlock's random
-            // delay before the retry keeps this from spinning and contenders from meeting
-            // in step.
-            let delay = SPLIT_RETRY_AFTER.mul_f64(0.5 + fastrand::f64());
-            tokio::time::sleep(delay).await;
+        if let Some(contended) = contended
+            && matches!(outcome, Ok(Attempt::Busy { .. }))
+        {
+            contended
+                .busy_masters
+                .store(busy_masters, Ordering::Release);
+            if some_granted {
+                // Split, or a quorum held without a master that granted: what was granted
+                // was given back. Redlock's random delay keeps contenders from meeting in
+                // step again; the masters that granted do not wake this waiter (their
+                // messages are its own releases).
+                let delay = SPLIT_RETRY_AFTER.mul_f64(0.5 + fastrand::f64());
+                tokio::time::sleep(delay).await;
+            }
         }
         (outcome, everywhere)
     }
@@ -816,12 +882,13 @@ impl LockBackend for RedlockBackend {
             .then(|| WriterMarker::new(self.clone(), req.clone()));
         let share = marker.as_ref().map(WriterMarker::share);
         let plain = req.kind == LockKind::Exclusive;
-        let leader_busy = Arc::new(AtomicBool::new(false));
+        let busy_masters = Arc::new(AtomicU64::new(0));
         let mut messages = MastersMessages {
             backend: self,
             channels,
             subscriptions: None,
-            leader: plain.then(|| (self.leader_of(&req.key), leader_busy.clone())),
+            deaf: 0,
+            heeded: plain.then(|| busy_masters.clone()),
         };
         // Contenders woken by one release must not split the masters between them. A plain
         // lock's rounds after the first meet at the key's leader master (see
@@ -847,7 +914,7 @@ impl LockBackend for RedlockBackend {
             }
             let contended = plain.then(|| Contended {
                 leader_first,
-                leader_busy: leader_busy.clone(),
+                busy_masters: busy_masters.clone(),
             });
             self.attempt(req, share.clone(), contended)
         })
@@ -1030,6 +1097,25 @@ mod tests {
     }
 
     #[test]
+    fn credentials_database_and_case_do_not_change_the_leader() {
+        let plain = masters(&["db-a:6379/0", "db-b:6379/0", "db-c:6379/0"]);
+        let other: Vec<String> = ["DB-A:6379/3", "db-b:6379/3?x=1", "db-c:6379"]
+            .iter()
+            .map(|a| format!("rediss://user:s3cr@t@{a}"))
+            .collect();
+        for n in 0..100 {
+            let key = format!("orders/{n}");
+            assert_eq!(
+                leader_among(&key, &plain),
+                leader_among(&key, &other),
+                "{key}"
+            );
+        }
+        assert_eq!(master_address("redis://u:p@Host-1:6379/0"), "host-1:6379");
+        assert_eq!(master_address("redis://[::1]:6379"), "[::1]:6379");
+    }
+
+    #[test]
     fn keys_spread_over_every_master() {
         let listed = masters(&["a:1", "b:1", "c:1", "d:1", "e:1"]);
         let mut per_master = [0_u32; 5];
@@ -1046,10 +1132,13 @@ mod tests {
     /// wire format.
     #[test]
     fn the_leader_score_is_pinned() {
-        assert_eq!(leader_score("orders/1", "redis://127.0.0.1:6379"), PINNED);
+        assert_eq!(
+            leader_score("orders/1", &master_address("redis://127.0.0.1:6379/0")),
+            PINNED
+        );
     }
 
-    /// Computed apart from this code (FNV-1a 64 over the key, 0xff and the address; the
+    /// Computed apart from this code (FNV-1a 64 over the key, 0xff and `127.0.0.1:6379`; the
     /// SplitMix64 finish).
-    const PINNED: u64 = 6_576_391_933_637_441_231;
+    const PINNED: u64 = 12_065_251_416_611_559_501;
 }
