@@ -2,10 +2,10 @@
 //! Each client reaches each master through its own fault proxy, so "down" and "slow" are
 //! per client and the shared servers are never disturbed.
 
-use std::{net::SocketAddr, time::Duration};
+use std::time::Duration;
 
-use lockkit_conformance::{FaultProxy, env};
-use lockkit_core::{LockKey, Locker, spi::Released};
+use lockkit_conformance::{FaultProxy, ProxiedClients, env};
+use lockkit_core::{LockGuard, LockKey, Locker, spi::Released};
 use lockkit_redis::{LockNames, RedlockBackend};
 use redis::AsyncCommands;
 use uuid::Uuid;
@@ -20,16 +20,8 @@ fn masters() -> Option<Vec<String>> {
 }
 
 async fn client(masters: &[String], options: &str) -> Client {
-    let mut proxies = Vec::new();
-    for master in masters {
-        proxies.push(
-            FaultProxy::start(master.parse::<SocketAddr>().unwrap())
-                .await
-                .unwrap(),
-        );
-    }
-    let hosts: Vec<String> = proxies.iter().map(|p| p.local_addr().to_string()).collect();
-    let url = format!("redlock://{}{options}", hosts.join(","));
+    let (proxies, hosts) = ProxiedClients::<RedlockBackend>::start_proxies(masters).await;
+    let url = format!("redlock://{hosts}{options}");
     Client {
         locker: Locker::new(RedlockBackend::connect(&url).await.unwrap()),
         proxies,
@@ -353,20 +345,12 @@ async fn contenders_on_different_master_subsets_never_overlap() {
 #[tokio::test]
 async fn a_master_down_at_connect_counts_once_it_is_back() {
     let Some(masters) = masters() else { return };
-    let mut proxies = Vec::new();
-    for master in &masters {
-        proxies.push(
-            FaultProxy::start(master.parse::<SocketAddr>().unwrap())
-                .await
-                .unwrap(),
-        );
-    }
+    let (proxies, hosts) = ProxiedClients::<RedlockBackend>::start_proxies(&masters).await;
     // Masters 0 and 1 are down while the client connects (3 of 5: enough to start).
     proxies[0].reset();
     proxies[1].reset();
-    let hosts: Vec<String> = proxies.iter().map(|p| p.local_addr().to_string()).collect();
     let locker = Locker::new(
-        RedlockBackend::connect(&format!("redlock://{}", hosts.join(",")))
+        RedlockBackend::connect(&format!("redlock://{hosts}"))
             .await
             .unwrap(),
     );
@@ -916,22 +900,40 @@ async fn clients_sharing_proxies(
     masters: &[String],
     n: usize,
 ) -> (Vec<FaultProxy>, Vec<(RedlockBackend, Locker)>) {
-    let mut proxies = Vec::new();
-    for master in masters {
-        proxies.push(
-            FaultProxy::start(master.parse::<SocketAddr>().unwrap())
-                .await
-                .unwrap(),
-        );
-    }
-    let hosts: Vec<String> = proxies.iter().map(|p| p.local_addr().to_string()).collect();
-    let url = format!("redlock://{}", hosts.join(","));
+    let (proxies, hosts) = ProxiedClients::<RedlockBackend>::start_proxies(masters).await;
+    let url = format!("redlock://{hosts}");
     let mut clients = Vec::new();
     for _ in 0..n {
         let backend = RedlockBackend::connect(&url).await.unwrap();
         clients.push((backend.clone(), Locker::new(backend)));
     }
     (proxies, clients)
+}
+
+/// Starts a wait of up to 20 s for `key`; it answers its outcome and when that came.
+fn timed_wait(
+    locker: &Locker,
+    key: &LockKey,
+) -> tokio::task::JoinHandle<(lockkit_core::Result<LockGuard>, tokio::time::Instant)> {
+    let (locker, key) = (locker.clone(), key.clone());
+    tokio::spawn(async move {
+        let granted = locker.acquire(&key).wait(Duration::from_secs(20)).await;
+        (granted, tokio::time::Instant::now())
+    })
+}
+
+/// Releases `holder`; the guard `waiting` got (else panics saying `expected`) and how long
+/// after the release it came.
+async fn release_to(
+    holder: LockGuard,
+    waiting: tokio::task::JoinHandle<(lockkit_core::Result<LockGuard>, tokio::time::Instant)>,
+    expected: &str,
+) -> (LockGuard, Duration) {
+    let released = tokio::time::Instant::now();
+    holder.release().await.unwrap();
+    let (granted, at) = waiting.await.unwrap();
+    let guard = granted.unwrap_or_else(|e| panic!("{expected}: {e}"));
+    (guard, at - released)
 }
 
 /// Waiters woken by one release meet at the key's leader master, where one of them wins,
@@ -1006,21 +1008,15 @@ async fn a_stale_record_on_the_leader_does_not_hold_waiters_for_its_lease() {
         .await
         .unwrap()
         .expect("the four other masters are a quorum");
-    let waiting = tokio::spawn({
-        let (locker, key) = (clients[1].1.clone(), key.clone());
-        async move {
-            let granted = locker.acquire(&key).wait(Duration::from_secs(20)).await;
-            (granted, tokio::time::Instant::now())
-        }
-    });
+    let waiting = timed_wait(&clients[1].1, &key);
     tokio::time::sleep(Duration::from_millis(1_500)).await;
-    let released = tokio::time::Instant::now();
-    holder.release().await.unwrap();
-    let (granted, at) = waiting.await.unwrap();
-    let guard = granted
-        .expect("granted by the quorum the holder let go of, long before the stale record ends");
+    let (guard, after) = release_to(
+        holder,
+        waiting,
+        "granted by the quorum the holder let go of, long before the stale record ends",
+    )
+    .await;
     // About a second at most (the full round); the bound is wide for a loaded machine.
-    let after = at - released;
     assert!(
         after < Duration::from_secs(5),
         "granted {after:?} after the release"
@@ -1050,13 +1046,7 @@ async fn a_waiter_is_not_woken_by_its_own_give_back() {
         .await
         .expect("the four other masters are a quorum");
     h.proxies[leader].heal();
-    let waiting = tokio::spawn({
-        let (locker, key) = (waiter.clone(), key.clone());
-        async move {
-            let granted = locker.acquire(&key).wait(Duration::from_secs(20)).await;
-            (granted, tokio::time::Instant::now())
-        }
-    });
+    let waiting = timed_wait(waiter, &key);
     tokio::time::sleep(Duration::from_millis(300)).await;
     let before: Vec<u64> = proxies.iter().map(FaultProxy::requests_seen).collect();
     tokio::time::sleep(Duration::from_secs(2)).await;
@@ -1067,11 +1057,7 @@ async fn a_waiter_is_not_woken_by_its_own_give_back() {
             "master {i} (leader {leader}) saw {seen} requests in 2 s of waiting"
         );
     }
-    let released = tokio::time::Instant::now();
-    holder.release().await.unwrap();
-    let (granted, at) = waiting.await.unwrap();
-    let guard = granted.expect("granted once the holder let go");
-    let after = at - released;
+    let (guard, after) = release_to(holder, waiting, "granted once the holder let go").await;
     assert!(
         after < Duration::from_secs(5),
         "granted {after:?} after the release"
@@ -1093,13 +1079,7 @@ async fn a_waiter_hears_the_leader_again_after_its_subscriber_link_died() {
         let key = key();
         let leader = backend.leader_master(&key);
         let holder = h.locker.acquire(&key).ttl(TTL).await.unwrap();
-        let waiting = tokio::spawn({
-            let (locker, key) = (waiter.clone(), key.clone());
-            async move {
-                let granted = locker.acquire(&key).wait(Duration::from_secs(20)).await;
-                (granted, tokio::time::Instant::now())
-            }
-        });
+        let waiting = timed_wait(waiter, &key);
         tokio::time::sleep(Duration::from_millis(300)).await;
         proxies[leader].reset();
         tokio::time::sleep(Duration::from_millis(20)).await;
@@ -1114,11 +1094,7 @@ async fn a_waiter_hears_the_leader_again_after_its_subscriber_link_died() {
             .await
             .unwrap();
         tokio::time::sleep(Duration::from_millis(100)).await;
-        let released = tokio::time::Instant::now();
-        holder.release().await.unwrap();
-        let (granted, at) = waiting.await.unwrap();
-        let guard = granted.expect("granted once the holder let go");
-        let after = at - released;
+        let (guard, after) = release_to(holder, waiting, "granted once the holder let go").await;
         assert!(
             after < Duration::from_millis(600),
             "round {round}: granted {after:?} after the release (the full-round timer is 1 s)"
