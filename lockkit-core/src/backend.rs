@@ -110,7 +110,8 @@ pub struct AcquireRequest {
     /// The hold's loss signal. A backend that learns of loss by itself (session expiry,
     /// a dead connection) fires it; it also goes into the [`Grant`].
     pub loss: LossSignal,
-    /// A random id for this request, unique per [`AcquireRequest::new`]. Backends use it
+    /// An id for this request, unique per [`AcquireRequest::new`] (a counter under a random
+    /// per-process prefix), never nil. Backends use it
     /// to make a retried attempt (after a lost reply, a timeout, a client library's own
     /// retry) take effect once: the same attempt id never adds a second hold. The
     /// [`Grant`] carries it on, so a release can be made idempotent the same way.
@@ -135,6 +136,19 @@ pub struct AcquireRequest {
     pub owner_returns: bool,
 }
 
+/// A fresh attempt id: a counter under a random prefix drawn once per process, shaped as a
+/// version-4 uuid (never nil). Unique within the process for its first 2^62 ids, and across
+/// processes unless two draw the same 60-bit prefix; that is all an attempt id needs, as
+/// backends keep attempts beside their owner, itself unique per process. No system call:
+/// `Uuid::new_v4` asks the kernel for entropy on every call, a `getrandom` per acquire.
+pub(crate) fn new_attempt_id() -> Uuid {
+    static PREFIX: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
+    static COUNTER: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let prefix = *PREFIX.get_or_init(|| Uuid::new_v4().as_u64_pair().0);
+    let n = COUNTER.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    uuid::Builder::from_random_bytes(Uuid::from_u64_pair(prefix, n).into_bytes()).into_uuid()
+}
+
 impl AcquireRequest {
     /// Builds a request. Callers outside lockkit use this only to drive a backend directly.
     pub fn new(key: LockKey, owner: OwnerId, ttl: Duration, loss: LossSignal) -> Self {
@@ -143,7 +157,7 @@ impl AcquireRequest {
             owner,
             ttl,
             loss,
-            attempt: Uuid::new_v4(),
+            attempt: new_attempt_id(),
             identity: Arc::new(HolderIdentity::now()),
             kind: LockKind::Exclusive,
             owner_returns: true,
@@ -527,5 +541,33 @@ pub trait LockBackend: Send + Sync + Debug + 'static {
             backend: self.info().scheme,
             what: "ping".into(),
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn attempt_ids_are_distinct_v4_and_never_nil() {
+        let ids: Vec<Uuid> = (0..10_000).map(|_| new_attempt_id()).collect();
+        let distinct: std::collections::HashSet<&Uuid> = ids.iter().collect();
+        assert_eq!(distinct.len(), ids.len());
+        for id in &ids {
+            assert!(!id.is_nil());
+            assert_eq!(id.get_version(), Some(uuid::Version::Random));
+        }
+        // Threads share one sequence.
+        let threads: Vec<_> = (0..4)
+            .map(|_| {
+                std::thread::spawn(|| (0..1_000).map(|_| new_attempt_id()).collect::<Vec<_>>())
+            })
+            .collect();
+        let mut all: std::collections::HashSet<Uuid> = ids.into_iter().collect();
+        for thread in threads {
+            for id in thread.join().unwrap() {
+                assert!(all.insert(id), "{id} was made twice");
+            }
+        }
     }
 }

@@ -41,6 +41,10 @@ pub struct HolderIdentity {
 struct ThisProcess {
     host: String,
     program: String,
+    /// Read once: `getpid` is a system call on every call, and this is read per acquire.
+    /// A child forked without `exec` (which Tokio does not support anyway) would report
+    /// its parent's.
+    pid: u32,
 }
 
 fn this_process() -> &'static ThisProcess {
@@ -48,6 +52,7 @@ fn this_process() -> &'static ThisProcess {
     THIS.get_or_init(|| ThisProcess {
         host: cut(&host_name()),
         program: cut(&program_name()),
+        pid: std::process::id(),
     })
 }
 
@@ -247,7 +252,7 @@ impl HolderIdentity {
         let this = this_process();
         HolderIdentity {
             host: this.host.clone(),
-            pid: std::process::id(),
+            pid: this.pid,
             program: this.program.clone(),
             requested_at: SystemTime::now(),
             version: env!("CARGO_PKG_VERSION").to_owned(),
