@@ -146,6 +146,13 @@ async fn subjects_of(backend: &str, notes: &mut Vec<String>) -> Result<Vec<Subje
                 "PING",
                 notes,
             );
+            add(
+                connect_floor("script-pair", &url)
+                    .await
+                    .map(|f| Subject::floor("floor: two `EVALSHA`s of an empty script", f)),
+                "script pair",
+                notes,
+            );
         }
         "redlock" => {
             let url = env("LOCKKIT_TEST_REDLOCK_URL")?;

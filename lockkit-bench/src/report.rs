@@ -165,7 +165,8 @@ fn targets(sections: &[Section]) -> Vec<Target> {
                     0.8,
                 ));
                 if s.backend == "redis" {
-                    let ping = s.find("floor");
+                    let ping = s.find("floor: `PING`");
+                    let scripts = s.find("floor: two `EVALSHA`s");
                     out.push(Target::at_most(
                         "redis: lockkit ≤ 2.2x `PING`, same key, p50",
                         p50(lockkit, same),
@@ -183,9 +184,12 @@ fn targets(sections: &[Section]) -> Vec<Target> {
                         limit: 0.5,
                         at_most: false,
                         detail: format!(
-                            "{}/s vs {}/s",
+                            "{}/s vs {}/s; any lock of two scripts stays under {}/s here",
                             locks.map_or("—".into(), thousands),
-                            sets.map_or("—".into(), thousands)
+                            sets.map_or("—".into(), thousands),
+                            scripts
+                                .and_then(|m| m.per_second)
+                                .map_or("—".into(), thousands)
                         ),
                     });
                 }
@@ -309,8 +313,10 @@ pub fn markdown(sections: &[Section], notes: &[String], quick: bool) -> String {
                 m.cell(Scenario::Wake),
                 m.cell(Scenario::Handoff),
                 m.per_second.map_or("—".into(), |r| {
-                    if m.floor {
+                    if m.label.starts_with("floor: `PING`") {
                         format!("{} (`SET`s)", thousands(r))
+                    } else if m.floor {
+                        format!("{} (pairs)", thousands(r))
                     } else {
                         thousands(r)
                     }
@@ -331,6 +337,23 @@ pub fn markdown(sections: &[Section], notes: &[String], quick: bool) -> String {
                     "\n{}, same key, p50: {}.",
                     lockkit.label,
                     ratios.join("; ")
+                );
+            }
+            let rates: Vec<String> = s
+                .measured
+                .iter()
+                .filter(|m| !m.lockkit)
+                .filter_map(|other| {
+                    ratio(lockkit.per_second, other.per_second)
+                        .map(|r| format!("{r:.2}x {}", other.label))
+                })
+                .collect();
+            if !rates.is_empty() {
+                let _ = writeln!(
+                    out,
+                    "\n{}, acquire+release per second: {}.",
+                    lockkit.label,
+                    rates.join("; ")
                 );
             }
         }

@@ -43,6 +43,9 @@ fn us(d: Duration) -> Micros {
 pub enum Floor {
     /// Redis `PING` (one round trip).
     Ping(redis::aio::MultiplexedConnection),
+    /// Two `EVALSHA`s of a script that only returns, on one connection: what any lock made
+    /// of an acquire script and a release script costs at the least (throughput: pairs).
+    ScriptPair(redis::aio::MultiplexedConnection),
     /// `PING` to every master at once (one parallel round of Redlock).
     PingAll(Vec<redis::aio::MultiplexedConnection>),
     /// ZooKeeper: create an ephemeral node and delete it (two fsync'd writes).
@@ -380,8 +383,8 @@ impl Subject {
     }
 
     /// `tasks` tasks take and give back keys among `keys` for `run` with `try_acquire`;
-    /// returns acquire+release pairs per second (lockkit), or `SET`s per second (a Redis
-    /// floor).
+    /// returns acquire+release pairs per second (lockkit, rslock with `lock`), `SET`s per
+    /// second (the `PING` floor) or pairs of empty scripts per second (the script floor).
     pub async fn throughput(
         &self,
         tasks: usize,
@@ -434,6 +437,48 @@ impl Subject {
                     }));
                 }
             }
+            Subject::Rslock { manager, .. } => {
+                for t in 0..tasks {
+                    let manager = manager.clone();
+                    handles.push(tokio::spawn(async move {
+                        let (mut done, mut i) = (0u64, t);
+                        while Instant::now() < deadline {
+                            let key = format!("peerbench/rslock/t/{}", i % keys);
+                            // `lock` retries a busy key (3 times, 200 ms apart) and then
+                            // gives up: rslock's nearest to a `try_acquire`.
+                            if let Ok(lock) =
+                                manager.lock(key.as_bytes(), Duration::from_secs(30)).await
+                            {
+                                manager.unlock(&lock).await;
+                                done += 1;
+                            }
+                            i += tasks;
+                        }
+                        Ok::<u64, Failure>(done)
+                    }));
+                }
+            }
+            Subject::Floor {
+                floor: Floor::ScriptPair(conn),
+                ..
+            } => {
+                for _ in 0..tasks {
+                    let mut conn = conn.clone();
+                    handles.push(tokio::spawn(async move {
+                        let mut done = 0u64;
+                        while Instant::now() < deadline {
+                            for _ in 0..2 {
+                                let () = EMPTY_SCRIPT
+                                    .invoke_async(&mut conn)
+                                    .await
+                                    .map_err(|e| e.to_string())?;
+                            }
+                            done += 1;
+                        }
+                        Ok::<u64, Failure>(done)
+                    }));
+                }
+            }
             _ => return Ok(None),
         }
         let mut total = 0;
@@ -443,6 +488,10 @@ impl Subject {
         Ok(Some(total as f64 / run.as_secs_f64()))
     }
 }
+
+/// A script that does nothing (returns nil), for [`Floor::ScriptPair`].
+static EMPTY_SCRIPT: std::sync::LazyLock<redis::Script> =
+    std::sync::LazyLock::new(|| redis::Script::new("return nil"));
 
 /// A held key of an in-process client.
 enum Hold<'a> {
@@ -484,6 +533,14 @@ impl Floor {
                         .query_async(conn)
                         .await
                         .map_err(|e| e.to_string())?;
+                }
+                Floor::ScriptPair(conn) => {
+                    for _ in 0..2 {
+                        let () = EMPTY_SCRIPT
+                            .invoke_async(conn)
+                            .await
+                            .map_err(|e| e.to_string())?;
+                    }
                 }
                 Floor::PingAll(conns) => {
                     let pings = conns.iter_mut().map(|conn| async move {
@@ -589,6 +646,7 @@ pub async fn connect_floor(kind: &str, address: &str) -> Result<Floor, Failure> 
     };
     Ok(match kind {
         "ping" => Floor::Ping(redis_conn(address.to_owned()).await?),
+        "script-pair" => Floor::ScriptPair(redis_conn(address.to_owned()).await?),
         "ping-all" => {
             let mut conns = Vec::new();
             for node in address.split(',') {

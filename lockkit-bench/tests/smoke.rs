@@ -35,6 +35,7 @@ fn a_quick_run_measures_every_client() {
         "| kazoo 2.11 `Lock` |",
         "| Curator 5.4 `InterProcessMutex` |",
         "| floor: `PING`",
+        "| floor: two `EVALSHA`s of an empty script |",
         "| floor: ephemeral create + delete |",
         "| floor: `flock` + unlock |",
     ] {
@@ -58,5 +59,18 @@ fn a_quick_run_measures_every_client() {
             "{peer} lacks wake or handoff figures: {row}"
         );
     }
+    // Throughput: lockkit, rslock and both Redis floors have a rate (the last column).
+    for client in ["| lockkit |", "| rslock", "| floor: `PING`", "| floor: two"] {
+        let row = table.lines().find(|l| l.starts_with(client)).unwrap();
+        let rate = row.trim_end_matches('|').rsplit('|').next().unwrap().trim();
+        assert!(
+            rate.starts_with(|c: char| c.is_ascii_digit()),
+            "{client} has no throughput: {row}"
+        );
+    }
+    assert!(
+        table.contains("lockkit, acquire+release per second: "),
+        "{table}"
+    );
     assert!(table.contains("### Targets of issue 13"), "{table}");
 }
