@@ -194,11 +194,161 @@ impl GrantConns {
 /// Local waiters on one channel.
 #[derive(Debug, Default)]
 pub(crate) struct Channel {
-    /// Notified on every release message (and when the subscriber connection is lost, so
-    /// waiters retry instead of sleeping on a dead subscription).
+    /// Notified on every release (once per release: the `0` after a named waiter is the
+    /// same release) and when the subscriber connection is lost, so waiters retry instead
+    /// of sleeping on a dead subscription.
     pub(crate) notify: Notify,
+    /// What the releases heard so far said (see [`Turns`]).
+    turns: Mutex<Turns>,
     /// Subscriptions held; changed only under the sink lock.
     refs: Mutex<usize>,
+}
+
+/// The releases heard on one channel, for waiters that queue (see `wire::queue_of`).
+#[derive(Debug, Default)]
+struct Turns {
+    /// Releases that named nobody (a bare `0`, any other message, a lost connection):
+    /// every waiter tries.
+    open: u64,
+    /// The ids the latest releases named, with their sequence numbers (the last
+    /// [`NAMED_KEPT`]).
+    named: std::collections::VecDeque<(u64, u64)>,
+    /// The sequence number of the next named release.
+    next_named: u64,
+    /// The last message named a waiter: the `0` right after it is the same release.
+    zero_follows: bool,
+}
+
+/// How many named releases a channel remembers; a waiter that has not looked for longer
+/// tries, as after a release that named nobody.
+const NAMED_KEPT: usize = 64;
+
+/// How long a waiter that heard a release name another waiter sleeps on before it tries
+/// anyway: the named waiter may have died, given up, or be paused. Each named release after
+/// the first while it sleeps does not extend it.
+pub(crate) const NAMED_GRACE: Duration = Duration::from_millis(50);
+
+/// Where a waiter stood at [`Channel::mark`]: the releases after it decide whether it
+/// tries.
+#[derive(Debug, Clone, Copy)]
+struct Mark {
+    open: u64,
+    next_named: u64,
+}
+
+/// What the releases since a [`Mark`] tell a waiter.
+#[derive(Debug, PartialEq, Eq)]
+enum Turn {
+    /// Nothing yet.
+    Nothing,
+    /// Try now: a release named nobody, or named this waiter, or the waiter lost track.
+    Try,
+    /// Only other waiters were named.
+    Others,
+}
+
+impl Channel {
+    fn turns(&self) -> MutexGuard<'_, Turns> {
+        self.turns.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Takes in one message's payload; whether the channel's waiters are to be woken.
+    fn heard(&self, payload: &[u8]) -> bool {
+        let mut turns = self.turns();
+        let named = std::str::from_utf8(payload)
+            .ok()
+            .and_then(|text| text.parse::<u64>().ok())
+            .filter(|id| *id >= crate::wire::NAMED_WAITER_MIN);
+        match named {
+            Some(id) => {
+                let seq = turns.next_named;
+                turns.next_named += 1;
+                turns.named.push_back((seq, id));
+                if turns.named.len() > NAMED_KEPT {
+                    turns.named.pop_front();
+                }
+                turns.zero_follows = true;
+                true
+            }
+            None if payload == b"0" && std::mem::take(&mut turns.zero_follows) => false,
+            None => {
+                turns.zero_follows = false;
+                turns.open += 1;
+                true
+            }
+        }
+    }
+
+    /// Every waiter tries (the connection was lost, so releases may have been missed).
+    fn open_up(&self) {
+        let mut turns = self.turns();
+        turns.zero_follows = false;
+        turns.open += 1;
+    }
+
+    fn mark(&self) -> Mark {
+        let turns = self.turns();
+        Mark {
+            open: turns.open,
+            next_named: turns.next_named,
+        }
+    }
+
+    /// What the releases since `mark` mean for waiter `me`.
+    fn turn_since(&self, mark: Mark, me: u64) -> Turn {
+        let turns = self.turns();
+        if turns.open != mark.open {
+            return Turn::Try;
+        }
+        if turns.next_named == mark.next_named {
+            return Turn::Nothing;
+        }
+        match turns.named.front() {
+            Some((oldest, _)) if *oldest <= mark.next_named => {}
+            _ => return Turn::Try,
+        }
+        if turns
+            .named
+            .iter()
+            .any(|(seq, id)| *seq >= mark.next_named && *id == me)
+        {
+            Turn::Try
+        } else {
+            Turn::Others
+        }
+    }
+}
+
+/// Resolves when waiter `me` (see `wire::queue_of`) is to try again on `channel`: a release
+/// named it or nobody since this call, or [`NAMED_GRACE`] passed since the first release
+/// after it that named another waiter. Marked at the call, so a release that comes before
+/// the first poll counts.
+fn armed_for_turn(channel: &Channel, me: u64) -> Armed<'_> {
+    let mut notified = armed(&channel.notify);
+    let mark = channel.mark();
+    Box::pin(async move {
+        let mut grace: Option<tokio::time::Instant> = None;
+        loop {
+            match grace {
+                Some(until) => {
+                    tokio::select! {
+                        () = &mut notified => {}
+                        () = tokio::time::sleep_until(until) => return,
+                    }
+                }
+                None => (&mut notified).await,
+            }
+            // Listening again before reading what was heard: nothing slips in between.
+            notified = armed(&channel.notify);
+            match channel.turn_since(mark, me) {
+                Turn::Try => return,
+                Turn::Others => {
+                    grace.get_or_insert_with(|| tokio::time::Instant::now() + NAMED_GRACE);
+                }
+                Turn::Nothing => {}
+            }
+        }
+    })
 }
 
 #[derive(Default)]
@@ -215,6 +365,7 @@ impl Shared {
 
     fn wake_all(&self) {
         for channel in self.channels().values() {
+            channel.open_up();
             channel.notify.notify_waiters();
         }
     }
@@ -284,6 +435,9 @@ pub(crate) struct ReleaseMessages {
     names: Vec<String>,
     subscriptions: Vec<Subscription>,
     tried: bool,
+    /// The waiter's queue id, for a waiter that queues (see `wire::queue_of`): it then
+    /// sleeps through releases that name other waiters, for [`NAMED_GRACE`] at most.
+    queued_as: Option<u64>,
 }
 
 impl ReleaseMessages {
@@ -298,6 +452,15 @@ impl ReleaseMessages {
             names,
             subscriptions: Vec::new(),
             tried: false,
+            queued_as: None,
+        }
+    }
+
+    /// Wake-ups of waiter `id` on `name`, a waiter that queues (see `wire::queue_of`).
+    pub(crate) fn queued(wakeups: Arc<Wakeups>, name: String, id: u64) -> Self {
+        ReleaseMessages {
+            queued_as: Some(id),
+            ..Self::new(wakeups, name)
         }
     }
 }
@@ -334,7 +497,10 @@ impl Wake for ReleaseMessages {
     fn arm(&self) -> Armed<'_> {
         match self.subscriptions.as_slice() {
             [] => never(),
-            [one] => armed(&one.channel.notify),
+            [one] => match self.queued_as {
+                Some(me) => armed_for_turn(&one.channel, me),
+                None => armed(&one.channel.notify),
+            },
             several => {
                 // Each armed at once, so a message that comes before the first poll counts.
                 let all: Vec<Armed<'_>> =
@@ -515,7 +681,9 @@ impl Wakeups {
         tokio::spawn(async move {
             while let Some(message) = stream.next().await {
                 let channel = shared.channels().get(message.get_channel_name()).cloned();
-                if let Some(channel) = channel {
+                if let Some(channel) = channel
+                    && channel.heard(message.get_payload_bytes())
+                {
                     channel.notify.notify_waiters();
                 }
             }

@@ -530,7 +530,7 @@ impl RedlockBackend {
         let ask = |node: RedisBackend| {
             let req = req.clone();
             async move {
-                node.run_acquire_marking(&req, None, marker, Some(proposed))
+                node.run_acquire_marking(&req, None, marker, Some(proposed), None)
                     .await
             }
         };

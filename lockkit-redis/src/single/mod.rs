@@ -51,6 +51,28 @@ pub(crate) fn attempt_field(attempt: uuid::Uuid) -> String {
     }
 }
 
+/// A waiting plain acquisition's place in the key's waiter queue (see [`wire::queue_of`]).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct QueueTurn {
+    /// The waiter's id in the queue and in release messages ([`queue_id`]).
+    pub(crate) id: u64,
+    /// An earlier attempt of the wait may have queued it: a grant leaves the queue.
+    pub(crate) may_be_queued: bool,
+}
+
+/// The queue id of the wait of `attempt`: at least [`wire::NAMED_WAITER_MIN`] and below
+/// twice that, spread over all of `attempt`'s bits (SplitMix64's finish), so that waits of
+/// different processes, whose attempt counters run alike, get different ids. Two waiters
+/// of one key with one id would only both try at a release naming it.
+pub(crate) fn queue_id(attempt: uuid::Uuid) -> u64 {
+    let (high, low) = attempt.as_u64_pair();
+    let mut z = high ^ low.rotate_left(29);
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^= z >> 31;
+    wire::NAMED_WAITER_MIN | (z & (wire::NAMED_WAITER_MIN - 1))
+}
+
 pub(crate) fn ttl_millis(ttl: Duration) -> u64 {
     u64::try_from(ttl.as_millis()).unwrap_or(u64::MAX).max(1)
 }
@@ -263,12 +285,22 @@ impl RedisBackend {
         interrupt: Option<&lockkit_core::spi::Interrupt>,
         marker: bool,
         proposed_token: Option<u64>,
+        turn: Option<QueueTurn>,
     ) -> Result<Attempt> {
         if req.kind != LockKind::Exclusive {
             return self.run_kind_acquire(req, interrupt, marker).await;
         }
         let names = self.names(&req.key)?;
         let waiting_writers = wire::waiting_writers_of(&names);
+        let queue = wire::queue_of(&names);
+        let proposed = proposed_token.map(|t| t.to_string()).unwrap_or_default();
+        let (queue_id, may_be_queued) = match turn {
+            Some(turn) => (
+                turn.id.to_string(),
+                if turn.may_be_queued { "1" } else { "" },
+            ),
+            None => (String::new(), ""),
+        };
         let marker_ms = if marker { wire::WRITER_MARKER_MS } else { 0 };
         let config = &self.inner.config;
         let within = config.response_timeout + config.wait_replicas_timeout;
@@ -281,14 +313,15 @@ impl RedisBackend {
             script
                 .key(&names.token)
                 .key(&waiting_writers)
+                .key(&queue)
                 .arg(ttl_millis(req.ttl))
                 .arg(req.owner.to_string())
                 .arg(attempt_field(req.attempt))
                 .arg(req.identity.encode())
-                .arg(marker_ms);
-            if let Some(proposed) = proposed_token {
-                script.arg(proposed);
-            }
+                .arg(marker_ms)
+                .arg(&proposed)
+                .arg(&queue_id)
+                .arg(may_be_queued);
             let outcome = script
                 .invoke_async(&mut conn)
                 .await
@@ -300,16 +333,19 @@ impl RedisBackend {
             let mut pipe = redis::pipe();
             pipe.cmd("EVAL")
                 .arg(wire::ACQUIRE_LUA)
-                .arg(3)
+                .arg(4)
                 .arg(&names.lock)
                 .arg(&names.token)
                 .arg(&waiting_writers)
+                .arg(&queue)
                 .arg(ttl_millis(req.ttl))
                 .arg(req.owner.to_string())
                 .arg(attempt_field(req.attempt))
                 .arg(req.identity.encode())
                 .arg(marker_ms)
-                .arg(proposed_token.map(|t| t.to_string()).unwrap_or_default())
+                .arg(&proposed)
+                .arg(&queue_id)
+                .arg(may_be_queued)
                 .cmd("WAIT")
                 .arg(wanted)
                 .arg(ttl_millis(self.inner.config.wait_replicas_timeout));
@@ -381,7 +417,7 @@ impl RedisBackend {
     /// One cancel-safe acquire attempt: the script runs in its own task, and if the caller
     /// goes away before the answer arrives, a grant that arrives anyway is given back.
     pub(crate) async fn attempt(&self, req: &AcquireRequest) -> Result<Attempt> {
-        self.attempt_marking(req, None).await
+        self.attempt_marking(req, None, None).await
     }
 
     /// [`Self::attempt`]; with `marker`, a write or plain lock that finds the key busy also registers
@@ -391,6 +427,7 @@ impl RedisBackend {
         &self,
         req: &AcquireRequest,
         marker: Option<std::sync::Arc<MarkShare>>,
+        turn: Option<QueueTurn>,
     ) -> Result<Attempt> {
         let (this, request, giver) = (self.clone(), req.clone(), self.clone());
         lockkit_core::spi::detached_acquire(
@@ -403,7 +440,13 @@ impl RedisBackend {
                 }
                 async move {
                     let outcome = this
-                        .run_acquire_marking(&request, Some(&interrupt), marker.is_some(), None)
+                        .run_acquire_marking(
+                            &request,
+                            Some(&interrupt),
+                            marker.is_some(),
+                            None,
+                            turn,
+                        )
                         .await;
                     if marker.as_ref().is_some_and(|share| share.finish()) {
                         this.forget_writer_later(&request);
@@ -433,17 +476,69 @@ impl RedisBackend {
         let names = self.names(&req.key)?;
         let marker = WriterMarker::new(self.clone(), req.clone());
         let share = marker.share();
-        let mut messages = ReleaseMessages::new(self.inner.wakeups.clone(), names.channel);
+        let id = queue_id(req.attempt);
+        let mut place = QueuePlace {
+            backend: self.clone(),
+            queue: wire::queue_of(&names),
+            id,
+            may_be_queued: false,
+        };
+        let mut messages = ReleaseMessages::queued(self.inner.wakeups.clone(), names.channel, id);
         let outcome = wait_for_grant(&req.key, wait, wait_policy(), &mut messages, || {
-            self.attempt_marking(req, Some(share.clone()))
+            let turn = QueueTurn {
+                id,
+                may_be_queued: std::mem::replace(&mut place.may_be_queued, true),
+            };
+            self.attempt_marking(req, Some(share.clone()), Some(turn))
         })
         .await;
         if outcome.is_ok() {
-            // The grant removed the marker (in its script, atomically).
+            // The grant removed the marker and the waiter's place in the queue (in its
+            // script, atomically).
             marker.granted();
+            place.may_be_queued = false;
         }
         drop(marker);
+        drop(place);
         outcome
+    }
+}
+
+/// A wait's place in the key's waiter queue: left (in the background) when the wait ends
+/// without a grant, also when its future is dropped. An attempt still running then may queue
+/// it again; that place is named at one release and popped, and the other waiters try
+/// [`crate::conn::NAMED_GRACE`] after it.
+struct QueuePlace {
+    backend: RedisBackend,
+    queue: String,
+    id: u64,
+    /// An attempt was sent: the waiter may be queued.
+    may_be_queued: bool,
+}
+
+impl Drop for QueuePlace {
+    fn drop(&mut self) {
+        if !self.may_be_queued {
+            return;
+        }
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        let (mut conn, queue, id) = (
+            self.backend.conn(),
+            std::mem::take(&mut self.queue),
+            self.id,
+        );
+        runtime.spawn(async move {
+            let left: std::result::Result<i64, _> = redis::cmd("ZREM")
+                .arg(&queue)
+                .arg(id)
+                .query_async(&mut conn)
+                .await;
+            if let Err(error) = left {
+                tracing::debug!(%error, "could not leave the waiter queue; the first release to name this waiter pops it");
+            }
+        });
     }
 }
 
@@ -506,6 +601,7 @@ impl LockBackend for RedisBackend {
         let left: i64 = wire::RELEASE
             .key(&names.lock)
             .key(&names.channel)
+            .key(wire::queue_of(&names))
             .arg(grant.owner.to_string())
             .arg(attempt_field(grant.attempt))
             .invoke_async(&mut self.conn())
@@ -649,7 +745,9 @@ pub(crate) fn parse_inspect(reply: &[Value]) -> Option<HolderInfo> {
                 .and_then(|value| HolderIdentity::decode(&value));
             let (owner, depth) = fields()
                 .filter(|(field, _)| {
-                    !field.starts_with(wire::ATTEMPT_FIELD_PREFIX) && field != wire::HOLDER_FIELD
+                    !field.starts_with(wire::ATTEMPT_FIELD_PREFIX)
+                        && field != wire::HOLDER_FIELD
+                        && field != wire::QUEUE_FIELD
                 })
                 .filter_map(|(field, value)| Some((field, number(value)?)))
                 .max_by_key(|(_, depth)| *depth)?;

@@ -89,6 +89,36 @@ pub(crate) const ATTEMPT_FIELD_PREFIX: &str = "lockkit-attempt:";
 /// ignores the attempt fields.
 pub(crate) const HOLDER_FIELD: &str = "lockkit-holder";
 
+/// The hash field that says waiters are queued for the key (see [`queue_of`]): written by a
+/// queued waiter into the hold it waits behind, and by a queued waiter's grant while others
+/// are still queued, so that the release of that hold names the next waiter. Gone with the
+/// hash; Redisson ignores it.
+pub(crate) const QUEUE_FIELD: &str = "lockkit-queue";
+
+/// How long a key's waiter queue outlives its last enqueue, in ms. A waiter re-enqueues
+/// (keeping its place) at each busy answer; a queue that ran out only makes the next release
+/// wake every waiter, as a release without a queue does.
+/// (The script writes it as a literal; a unit test holds the two together.)
+#[cfg_attr(not(test), allow(dead_code))]
+pub(crate) const QUEUE_LIFE_MS: u64 = 60_000;
+
+/// The smallest waiter id a release names (`2^61`): every id is at least this, so that a
+/// release message can name one (Redisson's waiters read messages as numbers and act on `0`
+/// and `1` only) and nothing else on the channel passes for one.
+pub(crate) const NAMED_WAITER_MIN: u64 = 1 << 61;
+
+/// The waiter queue of the lock named `names` (`S(n):lockkit_queue`, in the lock's cluster
+/// slot): a sorted set of the ids of lockkit's waiting plain acquisitions, by the server
+/// time in µs each first queued. The release of a hold that waiters queued behind pops the
+/// earliest and names it on the release channel, before the `0` every Redisson waiter
+/// listens for: the named waiter tries at once, the others stay asleep (see
+/// `conn::ReleaseMessages`) instead of all running a script for one grant.
+pub(crate) fn queue_of(names: &LockNames) -> String {
+    let mut name = rw::suffix_base(&names.lock);
+    name.push_str(":lockkit_queue");
+    name
+}
+
 /// [`ACQUIRE`]'s third reply value when busy and the owner is marked as a waiting writer.
 pub(crate) const BUSY_MARKED: i64 = 2;
 
@@ -100,10 +130,17 @@ pub(crate) const PROPOSAL_AHEAD_AT_MOST: std::time::Duration = std::time::Durati
 /// written, so an absurd TTL never leaves a lock without an expiry.
 pub(crate) const MAX_TTL_MS: u64 = 1_000_000_000_000;
 
-/// KEYS: lock, token, waiting writers (`S(n):lockkit_wwait`, see [`KindNames`]). ARGV: ttl
-/// ms, owner field, attempt field (`''`: none), the holder's identity (`''`: none; stored in
-/// [`HOLDER_FIELD`] by a new holder only), marker ms (`0`: do not mark), and optionally a
-/// proposed token (decimal, below 2^53; `''` or absent: none).
+/// KEYS: lock, token, waiting writers (`S(n):lockkit_wwait`, see [`KindNames`]), waiter
+/// queue ([`queue_of`]). ARGV: ttl ms, owner field, attempt field (`''`: none), the holder's
+/// identity (`''`: none; stored in [`HOLDER_FIELD`] by a new holder only), marker ms (`0`:
+/// do not mark), a proposed token (decimal, below 2^53; `''` or absent: none), the waiter's
+/// queue id (`''` or absent: does not queue; else decimal, at least [`NAMED_WAITER_MIN`]),
+/// and `1` when an earlier attempt of the same wait may have queued it (its grant then
+/// leaves the queue).
+///
+/// A waiter that finds the key held by others in Redisson's layout queues (keeping its
+/// place if it is queued already, see [`queue_of`]) and flags the hold ([`QUEUE_FIELD`]); a
+/// queued waiter's grant leaves the queue and flags the new hold while others are queued.
 /// Returns `{1, token, depth}` when granted, `{0, pttl, 0}` when held by someone else in
 /// Redisson's layout (who publishes on release), `{0, pttl, 1}` when held in another format
 /// (a plain `SET NX PX` string: nobody publishes its release), `{0, pttl, 2}` when held as
@@ -146,7 +183,16 @@ end
 local t = redis.call('type', KEYS[1]).ok
 if t == 'none' then
   redis.call('zrem', KEYS[3], ARGV[2])
+  local others_queued = false
+  if ARGV[8] == '1' then
+    redis.call('zrem', KEYS[4], ARGV[7])
+    others_queued = redis.call('zcard', KEYS[4]) > 0
+  end
   local fields = {'hset', KEYS[1], ARGV[2], 1}
+  if others_queued then
+    fields[#fields + 1] = 'lockkit-queue'
+    fields[#fields + 1] = 1
+  end
   if ARGV[3] ~= '' then
     fields[#fields + 1] = ARGV[3]
     fields[#fields + 1] = 1
@@ -200,6 +246,12 @@ if t == 'hash' and redis.call('hexists', KEYS[1], ARGV[2]) == 1 then
   return {1, tonumber(redis.call('get', KEYS[2]) or '0'), depth}
 end
 if t == 'hash' then
+  if ARGV[7] and ARGV[7] ~= '' then
+    local now = redis.call('time')
+    redis.call('zadd', KEYS[4], 'NX', now[1] .. string.format('%06d', tonumber(now[2])), ARGV[7])
+    redis.call('pexpire', KEYS[4], 60000)
+    redis.call('hset', KEYS[1], 'lockkit-queue', 1)
+  end
   return {0, redis.call('pttl', KEYS[1]), 0}
 end
 return {0, redis.call('pttl', KEYS[1]), 1}
@@ -224,15 +276,20 @@ return 1
     )
 });
 
-/// KEYS: lock, channel. ARGV: owner field, the grant's attempt field (`''`: release one hold
-/// whatever acquired it). Returns -1 if not ours (also on a read-write lock's hash: a stale
+/// KEYS: lock, channel, waiter queue ([`queue_of`]). ARGV: owner field, the grant's attempt
+/// field (`''`: release one hold whatever acquired it). Returns -1 if not ours (also on a read-write lock's hash: a stale
 /// mutex grant must never take the owner's read count, nor delete other readers' hash),
 /// else the holds left (0: released and
 /// published). A partial release leaves the lease as it is. With an attempt field, only a
 /// hold that attempt added is given back, once: a retried release, or a give-back on a
 /// master whose vote failed, changes nothing and reports the holds left.
 ///
-/// One `HMGET` reads the owner's count, the read-write `mode` and the attempt's field (a key
+/// The last hold's release of a hold flagged [`QUEUE_FIELD`] pops the queue's earliest
+/// waiter and publishes its id on the channel right before the `0` (one script: the two are
+/// adjacent on every subscriber connection).
+///
+/// One `HMGET` reads the owner's count, the read-write `mode`, the attempt's field and the
+/// queue flag (a key
 /// of another type answers it with an error, caught: not ours; the server still counts it
 /// in `errorstat_WRONGTYPE`); the last hold deletes the hash without counting down first.
 /// A count that is not an integer (as `HINCRBY` reads it) is an error, and changes nothing. Each `redis.call` costs the server about as much as a
@@ -240,7 +297,7 @@ return 1
 pub(crate) static RELEASE: LazyLock<Script> = LazyLock::new(|| {
     Script::new(
         r"
-local found = redis.pcall('hmget', KEYS[1], ARGV[1], 'mode', ARGV[2])
+local found = redis.pcall('hmget', KEYS[1], ARGV[1], 'mode', ARGV[2], 'lockkit-queue')
 if found.err or not found[1] or found[2] then
   return -1
 end
@@ -256,6 +313,10 @@ if count > 1 then
   return redis.call('hincrby', KEYS[1], ARGV[1], -1)
 end
 redis.call('del', KEYS[1])
+if found[4] then
+  local next = redis.call('zpopmin', KEYS[3])
+  if next[1] then redis.call('publish', KEYS[2], next[1]) end
+end
 redis.call('publish', KEYS[2], 0)
 return 0
 ",
@@ -303,6 +364,10 @@ mod tests {
         LockNames::new("", &LockKey::new(key).unwrap(), cluster)
     }
 
+    fn names_in(key: &str) -> LockNames {
+        LockNames::new("p/", &LockKey::new(key).unwrap(), true).unwrap()
+    }
+
     #[test]
     fn the_acquire_script_bounds_a_proposal_as_documented() {
         let micros = PROPOSAL_AHEAD_AT_MOST.as_micros();
@@ -312,6 +377,16 @@ mod tests {
     #[test]
     fn the_scripts_name_the_holder_field() {
         assert!(ACQUIRE_LUA.contains(&format!("'{HOLDER_FIELD}'")));
+    }
+
+    #[test]
+    fn the_scripts_name_the_queue_field_and_life() {
+        assert!(ACQUIRE_LUA.contains(&format!("'{QUEUE_FIELD}'")));
+        assert!(ACQUIRE_LUA.contains(&format!("pexpire', KEYS[4], {QUEUE_LIFE_MS})")));
+        let names = names("orders/42", false).unwrap();
+        assert_eq!(queue_of(&names), "{orders/42}:lockkit_queue");
+        let names = names_in("a{b}c");
+        assert_eq!(hash_tag(&queue_of(&names)), hash_tag(&names.lock));
     }
 
     #[test]

@@ -32,7 +32,7 @@ use redis::Script;
 use super::{LockNames, prefixed};
 
 /// `S(n)`: Redisson's `suffixName` base for `n`.
-fn suffix_base(name: &str) -> String {
+pub(crate) fn suffix_base(name: &str) -> String {
     if name.contains('{') {
         name.to_owned()
     } else {

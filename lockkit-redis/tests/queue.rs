@@ -1,0 +1,249 @@
+//! The waiter queue of a single Redis server: a release names the next lockkit waiter, and
+//! only that one runs a script; the others sleep on. A release that names nobody (a
+//! Redisson holder's, a bare `0`) still wakes every waiter, and a named waiter that never
+//! comes costs the others a short grace (50 ms), not the lease they learned.
+
+use std::time::{Duration, Instant};
+
+use futures_util::StreamExt;
+use lockkit_conformance::{FaultProxy, ProxiedClients, env};
+use lockkit_core::Locker;
+use lockkit_redis::RedisBackend;
+use redis::AsyncCommands;
+use uuid::Uuid;
+
+const TTL: Duration = Duration::from_secs(30);
+
+fn server() -> Option<String> {
+    env::service_url("LOCKKIT_TEST_REDIS_URL")
+}
+
+fn key() -> String {
+    format!("queue/{}", Uuid::new_v4().simple())
+}
+
+async fn admin(url: &str) -> redis::aio::MultiplexedConnection {
+    redis::Client::open(url)
+        .unwrap()
+        .get_multiplexed_async_connection()
+        .await
+        .unwrap()
+}
+
+/// `n` clients of the server, each with its own connections, all through one proxy that
+/// counts what they send.
+async fn clients_through_one_proxy(url: &str, n: usize) -> (FaultProxy, Vec<Locker>) {
+    let host = url.trim_start_matches("redis://").trim_end_matches('/');
+    let (mut proxies, hosts) =
+        ProxiedClients::<RedisBackend>::start_proxies(&[host.to_owned()]).await;
+    let mut clients = Vec::new();
+    for _ in 0..n {
+        let backend = RedisBackend::connect(&format!("redis://{hosts}"))
+            .await
+            .unwrap();
+        clients.push(Locker::new(backend));
+    }
+    (proxies.remove(0), clients)
+}
+
+/// Seven lockkit waiters of seven clients queue behind a holder; each release names one,
+/// which is granted and releases in turn. Without the queue every release woke every
+/// waiter left, and each ran a script for one grant (43 requests for the seven handoffs
+/// here, three runs); with it, a handoff costs the named waiter's acquisition, its release
+/// and its unsubscription (22 here, three runs).
+#[tokio::test]
+async fn a_release_wakes_only_the_waiter_it_names() {
+    let Some(url) = server() else { return };
+    const WAITERS: usize = 7;
+    let (proxy, clients) = clients_through_one_proxy(&url, WAITERS + 1).await;
+    let key = key();
+    let holder = clients[0].acquire(key.as_str()).ttl(TTL).await.unwrap();
+    let history = lockkit_conformance::History::new();
+    let mut waiters = Vec::new();
+    for (i, locker) in clients.iter().enumerate().skip(1) {
+        let (locker, key, history) = (locker.clone(), key.clone(), history.clone());
+        waiters.push(tokio::spawn(async move {
+            let guard = locker
+                .acquire(key.as_str())
+                .ttl(TTL)
+                .wait(Duration::from_secs(60))
+                .await
+                .unwrap();
+            let open = history.begin(format!("waiter {i}"), &guard);
+            tokio::task::yield_now().await;
+            history.end(open, &guard);
+            guard.release().await.unwrap();
+        }));
+    }
+    // Every waiter has made its first attempt (and queued) by then.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let before = proxy.requests_seen();
+    holder.release().await.unwrap();
+    for waiter in waiters {
+        waiter.await.unwrap();
+    }
+    history.assert_linear();
+    assert_eq!(history.records().len(), WAITERS);
+    let seen = proxy.requests_seen() - before;
+    assert!(
+        seen <= 5 * WAITERS as u64,
+        "{seen} requests for {WAITERS} handoffs: released waiters that were not named ran scripts"
+    );
+}
+
+/// A release names a waiter that is gone (its place left behind: a crash, a wait that gave
+/// up before leaving the queue). The other waiter, told that someone else is next, tries
+/// anyway after a short grace, not when the lease it learned runs out (30 s here).
+#[tokio::test]
+async fn a_named_waiter_that_never_comes_holds_the_others_back_briefly() {
+    let Some(url) = server() else { return };
+    let backend = RedisBackend::connect(&url).await.unwrap();
+    let (holding, waiting) = (
+        Locker::new(backend.clone()),
+        Locker::new(RedisBackend::connect(&url).await.unwrap()),
+    );
+    let key = key();
+    let hash = key.clone();
+    let queue = format!("{{{hash}}}:lockkit_queue");
+    let holder = holding.acquire(key.as_str()).ttl(TTL).await.unwrap();
+    let waiter = {
+        let key = key.clone();
+        tokio::spawn(async move {
+            waiting
+                .acquire(key.as_str())
+                .ttl(TTL)
+                .wait(Duration::from_secs(60))
+                .await
+                .map(|guard| (guard, Instant::now()))
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let mut admin = admin(&url).await;
+    let queued: Vec<(String, f64)> = admin.zrange_withscores(&queue, 0, -1).await.unwrap();
+    assert_eq!(queued.len(), 1, "the waiter queued: {queued:?}");
+    // A dead waiter ahead of it: queued earlier, never to come.
+    let ghost = (1u64 << 61) + 12_345;
+    let _: () = admin.zadd(&queue, ghost, 1.0).await.unwrap();
+    let released = Instant::now();
+    holder.release().await.unwrap();
+    let (guard, granted) = tokio::time::timeout(Duration::from_secs(20), waiter)
+        .await
+        .expect("the waiter slept until the lease it learned")
+        .unwrap()
+        .unwrap();
+    let after = granted - released;
+    assert!(
+        after < Duration::from_secs(5),
+        "granted {after:?} after the release (a grace of 50 ms expected)"
+    );
+    guard.release().await.unwrap();
+    let left: Vec<String> = admin.zrange(&queue, 0, -1).await.unwrap();
+    assert!(
+        left.is_empty(),
+        "the ghost was popped, the waiter left: {left:?}"
+    );
+}
+
+/// What a release says on the channel: the next waiter's id, then the `0` every Redisson
+/// waiter acts on. Both are numbers (Redisson reads messages as `long`s and ignores all but
+/// `0` and `1`), the id at least 2^61; the waiter leaves the queue with its grant, and the
+/// queue is gone with it.
+#[tokio::test]
+async fn a_release_names_the_next_waiter_before_its_zero() {
+    let Some(url) = server() else { return };
+    let (holding, waiting) = (
+        Locker::new(RedisBackend::connect(&url).await.unwrap()),
+        Locker::new(RedisBackend::connect(&url).await.unwrap()),
+    );
+    let key = key();
+    let channel = format!("redisson_lock__channel:{{{key}}}");
+    let queue = format!("{{{key}}}:lockkit_queue");
+    let mut listener = redis::Client::open(url.as_str())
+        .unwrap()
+        .get_async_pubsub()
+        .await
+        .unwrap();
+    listener.subscribe(&channel).await.unwrap();
+    let holder = holding.acquire(key.as_str()).ttl(TTL).await.unwrap();
+    let waiter = {
+        let key = key.clone();
+        tokio::spawn(async move {
+            waiting
+                .acquire(key.as_str())
+                .ttl(TTL)
+                .wait(Duration::from_secs(60))
+                .await
+                .unwrap()
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let mut admin = admin(&url).await;
+    let flag: Option<String> = admin.hget(&key, "lockkit-queue").await.unwrap();
+    assert_eq!(flag.as_deref(), Some("1"), "the waiter flagged the hold");
+    holder.release().await.unwrap();
+    let guard = tokio::time::timeout(Duration::from_secs(20), waiter)
+        .await
+        .unwrap()
+        .unwrap();
+    let mut messages = listener.on_message();
+    let mut said = Vec::new();
+    for _ in 0..2 {
+        let message = tokio::time::timeout(Duration::from_secs(5), messages.next())
+            .await
+            .expect("two messages per release")
+            .unwrap();
+        said.push(message.get_payload::<String>().unwrap());
+    }
+    let named: u64 = said[0].parse().expect("the name is a number");
+    assert!((1u64 << 61..1u64 << 62).contains(&named), "{said:?}");
+    assert_eq!(said[1], "0", "{said:?}");
+    let exists: bool = admin.exists(&queue).await.unwrap();
+    assert!(
+        !exists,
+        "the granted waiter left the queue, and nobody else is in it"
+    );
+    let flag: Option<String> = admin.hget(&key, "lockkit-queue").await.unwrap();
+    assert_eq!(flag, None, "nobody else waits: the new hold is not flagged");
+    drop(messages);
+    guard.release().await.unwrap();
+}
+
+/// A hold in Redisson's layout that lockkit did not make (a Redisson client's) is released
+/// with a bare `0`: the queued lockkit waiter still hears it at once, not after its lease.
+#[tokio::test]
+async fn a_bare_release_still_wakes_a_queued_waiter() {
+    let Some(url) = server() else { return };
+    let waiting = Locker::new(RedisBackend::connect(&url).await.unwrap());
+    let key = key();
+    let channel = format!("redisson_lock__channel:{{{key}}}");
+    let mut admin = admin(&url).await;
+    let redisson_owner = format!("{}:1", Uuid::new_v4());
+    let _: () = admin.hset(&key, &redisson_owner, 1).await.unwrap();
+    let _: () = admin.pexpire(&key, 30_000).await.unwrap();
+    let waiter = {
+        let key = key.clone();
+        tokio::spawn(async move {
+            waiting
+                .acquire(key.as_str())
+                .ttl(TTL)
+                .wait(Duration::from_secs(60))
+                .await
+                .map(|guard| (guard, Instant::now()))
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let released = Instant::now();
+    let _: () = admin.del(&key).await.unwrap();
+    let _: () = admin.publish(&channel, 0).await.unwrap();
+    let (guard, granted) = tokio::time::timeout(Duration::from_secs(20), waiter)
+        .await
+        .expect("the waiter slept until the lease it learned")
+        .unwrap()
+        .unwrap();
+    assert!(
+        granted - released < Duration::from_secs(5),
+        "granted {:?} after the release",
+        granted - released
+    );
+    guard.release().await.unwrap();
+}
