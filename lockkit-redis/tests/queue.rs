@@ -91,6 +91,60 @@ async fn a_release_wakes_only_the_waiter_it_names() {
     );
 }
 
+/// Three waiters queue; the release names the first, which then holds the key for a while.
+/// The other two heard it named, and then heard it take the key: they sleep through its
+/// hold instead of each trying once the grace has passed (two requests, within 50 ms, when
+/// the grant said nothing).
+#[tokio::test]
+async fn the_others_sleep_through_the_hold_of_the_waiter_a_release_named() {
+    let Some(url) = server() else { return };
+    let (proxy, clients) = clients_through_one_proxy(&url, 4).await;
+    let key = key();
+    let holder = clients[0].acquire(key.as_str()).ttl(TTL).await.unwrap();
+    let (granted_tx, mut granted_rx) = tokio::sync::mpsc::unbounded_channel();
+    let mut waiters = Vec::new();
+    for (i, locker) in clients.iter().enumerate().skip(1) {
+        let (locker, key, granted) = (locker.clone(), key.clone(), granted_tx.clone());
+        waiters.push(tokio::spawn(async move {
+            let guard = locker
+                .acquire(key.as_str())
+                .ttl(TTL)
+                .wait(Duration::from_secs(60))
+                .await
+                .unwrap();
+            granted.send(i).unwrap();
+            tokio::time::sleep(Duration::from_millis(400)).await;
+            guard.release().await.unwrap();
+        }));
+        // One after the other, so the queue's order is known.
+        tokio::time::sleep(Duration::from_millis(150)).await;
+    }
+    holder.release().await.unwrap();
+    let first = tokio::time::timeout(Duration::from_secs(20), granted_rx.recv())
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(first, 1, "the earliest waiter is named first");
+    // Past the named waiter's unsubscription, well within the others' grace.
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    let before = proxy.requests_seen();
+    tokio::time::sleep(Duration::from_millis(250)).await;
+    let during = proxy.requests_seen() - before;
+    assert_eq!(
+        during, 0,
+        "{during} requests while the named waiter held the key: the others tried"
+    );
+    for _ in 0..2 {
+        tokio::time::timeout(Duration::from_secs(20), granted_rx.recv())
+            .await
+            .unwrap()
+            .unwrap();
+    }
+    for waiter in waiters {
+        waiter.await.unwrap();
+    }
+}
+
 /// A release names a waiter that is gone (its place left behind: a crash, a wait that gave
 /// up before leaving the queue). The other waiter, told that someone else is next, tries
 /// anyway after a short grace, not when the lease it learned runs out (30 s here).

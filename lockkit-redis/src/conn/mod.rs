@@ -210,22 +210,32 @@ struct Turns {
     /// Releases that named nobody (a bare `0`, any other message, a lost connection):
     /// every waiter tries.
     open: u64,
-    /// The ids the latest releases named, with their sequence numbers (the last
-    /// [`NAMED_KEPT`]).
-    named: std::collections::VecDeque<(u64, u64)>,
-    /// The sequence number of the next named release.
-    next_named: u64,
+    /// The latest named releases and queued waiters' grants, with their sequence numbers
+    /// (the last [`EVENTS_KEPT`]).
+    events: std::collections::VecDeque<(u64, Event)>,
+    /// The sequence number of the next event.
+    next_event: u64,
     /// The last message named a waiter: the `0` right after it is the same release.
     zero_follows: bool,
 }
 
-/// How many named releases a channel remembers; a waiter that has not looked for longer
-/// tries, as after a release that named nobody.
-const NAMED_KEPT: usize = 64;
+/// What a message from a lockkit script said, beyond "the key is free".
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Event {
+    /// A release named this waiter as the next.
+    Named(u64),
+    /// A queued waiter was granted the key (its id negated).
+    Taken,
+}
+
+/// How many events a channel remembers; a waiter that has not looked for longer tries, as
+/// after a release that named nobody.
+const EVENTS_KEPT: usize = 64;
 
 /// How long a waiter that heard a release name another waiter sleeps on before it tries
-/// anyway: the named waiter may have died, given up, or be paused. Each named release after
-/// the first while it sleeps does not extend it.
+/// anyway, unless it hears a queued waiter take the key first: the named waiter may have
+/// died, given up, or be paused. Each named release after the first while it sleeps does
+/// not extend it.
 pub(crate) const NAMED_GRACE: Duration = Duration::from_millis(50);
 
 /// Where a waiter stood at [`Channel::mark`]: the releases after it decide whether it
@@ -233,17 +243,17 @@ pub(crate) const NAMED_GRACE: Duration = Duration::from_millis(50);
 #[derive(Debug, Clone, Copy)]
 struct Mark {
     open: u64,
-    next_named: u64,
+    next_event: u64,
 }
 
-/// What the releases since a [`Mark`] tell a waiter.
+/// What the messages since a [`Mark`] tell a waiter.
 #[derive(Debug, PartialEq, Eq)]
 enum Turn {
-    /// Nothing yet.
+    /// Nothing, or the key was last taken by a queued waiter: sleep on.
     Nothing,
     /// Try now: a release named nobody, or named this waiter, or the waiter lost track.
     Try,
-    /// Only other waiters were named.
+    /// The last release named another waiter, who has not been heard taking the key.
     Others,
 }
 
@@ -255,19 +265,24 @@ impl Channel {
     /// Takes in one message's payload; whether the channel's waiters are to be woken.
     fn heard(&self, payload: &[u8]) -> bool {
         let mut turns = self.turns();
-        let named = std::str::from_utf8(payload)
+        let min = i64::try_from(crate::wire::NAMED_WAITER_MIN).unwrap_or(i64::MAX);
+        let number = std::str::from_utf8(payload)
             .ok()
-            .and_then(|text| text.parse::<u64>().ok())
-            .filter(|id| *id >= crate::wire::NAMED_WAITER_MIN);
-        match named {
-            Some(id) => {
-                let seq = turns.next_named;
-                turns.next_named += 1;
-                turns.named.push_back((seq, id));
-                if turns.named.len() > NAMED_KEPT {
-                    turns.named.pop_front();
+            .and_then(|text| text.parse::<i64>().ok());
+        let event = match number {
+            Some(n) if n >= min => Some(Event::Named(n.unsigned_abs())),
+            Some(n) if n <= -min => Some(Event::Taken),
+            _ => None,
+        };
+        match event {
+            Some(event) => {
+                let seq = turns.next_event;
+                turns.next_event += 1;
+                turns.events.push_back((seq, event));
+                if turns.events.len() > EVENTS_KEPT {
+                    turns.events.pop_front();
                 }
-                turns.zero_follows = true;
+                turns.zero_follows = matches!(event, Event::Named(_));
                 true
             }
             None if payload == b"0" && std::mem::take(&mut turns.zero_follows) => false,
@@ -290,39 +305,43 @@ impl Channel {
         let turns = self.turns();
         Mark {
             open: turns.open,
-            next_named: turns.next_named,
+            next_event: turns.next_event,
         }
     }
 
-    /// What the releases since `mark` mean for waiter `me`.
+    /// What the messages since `mark` mean for waiter `me`.
     fn turn_since(&self, mark: Mark, me: u64) -> Turn {
         let turns = self.turns();
         if turns.open != mark.open {
             return Turn::Try;
         }
-        if turns.next_named == mark.next_named {
+        if turns.next_event == mark.next_event {
             return Turn::Nothing;
         }
-        match turns.named.front() {
-            Some((oldest, _)) if *oldest <= mark.next_named => {}
+        match turns.events.front() {
+            Some((oldest, _)) if *oldest <= mark.next_event => {}
             _ => return Turn::Try,
         }
-        if turns
-            .named
+        let mut turn = Turn::Nothing;
+        for (_, event) in turns
+            .events
             .iter()
-            .any(|(seq, id)| *seq >= mark.next_named && *id == me)
+            .filter(|(seq, _)| *seq >= mark.next_event)
         {
-            Turn::Try
-        } else {
-            Turn::Others
+            turn = match event {
+                Event::Named(id) if *id == me => return Turn::Try,
+                Event::Named(_) => Turn::Others,
+                Event::Taken => Turn::Nothing,
+            };
         }
+        turn
     }
 }
 
 /// Resolves when waiter `me` (see `wire::queue_of`) is to try again on `channel`: a release
-/// named it or nobody since this call, or [`NAMED_GRACE`] passed since the first release
-/// after it that named another waiter. Marked at the call, so a release that comes before
-/// the first poll counts.
+/// named it or nobody since this call, or [`NAMED_GRACE`] passed since a release named
+/// another waiter and no queued waiter was heard taking the key after it. Marked at the
+/// call, so a release that comes before the first poll counts.
 fn armed_for_turn(channel: &Channel, me: u64) -> Armed<'_> {
     let mut notified = armed(&channel.notify);
     let mark = channel.mark();
@@ -345,7 +364,7 @@ fn armed_for_turn(channel: &Channel, me: u64) -> Armed<'_> {
                 Turn::Others => {
                     grace.get_or_insert_with(|| tokio::time::Instant::now() + NAMED_GRACE);
                 }
-                Turn::Nothing => {}
+                Turn::Nothing => grace = None,
             }
         }
     })
@@ -755,5 +774,88 @@ impl Wakeups {
     #[cfg(feature = "testing")]
     pub(crate) fn active_channels(&self) -> usize {
         self.shared.channels().len()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const ME: u64 = crate::wire::NAMED_WAITER_MIN + 7;
+    const OTHER: u64 = crate::wire::NAMED_WAITER_MIN + 8;
+
+    fn said(channel: &Channel, payload: &str) -> bool {
+        channel.heard(payload.as_bytes())
+    }
+
+    #[test]
+    fn a_release_that_names_a_waiter_counts_once_and_only_for_it() {
+        let channel = Channel::default();
+        let mark = channel.mark();
+        assert!(
+            said(&channel, &OTHER.to_string()),
+            "a name wakes the channel"
+        );
+        assert!(
+            !said(&channel, "0"),
+            "the 0 after a name is the same release"
+        );
+        assert_eq!(channel.turn_since(mark, ME), Turn::Others);
+        assert_eq!(channel.turn_since(mark, OTHER), Turn::Try);
+        assert!(said(&channel, &ME.to_string()));
+        assert!(!said(&channel, "0"));
+        assert_eq!(channel.turn_since(mark, ME), Turn::Try);
+    }
+
+    #[test]
+    fn a_bare_zero_or_a_lost_connection_sends_everyone() {
+        let channel = Channel::default();
+        let mark = channel.mark();
+        assert!(said(&channel, "0"), "a release that names nobody");
+        assert_eq!(channel.turn_since(mark, ME), Turn::Try);
+        let mark = channel.mark();
+        assert!(said(&channel, &OTHER.to_string()));
+        channel.open_up();
+        assert!(
+            said(&channel, "0"),
+            "after a reconnection a 0 is not taken for the named release's"
+        );
+        assert_eq!(channel.turn_since(mark, ME), Turn::Try);
+        let mark = channel.mark();
+        assert!(said(&channel, "1"), "Redisson's read-unlock message");
+        assert_eq!(channel.turn_since(mark, ME), Turn::Try);
+    }
+
+    #[test]
+    fn a_queued_waiters_grant_ends_the_grace() {
+        let channel = Channel::default();
+        let mark = channel.mark();
+        said(&channel, &OTHER.to_string());
+        said(&channel, "0");
+        assert_eq!(channel.turn_since(mark, ME), Turn::Others);
+        assert!(said(&channel, &format!("-{OTHER}")), "taken");
+        assert_eq!(channel.turn_since(mark, ME), Turn::Nothing);
+        said(&channel, &OTHER.to_string());
+        assert_eq!(channel.turn_since(mark, ME), Turn::Others);
+        assert!(!said(&channel, "0"));
+        assert!(
+            said(&channel, "0"),
+            "only the 0 right after a name is swallowed"
+        );
+        assert_eq!(channel.turn_since(mark, ME), Turn::Try);
+    }
+
+    #[test]
+    fn a_waiter_that_lost_track_tries() {
+        let channel = Channel::default();
+        let mark = channel.mark();
+        for _ in 0..=EVENTS_KEPT {
+            said(&channel, &OTHER.to_string());
+            said(&channel, "0");
+        }
+        assert_eq!(channel.turn_since(mark, ME), Turn::Try);
+        let mark = channel.mark();
+        said(&channel, &OTHER.to_string());
+        assert_eq!(channel.turn_since(mark, ME), Turn::Others);
     }
 }

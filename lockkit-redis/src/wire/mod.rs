@@ -131,7 +131,7 @@ pub(crate) const PROPOSAL_AHEAD_AT_MOST: std::time::Duration = std::time::Durati
 pub(crate) const MAX_TTL_MS: u64 = 1_000_000_000_000;
 
 /// KEYS: lock, token, waiting writers (`S(n):lockkit_wwait`, see [`KindNames`]), waiter
-/// queue ([`queue_of`]). ARGV: ttl ms, owner field, attempt field (`''`: none), the holder's
+/// queue ([`queue_of`]), release channel. ARGV: ttl ms, owner field, attempt field (`''`: none), the holder's
 /// identity (`''`: none; stored in [`HOLDER_FIELD`] by a new holder only), marker ms (`0`:
 /// do not mark), a proposed token (decimal, below 2^53; `''` or absent: none), the waiter's
 /// queue id (`''` or absent: does not queue; else decimal, at least [`NAMED_WAITER_MIN`]),
@@ -140,7 +140,10 @@ pub(crate) const MAX_TTL_MS: u64 = 1_000_000_000_000;
 ///
 /// A waiter that finds the key held by others in Redisson's layout queues (keeping its
 /// place if it is queued already, see [`queue_of`]) and flags the hold ([`QUEUE_FIELD`]); a
-/// queued waiter's grant leaves the queue and flags the new hold while others are queued.
+/// queued waiter's grant leaves the queue, and while others are queued flags the new hold
+/// and publishes its id negated (`-<id>`, a number Redisson ignores) on the release
+/// channel: the waiters that heard another waiter named then know the key is taken, and
+/// sleep on instead of trying after their grace.
 /// Returns `{1, token, depth}` when granted, `{0, pttl, 0}` when held by someone else in
 /// Redisson's layout (who publishes on release), `{0, pttl, 1}` when held in another format
 /// (a plain `SET NX PX` string: nobody publishes its release), `{0, pttl, 2}` when held as
@@ -187,6 +190,7 @@ if t == 'none' then
   if ARGV[8] == '1' then
     redis.call('zrem', KEYS[4], ARGV[7])
     others_queued = redis.call('zcard', KEYS[4]) > 0
+    if others_queued then redis.call('publish', KEYS[5], '-' .. ARGV[7]) end
   end
   local fields = {'hset', KEYS[1], ARGV[2], 1}
   if others_queued then
