@@ -4,7 +4,8 @@
 //! For lock name `n` (prefix + key):
 //! - the lock is a hash at `n`, field `<owner-uuid>:<id>`, value the hold count;
 //! - the release channel is `redisson_lock__channel:{n}`;
-//! - the fencing counter is `redisson_lock_token:{n}`.
+//! - the fencing counter is `redisson_lock_token:{n}`;
+//! - lockkit's waiting plain locks queue in `{n}:lockkit_queue` (see [`queue_of`]).
 //!
 //! Redisson writes `prefix:{name}` unless the name already has a `{`; then it writes
 //! `prefix:name`, so that a name's own hash tag keeps all three in one cluster slot.
