@@ -215,8 +215,11 @@ struct Turns {
     events: std::collections::VecDeque<(u64, Event)>,
     /// The sequence number of the next event.
     next_event: u64,
-    /// The last message named a waiter: the `0` right after it is the same release.
-    zero_follows: bool,
+    /// The last message named a waiter, heard on the subscriber connection of this
+    /// generation: the `0` right after it on that connection is the same release. (A
+    /// reader of a connection given up may still hand over a name after the reset: its
+    /// mark must not swallow a `0` of the next connection.)
+    zero_follows: Option<u64>,
 }
 
 /// What a message from a lockkit script said, beyond "the key is free".
@@ -224,8 +227,8 @@ struct Turns {
 enum Event {
     /// A release named this waiter as the next.
     Named(u64),
-    /// A queued waiter was granted the key (its id negated).
-    Taken,
+    /// A queued waiter was granted the key (its id, published negated).
+    Taken(u64),
 }
 
 /// How many events a channel remembers; a waiter that has not looked for longer tries, as
@@ -251,7 +254,8 @@ struct Mark {
 enum Turn {
     /// Nothing, or the key was last taken by a queued waiter: sleep on.
     Nothing,
-    /// Try now: a release named nobody, or named this waiter, or the waiter lost track.
+    /// Try now: a release named nobody, or named this waiter, or its owner took the key,
+    /// or the waiter lost track.
     Try,
     /// The last release named another waiter, who has not been heard taking the key.
     Others,
@@ -262,8 +266,9 @@ impl Channel {
         self.turns.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Takes in one message's payload; whether the channel's waiters are to be woken.
-    fn heard(&self, payload: &[u8]) -> bool {
+    /// Takes in one message's payload, heard on the subscriber connection of `generation`;
+    /// whether the channel's waiters are to be woken.
+    fn heard(&self, payload: &[u8], generation: u64) -> bool {
         let mut turns = self.turns();
         let min = i64::try_from(crate::wire::NAMED_WAITER_MIN).unwrap_or(i64::MAX);
         let number = std::str::from_utf8(payload)
@@ -271,7 +276,7 @@ impl Channel {
             .and_then(|text| text.parse::<i64>().ok());
         let event = match number {
             Some(n) if n >= min => Some(Event::Named(n.unsigned_abs())),
-            Some(n) if n <= -min => Some(Event::Taken),
+            Some(n) if n <= -min => Some(Event::Taken(n.unsigned_abs())),
             _ => None,
         };
         match event {
@@ -282,12 +287,12 @@ impl Channel {
                 if turns.events.len() > EVENTS_KEPT {
                     turns.events.pop_front();
                 }
-                turns.zero_follows = matches!(event, Event::Named(_));
+                turns.zero_follows = matches!(event, Event::Named(_)).then_some(generation);
                 true
             }
-            None if payload == b"0" && std::mem::take(&mut turns.zero_follows) => false,
+            None if payload == b"0" && turns.zero_follows.take() == Some(generation) => false,
             None => {
-                turns.zero_follows = false;
+                turns.zero_follows = None;
                 turns.open += 1;
                 true
             }
@@ -297,7 +302,7 @@ impl Channel {
     /// Every waiter tries (the connection was lost, so releases may have been missed).
     fn open_up(&self) {
         let mut turns = self.turns();
-        turns.zero_follows = false;
+        turns.zero_follows = None;
         turns.open += 1;
     }
 
@@ -329,9 +334,11 @@ impl Channel {
             .filter(|(seq, _)| *seq >= mark.next_event)
         {
             turn = match event {
-                Event::Named(id) if *id == me => return Turn::Try,
+                // Named, or its own owner took the key (another wait of the owner): it
+                // goes to the server, to be granted or to re-enter.
+                Event::Named(id) | Event::Taken(id) if *id == me => return Turn::Try,
                 Event::Named(_) => Turn::Others,
-                Event::Taken => Turn::Nothing,
+                Event::Taken(_) => Turn::Nothing,
             };
         }
         turn
@@ -701,7 +708,7 @@ impl Wakeups {
             while let Some(message) = stream.next().await {
                 let channel = shared.channels().get(message.get_channel_name()).cloned();
                 if let Some(channel) = channel
-                    && channel.heard(message.get_payload_bytes())
+                    && channel.heard(message.get_payload_bytes(), generation)
                 {
                     channel.notify.notify_waiters();
                 }
@@ -785,7 +792,7 @@ mod tests {
     const OTHER: u64 = crate::wire::NAMED_WAITER_MIN + 8;
 
     fn said(channel: &Channel, payload: &str) -> bool {
-        channel.heard(payload.as_bytes())
+        channel.heard(payload.as_bytes(), 1)
     }
 
     #[test]
@@ -835,12 +842,29 @@ mod tests {
         assert_eq!(channel.turn_since(mark, ME), Turn::Others);
         assert!(said(&channel, &format!("-{OTHER}")), "taken");
         assert_eq!(channel.turn_since(mark, ME), Turn::Nothing);
+        assert_eq!(
+            channel.turn_since(mark, OTHER),
+            Turn::Try,
+            "a wait of the owner that took the key re-enters"
+        );
         said(&channel, &OTHER.to_string());
         assert_eq!(channel.turn_since(mark, ME), Turn::Others);
         assert!(!said(&channel, "0"));
         assert!(
             said(&channel, "0"),
             "only the 0 right after a name is swallowed"
+        );
+        assert_eq!(channel.turn_since(mark, ME), Turn::Try);
+    }
+
+    #[test]
+    fn a_name_from_a_connection_given_up_does_not_swallow_the_next_ones_zero() {
+        let channel = Channel::default();
+        let mark = channel.mark();
+        assert!(channel.heard(OTHER.to_string().as_bytes(), 1));
+        assert!(
+            channel.heard(b"0", 2),
+            "a 0 on the next connection is a release of its own"
         );
         assert_eq!(channel.turn_since(mark, ME), Turn::Try);
     }

@@ -54,19 +54,21 @@ pub(crate) fn attempt_field(attempt: uuid::Uuid) -> String {
 /// A waiting plain acquisition's place in the key's waiter queue (see [`wire::queue_of`]).
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct QueueTurn {
-    /// The waiter's id in the queue and in release messages ([`queue_id`]).
+    /// The waiter's id in the queue and in release messages ([`queue_id`], its owner's).
     pub(crate) id: u64,
     /// An earlier attempt of the wait may have queued it: a grant leaves the queue.
     pub(crate) may_be_queued: bool,
 }
 
-/// The queue id of the wait of `attempt`: at least [`wire::NAMED_WAITER_MIN`] and below
-/// twice that, spread over all of `attempt`'s bits (SplitMix64's finish), so that waits of
-/// different processes, whose attempt counters run alike, get different ids. Two waiters
-/// of one key with one id would only both try at a release naming it.
-pub(crate) fn queue_id(attempt: uuid::Uuid) -> u64 {
-    let (high, low) = attempt.as_u64_pair();
-    let mut z = high ^ low.rotate_left(29);
+/// The queue id of `owner`'s waits: at least [`wire::NAMED_WAITER_MIN`] and below twice
+/// that, spread over all of the owner's bits (SplitMix64's finish). One per owner, not per
+/// wait: two waits of one owner on a key (without the in-process gate) share one place, so
+/// that a release naming it, or a grant taking the key for it, sends both to the server,
+/// where the one not granted re-enters. Two owners with one id would only both try at a
+/// release naming it.
+pub(crate) fn queue_id(owner: &lockkit_core::OwnerId) -> u64 {
+    let (high, low) = owner.client().as_u64_pair();
+    let mut z = high ^ low.rotate_left(29) ^ owner.n().wrapping_mul(0x9e37_79b9_7f4a_7c15);
     z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
     z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
     z ^= z >> 31;
@@ -478,7 +480,7 @@ impl RedisBackend {
         let names = self.names(&req.key)?;
         let marker = WriterMarker::new(self.clone(), req.clone());
         let share = marker.share();
-        let id = queue_id(req.attempt);
+        let id = queue_id(&req.owner);
         let mut place = QueuePlace {
             backend: self.clone(),
             queue: wire::queue_of(&names),
@@ -509,7 +511,8 @@ impl RedisBackend {
 /// A wait's place in the key's waiter queue: left (in the background) when the wait ends
 /// without a grant, also when its future is dropped. An attempt still running then may queue
 /// it again; that place is named at one release and popped, and the other waiters try
-/// [`crate::conn::NAMED_GRACE`] after it.
+/// [`crate::conn::NAMED_GRACE`] after it. The place is the owner's: another wait of the
+/// same owner on the key loses it too, and takes a new one at its next busy answer.
 struct QueuePlace {
     backend: RedisBackend,
     queue: String,

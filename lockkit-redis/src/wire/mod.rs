@@ -93,7 +93,11 @@ pub(crate) const HOLDER_FIELD: &str = "lockkit-holder";
 /// The hash field that says waiters are queued for the key (see [`queue_of`]): written by a
 /// queued waiter into the hold it waits behind, and by a queued waiter's grant while others
 /// are still queued, so that the release of that hold names the next waiter. Gone with the
-/// hash; Redisson ignores it.
+/// hash; Redisson ignores it. Its value (`q`) is not a number, so that nothing that reads
+/// the fields' numbers as hold counts (lockkit before the queue, Redisson's read unlock)
+/// takes it for one. The queue's operations run under `pcall`: a key of another type under
+/// the queue's name (a lock named so) leaves the waiters without a queue, never a lock
+/// without its release.
 pub(crate) const QUEUE_FIELD: &str = "lockkit-queue";
 
 /// How long a key's waiter queue outlives its last enqueue, in ms. A waiter re-enqueues
@@ -189,14 +193,15 @@ if t == 'none' then
   redis.call('zrem', KEYS[3], ARGV[2])
   local others_queued = false
   if ARGV[8] == '1' then
-    redis.call('zrem', KEYS[4], ARGV[7])
-    others_queued = redis.call('zcard', KEYS[4]) > 0
+    redis.pcall('zrem', KEYS[4], ARGV[7])
+    local queued = redis.pcall('zcard', KEYS[4])
+    others_queued = type(queued) == 'number' and queued > 0
     if others_queued then redis.call('publish', KEYS[5], '-' .. ARGV[7]) end
   end
   local fields = {'hset', KEYS[1], ARGV[2], 1}
   if others_queued then
     fields[#fields + 1] = 'lockkit-queue'
-    fields[#fields + 1] = 1
+    fields[#fields + 1] = 'q'
   end
   if ARGV[3] ~= '' then
     fields[#fields + 1] = ARGV[3]
@@ -248,14 +253,17 @@ if t == 'hash' and redis.call('hexists', KEYS[1], ARGV[2]) == 1 then
   end
   if redis.call('pttl', KEYS[1]) < ttl then redis.call('pexpire', KEYS[1], ttl) end
   redis.call('zrem', KEYS[3], ARGV[2])
+  if ARGV[8] == '1' then redis.pcall('zrem', KEYS[4], ARGV[7]) end
   return {1, tonumber(redis.call('get', KEYS[2]) or '0'), depth}
 end
 if t == 'hash' then
   if ARGV[7] and ARGV[7] ~= '' then
     local now = redis.call('time')
-    redis.call('zadd', KEYS[4], 'NX', now[1] .. string.format('%06d', tonumber(now[2])), ARGV[7])
-    redis.call('pexpire', KEYS[4], 60000)
-    redis.call('hset', KEYS[1], 'lockkit-queue', 1)
+    local queued = redis.pcall('zadd', KEYS[4], 'NX', now[1] .. string.format('%06d', tonumber(now[2])), ARGV[7])
+    if type(queued) == 'number' then
+      redis.call('pexpire', KEYS[4], 60000)
+      redis.call('hset', KEYS[1], 'lockkit-queue', 'q')
+    end
   end
   return {0, redis.call('pttl', KEYS[1]), 0}
 end
@@ -319,8 +327,8 @@ if count > 1 then
 end
 redis.call('del', KEYS[1])
 if found[4] then
-  local next = redis.call('zpopmin', KEYS[3])
-  if next[1] then redis.call('publish', KEYS[2], next[1]) end
+  local next = redis.pcall('zpopmin', KEYS[3])
+  if type(next) == 'table' and next[1] then redis.call('publish', KEYS[2], next[1]) end
 end
 redis.call('publish', KEYS[2], 0)
 return 0
