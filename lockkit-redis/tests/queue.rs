@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use futures_util::StreamExt;
 use lockkit_conformance::{FaultProxy, ProxiedClients, env};
-use lockkit_core::Locker;
+use lockkit_core::{LockGuard, Locker};
 use lockkit_redis::RedisBackend;
 use redis::AsyncCommands;
 use uuid::Uuid;
@@ -28,6 +28,43 @@ async fn admin(url: &str) -> redis::aio::MultiplexedConnection {
         .get_multiplexed_async_connection()
         .await
         .unwrap()
+}
+
+/// A client of its own (its own connections and subscriber).
+async fn client(url: &str) -> Locker {
+    Locker::new(RedisBackend::connect(url).await.unwrap())
+}
+
+/// `locker` waits for `key` in a task of its own: the guard, and when it was granted.
+fn spawn_wait(locker: &Locker, key: &str) -> tokio::task::JoinHandle<(LockGuard, Instant)> {
+    let (locker, key) = (locker.clone(), key.to_owned());
+    tokio::spawn(async move {
+        let guard = locker
+            .acquire(key.as_str())
+            .ttl(TTL)
+            .wait(Duration::from_secs(60))
+            .await
+            .unwrap();
+        (guard, Instant::now())
+    })
+}
+
+/// The guard of `waiter`, which must be granted well within 5 s of `released` (it would
+/// otherwise sleep until the 30 s lease it learned).
+async fn granted_soon_after(
+    waiter: tokio::task::JoinHandle<(LockGuard, Instant)>,
+    released: Instant,
+) -> LockGuard {
+    let (guard, granted) = tokio::time::timeout(Duration::from_secs(20), waiter)
+        .await
+        .expect("the waiter slept until the lease it learned")
+        .unwrap();
+    let after = granted - released;
+    assert!(
+        after < Duration::from_secs(5),
+        "granted {after:?} after the release"
+    );
+    guard
 }
 
 /// `n` clients of the server, each with its own connections, all through one proxy that
@@ -151,26 +188,11 @@ async fn the_others_sleep_through_the_hold_of_the_waiter_a_release_named() {
 #[tokio::test]
 async fn a_named_waiter_that_never_comes_holds_the_others_back_briefly() {
     let Some(url) = server() else { return };
-    let backend = RedisBackend::connect(&url).await.unwrap();
-    let (holding, waiting) = (
-        Locker::new(backend.clone()),
-        Locker::new(RedisBackend::connect(&url).await.unwrap()),
-    );
+    let (holding, waiting) = (client(&url).await, client(&url).await);
     let key = key();
-    let hash = key.clone();
-    let queue = format!("{{{hash}}}:lockkit_queue");
+    let queue = format!("{{{key}}}:lockkit_queue");
     let holder = holding.acquire(key.as_str()).ttl(TTL).await.unwrap();
-    let waiter = {
-        let key = key.clone();
-        tokio::spawn(async move {
-            waiting
-                .acquire(key.as_str())
-                .ttl(TTL)
-                .wait(Duration::from_secs(60))
-                .await
-                .map(|guard| (guard, Instant::now()))
-        })
-    };
+    let waiter = spawn_wait(&waiting, &key);
     tokio::time::sleep(Duration::from_millis(300)).await;
     let mut admin = admin(&url).await;
     let queued: Vec<(String, f64)> = admin.zrange_withscores(&queue, 0, -1).await.unwrap();
@@ -180,17 +202,11 @@ async fn a_named_waiter_that_never_comes_holds_the_others_back_briefly() {
     let _: () = admin.zadd(&queue, ghost, 1.0).await.unwrap();
     let released = Instant::now();
     holder.release().await.unwrap();
-    let (guard, granted) = tokio::time::timeout(Duration::from_secs(20), waiter)
+    granted_soon_after(waiter, released)
         .await
-        .expect("the waiter slept until the lease it learned")
-        .unwrap()
+        .release()
+        .await
         .unwrap();
-    let after = granted - released;
-    assert!(
-        after < Duration::from_secs(5),
-        "granted {after:?} after the release (a grace of 50 ms expected)"
-    );
-    guard.release().await.unwrap();
     let left: Vec<String> = admin.zrange(&queue, 0, -1).await.unwrap();
     assert!(
         left.is_empty(),
@@ -205,10 +221,7 @@ async fn a_named_waiter_that_never_comes_holds_the_others_back_briefly() {
 #[tokio::test]
 async fn a_release_names_the_next_waiter_before_its_zero() {
     let Some(url) = server() else { return };
-    let (holding, waiting) = (
-        Locker::new(RedisBackend::connect(&url).await.unwrap()),
-        Locker::new(RedisBackend::connect(&url).await.unwrap()),
-    );
+    let (holding, waiting) = (client(&url).await, client(&url).await);
     let key = key();
     let channel = format!("redisson_lock__channel:{{{key}}}");
     let queue = format!("{{{key}}}:lockkit_queue");
@@ -219,26 +232,14 @@ async fn a_release_names_the_next_waiter_before_its_zero() {
         .unwrap();
     listener.subscribe(&channel).await.unwrap();
     let holder = holding.acquire(key.as_str()).ttl(TTL).await.unwrap();
-    let waiter = {
-        let key = key.clone();
-        tokio::spawn(async move {
-            waiting
-                .acquire(key.as_str())
-                .ttl(TTL)
-                .wait(Duration::from_secs(60))
-                .await
-                .unwrap()
-        })
-    };
+    let waiter = spawn_wait(&waiting, &key);
     tokio::time::sleep(Duration::from_millis(300)).await;
     let mut admin = admin(&url).await;
     let flag: Option<String> = admin.hget(&key, "lockkit-queue").await.unwrap();
     assert_eq!(flag.as_deref(), Some("q"), "the waiter flagged the hold");
+    let released = Instant::now();
     holder.release().await.unwrap();
-    let guard = tokio::time::timeout(Duration::from_secs(20), waiter)
-        .await
-        .unwrap()
-        .unwrap();
+    let guard = granted_soon_after(waiter, released).await;
     let mut messages = listener.on_message();
     let mut said = Vec::new();
     for _ in 0..2 {
@@ -267,39 +268,23 @@ async fn a_release_names_the_next_waiter_before_its_zero() {
 #[tokio::test]
 async fn a_bare_release_still_wakes_a_queued_waiter() {
     let Some(url) = server() else { return };
-    let waiting = Locker::new(RedisBackend::connect(&url).await.unwrap());
+    let waiting = client(&url).await;
     let key = key();
     let channel = format!("redisson_lock__channel:{{{key}}}");
     let mut admin = admin(&url).await;
     let redisson_owner = format!("{}:1", Uuid::new_v4());
     let _: () = admin.hset(&key, &redisson_owner, 1).await.unwrap();
     let _: () = admin.pexpire(&key, 30_000).await.unwrap();
-    let waiter = {
-        let key = key.clone();
-        tokio::spawn(async move {
-            waiting
-                .acquire(key.as_str())
-                .ttl(TTL)
-                .wait(Duration::from_secs(60))
-                .await
-                .map(|guard| (guard, Instant::now()))
-        })
-    };
+    let waiter = spawn_wait(&waiting, &key);
     tokio::time::sleep(Duration::from_millis(300)).await;
     let released = Instant::now();
     let _: () = admin.del(&key).await.unwrap();
     let _: () = admin.publish(&channel, 0).await.unwrap();
-    let (guard, granted) = tokio::time::timeout(Duration::from_secs(20), waiter)
+    granted_soon_after(waiter, released)
         .await
-        .expect("the waiter slept until the lease it learned")
-        .unwrap()
+        .release()
+        .await
         .unwrap();
-    assert!(
-        granted - released < Duration::from_secs(5),
-        "granted {:?} after the release",
-        granted - released
-    );
-    guard.release().await.unwrap();
 }
 
 /// Two tasks of one owner wait on a key (no in-process gate), in one place of the queue. The
@@ -312,9 +297,9 @@ async fn a_waiter_granted_by_re_entry_leaves_the_queue() {
     let Some(url) = server() else { return };
     let key = key();
     let queue = format!("{{{key}}}:lockkit_queue");
-    let holding = Locker::new(RedisBackend::connect(&url).await.unwrap());
-    let owning = Locker::new(RedisBackend::connect(&url).await.unwrap()).without_waiter_gates();
-    let third = Locker::new(RedisBackend::connect(&url).await.unwrap());
+    let holding = client(&url).await;
+    let owning = client(&url).await.without_waiter_gates();
+    let third = client(&url).await;
     let holder = holding.acquire(key.as_str()).ttl(TTL).await.unwrap();
     let owner = owning.owner();
     let mut tasks = Vec::new();
@@ -330,17 +315,7 @@ async fn a_waiter_granted_by_re_entry_leaves_the_queue() {
         }));
     }
     tokio::time::sleep(Duration::from_millis(300)).await;
-    let waiting = {
-        let key = key.clone();
-        tokio::spawn(async move {
-            third
-                .acquire(key.as_str())
-                .ttl(TTL)
-                .wait(Duration::from_secs(20))
-                .await
-                .unwrap()
-        })
-    };
+    let waiting = spawn_wait(&third, &key);
     tokio::time::sleep(Duration::from_millis(300)).await;
     let mut admin = admin(&url).await;
     let before: Vec<String> = admin.zrange(&queue, 0, -1).await.unwrap();
@@ -366,7 +341,7 @@ async fn a_waiter_granted_by_re_entry_leaves_the_queue() {
     );
     first.release().await.unwrap();
     second.release().await.unwrap();
-    waiting.await.unwrap().release().await.unwrap();
+    waiting.await.unwrap().0.release().await.unwrap();
 }
 
 /// Another key under the queue's name (a lock named `{k}:lockkit_queue`, of another type):
@@ -380,37 +355,20 @@ async fn a_foreign_key_under_the_queues_name_costs_the_queue_only() {
     let queue = format!("{{{key}}}:lockkit_queue");
     let mut admin = admin(&url).await;
     let _: () = admin.set_ex(&queue, "not a sorted set", 60).await.unwrap();
-    let holding = Locker::new(RedisBackend::connect(&url).await.unwrap());
-    let waiting = Locker::new(RedisBackend::connect(&url).await.unwrap());
+    let (holding, waiting) = (client(&url).await, client(&url).await);
     let holder = holding.acquire(key.as_str()).ttl(TTL).await.unwrap();
     let _: () = admin.hset(&key, "lockkit-queue", "q").await.unwrap();
-    let waiter = {
-        let key = key.clone();
-        tokio::spawn(async move {
-            waiting
-                .acquire(key.as_str())
-                .ttl(TTL)
-                .wait(Duration::from_secs(20))
-                .await
-                .map(|guard| (guard, Instant::now()))
-        })
-    };
+    let waiter = spawn_wait(&waiting, &key);
     tokio::time::sleep(Duration::from_millis(300)).await;
     let released = Instant::now();
     holder
         .release()
         .await
         .expect("the release of a flagged hold");
-    let (guard, granted) = tokio::time::timeout(Duration::from_secs(20), waiter)
+    granted_soon_after(waiter, released)
         .await
-        .expect("the waiter was never granted")
-        .unwrap()
-        .expect("the waiter's grant");
-    assert!(
-        granted - released < Duration::from_secs(5),
-        "granted {:?} after the release",
-        granted - released
-    );
-    guard.release().await.unwrap();
+        .release()
+        .await
+        .unwrap();
     let _: () = admin.del(&queue).await.unwrap();
 }
