@@ -35,16 +35,21 @@ async fn client(url: &str) -> Locker {
     Locker::new(RedisBackend::connect(url).await.unwrap())
 }
 
+/// `locker` waits for `key` (a minute at most).
+async fn wait_for(locker: &Locker, key: &str) -> LockGuard {
+    locker
+        .acquire(key)
+        .ttl(TTL)
+        .wait(Duration::from_secs(60))
+        .await
+        .unwrap()
+}
+
 /// `locker` waits for `key` in a task of its own: the guard, and when it was granted.
 fn spawn_wait(locker: &Locker, key: &str) -> tokio::task::JoinHandle<(LockGuard, Instant)> {
     let (locker, key) = (locker.clone(), key.to_owned());
     tokio::spawn(async move {
-        let guard = locker
-            .acquire(key.as_str())
-            .ttl(TTL)
-            .wait(Duration::from_secs(60))
-            .await
-            .unwrap();
+        let guard = wait_for(&locker, &key).await;
         (guard, Instant::now())
     })
 }
@@ -100,12 +105,7 @@ async fn a_release_wakes_only_the_waiter_it_names() {
     for (i, locker) in clients.iter().enumerate().skip(1) {
         let (locker, key, history) = (locker.clone(), key.clone(), history.clone());
         waiters.push(tokio::spawn(async move {
-            let guard = locker
-                .acquire(key.as_str())
-                .ttl(TTL)
-                .wait(Duration::from_secs(60))
-                .await
-                .unwrap();
+            let guard = wait_for(&locker, &key).await;
             let open = history.begin(format!("waiter {i}"), &guard);
             tokio::task::yield_now().await;
             history.end(open, &guard);
@@ -143,12 +143,7 @@ async fn the_others_sleep_through_the_hold_of_the_waiter_a_release_named() {
     for (i, locker) in clients.iter().enumerate().skip(1) {
         let (locker, key, granted) = (locker.clone(), key.clone(), granted_tx.clone());
         waiters.push(tokio::spawn(async move {
-            let guard = locker
-                .acquire(key.as_str())
-                .ttl(TTL)
-                .wait(Duration::from_secs(60))
-                .await
-                .unwrap();
+            let guard = wait_for(&locker, &key).await;
             granted.send(i).unwrap();
             tokio::time::sleep(Duration::from_millis(400)).await;
             guard.release().await.unwrap();
