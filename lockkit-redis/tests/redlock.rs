@@ -1102,3 +1102,101 @@ async fn a_waiter_hears_the_leader_again_after_its_subscriber_link_died() {
         guard.release().await.unwrap();
     }
 }
+
+/// Waiters meet at the key's leader master, and they queue there: the leader's release of
+/// the hold they wait behind names the next one, and only that one asks again. So the
+/// leader sees, per waiter, its first round, its grant, its release and a busy ask or two
+/// (the bound below), where before every release had every waiter still waiting ask it.
+#[tokio::test]
+async fn the_leaders_release_wakes_only_the_waiter_it_names() {
+    let Some(masters) = masters() else { return };
+    const WAITERS: u64 = 7;
+    let (proxies, clients) = clients_sharing_proxies(&masters, WAITERS as usize + 1).await;
+    let key = key();
+    let leader = clients[0].0.leader_master(&key);
+    let holder = clients[0].1.acquire(&key).ttl(TTL).await.unwrap();
+    let history = lockkit_conformance::History::new();
+    let mut waiters = Vec::new();
+    for (i, (_, locker)) in clients.iter().enumerate().skip(1) {
+        let (locker, key, history) = (locker.clone(), key.clone(), history.clone());
+        waiters.push(tokio::spawn(async move {
+            let guard = locker
+                .acquire(&key)
+                .ttl(TTL)
+                .wait(Duration::from_secs(60))
+                .await
+                .unwrap();
+            let open = history.begin(format!("waiter {i}"), &guard);
+            // Long enough that every other waiter is asleep again before the release.
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            history.end(open, &guard);
+            guard.release().await.unwrap();
+        }));
+    }
+    // Every waiter has made its first round, queued at the leader and subscribed by then.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let before = proxies[leader].requests_seen();
+    holder.release().await.unwrap();
+    for waiter in waiters {
+        waiter.await.unwrap();
+    }
+    history.assert_linear();
+    assert_eq!(history.records().len(), WAITERS as usize);
+    let seen = proxies[leader].requests_seen() - before;
+    eprintln!("the leader (master {leader}) saw {seen} requests for {WAITERS} handoffs");
+    assert!(
+        seen <= 4 * WAITERS,
+        "the leader (master {leader}) saw {seen} requests for {WAITERS} handoffs"
+    );
+}
+
+/// A message from a master that does not wake the waiter (here a stray one from master 0,
+/// while only the leader is busy) must leave the waiter listening to the leader. The arm
+/// kept the masters' indices beside futures that `select_all` hands back reordered (it
+/// swap-removes the one that fired): after the stray message the leader's future counted
+/// as another master's, so the leader's next message was ignored (and another master's
+/// could pass for the leader's). The waiter then slept to the full-round timer.
+#[tokio::test]
+async fn a_message_from_another_master_leaves_the_waiter_listening_to_the_leader() {
+    let Some(masters) = masters() else { return };
+    let (proxies, clients) = clients_sharing_proxies(&masters, 2).await;
+    let waiter = &clients[1].1;
+    for round in 0..3 {
+        // A key led by a master after the first, so that master 0's future is not the last.
+        let (key, leader) = loop {
+            let key = key();
+            let leader = clients[0].0.leader_master(&key);
+            if leader != 0 {
+                break (key, leader);
+            }
+        };
+        let holder = clients[0].1.acquire(&key).ttl(TTL).await.unwrap();
+        let waiting = timed_wait(waiter, &key);
+        // Its first round and the leader-first round after subscribing are done by then:
+        // only the leader is heeded.
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let channel = names(&key).channel;
+        let _: i64 = admin(&masters[0])
+            .await
+            .publish(&channel, "0")
+            .await
+            .unwrap();
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let before = proxies[leader].requests_seen();
+        // A release message from the leader alone (the key stays held): the waiter asks
+        // the leader again.
+        let _: i64 = admin(&masters[leader])
+            .await
+            .publish(&channel, "0")
+            .await
+            .unwrap();
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let asked = proxies[leader].requests_seen() - before;
+        assert!(
+            asked >= 1,
+            "round {round}: the waiter did not ask the leader (master {leader}) after its message"
+        );
+        let (guard, _) = release_to(holder, waiting, "granted once the holder let go").await;
+        guard.release().await.unwrap();
+    }
+}

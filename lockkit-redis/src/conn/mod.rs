@@ -349,7 +349,7 @@ impl Channel {
 /// named it or nobody since this call, or [`NAMED_GRACE`] passed since a release named
 /// another waiter and no queued waiter was heard taking the key after it. Marked at the
 /// call, so a release that comes before the first poll counts.
-fn armed_for_turn(channel: &Channel, me: u64) -> Armed<'_> {
+pub(crate) fn armed_for_turn(channel: &Channel, me: u64) -> Armed<'_> {
     let mut notified = armed(&channel.notify);
     let mark = channel.mark();
     Box::pin(async move {

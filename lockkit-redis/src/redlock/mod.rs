@@ -24,8 +24,8 @@ use tokio::time::Instant;
 
 use crate::{
     RedisBackend, RedisConfig, Topology,
-    conn::Subscription,
-    single::{ForgetWriter, MarkShare, WriterMarker},
+    conn::{Subscription, armed_for_turn},
+    single::{ForgetWriter, MarkShare, QueueTurn, WriterMarker, leave_queue_later, queue_id},
     wire,
 };
 
@@ -131,6 +131,37 @@ struct MastersMessages<'a> {
     /// publishes this waiter's own release: their messages would each cost a round per
     /// waiter and release (and a waiter woken by its own give-back spins).
     heeded: Option<Arc<AtomicU64>>,
+    /// For a plain lock: the leader master's index and the waiter's id in its queue. The
+    /// leader's messages then wake the waiter only when they name it or nobody (see
+    /// `conn::armed_for_turn`).
+    queued_at_leader: Option<(usize, u64)>,
+}
+
+/// A Redlock wait's place in the leader master's waiter queue: left (in the background)
+/// when the wait ends without a grant, as the single server's `QueuePlace`.
+struct LeaderQueuePlace<'a> {
+    backend: &'a RedlockBackend,
+    leader: usize,
+    queue: String,
+    id: u64,
+    /// A round was sent: the waiter may be queued at the leader.
+    may_be_queued: bool,
+}
+
+impl Drop for LeaderQueuePlace<'_> {
+    fn drop(&mut self) {
+        if !self.may_be_queued {
+            return;
+        }
+        if let Some(leader) = self
+            .backend
+            .nodes
+            .get(self.leader)
+            .and_then(|slot| slot.connected())
+        {
+            leave_queue_later(leader, std::mem::take(&mut self.queue), self.id);
+        }
+    }
 }
 
 /// The bit of master `index` in a mask of masters; none past the 64th.
@@ -201,7 +232,12 @@ impl Wake for MastersMessages<'_> {
             Some(subscriptions) if !subscriptions.is_empty() => {
                 let mut armed: Vec<(usize, Armed<'_>)> = subscriptions
                     .iter()
-                    .map(|(index, s)| (*index, armed(&s.channel.notify)))
+                    .map(|(index, s)| match self.queued_at_leader {
+                        Some((leader, me)) if leader == *index => {
+                            (*index, armed_for_turn(&s.channel, me))
+                        }
+                        _ => (*index, armed(&s.channel.notify)),
+                    })
                     .collect();
                 let heard = subscriptions
                     .iter()
@@ -225,13 +261,13 @@ impl Wake for MastersMessages<'_> {
                         if wakes {
                             return;
                         }
-                        armed = indices
-                            .into_iter()
-                            .enumerate()
-                            .filter(|(position, _)| *position != fired)
-                            .map(|(_, index)| index)
-                            .zip(rest)
-                            .collect();
+                        // `select_all` hands the rest back with the last future moved
+                        // into the place of the one that fired (`swap_remove`): the
+                        // indices must move the same way, or a master's message would
+                        // count as another's.
+                        let mut indices = indices;
+                        indices.swap_remove(fired);
+                        armed = indices.into_iter().zip(rest).collect();
                     }
                 })
             }
@@ -273,6 +309,10 @@ struct Contended {
     /// Set by the round: the masters (bits by index) that answered busy, if it found the
     /// key busy; else 0 (see [`MastersMessages::heeded`]).
     busy_masters: Arc<AtomicU64>,
+    /// The waiter's place in the leader master's waiter queue (see `wire::queue_of`): a
+    /// busy leader queues it, and the release of the hold it waits behind names it there.
+    /// The other masters are asked without one.
+    turn: QueueTurn,
 }
 
 /// How often at least a waiting plain lock asks every master rather than the leader alone:
@@ -442,7 +482,7 @@ impl RedlockBackend {
         F: Fn(RedisBackend) -> Fut,
         Fut: std::future::Future<Output = Result<T>>,
     {
-        self.on_masters(timeout, |_| true, op)
+        self.on_masters(timeout, |_| true, |_, node| op(node))
             .await
             .into_iter()
             .flatten()
@@ -458,13 +498,13 @@ impl RedlockBackend {
         op: F,
     ) -> Vec<Option<Result<T>>>
     where
-        F: Fn(RedisBackend) -> Fut,
+        F: Fn(usize, RedisBackend) -> Fut,
         Fut: std::future::Future<Output = Result<T>>,
     {
         let op = &op;
         let calls = self.nodes.iter().enumerate().map(|(index, master)| {
             let picked = which(index);
-            let call = async move { op(master.get().await?).await };
+            let call = async move { op(index, master.get().await?).await };
             async move {
                 if !picked {
                     return None;
@@ -527,10 +567,15 @@ impl RedlockBackend {
         let start = Instant::now();
         let proposed = proposed_token();
         let timeout = self.node_timeout(req.ttl);
-        let ask = |node: RedisBackend| {
+        let leader = self.leader_of(&req.key);
+        let turn = contended
+            .filter(|_| req.kind == LockKind::Exclusive && self.nodes.len() > 1)
+            .map(|contended| contended.turn);
+        let ask = |index: usize, node: RedisBackend| {
             let req = req.clone();
+            let turn = turn.filter(|_| index == leader);
             async move {
-                node.run_acquire_marking(&req, None, marker, Some(proposed), None)
+                node.run_acquire_marking(&req, None, marker, Some(proposed), turn)
                     .await
             }
         };
@@ -538,7 +583,6 @@ impl RedlockBackend {
         if let Some(contended) = contended {
             contended.busy_masters.store(0, Ordering::Release);
             if contended.leader_first && req.kind == LockKind::Exclusive && self.nodes.len() > 1 {
-                let leader = self.leader_of(&req.key);
                 votes = self
                     .on_masters(timeout, |index| index == leader, ask)
                     .await
@@ -883,12 +927,23 @@ impl LockBackend for RedlockBackend {
         let share = marker.as_ref().map(WriterMarker::share);
         let plain = req.kind == LockKind::Exclusive;
         let busy_masters = Arc::new(AtomicU64::new(0));
+        let leader = self.leader_of(&req.key);
+        let mut place = LeaderQueuePlace {
+            backend: self,
+            leader,
+            queue: wire::queue_of(&names),
+            id: queue_id(&req.owner),
+            may_be_queued: false,
+        };
+        // A plain lock waits in the leader's queue (with one master there is no leader).
+        let queues = plain && self.nodes.len() > 1;
         let mut messages = MastersMessages {
             backend: self,
             channels,
             subscriptions: None,
             deaf: 0,
             heeded: plain.then(|| busy_masters.clone()),
+            queued_at_leader: queues.then_some((leader, place.id)),
         };
         // Contenders woken by one release must not split the masters between them. A plain
         // lock's rounds after the first meet at the key's leader master (see
@@ -915,10 +970,21 @@ impl LockBackend for RedlockBackend {
             let contended = plain.then(|| Contended {
                 leader_first,
                 busy_masters: busy_masters.clone(),
+                turn: QueueTurn {
+                    id: place.id,
+                    may_be_queued: std::mem::replace(&mut place.may_be_queued, queues),
+                },
             });
             self.attempt(req, share.clone(), contended)
         })
         .await;
+        if outcome.is_ok() {
+            // The leader's grant took the waiter out of its queue (in its script). Had the
+            // grant come from the others with the leader down, the place stays there until
+            // a release names it, once.
+            place.may_be_queued = false;
+        }
+        drop(place);
         // Even after a grant: masters outside the granting quorum may keep a marker.
         drop(marker);
         outcome

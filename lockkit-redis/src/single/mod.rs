@@ -523,28 +523,29 @@ struct QueuePlace {
 
 impl Drop for QueuePlace {
     fn drop(&mut self) {
-        if !self.may_be_queued {
-            return;
+        if self.may_be_queued {
+            leave_queue_later(&self.backend, std::mem::take(&mut self.queue), self.id);
         }
-        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
-            return;
-        };
-        let (mut conn, queue, id) = (
-            self.backend.conn(),
-            std::mem::take(&mut self.queue),
-            self.id,
-        );
-        runtime.spawn(async move {
-            let left: std::result::Result<i64, _> = redis::cmd("ZREM")
-                .arg(&queue)
-                .arg(id)
-                .query_async(&mut conn)
-                .await;
-            if let Err(error) = left {
-                tracing::debug!(%error, "could not leave the waiter queue; the first release to name this waiter pops it");
-            }
-        });
     }
+}
+
+/// Takes waiter `id` out of `queue` on `backend`'s server, in the background (nothing when
+/// no runtime runs): the place of a wait that ended without a grant from that server.
+pub(crate) fn leave_queue_later(backend: &RedisBackend, queue: String, id: u64) {
+    let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+        return;
+    };
+    let mut conn = backend.conn();
+    runtime.spawn(async move {
+        let left: std::result::Result<i64, _> = redis::cmd("ZREM")
+            .arg(&queue)
+            .arg(id)
+            .query_async(&mut conn)
+            .await;
+        if let Err(error) = left {
+            tracing::debug!(%error, "could not leave the waiter queue; the first release to name this waiter pops it");
+        }
+    });
 }
 
 #[async_trait]
