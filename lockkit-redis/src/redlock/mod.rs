@@ -5,7 +5,7 @@ mod kinds;
 use std::{
     sync::{
         Arc,
-        atomic::{AtomicU64, Ordering},
+        atomic::{AtomicBool, AtomicU64, Ordering},
     },
     time::Duration,
 };
@@ -138,7 +138,11 @@ struct MastersMessages<'a> {
 }
 
 /// A Redlock wait's place in the leader master's waiter queue: left (in the background)
-/// when the wait ends without a grant, as the single server's `QueuePlace`.
+/// when the wait ends without a grant, as the single server's `QueuePlace`, and when it
+/// ends with a grant that the leader did not make from the queue: a quorum of the others
+/// may grant while the leader answers busy (and queues the waiter), and a place left there
+/// would be named at a release while its owner no longer waits, holding the waiters that
+/// hear it back for [`crate::conn::NAMED_GRACE`].
 struct LeaderQueuePlace<'a> {
     backend: &'a RedlockBackend,
     leader: usize,
@@ -146,11 +150,21 @@ struct LeaderQueuePlace<'a> {
     id: u64,
     /// A round was sent: the waiter may be queued at the leader.
     may_be_queued: bool,
+    /// Whether the waiter may be queued at the leader after the last round that ended
+    /// ([`Contended::queued`]).
+    queued: Arc<AtomicBool>,
+    /// The wait ended with a grant.
+    granted: bool,
 }
 
 impl Drop for LeaderQueuePlace<'_> {
     fn drop(&mut self) {
-        if !self.may_be_queued {
+        let queued = if self.granted {
+            self.queued.load(Ordering::Acquire)
+        } else {
+            self.may_be_queued
+        };
+        if !queued {
             return;
         }
         if let Some(leader) = self
@@ -313,6 +327,9 @@ struct Contended {
     /// busy leader queues it, and the release of the hold it waits behind names it there.
     /// The other masters are asked without one.
     turn: QueueTurn,
+    /// Set by the round from the leader's answer: whether the waiter may be queued at the
+    /// leader after it (see [`LeaderQueuePlace`]).
+    queued: Arc<AtomicBool>,
 }
 
 /// How often at least a waiting plain lock asks every master rather than the leader alone:
@@ -590,6 +607,7 @@ impl RedlockBackend {
                     .map(|answer| answer.map(Vote::from))
                     .collect();
                 if let Some(Some(Vote::Busy(lease_left))) = votes.get(leader) {
+                    contended.queued.store(true, Ordering::Release);
                     contended
                         .busy_masters
                         .store(master_bit(leader), Ordering::Release);
@@ -624,6 +642,21 @@ impl RedlockBackend {
                     .unwrap_or_else(|| Vote::Failed(Error::backend(BACKEND, true, "not asked"))),
             })
             .collect();
+        if let (Some(contended), Some(turn), Some(vote)) = (contended, turn, votes.get(leader)) {
+            match vote {
+                // Queued (or kept its place) behind the hold it found.
+                Vote::Busy(_) => contended.queued.store(true, Ordering::Release),
+                // A grant that was told the waiter may be queued left the queue (in the
+                // script); a first round's grant finds it not queued.
+                Vote::Granted(_) if turn.may_be_queued => {
+                    contended.queued.store(false, Ordering::Release);
+                }
+                // Refused before the script queued anyone (a key of another kind).
+                Vote::Granted(_) | Vote::Refused(_) => {}
+                // The script may have run (a lost reply): it may be queued.
+                Vote::Failed(_) => contended.queued.store(true, Ordering::Release),
+            }
+        }
         let everywhere = votes.iter().all(|v| matches!(v, Vote::Granted(_)));
         let some_granted = votes.iter().any(|v| matches!(v, Vote::Granted(_)));
         let busy_masters = if self.nodes.len() <= 64 {
@@ -934,6 +967,8 @@ impl LockBackend for RedlockBackend {
             queue: wire::queue_of(&names),
             id: queue_id(&req.owner),
             may_be_queued: false,
+            queued: Arc::new(AtomicBool::new(false)),
+            granted: false,
         };
         // A plain lock waits in the leader's queue (with one master there is no leader).
         let queues = plain && self.nodes.len() > 1;
@@ -974,16 +1009,13 @@ impl LockBackend for RedlockBackend {
                     id: place.id,
                     may_be_queued: std::mem::replace(&mut place.may_be_queued, queues),
                 },
+                queued: place.queued.clone(),
             });
             self.attempt(req, share.clone(), contended)
         })
         .await;
-        if outcome.is_ok() {
-            // The leader's grant took the waiter out of its queue (in its script). Had the
-            // grant come from the others with the leader down, the place stays there until
-            // a release names it, once.
-            place.may_be_queued = false;
-        }
+        // A grant leaves the place to the rounds' account of the leader's answers.
+        place.granted = outcome.is_ok();
         drop(place);
         // Even after a grant: masters outside the granting quorum may keep a marker.
         drop(marker);
