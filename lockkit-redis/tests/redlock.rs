@@ -1107,6 +1107,7 @@ async fn a_waiter_hears_the_leader_again_after_its_subscriber_link_died() {
 /// the hold they wait behind names the next one, and only that one asks again. So the
 /// leader sees, per waiter, its first round, its grant, its release and a busy ask or two
 /// (the bound below), where before every release had every waiter still waiting ask it.
+/// (`eprintln!` shows the count: `--nocapture`.)
 #[tokio::test]
 async fn the_leaders_release_wakes_only_the_waiter_it_names() {
     let Some(masters) = masters() else { return };
@@ -1127,8 +1128,9 @@ async fn the_leaders_release_wakes_only_the_waiter_it_names() {
                 .await
                 .unwrap();
             let open = history.begin(format!("waiter {i}"), &guard);
-            // Long enough that every other waiter is asleep again before the release.
-            tokio::time::sleep(Duration::from_millis(100)).await;
+            // Long enough that every other waiter is asleep again before the release, short
+            // enough that the handoffs end well inside a second (the full-round timer).
+            tokio::time::sleep(Duration::from_millis(30)).await;
             history.end(open, &guard);
             guard.release().await.unwrap();
         }));
@@ -1144,8 +1146,9 @@ async fn the_leaders_release_wakes_only_the_waiter_it_names() {
     assert_eq!(history.records().len(), WAITERS as usize);
     let seen = proxies[leader].requests_seen() - before;
     eprintln!("the leader (master {leader}) saw {seen} requests for {WAITERS} handoffs");
+    // 22 in every run on an idle machine, up to 28 under load; 43 to 51 before the queue.
     assert!(
-        seen <= 4 * WAITERS,
+        seen <= 5 * WAITERS,
         "the leader (master {leader}) saw {seen} requests for {WAITERS} handoffs"
     );
 }
@@ -1238,4 +1241,46 @@ async fn a_grant_by_the_others_leaves_no_place_in_the_leaders_queue() {
     }
     assert_eq!(left, 0, "the waiter's place is still queued at the leader");
     let _: () = stale.del(&names.lock).await.unwrap();
+}
+
+/// Waiters behind a hold longer than a second have made a full round (every master asked;
+/// the timer covers a stale record on the leader) and found every master busy. They still
+/// wait for their turn at the leader: the other masters' messages at the release would wake
+/// them all at once (each then asked the leader: the herd the queue is there to stop).
+#[tokio::test]
+async fn waiters_behind_a_long_hold_still_wait_for_their_turn() {
+    let Some(masters) = masters() else { return };
+    const WAITERS: usize = 4;
+    let (proxies, clients) = clients_sharing_proxies(&masters, WAITERS + 1).await;
+    let key = key();
+    let leader = clients[0].0.leader_master(&key);
+    let holder = clients[0].1.acquire(&key).ttl(TTL).await.unwrap();
+    // Each waiter hands its guard over when granted; they are released in grant order.
+    let (granted, mut guards) = tokio::sync::mpsc::unbounded_channel();
+    for (_, locker) in clients.iter().skip(1) {
+        let (locker, key, granted) = (locker.clone(), key.clone(), granted.clone());
+        tokio::spawn(async move {
+            let guard = locker
+                .acquire(&key)
+                .ttl(TTL)
+                .wait(Duration::from_secs(20))
+                .await;
+            let _ = granted.send(guard);
+        });
+    }
+    // Past the full-round timer: each waiter has asked every master again.
+    tokio::time::sleep(Duration::from_millis(1_500)).await;
+    let before = proxies[leader].requests_seen();
+    holder.release().await.unwrap();
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    // The release, and the named waiter's grant; the others sleep (all asked before).
+    let asked = proxies[leader].requests_seen() - before;
+    assert!(
+        asked <= 3,
+        "the leader (master {leader}) saw {asked} requests after one release with {WAITERS} waiters"
+    );
+    for _ in 0..WAITERS {
+        let guard = guards.recv().await.unwrap().unwrap();
+        guard.release().await.unwrap();
+    }
 }

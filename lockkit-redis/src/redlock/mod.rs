@@ -668,13 +668,24 @@ impl RedlockBackend {
         } else {
             0
         };
-        let outcome = self.decide(req, start, votes).await;
+        let mut outcome = self.decide(req, start, votes).await;
         if let Some(contended) = contended
-            && matches!(outcome, Ok(Attempt::Busy { .. }))
+            && let Ok(Attempt::Busy { lease_left }) = &mut outcome
         {
-            contended
-                .busy_masters
-                .store(busy_masters, Ordering::Release);
+            let leader_bit = master_bit(leader);
+            if turn.is_some() && !some_granted && busy_masters & leader_bit != 0 {
+                // Queued at the leader behind the hold it found: the leader's release names
+                // the next waiter, and the other masters' messages would only wake every
+                // waiter at once (as after a leader-first round). A stale record on the
+                // leader is covered by the next full round, within a second.
+                contended.busy_masters.store(leader_bit, Ordering::Release);
+                *lease_left =
+                    Some(lease_left.map_or(FULL_ROUND_EVERY, |left| left.min(FULL_ROUND_EVERY)));
+            } else {
+                contended
+                    .busy_masters
+                    .store(busy_masters, Ordering::Release);
+            }
             if some_granted {
                 // Split, or a quorum held without a master that granted: what was granted
                 // was given back. Redlock's random delay keeps contenders from meeting in
