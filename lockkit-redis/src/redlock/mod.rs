@@ -44,9 +44,12 @@ const BACKEND: &str = "redlock";
 ///   after its first ask the key's leader master alone first (chosen from the key and the
 ///   masters' addresses, the same in every client that lists the same addresses) and the
 ///   others once the leader granted, so contenders woken by one release meet at one
-///   master instead of splitting the masters between them. After a round that found the
-///   key busy, only the masters that answered busy wake the waiter (never its own
-///   give-back), and a full round follows a busy leader within a second.
+///   master instead of splitting the masters between them. There they queue, as on one
+///   server: the leader's release of the hold they wait behind names the next waiter, and
+///   only that one asks again. After a round that found the key busy, only the masters
+///   that answered busy wake the waiter (never its own give-back), or the leader alone
+///   when it was one of them and nothing was granted, and a full round follows a busy
+///   leader within a second.
 ///
 /// Read-write locks ([`LockKind::Read`], [`LockKind::Write`]) work the same way, with the
 /// single server's scripts and Redisson's `RReadWriteLock` layout on each master (a
