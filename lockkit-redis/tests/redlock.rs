@@ -936,6 +936,53 @@ async fn release_to(
     (guard, at - released)
 }
 
+/// `waiters` clients (sharing proxies) wait for a key another holds; once every one has made
+/// its first round, the holder lets go and each waiter in turn holds the key for `hold`.
+/// Answers the key's leader master and the requests each master saw from the release on;
+/// the holds never overlapped.
+async fn handoffs(masters: &[String], waiters: usize, hold: Duration) -> (usize, Vec<u64>) {
+    let (proxies, clients) = clients_sharing_proxies(masters, waiters + 1).await;
+    let key = key();
+    let leader = clients[0].0.leader_master(&key);
+    let holder = clients[0].1.acquire(&key).ttl(TTL).await.unwrap();
+    let history = lockkit_conformance::History::new();
+    let mut tasks = Vec::new();
+    for (i, (_, locker)) in clients.iter().enumerate().skip(1) {
+        let (locker, key, history) = (locker.clone(), key.clone(), history.clone());
+        tasks.push(tokio::spawn(async move {
+            let guard = locker
+                .acquire(&key)
+                .ttl(TTL)
+                .wait(Duration::from_secs(60))
+                .await
+                .unwrap();
+            let open = history.begin(format!("waiter {i}"), &guard);
+            if hold.is_zero() {
+                tokio::task::yield_now().await;
+            } else {
+                tokio::time::sleep(hold).await;
+            }
+            history.end(open, &guard);
+            guard.release().await.unwrap();
+        }));
+    }
+    // Every waiter has made its first round, queued at the leader and subscribed by then.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let before: Vec<u64> = proxies.iter().map(FaultProxy::requests_seen).collect();
+    holder.release().await.unwrap();
+    for task in tasks {
+        task.await.unwrap();
+    }
+    history.assert_linear();
+    assert_eq!(history.records().len(), waiters);
+    let seen = proxies
+        .iter()
+        .zip(before)
+        .map(|(proxy, before)| proxy.requests_seen() - before)
+        .collect();
+    (leader, seen)
+}
+
 /// Waiters woken by one release meet at the key's leader master, where one of them wins,
 /// instead of each asking every master at once (where they split the masters, give their
 /// shares back, and wake each other again). So the other masters see, per waiter, its
@@ -945,38 +992,8 @@ async fn release_to(
 async fn waiters_woken_by_one_release_meet_at_one_master() {
     let Some(masters) = masters() else { return };
     const WAITERS: usize = 7;
-    let (proxies, clients) = clients_sharing_proxies(&masters, WAITERS + 1).await;
-    let key = key();
-    let leader = clients[0].0.leader_master(&key);
-    let holder = clients[0].1.acquire(&key).ttl(TTL).await.unwrap();
-    let history = lockkit_conformance::History::new();
-    let mut waiters = Vec::new();
-    for (i, (_, locker)) in clients.iter().enumerate().skip(1) {
-        let (locker, key, history) = (locker.clone(), key.clone(), history.clone());
-        waiters.push(tokio::spawn(async move {
-            let guard = locker
-                .acquire(&key)
-                .ttl(TTL)
-                .wait(Duration::from_secs(60))
-                .await
-                .unwrap();
-            let open = history.begin(format!("waiter {i}"), &guard);
-            tokio::task::yield_now().await;
-            history.end(open, &guard);
-            guard.release().await.unwrap();
-        }));
-    }
-    // Every waiter has made its first round and subscribed by then.
-    tokio::time::sleep(Duration::from_millis(300)).await;
-    let before: Vec<u64> = proxies.iter().map(FaultProxy::requests_seen).collect();
-    holder.release().await.unwrap();
-    for waiter in waiters {
-        waiter.await.unwrap();
-    }
-    history.assert_linear();
-    assert_eq!(history.records().len(), WAITERS);
-    for (i, proxy) in proxies.iter().enumerate() {
-        let seen = proxy.requests_seen() - before[i];
+    let (leader, seen) = handoffs(&masters, WAITERS, Duration::ZERO).await;
+    for (i, seen) in seen.into_iter().enumerate() {
         if i != leader {
             assert!(
                 seen <= 5 * WAITERS as u64,
@@ -1112,39 +1129,10 @@ async fn a_waiter_hears_the_leader_again_after_its_subscriber_link_died() {
 async fn the_leaders_release_wakes_only_the_waiter_it_names() {
     let Some(masters) = masters() else { return };
     const WAITERS: u64 = 7;
-    let (proxies, clients) = clients_sharing_proxies(&masters, WAITERS as usize + 1).await;
-    let key = key();
-    let leader = clients[0].0.leader_master(&key);
-    let holder = clients[0].1.acquire(&key).ttl(TTL).await.unwrap();
-    let history = lockkit_conformance::History::new();
-    let mut waiters = Vec::new();
-    for (i, (_, locker)) in clients.iter().enumerate().skip(1) {
-        let (locker, key, history) = (locker.clone(), key.clone(), history.clone());
-        waiters.push(tokio::spawn(async move {
-            let guard = locker
-                .acquire(&key)
-                .ttl(TTL)
-                .wait(Duration::from_secs(60))
-                .await
-                .unwrap();
-            let open = history.begin(format!("waiter {i}"), &guard);
-            // Long enough that every other waiter is asleep again before the release, short
-            // enough that the handoffs end well inside a second (the full-round timer).
-            tokio::time::sleep(Duration::from_millis(30)).await;
-            history.end(open, &guard);
-            guard.release().await.unwrap();
-        }));
-    }
-    // Every waiter has made its first round, queued at the leader and subscribed by then.
-    tokio::time::sleep(Duration::from_millis(300)).await;
-    let before = proxies[leader].requests_seen();
-    holder.release().await.unwrap();
-    for waiter in waiters {
-        waiter.await.unwrap();
-    }
-    history.assert_linear();
-    assert_eq!(history.records().len(), WAITERS as usize);
-    let seen = proxies[leader].requests_seen() - before;
+    // Long enough that every other waiter is asleep again before each release, short
+    // enough that the handoffs end well inside a second (the full-round timer).
+    let (leader, seen) = handoffs(&masters, WAITERS as usize, Duration::from_millis(30)).await;
+    let seen = seen[leader];
     eprintln!("the leader (master {leader}) saw {seen} requests for {WAITERS} handoffs");
     // 22 in every run on an idle machine, up to 28 under load; 43 to 51 before the queue.
     assert!(
