@@ -1272,3 +1272,49 @@ async fn waiters_behind_a_long_hold_still_wait_for_their_turn() {
         guard.release().await.unwrap();
     }
 }
+
+/// A wait dropped while its round's ask to the leader is still on its way (here: the round
+/// connects to a leader that was down when the client started) leaves the leader's queue
+/// after that ask, never before it: the ask, arriving after the place was left, queued the
+/// waiter again, to be named at a release while nobody waits (every waiter that heard the
+/// name then slept through the grace).
+#[tokio::test]
+async fn a_wait_dropped_mid_round_leaves_no_place_at_the_leader() {
+    let Some(masters) = masters() else { return };
+    let (proxies, hosts) = ProxiedClients::<RedlockBackend>::start_proxies(&masters).await;
+    let url = format!("redlock://{hosts}");
+    let key = key();
+    let leader = RedlockBackend::connect(&url)
+        .await
+        .unwrap()
+        .leader_master(&key);
+    // The holder, on links of its own, holds every master.
+    let h = client(&masters, "").await;
+    let holder = h.locker.acquire(&key).ttl(TTL).await.unwrap();
+    // The waiter's client starts with the leader down: its first ask connects to it.
+    proxies[leader].reset();
+    let waiter = Locker::new(RedlockBackend::connect(&url).await.unwrap());
+    // The leader's link accepts but stalls: the round waits there, connecting.
+    proxies[leader].cut();
+    let waiting = {
+        let key = key.clone();
+        tokio::spawn(async move { waiter.acquire(&key).wait(Duration::from_secs(20)).await })
+    };
+    tokio::time::sleep(Duration::from_millis(30)).await;
+    waiting.abort();
+    assert!(
+        waiting.await.is_err(),
+        "the wait was dropped before its grant"
+    );
+    // The round, still out (its node timeout is 100 ms), connects and asks the leader.
+    proxies[leader].heal();
+    let queue = format!("{{{}}}:lockkit_queue", key.as_str());
+    let mut at_leader = admin(&masters[leader]).await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let queued: u64 = at_leader.zcard(&queue).await.unwrap();
+    assert_eq!(
+        queued, 0,
+        "a place is left at the leader for a wait that was dropped"
+    );
+    holder.release().await.unwrap();
+}

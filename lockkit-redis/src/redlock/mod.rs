@@ -145,27 +145,30 @@ struct MastersMessages<'a> {
 /// ends with a grant that the leader did not make from the queue: a quorum of the others
 /// may grant while the leader answers busy (and queues the waiter), and a place left there
 /// would be named at a release while its owner no longer waits, holding the waiters that
-/// hear it back for [`crate::conn::NAMED_GRACE`].
-struct LeaderQueuePlace<'a> {
-    backend: &'a RedlockBackend,
+/// hear it back for [`crate::conn::NAMED_GRACE`]. Each round keeps the place (in its
+/// [`Contended`]) until it has ended, so a wait dropped mid-round leaves the queue after
+/// that round's ask to the leader, never before it (the ask would queue it again; it may
+/// also connect to the leader first).
+struct LeaderQueuePlace {
+    backend: RedlockBackend,
     leader: usize,
     queue: String,
     id: u64,
     /// A round was sent: the waiter may be queued at the leader.
-    may_be_queued: bool,
-    /// Whether the waiter may be queued at the leader after the last round that ended
-    /// ([`Contended::queued`]).
-    queued: Arc<AtomicBool>,
+    may_be_queued: AtomicBool,
+    /// Whether the waiter may be queued at the leader after the last round that ended,
+    /// from the leader's answer (set by [`RedlockBackend::run_acquire`]).
+    queued: AtomicBool,
     /// The wait ended with a grant.
-    granted: bool,
+    granted: AtomicBool,
 }
 
-impl Drop for LeaderQueuePlace<'_> {
+impl Drop for LeaderQueuePlace {
     fn drop(&mut self) {
-        let queued = if self.granted {
-            self.queued.load(Ordering::Acquire)
+        let queued = if *self.granted.get_mut() {
+            *self.queued.get_mut()
         } else {
-            self.may_be_queued
+            *self.may_be_queued.get_mut()
         };
         if !queued {
             return;
@@ -330,9 +333,9 @@ struct Contended {
     /// busy leader queues it, and the release of the hold it waits behind names it there.
     /// The other masters are asked without one.
     turn: QueueTurn,
-    /// Set by the round from the leader's answer: whether the waiter may be queued at the
-    /// leader after it (see [`LeaderQueuePlace`]).
-    queued: Arc<AtomicBool>,
+    /// The wait's place there; the round records in it, from the leader's answer, whether
+    /// the waiter may be queued there after the round, and keeps it until the round ends.
+    place: Arc<LeaderQueuePlace>,
 }
 
 /// How often at least a waiting plain lock asks every master rather than the leader alone:
@@ -610,7 +613,7 @@ impl RedlockBackend {
                     .map(|answer| answer.map(Vote::from))
                     .collect();
                 if let Some(Some(Vote::Busy(lease_left))) = votes.get(leader) {
-                    contended.queued.store(true, Ordering::Release);
+                    contended.place.queued.store(true, Ordering::Release);
                     contended
                         .busy_masters
                         .store(master_bit(leader), Ordering::Release);
@@ -648,16 +651,16 @@ impl RedlockBackend {
         if let (Some(contended), Some(turn), Some(vote)) = (contended, turn, votes.get(leader)) {
             match vote {
                 // Queued (or kept its place) behind the hold it found.
-                Vote::Busy(_) => contended.queued.store(true, Ordering::Release),
+                Vote::Busy(_) => contended.place.queued.store(true, Ordering::Release),
                 // A grant that was told the waiter may be queued left the queue (in the
                 // script); a first round's grant finds it not queued.
                 Vote::Granted(_) if turn.may_be_queued => {
-                    contended.queued.store(false, Ordering::Release);
+                    contended.place.queued.store(false, Ordering::Release);
                 }
                 // Refused before the script queued anyone (a key of another kind).
                 Vote::Granted(_) | Vote::Refused(_) => {}
                 // The script may have run (a lost reply): it may be queued.
-                Vote::Failed(_) => contended.queued.store(true, Ordering::Release),
+                Vote::Failed(_) => contended.place.queued.store(true, Ordering::Release),
             }
         }
         let everywhere = votes.iter().all(|v| matches!(v, Vote::Granted(_)));
@@ -975,15 +978,15 @@ impl LockBackend for RedlockBackend {
         let plain = req.kind == LockKind::Exclusive;
         let busy_masters = Arc::new(AtomicU64::new(0));
         let leader = self.leader_of(&req.key);
-        let mut place = LeaderQueuePlace {
-            backend: self,
+        let place = Arc::new(LeaderQueuePlace {
+            backend: self.clone(),
             leader,
             queue: wire::queue_of(&names),
             id: queue_id(&req.owner),
-            may_be_queued: false,
-            queued: Arc::new(AtomicBool::new(false)),
-            granted: false,
-        };
+            may_be_queued: AtomicBool::new(false),
+            queued: AtomicBool::new(false),
+            granted: AtomicBool::new(false),
+        });
         // A plain lock waits in the leader's queue (with one master there is no leader).
         let queues = plain && self.nodes.len() > 1;
         let mut messages = MastersMessages {
@@ -1021,15 +1024,15 @@ impl LockBackend for RedlockBackend {
                 busy_masters: busy_masters.clone(),
                 turn: QueueTurn {
                     id: place.id,
-                    may_be_queued: std::mem::replace(&mut place.may_be_queued, queues),
+                    may_be_queued: place.may_be_queued.swap(queues, Ordering::AcqRel),
                 },
-                queued: place.queued.clone(),
+                place: place.clone(),
             });
             self.attempt(req, share.clone(), contended)
         })
         .await;
         // A grant leaves the place to the rounds' account of the leader's answers.
-        place.granted = outcome.is_ok();
+        place.granted.store(outcome.is_ok(), Ordering::Release);
         drop(place);
         // Even after a grant: masters outside the granting quorum may keep a marker.
         drop(marker);

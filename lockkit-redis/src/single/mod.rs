@@ -4,7 +4,13 @@ mod kinds;
 
 pub(crate) use kinds::{ForgetWriter, MARKER_REFRESH, MarkShare, WriterMarker};
 
-use std::{sync::Arc, time::Duration};
+use std::{
+    sync::{
+        Arc,
+        atomic::{AtomicBool, Ordering},
+    },
+    time::Duration,
+};
 
 use async_trait::async_trait;
 use lockkit_core::spi::{
@@ -426,13 +432,16 @@ impl RedisBackend {
 
     /// [`Self::attempt`]; with `marker`, a write or plain lock that finds the key busy also registers
     /// (or refreshes) its owner as a waiting writer, which keeps new readers out, and the
-    /// attempt tells `marker` when its script has run (see [`MarkShare`]).
+    /// attempt tells `marker` when its script has run (see [`MarkShare`]). With `turn`, a
+    /// waiter's place in the queue: the attempt keeps it until its script has answered, so
+    /// that a wait dropped meanwhile leaves the queue after this attempt, never before it.
     async fn attempt_marking(
         &self,
         req: &AcquireRequest,
         marker: Option<std::sync::Arc<MarkShare>>,
-        turn: Option<QueueTurn>,
+        turn: Option<(QueueTurn, Arc<QueuePlace>)>,
     ) -> Result<Attempt> {
+        let (turn, place) = turn.unzip();
         let (this, request, giver) = (self.clone(), req.clone(), self.clone());
         lockkit_core::spi::detached_acquire(
             crate::conn::BACKEND,
@@ -455,6 +464,7 @@ impl RedisBackend {
                     if marker.as_ref().is_some_and(|share| share.finish()) {
                         this.forget_writer_later(&request);
                     }
+                    drop(place);
                     outcome
                 }
             },
@@ -481,26 +491,26 @@ impl RedisBackend {
         let marker = WriterMarker::new(self.clone(), req.clone());
         let share = marker.share();
         let id = queue_id(&req.owner);
-        let mut place = QueuePlace {
+        let place = Arc::new(QueuePlace {
             backend: self.clone(),
             queue: wire::queue_of(&names),
             id,
-            may_be_queued: false,
-        };
+            may_be_queued: AtomicBool::new(false),
+        });
         let mut messages = ReleaseMessages::queued(self.inner.wakeups.clone(), names.channel, id);
         let outcome = wait_for_grant(&req.key, wait, wait_policy(), &mut messages, || {
             let turn = QueueTurn {
                 id,
-                may_be_queued: std::mem::replace(&mut place.may_be_queued, true),
+                may_be_queued: place.may_be_queued.swap(true, Ordering::AcqRel),
             };
-            self.attempt_marking(req, Some(share.clone()), Some(turn))
+            self.attempt_marking(req, Some(share.clone()), Some((turn, place.clone())))
         })
         .await;
         if outcome.is_ok() {
             // The grant removed the marker and the waiter's place in the queue (in its
             // script, atomically).
             marker.granted();
-            place.may_be_queued = false;
+            place.may_be_queued.store(false, Ordering::Release);
         }
         drop(marker);
         drop(place);
@@ -509,21 +519,22 @@ impl RedisBackend {
 }
 
 /// A wait's place in the key's waiter queue: left (in the background) when the wait ends
-/// without a grant, also when its future is dropped. An attempt still running then may queue
-/// it again; that place is named at one release and popped, and the other waiters try
-/// [`crate::conn::NAMED_GRACE`] after it. The place is the owner's: another wait of the
-/// same owner on the key loses it too, and takes a new one at its next busy answer.
-struct QueuePlace {
+/// without a grant, also when its future is dropped, once the last attempt of the wait has
+/// answered (each attempt keeps the place; an attempt sent after the place was left would
+/// queue the waiter again, to be named at a release while nobody waits). The place is the
+/// owner's: another wait of the same owner on the key loses it too, and takes a new one at
+/// its next busy answer.
+pub(crate) struct QueuePlace {
     backend: RedisBackend,
     queue: String,
     id: u64,
     /// An attempt was sent: the waiter may be queued.
-    may_be_queued: bool,
+    may_be_queued: AtomicBool,
 }
 
 impl Drop for QueuePlace {
     fn drop(&mut self) {
-        if self.may_be_queued {
+        if *self.may_be_queued.get_mut() {
             leave_queue_later(&self.backend, std::mem::take(&mut self.queue), self.id);
         }
     }
