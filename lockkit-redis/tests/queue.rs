@@ -367,3 +367,68 @@ async fn a_foreign_key_under_the_queues_name_costs_the_queue_only() {
         .unwrap();
     let _: () = admin.del(&queue).await.unwrap();
 }
+
+/// Two waiters queue behind a holder. A release names the first, but a newcomer took the
+/// key before it came (here: the queue is popped and the first named while the holder
+/// keeps the key, which is what the named waiter finds): it tries, finds the key busy and
+/// queues again, at the place it had, not behind the waiter that queued after it. So the
+/// next release names it again, and it is granted first. Before, it queued again at the
+/// back: a waiter that lost the race at every handoff waited out the whole queue each time.
+#[tokio::test]
+async fn a_named_waiter_that_loses_the_key_keeps_its_place() {
+    let Some(url) = server() else { return };
+    let (holding, first, second) = (client(&url).await, client(&url).await, client(&url).await);
+    let key = key();
+    let channel = format!("redisson_lock__channel:{{{key}}}");
+    let queue = format!("{{{key}}}:lockkit_queue");
+    let mut admin = admin(&url).await;
+    let holder = holding.acquire(key.as_str()).ttl(TTL).await.unwrap();
+    let queued_within = async |admin: &mut redis::aio::MultiplexedConnection, n: usize| {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            let queued: Vec<String> = admin.zrange(&queue, 0, -1).await.unwrap();
+            if queued.len() == n {
+                return queued;
+            }
+            assert!(Instant::now() < deadline, "never {n} queued: {queued:?}");
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    };
+    let first_waiter = spawn_wait(&first, &key);
+    let [first_id]: [String; 1] = queued_within(&mut admin, 1).await.try_into().unwrap();
+    let second_waiter = spawn_wait(&second, &key);
+    let queued = queued_within(&mut admin, 2).await;
+    assert_eq!(queued[0], first_id, "the first waiter queued first");
+    // The release's pop and name, with the key still taken (by the newcomer, here the
+    // holder).
+    let popped: Vec<(String, f64)> = redis::cmd("ZPOPMIN")
+        .arg(&queue)
+        .query_async(&mut admin)
+        .await
+        .unwrap();
+    assert_eq!(popped[0].0, first_id);
+    let _: () = admin.publish(&channel, &first_id).await.unwrap();
+    let _: () = admin.publish(&channel, 0).await.unwrap();
+    let queued = queued_within(&mut admin, 2).await;
+    assert_eq!(
+        queued[0], first_id,
+        "the named waiter that found the key taken queued at its old place"
+    );
+    let released = Instant::now();
+    holder.release().await.unwrap();
+    let (guard, _) = tokio::time::timeout(Duration::from_secs(10), first_waiter)
+        .await
+        .expect("the release named the first waiter, who was granted")
+        .unwrap();
+    assert!(
+        released.elapsed() < Duration::from_secs(5),
+        "granted {:?} after the release",
+        released.elapsed()
+    );
+    assert!(
+        !second_waiter.is_finished(),
+        "the second waiter waits for the first's release"
+    );
+    guard.release().await.unwrap();
+    second_waiter.await.unwrap().0.release().await.unwrap();
+}

@@ -1318,3 +1318,76 @@ async fn a_wait_dropped_mid_round_leaves_no_place_at_the_leader() {
     );
     holder.release().await.unwrap();
 }
+
+/// Two waiters queue at the leader behind a holder. The leader's release names the first,
+/// but a newcomer took the key before it came (here: the leader's queue is popped and the
+/// first named while the holder keeps the key): it asks the leader, finds the key busy and
+/// queues again at the place it had, not behind the second. So the next release names it
+/// again, and it is granted first (as on a single server, `tests/queue.rs`).
+#[tokio::test]
+async fn a_named_waiter_that_loses_the_key_keeps_its_place_at_the_leader() {
+    let Some(masters) = masters() else { return };
+    let (_proxies, clients) = clients_sharing_proxies(&masters, 3).await;
+    let key = key();
+    let names = names(&key);
+    let leader = clients[0].0.leader_master(&key);
+    let queue = format!("{{{}}}:lockkit_queue", key.as_str());
+    let mut admin = admin(&masters[leader]).await;
+    let holder = clients[0].1.acquire(&key).ttl(TTL).await.unwrap();
+    let queued_within = async |admin: &mut redis::aio::MultiplexedConnection, n: usize| {
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        loop {
+            let queued: Vec<String> = admin.zrange(&queue, 0, -1).await.unwrap();
+            if queued.len() == n {
+                return queued;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "never {n} queued: {queued:?}"
+            );
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    };
+    let wait = |locker: &Locker| {
+        let (locker, key) = (locker.clone(), key.clone());
+        tokio::spawn(async move {
+            locker
+                .acquire(&key)
+                .ttl(TTL)
+                .wait(Duration::from_secs(60))
+                .await
+                .unwrap()
+        })
+    };
+    let first = wait(&clients[1].1);
+    let [first_id]: [String; 1] = queued_within(&mut admin, 1).await.try_into().unwrap();
+    let second = wait(&clients[2].1);
+    let queued = queued_within(&mut admin, 2).await;
+    assert_eq!(queued[0], first_id, "the first waiter queued first");
+    // Past the first (full) round of each: the next rounds ask the leader alone.
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let popped: Vec<(String, f64)> = redis::cmd("ZPOPMIN")
+        .arg(&queue)
+        .query_async(&mut admin)
+        .await
+        .unwrap();
+    assert_eq!(popped[0].0, first_id);
+    let _: () = admin.publish(&names.channel, &first_id).await.unwrap();
+    let _: () = admin.publish(&names.channel, 0).await.unwrap();
+    let queued = queued_within(&mut admin, 2).await;
+    assert_eq!(
+        queued[0], first_id,
+        "the named waiter that found the key taken queued at its old place"
+    );
+    holder.release().await.unwrap();
+    let guard = tokio::time::timeout(Duration::from_secs(10), first)
+        .await
+        .expect("the leader's release named the first waiter, who was granted")
+        .unwrap();
+    assert!(
+        !second.is_finished(),
+        "the second waiter waits for the first's release"
+    );
+    guard.release().await.unwrap();
+    second.await.unwrap().release().await.unwrap();
+}

@@ -593,10 +593,10 @@ impl RedlockBackend {
         let leader = self.leader_of(&req.key);
         let turn = contended
             .filter(|_| req.kind == LockKind::Exclusive && self.nodes.len() > 1)
-            .map(|contended| contended.turn);
+            .map(|contended| contended.turn.clone());
         let ask = |index: usize, node: RedisBackend| {
             let req = req.clone();
-            let turn = turn.filter(|_| index == leader);
+            let turn = turn.clone().filter(|_| index == leader);
             async move {
                 node.run_acquire_marking(&req, None, marker, Some(proposed), turn)
                     .await
@@ -648,7 +648,9 @@ impl RedlockBackend {
                     .unwrap_or_else(|| Vote::Failed(Error::backend(BACKEND, true, "not asked"))),
             })
             .collect();
-        if let (Some(contended), Some(turn), Some(vote)) = (contended, turn, votes.get(leader)) {
+        if let (Some(contended), Some(turn), Some(vote)) =
+            (contended, turn.as_ref(), votes.get(leader))
+        {
             match vote {
                 // Queued (or kept its place) behind the hold it found.
                 Vote::Busy(_) => contended.place.queued.store(true, Ordering::Release),
@@ -1013,6 +1015,7 @@ impl LockBackend for RedlockBackend {
         .settle(settle);
         let mut first_round = true;
         let mut last_full_round = Instant::now();
+        let place_score = Arc::new(AtomicU64::new(0));
         let outcome = wait_for_grant(&req.key, wait, policy, &mut messages, || {
             let leader_first = !first_round && last_full_round.elapsed() < FULL_ROUND_EVERY;
             first_round = false;
@@ -1022,10 +1025,11 @@ impl LockBackend for RedlockBackend {
             let contended = plain.then(|| Contended {
                 leader_first,
                 busy_masters: busy_masters.clone(),
-                turn: QueueTurn {
-                    id: place.id,
-                    may_be_queued: place.may_be_queued.swap(queues, Ordering::AcqRel),
-                },
+                turn: QueueTurn::new(
+                    place.id,
+                    place.may_be_queued.swap(queues, Ordering::AcqRel),
+                    place_score.clone(),
+                ),
                 place: place.clone(),
             });
             self.attempt(req, share.clone(), contended)

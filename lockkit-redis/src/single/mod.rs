@@ -7,7 +7,7 @@ pub(crate) use kinds::{ForgetWriter, MARKER_REFRESH, MarkShare, WriterMarker};
 use std::{
     sync::{
         Arc,
-        atomic::{AtomicBool, Ordering},
+        atomic::{AtomicBool, AtomicU64, Ordering},
     },
     time::Duration,
 };
@@ -58,12 +58,28 @@ pub(crate) fn attempt_field(attempt: uuid::Uuid) -> String {
 }
 
 /// A waiting plain acquisition's place in the key's waiter queue (see [`wire::queue_of`]).
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub(crate) struct QueueTurn {
     /// The waiter's id in the queue and in release messages ([`queue_id`], its owner's).
     pub(crate) id: u64,
     /// An earlier attempt of the wait may have queued it: a grant leaves the queue.
     pub(crate) may_be_queued: bool,
+    /// The score of the wait's place (0: none yet), shared by its attempts: each sends it,
+    /// and a busy answer that queued the waiter records it. A waiter that a release named
+    /// and popped, and that then found the key taken by a newcomer, queues again at this
+    /// place rather than at the back (see [`wire::ACQUIRE`]).
+    pub(crate) place_score: Arc<AtomicU64>,
+}
+
+impl QueueTurn {
+    /// The turn of a wait's next attempt.
+    pub(crate) fn new(id: u64, may_be_queued: bool, place_score: Arc<AtomicU64>) -> Self {
+        Self {
+            id,
+            may_be_queued,
+            place_score,
+        }
+    }
 }
 
 /// The queue id of `owner`'s waits: at least [`wire::NAMED_WAITER_MIN`] and below twice
@@ -302,12 +318,16 @@ impl RedisBackend {
         let waiting_writers = wire::waiting_writers_of(&names);
         let queue = wire::queue_of(&names);
         let proposed = proposed_token.map(|t| t.to_string()).unwrap_or_default();
-        let (queue_id, may_be_queued) = match turn {
+        let (queue_id, may_be_queued, place_score) = match &turn {
             Some(turn) => (
                 turn.id.to_string(),
                 if turn.may_be_queued { "1" } else { "" },
+                match turn.place_score.load(Ordering::Acquire) {
+                    0 => String::new(),
+                    score => score.to_string(),
+                },
             ),
-            None => (String::new(), ""),
+            None => (String::new(), "", String::new()),
         };
         let marker_ms = if marker { wire::WRITER_MARKER_MS } else { 0 };
         let config = &self.inner.config;
@@ -316,7 +336,7 @@ impl RedisBackend {
         let mut conn = slot.conn.clone();
         let start = Instant::now();
         let wanted = self.inner.config.wait_replicas;
-        let ((granted, value, depth), confirmed): ((i64, i64, i64), Option<i64>) = if wanted == 0 {
+        let (outcome, confirmed): (Vec<i64>, Option<i64>) = if wanted == 0 {
             let mut script = wire::ACQUIRE.key(&names.lock);
             script
                 .key(&names.token)
@@ -330,8 +350,9 @@ impl RedisBackend {
                 .arg(marker_ms)
                 .arg(&proposed)
                 .arg(&queue_id)
-                .arg(may_be_queued);
-            let outcome = script
+                .arg(may_be_queued)
+                .arg(&place_score);
+            let outcome: Vec<i64> = script
                 .invoke_async(&mut conn)
                 .await
                 .map_err(|e| self.fail("running the acquire script", e))?;
@@ -356,15 +377,33 @@ impl RedisBackend {
                 .arg(&proposed)
                 .arg(&queue_id)
                 .arg(may_be_queued)
+                .arg(&place_score)
                 .cmd("WAIT")
                 .arg(wanted)
                 .arg(ttl_millis(self.inner.config.wait_replicas_timeout));
-            let (outcome, confirmed): ((i64, i64, i64), i64) = pipe
+            let (outcome, confirmed): (Vec<i64>, i64) = pipe
                 .query_async(&mut conn)
                 .await
                 .map_err(|e| self.fail("running the acquire script with WAIT", e))?;
             (outcome, Some(confirmed))
         };
+        let (granted, value, depth, place) = match outcome.as_slice() {
+            [granted, value, depth, place @ ..] => (*granted, *value, *depth, place),
+            _ => {
+                return Err(self.fail(
+                    "running the acquire script",
+                    redis::RedisError::from((
+                        redis::ErrorKind::UnexpectedReturnType,
+                        "the acquire script answered with an unexpected shape",
+                        format!("{outcome:?}"),
+                    )),
+                ));
+            }
+        };
+        if let (Some(turn), [score]) = (&turn, place) {
+            turn.place_score
+                .store(u64::try_from(*score).unwrap_or(0), Ordering::Release);
+        }
         if granted == -1 {
             return Err(Error::KindMismatch {
                 key: req.key.clone(),
@@ -498,11 +537,13 @@ impl RedisBackend {
             may_be_queued: AtomicBool::new(false),
         });
         let mut messages = ReleaseMessages::queued(self.inner.wakeups.clone(), names.channel, id);
+        let place_score = Arc::new(AtomicU64::new(0));
         let outcome = wait_for_grant(&req.key, wait, wait_policy(), &mut messages, || {
-            let turn = QueueTurn {
+            let turn = QueueTurn::new(
                 id,
-                may_be_queued: place.may_be_queued.swap(true, Ordering::AcqRel),
-            };
+                place.may_be_queued.swap(true, Ordering::AcqRel),
+                place_score.clone(),
+            );
             self.attempt_marking(req, Some(share.clone()), Some((turn, place.clone())))
         })
         .await;

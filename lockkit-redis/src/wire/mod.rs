@@ -140,17 +140,21 @@ pub(crate) const MAX_TTL_MS: u64 = 1_000_000_000_000;
 /// identity (`''`: none; stored in [`HOLDER_FIELD`] by a new holder only), marker ms (`0`:
 /// do not mark), a proposed token (decimal, below 2^53; `''` or absent: none), the waiter's
 /// queue id (`''` or absent: does not queue; else decimal, at least [`NAMED_WAITER_MIN`]),
-/// and `1` when an earlier attempt of the same wait may have queued it (its grant then
-/// leaves the queue).
+/// `1` when an earlier attempt of the same wait may have queued it (its grant then
+/// leaves the queue), and the score of the place the wait had (`''` or absent: none).
 ///
 /// A waiter that finds the key held by others in Redisson's layout queues (keeping its
-/// place if it is queued already, see [`queue_of`]) and flags the hold ([`QUEUE_FIELD`]); a
+/// place if it is queued already, see [`queue_of`]) and flags the hold ([`QUEUE_FIELD`]),
+/// and the answer carries its place's score as a fourth value. A waiter that is not queued
+/// but had a place (a release named it, popping it, and a newcomer took the key before it
+/// came) queues again at that place's score (an earlier one than now only), so the next
+/// release names it again instead of every waiter that queued after it first; a
 /// queued waiter's grant leaves the queue, and while others are queued flags the new hold
 /// and publishes its id negated (`-<id>`, a number Redisson ignores) on the release
 /// channel: the waiters that heard another waiter named then know the key is taken, and
 /// sleep on instead of trying after their grace.
 /// Returns `{1, token, depth}` when granted, `{0, pttl, 0}` when held by someone else in
-/// Redisson's layout (who publishes on release), `{0, pttl, 1}` when held in another format
+/// Redisson's layout (who publishes on release; `{0, pttl, 0, score}` when it queued), `{0, pttl, 1}` when held in another format
 /// (a plain `SET NX PX` string: nobody publishes its release), `{0, pttl, 2}` when held as
 /// a read-write lock by others and the owner was registered as a waiting writer (it must
 /// try again within a third of the marker's life to keep it), `{-1, 2, 0}` when the owner
@@ -259,10 +263,17 @@ end
 if t == 'hash' then
   if ARGV[7] and ARGV[7] ~= '' then
     local now = redis.call('time')
-    local queued = redis.pcall('zadd', KEYS[4], 'NX', now[1] .. string.format('%06d', tonumber(now[2])), ARGV[7])
+    local score = now[1] .. string.format('%06d', tonumber(now[2]))
+    local kept = ARGV[9]
+    if kept and #kept <= 16 and string.match(kept, '^[1-9]%d*$') and tonumber(kept) < tonumber(score) then
+      score = kept
+    end
+    local queued = redis.pcall('zadd', KEYS[4], 'NX', score, ARGV[7])
     if type(queued) == 'number' then
       redis.call('pexpire', KEYS[4], 60000)
       redis.call('hset', KEYS[1], 'lockkit-queue', 'q')
+      if queued == 0 then score = redis.call('zscore', KEYS[4], ARGV[7]) end
+      return {0, redis.call('pttl', KEYS[1]), 0, tonumber(score)}
     end
   end
   return {0, redis.call('pttl', KEYS[1]), 0}
