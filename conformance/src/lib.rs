@@ -139,6 +139,7 @@ macro_rules! __with_catalogue {
             bad_input::control_chars_are_refused,
             bad_input::zero_ttl_is_refused,
             bad_input::ttl_outside_backend_range_is_refused,
+            bad_input::huge_ttls_are_refused_or_held,
             bad_input::invalid_options_are_refused,
             bad_input::bad_url_is_refused,
             randomized::histories_stay_linear,

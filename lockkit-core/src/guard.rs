@@ -312,7 +312,7 @@ async fn keep(shared: Arc<HoldShared>) {
     let hold_deadline = shared
         .options
         .max_hold
-        .map(|max| shared.grant.lease_start + max);
+        .and_then(|max| shared.grant.lease_start.checked_add(max));
     let mut next_renew = shared
         .options
         .watchdog

@@ -61,7 +61,7 @@ pub use kind::LockKind;
 pub use locker::{Acquire, Locker, Owner, Semaphore, TryAcquire};
 pub use lost::LossSignal;
 pub use memory::MemoryBackend;
-pub use options::{DEFAULT_TTL, LockOptions};
+pub use options::{DEFAULT_TTL, LockOptions, MAX_TTL};
 pub use owner::OwnerId;
 pub use wait::WAIT_FOREVER;
 

@@ -8,6 +8,13 @@ use crate::{BackendInfo, Error, Result};
 /// not block others for long. The watchdog keeps a live holder's lease alive.
 pub const DEFAULT_TTL: Duration = Duration::from_secs(30);
 
+/// The longest lease lockkit accepts on any backend (100 years of 365 days), whatever the
+/// backend declares: a lease end that far ahead is still an [`std::time::Instant`] (a
+/// longer one overflowed, and `ttl(Duration::MAX)` panicked after the grant) and a date
+/// every server's types hold (MySQL row mode wrote `now + u64::MAX µs` as a lease that
+/// had already ended, and another owner was granted the key while the guard was valid).
+pub const MAX_TTL: Duration = Duration::from_secs(100 * 365 * 24 * 3600);
+
 /// How a hold is taken and kept. Build it with [`crate::Locker::acquire`]'s builder, or set
 /// defaults with [`crate::Locker::with_options`].
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -78,11 +85,9 @@ impl LockOptions {
 /// [`Error::InvalidTtl`] naming the accepted range.
 pub fn validate_ttl(ttl: Duration, info: &BackendInfo) -> Result<()> {
     let caps = &info.capabilities;
+    let max = caps.max_ttl.map_or(MAX_TTL, |max| max.min(MAX_TTL));
     // Formatted only for an error: this runs on every acquisition.
-    let range = || match caps.max_ttl {
-        Some(max) => format!("{:?} ..= {:?}", caps.min_ttl, max),
-        None => format!("at least {:?}", caps.min_ttl),
-    };
+    let range = || format!("{:?} ..= {:?}", caps.min_ttl, max);
     if ttl.is_zero() {
         return Err(Error::InvalidTtl {
             ttl,
@@ -93,7 +98,7 @@ pub fn validate_ttl(ttl: Duration, info: &BackendInfo) -> Result<()> {
             ),
         });
     }
-    if ttl < caps.min_ttl || caps.max_ttl.is_some_and(|max| ttl > max) {
+    if ttl < caps.min_ttl || ttl > max {
         return Err(Error::InvalidTtl {
             ttl,
             reason: format!("`{}` accepts leases of {}", info.scheme, range()),

@@ -187,6 +187,62 @@ pub async fn ttl_outside_backend_range_is_refused<H: Harness>(h: &H) -> Outcome 
     Outcome::Passed
 }
 
+/// A TTL beyond any lease (`Duration::MAX`, 10,000 years) is `InvalidTtl` before any I/O,
+/// on every backend whatever it declares: `ttl(Duration::MAX)` panicked after the grant
+/// (an instant that far ahead overflows), and MySQL row mode wrote 10,000 years as a
+/// server error and `u64::MAX` µs as a lease that had already ended (another owner was
+/// granted the key while the guard was valid; review 31). The longest TTL accepted is a
+/// lease like any other: held, and the key busy for another client. A huge `max_hold`
+/// means "renew for as long as the guard lives".
+pub async fn huge_ttls_are_refused_or_held<H: Harness>(h: &H) -> Outcome {
+    let space = Space::new("huge_ttls_are_refused_or_held");
+    let key = space.key("k");
+    let (a, b) = (h.client().await, h.client().await);
+    for ttl in [
+        Duration::MAX,
+        Duration::from_secs(10_000 * 365 * 24 * 3600),
+        lockkit_core::MAX_TTL + Duration::from_secs(1),
+    ] {
+        expect_err(a.try_acquire(&key).ttl(ttl).await, "a huge ttl", |e| {
+            matches!(e, Error::InvalidTtl { .. })
+        });
+    }
+    assert_eq!(
+        a.inspect(&key).await.check("inspect"),
+        None,
+        "a refused acquire must not touch the server"
+    );
+    let longest = a
+        .info()
+        .capabilities
+        .max_ttl
+        .map_or(lockkit_core::MAX_TTL, |max| max.min(lockkit_core::MAX_TTL));
+    let guard = a
+        .try_acquire(&key)
+        .ttl(longest)
+        .max_hold(Duration::MAX)
+        .await
+        .check("acquire with the longest ttl")
+        .check("free key");
+    assert!(guard.is_valid());
+    assert!(
+        b.try_acquire(&key)
+            .ttl(LONG_TTL)
+            .await
+            .check("rival")
+            .is_none(),
+        "the longest lease ({longest:?}) was granted, and another client was granted it too"
+    );
+    expect_err(
+        guard.extend(Duration::MAX).await,
+        "extend to a huge ttl",
+        |e| matches!(e, Error::InvalidTtl { .. }),
+    );
+    assert!(guard.is_valid());
+    guard.release().await.check("release");
+    Outcome::Passed
+}
+
 /// Inconsistent options (renewal period not below the TTL, zero `max_hold`) are refused.
 pub async fn invalid_options_are_refused<H: Harness>(h: &H) -> Outcome {
     let space = Space::new("invalid_options_are_refused");
