@@ -77,21 +77,25 @@ impl MysqlBackend {
 
     /// Closes every connection of this client. A for-update hold still open ends with its
     /// connection (its guard hears `SessionLost`); a row-mode lease lives in the table and
-    /// runs out there.
+    /// runs out there. Returns within a few `connect_timeout`s even when the server's link
+    /// has gone silent: a connection that is still waiting for an answer then is closed
+    /// when its link errors or heals (sqlx pings every connection given back to its pool,
+    /// with no time limit, and a pool's close waits for all of them).
     pub async fn close(&self) {
         // Each pool is closed first (sqlx marks it closed when `close` is called), so a
         // statement completing meanwhile does not keep its connection and no acquisition
         // starts; then the holds and waits end and the kept connections go back (a pool's
         // close waits for all its connections).
+        let within = self.db.config.connect_timeout;
         let closing_holds = self.db.holds_pool.close();
         if let Locks::ForUpdate(locks) = &self.locks {
             locks.close().await;
         }
         self.db.return_kept_holds();
-        closing_holds.await;
+        let _ = tokio::time::timeout(within, closing_holds).await;
         let closing = self.db.pool.close();
         self.db.return_kept();
-        closing.await;
+        let _ = tokio::time::timeout(within, closing).await;
     }
 
     /// Dedicated for-update connections open now (held or waiting locks, and idle ones).

@@ -45,6 +45,24 @@ pub(crate) fn db_error(doing: &str, e: sqlx::Error) -> Error {
     Error::backend_with_source(BACKEND, retryable, format!("{doing} failed: {e}{hint}"), e)
 }
 
+/// A pool that timed out with room for another connection could not open one: the server
+/// is down, refuses connections or cannot be reached. (sqlx says `PoolTimedOut` either
+/// way; the busy pool's advice, to raise its size, sent users the wrong way.)
+pub(crate) fn unreachable_error(doing: &str, within: Duration, e: sqlx::Error) -> Error {
+    Error::backend_with_source(
+        BACKEND,
+        true,
+        format!(
+            "{doing} failed: could not reach the MySQL server (no connection could be opened \
+             within {within:?}); is it running and reachable?"
+        ),
+        e,
+    )
+}
+
+/// How long an acquisition waits for a dedicated (for-update) connection.
+pub(crate) const HOLD_CONNECTION_WAIT: Duration = Duration::from_millis(250);
+
 /// Errors after which the connection (and so any transaction and lock it had) is gone.
 pub(crate) fn connection_gone(e: &sqlx::Error) -> bool {
     matches!(e, sqlx::Error::Io(_) | sqlx::Error::Protocol(_))
@@ -142,14 +160,20 @@ impl Db {
                 let seen = seen.clone();
                 Box::pin(async move { ping_if_idle(conn, meta, &seen).await })
             })
-            .after_connect(|conn, _| Box::pin(read_committed(conn)))
+            .after_connect(|conn, _| Box::pin(shared_session(conn)))
             .connect_with(config.connect.clone())
             .await
-            .map_err(|e| db_error("connecting to MySQL", e))?;
+            .map_err(|e| match e {
+                // Nothing was open yet: none could be.
+                sqlx::Error::PoolTimedOut => {
+                    unreachable_error("connecting to MySQL", config.connect_timeout, e)
+                }
+                e => db_error("connecting to MySQL", e),
+            })?;
         let holds_pool = MySqlPoolOptions::new()
             .max_connections(config.max_holds)
             .min_connections(0)
-            .acquire_timeout(Duration::from_millis(250))
+            .acquire_timeout(HOLD_CONNECTION_WAIT)
             // A hold sets its connection's wait_timeout to its lease: every path that gives
             // a connection back puts the server's default back in the same round trip as
             // its last statement (`for_update::RESTORE_SESSION`), or closes it. Pinged
@@ -213,7 +237,16 @@ impl Db {
     /// [`db_error`], noting a dead connection.
     pub(crate) fn fail(&self, doing: &str, e: sqlx::Error) -> Error {
         self.gone(&e);
+        if matches!(e, sqlx::Error::PoolTimedOut) && self.pool.size() < self.config.pool_size {
+            return unreachable_error(doing, self.config.connect_timeout, e);
+        }
         db_error(doing, e)
+    }
+
+    /// Whether the pool of dedicated connections has room for another connection (after
+    /// its `PoolTimedOut`: it could not open one).
+    pub(crate) fn holds_pool_has_room(&self) -> bool {
+        self.holds_pool.size() < self.config.max_holds
     }
 
     /// Runs `statement` on the shared pool, and again on another connection while the one
@@ -623,6 +656,41 @@ async fn read_committed(conn: &mut sqlx::MySqlConnection) -> std::result::Result
         .execute(conn)
         .await
         .map(|_| ())
+}
+
+/// How long the server lets a shared-pool connection sit idle inside a transaction before
+/// it ends the connection (and the transaction with its row locks). Every transaction of
+/// the shared pool is a few statements sent back to back; one left open is a client that
+/// stalled (paused, or cut off by a link gone silent) while it held the key's row locked,
+/// which otherwise kept every other client off the key until the server's `wait_timeout`
+/// (8 hours by default): past its lease, so the lease no longer bounded a dead contender
+/// (helper-31's review, F2). Dedicated (for-update) connections hold their transaction for
+/// the whole hold, and are bounded by their lease instead.
+pub(crate) const IDLE_IN_TRANSACTION: Duration = Duration::from_secs(5);
+
+/// MariaDB's error for a system variable it does not know (MySQL has no
+/// `idle_transaction_timeout`).
+const UNKNOWN_SYSTEM_VARIABLE: u16 = 1193;
+
+/// The session of a shared-pool connection: read committed (as the dedicated ones), and a
+/// transaction left idle ends after [`IDLE_IN_TRANSACTION`] (MariaDB's
+/// `idle_transaction_timeout`; on a server without it, `wait_timeout`, which also ends a
+/// connection idle in the pool that long: the pool pings a connection that idled before
+/// it hands it out, and opens another).
+async fn shared_session(conn: &mut sqlx::MySqlConnection) -> std::result::Result<(), sqlx::Error> {
+    read_committed(&mut *conn).await?;
+    let seconds = IDLE_IN_TRANSACTION.as_secs();
+    let idle = format!("SET SESSION idle_transaction_timeout = {seconds}");
+    match sqlx::raw_sql(AssertSqlSafe(idle)).execute(&mut *conn).await {
+        Err(e) if error_number(&e) == Some(UNKNOWN_SYSTEM_VARIABLE) => {
+            let idle = format!("SET SESSION wait_timeout = {seconds}");
+            sqlx::raw_sql(AssertSqlSafe(idle))
+                .execute(conn)
+                .await
+                .map(|_| ())
+        }
+        outcome => outcome.map(|_| ()),
+    }
 }
 
 /// The `holder` column of `row`, decoded, if it was written for the row's `owner` (a client

@@ -22,8 +22,8 @@ use sqlx::{AssertSqlSafe, Connection, MySql, Row, pool::PoolConnection};
 use tokio::time::Instant;
 
 use crate::db::{
-    BACKEND, Db, LOCK_NOWAIT, LOCK_WAIT_TIMEOUT, connection_gone, db_error, error_number,
-    holder_identity, query, row_text,
+    BACKEND, Db, HOLD_CONNECTION_WAIT, LOCK_NOWAIT, LOCK_WAIT_TIMEOUT, connection_gone, db_error,
+    error_number, holder_identity, query, row_text, unreachable_error,
 };
 
 /// The holds of this client, by owner and key (reentrancy is local in this mode).
@@ -340,6 +340,9 @@ async fn lock(
     let (lent, id, first_try) = loop {
         tries += 1;
         let lent = inner.lend_hold_connection().await.map_err(|e| match e {
+            sqlx::Error::PoolTimedOut if inner.holds_pool_has_room() => {
+                unreachable_error("opening a dedicated connection", HOLD_CONNECTION_WAIT, e)
+            }
             sqlx::Error::PoolTimedOut => Error::backend(
                 BACKEND,
                 true,
@@ -826,10 +829,13 @@ async fn watch(
         // Read under the connection's lock: a re-entry or renewal that lengthened the lease
         // meanwhile has told the server, and this must not set a shorter timeout after it.
         let left = held.lease_until().saturating_duration_since(Instant::now());
-        let check = format!("SET SESSION wait_timeout = {}", whole_seconds(left).max(1));
-        match sqlx::raw_sql(AssertSqlSafe(check)).execute(&mut **c).await {
-            Ok(_) => {}
-            Err(e) if backend.inner.gone(&e) => {
+        match set_wait_timeout(&backend, c, whole_seconds(left).max(1)).await {
+            Ok(()) => {}
+            Err(Some(error)) if !backend.inner.gone(&error) => {
+                tracing::debug!(%error, "liveness check failed; retrying");
+            }
+            // Gone, or silent past the bound.
+            Err(_) => {
                 held.broken.store(true, Ordering::SeqCst);
                 if let Some(mut dead) = conn.take() {
                     dead.close_on_drop();
@@ -839,8 +845,32 @@ async fn watch(
                 loss.fire(lockkit_core::LostReason::SessionLost);
                 return;
             }
-            Err(error) => tracing::debug!(%error, "liveness check failed; retrying"),
         }
+    }
+}
+
+/// Sets the `wait_timeout` of a hold's connection to `seconds`, answered within the
+/// client's `connect_timeout`. `Err(None)`: no answer in time, from a link gone silent (a
+/// partition, a stalled proxy: no error comes, and none may for many minutes). The
+/// connection is then in the middle of a statement: the caller closes it and the hold is
+/// over. Without the bound, the statement kept the hold's connection locked for as long as
+/// the link stayed silent, and with it the hold's renewals, its release and the client's
+/// `close()` (helper-31's review, F1).
+async fn set_wait_timeout(
+    backend: &ForUpdateLocks,
+    conn: &mut sqlx::MySqlConnection,
+    seconds: u64,
+) -> std::result::Result<(), Option<sqlx::Error>> {
+    let statement = format!("SET SESSION wait_timeout = {seconds}");
+    let answer = tokio::time::timeout(
+        backend.inner.config.connect_timeout,
+        sqlx::raw_sql(AssertSqlSafe(statement)).execute(conn),
+    )
+    .await;
+    match answer {
+        Ok(Ok(_)) => Ok(()),
+        Ok(Err(e)) => Err(Some(e)),
+        Err(_) => Err(None),
     }
 }
 
@@ -879,19 +909,17 @@ async fn renew(backend: &ForUpdateLocks, grant: &Grant, ttl: Duration) -> Result
     // Never shorten the lease: another guard of this hold may rely on it. The server's
     // timeout covers the whole of it, not just `ttl`.
     let until = held.lease_until().max(start + ttl);
-    let statement = format!(
-        "SET SESSION wait_timeout = {}",
-        whole_seconds(until.saturating_duration_since(start)).max(1)
-    );
-    match sqlx::raw_sql(AssertSqlSafe(statement))
-        .execute(&mut **c)
-        .await
-    {
-        Ok(_) => {
+    let seconds = whole_seconds(until.saturating_duration_since(start)).max(1);
+    match set_wait_timeout(backend, c, seconds).await {
+        Ok(()) => {
             held.count.extend_lease(until);
             Ok(())
         }
-        Err(e) if backend.inner.gone(&e) => {
+        Err(Some(e)) if !backend.inner.gone(&e) => {
+            Err(db_error("keeping the lock connection alive", e))
+        }
+        // Gone, or silent past the bound.
+        Err(_) => {
             held.broken.store(true, Ordering::SeqCst);
             if let Some(mut dead) = conn.take() {
                 dead.close_on_drop();
@@ -901,7 +929,6 @@ async fn renew(backend: &ForUpdateLocks, grant: &Grant, ttl: Duration) -> Result
                 key: grant.key.clone(),
             })
         }
-        Err(e) => Err(db_error("keeping the lock connection alive", e)),
     }
 }
 
