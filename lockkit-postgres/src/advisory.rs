@@ -110,6 +110,10 @@ const DEADLINE_GRACE: Duration = Duration::from_secs(1);
 /// connection before a connection is opened for it.
 const QUICK_TERMINATE: Duration = Duration::from_millis(500);
 
+/// How long a try (an acquisition that does not wait) waits for a dedicated connection to
+/// come free while every one is in use, before it answers that they are.
+const TRY_PATIENCE: Duration = Duration::from_millis(100);
+
 /// How long an advisory waiter behind a row-mode lease sleeps between looks.
 const ROW_LEASE_POLL: Duration = Duration::from_millis(100);
 
@@ -171,6 +175,72 @@ impl Dedicated {
             .await
     }
 
+    /// Whether every dedicated connection is open and lent out: a caller of the pool waits
+    /// for one to come back.
+    fn all_in_use(&self) -> bool {
+        self.pool.size() >= self.max && self.pool.num_idle() == 0
+    }
+
+    /// A connection for an acquisition that stops waiting for one at `give_up`: a kept one
+    /// or the pool's ([`Dedicated::lend`]). Asked while every connection is in use, it
+    /// waits for one to come back until `give_up`, asking the pool again after each of the
+    /// pool's acquire timeouts (`connect_timeout`) that ends before; then it answers
+    /// [`NoConnection::AllInUse`]. Asked while the pool has room, it waits as long as the
+    /// pool allows, past `give_up` if need be: the pool is opening a connection for it
+    /// (sqlx counts a connection being opened as in use, so the pool's state cannot tell
+    /// that apart later), and an acquisition takes nothing past its deadline (see
+    /// [`prepared_connection`]). The caller's going away (`interrupt`) ends it at once,
+    /// with nothing taken.
+    ///
+    /// # Cancel safety
+    /// Cancel safe: dropped, it holds no connection (one lent at that moment goes back).
+    async fn lend_by(
+        &self,
+        give_up: Instant,
+        interrupt: &Interrupt,
+    ) -> std::result::Result<Lent<PoolConnection<Postgres>>, NoConnection> {
+        loop {
+            // Waits for a connection to come back (bounded by `give_up`), or has one opened.
+            let mut bounded = self.all_in_use();
+            let lend = self.lend();
+            tokio::pin!(lend);
+            let lent = loop {
+                tokio::select! {
+                    lent = &mut lend => break lent,
+                    () = interrupt.interrupted() => return Err(NoConnection::Interrupted),
+                    () = tokio::time::sleep_until(give_up), if bounded => {
+                        if self.all_in_use() {
+                            return self.kept_or_all_in_use();
+                        }
+                        // One came back just now: the pool hands it out.
+                        bounded = false;
+                    }
+                }
+            };
+            match lent {
+                Ok(lent) => return Ok(lent),
+                Err(sqlx::Error::PoolTimedOut) if self.all_in_use() => {
+                    if Instant::now() >= give_up {
+                        return self.kept_or_all_in_use();
+                    }
+                    // Every connection stayed in use for the pool's whole acquire timeout,
+                    // which ended before `give_up`: ask again.
+                }
+                Err(e) => return Err(NoConnection::Failed(e)),
+            }
+        }
+    }
+
+    /// A connection kept since the last look (one let go while the pool could spare it),
+    /// else [`NoConnection::AllInUse`].
+    fn kept_or_all_in_use(
+        &self,
+    ) -> std::result::Result<Lent<PoolConnection<Postgres>>, NoConnection> {
+        self.kept
+            .take(self.return_all_kept())
+            .ok_or(NoConnection::AllInUse)
+    }
+
     /// Keeps `conn`, which holds no lock, no lease and no name (a statement that let go of
     /// all of them just completed on it), for the next acquisition, if there is room and
     /// the pool can spare it (an idle connection, or room to open one: else a caller may be
@@ -180,6 +250,16 @@ impl Dedicated {
         let spare = self.pool.num_idle() > 0 || self.pool.size() < self.max;
         self.kept.keep(lent, || spare && !self.return_all_kept());
     }
+}
+
+/// Why [`Dedicated::lend_by`] lent no connection.
+enum NoConnection {
+    /// Every dedicated connection stayed in use until the acquisition gave up waiting.
+    AllInUse,
+    /// The caller went away.
+    Interrupted,
+    /// The pool failed otherwise: it could not open a connection, or it closed.
+    Failed(sqlx::Error),
 }
 
 impl Drop for Dedicated {
@@ -814,31 +894,60 @@ async fn acquire(
 /// every connection for a while), and the statement sent again on another, up to
 /// `max_holds + 1` times in all: a dead session holds nothing. A connection whose statement
 /// failed otherwise, or did not answer in time, is closed: that ends any lock its try took.
+///
+/// While every dedicated connection is in use, a wait waits for one to come free until its
+/// `deadline` and then answers `Ok(None)` (not granted in time: its caller says `Timeout`),
+/// however short or long the pool's own acquire timeout; a try (a zero `wait`) waits
+/// [`TRY_PATIENCE`] and then answers a retryable error saying every one is in use (the key
+/// itself may be free). `Ok(None)` too when the caller went away (`interrupt`) before a
+/// connection was lent.
 async fn prepared_connection(
     backend: &AdvisoryLocks,
     req: &AcquireRequest,
     wait: Duration,
     deadline: Instant,
-) -> Result<(Lent<PoolConnection<Postgres>>, i32, String, Option<bool>)> {
+    interrupt: &Interrupt,
+) -> Result<Option<(Lent<PoolConnection<Postgres>>, i32, String, Option<bool>)>> {
     let inner = &backend.inner;
     let id = inner.advisory_id(&req.key);
     let (hi, lo) = inner.readers_lock(&req.key);
+    let give_up = if wait.is_zero() {
+        Instant::now() + TRY_PATIENCE
+    } else {
+        deadline
+    };
     let mut sent = 0;
     loop {
         sent += 1;
-        let mut lent = backend.dedicated.lend().await.map_err(|e| match e {
-            sqlx::Error::PoolTimedOut => Error::backend(
-                BACKEND,
-                true,
-                format!(
-                    "all {} dedicated connections are in use by held or waiting advisory \
-                     locks; raise max_holds (each hold and each waiter uses one server \
-                     connection) or hold fewer locks",
-                    inner.config.max_holds
-                ),
-            ),
-            e => db_error("opening a dedicated connection", e),
-        })?;
+        let mut lent = match backend.dedicated.lend_by(give_up, interrupt).await {
+            Ok(lent) => lent,
+            Err(NoConnection::Interrupted) => return Ok(None),
+            Err(NoConnection::AllInUse) if !wait.is_zero() => {
+                tracing::debug!(
+                    key = %req.key,
+                    max_holds = inner.config.max_holds,
+                    "a wait ran out with every dedicated connection in use; raise max_holds \
+                     or hold fewer locks"
+                );
+                return Ok(None);
+            }
+            Err(NoConnection::AllInUse) => {
+                return Err(Error::backend(
+                    BACKEND,
+                    true,
+                    format!(
+                        "all {} dedicated connections are in use by held or waiting advisory \
+                         locks, so `{}` could not be tried (it may be free); try again, raise \
+                         max_holds (each hold and each waiter uses one server connection) or \
+                         hold fewer locks",
+                        inner.config.max_holds, req.key
+                    ),
+                ));
+            }
+            Err(NoConnection::Failed(e)) => {
+                return Err(db_error("opening a dedicated connection", e));
+            }
+        };
         // Past its deadline already (the pool was slow to lend a connection), a wait takes
         // nothing here: the terminator is about to end it.
         let tries =
@@ -874,7 +983,7 @@ async fn prepared_connection(
             return Err(set_up_unanswered());
         }
         match answered {
-            Ok(Ok((pid, started, _, _, tried))) => return Ok((lent, pid, started, tried)),
+            Ok(Ok((pid, started, _, _, tried))) => return Ok(Some((lent, pid, started, tried))),
             Ok(Err(e)) => {
                 lent.conn.close_on_drop();
                 if inner.gone(&e) && sent <= inner.config.max_holds {
@@ -1065,7 +1174,12 @@ async fn lock(
     let inner = &backend.inner;
     // The wait counts from the request, not from when a dedicated connection was free.
     let deadline = deadline_after(wait);
-    let (lent, pid, started, tried) = prepared_connection(backend, req, wait, deadline).await?;
+    let Some((lent, pid, started, tried)) =
+        prepared_connection(backend, req, wait, deadline, &interrupt).await?
+    else {
+        // No dedicated connection came free by the deadline, or the caller went away.
+        return Ok(None);
+    };
     let (mut conn, out_since) = (lent.conn, lent.out_since);
     // The server ends the wait at the deadline (`lock_timeout`); the caller's going away,
     // or a wait the server did not end, is ended by terminating this connection's backend

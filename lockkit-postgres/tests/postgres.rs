@@ -2486,3 +2486,87 @@ async fn an_owners_release_waits_for_its_flush() {
     .await
     .unwrap();
 }
+
+/// Advisory mode with every dedicated connection in use (`max_holds=1`, one lock held): an
+/// acquisition of another, free key ends by its own deadline. A 200 ms wait answers
+/// `Timeout` near 200 ms, a try says at once that the dedicated connections are all in use,
+/// a wait longer than the pool's acquire timeout (`connect_timeout=1s`) keeps asking for a
+/// connection and is granted once one comes free 2 s in, and a wait dropped meanwhile takes
+/// nothing. Before, the 200 ms wait waited out the pool's acquire timeout (1 s here, the
+/// connect timeout; 5 s by default) and answered a retryable backend error, as the try
+/// did, and the long wait gave up at its first pool timeout.
+#[tokio::test]
+async fn an_advisory_acquisition_with_every_dedicated_connection_in_use_ends_by_its_deadline() {
+    let Some(url) = env::service_url("LOCKKIT_TEST_POSTGRES_URL") else {
+        return;
+    };
+    let backend = PostgresBackend::connect(&format!(
+        "{url}?mode=advisory&table=lockkit_test_pg&max_holds=1&connect_timeout=1s"
+    ))
+    .await
+    .unwrap();
+    let locker = Locker::new(backend.clone());
+    let held = locker
+        .acquire(key("full-a"))
+        .ttl(Duration::from_secs(30))
+        .await
+        .unwrap();
+    let other = key("full-b");
+
+    let started = std::time::Instant::now();
+    let waited = locker
+        .acquire(&other)
+        .ttl(Duration::from_secs(30))
+        .wait(Duration::from_millis(200))
+        .await;
+    let took = started.elapsed();
+    assert!(
+        matches!(waited, Err(lockkit_core::Error::Timeout { .. })) && took < Duration::from_secs(2),
+        "a 200 ms wait took {took:?}: {:?}",
+        waited.map(|g| g.token())
+    );
+
+    let started = std::time::Instant::now();
+    let tried = locker
+        .try_acquire(&other)
+        .ttl(Duration::from_secs(30))
+        .await;
+    let took = started.elapsed();
+    match tried {
+        Err(e) => assert!(
+            e.is_retryable()
+                && e.to_string().contains("max_holds")
+                && took < Duration::from_secs(2),
+            "a try took {took:?}: {e}"
+        ),
+        Ok(g) => panic!(
+            "a try with no connection to use answered {:?}",
+            g.map(|g| g.token())
+        ),
+    }
+
+    // Dropped while it waits for a connection: it never takes the key, even once one
+    // comes free.
+    let dropped = tokio::spawn({
+        let (locker, other) = (locker.clone(), other.clone());
+        async move { locker.acquire(&other).wait(Duration::from_secs(20)).await }
+    });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    dropped.abort();
+    let long = tokio::spawn({
+        let (locker, other) = (locker.clone(), other.clone());
+        async move {
+            let started = std::time::Instant::now();
+            let granted = locker.acquire(&other).wait(Duration::from_secs(20)).await;
+            (granted, started.elapsed())
+        }
+    });
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    held.release().await.unwrap();
+    let (granted, took) = long.await.unwrap();
+    let granted = granted.unwrap_or_else(|e| panic!("the 20 s wait ended after {took:?}: {e}"));
+    assert!(took >= Duration::from_secs(2), "granted after {took:?}");
+    granted.release().await.unwrap();
+    assert_eq!(backend.held_under("pg-test/full-").await.unwrap(), 0);
+    backend.close().await;
+}
