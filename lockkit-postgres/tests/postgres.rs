@@ -105,6 +105,82 @@ async fn a_killed_listener_does_not_strand_a_waiter() {
     .await;
 }
 
+/// A proxy that forwards the first `allowed` connections to `upstream` and closes every
+/// later one at once (as a server at its connection limit, or a role's `CONNECTION LIMIT`,
+/// refuses them).
+async fn limited_proxy(upstream: std::net::SocketAddr, allowed: usize) -> std::net::SocketAddr {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        let mut accepted = 0;
+        loop {
+            let (mut inbound, _) = listener.accept().await.unwrap();
+            accepted += 1;
+            if accepted > allowed {
+                drop(inbound);
+                continue;
+            }
+            tokio::spawn(async move {
+                let mut outbound = tokio::net::TcpStream::connect(upstream).await.unwrap();
+                let _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound).await;
+            });
+        }
+    });
+    addr
+}
+
+/// Row mode, a client whose release listener cannot connect (the server refuses its one
+/// connection past the pool's two) while its pool works: waiters poll, and get a key
+/// released 300 ms into their wait within 2 s, the first waiter as every later one.
+/// Before, every waiter waited for the listener's first connection for the connect
+/// timeout (5 s) before it looked again: granted 5.0 s into each wait.
+#[tokio::test]
+async fn a_waiter_whose_listener_cannot_connect_polls_at_once() {
+    let Some((holder, _)) = locker().await else {
+        return;
+    };
+    let url = env::service_url("LOCKKIT_TEST_POSTGRES_URL").unwrap();
+    let (credentials, rest) = url.split_once('@').unwrap();
+    let (host_port, db) = rest.split_once('/').unwrap();
+    let proxy = limited_proxy(host_port.parse().unwrap(), 2).await;
+    let waiter = Locker::new(
+        PostgresBackend::connect(&format!(
+            "{credentials}@{proxy}/{db}?table=lockkit_test_pg&pool_size=2"
+        ))
+        .await
+        .unwrap(),
+    );
+    let mut took = Vec::new();
+    for round in 0..2 {
+        let k = key(&format!("listener-refused-{round}"));
+        let held = holder
+            .acquire(&k)
+            .ttl(Duration::from_secs(30))
+            .await
+            .unwrap();
+        let started = std::time::Instant::now();
+        let waiting = tokio::spawn({
+            let (k, waiter) = (k.clone(), waiter.clone());
+            async move {
+                waiter
+                    .acquire(&k)
+                    .ttl(Duration::from_secs(30))
+                    .wait(Duration::from_secs(20))
+                    .await
+            }
+        });
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        held.release().await.unwrap();
+        let granted = waiting.await.unwrap().unwrap();
+        took.push(started.elapsed());
+        granted.release().await.unwrap();
+    }
+    assert!(
+        took.iter().all(|t| *t < Duration::from_secs(2)),
+        "the waiters got the key {took:?} into their waits"
+    );
+}
+
 /// `create_schema=false` on a database without the table: a configuration error that
 /// names the DDL, and nothing created.
 #[tokio::test]

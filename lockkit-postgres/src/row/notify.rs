@@ -45,7 +45,8 @@ struct Shared {
     state: Mutex<ListenerState>,
     /// Asks the listener for a heartbeat now (a first waiter came).
     poke: Notify,
-    /// Told whenever the listener hears something.
+    /// Told whenever the listener hears something, and when it failed to connect (a
+    /// waiter waiting for its first connection then stops waiting).
     heard: Notify,
 }
 
@@ -57,6 +58,19 @@ struct ListenerState {
     heard_at: Option<Instant>,
     /// It has listened at some point (so being down now means it is reconnecting).
     ever_listened: bool,
+    /// It tried to connect and failed at some point: while down, it is not waited for.
+    ever_failed: bool,
+}
+
+impl ListenerState {
+    /// Whether a new waiter should wait for the listener to be heard before it relies on
+    /// polling: while it is connected but unchecked, or connecting for the first time with
+    /// no failure yet (so that a healthy client's first waiter misses no release). A
+    /// listener that is down after it listened or failed to connect is not waited for: it
+    /// reconnects in the background, and waiters poll meanwhile.
+    fn worth_waiting_for(&self) -> bool {
+        self.listening || !(self.ever_listened || self.ever_failed)
+    }
 }
 
 impl Shared {
@@ -101,6 +115,13 @@ impl Shared {
             // may now sleep until one is announced.
             self.wake_all();
         }
+    }
+
+    /// Notes that the listener could not connect, and has every waiter that waits for it
+    /// look again ([`ListenerState::worth_waiting_for`]).
+    fn connect_failed(&self) {
+        self.state().ever_failed = true;
+        self.heard.notify_waiters();
     }
 
     /// Whether announcements can be relied on now: listening, and heard from lately.
@@ -225,7 +246,9 @@ async fn listen(
     loop {
         let started = Instant::now();
         if let Err(error) = listen_once(&shared, &channel, &connect, connect_timeout).await {
-            tracing::debug!(%error, "release listener failed; waiters poll meanwhile");
+            // `listen_once` fails only before it listens: connecting, or asking to LISTEN.
+            tracing::debug!(%error, "release listener could not connect; waiters poll meanwhile");
+            shared.connect_failed();
         }
         shared.set_listening(false);
         // Only a connection that lasted resets the pace: one that dies right after LISTEN
@@ -305,7 +328,11 @@ async fn listen_once(
     }));
     // Wakes every waiter: whatever was released before the LISTEN took effect was not
     // heard. Reliable only once something is heard (the heartbeat below).
-    let reconnected = shared.state().ever_listened;
+    // After an earlier connection or a failed attempt, waiters may be waiting (polling).
+    let reconnected = {
+        let state = shared.state();
+        state.ever_listened || state.ever_failed
+    };
     shared.set_listening(true);
     // The oldest heartbeat asked for since the listener last heard anything.
     let mut unanswered: Option<Instant> = None;
@@ -376,16 +403,15 @@ impl Drop for ReleaseNotes {
 impl Wake for ReleaseNotes {
     /// Registers on the first call, and then waits (up to the connect timeout) for the
     /// listener to be heard from, when it is connecting for the first time or is connected
-    /// but unchecked (nobody waited lately); a listener known to be down is not waited for.
-    /// While announcements cannot be relied on, the waiter polls.
+    /// but unchecked (nobody waited lately); a listener known to be down (it listened and
+    /// was lost, or failed to connect) is not waited for, nor one that goes down or fails
+    /// to connect meanwhile. While announcements cannot be relied on, the waiter polls; it
+    /// relies on them again once the listener, which keeps reconnecting, is heard.
     async fn ready(&mut self) -> bool {
         let shared = self.releases.shared.clone();
         if self.notify.is_none() {
             self.notify = Some(self.releases.subscribe(&self.key));
-            let worth_waiting = {
-                let state = shared.state();
-                state.listening || !state.ever_listened
-            };
+            let worth_waiting = shared.state().worth_waiting_for();
             if worth_waiting {
                 let until = Instant::now() + self.releases.connect_timeout;
                 loop {
@@ -399,15 +425,10 @@ impl Wake for ReleaseNotes {
                     let step = (Instant::now() + Duration::from_millis(250)).min(until);
                     tokio::select! {
                         () = heard => {}
-                        () = tokio::time::sleep_until(step) => {
-                            let down = {
-                                let state = shared.state();
-                                !state.listening && state.ever_listened
-                            };
-                            if down {
-                                break;
-                            }
-                        }
+                        () = tokio::time::sleep_until(step) => {}
+                    }
+                    if !shared.state().worth_waiting_for() {
+                        break;
                     }
                 }
             }
@@ -431,5 +452,22 @@ mod tests {
     fn keys_are_announced_in_hex() {
         assert_eq!(release_payload("a/b"), "r:612f62");
         assert_eq!(hex("é"), "c3a9");
+    }
+
+    #[test]
+    fn only_a_listener_never_down_is_waited_for() {
+        let state = |listening, ever_listened, ever_failed| ListenerState {
+            listening,
+            heard_at: None,
+            ever_listened,
+            ever_failed,
+        };
+        // Connecting for the first time, or connected: waited for.
+        assert!(state(false, false, false).worth_waiting_for());
+        assert!(state(true, true, false).worth_waiting_for());
+        assert!(state(true, true, true).worth_waiting_for());
+        // Down after it listened, or after it failed to connect: waiters poll.
+        assert!(!state(false, true, false).worth_waiting_for());
+        assert!(!state(false, false, true).worth_waiting_for());
     }
 }
