@@ -55,7 +55,8 @@ use tokio::time::Instant;
 
 use crate::db::{
     BACKEND, Db, DeadSeen, KEPT_AT_MOST, PING_AFTER_LOSS, PING_IDLE_AFTER, advisory_release_script,
-    connection_gone, db_error, ping_if_idle, query, release_channel, row_text, sql_state,
+    connection_gone, db_error, ping_if_idle, pool_timed_out, query, release_channel, row_text,
+    sql_state,
 };
 use crate::row::notify::release_payload;
 
@@ -285,7 +286,7 @@ impl AdvisoryLocks {
                         .into(),
                 )
             } else {
-                db_error("checking the server's idle_session_timeout", e)
+                db.error("checking the server's idle_session_timeout", e)
             });
         }
         let seen = db.dead_seen.clone();
@@ -360,7 +361,7 @@ impl AdvisoryLocks {
             .bind(inner.advisory_id(key))
             .fetch_one(&inner.pool)
             .await
-            .map_err(|e| db_error("ending the holder's session", e))?;
+            .map_err(|e| inner.error("ending the holder's session", e))?;
         Ok(ended > 0)
     }
 
@@ -376,7 +377,7 @@ impl AdvisoryLocks {
         .bind(prefix.as_bytes())
         .fetch_all(&self.inner.pool)
         .await
-        .map_err(|e| db_error("listing key rows", e))?;
+        .map_err(|e| self.inner.error("listing key rows", e))?;
         let mut held = 0;
         for row in rows {
             let name: Vec<u8> = row
@@ -407,7 +408,7 @@ impl AdvisoryLocks {
             .bind(inner.advisory_id(key))
             .fetch_one(&inner.pool)
             .await
-            .map_err(|e| db_error("looking for the advisory lock", e))?;
+            .map_err(|e| inner.error("looking for the advisory lock", e))?;
         Ok(locked)
     }
 }
@@ -942,6 +943,17 @@ async fn prepared_connection(
                          hold fewer locks",
                         inner.config.max_holds, req.key
                     ),
+                ));
+            }
+            Err(NoConnection::Failed(sqlx::Error::PoolTimedOut)) => {
+                // Not every connection in use (`lend_by` waits for those): one could not
+                // be opened.
+                return Err(pool_timed_out(
+                    "opening a dedicated connection",
+                    &backend.dedicated.pool,
+                    backend.dedicated.max,
+                    "max_holds",
+                    &inner.config,
                 ));
             }
             Err(NoConnection::Failed(e)) => {
@@ -2033,7 +2045,7 @@ async fn inspect(backend: &AdvisoryLocks, key: &LockKey) -> Result<Option<Holder
                 .fetch_one(&inner.pool)
         })
         .await
-        .map_err(|e| db_error("counting the lock's waiters", e))?;
+        .map_err(|e| inner.error("counting the lock's waiters", e))?;
     Ok(Some(
         holder.with_waiters(u32::try_from(waiters).unwrap_or(0)),
     ))
@@ -2054,7 +2066,7 @@ async fn holders(backend: &AdvisoryLocks, key: &LockKey) -> Result<Vec<HolderInf
                 .fetch_all(&inner.pool)
         })
         .await
-        .map_err(|e| db_error("listing the advisory lock's holders", e))?;
+        .map_err(|e| inner.error("listing the advisory lock's holders", e))?;
     if rows.is_empty() {
         // Not held in the lock manager: at most a row-mode lease.
         return Ok(record.into_iter().collect());

@@ -143,7 +143,7 @@ impl PostgresBackend {
         self.db
             .kept_connection_pids()
             .await
-            .map_err(|e| crate::db::db_error("reading kept connections' process ids", e))
+            .map_err(|e| self.db.error("reading kept connections' process ids", e))
     }
 
     /// Keys this client's waiters listen for now (none once every wait has ended).

@@ -53,7 +53,8 @@ pub struct PostgresConfig {
     /// `?liveness=` (advisory, default 250 ms): how often a hold's connection is checked,
     /// so its loss is signalled within about this long.
     pub liveness: Duration,
-    /// `?connect_timeout=` (default 5 s).
+    /// `?connect_timeout=` (default 5 s, above zero): how long opening a connection, and
+    /// waiting for a pooled one, may take.
     pub connect_timeout: Duration,
     /// `?ttl=`: the default lease of locks taken through this URL (the facade applies it).
     pub ttl: Option<Duration>,
@@ -190,7 +191,18 @@ impl PostgresConfig {
                         ));
                     }
                 }
-                "connect_timeout" => config.connect_timeout = parse_duration(name, value)?,
+                "connect_timeout" => {
+                    let timeout = parse_duration(name, value)?;
+                    if timeout.is_zero() {
+                        // sqlx would give every connection, and every wait for a pooled
+                        // one, no time at all: nothing could ever connect.
+                        return Err(Error::Config(format!(
+                            "`connect_timeout={value}` in `{shown}` must be above zero; give \
+                             a duration such as 5s"
+                        )));
+                    }
+                    config.connect_timeout = timeout;
+                }
                 "ttl" => config.ttl = Some(parse_duration(name, value)?),
                 _ if DRIVER_OPTIONS.contains(&name) => driver.push(option.raw.as_str()),
                 _ => {
@@ -257,6 +269,8 @@ mod tests {
             "postgres:///db",
             "postgres://u@h/db?mode=lease",
             "postgres://u@h/db?liveness=0s",
+            "postgres://u@h/db?connect_timeout=0s",
+            "postgres://u@h/db?mode=advisory&connect_timeout=0ms",
             "postgres://u@h/db?table=a-b",
             "postgres://u@h/db?table=Upper",
             "postgres://u@h/db?table=",
@@ -273,10 +287,14 @@ mod tests {
 
     #[test]
     fn messages_hide_the_password() {
-        let Err(Error::Config(message)) = PostgresConfig::parse("postgres://u:s3cret@h/db?bogus=1")
-        else {
-            panic!("refused");
-        };
-        assert!(!message.contains("s3cret"), "{message}");
+        for url in [
+            "postgres://u:s3cret@h/db?bogus=1",
+            "postgres://u:s3cret@h/db?connect_timeout=0s",
+        ] {
+            let Err(Error::Config(message)) = PostgresConfig::parse(url) else {
+                panic!("{url} not refused");
+            };
+            assert!(!message.contains("s3cret"), "{message}");
+        }
     }
 }

@@ -72,10 +72,56 @@ pub(crate) fn db_error(doing: &str, e: sqlx::Error) -> Error {
     };
     let hint = match &e {
         sqlx::Error::Io(_) => "; is the server running and reachable?",
-        sqlx::Error::PoolTimedOut => "; all pooled connections are busy (raise pool_size)",
+        // Which of the two, only the pool can tell: see `Db::error` and `pool_timed_out`.
+        sqlx::Error::PoolTimedOut => {
+            "; no connection came free, and none could be opened, within connect_timeout"
+        }
         _ => "",
     };
     Error::backend_with_source(BACKEND, retryable, format!("{doing} failed: {e}{hint}"), e)
+}
+
+/// The error of a pool of at most `max` connections to `config`'s server whose acquire
+/// timeout (`connect_timeout`) ran out while `doing`, judged by the pool's state now: with
+/// fewer than `max` connections open it could have opened one and could not (the server
+/// refused, did not answer, or is at its connection limit), so the server could not be
+/// reached; with all `max` open, every one stayed busy, and `raise` says which option to
+/// raise. sqlx 0.9 keeps no cause for a timed-out open (it retries a refused connection
+/// until its timeout, then answers `PoolTimedOut`), so none is given. Retryable; never
+/// shows the password.
+pub(crate) fn pool_timed_out(
+    doing: &str,
+    pool: &PgPool,
+    max: u32,
+    raise: &str,
+    config: &PostgresConfig,
+) -> Error {
+    let message = if pool.size() < max {
+        format!(
+            "{doing} failed: could not reach the server at {} within connect_timeout \
+             ({:?}): no connection could be opened (refused, no answer, or the server at its \
+             connection limit); is it running and reachable there, and does it accept more \
+             connections?",
+            server_address(config),
+            config.connect_timeout
+        )
+    } else {
+        format!(
+            "{doing} failed: all {max} pooled connections stayed busy for connect_timeout \
+             ({:?}); raise {raise}, or hold them for less long",
+            config.connect_timeout
+        )
+    };
+    Error::backend_with_source(BACKEND, true, message, sqlx::Error::PoolTimedOut)
+}
+
+/// `host:port` (or the socket directory) of `config`'s server, for messages.
+fn server_address(config: &PostgresConfig) -> String {
+    let port = config.connect.get_port();
+    match config.connect.get_socket() {
+        Some(socket) => format!("{} (port {port})", socket.display()),
+        None => format!("{}:{port}", config.connect.get_host()),
+    }
 }
 
 pub(crate) fn query(
@@ -200,9 +246,19 @@ impl Db {
             .after_connect(|conn, _| {
                 Box::pin(async move { sqlx::raw_sql(SESSION).execute(conn).await.map(|_| ()) })
             })
-            .connect_with(config.connect.clone())
-            .await
-            .map_err(|e| db_error("connecting to PostgreSQL", e))?;
+            .connect_lazy_with(config.connect.clone());
+        // The first connection, opened now (as `connect_with` would), so that a server that
+        // cannot be reached is reported here.
+        pool.acquire().await.map_err(|e| match e {
+            sqlx::Error::PoolTimedOut => pool_timed_out(
+                "connecting to PostgreSQL",
+                &pool,
+                config.pool_size,
+                "pool_size",
+                &config,
+            ),
+            e => db_error("connecting to PostgreSQL", e),
+        })?;
         let keep_at_most = usize::try_from(config.pool_size / 4).unwrap_or(0);
         let db = Arc::new(Db {
             sql: Sql::new(&config.table),
@@ -224,6 +280,22 @@ impl Db {
         }
         db.ensure_schema().await?;
         Ok(db)
+    }
+
+    /// Maps a driver error like [`db_error`], telling a pool wait that ran out because no
+    /// connection could be opened from one where every connection was busy
+    /// ([`pool_timed_out`]).
+    pub(crate) fn error(&self, doing: &str, e: sqlx::Error) -> Error {
+        match e {
+            sqlx::Error::PoolTimedOut => pool_timed_out(
+                doing,
+                &self.pool,
+                self.config.pool_size,
+                "pool_size",
+                &self.config,
+            ),
+            e => db_error(doing, e),
+        }
     }
 
     /// Whether `e` means the connection is gone ([`connection_gone`]); if so, the pools
@@ -402,7 +474,7 @@ impl Db {
                     ddl(table)
                 )));
             }
-            Err(e) => return Err(db_error(&format!("checking table `{table}`"), e)),
+            Err(e) => return Err(self.error(&format!("checking table `{table}`"), e)),
         }
         // Concurrent `CREATE TABLE IF NOT EXISTS` can still collide on the catalog's unique
         // index (23505) or on the table's row type (42710, "type ... already exists"): the
@@ -418,7 +490,7 @@ impl Db {
                     sql_state(&e).as_deref(),
                     Some(state::UNIQUE_VIOLATION | state::DUPLICATE_OBJECT)
                 ) => {}
-            Err(e) => return Err(db_error(&format!("creating table `{table}`"), e)),
+            Err(e) => return Err(self.error(&format!("creating table `{table}`"), e)),
         }
         // Whoever created the tables, both must be there now.
         self.ensure_holds_table().await
@@ -456,7 +528,7 @@ impl Db {
                     {
                         Ok(())
                     }
-                    Err(e) => Err(db_error(
+                    Err(e) => Err(self.error(
                         &format!(
                             "adding the holder column to `{table}` (or run it yourself: {})",
                             self.sql.add_holder_column
@@ -469,7 +541,7 @@ impl Db {
                 "table `{table}` lacks the `holder` column and create_schema=false; add it with:\n{};",
                 self.sql.add_holder_column
             ))),
-            Err(e) => Err(db_error(&format!("checking the columns of `{table}`"), e)),
+            Err(e) => Err(self.error(&format!("checking the columns of `{table}`"), e)),
         }
     }
 
@@ -500,7 +572,7 @@ impl Db {
                     {
                         Ok(())
                     }
-                    Err(e) => Err(db_error(
+                    Err(e) => Err(self.error(
                         &format!("creating table `{table}` (or run it yourself: {statement})"),
                         e,
                     )),
@@ -511,7 +583,7 @@ impl Db {
                  checks) does not exist and create_schema=false; create it with:\n{};",
                 holds_ddl(&self.config.table)
             ))),
-            Err(e) => Err(db_error(&format!("checking table `{table}`"), e)),
+            Err(e) => Err(self.error(&format!("checking table `{table}`"), e)),
         }
     }
 
@@ -537,7 +609,7 @@ impl Db {
             .bind(prefix.as_bytes())
             .fetch_one(&self.pool)
             .await
-            .map_err(|e| db_error("counting live leases", e))?;
+            .map_err(|e| self.error("counting live leases", e))?;
         Ok(u64::try_from(n).unwrap_or(0))
     }
 
@@ -565,7 +637,7 @@ impl Db {
         let _: (i32,) = self
             .retry_gone(|| sqlx::query_as("SELECT 1").fetch_one(&self.pool))
             .await
-            .map_err(|e| db_error("SELECT 1", e))?;
+            .map_err(|e| self.error("SELECT 1", e))?;
         Ok(())
     }
 
@@ -579,7 +651,7 @@ impl Db {
                     .fetch_optional(&self.pool)
             })
             .await
-            .map_err(|e| db_error("inspecting the lease", e))?;
+            .map_err(|e| self.error("inspecting the lease", e))?;
         let Some(row) = row else { return Ok(None) };
         let left = row.try_get::<Option<i64>, _>("left_us").ok().flatten();
         Ok(Some(

@@ -2646,3 +2646,43 @@ async fn an_advisory_acquisition_with_every_dedicated_connection_in_use_ends_by_
     assert_eq!(backend.held_under("pg-test/full-").await.unwrap(), 0);
     backend.close().await;
 }
+
+/// A server that refuses connections (a wrong port, a server down) is reported as one that
+/// could not be reached within `connect_timeout`, never as a busy pool, and without the
+/// password; `connect_timeout=0s` is refused as configuration, as etcd's URLs refuse it.
+/// Before, the refused connection was reported after 1 s as "pool timed out while waiting
+/// for an open connection; all pooled connections are busy (raise pool_size)", and
+/// `connect_timeout=0s` was accepted.
+#[tokio::test]
+async fn an_unreachable_server_is_not_reported_as_a_busy_pool() {
+    let Some(url) = env::service_url("LOCKKIT_TEST_POSTGRES_URL") else {
+        return;
+    };
+    let (credentials, rest) = url.split_once('@').unwrap();
+    let db = rest.split_once('/').unwrap().1;
+    let user = credentials
+        .rsplit_once(':')
+        .map_or(credentials, |(user, _)| user);
+    let secret = "pgfix-S3cret";
+    let refused = PostgresBackend::connect(&format!(
+        "{user}:{secret}@127.0.0.1:1/{db}?connect_timeout=1s"
+    ))
+    .await
+    .unwrap_err();
+    let message = refused.to_string();
+    assert!(
+        refused.is_retryable()
+            && message.contains("could not reach the server at 127.0.0.1:1")
+            && !message.contains("raise pool_size")
+            && !format!("{message} {refused:?}").contains(secret),
+        "{message}"
+    );
+    for mode in ["row", "advisory"] {
+        let zero = PostgresBackend::connect(&format!("{url}?mode={mode}&connect_timeout=0s")).await;
+        assert!(
+            matches!(&zero, Err(lockkit_core::Error::Config(m)) if m.contains("connect_timeout")),
+            "{mode}: connect_timeout=0s gave {:?}",
+            zero.map(|_| ())
+        );
+    }
+}

@@ -33,7 +33,7 @@ use sqlx::{PgConnection, Postgres, Row, Transaction, postgres::PgRow};
 use tokio::time::Instant;
 
 use super::{ADVISORY_RECHECK, RowLocks, announce_release, caller_gone, first_attempt};
-use crate::db::{Db, db_error, micros, query};
+use crate::db::{Db, micros, query};
 
 /// How long a waiting writer's marker keeps new readers out unless its wait renews it: a
 /// writer that dies while waiting keeps readers out at most this long.
@@ -299,7 +299,7 @@ pub(crate) async fn busy(
     mark: bool,
     marker: Option<&Marker>,
 ) -> Result<Attempt> {
-    let fail = |e| db_error("the acquire transaction", e);
+    let fail = |e| inner.error("the acquire transaction", e);
     if let Some(marker) = marker.filter(|_| mark) {
         // Said before the caller's flag is read, and the caller sets its flag before it
         // reads this one: either this attempt sees the caller left (and marks nothing), or
@@ -334,7 +334,7 @@ pub(crate) async fn acquire(
     interrupt: &Interrupt,
     start: Instant,
 ) -> Result<Attempt> {
-    let fail = |e| db_error("the acquire transaction", e);
+    let fail = |e| inner.error("the acquire transaction", e);
     let name = req.key.as_str().as_bytes();
     let owner = req.owner.to_string();
     let ttl = micros(req.ttl);
@@ -435,7 +435,7 @@ pub(crate) async fn unmark_in(
 /// (the key's row is locked first), and announces its removal.
 async fn unmark(backend: &RowLocks, key: &LockKey, attempt: &str) -> Result<()> {
     let inner = &backend.inner;
-    let fail = |e| db_error("removing a waiting writer's marker", e);
+    let fail = |e| inner.error("removing a waiting writer's marker", e);
     let name = key.as_str().as_bytes();
     let mut tx = inner.begin().await.map_err(fail)?;
     query(&inner.sql.holds.key_lock)
@@ -527,7 +527,7 @@ pub(crate) async fn renew(backend: &RowLocks, grant: &Grant, ttl: Duration) -> R
             )
         })
         .await
-        .map_err(|e| db_error("renewing the lease", e))?;
+        .map_err(|e| inner.error("renewing the lease", e))?;
     if done.rows_affected() == 1 {
         Ok(())
     } else {
@@ -542,7 +542,7 @@ pub(crate) async fn renew(backend: &RowLocks, grant: &Grant, ttl: Duration) -> R
 pub(crate) async fn release(backend: &RowLocks, grant: &Grant) -> Result<Released> {
     let inner = &backend.inner;
     let sql = &inner.sql.holds;
-    let fail = |e| db_error("the release transaction", e);
+    let fail = |e| inner.error("the release transaction", e);
     let name = grant.key.as_str().as_bytes();
     let owner = grant.owner.to_string();
     let (kind, holder) = (
@@ -610,7 +610,7 @@ pub(crate) async fn release(backend: &RowLocks, grant: &Grant) -> Result<Release
 pub(crate) async fn holders(backend: &RowLocks, key: &LockKey) -> Result<Vec<HolderInfo>> {
     let inner = &backend.inner;
     let mut all: Vec<HolderInfo> = inner.inspect_lease(key).await?.into_iter().collect();
-    let fail = |e| db_error("listing the holds", e);
+    let fail = |e| inner.error("listing the holds", e);
     let rows = inner
         .retry_gone(|| {
             query(&inner.sql.holds.list)

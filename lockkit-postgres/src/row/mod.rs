@@ -19,7 +19,7 @@ use sqlx::Row;
 use tokio::time::Instant;
 
 use crate::db::{
-    BACKEND, Db, db_error, fence_of, micros, query, release_channel, row_text, sql_state, state,
+    BACKEND, Db, fence_of, micros, query, release_channel, row_text, sql_state, state,
 };
 use holds::{Decision, Marker, Plain, WriterMark};
 use notify::{Releases, release_payload};
@@ -65,7 +65,7 @@ impl RowLocks {
     /// expired, and announces the release. Whether there was any.
     pub(crate) async fn take_away(&self, key: &LockKey) -> Result<bool> {
         let inner = &self.inner;
-        let fail = |e| db_error("clearing a lease", e);
+        let fail = |e| inner.error("clearing a lease", e);
         let name = key.as_str().as_bytes();
         let mut tx = inner.begin().await.map_err(fail)?;
         // The key's row first, then its holds, as every transaction over them does: no
@@ -238,7 +238,7 @@ async fn run_acquire(
     let owner = req.owner.to_string();
     let ttl = micros(req.ttl);
     let start = Instant::now();
-    let fail = |e| db_error("the acquire transaction", e);
+    let fail = |e| inner.error("the acquire transaction", e);
     // A plain lock on a free key, asked by a wait that left no marker: one statement.
     if req.kind == LockKind::Exclusive && !marker.is_some_and(Marker::is_marked) {
         if caller_gone(interrupt).await {
@@ -262,7 +262,7 @@ async fn run_acquire(
             Err(e) if inner.gone(&e) => {
                 tracing::debug!(error = %e, key = %req.key, "the one-statement grant lost its connection; deciding in a transaction");
             }
-            Err(e) => return Err(db_error("granting a free key", e)),
+            Err(e) => return Err(inner.error("granting a free key", e)),
         }
     }
     let mut tx = inner.begin().await.map_err(fail)?;
@@ -589,7 +589,7 @@ async fn renew(backend: &RowLocks, grant: &Grant, ttl: Duration) -> Result<()> {
             )
         })
         .await
-        .map_err(|e| db_error("renewing the lease", e))?;
+        .map_err(|e| inner.error("renewing the lease", e))?;
     if done.rows_affected() == 1 {
         Ok(())
     } else {
@@ -606,7 +606,7 @@ async fn release(backend: &RowLocks, grant: &Grant) -> Result<Released> {
     let inner = &backend.inner;
     let sql = &inner.sql;
     let name = grant.key.as_str().as_bytes();
-    let fail = |e| db_error("the release transaction", e);
+    let fail = |e| inner.error("the release transaction", e);
     if !grant.attempt.is_nil() {
         // The last hold of a running lease, as a fresh grant leaves it: one statement.
         let mut ledger = AttemptLedger::new();
