@@ -81,6 +81,7 @@ macro_rules! __with_catalogue {
             lease::expired_lease_is_gone,
             lease::extend_sets_the_watchdog_ttl,
             lease::extend_to_a_shorter_ttl_keeps_renewing,
+            lease::extend_below_renew_every_keeps_renewing,
             ownership::foreign_release_is_refused,
             ownership::a_dropped_release_leaves_no_orphan,
             ownership::a_release_on_a_cut_link_ends,

@@ -151,11 +151,15 @@ pub(crate) fn new_attempt_id() -> Uuid {
 
 impl AcquireRequest {
     /// Builds a request. Callers outside lockkit use this only to drive a backend directly.
+    /// A `ttl` above [`crate::MAX_TTL`] is taken as that (the [`crate::Locker`] refuses it
+    /// before it gets here): a backend driven directly with `Duration::MAX` overflowed
+    /// (MySQL row mode wrote a lease that had already ended, and granted the key to the
+    /// next owner too; helper-34's review).
     pub fn new(key: LockKey, owner: OwnerId, ttl: Duration, loss: LossSignal) -> Self {
         AcquireRequest {
             key,
             owner,
-            ttl,
+            ttl: ttl.min(crate::MAX_TTL),
             loss,
             attempt: new_attempt_id(),
             identity: Arc::new(HolderIdentity::now()),

@@ -339,7 +339,7 @@ async fn keep(shared: Arc<HoldShared>) {
                 // shorter lease would lapse before its first renewal).
                 if next_renew.is_some() {
                     let ttl = shared.lease().ttl;
-                    next_renew = Some(Instant::now() + shared.options.renew_every.unwrap_or(ttl / 3));
+                    next_renew = Some(Instant::now() + shared.options.renew_period_for(ttl));
                 }
                 continue;
             }
@@ -416,7 +416,7 @@ async fn keep(shared: Arc<HoldShared>) {
                 next_renew = if renew_ttl < ttl {
                     None // capped by max_hold: this was the last renewal
                 } else {
-                    Some(start + shared.options.renew_every.unwrap_or(lease.ttl / 3))
+                    Some(start + shared.options.renew_period_for(lease.ttl))
                 };
             }
             Ok(Err(Error::NotHeld { .. } | Error::Lost { .. })) => {

@@ -52,6 +52,16 @@ impl LockOptions {
         self.renew_every.unwrap_or(self.ttl / 3)
     }
 
+    /// The renewal period of a lease of `ttl` (one `extend` set): `renew_every` while it is
+    /// below `ttl`, else a third of `ttl`. An `extend` to a lease shorter than
+    /// `renew_every` renewed it only after it had run out, and the guard reported a live
+    /// hold lost (helper-34's review).
+    pub fn renew_period_for(&self, ttl: Duration) -> Duration {
+        self.renew_every
+            .filter(|every| *every < ttl)
+            .unwrap_or(ttl / 3)
+    }
+
     /// Checks the options against lockkit's rules and the backend's limits, before any I/O.
     ///
     /// # Errors

@@ -85,8 +85,12 @@ pub(crate) fn query(
     sqlx::query(AssertSqlSafe(sql.clone()))
 }
 
+/// `d` in µs (at least 1, at most [`lockkit_core::MAX_TTL`]'s: a lease is added to the
+/// server's clock, and `u64::MAX` µs came out as a time in the past).
 pub(crate) fn micros(d: Duration) -> u64 {
-    u64::try_from(d.as_micros()).unwrap_or(u64::MAX).max(1)
+    u64::try_from(d.min(lockkit_core::MAX_TTL).as_micros())
+        .unwrap_or(u64::MAX)
+        .max(1)
 }
 
 /// Errors that mean a row lock could not be taken in time (not failures).

@@ -2,7 +2,8 @@
 
 use std::time::Duration;
 
-use lockkit_core::{Error, LockKey};
+use lockkit_core::spi::AcquireRequest;
+use lockkit_core::{Error, LockKey, LossSignal, OwnerId};
 
 use super::{LONG_TTL, assert_busy};
 use crate::{Check, Harness, Outcome, Space, support::expect_err};
@@ -240,6 +241,30 @@ pub async fn huge_ttls_are_refused_or_held<H: Harness>(h: &H) -> Outcome {
     );
     assert!(guard.is_valid());
     guard.release().await.check("release");
+    // A backend driven directly (the SPI), where no Locker checks the TTL: `Duration::MAX`
+    // never panics, and a grant is a lease like any other (MySQL row mode granted the
+    // key to the next owner too; helper-34's review).
+    let backend = a.backend().clone();
+    let request = AcquireRequest::new(
+        key.clone(),
+        OwnerId::random(),
+        Duration::MAX,
+        LossSignal::new(),
+    );
+    if let Ok(Some(grant)) = backend.try_acquire(&request).await {
+        assert!(
+            b.try_acquire(&key)
+                .ttl(LONG_TTL)
+                .await
+                .check("rival")
+                .is_none(),
+            "a grant of Duration::MAX through the SPI was granted to another client too"
+        );
+        backend
+            .release(&grant)
+            .await
+            .check("release through the SPI");
+    }
     Outcome::Passed
 }
 

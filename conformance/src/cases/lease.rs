@@ -390,3 +390,32 @@ pub async fn extend_to_a_shorter_ttl_keeps_renewing<H: Harness>(h: &H) -> Outcom
     held.release().await.check("release");
     Outcome::Passed
 }
+
+/// The same with an explicit `renew_every` longer than the TTL `extend` sets (both valid
+/// when given): the watchdog renews at a third of the new TTL, not at `renew_every`, which
+/// renewed only after the extended lease had run out (the guard reported a live hold lost;
+/// helper-34's review).
+pub async fn extend_below_renew_every_keeps_renewing<H: Harness>(h: &H) -> Outcome {
+    let space = Space::new("extend_below_renew_every_keeps_renewing");
+    let key = space.key("k");
+    let short = h.short_ttl();
+    let (a, b) = (h.client().await, h.client().await);
+    let held = a
+        .try_acquire(&key)
+        .ttl(short * 12)
+        .renew_every(short * 8)
+        .await
+        .check("acquire")
+        .check("free key");
+    held.extend(short).await.check("extend below renew_every");
+    // Past several short leases, but well before `renew_every`.
+    tokio::time::sleep(short * 4).await;
+    assert!(
+        held.is_valid(),
+        "after extend({short:?}) the watchdog waited for renew_every ({:?}): the lease lapsed",
+        short * 8
+    );
+    assert_busy(&b, &key, "while the extended hold is renewed").await;
+    held.release().await.check("release");
+    Outcome::Passed
+}
