@@ -918,13 +918,16 @@ async fn renew(backend: &ForUpdateLocks, grant: &Grant, ttl: Duration) -> Result
         Err(Some(e)) if !backend.inner.gone(&e) => {
             Err(db_error("keeping the lock connection alive", e))
         }
-        // Gone, or silent past the bound.
+        // Gone, or silent past the bound: the session (and the lock with it) is over, by
+        // the server or by this close. Said as such before the `NotHeld` (which the guard
+        // would report as taken away); the first reason fired wins.
         Err(_) => {
             held.broken.store(true, Ordering::SeqCst);
             if let Some(mut dead) = conn.take() {
                 dead.close_on_drop();
             }
             forget(backend, &held);
+            grant.loss.fire(lockkit_core::LostReason::SessionLost);
             Err(Error::NotHeld {
                 key: grant.key.clone(),
             })
