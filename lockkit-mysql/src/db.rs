@@ -60,7 +60,10 @@ pub(crate) fn unreachable_error(doing: &str, within: Duration, e: sqlx::Error) -
     )
 }
 
-/// How long an acquisition waits for a dedicated (for-update) connection.
+/// How long an acquisition waits for a dedicated (for-update) connection while every one
+/// is in use (`max_holds` reached): then it fails, saying so. Opening a new one is given
+/// `connect_timeout` (this bound used to cover that too, and a server slower than 250 ms to
+/// connect to got no for-update lock at all).
 pub(crate) const HOLD_CONNECTION_WAIT: Duration = Duration::from_millis(250);
 
 /// Errors after which the connection (and so any transaction and lock it had) is gone.
@@ -177,7 +180,9 @@ impl Db {
         let holds_pool = MySqlPoolOptions::new()
             .max_connections(config.max_holds)
             .min_connections(0)
-            .acquire_timeout(HOLD_CONNECTION_WAIT)
+            // Opening a connection may take up to `connect_timeout`; waiting for one in
+            // use is bounded by `HOLD_CONNECTION_WAIT` (`lend_hold_connection`).
+            .acquire_timeout(config.connect_timeout)
             // A hold sets its connection's wait_timeout to its lease: every path that gives
             // a connection back puts the server's default back in the same round trip as
             // its last statement (`for_update::RESTORE_SESSION`), or closes it. Pinged
@@ -350,13 +355,27 @@ impl Db {
     pub(crate) async fn lend_hold_connection(
         &self,
     ) -> std::result::Result<Lent<PoolConnection<MySql>>, sqlx::Error> {
-        self.kept_holds
-            .lend(
-                || self.return_all_kept_holds(),
-                self.holds_pool.acquire(),
-                |e| matches!(e, sqlx::Error::PoolTimedOut),
-            )
-            .await
+        // Every connection open and out: wait for one to come back, briefly. Otherwise the
+        // pool hands out an idle one or opens one (within `connect_timeout`).
+        let all_in_use =
+            self.holds_pool.size() >= self.config.max_holds && self.holds_pool.num_idle() == 0;
+        let lend = self.kept_holds.lend(
+            || self.return_all_kept_holds(),
+            self.holds_pool.acquire(),
+            |e| matches!(e, sqlx::Error::PoolTimedOut),
+        );
+        if all_in_use {
+            match tokio::time::timeout(HOLD_CONNECTION_WAIT, lend).await {
+                Ok(lent) => lent,
+                // One kept while it waited, if any.
+                Err(_) => self
+                    .kept_holds
+                    .take(self.return_all_kept_holds())
+                    .ok_or(sqlx::Error::PoolTimedOut),
+            }
+        } else {
+            lend.await
+        }
     }
 
     /// Keeps a dedicated connection whose last statement ended its transaction and put

@@ -22,8 +22,8 @@ use sqlx::{AssertSqlSafe, Connection, MySql, Row, pool::PoolConnection};
 use tokio::time::Instant;
 
 use crate::db::{
-    BACKEND, Db, HOLD_CONNECTION_WAIT, LOCK_NOWAIT, LOCK_WAIT_TIMEOUT, connection_gone, db_error,
-    error_number, holder_identity, query, row_text, unreachable_error,
+    BACKEND, Db, LOCK_NOWAIT, LOCK_WAIT_TIMEOUT, connection_gone, db_error, error_number,
+    holder_identity, query, row_text, unreachable_error,
 };
 
 /// The holds of this client, by owner and key (reentrancy is local in this mode).
@@ -341,7 +341,7 @@ async fn lock(
         tries += 1;
         let lent = inner.lend_hold_connection().await.map_err(|e| match e {
             sqlx::Error::PoolTimedOut if inner.holds_pool_has_room() => {
-                unreachable_error("opening a dedicated connection", HOLD_CONNECTION_WAIT, e)
+                unreachable_error("opening a dedicated connection", inner.config.connect_timeout, e)
             }
             sqlx::Error::PoolTimedOut => Error::backend(
                 BACKEND,

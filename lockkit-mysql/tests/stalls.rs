@@ -170,3 +170,29 @@ async fn an_unreachable_server_is_not_reported_as_a_full_pool() {
         "an unreachable server reported as something else: {wrong:#?}"
     );
 }
+
+/// A server that takes longer than a quarter second to connect to (far away, or behind a
+/// slow TLS handshake; here a proxy that delays every chunk by 100 ms, which makes the
+/// handshake and the session set-up take several hundred) still gets for-update locks.
+/// Before, the pool of dedicated connections gave a new connection 250 ms in all (its
+/// bound on waiting for one in use), and every acquisition that needed a new one failed,
+/// saying every dedicated connection was in use.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slow_to_connect_server_still_gets_for_update_locks() {
+    let Some(server) = server() else { return };
+    let proxy = FaultProxy::start(server).await.unwrap();
+    proxy.set_delay(Duration::from_millis(100));
+    let url = url_via(
+        proxy.local_addr(),
+        "mode=for-update&table=lockkit_test_stalls&connect_timeout=10s",
+    )
+    .unwrap();
+    let locker = Locker::new(MysqlBackend::connect(&url).await.unwrap());
+    let guard = locker
+        .try_acquire(key())
+        .ttl(Duration::from_secs(30))
+        .await
+        .expect("a slow connection is still a connection")
+        .expect("a free key");
+    guard.release().await.unwrap();
+}
