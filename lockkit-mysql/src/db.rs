@@ -60,11 +60,22 @@ pub(crate) fn unreachable_error(doing: &str, within: Duration, e: sqlx::Error) -
     )
 }
 
-/// How long an acquisition waits for a dedicated (for-update) connection while every one
-/// is in use (`max_holds` reached): then it fails, saying so. Opening a new one is given
-/// `connect_timeout` (this bound used to cover that too, and a server slower than 250 ms to
-/// connect to got no for-update lock at all).
+/// How long a try (an acquisition that does not wait) waits for a dedicated (for-update)
+/// connection while every one is in use (`max_holds` reached): then it fails, saying so. A
+/// wait waits until its deadline. Opening a new one is given `connect_timeout` (this bound
+/// used to cover that too, and a server slower than 250 ms to connect to got no for-update
+/// lock at all).
 pub(crate) const HOLD_CONNECTION_WAIT: Duration = Duration::from_millis(250);
+
+/// Why [`Db::lend_hold_connection`] lent no connection.
+pub(crate) enum NoHoldConnection {
+    /// Every dedicated connection stayed lent until the acquisition gave up waiting.
+    AllInUse,
+    /// The caller went away.
+    Interrupted,
+    /// The pool failed otherwise: it could not open a connection, or it closed.
+    Failed(sqlx::Error),
+}
 
 /// Errors after which the connection (and so any transaction and lock it had) is gone.
 pub(crate) fn connection_gone(e: &sqlx::Error) -> bool {
@@ -252,12 +263,6 @@ impl Db {
         db_error(doing, e)
     }
 
-    /// Whether the pool of dedicated connections has room for another connection (after
-    /// its `PoolTimedOut`: it could not open one).
-    pub(crate) fn holds_pool_has_room(&self) -> bool {
-        self.holds_pool.size() < self.config.max_holds
-    }
-
     /// Runs `statement` on the shared pool, and again on another connection while the one
     /// it was sent on turns out dead (it died since its last use, say in a server restart),
     /// up to `pool_size + 1` times in all. Only for statements that are harmless to send
@@ -348,34 +353,71 @@ impl Db {
         self.holds_pool.is_closed() || self.dead_seen.within(PING_AFTER_DEATH)
     }
 
-    /// A dedicated connection for a for-update hold or waiter: a kept one, or one from
-    /// `holds_pool`. Kept ones are taken first, and kept only while the pool has one to
-    /// spare ([`Db::keep_hold_connection`]), so no caller waits for a connection that sits
-    /// kept.
+    /// A dedicated connection for a for-update hold or waiter that stops waiting for one at
+    /// `give_up`. Kept ones are taken first, and kept only while the pool has one to spare
+    /// ([`Db::keep_hold_connection`]), so no caller waits for a connection that sits kept;
+    /// then an idle one, or a new one (opened within `connect_timeout`, past
+    /// `give_up` if need be: the acquisition takes nothing past its deadline). Asked while
+    /// every connection is open and lent (`max_holds` reached), it waits for one to come
+    /// back until `give_up`, asking the pool again after each of its acquire timeouts, and
+    /// then answers [`NoHoldConnection::AllInUse`]. The caller's going away (`interrupt`)
+    /// ends it at once.
+    ///
+    /// # Cancel safety
+    /// Cancel safe: dropped, it holds no connection.
     pub(crate) async fn lend_hold_connection(
         &self,
-    ) -> std::result::Result<Lent<PoolConnection<MySql>>, sqlx::Error> {
-        // Every connection open and out: wait for one to come back, briefly. Otherwise the
-        // pool hands out an idle one or opens one (within `connect_timeout`).
-        let all_in_use =
-            self.holds_pool.size() >= self.config.max_holds && self.holds_pool.num_idle() == 0;
-        let lend = self.kept_holds.lend(
-            || self.return_all_kept_holds(),
-            self.holds_pool.acquire(),
-            |e| matches!(e, sqlx::Error::PoolTimedOut),
-        );
-        if all_in_use {
-            match tokio::time::timeout(HOLD_CONNECTION_WAIT, lend).await {
-                Ok(lent) => lent,
-                // One kept while it waited, if any.
-                Err(_) => self
-                    .kept_holds
-                    .take(self.return_all_kept_holds())
-                    .ok_or(sqlx::Error::PoolTimedOut),
+        give_up: tokio::time::Instant,
+        interrupt: &lockkit_core::spi::Interrupt,
+    ) -> std::result::Result<Lent<PoolConnection<MySql>>, NoHoldConnection> {
+        loop {
+            let mut bounded = self.holds_pool_is_full();
+            let lend = self.kept_holds.lend(
+                || self.return_all_kept_holds(),
+                self.holds_pool.acquire(),
+                |e| matches!(e, sqlx::Error::PoolTimedOut),
+            );
+            tokio::pin!(lend);
+            let lent = loop {
+                tokio::select! {
+                    lent = &mut lend => break lent,
+                    () = interrupt.interrupted() => return Err(NoHoldConnection::Interrupted),
+                    () = tokio::time::sleep_until(give_up), if bounded => {
+                        if self.holds_pool_is_full() {
+                            return self.kept_hold_or_all_in_use();
+                        }
+                        // One came back just now: the pool hands it out.
+                        bounded = false;
+                    }
+                }
+            };
+            match lent {
+                Ok(lent) => return Ok(lent),
+                Err(sqlx::Error::PoolTimedOut) if self.holds_pool_is_full() => {
+                    if tokio::time::Instant::now() >= give_up {
+                        return self.kept_hold_or_all_in_use();
+                    }
+                    // Every connection stayed lent for the pool's whole acquire timeout,
+                    // which ended before `give_up`: ask again.
+                }
+                Err(e) => return Err(NoHoldConnection::Failed(e)),
             }
-        } else {
-            lend.await
         }
+    }
+
+    /// Whether every dedicated connection is open and lent.
+    fn holds_pool_is_full(&self) -> bool {
+        self.holds_pool.size() >= self.config.max_holds && self.holds_pool.num_idle() == 0
+    }
+
+    /// A dedicated connection kept since the last look, else
+    /// [`NoHoldConnection::AllInUse`].
+    fn kept_hold_or_all_in_use(
+        &self,
+    ) -> std::result::Result<Lent<PoolConnection<MySql>>, NoHoldConnection> {
+        self.kept_holds
+            .take(self.return_all_kept_holds())
+            .ok_or(NoHoldConnection::AllInUse)
     }
 
     /// Keeps a dedicated connection whose last statement ended its transaction and put

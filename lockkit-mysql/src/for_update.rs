@@ -22,8 +22,8 @@ use sqlx::{AssertSqlSafe, Connection, MySql, Row, pool::PoolConnection};
 use tokio::time::Instant;
 
 use crate::db::{
-    BACKEND, Db, LOCK_NOWAIT, LOCK_WAIT_TIMEOUT, connection_gone, db_error, error_number,
-    holder_identity, query, row_text, unreachable_error,
+    BACKEND, Db, HOLD_CONNECTION_WAIT, LOCK_NOWAIT, LOCK_WAIT_TIMEOUT, NoHoldConnection,
+    connection_gone, db_error, error_number, holder_identity, query, row_text, unreachable_error,
 };
 
 /// The holds of this client, by owner and key (reentrancy is local in this mode).
@@ -336,24 +336,54 @@ async fn lock(
         hex(req.key.as_str().as_bytes()),
         wait_s = whole_seconds(wait).max(1),
     );
+    // A try waits briefly for a dedicated connection while every one is in use; a wait,
+    // until its deadline.
+    let give_up = if wait.is_zero() {
+        Instant::now() + HOLD_CONNECTION_WAIT
+    } else {
+        deadline
+    };
     let mut tries = 0;
     let (lent, id, first_try) = loop {
         tries += 1;
-        let lent = inner.lend_hold_connection().await.map_err(|e| match e {
-            sqlx::Error::PoolTimedOut if inner.holds_pool_has_room() => {
-                unreachable_error("opening a dedicated connection", inner.config.connect_timeout, e)
+        let lent = match inner.lend_hold_connection(give_up, &interrupt).await {
+            Ok(lent) => lent,
+            // The caller went away: nothing was taken.
+            Err(NoHoldConnection::Interrupted) => return Ok(None),
+            Err(NoHoldConnection::AllInUse) if !wait.is_zero() => {
+                tracing::debug!(
+                    key = %req.key,
+                    max_holds = inner.config.max_holds,
+                    "a wait ran out with every dedicated connection in use; raise max_holds \
+                     or hold fewer locks"
+                );
+                return Ok(None);
             }
-            sqlx::Error::PoolTimedOut => Error::backend(
-                BACKEND,
-                true,
-                format!(
-                    "all {} dedicated connections are in use by held or waiting for-update locks; \
-                     raise max_holds (each hold and each waiter uses one server connection) or hold fewer locks",
-                    inner.config.max_holds
-                ),
-            ),
-            e => db_error("opening a dedicated connection", e),
-        })?;
+            Err(NoHoldConnection::AllInUse) => {
+                return Err(Error::backend(
+                    BACKEND,
+                    true,
+                    format!(
+                        "all {} dedicated connections are in use by held or waiting for-update \
+                         locks, so `{}` could not be tried (it may be free); try again, raise \
+                         max_holds (each hold and each waiter uses one server connection) or \
+                         hold fewer locks",
+                        inner.config.max_holds, req.key
+                    ),
+                ));
+            }
+            // With room in the pool: it could not open one.
+            Err(NoHoldConnection::Failed(e @ sqlx::Error::PoolTimedOut)) => {
+                return Err(unreachable_error(
+                    "opening a dedicated connection",
+                    inner.config.connect_timeout,
+                    e,
+                ));
+            }
+            Err(NoHoldConnection::Failed(e)) => {
+                return Err(db_error("opening a dedicated connection", e));
+            }
+        };
         let (mut conn, out_since) = (lent.conn, lent.out_since);
         let set_up = set_up_and_try(&mut conn, &session).await;
         match set_up {

@@ -196,3 +196,69 @@ async fn a_slow_to_connect_server_still_gets_for_update_locks() {
         .expect("a free key");
     guard.release().await.unwrap();
 }
+
+/// A for-update wait while every dedicated connection is in use (`max_holds` reached) waits
+/// for one until its own deadline, as any wait: a short wait ends in `Timeout`, a long one
+/// is granted once a connection comes free (here: the one hold let go 2 s in), and a wait
+/// dropped meanwhile takes nothing. A try still says at once that every connection is in
+/// use. Before, every acquisition failed after 250 ms, a 20 s wait too, saying to raise
+/// `max_holds` (PostgreSQL's advisory mode had the same, fixed this session).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_for_update_wait_with_every_dedicated_connection_in_use_waits_its_deadline() {
+    let Some(url) = url("mode=for-update&table=lockkit_test_stalls&max_holds=1") else {
+        return;
+    };
+    let locker = Locker::new(MysqlBackend::connect(&url).await.unwrap());
+    let held = locker
+        .acquire(key())
+        .ttl(Duration::from_secs(30))
+        .await
+        .unwrap();
+    let other = key();
+    let started = Instant::now();
+    let waited = locker
+        .acquire(&other)
+        .ttl(Duration::from_secs(30))
+        .wait(Duration::from_millis(600))
+        .await;
+    let took = started.elapsed();
+    assert!(
+        matches!(waited, Err(lockkit_core::Error::Timeout { .. })) && took < Duration::from_secs(5),
+        "a 600 ms wait took {took:?}: {:?}",
+        waited.map(|g| g.token())
+    );
+    let tried = locker
+        .try_acquire(&other)
+        .ttl(Duration::from_secs(30))
+        .await;
+    match tried {
+        Err(e) => assert!(
+            e.is_retryable() && e.to_string().contains("max_holds"),
+            "{e}"
+        ),
+        Ok(g) => panic!(
+            "a try with no connection to use answered {:?}",
+            g.map(|g| g.token())
+        ),
+    }
+    let dropped = tokio::spawn({
+        let (locker, other) = (locker.clone(), other.clone());
+        async move { locker.acquire(&other).wait(Duration::from_secs(20)).await }
+    });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    dropped.abort();
+    let long = tokio::spawn({
+        let (locker, other) = (locker.clone(), other.clone());
+        async move {
+            let started = Instant::now();
+            let granted = locker.acquire(&other).wait(Duration::from_secs(20)).await;
+            (granted, started.elapsed())
+        }
+    });
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    held.release().await.unwrap();
+    let (granted, took) = long.await.unwrap();
+    let granted = granted.unwrap_or_else(|e| panic!("the 20 s wait ended after {took:?}: {e}"));
+    assert!(took >= Duration::from_secs(1), "granted after {took:?}");
+    granted.release().await.unwrap();
+}
