@@ -249,7 +249,10 @@ impl Hold {
     /// Marks the hold lost because the backend no longer knows it.
     pub(crate) fn fire_lost(&self, reason: LostReason) -> Error {
         self.shared.loss.fire(reason);
-        self.shared.lost_error(reason)
+        // The reason that fired first (a backend may have said why already, say
+        // `SessionLost`): the error and `lost()` name the same one (helper-35's review).
+        let fired = self.shared.loss.reason().unwrap_or(reason);
+        self.shared.lost_error(fired)
     }
 }
 
@@ -318,9 +321,9 @@ async fn keep(shared: Arc<HoldShared>) {
         .watchdog
         .then(|| shared.grant.lease_start + period);
     loop {
-        let (valid_until, ttl, released) = {
+        let (valid_until, released) = {
             let lease = shared.lease();
-            (lease.valid_until, lease.ttl, lease.released)
+            (lease.valid_until, lease.released)
         };
         if released {
             return;
@@ -356,17 +359,10 @@ async fn keep(shared: Arc<HoldShared>) {
             continue;
         }
         // `max_hold`: renew only up to the cap, then let the lease run out.
-        let renew_ttl = match hold_deadline {
-            Some(deadline) => {
-                let left = deadline.saturating_duration_since(now);
-                if left.is_zero() {
-                    next_renew = None;
-                    continue;
-                }
-                ttl.min(left)
-            }
-            None => ttl,
-        };
+        if hold_deadline.is_some_and(|deadline| deadline <= now) {
+            next_renew = None;
+            continue;
+        }
         // Another guard's operation (a release or an extension) may hold `op` for long: a
         // slow server, or a release future its caller polled once and keeps without polling.
         // The hold cannot be said held past its local lease meanwhile, so the wait for
@@ -388,6 +384,18 @@ async fn keep(shared: Arc<HoldShared>) {
             return;
         }
         let start = Instant::now();
+        // The lease's TTL as it is now, under `op`: an `extend` that held `op` while this
+        // renewal fell due set a new one, and renewing with the TTL read before it cut the
+        // extended lease short (helper-35's review).
+        let ttl = shared.lease().ttl;
+        let renew_ttl = match hold_deadline {
+            Some(deadline) => ttl.min(deadline.saturating_duration_since(start)),
+            None => ttl,
+        };
+        if renew_ttl.is_zero() {
+            next_renew = None;
+            continue;
+        }
         let budget = shared.lease().valid_until.saturating_duration_since(start);
         let span = tracing::debug_span!(
             "lockkit.renew",
@@ -412,7 +420,8 @@ async fn keep(shared: Arc<HoldShared>) {
         match renewal {
             Ok(Ok(())) => {
                 let mut lease = shared.lease();
-                lease.valid_until = start + local_validity(renew_ttl);
+                // Never earlier than it was: a renewal never shortens the server's lease.
+                lease.valid_until = lease.valid_until.max(start + local_validity(renew_ttl));
                 next_renew = if renew_ttl < ttl {
                     None // capped by max_hold: this was the last renewal
                 } else {
@@ -431,7 +440,17 @@ async fn keep(shared: Arc<HoldShared>) {
                     %error,
                     "lease renewal failed; retrying"
                 );
-                next_renew = Some(Instant::now() + retry_delay(period));
+                // At the period of the lease in force (an `extend` may have shortened it),
+                // and within what is left of it: a retry timed from the options' period
+                // came after a shorter extended lease had run out (helper-35's review).
+                let (ttl, valid_until) = {
+                    let lease = shared.lease();
+                    (lease.ttl, lease.valid_until)
+                };
+                let now = Instant::now();
+                let left = valid_until.saturating_duration_since(now);
+                let delay = retry_delay(shared.options.renew_period_for(ttl)).min(left / 2);
+                next_renew = Some(now + delay);
             }
             Err(_elapsed) => {
                 shared.loss.fire(LostReason::LeaseExpired);

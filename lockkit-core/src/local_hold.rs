@@ -135,7 +135,7 @@ impl HoldCount {
         HoldCount(Mutex::new(Count {
             depth: 1,
             attempts,
-            lease_until: granted_at + req.ttl,
+            lease_until: crate::options::lease_end(granted_at, req.ttl),
         }))
     }
 
@@ -148,7 +148,9 @@ impl HoldCount {
         if count.depth == 0 || start >= count.lease_until || ended {
             return None;
         }
-        count.lease_until = count.lease_until.max(start + req.ttl);
+        count.lease_until = count
+            .lease_until
+            .max(crate::options::lease_end(start, req.ttl));
         if !count.attempts.has(req.attempt) {
             count.attempts.add(req.attempt);
             count.depth += 1;

@@ -311,7 +311,7 @@ impl MemoryBackend {
             }
             // Never shorten the lease an outer guard of this hold relies on; a retried
             // grant's guard counts the lease from now, so it runs at least that long.
-            entry.expires = entry.expires.max(now + req.ttl);
+            entry.expires = entry.expires.max(crate::options::lease_end(now, req.ttl));
             return Ok(Grant::new(
                 req,
                 FencingToken::new(entry.token),
@@ -347,7 +347,7 @@ impl MemoryBackend {
             kind: req.kind,
             depth: 1,
             token,
-            expires: now + req.ttl,
+            expires: crate::options::lease_end(now, req.ttl),
             session: self.session(),
             loss: req.loss.clone(),
             attempts: {
@@ -439,7 +439,7 @@ impl LockBackend for MemoryBackend {
         let mut state = lock(&self.server.state);
         match state.held_by(grant, now) {
             Some(e) => {
-                e.expires = e.expires.max(now + ttl);
+                e.expires = e.expires.max(crate::options::lease_end(now, ttl));
                 Ok(())
             }
             None => Err(Error::NotHeld {

@@ -89,6 +89,14 @@ impl LockOptions {
     }
 }
 
+/// `start + ttl`, with `ttl` taken as at most [`MAX_TTL`]: the end of a lease that never
+/// overflows an instant, whatever a caller of a backend's SPI passed (the [`crate::Locker`]
+/// refuses a TTL above [`MAX_TTL`] before it reaches a backend; a backend driven directly
+/// with `Duration::MAX` panicked where it added the TTL to a clock).
+pub fn lease_end<I: std::ops::Add<Duration, Output = I>>(start: I, ttl: Duration) -> I {
+    start + ttl.min(MAX_TTL)
+}
+
 /// Checks one TTL against lockkit's and the backend's limits.
 ///
 /// # Errors

@@ -13,7 +13,7 @@ pub use crate::holder::{
 };
 pub use crate::kept::{KeptConnections, Lent, sweep_while};
 pub use crate::local_hold::{CountRelease, HoldCount, LocalHolds};
-pub use crate::options::validate_ttl;
+pub use crate::options::{lease_end, validate_ttl};
 pub use crate::recent_loss::RecentLoss;
 pub use crate::wait::{
     Armed, Attempt, Backoff, Polling, WaitPolicy, Wake, armed, never, wait_for_grant,

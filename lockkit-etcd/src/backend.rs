@@ -1147,7 +1147,8 @@ impl LockBackend for EtcdBackend {
             .is_some_and(|kv| kv.create_revision() == held.revision);
         if ours && !held.loss.is_fired() {
             // Never shorten the lease: another guard of this hold may rely on it.
-            held.count.extend_lease(sent + ttl);
+            held.count
+                .extend_lease(lockkit_core::spi::lease_end(sent, ttl));
             Ok(())
         } else {
             self.forget(&held);

@@ -233,7 +233,7 @@ async fn reenter_on_server(
     else {
         return Ok(None);
     };
-    if start + req.ttl > held.lease_until() {
+    if lockkit_core::spi::lease_end(start, req.ttl) > held.lease_until() {
         let statement = format!(
             "SET SESSION wait_timeout = {}",
             whole_seconds(req.ttl).max(1)
@@ -938,7 +938,9 @@ async fn renew(backend: &ForUpdateLocks, grant: &Grant, ttl: Duration) -> Result
     let start = Instant::now();
     // Never shorten the lease: another guard of this hold may rely on it. The server's
     // timeout covers the whole of it, not just `ttl`.
-    let until = held.lease_until().max(start + ttl);
+    let until = held
+        .lease_until()
+        .max(lockkit_core::spi::lease_end(start, ttl));
     let seconds = whole_seconds(until.saturating_duration_since(start)).max(1);
     match set_wait_timeout(backend, c, seconds).await {
         Ok(()) => {

@@ -787,7 +787,7 @@ async fn reenter_on_server(
     // The session's lease is the latest of its holds' (a downgrade's write and read).
     if session
         .lease_until()
-        .is_none_or(|until| start + req.ttl > until)
+        .is_none_or(|until| lockkit_core::spi::lease_end(start, req.ttl) > until)
     {
         match sqlx::raw_sql(AssertSqlSafe(lease_statement(req.ttl)))
             .execute(&mut **c)
@@ -1750,7 +1750,9 @@ async fn renew(backend: &AdvisoryLocks, grant: &Grant, ttl: Duration) -> Result<
         });
     };
     let start = Instant::now();
-    let until = held.lease_until().max(start + ttl);
+    let until = held
+        .lease_until()
+        .max(lockkit_core::spi::lease_end(start, ttl));
     let session_until = session.lease_until().map_or(until, |s| s.max(until));
     let statement = lease_statement(session_until.saturating_duration_since(start));
     match sqlx::raw_sql(AssertSqlSafe(statement))

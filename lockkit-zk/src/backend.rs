@@ -2118,7 +2118,8 @@ impl LockBackend for ZkBackend {
             Ok(Some(_)) if !held.loss.is_fired() => {
                 held.session.touch(sent);
                 // Never shorten the lease: another guard of this hold may rely on it.
-                held.count.extend_lease(sent + ttl);
+                held.count
+                    .extend_lease(lockkit_core::spi::lease_end(sent, ttl));
                 Ok(())
             }
             Ok(_) | Err(zookeeper_client::Error::SessionExpired) => {
