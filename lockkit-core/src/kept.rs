@@ -13,6 +13,17 @@ use std::{
     time::{Duration, Instant},
 };
 
+/// Why [`KeptConnections::lend_by`] lent no connection.
+#[derive(Debug)]
+pub enum NoConnection<E> {
+    /// Every connection stayed lent until the acquisition gave up waiting.
+    AllInUse,
+    /// The caller went away.
+    Interrupted,
+    /// The pool failed otherwise: it could not open a connection, or it closed.
+    Failed(E),
+}
+
 /// Connections kept out of a pool, ordered by last use (the longest idle first).
 ///
 /// Dropping a connection taken out of the store gives it back to its pool, as dropping a
@@ -128,6 +139,66 @@ impl<C> KeptConnections<C> {
             Ok(conn) => Ok(Lent::from_pool(conn)),
             Err(error) if timed_out(&error) => self.take(return_all()).ok_or(error),
             Err(error) => Err(error),
+        }
+    }
+
+    /// [`Self::lend`] for an acquisition that stops waiting for a connection at `give_up`
+    /// (a wait's deadline; a try's short patience). Asked while the pool is full (every
+    /// connection open and lent: `full` says so), it waits for one to come back until
+    /// `give_up`, asking the pool again (a new `acquire()`) after each of the pool's own
+    /// timeouts that ends before, and then answers [`NoConnection::AllInUse`]. Asked while
+    /// the pool has room, it waits as long as the pool allows, past `give_up` if need be:
+    /// the pool is opening a connection for it (sqlx counts one being opened as lent, so
+    /// the pool's state cannot tell that apart later), and the caller takes nothing past
+    /// its deadline. The caller's going away (`interrupt`) ends it at once.
+    ///
+    /// # Errors
+    /// [`NoConnection`]: every connection stayed lent, the caller went away, or the pool
+    /// failed otherwise (it could not open a connection, or it closed).
+    ///
+    /// # Cancel safety
+    /// Cancel safe: dropped, it holds no connection.
+    pub async fn lend_by<E, Fut>(
+        &self,
+        return_all: impl Fn() -> bool,
+        mut acquire: impl FnMut() -> Fut,
+        timed_out: impl Fn(&E) -> bool,
+        full: impl Fn() -> bool,
+        give_up: tokio::time::Instant,
+        interrupt: &crate::detach::Interrupt,
+    ) -> Result<Lent<C>, NoConnection<E>>
+    where
+        Fut: std::future::Future<Output = Result<C, E>>,
+    {
+        let all_in_use = || self.take(return_all()).ok_or(NoConnection::AllInUse);
+        loop {
+            let mut bounded = full();
+            let lend = self.lend(&return_all, acquire(), &timed_out);
+            tokio::pin!(lend);
+            let lent = loop {
+                tokio::select! {
+                    lent = &mut lend => break lent,
+                    () = interrupt.interrupted() => return Err(NoConnection::Interrupted),
+                    () = tokio::time::sleep_until(give_up), if bounded => {
+                        if full() {
+                            return all_in_use();
+                        }
+                        // One came back just now: the pool hands it out.
+                        bounded = false;
+                    }
+                }
+            };
+            match lent {
+                Ok(lent) => return Ok(lent),
+                Err(error) if timed_out(&error) && full() => {
+                    if tokio::time::Instant::now() >= give_up {
+                        return all_in_use();
+                    }
+                    // Every connection stayed lent for the pool's whole timeout, which
+                    // ended before `give_up`: ask again.
+                }
+                Err(error) => return Err(NoConnection::Failed(error)),
+            }
         }
     }
 

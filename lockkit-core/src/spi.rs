@@ -11,7 +11,7 @@ pub use crate::guard::local_validity;
 pub use crate::holder::{
     MAX_ENCODED_BYTES, MAX_NAME_BYTES, contender_record, parse_contender_record,
 };
-pub use crate::kept::{KeptConnections, Lent, sweep_while};
+pub use crate::kept::{KeptConnections, Lent, NoConnection, sweep_while};
 pub use crate::local_hold::{CountRelease, HoldCount, LocalHolds};
 pub use crate::options::{lease_end, validate_ttl};
 pub use crate::recent_loss::RecentLoss;

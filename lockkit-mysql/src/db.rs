@@ -6,7 +6,7 @@ use std::{future::Future, sync::Arc, time::Duration};
 
 use lockkit_core::{
     Error, FencingToken, HolderIdentity, HolderInfo, LockKey, Result,
-    spi::{KeptConnections, Lent, sweep_while},
+    spi::{KeptConnections, Lent, NoConnection, sweep_while},
 };
 use sqlx::{
     AssertSqlSafe, MySql, MySqlPool, Row, Transaction,
@@ -66,16 +66,6 @@ pub(crate) fn unreachable_error(doing: &str, within: Duration, e: sqlx::Error) -
 /// used to cover that too, and a server slower than 250 ms to connect to got no for-update
 /// lock at all).
 pub(crate) const HOLD_CONNECTION_WAIT: Duration = Duration::from_millis(250);
-
-/// Why [`Db::lend_hold_connection`] lent no connection.
-pub(crate) enum NoHoldConnection {
-    /// Every dedicated connection stayed lent until the acquisition gave up waiting.
-    AllInUse,
-    /// The caller went away.
-    Interrupted,
-    /// The pool failed otherwise: it could not open a connection, or it closed.
-    Failed(sqlx::Error),
-}
 
 /// Errors after which the connection (and so any transaction and lock it had) is gone.
 pub(crate) fn connection_gone(e: &sqlx::Error) -> bool {
@@ -356,12 +346,9 @@ impl Db {
     /// A dedicated connection for a for-update hold or waiter that stops waiting for one at
     /// `give_up`. Kept ones are taken first, and kept only while the pool has one to spare
     /// ([`Db::keep_hold_connection`]), so no caller waits for a connection that sits kept;
-    /// then an idle one, or a new one (opened within `connect_timeout`, past
-    /// `give_up` if need be: the acquisition takes nothing past its deadline). Asked while
-    /// every connection is open and lent (`max_holds` reached), it waits for one to come
-    /// back until `give_up`, asking the pool again after each of its acquire timeouts, and
-    /// then answers [`NoHoldConnection::AllInUse`]. The caller's going away (`interrupt`)
-    /// ends it at once.
+    /// then an idle one, or a new one (opened within `connect_timeout`); while every
+    /// connection is open and lent (`max_holds` reached), one that comes back before
+    /// `give_up` (see [`KeptConnections::lend_by`]).
     ///
     /// # Cancel safety
     /// Cancel safe: dropped, it holds no connection.
@@ -369,55 +356,22 @@ impl Db {
         &self,
         give_up: tokio::time::Instant,
         interrupt: &lockkit_core::spi::Interrupt,
-    ) -> std::result::Result<Lent<PoolConnection<MySql>>, NoHoldConnection> {
-        loop {
-            let mut bounded = self.holds_pool_is_full();
-            let lend = self.kept_holds.lend(
+    ) -> std::result::Result<Lent<PoolConnection<MySql>>, NoConnection<sqlx::Error>> {
+        self.kept_holds
+            .lend_by(
                 || self.return_all_kept_holds(),
-                self.holds_pool.acquire(),
+                || self.holds_pool.acquire(),
                 |e| matches!(e, sqlx::Error::PoolTimedOut),
-            );
-            tokio::pin!(lend);
-            let lent = loop {
-                tokio::select! {
-                    lent = &mut lend => break lent,
-                    () = interrupt.interrupted() => return Err(NoHoldConnection::Interrupted),
-                    () = tokio::time::sleep_until(give_up), if bounded => {
-                        if self.holds_pool_is_full() {
-                            return self.kept_hold_or_all_in_use();
-                        }
-                        // One came back just now: the pool hands it out.
-                        bounded = false;
-                    }
-                }
-            };
-            match lent {
-                Ok(lent) => return Ok(lent),
-                Err(sqlx::Error::PoolTimedOut) if self.holds_pool_is_full() => {
-                    if tokio::time::Instant::now() >= give_up {
-                        return self.kept_hold_or_all_in_use();
-                    }
-                    // Every connection stayed lent for the pool's whole acquire timeout,
-                    // which ended before `give_up`: ask again.
-                }
-                Err(e) => return Err(NoHoldConnection::Failed(e)),
-            }
-        }
+                || self.holds_pool_is_full(),
+                give_up,
+                interrupt,
+            )
+            .await
     }
 
     /// Whether every dedicated connection is open and lent.
     fn holds_pool_is_full(&self) -> bool {
         self.holds_pool.size() >= self.config.max_holds && self.holds_pool.num_idle() == 0
-    }
-
-    /// A dedicated connection kept since the last look, else
-    /// [`NoHoldConnection::AllInUse`].
-    fn kept_hold_or_all_in_use(
-        &self,
-    ) -> std::result::Result<Lent<PoolConnection<MySql>>, NoHoldConnection> {
-        self.kept_holds
-            .take(self.return_all_kept_holds())
-            .ok_or(NoHoldConnection::AllInUse)
     }
 
     /// Keeps a dedicated connection whose last statement ended its transaction and put

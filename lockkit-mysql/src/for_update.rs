@@ -11,8 +11,8 @@ use std::{
 
 use async_trait::async_trait;
 use lockkit_core::spi::{
-    AcquireRequest, Backoff, CountRelease, Grant, HoldCount, Interrupt, Lent, LocalHolds, Released,
-    deadline_after, detached_acquire, granted_or_timeout,
+    AcquireRequest, Backoff, CountRelease, Grant, HoldCount, Interrupt, Lent, LocalHolds,
+    NoConnection, Released, deadline_after, detached_acquire, granted_or_timeout,
 };
 use lockkit_core::{
     BackendInfo, Capabilities, Consistency, Error, FencingToken, HolderInfo, LockBackend, LockKey,
@@ -22,8 +22,8 @@ use sqlx::{AssertSqlSafe, Connection, MySql, Row, pool::PoolConnection};
 use tokio::time::Instant;
 
 use crate::db::{
-    BACKEND, Db, HOLD_CONNECTION_WAIT, LOCK_NOWAIT, LOCK_WAIT_TIMEOUT, NoHoldConnection,
-    connection_gone, db_error, error_number, holder_identity, query, row_text, unreachable_error,
+    BACKEND, Db, HOLD_CONNECTION_WAIT, LOCK_NOWAIT, LOCK_WAIT_TIMEOUT, connection_gone, db_error,
+    error_number, holder_identity, query, row_text, unreachable_error,
 };
 
 /// The holds of this client, by owner and key (reentrancy is local in this mode).
@@ -349,8 +349,8 @@ async fn lock(
         let lent = match inner.lend_hold_connection(give_up, &interrupt).await {
             Ok(lent) => lent,
             // The caller went away: nothing was taken.
-            Err(NoHoldConnection::Interrupted) => return Ok(None),
-            Err(NoHoldConnection::AllInUse) if !wait.is_zero() => {
+            Err(NoConnection::Interrupted) => return Ok(None),
+            Err(NoConnection::AllInUse) if !wait.is_zero() => {
                 tracing::debug!(
                     key = %req.key,
                     max_holds = inner.config.max_holds,
@@ -359,7 +359,7 @@ async fn lock(
                 );
                 return Ok(None);
             }
-            Err(NoHoldConnection::AllInUse) => {
+            Err(NoConnection::AllInUse) => {
                 return Err(Error::backend(
                     BACKEND,
                     true,
@@ -373,14 +373,14 @@ async fn lock(
                 ));
             }
             // With room in the pool: it could not open one.
-            Err(NoHoldConnection::Failed(e @ sqlx::Error::PoolTimedOut)) => {
+            Err(NoConnection::Failed(e @ sqlx::Error::PoolTimedOut)) => {
                 return Err(unreachable_error(
                     "opening a dedicated connection",
                     inner.config.connect_timeout,
                     e,
                 ));
             }
-            Err(NoHoldConnection::Failed(e)) => {
+            Err(NoConnection::Failed(e)) => {
                 return Err(db_error("opening a dedicated connection", e));
             }
         };

@@ -40,7 +40,8 @@ use std::{
 use async_trait::async_trait;
 use lockkit_core::spi::{
     AcquireRequest, Backoff, CountRelease, Grant, HoldCount, Interrupt, KeptConnections, Lent,
-    LocalHolds, Released, deadline_after, detached_acquire, granted_or_timeout, sweep_while,
+    LocalHolds, NoConnection, Released, deadline_after, detached_acquire, granted_or_timeout,
+    sweep_while,
 };
 use lockkit_core::{
     BackendInfo, Capabilities, Consistency, Error, FencingToken, HolderInfo, LockBackend, LockKey,
@@ -165,17 +166,6 @@ impl Dedicated {
         self.pool.is_closed() || self.dead_seen.within(PING_AFTER_LOSS)
     }
 
-    /// A kept connection, or one from the pool.
-    async fn lend(&self) -> std::result::Result<Lent<PoolConnection<Postgres>>, sqlx::Error> {
-        self.kept
-            .lend(
-                || self.return_all_kept(),
-                self.pool.acquire(),
-                |e| matches!(e, sqlx::Error::PoolTimedOut),
-            )
-            .await
-    }
-
     /// Whether every dedicated connection is open and lent out: a caller of the pool waits
     /// for one to come back.
     fn all_in_use(&self) -> bool {
@@ -183,63 +173,24 @@ impl Dedicated {
     }
 
     /// A connection for an acquisition that stops waiting for one at `give_up`: a kept one
-    /// or the pool's ([`Dedicated::lend`]). Asked while every connection is in use, it
-    /// waits for one to come back until `give_up`, asking the pool again after each of the
-    /// pool's acquire timeouts (`connect_timeout`) that ends before; then it answers
-    /// [`NoConnection::AllInUse`]. Asked while the pool has room, it waits as long as the
-    /// pool allows, past `give_up` if need be: the pool is opening a connection for it
-    /// (sqlx counts a connection being opened as in use, so the pool's state cannot tell
-    /// that apart later), and an acquisition takes nothing past its deadline (see
-    /// [`prepared_connection`]). The caller's going away (`interrupt`) ends it at once,
-    /// with nothing taken.
-    ///
-    /// # Cancel safety
-    /// Cancel safe: dropped, it holds no connection (one lent at that moment goes back).
+    /// or the pool's; while every connection is in use, one that
+    /// comes back before `give_up` (see [`KeptConnections::lend_by`]). An acquisition
+    /// takes nothing past its deadline (see [`prepared_connection`]).
     async fn lend_by(
         &self,
         give_up: Instant,
         interrupt: &Interrupt,
-    ) -> std::result::Result<Lent<PoolConnection<Postgres>>, NoConnection> {
-        loop {
-            // Waits for a connection to come back (bounded by `give_up`), or has one opened.
-            let mut bounded = self.all_in_use();
-            let lend = self.lend();
-            tokio::pin!(lend);
-            let lent = loop {
-                tokio::select! {
-                    lent = &mut lend => break lent,
-                    () = interrupt.interrupted() => return Err(NoConnection::Interrupted),
-                    () = tokio::time::sleep_until(give_up), if bounded => {
-                        if self.all_in_use() {
-                            return self.kept_or_all_in_use();
-                        }
-                        // One came back just now: the pool hands it out.
-                        bounded = false;
-                    }
-                }
-            };
-            match lent {
-                Ok(lent) => return Ok(lent),
-                Err(sqlx::Error::PoolTimedOut) if self.all_in_use() => {
-                    if Instant::now() >= give_up {
-                        return self.kept_or_all_in_use();
-                    }
-                    // Every connection stayed in use for the pool's whole acquire timeout,
-                    // which ended before `give_up`: ask again.
-                }
-                Err(e) => return Err(NoConnection::Failed(e)),
-            }
-        }
-    }
-
-    /// A connection kept since the last look (one let go while the pool could spare it),
-    /// else [`NoConnection::AllInUse`].
-    fn kept_or_all_in_use(
-        &self,
-    ) -> std::result::Result<Lent<PoolConnection<Postgres>>, NoConnection> {
+    ) -> std::result::Result<Lent<PoolConnection<Postgres>>, NoConnection<sqlx::Error>> {
         self.kept
-            .take(self.return_all_kept())
-            .ok_or(NoConnection::AllInUse)
+            .lend_by(
+                || self.return_all_kept(),
+                || self.pool.acquire(),
+                |e| matches!(e, sqlx::Error::PoolTimedOut),
+                || self.all_in_use(),
+                give_up,
+                interrupt,
+            )
+            .await
     }
 
     /// Keeps `conn`, which holds no lock, no lease and no name (a statement that let go of
@@ -251,16 +202,6 @@ impl Dedicated {
         let spare = self.pool.num_idle() > 0 || self.pool.size() < self.max;
         self.kept.keep(lent, || spare && !self.return_all_kept());
     }
-}
-
-/// Why [`Dedicated::lend_by`] lent no connection.
-enum NoConnection {
-    /// Every dedicated connection stayed in use until the acquisition gave up waiting.
-    AllInUse,
-    /// The caller went away.
-    Interrupted,
-    /// The pool failed otherwise: it could not open a connection, or it closed.
-    Failed(sqlx::Error),
 }
 
 impl Drop for Dedicated {
