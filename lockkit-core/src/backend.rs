@@ -149,9 +149,16 @@ pub(crate) fn new_attempt_id() -> Uuid {
     uuid::Builder::from_random_bytes(Uuid::from_u64_pair(prefix, n).into_bytes()).into_uuid()
 }
 
+/// The longest lease lockkit accepts on any backend (100 years of 365 days), whatever the
+/// backend declares: a lease end that far ahead is still an [`std::time::Instant`] (a
+/// longer one overflowed, and `ttl(Duration::MAX)` panicked after the grant) and a date
+/// every server's types hold (MySQL row mode wrote `now + u64::MAX µs` as a lease that
+/// had already ended, and another owner was granted the key while the guard was valid).
+pub const MAX_TTL: Duration = Duration::from_secs(100 * 365 * 24 * 3600);
+
 impl AcquireRequest {
     /// Builds a request. Callers outside lockkit use this only to drive a backend directly.
-    /// A `ttl` above [`crate::MAX_TTL`] is taken as that (the [`crate::Locker`] refuses it
+    /// A `ttl` above [`MAX_TTL`] is taken as that (the [`crate::Locker`] refuses it
     /// before it gets here): a backend driven directly with `Duration::MAX` overflowed
     /// (MySQL row mode wrote a lease that had already ended, and granted the key to the
     /// next owner too; helper-34's review).
@@ -159,7 +166,7 @@ impl AcquireRequest {
         AcquireRequest {
             key,
             owner,
-            ttl: ttl.min(crate::MAX_TTL),
+            ttl: ttl.min(MAX_TTL),
             loss,
             attempt: new_attempt_id(),
             identity: Arc::new(HolderIdentity::now()),

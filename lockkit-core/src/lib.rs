@@ -48,6 +48,7 @@ pub(crate) use attempts::AttemptLedger;
 pub(crate) use backend::{AcquireRequest, Grant, Released};
 pub use backend::{
     BackendInfo, Capabilities, Consistency, DEFAULT_RESPONSE_BOUND, HolderInfo, LockBackend,
+    MAX_TTL,
 };
 pub(crate) use detach::detached_acquire;
 pub use error::{BoxError, Error, LostReason, Result};
@@ -61,7 +62,7 @@ pub use kind::LockKind;
 pub use locker::{Acquire, Locker, Owner, Semaphore, TryAcquire};
 pub use lost::LossSignal;
 pub use memory::MemoryBackend;
-pub use options::{DEFAULT_TTL, LockOptions, MAX_TTL};
+pub use options::{DEFAULT_TTL, LockOptions};
 pub use owner::OwnerId;
 pub use wait::WAIT_FOREVER;
 

@@ -2,18 +2,11 @@
 
 use std::time::Duration;
 
-use crate::{BackendInfo, Error, Result};
+use crate::{BackendInfo, Error, MAX_TTL, Result};
 
 /// The default lease: long enough for a GC pause, short enough that a dead holder does
 /// not block others for long. The watchdog keeps a live holder's lease alive.
 pub const DEFAULT_TTL: Duration = Duration::from_secs(30);
-
-/// The longest lease lockkit accepts on any backend (100 years of 365 days), whatever the
-/// backend declares: a lease end that far ahead is still an [`std::time::Instant`] (a
-/// longer one overflowed, and `ttl(Duration::MAX)` panicked after the grant) and a date
-/// every server's types hold (MySQL row mode wrote `now + u64::MAX µs` as a lease that
-/// had already ended, and another owner was granted the key while the guard was valid).
-pub const MAX_TTL: Duration = Duration::from_secs(100 * 365 * 24 * 3600);
 
 /// How a hold is taken and kept. Build it with [`crate::Locker::acquire`]'s builder, or set
 /// defaults with [`crate::Locker::with_options`].
