@@ -13,6 +13,8 @@ use std::{
     time::{Duration, Instant},
 };
 
+use crate::{Error, LockKey};
+
 /// Why [`KeptConnections::lend_by`] lent no connection.
 #[derive(Debug)]
 pub enum NoConnection<E> {
@@ -22,6 +24,54 @@ pub enum NoConnection<E> {
     Interrupted,
     /// The pool failed otherwise: it could not open a connection, or it closed.
     Failed(E),
+}
+
+impl<E> NoConnection<E> {
+    /// What an acquisition answers when [`KeptConnections::lend_by`] lent it no dedicated
+    /// connection, except for a failed pool ([`NoConnection::Failed`]), whose error comes
+    /// back as `Err` for the backend to word.
+    ///
+    /// It promises: the caller's going away, and a wait (`waits`) that ran out with every
+    /// connection in use, answer `Ok(None)` (not granted in time; the caller says
+    /// `Timeout`); a try that found every connection in use answers a retryable
+    /// [`Error::Backend`] that says the key may be free and to raise `max_holds`.
+    /// `locks` names the mode's holds in that message (`"for-update"`, `"advisory"`).
+    ///
+    /// # Errors
+    /// `Err(error)` for [`NoConnection::Failed`]: the pool could not open a connection, or
+    /// it closed.
+    pub fn answer<T>(
+        self,
+        backend: &'static str,
+        locks: &str,
+        key: &LockKey,
+        max_holds: u32,
+        waits: bool,
+    ) -> Result<crate::Result<Option<T>>, E> {
+        match self {
+            NoConnection::Interrupted => Ok(Ok(None)),
+            NoConnection::AllInUse if waits => {
+                tracing::debug!(
+                    %key,
+                    max_holds,
+                    "a wait ran out with every dedicated connection in use; raise max_holds \
+                     or hold fewer locks"
+                );
+                Ok(Ok(None))
+            }
+            NoConnection::AllInUse => Ok(Err(Error::backend(
+                backend,
+                true,
+                format!(
+                    "all {max_holds} dedicated connections are in use by held or waiting \
+                     {locks} locks, so `{key}` could not be tried (it may be free); try again, \
+                     raise max_holds (each hold and each waiter uses one server connection) \
+                     or hold fewer locks"
+                ),
+            ))),
+            NoConnection::Failed(error) => Err(error),
+        }
+    }
 }
 
 /// Connections kept out of a pool, ordered by last use (the longest idle first).

@@ -11,8 +11,8 @@ use std::{
 
 use async_trait::async_trait;
 use lockkit_core::spi::{
-    AcquireRequest, Backoff, CountRelease, Grant, HoldCount, Interrupt, Lent, LocalHolds,
-    NoConnection, Released, deadline_after, detached_acquire, granted_or_timeout,
+    AcquireRequest, Backoff, CountRelease, Grant, HoldCount, Interrupt, Lent, LocalHolds, Released,
+    deadline_after, detached_acquire, granted_or_timeout,
 };
 use lockkit_core::{
     BackendInfo, Capabilities, Consistency, Error, FencingToken, HolderInfo, LockBackend, LockKey,
@@ -348,40 +348,20 @@ async fn lock(
         tries += 1;
         let lent = match inner.lend_hold_connection(give_up, &interrupt).await {
             Ok(lent) => lent,
-            // The caller went away: nothing was taken.
-            Err(NoConnection::Interrupted) => return Ok(None),
-            Err(NoConnection::AllInUse) if !wait.is_zero() => {
-                tracing::debug!(
-                    key = %req.key,
-                    max_holds = inner.config.max_holds,
-                    "a wait ran out with every dedicated connection in use; raise max_holds \
-                     or hold fewer locks"
-                );
-                return Ok(None);
-            }
-            Err(NoConnection::AllInUse) => {
-                return Err(Error::backend(
-                    BACKEND,
-                    true,
-                    format!(
-                        "all {} dedicated connections are in use by held or waiting for-update \
-                         locks, so `{}` could not be tried (it may be free); try again, raise \
-                         max_holds (each hold and each waiter uses one server connection) or \
-                         hold fewer locks",
-                        inner.config.max_holds, req.key
-                    ),
-                ));
-            }
-            // With room in the pool: it could not open one.
-            Err(NoConnection::Failed(e @ sqlx::Error::PoolTimedOut)) => {
-                return Err(unreachable_error(
-                    "opening a dedicated connection",
-                    inner.config.connect_timeout,
-                    e,
-                ));
-            }
-            Err(NoConnection::Failed(e)) => {
-                return Err(db_error("opening a dedicated connection", e));
+            Err(no_connection) => {
+                let waits = !wait.is_zero();
+                let max_holds = inner.config.max_holds;
+                return match no_connection.answer(BACKEND, "for-update", &req.key, max_holds, waits)
+                {
+                    Ok(answer) => answer,
+                    // With room in the pool: it could not open one.
+                    Err(e @ sqlx::Error::PoolTimedOut) => Err(unreachable_error(
+                        "opening a dedicated connection",
+                        inner.config.connect_timeout,
+                        e,
+                    )),
+                    Err(e) => Err(db_error("opening a dedicated connection", e)),
+                };
             }
         };
         let (mut conn, out_since) = (lent.conn, lent.out_since);

@@ -863,42 +863,22 @@ async fn prepared_connection(
         sent += 1;
         let mut lent = match backend.dedicated.lend_by(give_up, interrupt).await {
             Ok(lent) => lent,
-            Err(NoConnection::Interrupted) => return Ok(None),
-            Err(NoConnection::AllInUse) if !wait.is_zero() => {
-                tracing::debug!(
-                    key = %req.key,
-                    max_holds = inner.config.max_holds,
-                    "a wait ran out with every dedicated connection in use; raise max_holds \
-                     or hold fewer locks"
-                );
-                return Ok(None);
-            }
-            Err(NoConnection::AllInUse) => {
-                return Err(Error::backend(
-                    BACKEND,
-                    true,
-                    format!(
-                        "all {} dedicated connections are in use by held or waiting advisory \
-                         locks, so `{}` could not be tried (it may be free); try again, raise \
-                         max_holds (each hold and each waiter uses one server connection) or \
-                         hold fewer locks",
-                        inner.config.max_holds, req.key
-                    ),
-                ));
-            }
-            Err(NoConnection::Failed(sqlx::Error::PoolTimedOut)) => {
-                // Not every connection in use (`lend_by` waits for those): one could not
-                // be opened.
-                return Err(pool_timed_out(
-                    "opening a dedicated connection",
-                    &backend.dedicated.pool,
-                    backend.dedicated.max,
-                    "max_holds",
-                    &inner.config,
-                ));
-            }
-            Err(NoConnection::Failed(e)) => {
-                return Err(db_error("opening a dedicated connection", e));
+            Err(no_connection) => {
+                let waits = !wait.is_zero();
+                let max_holds = inner.config.max_holds;
+                return match no_connection.answer(BACKEND, "advisory", &req.key, max_holds, waits) {
+                    Ok(answer) => answer,
+                    // Not every connection in use (`lend_by` waits for those): one could
+                    // not be opened.
+                    Err(sqlx::Error::PoolTimedOut) => Err(pool_timed_out(
+                        "opening a dedicated connection",
+                        &backend.dedicated.pool,
+                        backend.dedicated.max,
+                        "max_holds",
+                        &inner.config,
+                    )),
+                    Err(e) => Err(db_error("opening a dedicated connection", e)),
+                };
             }
         };
         // Past its deadline already (the pool was slow to lend a connection), a wait takes
