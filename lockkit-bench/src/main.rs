@@ -32,6 +32,13 @@ struct Args {
     /// `lockkit` for a profile of lockkit alone.
     #[arg(long)]
     only: Option<String>,
+    /// Run only these scenarios (comma-separated): same, new, wake, handoff, throughput.
+    #[arg(long, default_value = "same,new,wake,handoff,throughput")]
+    scenarios: String,
+    /// Samples of the wake of a blocked waiter per batch (two batches; 15 by default), to
+    /// read its p99 from more than 30 samples.
+    #[arg(long)]
+    wake_samples: Option<usize>,
     /// Write the tables into this Markdown file, between `<!-- peerbench:begin -->` and
     /// `<!-- peerbench:end -->`.
     #[arg(long)]
@@ -302,8 +309,10 @@ async fn measure(
     backend: &str,
     sizes: Sizes,
     only: Option<&str>,
+    scenarios: &str,
     notes: &mut Vec<String>,
 ) -> Result<Section, String> {
+    let runs = |name: &str| scenarios.split(',').any(|s| s.trim() == name);
     let mut subjects = subjects_of(backend, notes).await?;
     if let Some(only) = only {
         subjects.retain(|s| {
@@ -325,12 +334,12 @@ async fn measure(
         }
     }
     let plan = [
-        (Scenario::SameKey, sizes.same, sizes.batches),
-        (Scenario::NewKey, sizes.new, sizes.batches),
-        (Scenario::Wake, sizes.wake, 2),
-        (Scenario::Handoff, sizes.handoff_rounds, 1),
+        ("same", Scenario::SameKey, sizes.same, sizes.batches),
+        ("new", Scenario::NewKey, sizes.new, sizes.batches),
+        ("wake", Scenario::Wake, sizes.wake, 2),
+        ("handoff", Scenario::Handoff, sizes.handoff_rounds, 1),
     ];
-    for (scenario, n, batches) in plan {
+    for (_, scenario, n, batches) in plan.into_iter().filter(|(name, ..)| runs(name)) {
         eprintln!("[peerbench] {backend}: {scenario:?}");
         for _ in 0..batches {
             for (subject, figures) in subjects.iter_mut().zip(measured.iter_mut()) {
@@ -346,7 +355,12 @@ async fn measure(
         }
     }
     eprintln!("[peerbench] {backend}: throughput");
-    for (subject, figures) in subjects.iter().zip(measured.iter_mut()) {
+    let throughput = if runs("throughput") {
+        subjects.as_slice()
+    } else {
+        &[]
+    };
+    for (subject, figures) in throughput.iter().zip(measured.iter_mut()) {
         match subject.throughput(32, 1000, sizes.throughput).await {
             Ok(rate) => figures.per_second = rate,
             Err(e) => notes.push(format!(
@@ -390,6 +404,10 @@ async fn main() {
             throughput: Duration::from_secs(3),
         }
     };
+    let sizes = Sizes {
+        wake: args.wake_samples.unwrap_or(sizes.wake),
+        ..sizes
+    };
     let mut notes = Vec::new();
     let mut sections = Vec::new();
     for backend in args
@@ -398,7 +416,15 @@ async fn main() {
         .map(str::trim)
         .filter(|b| !b.is_empty())
     {
-        match measure(backend, sizes, args.only.as_deref(), &mut notes).await {
+        match measure(
+            backend,
+            sizes,
+            args.only.as_deref(),
+            &args.scenarios,
+            &mut notes,
+        )
+        .await
+        {
             Ok(section) => sections.push(section),
             Err(e) => notes.push(format!("{backend}: not measured: {e}")),
         }
