@@ -523,14 +523,33 @@ struct Locked {
 }
 
 impl Locked {
-    /// Opens (creates) the file of a key, not locked yet.
+    /// Opens (creates) the file of a key, not locked yet. A symbolic link there is refused
+    /// (`O_NOFOLLOW`), never followed: whoever can write to the directory (the default one
+    /// is under the temporary directory) could otherwise have a lock's state written into
+    /// any file the caller may write, through a link planted where a key's file goes.
     fn open(path: &Path) -> std::io::Result<File> {
-        OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create(true)
-            .truncate(false)
-            .open(path)
+        let mut options = OpenOptions::new();
+        options.read(true).write(true).create(true).truncate(false);
+        #[cfg(unix)]
+        std::os::unix::fs::OpenOptionsExt::custom_flags(
+            &mut options,
+            rustix::fs::OFlags::NOFOLLOW.bits().cast_signed(),
+        );
+        options.open(path).map_err(|e| {
+            if e.raw_os_error() == Some(rustix::io::Errno::LOOP.raw_os_error()) {
+                std::io::Error::new(
+                    e.kind(),
+                    format!(
+                        "it is a symbolic link, which lockkit never follows (a lock file is a \
+                         regular file it creates itself; someone who can write to the lock \
+                         directory may have planted it: check the directory's owner and \
+                         permissions) ({e})"
+                    ),
+                )
+            } else {
+                e
+            }
+        })
     }
 
     /// Reads the state of `file`, whose `flock` the caller holds.
@@ -927,13 +946,19 @@ impl FileBackend {
                 dir.display()
             ))
         })?;
-        let probe = dir.join(".lockkit-probe");
-        File::create(&probe).map_err(|e| {
-            Error::Config(format!(
-                "lock directory `{}` is not writable: {e}",
-                dir.display()
-            ))
-        })?;
+        // A name of its own, created new (`O_EXCL`, which never follows a symbolic link): a
+        // link planted at a fixed name would have had the victim's file truncated here.
+        let probe = dir.join(format!(".lockkit-probe-{}", uuid::Uuid::new_v4().simple()));
+        OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .open(&probe)
+            .map_err(|e| {
+                Error::Config(format!(
+                    "lock directory `{}` is not writable: {e}",
+                    dir.display()
+                ))
+            })?;
         let _ = std::fs::remove_file(probe);
         let fs = FsKind::of(&dir);
         if fs == FsKind::Tmpfs {

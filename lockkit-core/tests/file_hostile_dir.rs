@@ -1,0 +1,68 @@
+//! The file backend in a lock directory others can write to (the default one is under the
+//! temporary directory): nothing is ever written through a symbolic link planted there.
+#![cfg(unix)]
+
+use std::path::PathBuf;
+
+use lockkit_core::{FileBackend, LockKey, Locker, spi::file_name};
+
+fn temp_dir(name: &str) -> PathBuf {
+    std::env::temp_dir().join(format!("lockkit-hostile-{name}-{}", uuid::Uuid::new_v4()))
+}
+
+/// A file of the victim's, outside the lock directory, that lockkit must never write.
+fn victim(name: &str) -> (PathBuf, String) {
+    let path = temp_dir(&format!("victim-{name}"));
+    // Text (a lock file is read as UTF-8) and long: a shorter state would truncate it.
+    let text = "export PATH=/usr/bin\n".repeat(200);
+    std::fs::write(&path, &text).unwrap();
+    (path, text)
+}
+
+/// Someone who can write to the lock directory (the default one is under the temporary
+/// directory, which every user can write) plants a symbolic link where a key's file goes:
+/// an acquisition must not follow it and write lock state into the victim's file.
+#[tokio::test]
+async fn a_symlink_planted_as_a_lock_file_is_never_written_through() {
+    let dir = temp_dir("dir");
+    let backend = FileBackend::open(&dir).unwrap();
+    let (target, text) = victim("lock");
+    let key = LockKey::new("nightly-report").unwrap();
+    std::os::unix::fs::symlink(&target, dir.join(file_name(&key))).unwrap();
+    let locker = Locker::new(backend);
+    let outcome = locker.try_acquire(&key).await;
+    let after = std::fs::read_to_string(&target).unwrap();
+    assert_eq!(
+        after.len(),
+        text.len(),
+        "the victim's file was rewritten through the link ({outcome:?}): {:?}",
+        after.lines().next()
+    );
+    assert_eq!(after, text);
+    assert!(
+        outcome.is_err(),
+        "a key whose file is a symbolic link was granted"
+    );
+    let _ = std::fs::remove_file(&target);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// The directory's writability probe must not truncate a file through a planted link
+/// either: `FileBackend::open` runs on every start of a program that uses it.
+#[test]
+fn opening_a_directory_never_truncates_through_a_planted_probe_link() {
+    let dir = temp_dir("probe");
+    std::fs::create_dir_all(&dir).unwrap();
+    let (target, text) = victim("probe");
+    std::os::unix::fs::symlink(&target, dir.join(".lockkit-probe")).unwrap();
+    let _ = FileBackend::open(&dir);
+    let after = std::fs::read_to_string(&target).unwrap();
+    assert!(
+        after == text,
+        "the probe rewrote the victim's file through the link: {} bytes left of {}",
+        after.len(),
+        text.len()
+    );
+    let _ = std::fs::remove_file(&target);
+    let _ = std::fs::remove_dir_all(&dir);
+}
