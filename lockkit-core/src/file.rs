@@ -1130,9 +1130,31 @@ impl FileBackend {
         .await
     }
 
-    /// One grant attempt. `waiting`: the caller waits, so a writer that is refused leaves
-    /// (or renews) its marker, as its [`Marker`] records.
-    async fn attempt(&self, req: &AcquireRequest, waiting: Option<Marker>) -> Result<Attempt> {
+    /// One grant attempt, given up at `until` (see [`FLOCK_GRACE`]): [`Stalled`] then.
+    /// `waiting`: the caller waits, so a writer that is refused leaves (or renews) its
+    /// marker, as its [`Marker`] records.
+    async fn attempt(
+        &self,
+        req: &AcquireRequest,
+        waiting: Option<Marker>,
+        until: Instant,
+    ) -> std::result::Result<Result<Attempt>, Stalled> {
+        // A timer needs a runtime: without one, the error that says so (not a panic).
+        if let Err(error) = in_runtime() {
+            return Ok(Err(error));
+        }
+        // The attempt runs detached: given up here, it goes on in a task of its own, and a
+        // grant it still makes (once the flock is free) is given back.
+        tokio::time::timeout_at(until, self.detached_attempt(req, waiting))
+            .await
+            .map_err(|_| Stalled)
+    }
+
+    async fn detached_attempt(
+        &self,
+        req: &AcquireRequest,
+        waiting: Option<Marker>,
+    ) -> Result<Attempt> {
         let (this, request, giver) = (self.clone(), req.clone(), self.clone());
         detached_acquire(
             SCHEME,
@@ -1169,6 +1191,33 @@ impl FileBackend {
                 }
             });
         }
+    }
+}
+
+/// How long past the caller's deadline (a try's: from its start) an acquisition attempt
+/// may still wait for its key file's `flock`, or its sync, before it is given up. Another
+/// process keeps a `flock` only for one short read and write, unless it was stopped in the
+/// middle of one (SIGSTOP, a debugger) or its file system does not answer: without a bound,
+/// a wait of a second waited for as long as that lasted.
+const FLOCK_GRACE: Duration = Duration::from_secs(1);
+
+/// An attempt given up at its bound (see [`FLOCK_GRACE`]).
+#[derive(Debug)]
+struct Stalled;
+
+impl Stalled {
+    /// What a try that was given up says.
+    fn error(key: &LockKey) -> Error {
+        Error::backend(
+            SCHEME,
+            true,
+            format!(
+                "the file of `{key}` stayed locked (`flock`) by an operation of another \
+                 process for over {FLOCK_GRACE:?}: a process stopped in the middle of one \
+                 (SIGSTOP, a debugger), or a file system that does not answer; try again \
+                 (whatever this attempt may still take is given back)"
+            ),
+        )
     }
 }
 
@@ -1400,7 +1449,9 @@ impl Drop for WriterMark<'_> {
 impl LockBackend for FileBackend {
     /// None ([`Duration::MAX`]): an operation waits only for the file's `flock`, which its
     /// holder keeps for one short read and write; given up on, it would leave its blocking
-    /// thread (and the give-back's) waiting for that same `flock` all the same.
+    /// thread (and the give-back's) waiting for that same `flock` all the same. An
+    /// acquisition bounds itself: it is given up a second past its deadline at the
+    /// latest (a try: after it), for a `flock` kept by a process stopped mid-operation.
     fn response_bound(&self) -> Duration {
         Duration::MAX
     }
@@ -1420,19 +1471,35 @@ impl LockBackend for FileBackend {
     }
 
     async fn try_acquire(&self, req: &AcquireRequest) -> Result<Option<Grant>> {
-        Ok(self.attempt(req, None).await?.into_grant())
+        match self.attempt(req, None, Instant::now() + FLOCK_GRACE).await {
+            Ok(attempt) => Ok(attempt?.into_grant()),
+            Err(Stalled) => Err(Stalled::error(&req.key)),
+        }
     }
 
     async fn acquire(&self, req: &AcquireRequest, wait: Duration) -> Result<Grant> {
+        let started = Instant::now();
+        let deadline = crate::wait::deadline_after(wait);
+        // Each attempt is given up at the deadline, or a moment after it for one that began
+        // late (see `FLOCK_GRACE`): past the deadline, a key whose file another process
+        // keeps locked is busy.
+        let bound = move || deadline.max(Instant::now() + FLOCK_GRACE);
+        let timeout = || Error::Timeout {
+            key: req.key.clone(),
+            waited: started.elapsed(),
+        };
         // A free key is granted before any waiting is set up (the waiter's registration,
         // the directory's watch, whose thread then hears every write in the directory).
         // A refusal falls through to the wait, which tries again at once.
         // Errors as the wait takes them: only a retryable one is tried again.
-        match self.attempt(req, None).await {
-            Ok(Attempt::Granted(grant)) => return Ok(grant),
-            Ok(Attempt::Busy { .. }) => {}
-            Err(e) if e.is_retryable() && !wait.is_zero() => {}
-            Err(e) => return Err(e),
+        match self.attempt(req, None, bound()).await {
+            Ok(Ok(Attempt::Granted(grant))) => return Ok(grant),
+            Ok(Ok(Attempt::Busy { .. })) | Err(Stalled) if Instant::now() >= deadline => {
+                return Err(timeout());
+            }
+            Ok(Ok(Attempt::Busy { .. })) | Err(Stalled) => {}
+            Ok(Err(e)) if e.is_retryable() && !wait.is_zero() => {}
+            Ok(Err(e)) => return Err(e),
         }
         let mut waker = self.waker(&req.key);
         let policy = WaitPolicy::new(Backoff::new(
@@ -1444,10 +1511,21 @@ impl LockBackend for FileBackend {
             req,
             marker: Marker::default(),
         };
-        let granted = wait_for_grant(&req.key, wait, policy, &mut waker, || {
-            self.attempt(req, Some(mark.marker.clone()))
+        let left = deadline.saturating_duration_since(Instant::now());
+        let granted = wait_for_grant(&req.key, left, policy, &mut waker, || {
+            let attempt = self.attempt(req, Some(mark.marker.clone()), bound());
+            async move {
+                attempt
+                    .await
+                    .unwrap_or(Ok(Attempt::Busy { lease_left: None }))
+            }
         })
-        .await;
+        .await
+        .map_err(|error| match error {
+            // The whole wait, the first attempt's included.
+            Error::Timeout { .. } => timeout(),
+            other => other,
+        });
         if granted.is_ok() {
             // The grant took the marker with it.
             mark.marker.marked.store(false, Ordering::SeqCst);
