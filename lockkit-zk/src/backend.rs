@@ -1702,7 +1702,7 @@ impl ZkBackend {
         if let Some(held) = existing.filter(|h| !h.loss.is_fired()) {
             // Its own task, like a fresh acquisition: if the caller goes away while the
             // depth is being recorded for `inspect`, the hold it added is given back.
-            let (request, giver) = (req.clone(), self.clone());
+            let (request, giver, this) = (req.clone(), self.clone(), self.clone());
             let limit = self.request_limit();
             let reentered = detached_acquire(
                 BACKEND,
@@ -1712,8 +1712,19 @@ impl ZkBackend {
                     else {
                         return Ok(None);
                     };
-                    // Only for `inspect`: a silent server must not hold the re-entry up.
-                    let _ = tokio::time::timeout(limit, record_depth(&held, depth)).await;
+                    // Recorded for `inspect`; a silent server must not hold the re-entry up.
+                    // An answer that the node is gone ends the hold: it was deleted behind
+                    // our back (an operator, a reaper) or went with its session, and another
+                    // client may hold the key now. Granting the re-entry then was a double
+                    // grant until the next renewal found out.
+                    if let Ok(Err(
+                        zookeeper_client::Error::NoNode | zookeeper_client::Error::SessionExpired,
+                    )) = tokio::time::timeout(limit, record_depth(&held, depth)).await
+                    {
+                        this.forget(&held);
+                        held.loss.fire(LostReason::NotOurs);
+                        return Ok(None);
+                    }
                     let grant = Grant::new(&request, held.token, depth, start);
                     Ok(Some(grant.with_state(held)))
                 },
@@ -1949,14 +1960,14 @@ async fn curator_semaphore_seen(client: &Client, dir: &str) -> Result<Option<Str
     }))
 }
 
-/// Node data with the hold count when above one (best effort, for `inspect`).
-async fn record_depth(held: &Held, depth: u32) {
+/// Node data with the hold count when above one (for `inspect`): the server's answer.
+async fn record_depth(held: &Held, depth: u32) -> std::result::Result<(), zookeeper_client::Error> {
     let data = contender_record(&held.owner.to_string(), depth, &held.identity);
-    let _ = held
-        .session
+    held.session
         .client
         .set_data(&held.node, data.as_bytes(), None)
-        .await;
+        .await
+        .map(|_| ())
 }
 
 async fn open_session(config: &ZkConfig) -> Result<Arc<Session>> {
@@ -2138,7 +2149,8 @@ impl LockBackend for ZkBackend {
             // A retried release: it took effect already.
             CountRelease::Retried { remaining } => return Ok(Released::Partially { remaining }),
             CountRelease::Partial { remaining } => {
-                record_depth(&held, remaining).await;
+                // Best effort, only for `inspect`.
+                let _ = record_depth(&held, remaining).await;
                 return Ok(Released::Partially { remaining });
             }
             CountRelease::Empty => {

@@ -1,0 +1,75 @@
+//! Findings of an adversarial review of the ZooKeeper backend (review-zk): each test failed
+//! before its fix.
+
+use std::time::Duration;
+
+use lockkit_conformance::env;
+use lockkit_core::{LockKey, Locker};
+use lockkit_zk::ZkBackend;
+use uuid::Uuid;
+
+fn key(case: &str) -> LockKey {
+    LockKey::new(format!("zk-review/{case}/{}", Uuid::new_v4().simple())).unwrap()
+}
+
+/// Deletes every contender of `key` (an operator's `deleteall`, a reaper, a revocation):
+/// the holder's node is gone behind its back.
+async fn take_away(admin: &ZkBackend, key: &LockKey) {
+    let client = admin.client().await.unwrap();
+    let dir = admin.lock_dir(key);
+    for child in client.list_children(&dir).await.unwrap() {
+        client
+            .delete(&format!("{dir}/{child}"), None)
+            .await
+            .unwrap();
+    }
+}
+
+/// A re-entry must not be granted on a hold whose node is gone: another client holds the
+/// key by then. The re-entry's own request (it records the depth in the node) is answered
+/// `NoNode`; before the fix that answer was ignored and the owner was granted depth 2 while
+/// the rival held the key (a double grant until the next renewal found out).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reentry_on_a_node_taken_away_is_not_granted() {
+    let Some(url) = env::service_url("LOCKKIT_TEST_ZK_URL") else {
+        return;
+    };
+    let url = format!("{url}?session_timeout=10s");
+    let (a, b) = (
+        Locker::new(ZkBackend::connect(&url).await.unwrap()),
+        Locker::new(ZkBackend::connect(&url).await.unwrap()),
+    );
+    let admin = ZkBackend::connect(&url).await.unwrap();
+    let key = key("reentry-taken-away");
+    let owner = a.owner();
+    // A long lease: the watchdog's first renewal (which would find out) is 20 s away.
+    let outer = owner
+        .acquire(&key)
+        .ttl(Duration::from_secs(60))
+        .await
+        .unwrap();
+    take_away(&admin, &key).await;
+    let rival = b
+        .acquire(&key)
+        .ttl(Duration::from_secs(60))
+        .wait(Duration::from_secs(10))
+        .await
+        .expect("the rival is granted the key once the holder's node is gone");
+    let again = owner.try_acquire(&key).await;
+    if let Ok(Some(inner)) = &again {
+        panic!(
+            "re-entry granted at depth {} (token {}) while the rival holds `{key}` (token {})",
+            inner.depth(),
+            inner.token(),
+            rival.token()
+        );
+    }
+    let reentered = outer.reenter().await;
+    assert!(
+        reentered.is_err(),
+        "guard re-entry granted on a node taken away, while the rival holds `{key}`"
+    );
+    assert!(!outer.is_valid(), "the outer hold is known lost");
+    drop(again);
+    rival.release().await.unwrap();
+}
