@@ -946,8 +946,9 @@ impl ZkBackend {
         let deadline = deadline_after(wait);
         if req.kind == LockKind::Read
             && let Some(writer) = self.live(LockKind::Write, req.owner, &req.key)
+            && let Some(answer) = self.downgrade(req, &writer, deadline, &interrupt).await?
         {
-            return self.downgrade(req, &writer, deadline, &interrupt).await;
+            return Ok(answer);
         }
         let session = self.session().await?;
         let attempt = Attempting {
@@ -1013,13 +1014,15 @@ impl ZkBackend {
     /// CURATOR-621), so it keeps the writer's place when the write is released: readers
     /// queued behind may then enter, writers queued behind stay behind. Its token is its
     /// own node's `czxid`. A retried create after a lost reply finds the node it made.
+    /// `Some(None)` when the caller went away; `None` when the write ended meanwhile (the
+    /// read node is deleted): the read then queues like any other.
     async fn downgrade(
         &self,
         req: &AcquireRequest,
         writer: &Held,
         deadline: Instant,
         interrupt: &Interrupt,
-    ) -> Result<Option<Grant>> {
+    ) -> Result<Option<Option<Grant>>> {
         let session = writer.session.clone();
         let client = &session.client;
         let dir = self.lock_dir(&req.key);
@@ -1048,7 +1051,7 @@ impl ZkBackend {
             .await
             {
                 Ok(created) => created,
-                Err(Unanswered::Interrupted) => return Ok(None),
+                Err(Unanswered::Interrupted) => return Ok(Some(None)),
                 Err(Unanswered::TooLate) => {
                     return Err(unanswered("creating the read node", self.request_limit()));
                 }
@@ -1063,7 +1066,7 @@ impl ZkBackend {
                 },
                 Err(e) if connection_failed(&e) => {
                     if !pause_unless_interrupted(self.request_end(deadline), interrupt).await {
-                        return Ok(None);
+                        return Ok(Some(None));
                     }
                     continue;
                 }
@@ -1071,7 +1074,12 @@ impl ZkBackend {
             };
             session.touch(sent);
             if writer.loss.is_fired() || writer.released.load(Ordering::SeqCst) {
-                // The write ended meanwhile: the read must queue like any other.
+                // The write ended meanwhile: the read must queue like any other (its node,
+                // which may stand in the write's place, is deleted first). Answering "not
+                // granted" here failed a read with a long wait at once with `Timeout`.
+                unknown.0 = None;
+                let deleting = tokio::spawn(delete_until_gone(session.clone(), node));
+                let _ = tokio::time::timeout(self.request_limit(), deleting).await;
                 return Ok(None);
             }
             unknown.0 = None;
@@ -1080,7 +1088,7 @@ impl ZkBackend {
                 czxid: u64::try_from(czxid).unwrap_or(0),
                 granted_at: sent,
             };
-            return Ok(Some(self.register(req, &session, queued, None)));
+            return Ok(Some(Some(self.register(req, &session, queued, None))));
         }
         Err(Error::backend(
             BACKEND,

@@ -73,3 +73,43 @@ async fn a_reentry_on_a_node_taken_away_is_not_granted() {
     drop(again);
     rival.release().await.unwrap();
 }
+
+/// A read asked by the owner of a write lock while that write is being released: the
+/// downgrade's read node is made, then the write is found ended, and the read must queue
+/// like any other (the key is free: it is granted at once). Before the fix the attempt
+/// answered "not granted" and a read with a 10 s wait failed with `Timeout` at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_read_racing_the_release_of_its_owners_write_waits_its_deadline() {
+    let Some(url) = env::service_url("LOCKKIT_TEST_ZK_URL") else {
+        return;
+    };
+    let backend = ZkBackend::connect(&format!("{url}?session_timeout=10s"))
+        .await
+        .unwrap();
+    let locker = Locker::new(backend.clone());
+    let key = key("downgrade-race");
+    for round in 0..20 {
+        let owner = locker.owner();
+        let write = owner
+            .write(&key)
+            .ttl(Duration::from_secs(30))
+            .await
+            .unwrap();
+        // Polled first, the read finds the write live and sends its read node's create;
+        // the release then lets the write go before that create is answered.
+        let (read, released) = tokio::join!(
+            owner
+                .read(&key)
+                .ttl(Duration::from_secs(30))
+                .wait(Duration::from_secs(10)),
+            write.release(),
+        );
+        released.unwrap();
+        match read {
+            Ok(guard) => {
+                guard.release().await.unwrap();
+            }
+            Err(e) => panic!("round {round}: a read of a free key failed: {e}"),
+        }
+    }
+}
