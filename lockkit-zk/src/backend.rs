@@ -950,7 +950,21 @@ impl ZkBackend {
         {
             return Ok(answer);
         }
-        let session = self.session().await?;
+        // Reopening an expired session may take the client's whole connection timeout,
+        // and concurrent acquisitions wait for each other's reopening (one lock): bounded
+        // like any request of this acquisition, or the n-th of them answered after n
+        // connection attempts to unreachable servers, whatever its wait.
+        let session = match answer_by(self.session(), self.request_end(deadline), &interrupt).await
+        {
+            Ok(session) => session?,
+            Err(Unanswered::Interrupted) => return Ok(None),
+            Err(Unanswered::TooLate) => {
+                return Err(unanswered(
+                    "reopening the expired ZooKeeper session",
+                    self.request_limit(),
+                ));
+            }
+        };
         let attempt = Attempting {
             session: &session,
             deadline,

@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use lockkit_conformance::env;
+use lockkit_conformance::{FaultProxy, env};
 use lockkit_core::{LockKey, Locker};
 use lockkit_zk::ZkBackend;
 use uuid::Uuid;
@@ -112,4 +112,71 @@ async fn a_read_racing_the_release_of_its_owners_write_waits_its_deadline() {
             Err(e) => panic!("round {round}: a read of a free key failed: {e}"),
         }
     }
+}
+
+/// Once its session has expired and the servers cannot be reached, every acquisition reopens
+/// the session first. That reopening must end at the acquisition's deadline: before the fix
+/// it was unbounded by it and done under one lock, so concurrent acquisitions queued behind
+/// each other's connection attempts and the n-th of them answered after about n connect
+/// timeouts, whatever its wait.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn acquisitions_on_an_expired_session_keep_their_deadlines() {
+    let Some(url) = env::service_url("LOCKKIT_TEST_ZK_URL") else {
+        return;
+    };
+    let server = env::host_ports(&url).into_iter().next().unwrap();
+    let proxy = FaultProxy::start(server.parse().unwrap()).await.unwrap();
+    let backend = ZkBackend::connect(&format!(
+        "zk://{}?session_timeout=2s&connect_timeout=1s",
+        proxy.local_addr()
+    ))
+    .await
+    .unwrap();
+    let client = backend.client().await.unwrap();
+    let locker = Locker::new(backend.clone());
+    // A partition: the client gives its session up (7/5 of the session timeout after the
+    // server last answered), and every new connection stalls.
+    proxy.cut();
+    let expired = tokio::time::timeout(Duration::from_secs(60), async {
+        while !matches!(client.state(), zookeeper_client::SessionState::Expired) {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    })
+    .await;
+    assert!(expired.is_ok(), "the client never gave its session up");
+    let key = key("expired-session-deadline");
+    let wait = Duration::from_millis(300);
+    let mut attempts = Vec::new();
+    for _ in 0..4 {
+        let (locker, key) = (locker.clone(), key.clone());
+        attempts.push(tokio::spawn(async move {
+            let started = tokio::time::Instant::now();
+            let outcome = locker
+                .acquire(&key)
+                .ttl(Duration::from_secs(2))
+                .wait(wait)
+                .await;
+            (started.elapsed(), outcome.is_ok())
+        }));
+    }
+    for attempt in attempts {
+        let (took, granted) = attempt.await.unwrap();
+        assert!(!granted, "granted through a cut link");
+        // The wait, one request limit (1 s) past it, and a wide margin.
+        assert!(
+            took < Duration::from_secs(4),
+            "an acquisition with a {wait:?} wait answered after {took:?}"
+        );
+    }
+    // Reopenings cut short leave nothing in the way: once the link heals, a new session
+    // is opened and the key is granted.
+    proxy.heal();
+    let guard = locker
+        .acquire(&key)
+        .ttl(Duration::from_secs(2))
+        .wait(Duration::from_secs(30))
+        .await
+        .expect("granted once the servers can be reached again");
+    guard.release().await.unwrap();
+    drop(proxy);
 }
