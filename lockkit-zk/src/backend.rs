@@ -2082,12 +2082,32 @@ async fn monitor(session: Weak<Session>, timeout: Duration) {
 
 /// Deletes a hold's node when its lease runs out unrenewed: a live holder that stops
 /// renewing loses the lock just as a dead one does.
+///
+/// A hold found lost (its session's link silent for 2/3 of the timeout, its lease run out
+/// on the guard's side) is forgotten by the registry at once: nobody may re-enter it, and
+/// once its grants are dropped nothing refers to it, so its node is deleted then (see
+/// `Held`'s drop) rather than keep the key for the rest of its lease while the session
+/// lives on.
 async fn enforce_lease(backend: ZkBackend, held: Weak<Held>) {
+    let Some(loss) = held.upgrade().map(|h| h.loss.clone()) else {
+        return;
+    };
+    let mut lost = std::pin::pin!(loss.fired());
+    let mut forgotten = false;
     loop {
         let Some(until) = held.upgrade().map(|h| h.count.lease_until()) else {
             return;
         };
-        tokio::time::sleep_until(until).await;
+        tokio::select! {
+            () = tokio::time::sleep_until(until) => {}
+            _ = &mut lost, if !forgotten => {
+                forgotten = true;
+                if let Some(h) = held.upgrade() {
+                    backend.forget(&h);
+                }
+                continue;
+            }
+        }
         let Some(h) = held.upgrade() else { return };
         if h.released.load(Ordering::SeqCst) {
             return;

@@ -180,3 +180,60 @@ async fn acquisitions_on_an_expired_session_keep_their_deadlines() {
     guard.release().await.unwrap();
     drop(proxy);
 }
+
+/// A hold given up as lost because the link was silent for 2/3 of the session timeout, on a
+/// session that then lives on (the link came back in time): once its guard is dropped
+/// nobody believes in the hold, and its node must go (as `Held`'s drop intends). Before the
+/// fix the backend's registry kept the hold referenced, so the node stayed until the hold's
+/// lease ran out on the local clock (here 60 s): every other client waited for a lock its
+/// holder had already given up.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hold_lost_on_a_silent_link_frees_the_key_once_its_guard_is_dropped() {
+    let Some(url) = env::service_url("LOCKKIT_TEST_ZK_URL") else {
+        return;
+    };
+    let server = env::host_ports(&url).into_iter().next().unwrap();
+    let proxy = FaultProxy::start(server.parse().unwrap()).await.unwrap();
+    let backend = ZkBackend::connect(&format!(
+        "zk://{}?session_timeout=6s&connect_timeout=1s",
+        proxy.local_addr()
+    ))
+    .await
+    .unwrap();
+    let session_before = backend.client().await.unwrap().session_id();
+    let holder = Locker::new(backend.clone());
+    let rival = Locker::new(
+        ZkBackend::connect(&format!("{url}?session_timeout=6s"))
+            .await
+            .unwrap(),
+    );
+    let key = key("lost-on-silent-link");
+    let guard = holder
+        .acquire(&key)
+        .ttl(Duration::from_secs(60))
+        .await
+        .unwrap();
+    proxy.cut();
+    // Given up at 2/3 of the session (4 s) after the server last answered; the session
+    // itself expires only at 6 s: heal at once, so that it lives on.
+    tokio::time::timeout(Duration::from_secs(30), guard.lost())
+        .await
+        .expect("the holder never gave up its hold on the silent link");
+    proxy.heal();
+    drop(guard);
+    let granted = rival
+        .acquire(&key)
+        .ttl(Duration::from_secs(6))
+        .wait(Duration::from_secs(20))
+        .await;
+    let session_after = backend.client().await.unwrap().session_id();
+    assert_eq!(
+        session_before, session_after,
+        "premise: the holder's session lived on (it expired: heal came too late)"
+    );
+    let granted = granted.expect(
+        "the rival waited 20 s for a hold given up and dropped by its holder (its node \
+         stayed for the rest of its 60 s lease)",
+    );
+    granted.release().await.unwrap();
+}
