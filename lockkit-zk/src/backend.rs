@@ -399,12 +399,34 @@ impl ZkBackend {
     }
 
     /// The current session, reopened if it expired.
+    ///
+    /// The reopening runs in a task of its own: a caller that stops waiting for it (its
+    /// deadline, its going away) leaves it to finish for the callers after it. Cut short
+    /// with each caller, a reopening slower than a caller's bound never finished, and no
+    /// acquisition got a session for as long as reopening stayed that slow.
     async fn session(&self) -> Result<Arc<Session>> {
-        let mut current = self.inner.session.lock().await;
-        if current.dead.load(Ordering::SeqCst) {
-            *current = open_session(&self.inner.config).await?;
+        {
+            let current = self.inner.session.lock().await;
+            if !current.dead.load(Ordering::SeqCst) {
+                return Ok(current.clone());
+            }
         }
-        Ok(current.clone())
+        let inner = self.inner.clone();
+        let reopening = tokio::spawn(async move {
+            let mut current = inner.session.lock().await;
+            // Another caller's reopening may have finished meanwhile.
+            if current.dead.load(Ordering::SeqCst) {
+                *current = open_session(&inner.config).await?;
+            }
+            Ok(current.clone())
+        });
+        reopening.await.unwrap_or_else(|_| {
+            Err(Error::backend(
+                BACKEND,
+                true,
+                "reopening the expired ZooKeeper session panicked; try again",
+            ))
+        })
     }
 
     /// The registry of an owner's holds of `kind`; `None` for permits, which are kept by

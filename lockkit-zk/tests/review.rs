@@ -237,3 +237,64 @@ async fn a_hold_lost_on_a_silent_link_frees_the_key_once_its_guard_is_dropped() 
     );
     granted.release().await.unwrap();
 }
+
+/// Reopening an expired session that takes longer than a caller's bound (a slow server,
+/// a slow link) must still finish for the callers after it: a caller that stops waiting
+/// for it must not take it down. Before, each try gave up the reopening it had begun, the
+/// next began again, and while a reopening took longer than a try's bound no acquisition
+/// ever got a session: every one failed with "reopening the expired ZooKeeper session".
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slow_reopening_outlives_the_callers_that_gave_up_on_it() {
+    let Some(url) = env::service_url("LOCKKIT_TEST_ZK_URL") else {
+        return;
+    };
+    let server = env::host_ports(&url).into_iter().next().unwrap();
+    let proxy = FaultProxy::start(server.parse().unwrap()).await.unwrap();
+    // A request limit of 2/5 of the session timeout (1.2 s): connect_timeout is above 3/5.
+    let backend = ZkBackend::connect(&format!(
+        "zk://{}?session_timeout=3s&connect_timeout=2500ms",
+        proxy.local_addr()
+    ))
+    .await
+    .unwrap();
+    let client = backend.client().await.unwrap();
+    let locker = Locker::new(backend.clone());
+    proxy.cut();
+    let expired = tokio::time::timeout(Duration::from_secs(60), async {
+        while !matches!(client.state(), zookeeper_client::SessionState::Expired) {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    })
+    .await;
+    assert!(expired.is_ok(), "the client never gave its session up");
+    // The link is back but slow: a new session's handshake takes about 1.8 s (four chunks,
+    // 450 ms each), longer than any one try waits for it, shorter than connect_timeout.
+    proxy.heal();
+    proxy.set_delay(Duration::from_millis(450));
+    let key = key("slow-reopening");
+    let mut errors = Vec::new();
+    for _ in 0..6 {
+        match locker.try_acquire(&key).await {
+            Ok(Some(guard)) => {
+                guard.release().await.unwrap();
+                errors.clear();
+                break;
+            }
+            Ok(None) => panic!("the key was busy although nobody holds it"),
+            Err(error) => errors.push(error.to_string()),
+        }
+    }
+    assert!(
+        errors.is_empty() || errors.iter().any(|e| !e.contains("reopening")),
+        "no try ever found the session reopened: {errors:#?}"
+    );
+    // And with the link fast again, the key is granted.
+    proxy.set_delay(Duration::ZERO);
+    let guard = locker
+        .acquire(&key)
+        .wait(Duration::from_secs(30))
+        .await
+        .expect("granted once the link is fast again");
+    guard.release().await.unwrap();
+    drop(proxy);
+}
