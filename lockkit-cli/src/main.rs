@@ -72,7 +72,7 @@ const LOST_EXIT: u8 = 75;
                   $LOCKKIT_URL (memory://, file:///dir, redis://, redis+cluster://, redlock://, \
                   zk://, mysql://, postgres://, etcd://); without either, a lock directory under the system's \
                   temporary directory is used: fine for locks alone, but it may be a tmpfs, emptied \
-                  at every boot (and cleaned of old files), so fencing tokens may start again at 1; \
+                  at every boot (and cleaned of old files), so fencing tokens start again from the wall clock; \
                   for tokens that must keep growing, use a directory on a disk, e.g. \
                   file:///var/lib/<app>/locks."
 )]

@@ -2,7 +2,7 @@
 //!
 //! The directory must be on a local file system of that host's kernel, and on a disk:
 //! `/var/lib/<app>/locks`, not `/var/lock` or `/run/lock` (a tmpfs on systemd
-//! distributions, emptied at every boot: tokens would start again at 1). See
+//! distributions, emptied at every boot: tokens would start again from the wall clock). See
 //! [`FileBackend`], "Where to put the directory".
 //!
 //! One file per key. Its first line is `ceiling owner depth expires boot attempts [kind]
@@ -397,6 +397,14 @@ impl State {
     /// The key's tokens are used up: the next would pass [`MAX_TOKEN`] (a first field or
     /// `n` written near it by hand or by another program; a key gets there in no other way).
     fn next_token(&mut self, key: &LockKey) -> Result<u64> {
+        if self.token == 0 && self.ceiling == 0 {
+            // A key without a file: never used, or its file was deleted or emptied (a
+            // cleaner of the temporary directory, a person). Its tokens start from the
+            // wall clock in µs, as the Redis backend's do on a wiped server, so they still
+            // pass those handed out before the file went: a fenced store would otherwise
+            // take the new holders' tokens for stale ones (or an old holder's for current).
+            self.token = wall_clock_micros().min(MAX_TOKEN / 2);
+        }
         let next = self.token.checked_add(1).filter(|t| *t <= MAX_TOKEN);
         let Some(next) = next else {
             return Err(Error::backend(
@@ -583,7 +591,7 @@ impl Locked {
     /// between the write and its sync leaves a file whose reserve is all spent, and the
     /// next grant moves the ceiling (and syncs) again. The directory is synced after the file
     /// (its entry for the file: a new key's file, whose first ceiling this is, must not go
-    /// missing in a power loss, which would start its tokens again at 1; an already
+    /// missing in a power loss, which would start its tokens again from the wall clock; an already
     /// synced directory costs next to nothing). Nothing else is synced: a renewal or
     /// release changes only a lease, which a crash ends anyway, and syncing it made
     /// renewals miss short leases under load.
@@ -798,8 +806,9 @@ impl Drop for Waker<'_> {
 /// On a disk of the host whose processes share the locks: the files are the tokens' only
 /// record. Not on a tmpfs (`/tmp` on some distributions, and `/var/lock`, which systemd
 /// distributions link to `/run/lock`): it is emptied at every boot, and the tokens start
-/// again at 1, below tokens that fenced storage may still hold (a warning is logged at
-/// [`FileBackend::open`] for a tmpfs). `/var/lib/<app>/locks` is a good place.
+/// again from the wall clock, which keeps them above those of before only while the clock
+/// is not set back (a warning is logged at [`FileBackend::open`] for a tmpfs).
+/// `/var/lib/<app>/locks` is a good place.
 ///
 /// The backend needs one kernel: `flock` and the expiries (`CLOCK_MONOTONIC`, the boot id)
 /// are those of the kernel that runs the processes. So not a network file system shared by
@@ -836,7 +845,11 @@ impl Drop for Waker<'_> {
 /// too (its entry for the file), so a power loss cannot take a new key's file away and
 /// start its tokens again. Tokens stay below 2^63 (they fit a signed 64-bit number): a
 /// key whose tokens are used up (only a first field written near the end by hand gets
-/// there) refuses new holds with an error.
+/// there) refuses new holds with an error. A key without a file (a new key, or one whose
+/// file was deleted or emptied: a cleaner of the temporary directory) counts from the wall
+/// clock in µs, as the Redis backend does on a wiped server, so its tokens pass those handed
+/// out before the file went unless the clock was set back meanwhile (a key hands out at
+/// most one token per grant, far fewer than one per µs).
 ///
 /// Older versions read the first field as the key's counter: their grant adds one to it
 /// (above every token handed out, all of which are at most the ceiling) and syncs, and any
@@ -965,7 +978,8 @@ impl FileBackend {
             tracing::warn!(
                 dir = %dir.display(),
                 "lock directory is on tmpfs, emptied at every boot: fencing tokens start \
-                 again at 1 after a reboot; use a directory on a disk, e.g. /var/lib/<app>/locks"
+                 again from the wall clock after a reboot, below earlier ones if the clock \
+                 was set back; use a directory on a disk, e.g. /var/lib/<app>/locks"
             );
         }
         Ok(FileBackend {
@@ -1280,6 +1294,15 @@ where
 
 /// Every file operation needs a Tokio runtime, whether or not this one would have used its
 /// blocking threads: an error that says so, not a panic some of the time.
+/// Microseconds since the Unix epoch by the wall clock (0 before it).
+fn wall_clock_micros() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |since| {
+            u64::try_from(since.as_micros()).unwrap_or(u64::MAX)
+        })
+}
+
 fn in_runtime() -> Result<()> {
     match tokio::runtime::Handle::try_current() {
         Ok(_) => Ok(()),
@@ -1910,8 +1933,11 @@ mod tests {
     async fn uncontended_grants_sync_once_per_reserve() {
         let backend = FileBackend::open(temp_dir("reserve")).unwrap();
         let key = LockKey::new("k").unwrap();
-        for expected in 1..=300 {
-            assert_eq!(grant_once(&backend, &key).await, expected);
+        // A new key's tokens start from the wall clock (µs); then one by one.
+        let first = grant_once(&backend, &key).await;
+        assert!(first > 1_600_000_000_000_000, "{first}");
+        for i in 1..300 {
+            assert_eq!(grant_once(&backend, &key).await, first + i);
         }
         assert_eq!(
             sync_count(&backend.path(&key)),
@@ -1924,7 +1950,7 @@ mod tests {
             .await
             .unwrap()
             .unwrap();
-        assert_eq!(read.token.get(), 301);
+        assert_eq!(read.token.get(), first + 300);
         backend.release(&read).await.unwrap();
         assert_eq!(sync_count(&backend.path(&key)), 1);
     }
@@ -1991,7 +2017,7 @@ mod tests {
         let backend = FileBackend::open(temp_dir("unsynced")).unwrap();
         let key = LockKey::new("k").unwrap();
         let path = backend.path(&key);
-        assert_eq!(grant_once(&backend, &key).await, 1);
+        let first = grant_once(&backend, &key).await;
         // The first write of a grant that moves the ceiling, as it was before its sync.
         let written = syncs().get(&path).unwrap().1.clone();
         std::fs::write(&path, &written).unwrap();
@@ -1999,7 +2025,7 @@ mod tests {
         assert!(backend.take_away(&key).await.unwrap());
         let before = sync_count(&path);
         let token = grant_once(&backend, &key).await;
-        assert!(token > 1);
+        assert!(token > first);
         assert_eq!(
             sync_count(&path),
             before + 1,
@@ -2020,7 +2046,7 @@ mod tests {
         let backend = FileBackend::open(temp_dir("failsync")).unwrap();
         let key = LockKey::new("k").unwrap();
         let path = backend.path(&key);
-        assert_eq!(grant_once(&backend, &key).await, 1);
+        grant_once(&backend, &key).await;
         for step in [Failing::Sync, Failing::Write] {
             // Spend the reserve so that the next grant moves the ceiling.
             let text = std::fs::read_to_string(&path).unwrap();
@@ -2178,7 +2204,7 @@ mod tests {
     async fn a_taken_flock_is_waited_for_off_the_runtime() {
         let backend = FileBackend::open(temp_dir("flock")).unwrap();
         let key = LockKey::new("k").unwrap();
-        assert_eq!(grant_once(&backend, &key).await, 1);
+        let first = grant_once(&backend, &key).await;
         let other = Locked::open(&backend.path(&key)).unwrap();
         other.lock().unwrap();
         let attempt = tokio::spawn({
@@ -2193,7 +2219,7 @@ mod tests {
             .await
             .expect("the attempt never took the flock")
             .unwrap();
-        assert_eq!(token, 2);
+        assert_eq!(token, first + 1);
     }
 
     /// Whether another process could take `path`'s `flock` now.
@@ -2339,7 +2365,7 @@ mod tests {
         let key = LockKey::new("k").unwrap();
         let path = backend.path(&key);
         assert_eq!(dir_sync_count(&path), 0);
-        assert_eq!(grant_once(&backend, &key).await, 1);
+        grant_once(&backend, &key).await;
         assert_eq!(dir_sync_count(&path), 1);
         for _ in 0..5 {
             grant_once(&backend, &key).await;
@@ -2355,8 +2381,9 @@ mod tests {
         let mut backend = FileBackend::open(temp_dir("remote")).unwrap();
         backend.fs = FsKind::Remote;
         let key = LockKey::new("k").unwrap();
-        for expected in 1..=3 {
-            assert_eq!(grant_once(&backend, &key).await, expected);
+        let first = grant_once(&backend, &key).await;
+        for i in 1..3 {
+            assert_eq!(grant_once(&backend, &key).await, first + i);
         }
         let held = backend
             .try_acquire(&request(&key, Duration::from_secs(30)))
@@ -2376,7 +2403,7 @@ mod tests {
         tokio::time::sleep(Duration::from_millis(20)).await;
         assert!(!attempt.is_finished());
         drop(other);
-        assert_eq!(attempt.await.unwrap(), 5);
+        assert_eq!(attempt.await.unwrap(), first + 4);
     }
 
     #[test]

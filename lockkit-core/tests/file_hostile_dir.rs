@@ -1,5 +1,6 @@
 //! The file backend in a lock directory others can write to (the default one is under the
-//! temporary directory): nothing is ever written through a symbolic link planted there.
+//! temporary directory): nothing is ever written through a symbolic link planted there,
+//! and a key whose file a cleaner deleted still hands out growing tokens.
 #![cfg(unix)]
 
 use std::path::PathBuf;
@@ -64,5 +65,40 @@ fn opening_a_directory_never_truncates_through_a_planted_probe_link() {
         text.len()
     );
     let _ = std::fs::remove_file(&target);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A cleaner of the temporary directory (systemd-tmpfiles, a person) deletes or empties an
+/// idle key's file. The key's next holder must still get a token above every token handed
+/// out before: a store fenced by them would otherwise refuse every new holder (or, while an
+/// old holder still writes, take its writes for the current one's). Before, the tokens
+/// started again at 1.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_deleted_or_emptied_lock_file_does_not_restart_its_tokens() {
+    let dir = temp_dir("cleaned");
+    let locker = Locker::new(FileBackend::open(&dir).unwrap());
+    let key = LockKey::new("k").unwrap();
+    let mut last = 0;
+    for cleaning in ["deleted", "emptied"] {
+        for _ in 0..3 {
+            let guard = locker.try_acquire(&key).await.unwrap().unwrap();
+            assert!(guard.token().get() > last);
+            last = guard.token().get();
+            guard.release().await.unwrap();
+        }
+        let path = dir.join(file_name(&key));
+        match cleaning {
+            "deleted" => std::fs::remove_file(&path).unwrap(),
+            _ => std::fs::write(&path, "").unwrap(),
+        }
+        let guard = locker.try_acquire(&key).await.unwrap().unwrap();
+        assert!(
+            guard.token().get() > last,
+            "after its file was {cleaning}, the key handed out token {} after {last}",
+            guard.token().get()
+        );
+        last = guard.token().get();
+        guard.release().await.unwrap();
+    }
     let _ = std::fs::remove_dir_all(&dir);
 }

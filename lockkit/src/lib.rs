@@ -179,7 +179,8 @@ pub const URL_VAR: &str = "LOCKKIT_URL";
 /// The embedded default when no URL is given: a lock directory under the system's
 /// temporary directory, shared by the processes of this host. That directory may be a
 /// tmpfs (emptied at every boot) or cleaned of old files, so the fencing tokens of its keys
-/// may start again at 1: for tokens that keep growing, name a directory on a disk, e.g.
+/// start again from the wall clock, below earlier ones if the clock was set back: for
+/// tokens that keep growing whatever the clock does, name a directory on a disk, e.g.
 /// `file:///var/lib/<app>/locks`.
 pub fn default_url() -> String {
     format!("file://{}", std::env::temp_dir().join("lockkit").display())
