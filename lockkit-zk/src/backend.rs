@@ -97,6 +97,20 @@ fn unanswered(doing: &str, limit: Duration) -> Error {
     )
 }
 
+/// Why the root node could not be created. Under a chroot that does not exist, the server
+/// answers `NoNode` for the root: that is said as such, since only the user can mend it.
+fn root_error(config: &ZkConfig, e: zookeeper_client::Error) -> Error {
+    if matches!(e, zookeeper_client::Error::NoNode)
+        && let Some((_, chroot)) = config.connect.split_once('/')
+    {
+        return Error::Config(format!(
+            "the chroot `/{chroot}` does not exist on the ZooKeeper servers: create it \
+             (e.g. `zkCli.sh create /{chroot}`) or leave it out of the URL"
+        ));
+    }
+    zk_error("creating the root node", e)
+}
+
 fn zk_error(doing: &str, e: zookeeper_client::Error) -> Error {
     let retryable = connection_failed(&e) || matches!(e, zookeeper_client::Error::SessionExpired);
     Error::backend_with_source(BACKEND, retryable, format!("{doing} failed: {e}"), e)
@@ -677,7 +691,7 @@ impl ZkBackend {
                         client
                             .mkdir(&self.inner.config.root, &persistent)
                             .await
-                            .map_err(|e| zk_error("creating the root node", e))?;
+                            .map_err(|e| root_error(&self.inner.config, e))?;
                         client
                             .mkdir(dir, &container)
                             .await
@@ -1446,7 +1460,7 @@ impl ZkBackend {
                     client
                         .mkdir(&self.inner.config.root, &persistent)
                         .await
-                        .map_err(|e| zk_error("creating the root node", e))?;
+                        .map_err(|e| root_error(&self.inner.config, e))?;
                     match client
                         .create(semaphore, count.as_bytes(), &persistent)
                         .await
@@ -1710,7 +1724,7 @@ impl ZkBackend {
                     client
                         .mkdir(&self.inner.config.root, &persistent)
                         .await
-                        .map_err(|e| zk_error("creating the root node", e))?;
+                        .map_err(|e| root_error(&self.inner.config, e))?;
                     client
                         .mkdir(dir, &container)
                         .await

@@ -83,7 +83,44 @@ fn checked_root(value: &str) -> Result<String> {
             "`root={value}` must be an absolute path like /lockkit"
         )));
     }
+    refuse_what_servers_refuse(&format!("`root={value}`"), value)?;
     Ok(value.to_owned())
+}
+
+/// Refuses, before any request, an absolute node path that every ZooKeeper server refuses
+/// (a `.` or `..` part, a NUL) or keeps for itself (`/zookeeper`); `what` names it.
+fn refuse_what_servers_refuse(what: &str, path: &str) -> Result<()> {
+    if path
+        .split('/')
+        .skip(1)
+        .any(|part| part == "." || part == "..")
+        || path.contains('\0')
+    {
+        return Err(Error::Config(format!(
+            "{what}: ZooKeeper refuses paths with `.` or `..` parts or a NUL; name the \
+             nodes plainly, like /lockkit"
+        )));
+    }
+    if path == "/zookeeper" || path.starts_with("/zookeeper/") {
+        return Err(Error::Config(format!(
+            "{what}: /zookeeper is the servers' own tree, where no client may create nodes; \
+             use another path, like /lockkit"
+        )));
+    }
+    Ok(())
+}
+
+/// `value` of a timeout option, if the servers can take it: not zero, and at most what
+/// the protocol carries (a signed 32-bit count of milliseconds, about 24 days).
+fn checked_timeout(name: &str, value: &str) -> Result<Duration> {
+    let timeout = parse_duration(name, value)?;
+    if timeout.is_zero() || timeout > Duration::from_millis(i32::MAX as u64) {
+        return Err(Error::Config(format!(
+            "`{name}={value}` must be above zero and at most 24 days (ZooKeeper counts it in \
+             milliseconds, as a signed 32-bit number), e.g. 10s"
+        )));
+    }
+    Ok(timeout)
 }
 
 impl ZkConfig {
@@ -119,6 +156,9 @@ impl ZkConfig {
                 "chroot `{chroot}` in `{url}` must be an absolute path without a trailing slash"
             )));
         }
+        if !chroot.is_empty() {
+            refuse_what_servers_refuse(&format!("chroot `{chroot}` in `{url}`"), chroot)?;
+        }
         let mut config = ZkConfig {
             connect: format!("{hosts}{chroot}"),
             ..ZkConfig::default()
@@ -129,8 +169,8 @@ impl ZkConfig {
                 // Read as written, as before URLs were decoded: a decoded root would put
                 // the locks of old and new clients in different trees.
                 "root" => config.root = checked_root(option.raw_value())?,
-                "session_timeout" => config.session_timeout = parse_duration(name, value)?,
-                "connect_timeout" => config.connect_timeout = parse_duration(name, value)?,
+                "session_timeout" => config.session_timeout = checked_timeout(name, value)?,
+                "connect_timeout" => config.connect_timeout = checked_timeout(name, value)?,
                 "ttl" => config.ttl = Some(parse_duration(name, value)?),
                 "layout" => {
                     config.layout = match value {
@@ -198,6 +238,15 @@ mod tests {
             "zk://a:1?layout=",
             "zk://a:1?layout=Kazoo",
             "zk://a:1?layout=zookeeper",
+            "zk://a:1?session_timeout=0s",
+            "zk://a:1?session_timeout=600h",
+            "zk://a:1?connect_timeout=0s",
+            "zk://a:1?root=/a/../b",
+            "zk://a:1?root=/a/.",
+            "zk://a:1?root=/zookeeper",
+            "zk://a:1?root=/zookeeper/locks",
+            "zk://a:1/zookeeper",
+            "zk://a:1/app/..",
             "redis://a",
         ] {
             assert!(

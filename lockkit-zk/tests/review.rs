@@ -298,3 +298,30 @@ async fn a_slow_reopening_outlives_the_callers_that_gave_up_on_it() {
     guard.release().await.unwrap();
     drop(proxy);
 }
+
+/// A chroot that does not exist on the servers: the acquisition says so, names it and says
+/// how to mend it (before: "creating the root node failed: node not exists").
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_missing_chroot_is_named() {
+    let Some(url) = env::service_url("LOCKKIT_TEST_ZK_URL") else {
+        return;
+    };
+    let server = env::host_ports(&url).into_iter().next().unwrap();
+    let chroot = format!("lockkit-no-such-chroot-{}", Uuid::new_v4().simple());
+    let locker = Locker::new(
+        ZkBackend::connect(&format!("zk://{server}/{chroot}"))
+            .await
+            .unwrap(),
+    );
+    let error = locker
+        .try_acquire(key("missing-chroot"))
+        .await
+        .expect_err("granted under a chroot that does not exist");
+    let text = error.to_string();
+    assert!(
+        matches!(error, lockkit_core::Error::Config(_))
+            && text.contains(&format!("/{chroot}"))
+            && text.contains("does not exist"),
+        "{text}"
+    );
+}
