@@ -1215,6 +1215,10 @@ impl FileBackend {
 /// a wait of a second waited for as long as that lasted.
 const FLOCK_GRACE: Duration = Duration::from_secs(1);
 
+/// How long any other operation waits for its key file's `flock` before its caller hears
+/// a retryable error (see [`FileBackend`]'s `response_bound`).
+const FLOCK_KEPT_AT_MOST: Duration = Duration::from_secs(5);
+
 /// An attempt given up at its bound (see [`FLOCK_GRACE`]).
 #[derive(Debug)]
 struct Stalled;
@@ -1470,13 +1474,15 @@ impl Drop for WriterMark<'_> {
 
 #[async_trait]
 impl LockBackend for FileBackend {
-    /// None ([`Duration::MAX`]): an operation waits only for the file's `flock`, which its
-    /// holder keeps for one short read and write; given up on, it would leave its blocking
-    /// thread (and the give-back's) waiting for that same `flock` all the same. An
-    /// acquisition bounds itself: it is given up a second past its deadline at the
-    /// latest (a try: after it), for a `flock` kept by a process stopped mid-operation.
+    /// [`FLOCK_KEPT_AT_MOST`] (5 s). An operation waits only for the file's `flock`, which
+    /// its holder keeps for one short read and write (and, once per 1,024 grants, a sync),
+    /// unless that process was stopped in the middle of one (SIGSTOP, a debugger) or its
+    /// file system does not answer. Then a release or an inquiry answers an error at this
+    /// bound, rather than wait for as long as that lasts; the release given up on goes on
+    /// in the background on its blocking thread and takes effect once the `flock` is free. An acquisition bounds itself more tightly: a second past its deadline at
+    /// the latest (a try: after it), see [`FLOCK_GRACE`].
     fn response_bound(&self) -> Duration {
-        Duration::MAX
+        FLOCK_KEPT_AT_MOST
     }
 
     fn info(&self) -> BackendInfo {

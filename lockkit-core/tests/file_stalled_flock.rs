@@ -67,3 +67,53 @@ async fn a_wait_ends_at_its_deadline_while_a_stopped_process_keeps_the_flock() {
     guard.release().await.unwrap();
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A release (and an inquiry) while another process keeps the key file's `flock` (stopped
+/// in the middle of an operation) answers at the backend's bound with an error, and the
+/// release still takes effect once that process goes on: before, both waited for as long as
+/// the `flock` was kept.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_release_ends_while_a_stopped_process_keeps_the_flock() {
+    let dir = temp_dir("release");
+    let locker = Locker::new(FileBackend::open(&dir).unwrap());
+    let key = LockKey::new("k").unwrap();
+    let guard = locker
+        .acquire(&key)
+        .ttl(Duration::from_secs(600))
+        .await
+        .unwrap();
+    let stopped = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(dir.join(file_name(&key)))
+        .unwrap();
+    stopped.lock().unwrap();
+
+    let released = tokio::time::timeout(Duration::from_secs(30), guard.release()).await;
+    match released {
+        // Not retryable: the release goes on by itself (the error says so).
+        Ok(Err(error)) => assert!(error.to_string().contains("background"), "{error}"),
+        Ok(Ok(outcome)) => panic!("released through a kept flock: {outcome:?}"),
+        Err(_) => panic!("a release was still waiting after 30 s"),
+    }
+    let inspected = tokio::time::timeout(Duration::from_secs(60), locker.inspect(&key)).await;
+    assert!(
+        matches!(inspected, Ok(Err(_))),
+        "an inquiry through a kept flock: {:?}",
+        inspected.map(|i| i.map(|h| h.is_some()))
+    );
+
+    // The process goes on: the release given up on takes effect, and the key (with a
+    // 600 s lease) is free again well before that lease would have run out.
+    drop(stopped);
+    let other = Locker::new(FileBackend::open(&dir).unwrap());
+    let guard = tokio::time::timeout(
+        Duration::from_secs(60),
+        other.acquire(&key).wait(Duration::from_secs(30)),
+    )
+    .await
+    .expect("the released key was granted")
+    .unwrap();
+    guard.release().await.unwrap();
+    let _ = std::fs::remove_dir_all(&dir);
+}
