@@ -381,6 +381,7 @@ pub(crate) async fn answered_by<T>(
     let Some(until) = until else {
         return attempt.await;
     };
+    timers_enabled()?;
     tokio::time::timeout_at(until, attempt)
         .await
         .unwrap_or_else(|_| {
@@ -426,6 +427,23 @@ pub(crate) async fn answered_by<T>(
                 ),
             ))
         })
+}
+
+/// Whether the current Tokio runtime has its timers enabled, as lockkit needs (its
+/// watchdog, and its bounds on requests nobody answers, run on timers): the typed error
+/// that says how to build such a runtime if not. Tokio panics when a timer is made in a
+/// runtime without them, so this makes one with that panic caught (the panic hook still
+/// prints it once, beside the error the caller gets).
+pub(crate) fn timers_enabled() -> Result<()> {
+    let made = std::panic::catch_unwind(|| drop(tokio::time::sleep(Duration::ZERO)));
+    made.map_err(|_| {
+        crate::Error::Config(
+            "lockkit needs a Tokio runtime with its timers enabled (its watchdog and its \
+             bounds on unanswered requests run on timers): build the runtime with \
+             `enable_all()` or `enable_time()`"
+                .into(),
+        )
+    })
 }
 
 /// `now + bound`, or `None` (no bound) if that is past the clock's range.

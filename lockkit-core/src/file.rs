@@ -1153,8 +1153,8 @@ impl FileBackend {
         waiting: Option<Marker>,
         until: Instant,
     ) -> std::result::Result<Result<Attempt>, Stalled> {
-        // A timer needs a runtime: without one, the error that says so (not a panic).
-        if let Err(error) = in_runtime() {
+        // A timer needs a runtime with timers: without, the error that says so (not a panic).
+        if let Err(error) = in_runtime().and_then(|()| crate::backend::timers_enabled()) {
             return Ok(Err(error));
         }
         // The attempt runs detached: given up here, it goes on in a task of its own, and a

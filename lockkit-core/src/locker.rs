@@ -604,6 +604,7 @@ impl Acquire {
                 "lockkit needs a Tokio runtime for its watchdog; call it from within one".into(),
             )
         })?;
+        crate::backend::timers_enabled()?;
         let kind = self.kind;
         let capabilities = &locker.info.capabilities;
         let unsupported = match kind {
