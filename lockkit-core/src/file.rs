@@ -872,6 +872,17 @@ pub struct FileBackend {
     watched: Arc<OnceLock<Option<crate::file_watch::Watch>>>,
     /// What the directory's file system is (read once, at [`FileBackend::open`]).
     fs: FsKind,
+    /// Attempts of this process given up at their bound while still waiting for their key
+    /// file's `flock` (see [`FileBackend::attempt`]), by the file's name.
+    stalled: Arc<std::sync::Mutex<HashMap<String, StalledAttempt>>>,
+}
+
+/// An attempt given up at its bound that still runs: `done` fires once it and the
+/// give-back of a grant it made have finished.
+#[derive(Debug)]
+struct StalledAttempt {
+    id: uuid::Uuid,
+    done: tokio_util::sync::CancellationToken,
 }
 
 /// What a lock directory's file system is, as far as the backend cares (`statfs`).
@@ -987,6 +998,7 @@ impl FileBackend {
             wakers: Arc::default(),
             watched: Arc::default(),
             fs,
+            stalled: Arc::default(),
         })
     }
 
@@ -1147,6 +1159,13 @@ impl FileBackend {
     /// One grant attempt, given up at `until` (see [`FLOCK_GRACE`]): [`Stalled`] then.
     /// `waiting`: the caller waits, so a writer that is refused leaves (or renews) its
     /// marker, as its [`Marker`] records.
+    ///
+    /// While an earlier attempt of this process on the same key was given up and still
+    /// waits for the file's `flock`, a new one waits for it to end (within its own bound)
+    /// instead of waiting for that `flock` on a blocking thread of its own: retried tries
+    /// otherwise piled up one blocking thread each, until the pool was all waiting for one
+    /// `flock` and other keys' operations waited behind them; and a next attempt of the
+    /// same request could be granted the very hold the earlier one's give-back then let go.
     async fn attempt(
         &self,
         req: &AcquireRequest,
@@ -1157,22 +1176,76 @@ impl FileBackend {
         if let Err(error) = in_runtime().and_then(|()| crate::backend::timers_enabled()) {
             return Ok(Err(error));
         }
+        if let Some(earlier) = self.stalled_on(&req.key)
+            && tokio::time::timeout_at(until, earlier.cancelled_owned())
+                .await
+                .is_err()
+        {
+            return Err(Stalled);
+        }
         // The attempt runs detached: given up here, it goes on in a task of its own, and a
         // grant it still makes (once the flock is free) is given back.
-        tokio::time::timeout_at(until, self.detached_attempt(req, waiting))
-            .await
-            .map_err(|_| Stalled)
+        let done = tokio_util::sync::CancellationToken::new();
+        let finished = Arc::new(done.clone().drop_guard());
+        match tokio::time::timeout_at(until, self.detached_attempt(req, waiting, finished)).await {
+            Ok(outcome) => Ok(outcome),
+            Err(_) => {
+                self.note_stalled(&req.key, done);
+                Err(Stalled)
+            }
+        }
     }
 
+    /// The end of an earlier attempt on `key` given up while it waited, if one still runs.
+    fn stalled_on(&self, key: &LockKey) -> Option<tokio_util::sync::CancellationToken> {
+        let stalled = self.stalled.lock().unwrap_or_else(|e| e.into_inner());
+        if stalled.is_empty() {
+            return None;
+        }
+        stalled
+            .get(&file_name(key))
+            .map(|attempt| attempt.done.clone())
+            .filter(|done| !done.is_cancelled())
+    }
+
+    /// Notes an attempt on `key` given up while it still runs, until `done` fires.
+    fn note_stalled(&self, key: &LockKey, done: tokio_util::sync::CancellationToken) {
+        if done.is_cancelled() {
+            return;
+        }
+        let (name, id) = (file_name(key), uuid::Uuid::new_v4());
+        let attempt = StalledAttempt {
+            id,
+            done: done.clone(),
+        };
+        self.stalled
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(name.clone(), attempt);
+        let stalled = self.stalled.clone();
+        tokio::spawn(async move {
+            done.cancelled().await;
+            let mut stalled = stalled.lock().unwrap_or_else(|e| e.into_inner());
+            if stalled.get(&name).is_some_and(|attempt| attempt.id == id) {
+                stalled.remove(&name);
+            }
+        });
+    }
+
+    /// `finished` is dropped once the attempt, and the give-back of a grant it made after
+    /// its caller went away, are over.
     async fn detached_attempt(
         &self,
         req: &AcquireRequest,
         waiting: Option<Marker>,
+        finished: Arc<tokio_util::sync::DropGuard>,
     ) -> Result<Attempt> {
         let (this, request, giver) = (self.clone(), req.clone(), self.clone());
+        let giving_back = finished.clone();
         detached_acquire(
             SCHEME,
             move |_| async move {
+                let _finished = finished;
                 let start = Instant::now();
                 let req = request.clone();
                 this.with_file(&request.key, "acquiring", move |file, now| {
@@ -1182,10 +1255,45 @@ impl FileBackend {
             },
             Attempt::into_grant,
             move |grant| async move {
-                let _ = giver.release(&grant).await;
+                let _finished = giving_back;
+                // Not `release`, which would wait for this very attempt to end.
+                let _ = giver.release_file(&grant).await;
             },
         )
         .await
+    }
+
+    /// Releases `grant` on its key's file (see [`LockBackend::release`]).
+    async fn release_file(&self, grant: &Grant) -> Result<Released> {
+        let held = grant.clone();
+        let outcome = self
+            .with_file(&grant.key, "releasing", move |file, now| {
+                let Some(hold) = file.state.hold_of(&held, now) else {
+                    return Err(Error::NotHeld {
+                        key: held.key.clone(),
+                    });
+                };
+                if !hold.attempts.take(held.attempt, *hold.depth) {
+                    // A retried release: it took effect already.
+                    return Ok(Released::Partially {
+                        remaining: *hold.depth,
+                    });
+                }
+                *hold.depth -= 1;
+                if *hold.depth > 0 {
+                    return Ok(Released::Partially {
+                        remaining: *hold.depth,
+                    });
+                }
+                file.state.end(&held);
+                file.state.prune(now);
+                Ok(Released::Fully)
+            })
+            .await;
+        if matches!(outcome, Ok(Released::Fully)) {
+            self.wake(&grant.key);
+        }
+        outcome
     }
 
     /// Removes `owner`'s writer marker from `key`, in the background.
@@ -1577,35 +1685,14 @@ impl LockBackend for FileBackend {
     }
 
     async fn release(&self, grant: &Grant) -> Result<Released> {
-        let held = grant.clone();
-        let outcome = self
-            .with_file(&grant.key, "releasing", move |file, now| {
-                let Some(hold) = file.state.hold_of(&held, now) else {
-                    return Err(Error::NotHeld {
-                        key: held.key.clone(),
-                    });
-                };
-                if !hold.attempts.take(held.attempt, *hold.depth) {
-                    // A retried release: it took effect already.
-                    return Ok(Released::Partially {
-                        remaining: *hold.depth,
-                    });
-                }
-                *hold.depth -= 1;
-                if *hold.depth > 0 {
-                    return Ok(Released::Partially {
-                        remaining: *hold.depth,
-                    });
-                }
-                file.state.end(&held);
-                file.state.prune(now);
-                Ok(Released::Fully)
-            })
-            .await;
-        if matches!(outcome, Ok(Released::Fully)) {
-            self.wake(&grant.key);
+        // Behind an attempt on the key given up while it waited for the file's `flock` (a
+        // process stopped mid-operation keeps it): waited for here, without a blocking
+        // thread each. A failed acquisition's give-back (sent by the locker for an attempt
+        // whose outcome it cannot know) is such a release, one per try given up.
+        if let Some(earlier) = self.stalled_on(&grant.key) {
+            earlier.cancelled_owned().await;
         }
-        outcome
+        self.release_file(grant).await
     }
 
     async fn ping(&self) -> Result<()> {

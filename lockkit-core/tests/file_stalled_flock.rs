@@ -117,3 +117,66 @@ async fn a_release_ends_while_a_stopped_process_keeps_the_flock() {
     guard.release().await.unwrap();
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// Tries given up on a key whose `flock` a stopped process keeps must not each leave a
+/// blocking thread waiting for it: a caller that retries a retryable error (as the error
+/// says to) piled them up, one per try, until the runtime's blocking pool was all waiting
+/// for that one `flock`, and every other key's operation that needs a blocking thread (a
+/// new key's first grant syncs its ceiling there) was given up too. Here the pool has 3
+/// threads and 5 tries are given up on the stalled key: another key must still be granted.
+#[test]
+fn tries_given_up_on_a_stalled_key_leave_other_keys_alone() {
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .max_blocking_threads(3)
+        .enable_all()
+        .build()
+        .unwrap();
+    runtime.block_on(async {
+        let dir = temp_dir("pileup");
+        let locker = Locker::new(FileBackend::open(&dir).unwrap());
+        let key = LockKey::new("stalled").unwrap();
+        locker
+            .try_acquire(&key)
+            .await
+            .unwrap()
+            .unwrap()
+            .release()
+            .await
+            .unwrap();
+        let stopped = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(dir.join(file_name(&key)))
+            .unwrap();
+        stopped.lock().unwrap();
+        for _ in 0..5 {
+            let tried = tokio::time::timeout(Duration::from_secs(20), locker.try_acquire(&key))
+                .await
+                .expect("a try was still waiting after 20 s");
+            assert!(tried.is_err() || matches!(tried, Ok(None)));
+        }
+        let other = LockKey::new("other").unwrap();
+        let granted = tokio::time::timeout(
+            Duration::from_secs(20),
+            locker.acquire(&other).wait(Duration::from_secs(5)),
+        )
+        .await
+        .expect("still waiting after 20 s");
+        let guard = granted.unwrap_or_else(|e| {
+            panic!("a key nobody holds was refused while another key's flock is kept: {e}")
+        });
+        guard.release().await.unwrap();
+        drop(stopped);
+        // Once the flock is free, the stalled key is granted again (nothing left behind).
+        let guard = tokio::time::timeout(
+            Duration::from_secs(20),
+            locker.acquire(&key).wait(Duration::from_secs(10)),
+        )
+        .await
+        .expect("still waiting after 20 s")
+        .unwrap();
+        guard.release().await.unwrap();
+        let _ = std::fs::remove_dir_all(&dir);
+    });
+}
