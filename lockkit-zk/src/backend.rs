@@ -260,6 +260,25 @@ pub(crate) struct Inner {
     wakeups: std::sync::atomic::AtomicU64,
     /// Lock directories recently seen to exist.
     dirs: KnownDirs,
+    /// Whether an expired session is being reopened (see [`ZkBackend::session`]).
+    reopening: AtomicBool,
+    /// Counts the reopenings that ended, for the callers waiting for one.
+    reopened: tokio::sync::watch::Sender<u64>,
+    /// Why the last reopening that failed failed.
+    reopen_failure: Mutex<Option<Error>>,
+}
+
+/// Ends a reopening (see [`ZkBackend::session`]) when dropped, even by a panic: clears the
+/// flag, then tells the waiting callers.
+struct ReopeningEnd(Arc<Inner>);
+
+impl Drop for ReopeningEnd {
+    fn drop(&mut self) {
+        self.0.reopening.store(false, Ordering::SeqCst);
+        self.0
+            .reopened
+            .send_modify(|ended| *ended = ended.wrapping_add(1));
+    }
 }
 
 /// How many lock directories a backend remembers as existing.
@@ -356,6 +375,9 @@ impl ZkBackend {
                 permits: Mutex::new(HashMap::new()),
                 wakeups: std::sync::atomic::AtomicU64::new(0),
                 dirs: KnownDirs::default(),
+                reopening: AtomicBool::new(false),
+                reopened: tokio::sync::watch::Sender::new(0),
+                reopen_failure: Mutex::new(None),
             }),
         })
     }
@@ -418,6 +440,11 @@ impl ZkBackend {
     /// deadline, its going away) leaves it to finish for the callers after it. Cut short
     /// with each caller, a reopening slower than a caller's bound never finished, and no
     /// acquisition got a session for as long as reopening stayed that slow.
+    ///
+    /// One reopening at a time: a caller that finds one under way waits for its outcome
+    /// instead of queueing a reopening of its own behind it (callers that gave up left one
+    /// each, and the queue of connection attempts for callers long gone grew for as long
+    /// as the servers could not be reached).
     async fn session(&self) -> Result<Arc<Session>> {
         {
             let current = self.inner.session.lock().await;
@@ -425,21 +452,39 @@ impl ZkBackend {
                 return Ok(current.clone());
             }
         }
-        let inner = self.inner.clone();
-        let reopening = tokio::spawn(async move {
-            let mut current = inner.session.lock().await;
-            // Another caller's reopening may have finished meanwhile.
-            if current.dead.load(Ordering::SeqCst) {
-                *current = open_session(&inner.config).await?;
-            }
-            Ok(current.clone())
-        });
-        reopening.await.unwrap_or_else(|_| {
-            Err(Error::backend(
+        // Subscribed before the flag is read: a reopening under way tells of its end after
+        // clearing the flag, so its end is seen (or this call starts the next one).
+        let mut ended = self.inner.reopened.subscribe();
+        if !self.inner.reopening.swap(true, Ordering::SeqCst) {
+            let inner = self.inner.clone();
+            tokio::spawn(async move {
+                let _end = ReopeningEnd(inner.clone());
+                let mut current = inner.session.lock().await;
+                // Another caller's reopening may have finished meanwhile.
+                if current.dead.load(Ordering::SeqCst) {
+                    match open_session(&inner.config).await {
+                        Ok(session) => {
+                            *current = session;
+                            *lock(&inner.reopen_failure) = None;
+                        }
+                        Err(error) => *lock(&inner.reopen_failure) = Some(error),
+                    }
+                }
+            });
+        }
+        let _ = ended.changed().await;
+        let current = self.inner.session.lock().await;
+        if !current.dead.load(Ordering::SeqCst) {
+            return Ok(current.clone());
+        }
+        Err(match lock(&self.inner.reopen_failure).as_ref() {
+            Some(Error::Config(message)) => Error::Config(message.clone()),
+            Some(error) => Error::backend(BACKEND, error.is_retryable(), error.to_string()),
+            None => Error::backend(
                 BACKEND,
                 true,
-                "reopening the expired ZooKeeper session panicked; try again",
-            ))
+                "reopening the expired ZooKeeper session failed; try again",
+            ),
         })
     }
 

@@ -325,3 +325,71 @@ async fn a_missing_chroot_is_named() {
         "{text}"
     );
 }
+
+/// Acquisitions that give up on reopening an expired session (the servers cannot be
+/// reached) must not each leave a reopening of their own queued behind the one under way:
+/// one reopening at a time serves them all. Before, every caller that found the session
+/// dead spawned a reopening task, and each ran its own connection attempt after the one
+/// before it: with acquisitions arriving faster than one per connection attempt, the queue
+/// (and the connection attempts made for callers long gone) grew without bound.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn acquisitions_giving_up_on_an_expired_session_leave_one_reopening() {
+    let Some(url) = env::service_url("LOCKKIT_TEST_ZK_URL") else {
+        return;
+    };
+    let server = env::host_ports(&url).into_iter().next().unwrap();
+    let proxy = FaultProxy::start(server.parse().unwrap()).await.unwrap();
+    let backend = ZkBackend::connect(&format!(
+        "zk://{}?session_timeout=2s&connect_timeout=1s",
+        proxy.local_addr()
+    ))
+    .await
+    .unwrap();
+    let client = backend.client().await.unwrap();
+    let locker = Locker::new(backend.clone());
+    proxy.cut();
+    let expired = tokio::time::timeout(Duration::from_secs(60), async {
+        while !matches!(client.state(), zookeeper_client::SessionState::Expired) {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    })
+    .await;
+    assert!(expired.is_ok(), "the client never gave its session up");
+    drop(client);
+    let key = key("reopening-queue");
+    for _ in 0..2 {
+        let mut tries = Vec::new();
+        for _ in 0..8 {
+            let (locker, key) = (locker.clone(), key.clone());
+            tries.push(tokio::spawn(async move {
+                locker.try_acquire(&key).await.map(|g| g.is_some())
+            }));
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        for tried in tries {
+            assert!(
+                !matches!(tried.await.unwrap(), Ok(true)),
+                "granted through a cut link"
+            );
+        }
+    }
+    // Every try has given up; the reopening under way ends within a connection attempt
+    // (1 s). From then on nobody asks for a session: no connection may be attempted.
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    let idle_from = proxy.open_connections();
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    let attempted = proxy.open_connections().saturating_sub(idle_from);
+    assert_eq!(
+        attempted, 0,
+        "{attempted} connection attempts in 4 s after every caller had given up \
+         (reopenings queued for callers long gone)"
+    );
+    proxy.heal();
+    let guard = locker
+        .acquire(&key)
+        .wait(Duration::from_secs(30))
+        .await
+        .expect("granted once the servers can be reached again");
+    guard.release().await.unwrap();
+    drop(proxy);
+}
