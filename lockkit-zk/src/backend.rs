@@ -1820,12 +1820,17 @@ impl ZkBackend {
                     // our back (an operator, a reaper) or went with its session, and another
                     // client may hold the key now. Granting the re-entry then was a double
                     // grant until the next renewal found out.
-                    if let Ok(Err(
-                        zookeeper_client::Error::NoNode | zookeeper_client::Error::SessionExpired,
-                    )) = tokio::time::timeout(limit, record_depth(&held, depth)).await
-                    {
+                    let gone = match tokio::time::timeout(limit, record_depth(&held, depth)).await {
+                        Ok(Err(zookeeper_client::Error::NoNode)) => Some(LostReason::NotOurs),
+                        // The node went with its session, as `lost()` says of an expiry.
+                        Ok(Err(zookeeper_client::Error::SessionExpired)) => {
+                            Some(LostReason::SessionLost)
+                        }
+                        _ => None,
+                    };
+                    if let Some(reason) = gone {
                         this.forget(&held);
-                        held.loss.fire(LostReason::NotOurs);
+                        held.loss.fire(reason);
                         return Ok(None);
                     }
                     let grant = Grant::new(&request, held.token, depth, start);
