@@ -20,6 +20,27 @@ use crate::MysqlConfig;
 
 pub(crate) const BACKEND: &str = "mysql";
 
+/// Server errors (MySQL and MariaDB numbers) that a later try may not meet: lock wait
+/// timeout (1205), deadlock (1213), server shutting down (1053), query interrupted or
+/// connection killed (1317, 1927), too many connections (1040, 1203), read-only during a
+/// failover (1290, 1836), idle client disconnected (4031), statement time limits (3024,
+/// 1969). Their SQLSTATE is often the catch-all `HY000`, which many lasting errors share
+/// too (a full table or disk, a bad value), so the number decides.
+const RETRYABLE_ERRORS: &[u16] = &[
+    LOCK_WAIT_TIMEOUT,
+    1213,
+    1053,
+    1317,
+    1927,
+    1040,
+    1203,
+    1290,
+    1836,
+    4031,
+    3024,
+    1969,
+];
+
 /// Maps a driver error, saying what was being done and what to do.
 pub(crate) fn db_error(doing: &str, e: sqlx::Error) -> Error {
     let code = match &e {
@@ -31,9 +52,9 @@ pub(crate) fn db_error(doing: &str, e: sqlx::Error) -> Error {
         | sqlx::Error::PoolTimedOut
         | sqlx::Error::Protocol(_)
         | sqlx::Error::WorkerCrashed => true,
-        // Lock wait timeout, deadlock, server shutting down, connection killed, lost.
         sqlx::Error::Database(_) => {
-            matches!(code.as_deref(), Some("HY000" | "40001" | "08S01" | "70100"))
+            error_number(&e).is_some_and(|n| RETRYABLE_ERRORS.contains(&n))
+                || matches!(code.as_deref(), Some("40001" | "08S01" | "08004" | "70100"))
         }
         _ => false,
     };
@@ -1040,6 +1061,49 @@ impl Sql {
             mutex_rows_under_prefix: s(format!(
                 "SELECT name FROM `{t}_mutex` WHERE name LIKE CONCAT(?, '%')"
             )),
+        }
+    }
+}
+
+#[cfg(test)]
+mod retryable_tests {
+    use sqlx::Connection;
+
+    use super::db_error;
+
+    /// Server errors raised on a real server with `SIGNAL`, by number and SQLSTATE: a
+    /// lasting `HY000` (an incorrect value, a full table) is not retryable; a lock wait
+    /// timeout, a deadlock or a read-only server during a failover is. Before, every
+    /// `HY000` counted as retryable, so a wait went on retrying a lasting error until its
+    /// deadline instead of failing at once.
+    #[tokio::test]
+    async fn retryable_is_decided_by_the_error_number() {
+        let Some(url) = lockkit_conformance::env::service_url("LOCKKIT_TEST_MYSQL_URL") else {
+            return;
+        };
+        let mut conn = sqlx::MySqlConnection::connect(&url).await.unwrap();
+        for (state, number, retryable) in [
+            ("HY000", 1366, false),
+            ("HY000", 1114, false),
+            ("HY000", 1021, false),
+            ("42000", 1142, false),
+            ("HY000", 1205, true),
+            ("40001", 1213, true),
+            ("HY000", 1290, true),
+            ("08004", 1040, true),
+        ] {
+            let signal = format!(
+                "SIGNAL SQLSTATE '{state}' SET MYSQL_ERRNO = {number}, MESSAGE_TEXT = 'signalled'"
+            );
+            let error = sqlx::raw_sql(sqlx::AssertSqlSafe(signal))
+                .execute(&mut conn)
+                .await
+                .expect_err("SIGNAL raises an error");
+            assert_eq!(
+                db_error("signalling", error).is_retryable(),
+                retryable,
+                "error {number} ({state})"
+            );
         }
     }
 }
