@@ -1187,12 +1187,19 @@ impl FileBackend {
         // grant it still makes (once the flock is free) is given back.
         let done = tokio_util::sync::CancellationToken::new();
         let finished = Arc::new(done.clone().drop_guard());
+        // Noted as stalled when given up here, and also when the caller drops this future
+        // first (its own timeout, a `select!`): the attempt goes on detached all the same.
+        let mut unfinished = NoteUnfinished {
+            backend: self,
+            key: &req.key,
+            done: Some(done),
+        };
         match tokio::time::timeout_at(until, self.detached_attempt(req, waiting, finished)).await {
-            Ok(outcome) => Ok(outcome),
-            Err(_) => {
-                self.note_stalled(&req.key, done);
-                Err(Stalled)
+            Ok(outcome) => {
+                unfinished.done = None;
+                Ok(outcome)
             }
+            Err(_) => Err(Stalled),
         }
     }
 
@@ -1210,6 +1217,11 @@ impl FileBackend {
 
     /// Notes an attempt on `key` given up while it still runs, until `done` fires.
     fn note_stalled(&self, key: &LockKey, done: tokio_util::sync::CancellationToken) {
+        // Without a runtime (a future dropped after its runtime), nothing could take the
+        // note away again.
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
         if done.is_cancelled() {
             return;
         }
@@ -1223,7 +1235,7 @@ impl FileBackend {
             .unwrap_or_else(|e| e.into_inner())
             .insert(name.clone(), attempt);
         let stalled = self.stalled.clone();
-        tokio::spawn(async move {
+        runtime.spawn(async move {
             done.cancelled().await;
             let mut stalled = stalled.lock().unwrap_or_else(|e| e.into_inner());
             if stalled.get(&name).is_some_and(|attempt| attempt.id == id) {
@@ -1330,6 +1342,22 @@ const FLOCK_KEPT_AT_MOST: Duration = Duration::from_secs(5);
 /// An attempt given up at its bound (see [`FLOCK_GRACE`]).
 #[derive(Debug)]
 struct Stalled;
+
+/// Notes an attempt as stalled (see [`FileBackend::attempt`]) unless its outcome was
+/// delivered: given up at its bound, or dropped by its caller before that.
+struct NoteUnfinished<'a> {
+    backend: &'a FileBackend,
+    key: &'a LockKey,
+    done: Option<tokio_util::sync::CancellationToken>,
+}
+
+impl Drop for NoteUnfinished<'_> {
+    fn drop(&mut self) {
+        if let Some(done) = self.done.take() {
+            self.backend.note_stalled(self.key, done);
+        }
+    }
+}
 
 impl Stalled {
     /// What a try that was given up says.

@@ -180,3 +180,65 @@ fn tries_given_up_on_a_stalled_key_leave_other_keys_alone() {
         let _ = std::fs::remove_dir_all(&dir);
     });
 }
+
+/// Review 39: tries that their *callers* drop (a `tokio::time::timeout` shorter than the
+/// backend's own bound of a second, a `select!` on shutdown) while the key's file `flock`
+/// is kept must not pile up blocking threads either. The attempt given up by its own bound
+/// is noted as stalled, but one whose future is dropped was not: each dropped try left its
+/// attempt, and the locker's give-back of it, on a blocking thread of their own, until the
+/// pool (3 threads here) was all waiting for that one `flock` and a free key was refused.
+#[test]
+fn tries_dropped_by_their_callers_on_a_stalled_key_leave_other_keys_alone() {
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .max_blocking_threads(3)
+        .enable_all()
+        .build()
+        .unwrap();
+    runtime.block_on(async {
+        let dir = temp_dir("dropped");
+        let locker = Locker::new(FileBackend::open(&dir).unwrap());
+        let key = LockKey::new("stalled").unwrap();
+        locker
+            .try_acquire(&key)
+            .await
+            .unwrap()
+            .unwrap()
+            .release()
+            .await
+            .unwrap();
+        let stopped = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(dir.join(file_name(&key)))
+            .unwrap();
+        stopped.lock().unwrap();
+        for _ in 0..5 {
+            // The caller gives up first (its own timeout), before the backend's bound.
+            let tried =
+                tokio::time::timeout(Duration::from_millis(200), locker.try_acquire(&key)).await;
+            assert!(!matches!(tried, Ok(Ok(Some(_)))), "granted a kept key");
+        }
+        let other = LockKey::new("other").unwrap();
+        let granted = tokio::time::timeout(
+            Duration::from_secs(20),
+            locker.acquire(&other).wait(Duration::from_secs(5)),
+        )
+        .await
+        .expect("still waiting after 20 s");
+        let guard = granted.unwrap_or_else(|e| {
+            panic!("a key nobody holds was refused while another key's flock is kept: {e}")
+        });
+        guard.release().await.unwrap();
+        drop(stopped);
+        let guard = tokio::time::timeout(
+            Duration::from_secs(20),
+            locker.acquire(&key).wait(Duration::from_secs(10)),
+        )
+        .await
+        .expect("still waiting after 20 s")
+        .unwrap();
+        guard.release().await.unwrap();
+        let _ = std::fs::remove_dir_all(&dir);
+    });
+}
