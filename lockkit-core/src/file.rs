@@ -875,6 +875,38 @@ pub struct FileBackend {
     /// Attempts of this process given up at their bound while still waiting for their key
     /// file's `flock` (see [`FileBackend::attempt`]), by the file's name.
     stalled: Arc<std::sync::Mutex<HashMap<String, StalledAttempt>>>,
+    /// Turns of this process's operations that wait for a key file's `flock` on a
+    /// blocking thread, by the file's name (see [`FileBackend::flock_turn`]).
+    flock_turns: Arc<std::sync::Mutex<HashMap<String, FlockGate>>>,
+}
+
+/// One key's turns at waiting for its file's `flock` on a blocking thread: the gate, and
+/// how many operations hold or wait for a turn (the entry goes when none does).
+#[derive(Debug, Default)]
+struct FlockGate {
+    gate: Arc<tokio::sync::Mutex<()>>,
+    users: usize,
+}
+
+/// An operation's turn at its key file's `flock` on a blocking thread (or its place in
+/// the queue for one); gives it up, and the key's entry with the last user, when dropped.
+struct FlockTurn {
+    turns: Arc<std::sync::Mutex<HashMap<String, FlockGate>>>,
+    name: String,
+    held: Option<tokio::sync::OwnedMutexGuard<()>>,
+}
+
+impl Drop for FlockTurn {
+    fn drop(&mut self) {
+        drop(self.held.take());
+        let mut turns = self.turns.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(entry) = turns.get_mut(&self.name) {
+            entry.users = entry.users.saturating_sub(1);
+            if entry.users == 0 {
+                turns.remove(&self.name);
+            }
+        }
+    }
 }
 
 /// An attempt given up at its bound that still runs: `done` fires once it and the
@@ -999,6 +1031,7 @@ impl FileBackend {
             watched: Arc::default(),
             fs,
             stalled: Arc::default(),
+            flock_turns: Arc::default(),
         })
     }
 
@@ -1142,7 +1175,14 @@ impl FileBackend {
                 Err(std::fs::TryLockError::Error(e)) => return Err(io_error(doing, &path, e)),
             }
         }
+        // One blocking thread per key waits for its `flock` at a time; this process's other
+        // operations on the key wait for their turn here, without a thread: given up at
+        // their bound (an inquiry, a release at `response_bound`), they left a blocking
+        // thread each waiting for a `flock` another process kept, until the pool was all
+        // waiting for it and other keys' operations were refused.
+        let turn = self.flock_turn(&path).await;
         blocking(move || {
+            let _turn = turn;
             let file = match opened {
                 Some(file) => file,
                 None => Locked::open(&path).map_err(|e| io_error(doing, &path, e))?,
@@ -1154,6 +1194,28 @@ impl FileBackend {
             }
         })
         .await
+    }
+
+    /// The turn of an operation on the file at `path` to wait for its `flock` on a
+    /// blocking thread (see [`FileBackend::with_file`]).
+    async fn flock_turn(&self, path: &Path) -> FlockTurn {
+        let name = path
+            .file_name()
+            .map(|name| name.to_string_lossy().into_owned())
+            .unwrap_or_default();
+        let gate = {
+            let mut turns = self.flock_turns.lock().unwrap_or_else(|e| e.into_inner());
+            let entry = turns.entry(name.clone()).or_default();
+            entry.users += 1;
+            entry.gate.clone()
+        };
+        let mut turn = FlockTurn {
+            turns: self.flock_turns.clone(),
+            name,
+            held: None,
+        };
+        turn.held = Some(gate.lock_owned().await);
+        turn
     }
 
     /// One grant attempt, given up at `until` (see [`FLOCK_GRACE`]): [`Stalled`] then.
@@ -2525,6 +2587,10 @@ mod tests {
         assert!(!attempt.is_finished());
         drop(other);
         assert_eq!(attempt.await.unwrap(), first + 4);
+        assert!(
+            backend.flock_turns.lock().unwrap().is_empty(),
+            "a key's turns at its flock outlived their operations"
+        );
     }
 
     #[test]

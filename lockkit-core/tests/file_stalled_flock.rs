@@ -242,3 +242,57 @@ fn tries_dropped_by_their_callers_on_a_stalled_key_leave_other_keys_alone() {
         let _ = std::fs::remove_dir_all(&dir);
     });
 }
+
+/// Review 39: with the file backend's response bound of 5 s (4edc33f), an inquiry is given
+/// up at 5 s while another process keeps the key file's `flock`, but its operation goes on
+/// waiting for that `flock` on a blocking thread. A caller that asks again (a monitor, a
+/// status page) leaves one more blocking thread each time, until the pool (2 threads here)
+/// is all waiting for that one `flock` and a free key's first grant (which syncs on a
+/// blocking thread) is refused.
+#[test]
+fn inquiries_given_up_on_a_stalled_key_leave_other_keys_alone() {
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .max_blocking_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    runtime.block_on(async {
+        let dir = temp_dir("inquiries");
+        let locker = Locker::new(FileBackend::open(&dir).unwrap());
+        let key = LockKey::new("stalled").unwrap();
+        locker
+            .try_acquire(&key)
+            .await
+            .unwrap()
+            .unwrap()
+            .release()
+            .await
+            .unwrap();
+        let stopped = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(dir.join(file_name(&key)))
+            .unwrap();
+        stopped.lock().unwrap();
+        for _ in 0..2 {
+            let asked = tokio::time::timeout(Duration::from_secs(20), locker.inspect(&key))
+                .await
+                .expect("an inquiry was still waiting after 20 s");
+            assert!(asked.is_err(), "answered through a kept flock");
+        }
+        let other = LockKey::new("other").unwrap();
+        let granted = tokio::time::timeout(
+            Duration::from_secs(20),
+            locker.acquire(&other).wait(Duration::from_secs(3)),
+        )
+        .await
+        .expect("still waiting after 20 s");
+        let guard = granted.unwrap_or_else(|e| {
+            panic!("a key nobody holds was refused while another key's flock is kept: {e}")
+        });
+        guard.release().await.unwrap();
+        drop(stopped);
+        let _ = std::fs::remove_dir_all(&dir);
+    });
+}
