@@ -433,7 +433,8 @@ pub(crate) async fn answered_by<T>(
 /// watchdog, and its bounds on requests nobody answers, run on timers): the typed error
 /// that says how to build such a runtime if not. Tokio panics when a timer is made in a
 /// runtime without them, so this makes one with that panic caught (the panic hook still
-/// prints it once, beside the error the caller gets).
+/// prints it, beside the error the caller gets). A program built with `panic = "abort"`
+/// aborts there instead, as it would have at lockkit's first timer.
 pub(crate) fn timers_enabled() -> Result<()> {
     let made = std::panic::catch_unwind(|| drop(tokio::time::sleep(Duration::ZERO)));
     made.map_err(|_| {

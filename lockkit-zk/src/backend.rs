@@ -457,8 +457,11 @@ impl ZkBackend {
         let mut ended = self.inner.reopened.subscribe();
         if !self.inner.reopening.swap(true, Ordering::SeqCst) {
             let inner = self.inner.clone();
+            // Made before the task: a task dropped before it first runs (its runtime shut
+            // down) still ends the reopening, or later callers waited for it in vain.
+            let end = ReopeningEnd(inner.clone());
             tokio::spawn(async move {
-                let _end = ReopeningEnd(inner.clone());
+                let _end = end;
                 let mut current = inner.session.lock().await;
                 // Another caller's reopening may have finished meanwhile.
                 if current.dead.load(Ordering::SeqCst) {

@@ -114,10 +114,10 @@ fn refuse_what_servers_refuse(what: &str, path: &str) -> Result<()> {
 /// the protocol carries (a signed 32-bit count of milliseconds, about 24 days).
 fn checked_timeout(name: &str, value: &str) -> Result<Duration> {
     let timeout = parse_duration(name, value)?;
-    if timeout.is_zero() || timeout > Duration::from_millis(i32::MAX as u64) {
+    if timeout < Duration::from_millis(1) || timeout > Duration::from_millis(i32::MAX as u64) {
         return Err(Error::Config(format!(
-            "`{name}={value}` must be above zero and at most 24 days (ZooKeeper counts it in \
-             milliseconds, as a signed 32-bit number), e.g. 10s"
+            "`{name}={value}` must be at least 1ms and at most 24 days (ZooKeeper counts it \
+             in milliseconds, as a signed 32-bit number), e.g. 10s"
         )));
     }
     Ok(timeout)
@@ -241,6 +241,7 @@ mod tests {
             "zk://a:1?session_timeout=0s",
             "zk://a:1?session_timeout=600h",
             "zk://a:1?connect_timeout=0s",
+            "zk://a:1?session_timeout=0.5ms",
             "zk://a:1?root=/a/../b",
             "zk://a:1?root=/a/.",
             "zk://a:1?root=/zookeeper",
