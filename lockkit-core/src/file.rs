@@ -880,8 +880,9 @@ pub struct FileBackend {
     flock_turns: Arc<std::sync::Mutex<HashMap<String, FlockGate>>>,
 }
 
-/// One key's turns at waiting for its file's `flock` on a blocking thread: the gate, and
-/// how many operations hold or wait for a turn (the entry goes when none does).
+/// One key's turns at waiting for its file's `flock` on a blocking thread (at most one
+/// thread of this process waits for it; one more may hold it): the gate, and how many
+/// operations hold or wait for a turn (the entry goes when none does).
 #[derive(Debug, Default)]
 struct FlockGate {
     gate: Arc<tokio::sync::Mutex<()>>,
@@ -1182,12 +1183,17 @@ impl FileBackend {
         // waiting for it and other keys' operations were refused.
         let turn = self.flock_turn(&path).await;
         blocking(move || {
-            let _turn = turn;
             let file = match opened {
                 Some(file) => file,
                 None => Locked::open(&path).map_err(|e| io_error(doing, &path, e))?,
             };
-            file.lock().map_err(|e| io_error(doing, &path, e))?;
+            let locked = file.lock();
+            // The turn is for waiting: once the `flock` is taken (or refused), the next
+            // operation may begin its own wait while this one works, and is handed the
+            // `flock` by the kernel the moment this one lets go (a handoff among this
+            // process's waiters took one more wake-up and thread hand-over before).
+            drop(turn);
+            locked.map_err(|e| io_error(doing, &path, e))?;
             match apply(file, &path, doing, &op)? {
                 Applied::Done(outcome) => outcome,
                 Applied::Unsynced(write) => (*write).finish(&path, doing),
