@@ -1500,8 +1500,6 @@ where
     Ok(Applied::Done(outcome))
 }
 
-/// Every file operation needs a Tokio runtime, whether or not this one would have used its
-/// blocking threads: an error that says so, not a panic some of the time.
 /// Microseconds since the Unix epoch by the wall clock (0 before it).
 fn wall_clock_micros() -> u64 {
     std::time::SystemTime::now()
@@ -1511,6 +1509,8 @@ fn wall_clock_micros() -> u64 {
         })
 }
 
+/// Every file operation needs a Tokio runtime, whether or not this one would have used its
+/// blocking threads: an error that says so, not a panic some of the time.
 fn in_runtime() -> Result<()> {
     match tokio::runtime::Handle::try_current() {
         Ok(_) => Ok(()),
@@ -2770,5 +2770,150 @@ mod tests {
         let longer = format!("{}x", "k".repeat(LockKey::MAX_BYTES - 1));
         assert!(name(&long).len() < 255);
         assert_ne!(name(&long), name(&longer));
+    }
+
+    /// Review 40 (probe): many tasks of this process on one key while another process
+    /// takes and keeps its `flock` for over a second at a time (stopped mid-operation):
+    /// tries, waits and inquiries given up by their callers at random points and by their
+    /// own bounds. No two grants may be believed in at once, and once the flock is free
+    /// nothing is left behind (turns, stalled notes, holds).
+    #[test]
+    fn stalls_and_drops_at_random_points_grant_once_and_leave_nothing() {
+        // Also on a network file system, where every operation goes through the key's turns.
+        for fs in [FsKind::Local, FsKind::Remote] {
+            stalls_and_drops_probe(fs);
+        }
+    }
+
+    fn stalls_and_drops_probe(fs: FsKind) {
+        use std::sync::atomic::AtomicUsize;
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .max_blocking_threads(4)
+            .enable_all()
+            .build()
+            .unwrap();
+        rt.block_on(async {
+            let mut backend = FileBackend::open(temp_dir("probe")).unwrap();
+            backend.fs = fs;
+            let key = LockKey::new("k").unwrap();
+            grant_once(&backend, &key).await;
+            let inside = Arc::new(AtomicUsize::new(0));
+            let overlaps = Arc::new(AtomicUsize::new(0));
+            let stop = Arc::new(AtomicBool::new(false));
+            let path = backend.path(&key);
+            let stopper = tokio::spawn({
+                let stop = stop.clone();
+                async move {
+                    for _ in 0..3 {
+                        let path = path.clone();
+                        let held = tokio::task::spawn_blocking(move || {
+                            let file = Locked::open(&path).unwrap();
+                            file.lock().unwrap();
+                            file
+                        })
+                        .await
+                        .unwrap();
+                        tokio::time::sleep(Duration::from_millis(1_300)).await;
+                        drop(held);
+                        tokio::time::sleep(Duration::from_millis(400)).await;
+                    }
+                    stop.store(true, Ordering::SeqCst);
+                }
+            });
+            let mut workers = Vec::new();
+            for w in 0..10u64 {
+                let (backend, key) = (backend.clone(), key.clone());
+                let (inside, overlaps, stop) = (inside.clone(), overlaps.clone(), stop.clone());
+                let locker = crate::Locker::new(backend.clone());
+                workers.push(tokio::spawn(async move {
+                    let seed: u64 = std::env::var("PROBE_SEED")
+                        .ok()
+                        .and_then(|s| s.parse().ok())
+                        .unwrap_or(0);
+                    let mut rng = fastrand::Rng::with_seed(w + 100 * seed);
+                    while !stop.load(Ordering::SeqCst) {
+                        let patience = Duration::from_millis(rng.u64(0..1_500));
+                        let req = request(&key, Duration::from_secs(3));
+                        let grant = match rng.u8(0..5) {
+                            0 => tokio::time::timeout(patience, backend.try_acquire(&req))
+                                .await
+                                .ok()
+                                .and_then(|g| g.ok().flatten()),
+                            1 => tokio::time::timeout(
+                                patience,
+                                backend.acquire(&req, Duration::from_millis(rng.u64(0..1_200))),
+                            )
+                            .await
+                            .ok()
+                            .and_then(Result::ok),
+                            2 => {
+                                let _ = tokio::time::timeout(patience, backend.inspect(&key)).await;
+                                None
+                            }
+                            _ => {
+                                let wait = Duration::from_millis(rng.u64(0..1_200));
+                                let guard = tokio::time::timeout(
+                                    patience,
+                                    locker.acquire(&key).ttl(Duration::from_secs(3)).wait(wait),
+                                )
+                                .await
+                                .ok()
+                                .and_then(Result::ok);
+                                if let Some(guard) = guard {
+                                    if inside.fetch_add(1, Ordering::SeqCst) != 0 {
+                                        overlaps.fetch_add(1, Ordering::SeqCst);
+                                    }
+                                    tokio::time::sleep(Duration::from_millis(rng.u64(0..30))).await;
+                                    inside.fetch_sub(1, Ordering::SeqCst);
+                                    let _ = guard.release().await;
+                                }
+                                None
+                            }
+                        };
+                        if let Some(grant) = grant {
+                            if inside.fetch_add(1, Ordering::SeqCst) != 0 {
+                                overlaps.fetch_add(1, Ordering::SeqCst);
+                            }
+                            tokio::time::sleep(Duration::from_millis(rng.u64(0..30))).await;
+                            inside.fetch_sub(1, Ordering::SeqCst);
+                            let _ = backend.release(&grant).await;
+                        }
+                    }
+                }));
+            }
+            stopper.await.unwrap();
+            for worker in workers {
+                tokio::time::timeout(Duration::from_secs(30), worker)
+                    .await
+                    .expect("a worker was still busy 30 s after the flock was free")
+                    .unwrap();
+            }
+            assert_eq!(
+                overlaps.load(Ordering::SeqCst),
+                0,
+                "two grants believed in at once"
+            );
+            // Everything given up settles once the flock is free.
+            let settled = tokio::time::timeout(Duration::from_secs(20), async {
+                loop {
+                    let turns = backend.flock_turns.lock().unwrap().is_empty();
+                    let stalled = backend.stalled.lock().unwrap().is_empty();
+                    let free = backend.inspect(&key).await.unwrap().is_none();
+                    if turns && stalled && free {
+                        break;
+                    }
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+            })
+            .await;
+            let turns = backend.flock_turns.lock().unwrap().len();
+            let stalled = backend.stalled.lock().unwrap().len();
+            let holder = backend.inspect(&key).await.map(|h| h.is_some());
+            assert!(
+                settled.is_ok(),
+                "left behind: turns {turns}, stalled {stalled}, holder {holder:?}"
+            );
+        });
     }
 }
