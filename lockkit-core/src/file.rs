@@ -1678,13 +1678,15 @@ impl Drop for WriterMark<'_> {
 
 #[async_trait]
 impl LockBackend for FileBackend {
-    /// [`FLOCK_KEPT_AT_MOST`] (5 s). An operation waits only for the file's `flock`, which
-    /// its holder keeps for one short read and write (and, once per 1,024 grants, a sync),
-    /// unless that process was stopped in the middle of one (SIGSTOP, a debugger) or its
-    /// file system does not answer. Then a release or an inquiry answers an error at this
-    /// bound, rather than wait for as long as that lasts; the release given up on goes on
-    /// in the background on its blocking thread and takes effect once the `flock` is free. An acquisition bounds itself more tightly: a second past its deadline at
-    /// the latest (a try: after it), see [`FLOCK_GRACE`].
+    /// 5 s. An operation waits only for the file's `flock`, which its holder keeps for one
+    /// short read and write (and, once per 1,024 grants, a sync), unless that process was
+    /// stopped in the middle of one (SIGSTOP, a debugger) or its file system does not
+    /// answer. Then a release or an inquiry answers an error at this bound, rather than
+    /// wait for as long as that lasts. The [`Locker`](crate::Locker)'s release given up on
+    /// goes on in the background (a direct caller of this trait must keep polling it, or
+    /// detach it, for it to take effect) and takes effect once the `flock` is free. An
+    /// acquisition bounds itself more tightly: a second past its deadline at the latest (a
+    /// try: a second after it began).
     fn response_bound(&self) -> Duration {
         FLOCK_KEPT_AT_MOST
     }

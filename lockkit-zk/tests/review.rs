@@ -25,6 +25,28 @@ async fn take_away(admin: &ZkBackend, key: &LockKey) {
     }
 }
 
+/// A locker whose session expired behind a cut link (`options` for its URL): the client
+/// gave its session up (7/5 of the session timeout after the server last answered), and
+/// the proxy still stalls every connection. `None` where no server is configured.
+async fn expired_behind_a_cut_link(options: &str) -> Option<(FaultProxy, Locker)> {
+    let url = env::service_url("LOCKKIT_TEST_ZK_URL")?;
+    let server = env::host_ports(&url).into_iter().next().unwrap();
+    let proxy = FaultProxy::start(server.parse().unwrap()).await.unwrap();
+    let backend = ZkBackend::connect(&format!("zk://{}?{options}", proxy.local_addr()))
+        .await
+        .unwrap();
+    let client = backend.client().await.unwrap();
+    proxy.cut();
+    let expired = tokio::time::timeout(Duration::from_secs(60), async {
+        while !matches!(client.state(), zookeeper_client::SessionState::Expired) {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    })
+    .await;
+    assert!(expired.is_ok(), "the client never gave its session up");
+    Some((proxy, Locker::new(backend)))
+}
+
 /// A re-entry must not be granted on a hold whose node is gone: another client holds the
 /// key by then. The re-entry's own request (it records the depth in the node) is answered
 /// `NoNode`; before the fix that answer was ignored and the owner was granted depth 2 while
@@ -121,29 +143,13 @@ async fn a_read_racing_the_release_of_its_owners_write_waits_its_deadline() {
 /// timeouts, whatever its wait.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn acquisitions_on_an_expired_session_keep_their_deadlines() {
-    let Some(url) = env::service_url("LOCKKIT_TEST_ZK_URL") else {
-        return;
-    };
-    let server = env::host_ports(&url).into_iter().next().unwrap();
-    let proxy = FaultProxy::start(server.parse().unwrap()).await.unwrap();
-    let backend = ZkBackend::connect(&format!(
-        "zk://{}?session_timeout=2s&connect_timeout=1s",
-        proxy.local_addr()
-    ))
-    .await
-    .unwrap();
-    let client = backend.client().await.unwrap();
-    let locker = Locker::new(backend.clone());
     // A partition: the client gives its session up (7/5 of the session timeout after the
     // server last answered), and every new connection stalls.
-    proxy.cut();
-    let expired = tokio::time::timeout(Duration::from_secs(60), async {
-        while !matches!(client.state(), zookeeper_client::SessionState::Expired) {
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-    })
-    .await;
-    assert!(expired.is_ok(), "the client never gave its session up");
+    let Some((proxy, locker)) =
+        expired_behind_a_cut_link("session_timeout=2s&connect_timeout=1s").await
+    else {
+        return;
+    };
     let key = key("expired-session-deadline");
     let wait = Duration::from_millis(300);
     let mut attempts = Vec::new();
@@ -245,28 +251,12 @@ async fn a_hold_lost_on_a_silent_link_frees_the_key_once_its_guard_is_dropped() 
 /// ever got a session: every one failed with "reopening the expired ZooKeeper session".
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_slow_reopening_outlives_the_callers_that_gave_up_on_it() {
-    let Some(url) = env::service_url("LOCKKIT_TEST_ZK_URL") else {
+    // A request limit of 2/5 of the session timeout (1.2 s): connect_timeout is above 3/5.
+    let Some((proxy, locker)) =
+        expired_behind_a_cut_link("session_timeout=3s&connect_timeout=2500ms").await
+    else {
         return;
     };
-    let server = env::host_ports(&url).into_iter().next().unwrap();
-    let proxy = FaultProxy::start(server.parse().unwrap()).await.unwrap();
-    // A request limit of 2/5 of the session timeout (1.2 s): connect_timeout is above 3/5.
-    let backend = ZkBackend::connect(&format!(
-        "zk://{}?session_timeout=3s&connect_timeout=2500ms",
-        proxy.local_addr()
-    ))
-    .await
-    .unwrap();
-    let client = backend.client().await.unwrap();
-    let locker = Locker::new(backend.clone());
-    proxy.cut();
-    let expired = tokio::time::timeout(Duration::from_secs(60), async {
-        while !matches!(client.state(), zookeeper_client::SessionState::Expired) {
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-    })
-    .await;
-    assert!(expired.is_ok(), "the client never gave its session up");
     // The link is back but slow: a new session's handshake takes about 1.8 s (four chunks,
     // 450 ms each), longer than any one try waits for it, shorter than connect_timeout.
     proxy.heal();
@@ -334,28 +324,11 @@ async fn a_missing_chroot_is_named() {
 /// (and the connection attempts made for callers long gone) grew without bound.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn acquisitions_giving_up_on_an_expired_session_leave_one_reopening() {
-    let Some(url) = env::service_url("LOCKKIT_TEST_ZK_URL") else {
+    let Some((proxy, locker)) =
+        expired_behind_a_cut_link("session_timeout=2s&connect_timeout=1s").await
+    else {
         return;
     };
-    let server = env::host_ports(&url).into_iter().next().unwrap();
-    let proxy = FaultProxy::start(server.parse().unwrap()).await.unwrap();
-    let backend = ZkBackend::connect(&format!(
-        "zk://{}?session_timeout=2s&connect_timeout=1s",
-        proxy.local_addr()
-    ))
-    .await
-    .unwrap();
-    let client = backend.client().await.unwrap();
-    let locker = Locker::new(backend.clone());
-    proxy.cut();
-    let expired = tokio::time::timeout(Duration::from_secs(60), async {
-        while !matches!(client.state(), zookeeper_client::SessionState::Expired) {
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-    })
-    .await;
-    assert!(expired.is_ok(), "the client never gave its session up");
-    drop(client);
     let key = key("reopening-queue");
     for _ in 0..2 {
         let mut tries = Vec::new();
