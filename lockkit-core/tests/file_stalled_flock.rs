@@ -118,22 +118,24 @@ async fn a_release_ends_while_a_stopped_process_keeps_the_flock() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
-/// Tries given up on a key whose `flock` a stopped process keeps must not each leave a
-/// blocking thread waiting for it: a caller that retries a retryable error (as the error
-/// says to) piled them up, one per try, until the runtime's blocking pool was all waiting
-/// for that one `flock`, and every other key's operation that needs a blocking thread (a
-/// new key's first grant syncs its ceiling there) was given up too. Here the pool has 3
-/// threads and 5 tries are given up on the stalled key: another key must still be granted.
-#[test]
-fn tries_given_up_on_a_stalled_key_leave_other_keys_alone() {
+/// Runs `give_up` (operations given up on, one way or another) on a key whose file's
+/// `flock` another process keeps, in a runtime with `blocking_threads` blocking threads;
+/// then a free key must still be granted within `wait`, and, once the `flock` is free, the
+/// stalled key too (nothing left behind).
+fn with_a_stalled_key(
+    name: &str,
+    blocking_threads: usize,
+    wait: Duration,
+    give_up: impl AsyncFn(&Locker, &LockKey),
+) {
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
-        .max_blocking_threads(3)
+        .max_blocking_threads(blocking_threads)
         .enable_all()
         .build()
         .unwrap();
     runtime.block_on(async {
-        let dir = temp_dir("pileup");
+        let dir = temp_dir(name);
         let locker = Locker::new(FileBackend::open(&dir).unwrap());
         let key = LockKey::new("stalled").unwrap();
         locker
@@ -150,25 +152,17 @@ fn tries_given_up_on_a_stalled_key_leave_other_keys_alone() {
             .open(dir.join(file_name(&key)))
             .unwrap();
         stopped.lock().unwrap();
-        for _ in 0..5 {
-            let tried = tokio::time::timeout(Duration::from_secs(20), locker.try_acquire(&key))
-                .await
-                .expect("a try was still waiting after 20 s");
-            assert!(tried.is_err() || matches!(tried, Ok(None)));
-        }
+        give_up(&locker, &key).await;
         let other = LockKey::new("other").unwrap();
-        let granted = tokio::time::timeout(
-            Duration::from_secs(20),
-            locker.acquire(&other).wait(Duration::from_secs(5)),
-        )
-        .await
-        .expect("still waiting after 20 s");
+        let granted =
+            tokio::time::timeout(Duration::from_secs(20), locker.acquire(&other).wait(wait))
+                .await
+                .expect("still waiting after 20 s");
         let guard = granted.unwrap_or_else(|e| {
             panic!("a key nobody holds was refused while another key's flock is kept: {e}")
         });
         guard.release().await.unwrap();
         drop(stopped);
-        // Once the flock is free, the stalled key is granted again (nothing left behind).
         let guard = tokio::time::timeout(
             Duration::from_secs(20),
             locker.acquire(&key).wait(Duration::from_secs(10)),
@@ -178,6 +172,24 @@ fn tries_given_up_on_a_stalled_key_leave_other_keys_alone() {
         .unwrap();
         guard.release().await.unwrap();
         let _ = std::fs::remove_dir_all(&dir);
+    });
+}
+
+/// Tries given up on a key whose `flock` a stopped process keeps must not each leave a
+/// blocking thread waiting for it: a caller that retries a retryable error (as the error
+/// says to) piled them up, one per try, until the runtime's blocking pool was all waiting
+/// for that one `flock`, and every other key's operation that needs a blocking thread (a
+/// new key's first grant syncs its ceiling there) was given up too. Here the pool has 3
+/// threads and 5 tries are given up on the stalled key: another key must still be granted.
+#[test]
+fn tries_given_up_on_a_stalled_key_leave_other_keys_alone() {
+    with_a_stalled_key("pileup", 3, Duration::from_secs(5), async |locker, key| {
+        for _ in 0..5 {
+            let tried = tokio::time::timeout(Duration::from_secs(20), locker.try_acquire(key))
+                .await
+                .expect("a try was still waiting after 20 s");
+            assert!(tried.is_err() || matches!(tried, Ok(None)));
+        }
     });
 }
 
@@ -189,57 +201,13 @@ fn tries_given_up_on_a_stalled_key_leave_other_keys_alone() {
 /// pool (3 threads here) was all waiting for that one `flock` and a free key was refused.
 #[test]
 fn tries_dropped_by_their_callers_on_a_stalled_key_leave_other_keys_alone() {
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .max_blocking_threads(3)
-        .enable_all()
-        .build()
-        .unwrap();
-    runtime.block_on(async {
-        let dir = temp_dir("dropped");
-        let locker = Locker::new(FileBackend::open(&dir).unwrap());
-        let key = LockKey::new("stalled").unwrap();
-        locker
-            .try_acquire(&key)
-            .await
-            .unwrap()
-            .unwrap()
-            .release()
-            .await
-            .unwrap();
-        let stopped = std::fs::OpenOptions::new()
-            .read(true)
-            .write(true)
-            .open(dir.join(file_name(&key)))
-            .unwrap();
-        stopped.lock().unwrap();
+    with_a_stalled_key("dropped", 3, Duration::from_secs(5), async |locker, key| {
         for _ in 0..5 {
             // The caller gives up first (its own timeout), before the backend's bound.
             let tried =
-                tokio::time::timeout(Duration::from_millis(200), locker.try_acquire(&key)).await;
+                tokio::time::timeout(Duration::from_millis(200), locker.try_acquire(key)).await;
             assert!(!matches!(tried, Ok(Ok(Some(_)))), "granted a kept key");
         }
-        let other = LockKey::new("other").unwrap();
-        let granted = tokio::time::timeout(
-            Duration::from_secs(20),
-            locker.acquire(&other).wait(Duration::from_secs(5)),
-        )
-        .await
-        .expect("still waiting after 20 s");
-        let guard = granted.unwrap_or_else(|e| {
-            panic!("a key nobody holds was refused while another key's flock is kept: {e}")
-        });
-        guard.release().await.unwrap();
-        drop(stopped);
-        let guard = tokio::time::timeout(
-            Duration::from_secs(20),
-            locker.acquire(&key).wait(Duration::from_secs(10)),
-        )
-        .await
-        .expect("still waiting after 20 s")
-        .unwrap();
-        guard.release().await.unwrap();
-        let _ = std::fs::remove_dir_all(&dir);
     });
 }
 
@@ -251,48 +219,17 @@ fn tries_dropped_by_their_callers_on_a_stalled_key_leave_other_keys_alone() {
 /// blocking thread) is refused.
 #[test]
 fn inquiries_given_up_on_a_stalled_key_leave_other_keys_alone() {
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .max_blocking_threads(2)
-        .enable_all()
-        .build()
-        .unwrap();
-    runtime.block_on(async {
-        let dir = temp_dir("inquiries");
-        let locker = Locker::new(FileBackend::open(&dir).unwrap());
-        let key = LockKey::new("stalled").unwrap();
-        locker
-            .try_acquire(&key)
-            .await
-            .unwrap()
-            .unwrap()
-            .release()
-            .await
-            .unwrap();
-        let stopped = std::fs::OpenOptions::new()
-            .read(true)
-            .write(true)
-            .open(dir.join(file_name(&key)))
-            .unwrap();
-        stopped.lock().unwrap();
-        for _ in 0..2 {
-            let asked = tokio::time::timeout(Duration::from_secs(20), locker.inspect(&key))
-                .await
-                .expect("an inquiry was still waiting after 20 s");
-            assert!(asked.is_err(), "answered through a kept flock");
-        }
-        let other = LockKey::new("other").unwrap();
-        let granted = tokio::time::timeout(
-            Duration::from_secs(20),
-            locker.acquire(&other).wait(Duration::from_secs(3)),
-        )
-        .await
-        .expect("still waiting after 20 s");
-        let guard = granted.unwrap_or_else(|e| {
-            panic!("a key nobody holds was refused while another key's flock is kept: {e}")
-        });
-        guard.release().await.unwrap();
-        drop(stopped);
-        let _ = std::fs::remove_dir_all(&dir);
-    });
+    with_a_stalled_key(
+        "inquiries",
+        2,
+        Duration::from_secs(3),
+        async |locker, key| {
+            for _ in 0..2 {
+                let asked = tokio::time::timeout(Duration::from_secs(20), locker.inspect(key))
+                    .await
+                    .expect("an inquiry was still waiting after 20 s");
+                assert!(asked.is_err(), "answered through a kept flock");
+            }
+        },
+    );
 }
