@@ -1017,6 +1017,7 @@ impl FileBackend {
                 ))
             })?;
         let _ = std::fs::remove_file(probe);
+        warn_if_others_can_break_locks(&dir);
         let fs = FsKind::of(&dir);
         if fs == FsKind::Tmpfs {
             tracing::warn!(
@@ -1498,6 +1499,32 @@ where
         .store(&before, path)
         .map_err(|e| io_error(doing, path, e))?;
     Ok(Applied::Done(outcome))
+}
+
+/// Warns when every user may delete or rename the lock files in `dir` (writable by others,
+/// without the sticky bit that `/tmp` has): any of them could then take a held key's file
+/// away, and another process would be granted the key while its holder still believes in
+/// it (until its next renewal finds out). Not refused: a directory made under `umask 000`
+/// (common in containers) is like that by accident, and still works among trusted users.
+fn warn_if_others_can_break_locks(dir: &Path) {
+    #[cfg(not(unix))]
+    let _ = dir;
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::PermissionsExt;
+        let Ok(meta) = std::fs::metadata(dir) else {
+            return;
+        };
+        let mode = meta.permissions().mode();
+        if mode & 0o002 != 0 && mode & 0o1000 == 0 {
+            tracing::warn!(
+                dir = %dir.display(),
+                "lock directory is writable by every user and not sticky: any user can \
+                 delete or replace lock files and break the locks; `chmod o-w` it (or \
+                 `chmod +t`), or use a directory of your own, e.g. /var/lib/<app>/locks"
+            );
+        }
+    }
 }
 
 /// Microseconds since the Unix epoch by the wall clock (0 before it).

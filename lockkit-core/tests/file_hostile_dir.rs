@@ -102,3 +102,51 @@ async fn a_deleted_or_emptied_lock_file_does_not_restart_its_tokens() {
     }
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A lock directory every user may write, without the sticky bit (made under `umask 000`,
+/// or by another user first): any user can delete a held key's file and have the key
+/// granted again. Opening it warns and says how to mend it; a private one does not.
+#[cfg(unix)]
+#[test]
+fn a_lock_directory_every_user_may_write_is_warned_of() {
+    use std::os::unix::fs::PermissionsExt;
+    use std::sync::{Arc, Mutex};
+
+    #[derive(Clone, Default)]
+    struct Captured(Arc<Mutex<Vec<u8>>>);
+    impl std::io::Write for Captured {
+        fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
+            self.0.lock().unwrap().extend_from_slice(bytes);
+            Ok(bytes.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+    let warnings_when_opening = |mode: u32| {
+        let dir = temp_dir("perms");
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(mode)).unwrap();
+        let captured = Captured::default();
+        let writer = captured.clone();
+        let subscriber = tracing_subscriber::fmt()
+            .with_writer(move || writer.clone())
+            .with_ansi(false)
+            .finish();
+        tracing::subscriber::with_default(subscriber, || FileBackend::open(&dir).unwrap());
+        let _ = std::fs::remove_dir_all(&dir);
+        String::from_utf8(captured.0.lock().unwrap().clone()).unwrap()
+    };
+    let open_to_all = warnings_when_opening(0o777);
+    assert!(
+        open_to_all.contains("writable by every user"),
+        "no warning for a 0777 directory: {open_to_all:?}"
+    );
+    for mode in [0o755, 0o775, 0o1777] {
+        let text = warnings_when_opening(mode);
+        assert!(
+            !text.contains("writable by every user"),
+            "{mode:o}: {text:?}"
+        );
+    }
+}
