@@ -10,6 +10,18 @@ fn temp_dir(name: &str) -> PathBuf {
     std::env::temp_dir().join(format!("lockkit-stalled-{name}-{}", uuid::Uuid::new_v4()))
 }
 
+/// The `flock` of `key`'s file, kept as a process stopped in the middle of an operation
+/// keeps it, until the returned file is dropped.
+fn keep_flock(dir: &std::path::Path, key: &LockKey) -> std::fs::File {
+    let stopped = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(dir.join(file_name(key)))
+        .unwrap();
+    stopped.lock().unwrap();
+    stopped
+}
+
 /// Another process took a key's file `flock` for an operation and was stopped there
 /// (SIGSTOP, a debugger): a wait of 300 ms still ends near its deadline with `Timeout`,
 /// and a try does not wait for good either.
@@ -27,12 +39,7 @@ async fn a_wait_ends_at_its_deadline_while_a_stopped_process_keeps_the_flock() {
         .release()
         .await
         .unwrap();
-    let stopped = std::fs::OpenOptions::new()
-        .read(true)
-        .write(true)
-        .open(dir.join(file_name(&key)))
-        .unwrap();
-    stopped.lock().unwrap();
+    let stopped = keep_flock(&dir, &key);
 
     let waited = tokio::time::timeout(
         Duration::from_secs(20),
@@ -82,12 +89,7 @@ async fn a_release_ends_while_a_stopped_process_keeps_the_flock() {
         .ttl(Duration::from_secs(600))
         .await
         .unwrap();
-    let stopped = std::fs::OpenOptions::new()
-        .read(true)
-        .write(true)
-        .open(dir.join(file_name(&key)))
-        .unwrap();
-    stopped.lock().unwrap();
+    let stopped = keep_flock(&dir, &key);
 
     let released = tokio::time::timeout(Duration::from_secs(30), guard.release()).await;
     match released {
@@ -146,12 +148,7 @@ fn with_a_stalled_key(
             .release()
             .await
             .unwrap();
-        let stopped = std::fs::OpenOptions::new()
-            .read(true)
-            .write(true)
-            .open(dir.join(file_name(&key)))
-            .unwrap();
-        stopped.lock().unwrap();
+        let stopped = keep_flock(&dir, &key);
         give_up(&locker, &key).await;
         let other = LockKey::new("other").unwrap();
         let granted =
