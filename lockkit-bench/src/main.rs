@@ -78,6 +78,12 @@ fn with_mode(url: &str, mode: &str) -> String {
     }
 }
 
+/// This run's scratch directory (Curator's classes, the file backend's lock files), removed
+/// when the run ends.
+fn scratch_dir() -> std::path::PathBuf {
+    std::env::temp_dir().join(format!("lockkit-peerbench-{}", std::process::id()))
+}
+
 /// Compiles `peers/CuratorPeer.java` against Debian's Curator jars; the java arguments.
 fn curator_command() -> Result<Vec<String>, String> {
     let jars = [
@@ -98,7 +104,7 @@ fn curator_command() -> Result<Vec<String>, String> {
         ));
     }
     let classpath = jars.join(":");
-    let out = std::env::temp_dir().join(format!("lockkit-peerbench-{}", std::process::id()));
+    let out = scratch_dir();
     std::fs::create_dir_all(&out).map_err(|e| e.to_string())?;
     let source = concat!(env!("CARGO_MANIFEST_DIR"), "/peers/CuratorPeer.java");
     let status = std::process::Command::new("javac")
@@ -284,8 +290,7 @@ async fn subjects_of(backend: &str, notes: &mut Vec<String>) -> Result<Vec<Subje
             );
         }
         "file" => {
-            let dir =
-                std::env::temp_dir().join(format!("lockkit-peerbench-{}", std::process::id()));
+            let dir = scratch_dir();
             std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
             add(
                 Subject::lockkit("lockkit", &format!("file://{}", dir.display())).await,
@@ -428,6 +433,12 @@ async fn main() {
             Ok(section) => sections.push(section),
             Err(e) => notes.push(format!("{backend}: not measured: {e}")),
         }
+    }
+    // Every subject is gone by now (each backend's end with its `measure`).
+    if let Err(e) = std::fs::remove_dir_all(scratch_dir())
+        && e.kind() != std::io::ErrorKind::NotFound
+    {
+        eprintln!("peerbench: cannot remove {}: {e}", scratch_dir().display());
     }
     let markdown = report::markdown(&sections, &notes, args.quick);
     println!("{markdown}");

@@ -286,15 +286,32 @@ impl FileFence {
 mod tests {
     use super::*;
 
-    fn scratch(name: &str) -> PathBuf {
-        let dir = std::env::temp_dir().join(format!("lockkit-fence-{}-{name}", std::process::id()));
-        std::fs::create_dir_all(&dir).expect("a scratch dir");
-        dir.join("data")
+    /// A scratch directory of one test, removed when the test ends (passed or not).
+    struct Scratch(PathBuf);
+
+    impl Scratch {
+        fn new(name: &str) -> Self {
+            let dir =
+                std::env::temp_dir().join(format!("lockkit-fence-{}-{name}", std::process::id()));
+            std::fs::create_dir_all(&dir).expect("a scratch dir");
+            Self(dir)
+        }
+
+        fn data(&self) -> PathBuf {
+            self.0.join("data")
+        }
+    }
+
+    impl Drop for Scratch {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
     }
 
     #[test]
     fn a_stale_token_is_refused_an_equal_one_accepted_a_newer_one_raises_the_bar() {
-        let (fence, path) = (FileFence::new(), scratch("order"));
+        let scratch = Scratch::new("order");
+        let (fence, path) = (FileFence::new(), scratch.data());
         fence
             .write(FencingToken::new(5), &path, b"five")
             .expect("first write");
@@ -323,7 +340,8 @@ mod tests {
     /// fence's own files cannot be written as data.
     #[test]
     fn a_corrupt_fence_fails_closed_and_its_own_files_are_refused() {
-        let (fence, path) = (FileFence::new(), scratch("corrupt"));
+        let scratch = Scratch::new("corrupt");
+        let (fence, path) = (FileFence::new(), scratch.data());
         fence
             .write(FencingToken::new(9), &path, b"nine")
             .expect("first write");
