@@ -293,7 +293,7 @@ async fn subjects_of(backend: &str, notes: &mut Vec<String>) -> Result<Vec<Subje
             let dir = scratch_dir();
             std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
             add(
-                Subject::lockkit("lockkit", &format!("file://{}", dir.display())).await,
+                Subject::lockkit("lockkit", &lockkit::FileBackend::url_of(&dir)).await,
                 "lockkit",
                 notes,
             );

@@ -316,22 +316,22 @@ async fn fence(url: &str, resource: &str, token: FencingToken, command: &[String
     let code = |code: i32| ExitCode::from(u8::try_from(code).unwrap_or(1));
     let outcome: lockkit::Result<i32> = match scheme {
         "file" => {
-            let dir = url.trim_start_matches("file://");
-            let dir = dir.split_once('?').map_or(dir, |(dir, _)| dir);
-            if !dir.starts_with('/') {
-                eprintln!(
-                    "lockkit: a file:// fence needs an absolute directory: file:///var/lib/app/locks"
-                );
-                return ExitCode::from(2);
-            }
+            let dir = match lockkit::FileBackend::dir_of_url(url) {
+                Ok(dir) => dir,
+                Err(e) => {
+                    eprintln!("lockkit: a file:// fence needs a local directory: {e}");
+                    return ExitCode::from(2);
+                }
+            };
             if resource.is_empty() || resource.contains('/') || resource.starts_with('.') {
                 eprintln!(
-                    "lockkit: with a file:// store, --resource is a file name in {dir} \
-                     (no `/`, not starting with `.`)"
+                    "lockkit: with a file:// store, --resource is a file name in {} \
+                     (no `/`, not starting with `.`)",
+                    dir.display()
                 );
                 return ExitCode::from(2);
             }
-            let path = std::path::Path::new(dir).join(resource);
+            let path = dir.join(resource);
             let command = command.to_vec();
             tokio::task::spawn_blocking(move || {
                 lockkit::fence::FileFence::new().run(token, path, || Ok(run_to_end(&command)))

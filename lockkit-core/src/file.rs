@@ -1037,24 +1037,50 @@ impl FileBackend {
         })
     }
 
-    /// From a `file:///absolute/dir` URL.
+    /// From a `file:///absolute/dir` URL (RFC 8089): the host is empty or `localhost`, the
+    /// path is percent-decoded (`file:///var/lib/my%20locks` is `/var/lib/my locks`), and
+    /// the only option is `?ttl=`.
     ///
     /// # Errors
-    /// [`Error::Config`] for any other URL.
+    /// [`Error::Config`] for any other URL: another scheme or host, a relative path, a
+    /// fragment (`#...` names no directory; a `#` in the path is written `%23`), a bad or
+    /// NUL escape, an option other than `ttl`.
     pub fn from_url(url: &str) -> Result<Self> {
-        let Some(path) = url.strip_prefix("file://") else {
-            return Err(Error::Config(format!(
-                "`{url}` is not a file URL; write file:///absolute/path/to/dir"
-            )));
-        };
-        let (path, query) = path.split_once('?').unwrap_or((path, ""));
-        if !path.starts_with('/') {
-            return Err(Error::Config(format!(
-                "`{url}` must name an absolute directory: file:///var/lib/app/locks[?ttl=30s]"
-            )));
+        Self::open(Self::dir_of_url(url)?)
+    }
+
+    /// The directory a `file://` URL names, as [`FileBackend::from_url`] reads it (for tools
+    /// that keep other files beside the locks, such as a file fence).
+    ///
+    /// # Errors
+    /// [`Error::Config`], as [`FileBackend::from_url`].
+    pub fn dir_of_url(url: &str) -> Result<PathBuf> {
+        dir_of_url(url)
+    }
+
+    /// The `file://` URL of the absolute directory `dir`, which [`FileBackend::from_url`]
+    /// reads back as `dir`: a `%`, `#`, `?`, a control character or a byte that is not
+    /// UTF-8 is percent-escaped.
+    #[must_use]
+    pub fn url_of(dir: &Path) -> String {
+        use std::{fmt::Write as _, os::unix::ffi::OsStrExt};
+        let mut url = String::from("file://");
+        for chunk in dir.as_os_str().as_bytes().utf8_chunks() {
+            for c in chunk.valid().chars() {
+                if matches!(c, '%' | '#' | '?') || c.is_control() {
+                    let mut utf8 = [0; 4];
+                    for byte in c.encode_utf8(&mut utf8).bytes() {
+                        let _ = write!(url, "%{byte:02X}");
+                    }
+                } else {
+                    url.push(c);
+                }
+            }
+            for byte in chunk.invalid() {
+                let _ = write!(url, "%{byte:02X}");
+            }
         }
-        crate::config::only_ttl_option(url, query)?;
-        Self::open(path)
+        url
     }
 
     /// Operator action: takes `key` away from its holder, as if its lease had run out (the
@@ -1880,6 +1906,138 @@ impl LockBackend for FileBackend {
             Ok(first.into_iter().chain(shared).collect())
         })
         .await
+    }
+}
+
+/// The directory a `file://` URL names (see [`FileBackend::from_url`]).
+fn dir_of_url(url: &str) -> Result<PathBuf> {
+    use std::os::unix::ffi::OsStringExt;
+    let shown = crate::config::redact_url(url);
+    let Some(rest) = url.strip_prefix("file://") else {
+        return Err(Error::Config(format!(
+            "`{shown}` is not a file URL; write file:///absolute/path/to/dir"
+        )));
+    };
+    if rest.contains('#') {
+        return Err(Error::Config(format!(
+            "`{shown}` has a fragment (`#...`), which names no directory: write a `#` in the \
+             path as %23"
+        )));
+    }
+    let (rest, query) = rest.split_once('?').unwrap_or((rest, ""));
+    // file:///dir and file://localhost/dir name the same directory; no other host does.
+    let (host, path) = match rest.find('/') {
+        Some(slash) => rest.split_at(slash),
+        None => (rest, ""),
+    };
+    if !host.is_empty() && !host.eq_ignore_ascii_case("localhost") {
+        return Err(Error::Config(format!(
+            "`{shown}` names the host `{host}`: a file URL names a directory of this machine, \
+             file:///absolute/path/to/dir (or file://localhost/...)"
+        )));
+    }
+    if path.is_empty() {
+        return Err(Error::Config(format!(
+            "`{shown}` must name an absolute directory: file:///var/lib/app/locks[?ttl=30s]"
+        )));
+    }
+    crate::config::only_ttl_option(url, query)?;
+    let bad = |what: &str| Error::Config(format!("{what} in the path of `{shown}`"));
+    let bytes = path.as_bytes();
+    let mut decoded = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        if bytes[i] == b'%' {
+            let byte = path
+                .get(i + 1..i + 3)
+                .and_then(|hex| u8::from_str_radix(hex, 16).ok())
+                .ok_or_else(|| bad("a bad percent escape (write %XX with two hex digits)"))?;
+            if byte == 0 {
+                return Err(bad("a NUL (%00), which no path may hold"));
+            }
+            decoded.push(byte);
+            i += 3;
+        } else {
+            decoded.push(bytes[i]);
+            i += 1;
+        }
+    }
+    Ok(PathBuf::from(std::ffi::OsString::from_vec(decoded)))
+}
+
+#[cfg(test)]
+mod url_tests {
+    use super::*;
+
+    /// The directory of `url`, or the error's text.
+    fn dir(url: &str) -> std::result::Result<PathBuf, String> {
+        dir_of_url(url).map_err(|e| e.to_string())
+    }
+
+    #[test]
+    fn file_urls_name_local_directories_percent_decoded() {
+        assert_eq!(dir("file:///var/lib/locks"), Ok("/var/lib/locks".into()));
+        assert_eq!(
+            dir("file:///var/lib/locks?ttl=3s"),
+            Ok("/var/lib/locks".into())
+        );
+        assert_eq!(
+            dir("file://localhost/var/lib/locks"),
+            Ok("/var/lib/locks".into())
+        );
+        assert_eq!(dir("file://LOCALHOST/x"), Ok("/x".into()));
+        assert_eq!(dir("file:///var/my%20locks"), Ok("/var/my locks".into()));
+        // A `+` in a path is itself, not a space (that is only in query strings).
+        assert_eq!(dir("file:///var/a+b"), Ok("/var/a+b".into()));
+        assert_eq!(dir("file:///tmp/%23one"), Ok("/tmp/#one".into()));
+        assert_eq!(dir("file:///tmp/caf%C3%A9"), Ok("/tmp/caf\u{e9}".into()));
+        // Not UTF-8 is still a path on Linux.
+        assert_eq!(
+            dir("file:///tmp/%FF").map(|p| p.into_os_string().into_encoded_bytes()),
+            Ok(b"/tmp/\xff".to_vec())
+        );
+    }
+
+    #[test]
+    fn the_url_of_a_directory_reads_back_as_that_directory() {
+        use std::os::unix::ffi::OsStrExt;
+        for dir in [
+            &b"/var/lib/locks"[..],
+            b"/tmp/a b",
+            b"/tmp/100%",
+            b"/tmp/x#y?z=1",
+            b"/tmp/caf\xc3\xa9",
+            b"/tmp/\xff\xfe",
+            b"/tmp/line\nbreak",
+        ] {
+            let dir = Path::new(std::ffi::OsStr::from_bytes(dir));
+            let url = FileBackend::url_of(dir);
+            assert_eq!(dir_of_url(&url).ok().as_deref(), Some(dir), "{url}");
+        }
+        assert_eq!(
+            FileBackend::url_of(Path::new("/tmp/lockkit")),
+            "file:///tmp/lockkit"
+        );
+    }
+
+    #[test]
+    fn file_urls_that_name_no_local_directory_are_refused_saying_why() {
+        for (url, says) in [
+            ("redis://h/x", "not a file URL"),
+            ("file://", "absolute directory"),
+            ("file://localhost", "absolute directory"),
+            ("file://relative/dir", "names the host `relative`"),
+            ("file://server.example/share", "names the host"),
+            ("file:///tmp/locks#part", "fragment"),
+            ("file:///tmp/locks?ttl=3s#part", "fragment"),
+            ("file:///tmp/%zz", "bad percent escape"),
+            ("file:///tmp/%4", "bad percent escape"),
+            ("file:///tmp/a%00b", "NUL"),
+            ("file:///tmp/x?wait=3s", "unknown option `wait`"),
+        ] {
+            let error = dir(url).expect_err(url);
+            assert!(error.contains(says), "{url}: {error}");
+        }
     }
 }
 

@@ -183,7 +183,7 @@ pub const URL_VAR: &str = "LOCKKIT_URL";
 /// tokens that keep growing whatever the clock does, name a directory on a disk, e.g.
 /// `file:///var/lib/<app>/locks`.
 pub fn default_url() -> String {
-    format!("file://{}", std::env::temp_dir().join("lockkit").display())
+    lockkit_core::FileBackend::url_of(&std::env::temp_dir().join("lockkit"))
 }
 
 /// Connects to the backend `url` names, with default options. A `?ttl=` in the URL (every
