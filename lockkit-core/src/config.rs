@@ -99,6 +99,16 @@ impl LockUrl {
             Some((authority, path)) => (authority, Some(path.to_owned())),
             None => (base, None),
         };
+        // A fragment names no part of a lock URL: dropped, it would change what the URL
+        // means without a word (`?mode=row#x` read as `row`); kept, it would be read into a
+        // database name or an option's value. A `#` in a value is written `%23`. (In the
+        // user part, where passwords often carry a bare `#`, it is left as it is.)
+        if path.as_deref().is_some_and(|path| path.contains('#')) || query.contains('#') {
+            return Err(Error::Config(format!(
+                "`{shown}` has a fragment (`#...`), which no lock URL takes: write a `#` in \
+                 a name or value as %23"
+            )));
+        }
         let (userinfo, hosts) = match authority.rsplit_once('@') {
             Some((user, hosts)) => (Some(user.to_owned()), hosts),
             None => (None, authority),
@@ -416,6 +426,15 @@ mod tests {
         );
         let plain = LockUrl::parse("zk://h", &["zk"], "zk://h").unwrap();
         assert_eq!((plain.userinfo, plain.path), (None, None));
+        // A fragment is refused wherever it would change a name or a value.
+        for bad in ["zk://h?root=/a#b", "zk://h/app#x", "zk://h?ttl=5s#"] {
+            let refused = LockUrl::parse(bad, &["zk"], "zk://h")
+                .map(|_| ())
+                .unwrap_err();
+            assert!(refused.to_string().contains("fragment"), "{bad}: {refused}");
+        }
+        let hash_in_password = LockUrl::parse("zk://u:p#w@h/x", &["zk"], "zk://h").unwrap();
+        assert_eq!(hash_in_password.userinfo.as_deref(), Some("u:p#w"));
         for bad in ["zk://a,,b", "zk://,b", "redis://h", "zk:/h"] {
             assert!(LockUrl::parse(bad, &["zk"], "zk://h").is_err(), "{bad}");
         }
