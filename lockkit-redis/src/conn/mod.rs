@@ -227,8 +227,10 @@ struct Turns {
 enum Event {
     /// A release named this waiter as the next.
     Named(u64),
-    /// A queued waiter was granted the key (its id, published negated).
-    Taken(u64),
+    /// A queued waiter was granted the key (its id, published negated), and when the lease
+    /// of that grant ends, once the message after it said so (see
+    /// `wire::TAKEN_LEASE_BASE`).
+    Taken(u64, Option<tokio::time::Instant>),
 }
 
 /// How many events a channel remembers; a waiter that has not looked for longer tries, as
@@ -252,8 +254,9 @@ struct Mark {
 /// What the messages since a [`Mark`] tell a waiter.
 #[derive(Debug, PartialEq, Eq)]
 enum Turn {
-    /// Nothing, or the key was last taken by a queued waiter: sleep on.
-    Nothing,
+    /// Nothing, or the key was last taken by a queued waiter: sleep on, until that grant's
+    /// lease ends at most (when the grant said when).
+    Nothing(Option<tokio::time::Instant>),
     /// Try now: a release named nobody, or named this waiter, or its owner took the key,
     /// or the waiter lost track.
     Try,
@@ -271,12 +274,29 @@ impl Channel {
     fn heard(&self, payload: &[u8], generation: u64) -> bool {
         let mut turns = self.turns();
         let min = i64::try_from(crate::wire::NAMED_WAITER_MIN).unwrap_or(i64::MAX);
+        let lease_base = i64::try_from(crate::wire::TAKEN_LEASE_BASE).unwrap_or(i64::MAX);
         let number = std::str::from_utf8(payload)
             .ok()
             .and_then(|text| text.parse::<i64>().ok());
+        if let Some(n) = number.filter(|n| *n <= -lease_base) {
+            // The lease of the grant just published as taken: the waiters that sleep on
+            // behind it wake when it ends, if nothing else wakes them first.
+            let ms = n.unsigned_abs() - crate::wire::TAKEN_LEASE_BASE;
+            let ends = tokio::time::Instant::now()
+                .checked_add(Duration::from_millis(ms.saturating_add(1)))
+                .unwrap_or_else(|| tokio::time::Instant::now() + Duration::from_secs(86_400));
+            let next_event = turns.next_event;
+            if let Some((seq, Event::Taken(_, lease))) = turns.events.back_mut()
+                && *seq + 1 == next_event
+            {
+                *lease = Some(ends);
+                return true;
+            }
+            return false;
+        }
         let event = match number {
             Some(n) if n >= min => Some(Event::Named(n.unsigned_abs())),
-            Some(n) if n <= -min => Some(Event::Taken(n.unsigned_abs())),
+            Some(n) if n <= -min => Some(Event::Taken(n.unsigned_abs(), None)),
             _ => None,
         };
         match event {
@@ -321,13 +341,13 @@ impl Channel {
             return Turn::Try;
         }
         if turns.next_event == mark.next_event {
-            return Turn::Nothing;
+            return Turn::Nothing(None);
         }
         match turns.events.front() {
             Some((oldest, _)) if *oldest <= mark.next_event => {}
             _ => return Turn::Try,
         }
-        let mut turn = Turn::Nothing;
+        let mut turn = Turn::Nothing(None);
         for (_, event) in turns
             .events
             .iter()
@@ -336,9 +356,9 @@ impl Channel {
             turn = match event {
                 // Named, or its own owner took the key (another wait of the owner): it
                 // goes to the server, to be granted or to re-enter.
-                Event::Named(id) | Event::Taken(id) if *id == me => return Turn::Try,
+                Event::Named(id) | Event::Taken(id, _) if *id == me => return Turn::Try,
                 Event::Named(_) => Turn::Others,
-                Event::Taken(_) => Turn::Nothing,
+                Event::Taken(_, lease) => Turn::Nothing(*lease),
             };
         }
         turn
@@ -347,15 +367,18 @@ impl Channel {
 
 /// Resolves when waiter `me` (see `wire::queue_of`) is to try again on `channel`: a release
 /// named it or nobody since this call, or [`NAMED_GRACE`] passed since a release named
-/// another waiter and no queued waiter was heard taking the key after it. Marked at the
-/// call, so a release that comes before the first poll counts.
+/// another waiter and no queued waiter was heard taking the key after it, or the lease of
+/// the queued waiter last heard taking the key ran out (its holder may have died: nobody
+/// publishes that; the lease the waiter learned before was the previous holder's). Marked
+/// at the call, so a release that comes before the first poll counts.
 pub(crate) fn armed_for_turn(channel: &Channel, me: u64) -> Armed<'_> {
     let mut notified = armed(&channel.notify);
     let mark = channel.mark();
     Box::pin(async move {
         let mut grace: Option<tokio::time::Instant> = None;
+        let mut lease_end: Option<tokio::time::Instant> = None;
         loop {
-            match grace {
+            match grace.into_iter().chain(lease_end).min() {
                 Some(until) => {
                     tokio::select! {
                         () = &mut notified => {}
@@ -371,7 +394,10 @@ pub(crate) fn armed_for_turn(channel: &Channel, me: u64) -> Armed<'_> {
                 Turn::Others => {
                     grace.get_or_insert_with(|| tokio::time::Instant::now() + NAMED_GRACE);
                 }
-                Turn::Nothing => grace = None,
+                Turn::Nothing(lease) => {
+                    grace = None;
+                    lease_end = lease;
+                }
             }
         }
     })
@@ -841,7 +867,7 @@ mod tests {
         said(&channel, "0");
         assert_eq!(channel.turn_since(mark, ME), Turn::Others);
         assert!(said(&channel, &format!("-{OTHER}")), "taken");
-        assert_eq!(channel.turn_since(mark, ME), Turn::Nothing);
+        assert_eq!(channel.turn_since(mark, ME), Turn::Nothing(None));
         assert_eq!(
             channel.turn_since(mark, OTHER),
             Turn::Try,
@@ -855,6 +881,59 @@ mod tests {
             "only the 0 right after a name is swallowed"
         );
         assert_eq!(channel.turn_since(mark, ME), Turn::Try);
+    }
+
+    fn lease_message(ms: u64) -> String {
+        format!("-{}", crate::wire::TAKEN_LEASE_BASE + ms)
+    }
+
+    #[test]
+    fn the_lease_after_a_grant_bounds_the_sleep_and_nothing_else() {
+        let channel = Channel::default();
+        let mark = channel.mark();
+        assert!(
+            !said(&channel, &lease_message(1_000)),
+            "a lease that follows no grant says nothing"
+        );
+        assert_eq!(channel.turn_since(mark, ME), Turn::Nothing(None));
+        said(&channel, &OTHER.to_string());
+        said(&channel, "0");
+        said(&channel, &format!("-{OTHER}"));
+        let before = tokio::time::Instant::now();
+        assert!(said(&channel, &lease_message(1_000)), "wakes to re-read");
+        let Turn::Nothing(Some(ends)) = channel.turn_since(mark, ME) else {
+            panic!("{:?}", channel.turn_since(mark, ME));
+        };
+        assert!(ends >= before + Duration::from_millis(1_000), "{ends:?}");
+        assert!(ends <= tokio::time::Instant::now() + Duration::from_millis(1_001));
+        assert_eq!(channel.turn_since(mark, OTHER), Turn::Try);
+        // The holder's release names ME; the 0 after it is the same release.
+        said(&channel, &ME.to_string());
+        assert!(!said(&channel, "0"));
+        assert_eq!(channel.turn_since(mark, ME), Turn::Try);
+    }
+
+    /// Helper-41's finding: a waiter that heard a queued waiter take the key sleeps until
+    /// that grant's lease ends at most, not until the lease it learned before the handoff.
+    #[tokio::test(start_paused = true)]
+    async fn a_waiter_behind_a_taken_key_wakes_when_its_lease_ends() {
+        let channel = Channel::default();
+        let woken = armed_for_turn(&channel, ME);
+        let started = tokio::time::Instant::now();
+        for message in [OTHER.to_string(), "0".into(), format!("-{OTHER}")] {
+            if channel.heard(message.as_bytes(), 1) {
+                channel.notify.notify_waiters();
+            }
+        }
+        if channel.heard(lease_message(2_000).as_bytes(), 1) {
+            channel.notify.notify_waiters();
+        }
+        woken.await;
+        let slept = started.elapsed();
+        assert!(
+            slept >= Duration::from_millis(2_000) && slept < Duration::from_millis(2_100),
+            "{slept:?}"
+        );
     }
 
     #[test]

@@ -124,6 +124,15 @@ pub(crate) fn queue_of(names: &LockNames) -> String {
     name
 }
 
+/// The base of the message that follows a queued waiter's `-<id>` on the release channel:
+/// `-(base + lease ms)`, the new hold's lease. The waiters that heard the key taken sleep on,
+/// but not past that lease: a holder that dies (or pauses) publishes no release, and the
+/// lease they learned before the handoff was the previous holder's, which may end much
+/// later. Below every negated id (ids are under `2^62`, the base is `5 * 10^18`), so a
+/// lockkit client that does not know it takes it for the grant of a waiter that is not its
+/// own (it sleeps on, as after the `-<id>`); Redisson ignores every number but `0` and `1`.
+pub(crate) const TAKEN_LEASE_BASE: u64 = 5_000_000_000_000_000_000;
+
 /// [`ACQUIRE`]'s third reply value when busy and the owner is marked as a waiting writer.
 pub(crate) const BUSY_MARKED: i64 = 2;
 
@@ -151,8 +160,9 @@ pub(crate) const MAX_TTL_MS: u64 = 1_000_000_000_000;
 /// release names it again instead of every waiter that queued after it first; a
 /// queued waiter's grant leaves the queue, and while others are queued flags the new hold
 /// and publishes its id negated (`-<id>`, a number Redisson ignores) on the release
-/// channel: the waiters that heard another waiter named then know the key is taken, and
-/// sleep on instead of trying after their grace.
+/// channel, followed by the new lease (`-(TAKEN_LEASE_BASE + ttl)`, see
+/// [`TAKEN_LEASE_BASE`]): the waiters that heard another waiter named then know the key is
+/// taken, and sleep on instead of trying after their grace, until that lease ends at most.
 /// Returns `{1, token, depth}` when granted, `{0, pttl, 0}` when held by someone else in
 /// Redisson's layout (who publishes on release; `{0, pttl, 0, score}` when it queued), `{0, pttl, 1}` when held in another format
 /// (a plain `SET NX PX` string: nobody publishes its release), `{0, pttl, 2}` when held as
@@ -200,7 +210,10 @@ if t == 'none' then
     redis.pcall('zrem', KEYS[4], ARGV[7])
     local queued = redis.pcall('zcard', KEYS[4])
     others_queued = type(queued) == 'number' and queued > 0
-    if others_queued then redis.call('publish', KEYS[5], '-' .. ARGV[7]) end
+    if others_queued then
+      redis.call('publish', KEYS[5], '-' .. ARGV[7])
+      redis.call('publish', KEYS[5], '-5' .. string.format('%018d', ttl))
+    end
   end
   local fields = {'hset', KEYS[1], ARGV[2], 1}
   if others_queued then
@@ -396,6 +409,18 @@ mod tests {
     fn the_acquire_script_bounds_a_proposal_as_documented() {
         let micros = PROPOSAL_AHEAD_AT_MOST.as_micros();
         assert!(ACQUIRE_LUA.contains(&format!("p <= tonumber(floor) + {micros} then")));
+    }
+
+    #[test]
+    fn the_acquire_script_publishes_the_taken_lease_above_its_base() {
+        assert_eq!(TAKEN_LEASE_BASE, 5 * 10u64.pow(18));
+        // `-5` then the lease in 18 digits: `-(TAKEN_LEASE_BASE + ttl)`.
+        assert!(ACQUIRE_LUA.contains("'-5' .. string.format('%018d', ttl)"));
+        assert!(TAKEN_LEASE_BASE + MAX_TTL_MS < i64::MAX as u64);
+        assert!(
+            TAKEN_LEASE_BASE > 2 * NAMED_WAITER_MIN,
+            "above every negated id"
+        );
     }
 
     #[test]

@@ -1,0 +1,84 @@
+//! Review 41 (helper-41): the single-server Redis backend's waiter queue, tokens and
+//! scripts under crashes, pauses and lost replies.
+
+use std::time::{Duration, Instant};
+
+use lockkit_conformance::env;
+use lockkit_core::spi::AcquireRequest;
+use lockkit_core::{LockBackend, LockGuard, LockKey, Locker, LossSignal, OwnerId};
+use lockkit_redis::RedisBackend;
+use uuid::Uuid;
+
+fn server() -> Option<String> {
+    env::service_url("LOCKKIT_TEST_REDIS_URL")
+}
+
+fn key() -> String {
+    format!("review41/{}", Uuid::new_v4().simple())
+}
+
+async fn backend(url: &str) -> RedisBackend {
+    RedisBackend::connect(url).await.unwrap()
+}
+
+/// A waiter queued behind a holder with a long lease. The release names the waiter queued
+/// before it, whose grant (a short lease) is published as taken; that holder then dies
+/// (no release, no renewal). The key is free a second later: the waiter must be granted
+/// then, not when the first holder's lease (learned before the handoff) would have ended.
+#[tokio::test]
+async fn a_waiter_that_heard_the_key_taken_does_not_sleep_out_the_previous_lease() {
+    let Some(url) = server() else { return };
+    let key = key();
+    let holding = Locker::new(backend(&url).await);
+    let dying = backend(&url).await;
+    let waiting = Locker::new(backend(&url).await);
+    let holder = holding
+        .acquire(key.as_str())
+        .ttl(Duration::from_secs(30))
+        .await
+        .unwrap();
+    // The holder that dies: a plain backend acquisition, never renewed nor released.
+    let request = AcquireRequest::new(
+        LockKey::new(key.as_str()).unwrap(),
+        OwnerId::new(Uuid::new_v4(), 1),
+        Duration::from_secs(1),
+        LossSignal::new(),
+    );
+    let dying_wait = tokio::spawn({
+        let dying = dying.clone();
+        async move { dying.acquire(&request, Duration::from_secs(20)).await }
+    });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let waiter = tokio::spawn({
+        let (waiting, key) = (waiting.clone(), key.clone());
+        async move {
+            let guard: LockGuard = waiting
+                .acquire(key.as_str())
+                .ttl(Duration::from_secs(30))
+                .wait(Duration::from_secs(60))
+                .await
+                .unwrap();
+            (guard, Instant::now())
+        }
+    });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    holder.release().await.unwrap();
+    let grant = tokio::time::timeout(Duration::from_secs(5), dying_wait)
+        .await
+        .expect("the waiter queued first is named and granted")
+        .unwrap()
+        .unwrap();
+    let granted_to_dying = Instant::now();
+    // Its holder dies here: the 1 s lease runs out, nobody publishes anything.
+    drop(grant);
+    let (guard, granted) = tokio::time::timeout(Duration::from_secs(15), waiter)
+        .await
+        .expect("the waiter slept past the free key, until the first holder's 30 s lease")
+        .unwrap();
+    let after = granted - granted_to_dying;
+    assert!(
+        after < Duration::from_secs(6),
+        "granted {after:?} after the dead holder's grant (its lease was 1 s)"
+    );
+    guard.release().await.unwrap();
+}
