@@ -75,6 +75,12 @@ impl Default for RedisConfig {
     }
 }
 
+/// The longest timeout a Redis URL (or a [`RedisConfig`] given to a backend) may set:
+/// `i32::MAX` ms, about 24.8 days (as ZooKeeper's URLs). Two of them added (the grant
+/// connections wait for the response timeout plus `WAIT`'s) stay far from overflowing, and
+/// `WAIT` takes its milliseconds.
+pub const MAX_TIMEOUT: Duration = Duration::from_millis(i32::MAX as u64);
+
 /// Every URL scheme this crate accepts: a server, a cluster or Redlock masters, each
 /// also over TLS.
 pub const SCHEMES: &[&str] = &[
@@ -196,12 +202,42 @@ impl RedisConfig {
                 }
             }
         }
+        config.check_timeouts()?;
         if config.wait_replicas > 0 && !matches!(config.topology, Topology::Single(_)) {
             return Err(Error::Config(
                 "`wait_replicas` applies to a single primary with replicas (redis://)".into(),
             ));
         }
         Ok(config)
+    }
+}
+
+impl RedisConfig {
+    /// Refuses a timeout under a millisecond or above [`MAX_TIMEOUT`]: with a zero
+    /// `response_timeout` every script would be sent, run (and grant) on the server, and its
+    /// answer given up on before it could come; `connect_timeout=0` could never connect; a
+    /// zero `WAIT` timeout would block a grant connection for good; and two huge ones
+    /// overflowed when added (a panic in the caller).
+    ///
+    /// # Errors
+    /// [`Error::Config`] naming the option.
+    pub(crate) fn check_timeouts(&self) -> Result<()> {
+        let timeouts = [
+            ("connect_timeout", Some(self.connect_timeout)),
+            ("response_timeout", Some(self.response_timeout)),
+            ("wait_replicas_timeout", Some(self.wait_replicas_timeout)),
+            ("node_timeout", self.node_timeout),
+        ];
+        for (name, timeout) in timeouts {
+            let Some(timeout) = timeout else { continue };
+            if timeout < Duration::from_millis(1) || timeout > MAX_TIMEOUT {
+                return Err(Error::Config(format!(
+                    "`{name}` of {timeout:?} is out of range: give 1ms to {MAX_TIMEOUT:?} \
+                     (e.g. {name}=2s)"
+                )));
+            }
+        }
+        Ok(())
     }
 }
 
@@ -277,6 +313,12 @@ mod tests {
             "redlock://a:1,b:2",
             "redis+cluster://a:1/3",
             "redis+cluster://a:1?wait_replicas=1",
+            "redis://a?response_timeout=0s",
+            "redis://a?connect_timeout=0ms",
+            "redis://a?wait_replicas=1&wait_replicas_timeout=0s",
+            "redis://a?response_timeout=0.5ms",
+            "redis://a?response_timeout=600h",
+            "redlock://a:1,b:2,c:3?node_timeout=0s",
         ] {
             assert!(
                 matches!(RedisConfig::parse(bad), Err(Error::Config(_))),

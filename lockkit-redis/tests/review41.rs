@@ -82,3 +82,46 @@ async fn a_waiter_that_heard_the_key_taken_does_not_sleep_out_the_previous_lease
     );
     guard.release().await.unwrap();
 }
+
+/// A zero timeout is refused with a typed error, as the etcd, PostgreSQL and ZooKeeper URLs
+/// refuse theirs: with `response_timeout=0s` every script was sent, ran (and granted) on the
+/// server, and its answer was given up on before it could arrive.
+#[tokio::test]
+async fn zero_timeouts_are_refused_before_any_request() {
+    for option in [
+        "response_timeout=0s",
+        "connect_timeout=0s",
+        "response_timeout=0ms",
+        "wait_replicas=1&wait_replicas_timeout=0s",
+    ] {
+        let url = format!("redis://127.0.0.1:16379?{option}");
+        let parsed = lockkit_redis::RedisConfig::parse(&url);
+        assert!(
+            matches!(parsed, Err(lockkit_core::Error::Config(_))),
+            "{option}: {parsed:?}"
+        );
+    }
+}
+
+/// Timeouts too long to add up are a typed error, not a panic in the caller (the grant
+/// connections' bound is the response timeout plus `WAIT`'s).
+#[tokio::test]
+async fn absurd_timeouts_are_a_typed_error_not_a_panic() {
+    let Some(url) = server() else { return };
+    let huge = "10000000000000000000s";
+    let url = format!("{url}?response_timeout={huge}&wait_replicas_timeout={huge}");
+    let outcome = tokio::spawn(async move { RedisBackend::connect(&url).await.map(|_| ()) }).await;
+    match outcome {
+        Ok(Err(lockkit_core::Error::Config(_))) => {}
+        other => panic!("expected a Config error, got {other:?}"),
+    }
+    // The same through a config built in code.
+    let mut config = lockkit_redis::RedisConfig::parse(&server().unwrap()).unwrap();
+    config.response_timeout = Duration::MAX;
+    let outcome =
+        tokio::spawn(async move { RedisBackend::from_config(config).await.map(|_| ()) }).await;
+    match outcome {
+        Ok(Err(lockkit_core::Error::Config(_))) => {}
+        other => panic!("expected a Config error, got {other:?}"),
+    }
+}

@@ -193,7 +193,9 @@ impl RedisBackend {
         interrupt: Option<&Interrupt>,
     ) -> Result<((i64, i64, i64), Option<i64>)> {
         let config = &self.inner.config;
-        let within = config.response_timeout + config.wait_replicas_timeout;
+        let within = config
+            .response_timeout
+            .saturating_add(config.wait_replicas_timeout);
         let slot = self.inner.grant_conns.pick(within, interrupt).await?;
         let mut conn = slot.conn.clone();
         let wanted = config.wait_replicas;

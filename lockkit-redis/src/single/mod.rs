@@ -166,10 +166,14 @@ impl RedisBackend {
     /// bounds them there) and lost 30-45% of their throughput over 1,000 keys x 32 tasks
     /// (each request its own write, where the multiplexed connection batches concurrent ones).
     pub(crate) async fn connect_as(config: RedisConfig, direct: bool) -> Result<Self> {
+        // A config built in code has not been through `RedisConfig::parse`.
+        config.check_timeouts()?;
         let bad_url = |e: redis::RedisError| Error::Config(format!("invalid Redis address: {e}"));
         // A grant confirmed by `WAIT` needs the two on one connection, never retried on a
         // new one (a fresh connection's `WAIT` confirms nothing).
-        let grant_timeout = config.response_timeout + config.wait_replicas_timeout;
+        let grant_timeout = config
+            .response_timeout
+            .saturating_add(config.wait_replicas_timeout);
         let (conn, grant_conns, subscriber, target, cluster) = match &config.topology {
             Topology::Single(url) => {
                 let client = redis::Client::open(url.as_str()).map_err(bad_url)?;
@@ -331,7 +335,9 @@ impl RedisBackend {
         };
         let marker_ms = if marker { wire::WRITER_MARKER_MS } else { 0 };
         let config = &self.inner.config;
-        let within = config.response_timeout + config.wait_replicas_timeout;
+        let within = config
+            .response_timeout
+            .saturating_add(config.wait_replicas_timeout);
         let slot = self.inner.grant_conns.pick(within, interrupt).await?;
         let mut conn = slot.conn.clone();
         let start = Instant::now();
