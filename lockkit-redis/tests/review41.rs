@@ -125,3 +125,61 @@ async fn absurd_timeouts_are_a_typed_error_not_a_panic() {
         other => panic!("expected a Config error, got {other:?}"),
     }
 }
+
+/// The fencing counter is a plain string nothing reads between grants: an `allkeys-*`
+/// eviction policy may drop it, or an operator deleting stray keys. A re-entry of a live
+/// hold must still report the hold's own token; before, it reported the counter (0, gone),
+/// and the core took that for a hold gone on the server: the re-entry failed with `Lost`
+/// and the outer guard, still held on the server, fired lost.
+#[tokio::test]
+async fn a_re_entry_keeps_its_holds_token_when_the_counter_is_gone() {
+    let Some(url) = server() else { return };
+    let key = key();
+    let locker = Locker::new(backend(&url).await);
+    let owner = locker.owner();
+    let outer = owner
+        .acquire(key.as_str())
+        .ttl(Duration::from_secs(30))
+        .await
+        .unwrap();
+    let mut admin = redis::Client::open(url.as_str())
+        .unwrap()
+        .get_multiplexed_async_connection()
+        .await
+        .unwrap();
+    let _: () = redis::cmd("DEL")
+        .arg(format!("redisson_lock_token:{{{key}}}"))
+        .query_async(&mut admin)
+        .await
+        .unwrap();
+    let shown = locker.inspect(key.as_str()).await.unwrap().unwrap();
+    assert_eq!(
+        shown.token,
+        Some(outer.token()),
+        "inspect shows the hold's token"
+    );
+    let inner = owner
+        .acquire(key.as_str())
+        .ttl(Duration::from_secs(30))
+        .await
+        .expect("a re-entry of a live hold");
+    assert_eq!(inner.depth(), 2);
+    assert_eq!(inner.token(), outer.token());
+    assert!(
+        outer.is_valid(),
+        "the outer guard's hold is still on the server"
+    );
+    let counter: Option<u64> = redis::cmd("GET")
+        .arg(format!("redisson_lock_token:{{{key}}}"))
+        .query_async(&mut admin)
+        .await
+        .unwrap();
+    assert_eq!(
+        counter,
+        Some(outer.token().get()),
+        "the counter is put back to the hold's token"
+    );
+
+    inner.release().await.unwrap();
+    outer.release().await.unwrap();
+}

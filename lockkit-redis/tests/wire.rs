@@ -56,20 +56,28 @@ async fn layout_matches_redisson_rlock_at_every_step() {
         .unwrap();
     let fields: Vec<(String, String)> = s.admin.hgetall(&hash).await.unwrap();
     // The owner's hold count (Redisson's field), plus one marker per acquisition that
-    // makes a retried request take effect once and the holder's identity (Redisson
-    // ignores other fields).
+    // makes a retried request take effect once, the holder's identity and the hold's
+    // token (Redisson ignores other fields).
     assert_eq!(
         fields
             .iter()
-            .filter(|(f, _)| !f.starts_with("lockkit-attempt:") && f != "lockkit-holder")
+            .filter(|(f, _)| !f.starts_with("lockkit-attempt:")
+                && f != "lockkit-holder"
+                && f != "lockkit-token")
             .cloned()
             .collect::<Vec<_>>(),
         vec![(field.clone(), "1".to_owned())]
     );
     assert_eq!(
         fields.len(),
-        3,
-        "one attempt marker, one holder: {fields:?}"
+        4,
+        "one attempt marker, one holder, one token: {fields:?}"
+    );
+    let kept = fields.iter().find(|(f, _)| f == "lockkit-token");
+    assert_eq!(
+        kept.map(|(_, v)| v.clone()),
+        Some(format!("t{}", outer.token().get())),
+        "the hold keeps its token, not a number (no hold count)"
     );
     let holder = fields
         .iter()

@@ -807,11 +807,19 @@ pub(crate) fn parse_inspect(reply: &[Value]) -> Option<HolderInfo> {
                 .find(|(field, _)| field == wire::HOLDER_FIELD)
                 .and_then(|(_, value)| text(value))
                 .and_then(|value| HolderIdentity::decode(&value));
+            // The hold's own token, where the counter is behind it (gone).
+            let own = fields()
+                .find(|(field, _)| field == wire::TOKEN_FIELD)
+                .and_then(|(_, value)| text(value))
+                .and_then(|value| value.strip_prefix('t')?.parse::<u64>().ok())
+                .map(FencingToken::new);
+            let token = token.max(own);
             let (owner, depth) = fields()
                 .filter(|(field, _)| {
                     !field.starts_with(wire::ATTEMPT_FIELD_PREFIX)
                         && field != wire::HOLDER_FIELD
                         && field != wire::QUEUE_FIELD
+                        && field != wire::TOKEN_FIELD
                 })
                 .filter_map(|(field, value)| Some((field, number(value)?)))
                 .max_by_key(|(_, depth)| *depth)?;

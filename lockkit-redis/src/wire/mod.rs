@@ -90,6 +90,14 @@ pub(crate) const ATTEMPT_FIELD_PREFIX: &str = "lockkit-attempt:";
 /// ignores the attempt fields.
 pub(crate) const HOLDER_FIELD: &str = "lockkit-holder";
 
+/// The hash field that keeps a hold's fencing token (`t<token>`), written with a new
+/// holder's first count and gone with the hash. A re-entry reports the counter, or this
+/// when the counter is behind it (gone: evicted by an `allkeys-*` policy, deleted by an
+/// operator), and puts the counter back up to it; before, such a re-entry reported token 0,
+/// which the core took for a hold gone on the server. Not a number, so nothing that reads
+/// the fields' numbers as hold counts takes it for one; Redisson ignores it.
+pub(crate) const TOKEN_FIELD: &str = "lockkit-token";
+
 /// The hash field that says waiters are queued for the key (see [`queue_of`]): written by a
 /// queued waiter into the hold it waits behind, and by a queued waiter's grant while others
 /// are still queued, so that the release of that hold names the next waiter. Gone with the
@@ -189,6 +197,9 @@ pub(crate) const MAX_TTL_MS: u64 = 1_000_000_000_000;
 /// before, unless clocks stepped back by more than the time since those grants; and the
 /// counter still only grows. Values stay below 2^53, so the Lua arithmetic is exact.
 ///
+/// A new holder's token is also kept in the hash ([`TOKEN_FIELD`]); a re-entry reports the
+/// counter, or that token when the counter is behind it (and raises the counter to it).
+///
 /// A reentrant acquisition makes the lease the longer of what is left and the new TTL:
 /// never shorter, since an outer guard relies on it. An attempt that already took effect
 /// (a retry after a lost reply) gets the same grant again, without a second hold.
@@ -215,21 +226,6 @@ if t == 'none' then
       redis.call('publish', KEYS[5], '-5' .. string.format('%018d', ttl))
     end
   end
-  local fields = {'hset', KEYS[1], ARGV[2], 1}
-  if others_queued then
-    fields[#fields + 1] = 'lockkit-queue'
-    fields[#fields + 1] = 'q'
-  end
-  if ARGV[3] ~= '' then
-    fields[#fields + 1] = ARGV[3]
-    fields[#fields + 1] = 1
-  end
-  if ARGV[4] and ARGV[4] ~= '' then
-    fields[#fields + 1] = 'lockkit-holder'
-    fields[#fields + 1] = ARGV[4]
-  end
-  redis.call(unpack(fields))
-  redis.call('pexpire', KEYS[1], ttl)
   local now = redis.call('time')
   local floor = now[1] .. string.format('%06d', tonumber(now[2]))
   local proposed = ARGV[6]
@@ -244,6 +240,21 @@ if t == 'none' then
     redis.call('set', KEYS[2], floor)
     token = tonumber(floor)
   end
+  local fields = {'hset', KEYS[1], ARGV[2], 1, 'lockkit-token', 't' .. string.format('%.0f', token)}
+  if others_queued then
+    fields[#fields + 1] = 'lockkit-queue'
+    fields[#fields + 1] = 'q'
+  end
+  if ARGV[3] ~= '' then
+    fields[#fields + 1] = ARGV[3]
+    fields[#fields + 1] = 1
+  end
+  if ARGV[4] and ARGV[4] ~= '' then
+    fields[#fields + 1] = 'lockkit-holder'
+    fields[#fields + 1] = ARGV[4]
+  end
+  redis.call(unpack(fields))
+  redis.call('pexpire', KEYS[1], ttl)
   return {1, token, 1}
 end
 if t == 'hash' and redis.call('hexists', KEYS[1], 'mode') == 1 then
@@ -271,7 +282,13 @@ if t == 'hash' and redis.call('hexists', KEYS[1], ARGV[2]) == 1 then
   if redis.call('pttl', KEYS[1]) < ttl then redis.call('pexpire', KEYS[1], ttl) end
   redis.call('zrem', KEYS[3], ARGV[2])
   if ARGV[8] == '1' then redis.pcall('zrem', KEYS[4], ARGV[7]) end
-  return {1, tonumber(redis.call('get', KEYS[2]) or '0'), depth}
+  local token = tonumber(redis.call('get', KEYS[2]) or '0') or 0
+  local own = tonumber(string.sub(redis.call('hget', KEYS[1], 'lockkit-token') or '', 2)) or 0
+  if own > token then
+    redis.call('set', KEYS[2], string.format('%.0f', own))
+    token = own
+  end
+  return {1, token, depth}
 end
 if t == 'hash' then
   if ARGV[7] and ARGV[7] ~= '' then
@@ -426,6 +443,7 @@ mod tests {
     #[test]
     fn the_scripts_name_the_holder_field() {
         assert!(ACQUIRE_LUA.contains(&format!("'{HOLDER_FIELD}'")));
+        assert_eq!(ACQUIRE_LUA.matches(&format!("'{TOKEN_FIELD}'")).count(), 2);
     }
 
     #[test]
