@@ -433,11 +433,9 @@ mod tests {
         assert_eq!(TAKEN_LEASE_BASE, 5 * 10u64.pow(18));
         // `-5` then the lease in 18 digits: `-(TAKEN_LEASE_BASE + ttl)`.
         assert!(ACQUIRE_LUA.contains("'-5' .. string.format('%018d', ttl)"));
-        assert!(TAKEN_LEASE_BASE + MAX_TTL_MS < i64::MAX as u64);
-        assert!(
-            TAKEN_LEASE_BASE > 2 * NAMED_WAITER_MIN,
-            "above every negated id"
-        );
+        // Every lease message is an i64, below every negated id.
+        const { assert!(TAKEN_LEASE_BASE + MAX_TTL_MS < i64::MAX as u64) };
+        const { assert!(TAKEN_LEASE_BASE > 2 * NAMED_WAITER_MIN) };
     }
 
     #[test]
