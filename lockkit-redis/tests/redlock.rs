@@ -1391,3 +1391,127 @@ async fn a_named_waiter_that_loses_the_key_keeps_its_place_at_the_leader() {
     guard.release().await.unwrap();
     second.await.unwrap().release().await.unwrap();
 }
+
+/// Probe (helper-42's review): clients, each reaching the masters through proxies of its
+/// own, contend on two keys while their links to masters are cut, delayed and reset at
+/// random (any number of a client's masters) and waits are dropped at random points (also
+/// mid-round). No two holds may be believed in at once, tokens must grow, and once every
+/// link is healed and every lease has run out nothing may be left at the masters: no
+/// lock hash, no place in a waiter queue, no waiting-writer marker.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn probe_random_faults_and_drops_keep_one_holder_and_leave_nothing() {
+    use std::sync::Arc;
+    let Some(masters) = masters() else { return };
+    const CLIENTS: usize = 4;
+    let keys: Vec<LockKey> = (0..2).map(|_| key()).collect();
+    let mut clients = Vec::new();
+    for _ in 0..CLIENTS {
+        clients.push(Arc::new(client(&masters, "?response_timeout=400ms").await));
+    }
+    let history = lockkit_conformance::History::new();
+    let run_for = Duration::from_secs(
+        std::env::var("PROBE_SECS")
+            .ok()
+            .and_then(|s| s.parse().ok())
+            .unwrap_or(12),
+    );
+    let stop = tokio::time::Instant::now() + run_for;
+    let mut tasks = Vec::new();
+    for (c, client) in clients.iter().enumerate() {
+        for w in 0..2 {
+            let (client, keys, history) = (client.clone(), keys.clone(), history.clone());
+            tasks.push(tokio::spawn(async move {
+                let mut n = 0;
+                while tokio::time::Instant::now() < stop {
+                    n += 1;
+                    let key = &keys[fastrand::usize(..keys.len())];
+                    let ttl = Duration::from_millis(fastrand::u64(150..1_200));
+                    let budget = if fastrand::bool() {
+                        Duration::from_secs(3)
+                    } else {
+                        Duration::from_micros(fastrand::u64(0..40_000))
+                    };
+                    let acquiring = client
+                        .locker
+                        .acquire(key)
+                        .ttl(ttl)
+                        .wait(Duration::from_secs(2));
+                    if let Ok(Ok(guard)) = tokio::time::timeout(budget, acquiring).await {
+                        let open = history.begin(format!("client {c} worker {w} #{n}"), &guard);
+                        tokio::time::sleep(Duration::from_millis(fastrand::u64(0..30))).await;
+                        history.end(open, &guard);
+                        let _ = guard.release().await;
+                    }
+                }
+            }));
+        }
+    }
+    let faults = {
+        let clients = clients.clone();
+        tokio::spawn(async move {
+            while tokio::time::Instant::now() < stop {
+                let client = &clients[fastrand::usize(..clients.len())];
+                let proxy = &client.proxies[fastrand::usize(..client.proxies.len())];
+                match fastrand::u8(..4) {
+                    0 => proxy.cut(),
+                    1 => proxy.reset(),
+                    2 => proxy.set_delay(Duration::from_millis(fastrand::u64(1..60))),
+                    _ => {}
+                }
+                tokio::time::sleep(Duration::from_millis(fastrand::u64(5..150))).await;
+                if fastrand::bool() {
+                    proxy.heal();
+                    proxy.set_delay(Duration::ZERO);
+                }
+            }
+            for client in &clients {
+                for proxy in &client.proxies {
+                    proxy.heal();
+                    proxy.set_delay(Duration::ZERO);
+                }
+            }
+        })
+    };
+    for task in tasks {
+        task.await.unwrap();
+    }
+    faults.await.unwrap();
+    eprintln!("{} holds recorded", history.records().len());
+    history.assert_linear();
+    // Every lease (1.2 s at most) has run out, every give-back landed.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let mut left = Vec::new();
+    for (i, master) in masters.iter().enumerate() {
+        let mut admin = admin(master).await;
+        for key in &keys {
+            let names = names(key);
+            let queue = format!("{{{}}}:lockkit_queue", key.as_str());
+            let wwait = format!("{{{}}}:lockkit_wwait", key.as_str());
+            for name in [&names.lock, &queue, &wwait] {
+                let exists: bool = admin.exists(name).await.unwrap();
+                if exists {
+                    let kind: String = redis::cmd("TYPE")
+                        .arg(name)
+                        .query_async(&mut admin)
+                        .await
+                        .unwrap();
+                    let dump: String = match kind.as_str() {
+                        "zset" => format!("{:?}", {
+                            let z: Vec<(String, f64)> =
+                                admin.zrange_withscores(name, 0, -1).await.unwrap();
+                            z
+                        }),
+                        "hash" => format!("{:?}", {
+                            let h: Vec<(String, String)> = admin.hgetall(name).await.unwrap();
+                            h
+                        }),
+                        other => other.to_string(),
+                    };
+                    let pttl: i64 = admin.pttl(name).await.unwrap();
+                    left.push(format!("master {i}: {name} ({kind}, pttl {pttl}): {dump}"));
+                }
+            }
+        }
+    }
+    assert!(left.is_empty(), "left at the masters:\n{}", left.join("\n"));
+}
