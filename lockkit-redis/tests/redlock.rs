@@ -406,6 +406,48 @@ async fn a_reentry_on_a_quorum_keeps_the_token_where_minority_masters_lapsed() {
     outer.release().await.unwrap();
 }
 
+/// A hold granted by a bare quorum (masters 0, 1, 2; the other two were unreachable then)
+/// and kept to the end is released while one of its masters is slow: two masters release
+/// it, the two outside the quorum answer that it is not theirs (it never was), and one does
+/// not answer in time. Nothing says the hold was lost (a quorum may still hold it: the two
+/// that released and the slow one), so the release must not report it lost, as a renewal in
+/// the same state does not (it fails retryably). It said `Lost` (helper-42's finding 1).
+#[tokio::test]
+async fn a_release_with_one_quorum_master_slow_does_not_report_the_hold_lost() {
+    let Some(masters) = masters() else { return };
+    let c = client(&masters, "?response_timeout=300ms").await;
+    let key = key();
+    c.proxies[3].reset();
+    c.proxies[4].reset();
+    let guard = c
+        .locker
+        .try_acquire(&key)
+        .ttl(TTL)
+        .await
+        .unwrap()
+        .expect("masters 0, 1 and 2 are a quorum");
+    assert_eq!(holders(&masters, &key).await, 3);
+    c.proxies[3].heal();
+    c.proxies[4].heal();
+    // Masters 3 and 4 answer again (a reconnection), each saying the hold is not theirs.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(guard.is_valid());
+    c.proxies[0].cut();
+    let released = guard.release().await;
+    c.proxies[0].heal();
+    assert!(
+        matches!(&released, Err(e @ lockkit_core::Error::Backend { .. }) if e.is_retryable()),
+        "a hold kept to the end was reported lost at its release (or its release counted \
+         as done with one master of its quorum not answering): {released:?}"
+    );
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(
+        holders(&masters, &key).await,
+        0,
+        "the slow master's release lands once it answers"
+    );
+}
+
 // ---- read-write locks over the quorum
 
 const TTL: Duration = Duration::from_secs(30);

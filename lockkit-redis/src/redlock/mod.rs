@@ -1075,6 +1075,10 @@ impl LockBackend for RedlockBackend {
         }
     }
 
+    /// Releases on every master: released once a quorum let go (or some did and none said
+    /// it is not theirs); [`Error::NotHeld`] once so many masters say it is not theirs that
+    /// no quorum can hold it (as [`Self::renew`] decides); else a retryable error (a quorum
+    /// may still hold it on masters that did not answer: never a loss).
     async fn release(&self, grant: &Grant) -> Result<Released> {
         kinds::refuse_permits(grant.kind)?;
         let results = self
@@ -1106,14 +1110,32 @@ impl LockBackend for RedlockBackend {
                 remaining => Released::Partially { remaining },
             });
         }
+        if self.master_count() - refused < self.quorum() {
+            // Too few masters are left that could hold it for it to be held.
+            return Err(Error::NotHeld {
+                key: grant.key.clone(),
+            });
+        }
+        // A quorum may still hold it: the masters that released it and those that did not
+        // answer (masters outside the quorum that granted it say it is not theirs). As a
+        // renewal in this state, that is no loss; the rest runs out with the lease.
         match results
             .into_iter()
             .find(|r| matches!(r, Err(Error::Backend { .. })))
         {
-            Some(Err(e)) if released.is_empty() && refused < self.quorum() => Err(e),
-            _ => Err(Error::NotHeld {
-                key: grant.key.clone(),
-            }),
+            Some(Err(e)) if released.is_empty() => Err(e),
+            _ => Err(Error::backend(
+                BACKEND,
+                true,
+                format!(
+                    "only {} masters released `{}` and {refused} do not hold it; the others did \
+                     not answer, and a quorum of {} is needed to tell: where it is still held, \
+                     its lease runs out",
+                    released.len(),
+                    grant.key,
+                    self.quorum()
+                ),
+            )),
         }
     }
 
