@@ -1473,14 +1473,24 @@ async fn probe_random_faults_and_drops_keep_one_holder_and_leave_nothing() {
                     } else {
                         Duration::from_micros(fastrand::u64(0..40_000))
                     };
-                    let acquiring = client
-                        .locker
-                        .acquire(key)
-                        .ttl(ttl)
-                        .wait(Duration::from_secs(2));
+                    let owner = client.locker.owner();
+                    let acquiring = owner.acquire(key).ttl(ttl).wait(Duration::from_secs(2));
                     if let Ok(Ok(guard)) = tokio::time::timeout(budget, acquiring).await {
-                        let open = history.begin(format!("client {c} worker {w} #{n}"), &guard);
+                        let holder = format!("client {c} worker {w} #{n}");
+                        let open = history.begin(holder.clone(), &guard);
                         tokio::time::sleep(Duration::from_millis(fastrand::u64(0..30))).await;
+                        if fastrand::u8(..3) == 0 {
+                            // A re-entry of the same owner: the same hold and token.
+                            let nested = owner.acquire(key).ttl(ttl).wait(Duration::from_secs(1));
+                            let budget = Duration::from_micros(fastrand::u64(0..60_000));
+                            if let Ok(Ok(inner)) = tokio::time::timeout(budget, nested).await {
+                                let open = history.begin(holder.clone(), &inner);
+                                tokio::time::sleep(Duration::from_millis(fastrand::u64(0..10)))
+                                    .await;
+                                history.end(open, &inner);
+                                let _ = inner.release().await;
+                            }
+                        }
                         history.end(open, &guard);
                         let _ = guard.release().await;
                     }

@@ -96,6 +96,27 @@ pub(super) fn agreed_holders(per_master: &[Vec<HolderInfo>], quorum: usize) -> V
     agreed
 }
 
+/// How many masters list the hold that most of them list, among the holds fewer than
+/// `quorum` masters list (one per owner and kind, as [`agreed_holders`] groups them); `None`
+/// when no such hold is listed.
+pub(super) fn most_listed_short_of(per_master: &[Vec<HolderInfo>], quorum: usize) -> Option<usize> {
+    let mut counts: Vec<((&str, Option<LockKind>), usize)> = Vec::new();
+    for holds in per_master {
+        for info in holds {
+            let id = (info.owner.as_str(), info.kind);
+            match counts.iter_mut().find(|(g, _)| *g == id) {
+                Some((_, n)) => *n += 1,
+                None => counts.push((id, 1)),
+            }
+        }
+    }
+    counts
+        .into_iter()
+        .map(|(_, n)| n)
+        .filter(|n| *n < quorum)
+        .max()
+}
+
 /// The identity most of `holds` (one per master) report: a master whose copy of the hold
 /// lapsed and was made again by a re-entry carries that re-entry's identity instead.
 fn majority_identity(holds: &[&HolderInfo]) -> Option<HolderIdentity> {
@@ -163,6 +184,21 @@ mod tests {
         let agreed = agreed_holders(&masters, 1);
         assert_eq!(agreed[0].kind, write, "the writer comes first");
         assert_eq!(agreed[1].kind, read);
+    }
+
+    #[test]
+    fn the_most_listed_hold_short_of_a_quorum_is_counted() {
+        let masters = vec![
+            vec![hold("a", None, 1, 100)],
+            vec![
+                hold("a", None, 1, 100),
+                hold("b", Some(LockKind::Read), 2, 100),
+            ],
+            vec![],
+        ];
+        assert_eq!(most_listed_short_of(&masters, 3), Some(2));
+        assert_eq!(most_listed_short_of(&masters, 2), Some(1), "a is agreed");
+        assert_eq!(most_listed_short_of(&[vec![], vec![]], 2), None);
     }
 
     #[test]

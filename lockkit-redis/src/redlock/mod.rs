@@ -1178,6 +1178,9 @@ impl LockBackend for RedlockBackend {
             // Each master names one of its readers, maybe not the same one.
             return Ok(self.holders(key).await?.into_iter().next());
         }
+        if agreed.is_empty() {
+            self.free_unless_undecided(key, &held)?;
+        }
         Ok(agreed.into_iter().next())
     }
 
@@ -1187,11 +1190,37 @@ impl LockBackend for RedlockBackend {
         let answered = self
             .each_master(key, |node, key| async move { node.holders(&key).await })
             .await?;
-        Ok(kinds::agreed_holders(&answered, self.quorum()))
+        let agreed = kinds::agreed_holders(&answered, self.quorum());
+        if agreed.is_empty() {
+            self.free_unless_undecided(key, &answered)?;
+        }
+        Ok(agreed)
     }
 }
 
 impl RedlockBackend {
+    /// Whether `key`, on which no hold has a quorum's agreement in `per_master` (the lists of
+    /// the masters that answered), can be told free: not while some hold lacks a quorum only
+    /// for want of the masters that did not answer (one of a bare quorum may be slow).
+    ///
+    /// # Errors
+    /// A retryable [`Error::Backend`] saying the key may be held.
+    fn free_unless_undecided(&self, key: &LockKey, per_master: &[Vec<HolderInfo>]) -> Result<()> {
+        let silent = self.master_count().saturating_sub(per_master.len());
+        match kinds::most_listed_short_of(per_master, self.quorum()) {
+            Some(listed) if listed + silent >= self.quorum() => Err(Error::backend(
+                BACKEND,
+                true,
+                format!(
+                    "`{key}` may be held: {listed} masters list a holder and {silent} did not \
+                     answer; a quorum of {} is needed to tell",
+                    self.quorum()
+                ),
+            )),
+            _ => Ok(()),
+        }
+    }
+
     /// Asks every master about `key`; the answers of those that answered, if a quorum did.
     async fn each_master<T, F, Fut>(&self, key: &LockKey, ask: F) -> Result<Vec<T>>
     where
