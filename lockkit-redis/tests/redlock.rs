@@ -448,6 +448,45 @@ async fn a_release_with_one_quorum_master_slow_does_not_report_the_hold_lost() {
     );
 }
 
+/// A hold granted by a bare quorum (masters 0, 1, 2) while one of those masters does not
+/// answer an inspection: the two others list the holder, the two outside the quorum list
+/// nobody. No hold has a quorum's agreement, but the holder may well have one (the silent
+/// master), so the key must not be reported free; the inspection cannot tell, as one
+/// answered by fewer than a quorum cannot. It answered `None` (helper-42's finding 2).
+#[tokio::test]
+async fn an_inspection_that_cannot_count_the_holders_quorum_does_not_say_free() {
+    use lockkit_core::LockBackend;
+    let Some(masters) = masters() else { return };
+    let (proxies, clients) = clients_sharing_proxies(&masters, 1).await;
+    let (backend, locker) = &clients[0];
+    let key = key();
+    proxies[3].reset();
+    proxies[4].reset();
+    let guard = locker
+        .try_acquire(&key)
+        .ttl(TTL)
+        .await
+        .unwrap()
+        .expect("masters 0, 1 and 2 are a quorum");
+    proxies[3].heal();
+    proxies[4].heal();
+    let seen = backend.inspect(&key).await.unwrap();
+    assert!(seen.is_some(), "every master answers: the holder is seen");
+    proxies[0].cut();
+    let seen = backend.inspect(&key).await;
+    let listed = backend.holders(&key).await;
+    proxies[0].heal();
+    assert!(
+        !matches!(seen, Ok(None)),
+        "a held key was reported free with one master of its quorum silent"
+    );
+    assert!(
+        !matches!(&listed, Ok(holders) if holders.is_empty()),
+        "a held key was listed with no holders with one master of its quorum silent"
+    );
+    guard.release().await.unwrap();
+}
+
 // ---- read-write locks over the quorum
 
 const TTL: Duration = Duration::from_secs(30);
