@@ -487,6 +487,50 @@ async fn an_inspection_that_cannot_count_the_holders_quorum_does_not_say_free() 
     guard.release().await.unwrap();
 }
 
+/// A master listed twice counts twice towards the quorum: `redlock://a,a,b` was taken as
+/// three masters, so server `a` alone was a quorum of two, and a client listing the masters
+/// rightly (`a,b,c`) was granted the key by `b` and `c` while the first held it. A list that
+/// names one master twice is refused before anything is sent (helper-42's finding 3).
+#[tokio::test]
+async fn a_master_listed_twice_is_refused() {
+    let Some(masters) = masters() else { return };
+    let (proxies, hosts) = ProxiedClients::<RedlockBackend>::start_proxies(&masters).await;
+    let hosts: Vec<&str> = hosts.split(',').collect();
+    let twice = format!(
+        "redlock://{},{},{}",
+        hosts[0],
+        hosts[1],
+        hosts[0].to_uppercase()
+    );
+    let connected = RedlockBackend::connect(&twice).await;
+    let Ok(backend) = connected else {
+        let e = connected.unwrap_err();
+        assert!(matches!(e, lockkit_core::Error::Config(_)), "{e}");
+        assert!(e.to_string().contains("twice"), "{e}");
+        return;
+    };
+    // What the list does: master 0 alone (twice) is a quorum of 2 of 3.
+    let key = key();
+    let first = Locker::new(backend);
+    proxies[1].reset();
+    let held = first
+        .try_acquire(&key)
+        .ttl(TTL)
+        .await
+        .unwrap()
+        .expect("master 0, counted twice");
+    let right = format!("redlock://{},{},{}", masters[0], masters[1], masters[2]);
+    let second = Locker::new(RedlockBackend::connect(&right).await.unwrap());
+    let also = second.try_acquire(&key).ttl(TTL).await.unwrap();
+    let doubled = also.is_some();
+    if let Some(also) = also {
+        also.release().await.unwrap();
+    }
+    proxies[1].heal();
+    let _ = held.release().await;
+    panic!("a list naming master 0 twice was accepted (double grant: {doubled})");
+}
+
 // ---- read-write locks over the quorum
 
 const TTL: Duration = Duration::from_secs(30);

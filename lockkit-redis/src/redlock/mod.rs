@@ -398,6 +398,27 @@ fn master_address(url: &str) -> String {
     host_port.to_ascii_lowercase()
 }
 
+/// Refuses a list of masters (node URLs) that names one master twice (by `host:port`,
+/// whatever the credentials, database or letter case): it would count twice towards the
+/// quorum, so that master alone could grant while another client, listing each master once,
+/// is granted by the others. Names that differ but reach one server (`localhost` and
+/// `127.0.0.1`, two DNS names) cannot be told apart here.
+///
+/// # Errors
+/// [`Error::Config`] naming the master listed twice.
+fn refuse_masters_listed_twice(masters: &[String]) -> Result<()> {
+    let addresses: Vec<String> = masters.iter().map(|url| master_address(url)).collect();
+    for (i, address) in addresses.iter().enumerate() {
+        if addresses[..i].contains(address) {
+            return Err(Error::Config(format!(
+                "the Redlock masters list `{address}` twice: each must be a server of its own \
+                 (one listed twice counts twice towards the quorum, and could grant alone)"
+            )));
+        }
+    }
+    Ok(())
+}
+
 /// A score of `address` for `key` (FNV-1a, then a SplitMix64 finish): stable across
 /// processes, platforms and releases, unlike the standard library's hasher.
 fn leader_score(key: &str, address: &str) -> u64 {
@@ -436,6 +457,7 @@ impl RedlockBackend {
                 "RedlockBackend needs a redlock://h1,h2,h3,... URL".into(),
             ));
         };
+        refuse_masters_listed_twice(masters)?;
         let quorum = masters.len() / 2 + 1;
         let nodes: Vec<Master> = masters
             .iter()
@@ -1283,6 +1305,16 @@ mod tests {
         }
         assert_eq!(master_address("redis://u:p@Host-1:6379/0"), "host-1:6379");
         assert_eq!(master_address("redis://[::1]:6379"), "[::1]:6379");
+    }
+
+    #[test]
+    fn a_master_listed_twice_is_refused() {
+        assert!(refuse_masters_listed_twice(&masters(&["a:1", "b:1", "c:1"])).is_ok());
+        let twice = masters(&["a:1", "b:1", "A:1/2"]);
+        assert!(matches!(
+            refuse_masters_listed_twice(&twice),
+            Err(Error::Config(e)) if e.contains("`a:1` twice")
+        ));
     }
 
     #[test]
