@@ -341,6 +341,8 @@ missing_packages() {
   pg_bin postgres >/dev/null && pg_bin initdb >/dev/null || missing+=(postgresql)
   find_bin psql >/dev/null || missing+=(postgresql-client)
   find_bin setpriv >/dev/null || missing+=(util-linux)
+  # nft silences links for the tests of peers gone silent (lockkit_conformance::SilencedLinks)
+  find_bin nft >/dev/null || missing+=(nftables)
   find_bin etcd >/dev/null || missing+=(etcd-server)
   find_bin etcdctl >/dev/null || missing+=(etcd-client)
   # the etcd-client crate compiles etcd's protobuf definitions at build time

@@ -25,6 +25,7 @@ pub mod history;
 pub mod holder;
 mod memory_harness;
 pub mod proxy;
+pub mod silence;
 mod support;
 
 use std::{
@@ -42,6 +43,7 @@ pub use history::{History, Violation};
 pub use lockkit_core;
 pub use memory_harness::MemoryHarness;
 pub use proxy::{FaultProxy, LinkState, ProxiedClients};
+pub use silence::SilencedLinks;
 pub use support::{Check, Space};
 
 /// How one case ended, when it did not fail (failing cases panic).

@@ -57,6 +57,16 @@ pub struct RedisConfig {
     /// Redlock only: how long one master may take to answer one round
     /// (`?node_timeout=`; default a twentieth of the lease, within 10..=100 ms).
     pub node_timeout: Option<Duration>,
+    /// `?keepalive=` (default 30 s, at least 2 s): a connection whose peer stops answering
+    /// at the TCP level (its host gone, or a NAT or load balancer that forgot the
+    /// connection, which sends nothing back) is given up after about this long and
+    /// replaced. The kernel probes an idle connection (keepalive) and gives up on data
+    /// left unacknowledged this long (`TCP_USER_TIMEOUT`). A server that is only slow, or
+    /// stopped, is not affected: its kernel still acknowledges. Without it, such a
+    /// connection failed every command by its response timeout for as long as the kernel
+    /// kept retransmitting (about 15 minutes on Linux), and an idle subscriber never
+    /// noticed: waiters heard no release.
+    pub keepalive: Duration,
 }
 
 impl Default for RedisConfig {
@@ -71,6 +81,7 @@ impl Default for RedisConfig {
             wait_replicas: 0,
             wait_replicas_timeout: Duration::from_secs(1),
             node_timeout: None,
+            keepalive: DEFAULT_KEEPALIVE,
         }
     }
 }
@@ -80,6 +91,12 @@ impl Default for RedisConfig {
 /// connections wait for the response timeout plus `WAIT`'s) stay far from overflowing, and
 /// `WAIT` takes its milliseconds.
 pub const MAX_TIMEOUT: Duration = Duration::from_millis(i32::MAX as u64);
+
+/// [`RedisConfig::keepalive`]'s default.
+pub const DEFAULT_KEEPALIVE: Duration = Duration::from_secs(30);
+
+/// The shortest [`RedisConfig::keepalive`]: keepalive probes are counted in whole seconds.
+pub const MIN_KEEPALIVE: Duration = Duration::from_secs(2);
 
 /// Every URL scheme this crate accepts: a server, a cluster or Redlock masters, each
 /// also over TLS.
@@ -193,11 +210,12 @@ impl RedisConfig {
                     config.wait_replicas_timeout = parse_duration(name, value)?;
                 }
                 "node_timeout" => config.node_timeout = Some(parse_duration(name, value)?),
+                "keepalive" => config.keepalive = parse_duration(name, value)?,
                 _ => {
                     return Err(parts.unknown_option(
                         option,
                         "prefix, ttl, connect_timeout, response_timeout, wait_replicas, \
-                         wait_replicas_timeout, node_timeout",
+                         wait_replicas_timeout, node_timeout, keepalive",
                     ));
                 }
             }
@@ -236,6 +254,13 @@ impl RedisConfig {
                      (e.g. {name}=2s)"
                 )));
             }
+        }
+        if self.keepalive < MIN_KEEPALIVE || self.keepalive > MAX_TIMEOUT {
+            return Err(Error::Config(format!(
+                "`keepalive` of {:?} is out of range: give {MIN_KEEPALIVE:?} to {MAX_TIMEOUT:?} \
+                 (e.g. keepalive=30s)",
+                self.keepalive
+            )));
         }
         Ok(())
     }
@@ -296,6 +321,8 @@ mod tests {
         let c = RedisConfig::parse("redlock://u:p@a:1,b:2,c:3").unwrap();
         assert!(matches!(c.topology, Topology::Redlock(ref n) if n[0] == "redis://u:p@a:1/0"));
         assert!(RedisConfig::parse("redis://localhost").is_ok());
+        let c = RedisConfig::parse("redlock://a:1,b:2,c:3?keepalive=5s").unwrap();
+        assert_eq!(c.keepalive, Duration::from_secs(5));
     }
 
     #[test]
@@ -319,6 +346,9 @@ mod tests {
             "redis://a?response_timeout=0.5ms",
             "redis://a?response_timeout=600h",
             "redlock://a:1,b:2,c:3?node_timeout=0s",
+            "redis://a?keepalive=1s",
+            "redis://a?keepalive=0s",
+            "redis://a?keepalive=600h",
         ] {
             assert!(
                 matches!(RedisConfig::parse(bad), Err(Error::Config(_))),

@@ -22,7 +22,7 @@ mod redlock;
 mod single;
 mod wire;
 
-pub use config::{MAX_TIMEOUT, RedisConfig, SCHEMES, Topology};
+pub use config::{DEFAULT_KEEPALIVE, MAX_TIMEOUT, MIN_KEEPALIVE, RedisConfig, SCHEMES, Topology};
 pub use redlock::RedlockBackend;
 pub use single::RedisBackend;
 pub use wire::LockNames;

@@ -130,6 +130,8 @@ struct Shared {
     db: i64,
     connect_timeout: Duration,
     response_timeout: Duration,
+    /// The client's TCP settings (see `conn::tcp`), for every line.
+    tcp: redis::io::tcp::TcpSettings,
     slot: Mutex<Slot>,
     /// The runtime lines are opened on and their reader tasks run on: the one the
     /// connection was made on, while it runs (else the caller's, from then on). Not a
@@ -595,6 +597,7 @@ impl DirectConn {
                 db: settings.db(),
                 connect_timeout,
                 response_timeout,
+                tcp: info.tcp_settings().clone(),
                 slot: Mutex::new(Slot::Empty),
                 home: Mutex::new(tokio::runtime::Handle::try_current().ok()),
                 next_opening: std::sync::atomic::AtomicU64::new(0),
@@ -775,7 +778,8 @@ async fn open(shared: &Shared) -> Result<Arc<Line>, Failure> {
     let stream = TcpStream::connect((shared.host.as_str(), shared.port))
         .await
         .map_err(io_failure)?;
-    stream.set_nodelay(true).map_err(io_failure)?;
+    // No Nagle delay whatever the client says: requests are written as they come.
+    crate::conn::tcp::apply(&stream, &shared.tcp.clone().set_nodelay(true)).map_err(io_failure)?;
     let line = Arc::new(Line {
         stream,
         state: Mutex::new(LineState::default()),

@@ -22,6 +22,7 @@ use redis::{
 use tokio::sync::{Notify, Semaphore, SemaphorePermit};
 
 pub(crate) mod direct;
+pub(crate) mod tcp;
 
 pub(crate) const BACKEND: &str = "redis";
 

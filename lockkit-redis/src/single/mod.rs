@@ -176,7 +176,7 @@ impl RedisBackend {
             .saturating_add(config.wait_replicas_timeout);
         let (conn, grant_conns, subscriber, target, cluster) = match &config.topology {
             Topology::Single(url) => {
-                let client = redis::Client::open(url.as_str()).map_err(bad_url)?;
+                let client = crate::conn::tcp::client(url, config.keepalive).map_err(bad_url)?;
                 let target = lockkit_core::config::redact_url(url);
                 let manager = |response_timeout, retries| {
                     let manager_config = ConnectionManagerConfig::new()
@@ -222,6 +222,7 @@ impl RedisBackend {
             }
             Topology::Cluster(nodes) => {
                 let client = ClusterClientBuilder::new(nodes.clone())
+                    .tcp_settings(crate::conn::tcp::settings(config.keepalive))
                     .connection_timeout(config.connect_timeout)
                     .response_timeout(config.response_timeout)
                     .build()
@@ -237,7 +238,8 @@ impl RedisBackend {
                 let first = nodes
                     .first()
                     .ok_or_else(|| Error::Config("no cluster node".into()))?;
-                let subscriber = redis::Client::open(first.as_str()).map_err(bad_url)?;
+                let subscriber =
+                    crate::conn::tcp::client(first, config.keepalive).map_err(bad_url)?;
                 (Conn::Cluster(conn), grant_conns, subscriber, target, true)
             }
             Topology::Redlock(_) => {
