@@ -200,7 +200,8 @@ enum Commands {
     /// can write in between (exit: CMD's code); refuse (exit 1, naming the newer token)
     /// otherwise. The store is the --url's: file:///dir (RESOURCE is a file name in dir;
     /// the fence's flock is held), mysql:// or postgres:// (the resource's row of
-    /// `lockkit_fences` is locked; the raise commits only if CMD exits 0).
+    /// `lockkit_fences` is locked). The bar is raised before CMD runs and stays raised
+    /// whatever CMD's exit: CMD's writes are its own and cannot be rolled back.
     ///
     /// Without CMD it only checks and raises the bar (redis:// too): a write made after it
     /// can still land after a newer holder's, so give the write as CMD where you can.
@@ -248,18 +249,6 @@ enum Story {
     },
 }
 
-/// CMD of `lockkit fence` failed with this exit code (the fenced write is rolled back).
-#[derive(Debug)]
-struct CommandFailed(i32);
-
-impl std::fmt::Display for CommandFailed {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "the command exited with {}", self.0)
-    }
-}
-
-impl std::error::Error for CommandFailed {}
-
 /// Runs `command` to its end; its exit code (128 + n for a signal), or 127 if it cannot
 /// start.
 fn run_to_end(command: &[String]) -> i32 {
@@ -279,34 +268,13 @@ fn run_to_end(command: &[String]) -> i32 {
     }
 }
 
-/// CMD of `lockkit fence`, run inside a SQL fence's transaction: `Ok(0)` commits the raised
-/// fence, a failing CMD rolls it back.
+/// CMD of `lockkit fence`, run while a SQL fence's transaction holds the resource's row: its
+/// exit code, whatever it is (the raise was committed before, and CMD's writes are its own,
+/// so there is nothing to roll back).
 async fn command_in_fence(command: Vec<String>) -> std::result::Result<i32, lockkit::BoxError> {
-    let code = tokio::task::spawn_blocking(move || run_to_end(&command))
+    Ok(tokio::task::spawn_blocking(move || run_to_end(&command))
         .await
-        .unwrap_or(1);
-    if code == 0 {
-        Ok(0)
-    } else {
-        Err(Box::new(CommandFailed(code)))
-    }
-}
-
-/// A SQL fence's outcome, or the exit for a CMD that failed (the fence was not raised).
-fn command_outcome(
-    written: lockkit::Result<i32>,
-) -> std::result::Result<lockkit::Result<i32>, ExitCode> {
-    match written {
-        Err(Error::Backend {
-            source: Some(source),
-            ..
-        }) if source.downcast_ref::<CommandFailed>().is_some() => {
-            let failed = source.downcast_ref::<CommandFailed>().map_or(1, |f| f.0);
-            eprintln!("lockkit: the command exited with {failed}; the fence was not raised");
-            Err(ExitCode::from(u8::try_from(failed).unwrap_or(1)))
-        }
-        other => Ok(other),
-    }
+        .unwrap_or(1))
 }
 
 /// `lockkit fence`: CMD's exit code (0 without CMD) when `token` is admitted for
@@ -358,34 +326,38 @@ async fn fence(url: &str, resource: &str, token: FencingToken, command: &[String
                 Err(e) => Err(e),
             }
         }
+        // CMD is another process: its writes are not part of the fence's transaction, so the
+        // raise is committed before CMD runs (`admit`), and nothing CMD does (failing half-way,
+        // lockkit being killed while it runs) can take it back; then CMD runs in a second
+        // transaction that holds the row, so no other fenced writer runs in between.
         "mysql" | "mariadb" => match lockkit::fence::MysqlFence::connect(url).await {
-            Ok(fence) => {
-                let command = command.to_vec();
-                let written = fence
-                    .write(token, resource, move |_| {
-                        Box::pin(command_in_fence(command))
-                    })
-                    .await;
-                match command_outcome(written) {
-                    Ok(outcome) => outcome,
-                    Err(exit) => return exit,
+            Ok(fence) => match fence.admit(token, resource).await {
+                Ok(()) if command.is_empty() => Ok(0),
+                Ok(()) => {
+                    let command = command.to_vec();
+                    fence
+                        .write(token, resource, move |_| {
+                            Box::pin(command_in_fence(command))
+                        })
+                        .await
                 }
-            }
+                Err(e) => Err(e),
+            },
             Err(e) => Err(e),
         },
         "postgres" | "postgresql" => match lockkit::fence::PostgresFence::connect(url).await {
-            Ok(fence) => {
-                let command = command.to_vec();
-                let written = fence
-                    .write(token, resource, move |_| {
-                        Box::pin(command_in_fence(command))
-                    })
-                    .await;
-                match command_outcome(written) {
-                    Ok(outcome) => outcome,
-                    Err(exit) => return exit,
+            Ok(fence) => match fence.admit(token, resource).await {
+                Ok(()) if command.is_empty() => Ok(0),
+                Ok(()) => {
+                    let command = command.to_vec();
+                    fence
+                        .write(token, resource, move |_| {
+                            Box::pin(command_in_fence(command))
+                        })
+                        .await
                 }
-            }
+                Err(e) => Err(e),
+            },
             Err(e) => Err(e),
         },
         _ => {

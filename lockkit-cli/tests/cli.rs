@@ -699,7 +699,7 @@ fn fence_accepts_the_newest_token_and_refuses_a_stale_one() {
 
 /// `lockkit fence ... -- CMD` holds the fence while CMD runs (review 15, H1): a stale
 /// writer admitted first cannot write after a newer one, and a refused writer's CMD never
-/// runs. With MySQL, a failing CMD leaves the bar where it was.
+/// runs. With MySQL and PostgreSQL, a failing CMD raises the bar all the same.
 #[test]
 fn fence_runs_the_write_under_the_fence() {
     let dir = dir("fence-cmd");
@@ -765,11 +765,10 @@ fn fence_runs_the_write_under_the_fence() {
             .code()
         };
         assert_eq!(run("5", "exit 3"), Some(3), "CMD's code is passed on");
-        assert_eq!(
-            run("4", "true"),
-            Some(0),
-            "a failed CMD did not raise the bar"
-        );
+        // CMD's writes are outside the transaction: a failed CMD may have written, so
+        // the bar it raised stays (helper-43, finding 1).
+        assert_eq!(run("4", "true"), Some(1), "a failed CMD raised the bar too");
+        assert_eq!(run("5", "true"), Some(0), "the same token again");
         assert_eq!(run("3", "true"), Some(1), "a successful one did");
     }
 }
@@ -1163,4 +1162,56 @@ fn reads_share_and_permits_bound(url: &str, rw: &str, sem: &str) {
         "{url}: a permit came back"
     );
     stop(&mut permits[1]);
+}
+
+/// helper-43, finding 1: `lockkit fence` on `mysql://` or `postgres://` runs CMD outside the
+/// fence's transaction (CMD is another process), so rolling the raise back when CMD fails
+/// cannot take back what CMD already wrote. A newer holder whose write landed but whose CMD
+/// then failed (a later step of the script, a notification) must still keep every older
+/// token out: the stale holder's write must not land after it.
+#[test]
+fn a_newer_cmd_that_wrote_and_then_failed_still_fences_out_older_tokens() {
+    let dir = dir("fence-failed-cmd");
+    let pid = std::process::id();
+    for var in ["LOCKKIT_TEST_MYSQL_URL", "LOCKKIT_TEST_POSTGRES_URL"] {
+        let Some(url) = lockkit_conformance::env::service_url(var) else {
+            continue;
+        };
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_nanos();
+        let resource = format!("cli-fence-failed/{pid}-{nanos}");
+        let data = format!("{dir}/{var}-{pid}-{nanos}");
+        let run = |token: &str, cmd: &str| {
+            lockkit(
+                &url,
+                &["fence", "--resource", &resource, "--token", token, "--"],
+            )
+            .args(["sh", "-c", cmd])
+            .output()
+            .unwrap()
+        };
+        // An earlier holder wrote through the fence.
+        assert_eq!(run("4", &format!("echo 4 > {data}")).status.code(), Some(0));
+        // The newer holder (token 6) writes, then a later step of its job fails.
+        let newer = run("6", &format!("echo 6 > {data}; exit 3"));
+        assert_eq!(newer.status.code(), Some(3), "CMD's code is passed on");
+        assert_eq!(std::fs::read_to_string(&data).unwrap().trim(), "6");
+        // The holder of token 5 was paused past its lease and now resumes its write.
+        let stale = run("5", &format!("echo 5 > {data}"));
+        assert_eq!(
+            std::fs::read_to_string(&data).unwrap().trim(),
+            "6",
+            "{var}: the stale token 5 wrote over token 6's write (exit {:?}, stderr {})",
+            stale.status.code(),
+            String::from_utf8_lossy(&stale.stderr)
+        );
+        assert_eq!(stale.status.code(), Some(1), "{var}: refused");
+        let said = String::from_utf8_lossy(&stale.stderr);
+        assert!(
+            said.contains("token 6"),
+            "{var}: names the newer token: {said}"
+        );
+    }
 }
