@@ -8,16 +8,21 @@
 //!
 //! - Signals for CMD go to its whole group, so grandchildren get them too, and a terminal's
 //!   Ctrl-C reaches CMD once (through lockkit), not twice.
-//! - When CMD exits, whatever it left running in its group is stopped: nothing of it runs on
-//!   once the lock is released.
+//! - When CMD exits, whatever it left running is stopped: nothing of it runs on once the
+//!   lock is released.
 //! - If lockkit dies, even by SIGKILL, the supervisor (re-parented) stops the group within
 //!   100 ms (SIGTERM, then SIGKILL after the grace): no command outlives its lock.
 //! - CMD is not in the terminal's foreground group: a CMD that reads the terminal is
 //!   stopped by SIGTTIN; give it input through a pipe or a file.
+//! - Stopping reaches beyond CMD's group: on Linux the supervisor is a child subreaper, so
+//!   every process CMD started stays below it (a grandchild that moved to a group of its
+//!   own, as GNU `timeout` does, or left the session with `setsid`, is adopted by the
+//!   supervisor when its parent dies), and a stop signals every descendant, not only the
+//!   group.
 //!
-//! What no supervisor can contain: a process that leaves the group on purpose (`setsid`,
-//! a double fork into a new session) and side effects already made. Pass `LOCKKIT_TOKEN`
-//! with every write, so that storage refuses a writer whose lock is gone.
+//! What no supervisor can contain: side effects already made, and (outside Linux) a
+//! process that leaves the group. Pass `LOCKKIT_TOKEN` with every write, so that storage
+//! refuses a writer whose lock is gone.
 
 use std::{
     os::unix::process::ExitStatusExt,
@@ -51,25 +56,110 @@ pub fn signal_group(group: Pid, signal: Option<Signal>) -> bool {
     killpg(group, signal).is_ok()
 }
 
-/// Stops what is left of `group`: SIGTERM, then SIGKILL if anything is still there after
-/// `grace`.
-pub async fn stop_group(group: Pid, grace: Duration) {
-    if !signal_group(group, Some(Signal::SIGTERM)) {
+/// The live processes below this one (children, theirs, and so on), read from `/proc`;
+/// reaps, on the way, the zombies among its own children other than `cmd` (orphans it
+/// adopted as a subreaper). Empty where `/proc` cannot be read.
+fn descendants(cmd: Pid) -> Vec<Pid> {
+    let me = nix::unistd::getpid();
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    // (pid, parent, zombie) of every process.
+    let mut all = Vec::new();
+    for entry in entries.flatten() {
+        let Some(pid) = entry
+            .file_name()
+            .to_str()
+            .and_then(|n| n.parse::<i32>().ok())
+        else {
+            continue;
+        };
+        let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+            continue;
+        };
+        // `pid (comm) state ppid ...`: comm may hold anything, so read after its last `)`.
+        let mut fields = stat
+            .rsplit_once(')')
+            .map_or("", |(_, rest)| rest)
+            .split_whitespace();
+        let (Some(state), Some(Ok(parent))) = (fields.next(), fields.next().map(str::parse)) else {
+            continue;
+        };
+        all.push((
+            Pid::from_raw(pid),
+            Pid::from_raw(parent),
+            state == "Z" || state == "X",
+        ));
+    }
+    let mut found = Vec::new();
+    let mut parents = vec![me];
+    while let Some(parent) = parents.pop() {
+        for &(pid, _, zombie) in all.iter().filter(|(_, p, _)| *p == parent) {
+            if zombie {
+                if parent == me && pid != cmd {
+                    let _ =
+                        nix::sys::wait::waitpid(pid, Some(nix::sys::wait::WaitPidFlag::WNOHANG));
+                }
+                continue;
+            }
+            if !found.contains(&pid) {
+                found.push(pid);
+                parents.push(pid);
+            }
+        }
+    }
+    found
+}
+
+/// Sends `signal` to `group` and to every process below this one; false once there is
+/// none left.
+fn signal_all(group: Pid, cmd: Pid, signal: Option<Signal>) -> bool {
+    let mut any = signal_group(group, signal);
+    for pid in descendants(cmd) {
+        any |= nix::sys::signal::kill(pid, signal).is_ok();
+    }
+    any
+}
+
+/// Makes this process a child subreaper (Linux): the orphans of CMD's process tree are
+/// re-parented to it rather than to init, so a stop still finds them.
+pub fn adopt_orphans() {
+    #[cfg(target_os = "linux")]
+    if let Err(e) = nix::sys::prctl::set_child_subreaper(true) {
+        eprintln!(
+            "lockkit: the supervisor cannot adopt orphans ({e}): a process CMD starts in a \
+             session of its own may outlive the lock"
+        );
+    }
+}
+
+/// Stops what is left of CMD: its `group` and every other process below the supervisor
+/// (`cmd` is CMD's pid): SIGTERM, then SIGKILL if anything is still there after `grace`.
+pub async fn stop_group(group: Pid, cmd: Pid, grace: Duration) {
+    if !signal_all(group, cmd, Some(Signal::SIGTERM)) {
         return;
     }
     let deadline = tokio::time::Instant::now() + grace;
     while tokio::time::Instant::now() < deadline {
         tokio::time::sleep(Duration::from_millis(20)).await;
-        if !signal_group(group, None) {
+        // Signal again: a process started after the first round gets its SIGTERM too.
+        if !signal_all(group, cmd, Some(Signal::SIGTERM)) {
             return;
         }
     }
-    signal_group(group, Some(Signal::SIGKILL));
+    // A process may still fork while dying: repeat until nothing is left.
+    for _ in 0..100 {
+        if !signal_all(group, cmd, Some(Signal::SIGKILL)) {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
 }
 
 /// The supervisor: starts CMD in a new process group, passes lockkit's signals on to the
-/// whole group (SIGUSR1 means SIGKILL), and stops the group when CMD exits or when lockkit
-/// goes away (the supervisor is re-parented). Exits with CMD's exit code (128 + n for a
+/// whole group (SIGUSR1 means SIGKILL, to every process below the supervisor), and stops
+/// the group and every other process below it when CMD exits or when lockkit goes away
+/// (the supervisor is re-parented). Exits with CMD's exit code (128 + n for a
 /// signal).
 pub async fn main(grace: Duration, command: &[String]) -> ExitCode {
     let lockkit = std::os::unix::process::parent_id();
@@ -84,6 +174,7 @@ pub async fn main(grace: Duration, command: &[String]) -> ExitCode {
         eprintln!("lockkit: the supervisor cannot handle signals");
         return ExitCode::from(2);
     };
+    adopt_orphans();
     let Some((program, args)) = command.split_first() else {
         return ExitCode::from(2);
     };
@@ -106,13 +197,15 @@ pub async fn main(grace: Duration, command: &[String]) -> ExitCode {
         tokio::select! {
             status = child.wait() => {
                 // CMD is done: nothing it started may run on after the lock is released.
-                stop_group(group, grace).await;
+                stop_group(group, group, grace).await;
                 return ExitCode::from(status.map_or(2, exit_code));
             }
             _ = orphaned.tick() => {
+                // Reaps the orphans adopted meanwhile that have exited.
+                let _ = descendants(group);
                 if std::os::unix::process::parent_id() != lockkit {
                     // lockkit is gone (even by SIGKILL): so is the lock.
-                    stop_group(group, grace).await;
+                    stop_group(group, group, grace).await;
                     let status = child.wait().await;
                     return ExitCode::from(status.map_or(2, exit_code));
                 }
@@ -120,7 +213,7 @@ pub async fn main(grace: Duration, command: &[String]) -> ExitCode {
             _ = ints.recv() => { signal_group(group, Some(Signal::SIGINT)); }
             _ = terms.recv() => { signal_group(group, Some(Signal::SIGTERM)); }
             _ = hups.recv() => { signal_group(group, Some(Signal::SIGHUP)); }
-            _ = kills.recv() => { signal_group(group, Some(Signal::SIGKILL)); }
+            _ = kills.recv() => { signal_all(group, group, Some(Signal::SIGKILL)); }
         }
     }
 }

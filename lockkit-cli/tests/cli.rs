@@ -1215,3 +1215,83 @@ fn a_newer_cmd_that_wrote_and_then_failed_still_fences_out_older_tokens() {
         );
     }
 }
+
+/// Starts `lockkit run` on `sh -c SCRIPT`, where SCRIPT's descendant of interest writes its
+/// pid to `$PIDFILE`; returns lockkit's process and that pid.
+fn run_with_descendant(dir: &str, script: &str) -> (std::process::Child, i32) {
+    let pidfile = format!("{dir}/descendant.pid");
+    let _ = std::fs::remove_file(&pidfile);
+    let _ = std::fs::remove_file(format!("{pidfile}.go"));
+    let url = format!("file://{dir}");
+    let child = lockkit(
+        &url,
+        &[
+            "run", "--key", "k", "--ttl", "3s", "--grace", "1s", "--", "sh", "-c", script,
+        ],
+    )
+    .env("PIDFILE", &pidfile)
+    .spawn()
+    .unwrap();
+    let started = Instant::now();
+    let pid = loop {
+        if let Ok(text) = std::fs::read_to_string(&pidfile)
+            && let Ok(pid) = text.trim().parse::<i32>()
+        {
+            break pid;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(20),
+            "the command never started"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    assert!(alive(pid), "the descendant must be running");
+    (child, pid)
+}
+
+/// Kills `pid` if a failed assertion left it running.
+struct KillOnDrop(i32);
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        let _ = nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(self.0),
+            nix::sys::signal::Signal::SIGKILL,
+        );
+    }
+}
+
+/// helper-43, finding 2: GNU `timeout` (without `--foreground`) moves itself and its
+/// command into a process group of their own, as does any job-control shell or program that
+/// starts its children in groups of their own. Stopping CMD's group alone left such a
+/// grandchild running after the lock was lost, and after `lockkit run` exited 75.
+#[tokio::test]
+async fn a_lost_lock_stops_a_grandchild_in_a_process_group_of_its_own() {
+    let dir = dir("lost-own-group");
+    let (mut child, grandchild) = run_with_descendant(
+        &dir,
+        "timeout 60 sh -c 'echo $$ > $PIDFILE.tmp; mv $PIDFILE.tmp $PIDFILE; exec sleep 41'; true",
+    );
+    let _cleanup = KillOnDrop(grandchild);
+    take_away_when_held(&dir).await;
+    assert_eq!(child.wait().unwrap().code(), Some(75));
+    assert_gone_soon(grandchild, "timeout's command after the lock was lost");
+}
+
+/// helper-43, finding 2: a grandchild that left the session (`setsid`) is stopped too once
+/// the command that started it is gone: `lockkit run` must not exit (and release) while
+/// anything CMD started still runs.
+#[test]
+fn a_command_that_ends_leaves_no_setsid_grandchild_running() {
+    let dir = dir("setsid-grandchild");
+    let (mut child, grandchild) = run_with_descendant(
+        &dir,
+        "setsid sh -c 'echo $$ > $PIDFILE.tmp; mv $PIDFILE.tmp $PIDFILE; exec sleep 43' & \
+         while [ ! -e $PIDFILE.go ]; do sleep 0.01; done; exit 4",
+    );
+    let _cleanup = KillOnDrop(grandchild);
+    // CMD ends once the test has seen the grandchild running.
+    std::fs::write(format!("{dir}/descendant.pid.go"), "").unwrap();
+    assert_eq!(child.wait().unwrap().code(), Some(4), "CMD's own code");
+    assert_gone_soon(grandchild, "a setsid grandchild after CMD ended");
+}
