@@ -101,6 +101,9 @@ enum Commands {
     Supervise {
         #[arg(long)]
         grace_ms: u64,
+        /// The pid of the lockkit that started the supervisor.
+        #[arg(long)]
+        parent: u32,
         #[arg(required = true, trailing_var_arg = true, allow_hyphen_values = true)]
         command: Vec<String>,
     },
@@ -404,8 +407,13 @@ async fn main() -> ExitCode {
     }
     let cli = Cli::parse();
     install_diagnostics(cli.verbose, cli.quiet);
-    if let Commands::Supervise { grace_ms, command } = &cli.command {
-        return supervisor::main(Duration::from_millis(*grace_ms), command).await;
+    if let Commands::Supervise {
+        grace_ms,
+        parent,
+        command,
+    } = &cli.command
+    {
+        return supervisor::main(Duration::from_millis(*grace_ms), *parent, command).await;
     }
     if let Commands::Lab {
         scenario,

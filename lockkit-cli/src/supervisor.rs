@@ -161,8 +161,11 @@ pub async fn stop_group(group: Pid, cmd: Pid, grace: Duration) {
 /// the group and every other process below it when CMD exits or when lockkit goes away
 /// (the supervisor is re-parented). Exits with CMD's exit code (128 + n for a
 /// signal).
-pub async fn main(grace: Duration, command: &[String]) -> ExitCode {
-    let lockkit = std::os::unix::process::parent_id();
+///
+/// `lockkit` is the pid of the lockkit that started it, passed on its command line: read
+/// from the supervisor's own parent instead, a lockkit killed before that read would go
+/// unnoticed (the supervisor would take its new parent, init or a subreaper, for lockkit).
+pub async fn main(grace: Duration, lockkit: u32, command: &[String]) -> ExitCode {
     // Handlers replace the default actions, so these never end the supervisor itself.
     let listen = |kind: SignalKind| tokio::signal::unix::signal(kind);
     let (Ok(mut ints), Ok(mut terms), Ok(mut hups), Ok(mut kills)) = (
@@ -178,6 +181,10 @@ pub async fn main(grace: Duration, command: &[String]) -> ExitCode {
     let Some((program, args)) = command.split_first() else {
         return ExitCode::from(2);
     };
+    if std::os::unix::process::parent_id() != lockkit {
+        eprintln!("lockkit: lockkit is gone (and the lock with it): `{program}` not started");
+        return ExitCode::from(2);
+    }
     let mut child = match Command::new(program).args(args).process_group(0).spawn() {
         Ok(child) => child,
         Err(e) => {
@@ -242,6 +249,8 @@ impl Supervised {
             .arg(SUBCOMMAND)
             .arg("--grace-ms")
             .arg(grace.as_millis().to_string())
+            .arg("--parent")
+            .arg(std::process::id().to_string())
             .arg("--")
             .args(command)
             .envs(env.iter().map(|(k, v)| (*k, v.as_str())))

@@ -1295,3 +1295,96 @@ fn a_command_that_ends_leaves_no_setsid_grandchild_running() {
     assert_eq!(child.wait().unwrap().code(), Some(4), "CMD's own code");
     assert_gone_soon(grandchild, "a setsid grandchild after CMD ended");
 }
+
+/// The pids of the processes whose parent is `parent`, from `/proc`.
+fn children_of(parent: u32) -> Vec<i32> {
+    let mut found = Vec::new();
+    for entry in std::fs::read_dir("/proc").unwrap().flatten() {
+        let Some(pid) = entry
+            .file_name()
+            .to_str()
+            .and_then(|n| n.parse::<i32>().ok())
+        else {
+            continue;
+        };
+        let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+            continue;
+        };
+        let ppid = stat
+            .rsplit_once(')')
+            .and_then(|(_, rest)| rest.split_whitespace().nth(1)?.parse::<u32>().ok());
+        if ppid == Some(parent) {
+            found.push(pid);
+        }
+    }
+    found
+}
+
+/// helper-43, finding 3: lockkit SIGKILLed just after it started the supervisor, before the
+/// supervisor had looked up its parent. The supervisor took its new parent (init, or a
+/// subreaper) for lockkit, never saw lockkit go, and ran CMD with no lock held (lockkit
+/// could not release; the lease runs out) for as long as CMD lasted.
+#[test]
+fn lockkit_killed_while_the_supervisor_starts_leaves_no_command_running() {
+    let dir = dir("kill-at-start");
+    let url = format!("file://{dir}");
+    let pidfile = format!("{dir}/cmd.pid");
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_nanos();
+    for round in 0..20 {
+        let _ = std::fs::remove_file(&pidfile);
+        let mut run = lockkit(
+            &url,
+            &[
+                "run",
+                "--key",
+                // Unique: a killed lockkit's lease outlives it (and this test's run).
+                &format!("k-{}-{nanos}-{round}", std::process::id()),
+                "--",
+                "sh",
+                "-c",
+                &format!("echo $$ > {pidfile}.tmp; mv {pidfile}.tmp {pidfile}; exec sleep 47"),
+            ],
+        )
+        .spawn()
+        .unwrap();
+        // SIGKILL lockkit the moment its supervisor exists.
+        let started = Instant::now();
+        let supervisor = loop {
+            if let Some(&pid) = children_of(run.id()).first() {
+                break pid;
+            }
+            assert!(
+                started.elapsed() < Duration::from_secs(20),
+                "no supervisor started"
+            );
+        };
+        run.kill().unwrap();
+        let _ = run.wait();
+        // The supervisor may start CMD (and then must stop it) or not start it at all;
+        // either way it ends.
+        let waiting = Instant::now();
+        loop {
+            if let Ok(text) = std::fs::read_to_string(&pidfile)
+                && let Ok(pid) = text.trim().parse::<i32>()
+            {
+                let _cleanup = KillOnDrop(pid);
+                assert_gone_soon(
+                    pid,
+                    &format!("round {round}: CMD after lockkit was SIGKILLed"),
+                );
+                break;
+            }
+            if !alive(supervisor) {
+                break;
+            }
+            assert!(
+                waiting.elapsed() < Duration::from_secs(20),
+                "round {round}: the supervisor outlived lockkit, CMD not started"
+            );
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+}
