@@ -443,3 +443,67 @@ async fn postgres_fence_tables_created_at_once_all_succeed() {
             .unwrap();
     }
 }
+
+/// helper-43, finding 4: on a PostgreSQL whose transactions default to REPEATABLE READ or
+/// SERIALIZABLE (`default_transaction_isolation`, set per database or role), a fenced writer
+/// that waited on another's row lock failed with a serialization error (40001) the moment
+/// the other committed, instead of reading the raised token and being admitted or refused:
+/// concurrent writers of one resource got errors that a retry alone would fix.
+#[tokio::test]
+async fn postgres_fence_writers_wait_for_each_other_under_repeatable_read() {
+    let Some(url) = service_url("LOCKKIT_TEST_POSTGRES_URL") else {
+        return;
+    };
+    fence::PostgresFence::connect(&url).await.unwrap();
+    for level in ["repeatable read", "serializable"] {
+        let pool = sqlx::postgres::PgPoolOptions::new()
+            .max_connections(16)
+            .after_connect(move |conn, _| {
+                Box::pin(async move {
+                    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+                        "SET default_transaction_isolation = '{level}'"
+                    )))
+                    .execute(conn)
+                    .await?;
+                    Ok(())
+                })
+            })
+            .connect(&url)
+            .await
+            .unwrap();
+        let fence = fence::PostgresFence::new(pool);
+        let res = resource("postgres-repeatable-read");
+        // Each writer holds the row a little, so that the others queue behind it.
+        let writers: Vec<_> = TOKENS
+            .into_iter()
+            .map(|t| {
+                let (fence, res) = (fence.clone(), res.clone());
+                tokio::spawn(async move {
+                    let outcome = fence
+                        .write(FencingToken::new(t), &res, |tx| {
+                            Box::pin(async move {
+                                sqlx::query("SELECT pg_sleep(0.05)")
+                                    .execute(&mut *tx)
+                                    .await?;
+                                Ok(())
+                            })
+                        })
+                        .await;
+                    (t, outcome)
+                })
+            })
+            .collect();
+        let mut outcomes = Vec::new();
+        for w in writers {
+            outcomes.push(w.await.unwrap());
+        }
+        for (t, outcome) in &outcomes {
+            if let Err(e) = outcome
+                && !matches!(e, Error::Fenced { .. })
+            {
+                panic!("{level}: token {t}: {e}");
+            }
+        }
+        check_concurrent(&outcomes);
+    }
+}

@@ -17,6 +17,17 @@ pub const TABLE: &str = "lockkit_fences";
 /// `undefined_table`.
 const UNDEFINED_TABLE: &str = "42P01";
 
+/// `serialization_failure`.
+const SERIALIZATION_FAILURE: &str = "40001";
+
+/// `deadlock_detected`.
+const DEADLOCK_DETECTED: &str = "40P01";
+
+/// How many times a fenced write starts its transaction (or the creation of the fence row)
+/// again when it fails with one of the two errors above (each follows another writer's
+/// commit).
+const LOCK_RETRIES: u32 = 100;
+
 /// The fence table's DDL, to run once (or let [`PostgresFence::create_table`] run it):
 /// one row per resource with the newest token that wrote to it.
 pub fn ddl(table: &str) -> String {
@@ -40,6 +51,14 @@ fn sql_state(e: &sqlx::Error) -> Option<String> {
         sqlx::Error::Database(db) => db.code().map(|c| c.to_string()),
         _ => None,
     }
+}
+
+/// A serialization failure or a deadlock: the transaction (or statement) may be run again.
+fn must_start_again(e: &sqlx::Error) -> bool {
+    matches!(
+        sql_state(e).as_deref(),
+        Some(SERIALIZATION_FAILURE | DEADLOCK_DETECTED)
+    )
 }
 
 /// A fence in PostgreSQL: per resource, a row of [`ddl`] with the newest token that wrote.
@@ -170,7 +189,10 @@ impl PostgresFence {
     ///
     /// `work` must use the connection it is given (statements on another connection are
     /// not fenced) and must not end the transaction (`COMMIT`, `ROLLBACK`). Tokens are
-    /// stored as `BIGINT`: one above `i64::MAX` is refused.
+    /// stored as `BIGINT`: one above `i64::MAX` is refused. The transaction has the
+    /// connection's isolation level; under REPEATABLE READ or SERIALIZABLE, a serialization
+    /// failure while taking the fence row (another writer committed meanwhile) starts the
+    /// transaction again before `work` runs; one in `work` or at commit is returned.
     ///
     /// ```no_run
     /// # async fn f(fence: lockkit::fence::PostgresFence, guard: lockkit::LockGuard) -> lockkit::Result<()> {
@@ -211,25 +233,50 @@ impl PostgresFence {
         };
         // The row exists from the first write on: create it (token 0) in a statement of its
         // own, so the transaction below only ever waits on an existing row's lock.
-        sqlx::query(AssertSqlSafe(format!(
-            "INSERT INTO {table} (resource, token) VALUES ($1, 0) ON CONFLICT (resource) DO NOTHING"
-        )))
-        .bind(name)
-        .execute(&self.pool)
-        .await
-        .map_err(|e| db_error("creating the fence row", e))?;
-        let mut tx = self
-            .pool
-            .begin()
+        // A statement of its own: under REPEATABLE READ it fails like the lock below when the
+        // row was raised after its snapshot, and is simply run again.
+        let mut retries = 0;
+        loop {
+            match sqlx::query(AssertSqlSafe(format!(
+                "INSERT INTO {table} (resource, token) VALUES ($1, 0) \
+                 ON CONFLICT (resource) DO NOTHING"
+            )))
+            .bind(name)
+            .execute(&self.pool)
             .await
-            .map_err(|e| db_error("starting the fenced write", e))?;
-        let (newest,): (i64,) = sqlx::query_as(AssertSqlSafe(format!(
-            "SELECT token FROM {table} WHERE resource = $1 FOR UPDATE"
-        )))
-        .bind(name)
-        .fetch_one(&mut *tx)
-        .await
-        .map_err(|e| db_error("locking the fence row", e))?;
+            {
+                Ok(_) => break,
+                Err(e) if retries < LOCK_RETRIES && must_start_again(&e) => retries += 1,
+                Err(e) => return Err(db_error("creating the fence row", e)),
+            }
+        }
+        // Under REPEATABLE READ or SERIALIZABLE (a database's or role's
+        // `default_transaction_isolation`), a writer that waited for the row while another
+        // raised it fails with a serialization error when the other commits: nothing ran
+        // yet, so start again with a fresh snapshot (each retry follows another writer's
+        // commit, so they make progress).
+        let mut retries = 0;
+        let (mut tx, newest) = loop {
+            let mut tx = self
+                .pool
+                .begin()
+                .await
+                .map_err(|e| db_error("starting the fenced write", e))?;
+            match sqlx::query_as::<_, (i64,)>(AssertSqlSafe(format!(
+                "SELECT token FROM {table} WHERE resource = $1 FOR UPDATE"
+            )))
+            .bind(name)
+            .fetch_one(&mut *tx)
+            .await
+            {
+                Ok((newest,)) => break (tx, newest),
+                Err(e) if retries < LOCK_RETRIES && must_start_again(&e) => {
+                    let _ = tx.rollback().await;
+                    retries += 1;
+                }
+                Err(e) => return Err(db_error("locking the fence row", e)),
+            }
+        };
         let newest = FencingToken::new(u64::try_from(newest).unwrap_or(0));
         if let Err(refused) = admitted(resource, token, Some(newest)) {
             let _ = tx.rollback().await;
