@@ -394,7 +394,7 @@ return out
     )
 });
 
-/// KEYS: token. ARGV: a token value. Raises the counter to at least ARGV[1] (Redlock's
+/// KEYS: token. ARGV: a token value. Raises the counter to at least `ARGV[1]` (Redlock's
 /// write-back of the highest token seen). Returns the counter.
 pub(crate) static RAISE_TOKEN: LazyLock<Script> = LazyLock::new(|| {
     Script::new(
