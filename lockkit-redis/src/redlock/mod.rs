@@ -398,6 +398,25 @@ fn master_address(url: &str) -> String {
     host_port.to_ascii_lowercase()
 }
 
+/// The holds left after a release, as the masters that released report them: the count a
+/// quorum of them reports at least (a stray copy on a minority, such as a re-entry's
+/// give-back that never landed, does not make a quorum's full release read partial); the
+/// highest any reports when fewer than a quorum answered.
+fn agreed_remaining(released: &[Released], quorum: usize) -> u32 {
+    let mut counts: Vec<u32> = released
+        .iter()
+        .map(|r| match r {
+            Released::Fully => 0,
+            Released::Partially { remaining } => *remaining,
+        })
+        .collect();
+    counts.sort_unstable_by(|a, b| b.cmp(a));
+    match counts.get(quorum.saturating_sub(1)) {
+        Some(agreed) => *agreed,
+        None => counts.first().copied().unwrap_or(0),
+    }
+}
+
 /// Refuses a list of masters (node URLs) that names one master twice (by `host:port`,
 /// whatever the credentials, database or letter case): it would count twice towards the
 /// quorum, so that master alone could grant while another client, listing each master once,
@@ -1118,15 +1137,7 @@ impl LockBackend for RedlockBackend {
             .filter(|r| matches!(r, Err(Error::NotHeld { .. })))
             .count();
         if released.len() >= self.quorum() || (!released.is_empty() && refused == 0) {
-            // The hold count the masters report.
-            let remaining = released
-                .iter()
-                .map(|r| match r {
-                    Released::Fully => 0,
-                    Released::Partially { remaining } => *remaining,
-                })
-                .max()
-                .unwrap_or(0);
+            let remaining = agreed_remaining(&released, self.quorum());
             return Ok(match remaining {
                 0 => Released::Fully,
                 remaining => Released::Partially { remaining },
@@ -1305,6 +1316,27 @@ mod tests {
         }
         assert_eq!(master_address("redis://u:p@Host-1:6379/0"), "host-1:6379");
         assert_eq!(master_address("redis://[::1]:6379"), "[::1]:6379");
+    }
+
+    #[test]
+    fn the_holds_left_are_what_a_quorum_reports() {
+        let partially = |remaining| Released::Partially { remaining };
+        let full = Released::Fully;
+        // A stray copy on one master: the quorum let go.
+        assert_eq!(agreed_remaining(&[partially(1), full, full], 2), 0);
+        assert_eq!(
+            agreed_remaining(&[full, partially(1), full, full, full], 3),
+            0
+        );
+        // A real outer hold: every master keeps it.
+        assert_eq!(
+            agreed_remaining(&[partially(1), partially(1), partially(1)], 2),
+            1
+        );
+        assert_eq!(agreed_remaining(&[partially(2), partially(1), full], 2), 1);
+        // Fewer than a quorum answered: the highest, to be safe.
+        assert_eq!(agreed_remaining(&[partially(1)], 3), 1);
+        assert_eq!(agreed_remaining(&[], 3), 0);
     }
 
     #[test]
