@@ -161,6 +161,26 @@ async fn redis_fence_refuses_stale_writes() {
     ));
     fence.del(t(big), &res, &key).await.unwrap();
 
+    // helper-43's nit: a fence that is not a token refuses, saying so (it read as a newer
+    // holder's token u64::MAX before).
+    let corrupt = resource("redis-corrupt");
+    let mut raw = redis::Client::open(url.as_str())
+        .unwrap()
+        .get_multiplexed_async_connection()
+        .await
+        .unwrap();
+    let _: () = redis::cmd("SET")
+        .arg(fence.fence_key(&corrupt))
+        .arg("garbage")
+        .query_async(&mut raw)
+        .await
+        .unwrap();
+    let refused = fence.admit(t(5), &corrupt).await.unwrap_err();
+    assert!(
+        matches!(&refused, Error::Backend { .. }) && refused.to_string().contains("not a token"),
+        "{refused}"
+    );
+
     // A guard works as the token.
     let locker = Locker::new(MemoryBackend::new());
     let guard = locker.acquire("k").await.unwrap();

@@ -138,10 +138,23 @@ impl RedisFence {
                 let newest: String = redis::from_redis_value(newest).map_err(|e| {
                     Error::backend(BACKEND, false, format!("reading the newest token: {e}"))
                 })?;
+                // A fence that does not read as a token refuses every write (it fails
+                // closed), and says so: it is not a newer holder's.
+                let Ok(newer) = newest.parse::<u64>() else {
+                    return Err(Error::backend(
+                        BACKEND,
+                        false,
+                        format!(
+                            "the fence of `{resource}` holds {newest:?}, which is not a token: \
+                             every write is refused until it is mended (SET it to the newest \
+                             token that wrote, or DEL it if none did)"
+                        ),
+                    ));
+                };
                 Err(Error::Fenced {
                     resource: resource.to_owned(),
                     token,
-                    newer: FencingToken::new(newest.parse().unwrap_or(u64::MAX)),
+                    newer: FencingToken::new(newer),
                 })
             }
             other => Err(Error::backend(
