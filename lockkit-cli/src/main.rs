@@ -112,7 +112,8 @@ enum Commands {
     /// CMD gets LOCKKIT_KEY and LOCKKIT_TOKEN (the fencing token). If the lock is lost, CMD
     /// gets SIGTERM, then SIGKILL after --grace, and lockkit exits 75. A wait that times out
     /// exits 1 (see --conflict-exit-code). Otherwise lockkit exits with CMD's code. SIGINT
-    /// and SIGTERM are passed on to CMD. The lock is released on every exit path.
+    /// and SIGTERM are passed on to CMD (SIGHUP too: a closed terminal ends CMD as it
+    /// chooses, and lockkit releases the lock). The lock is released on every exit path.
     Run {
         /// The lock's name.
         #[arg(long)]
@@ -711,18 +712,27 @@ async fn run(locker: &Locker, job: &Job<'_>, command: &[String]) -> ExitCode {
     }
     // Listen before anything can be signalled: a signal during the wait gives up the wait,
     // one while CMD runs is passed on to it.
-    let (Ok(mut interrupts), Ok(mut terms)) = (
+    // SIGHUP too: a closed terminal must not kill lockkit (its lock would stay held until
+    // its lease ran out); it is passed on to CMD like the others.
+    let (Ok(interrupts), Ok(terms), Ok(hangups)) = (
         tokio::signal::unix::signal(SignalKind::interrupt()),
         tokio::signal::unix::signal(SignalKind::terminate()),
+        tokio::signal::unix::signal(SignalKind::hangup()),
     ) else {
         eprintln!("lockkit: cannot listen for signals");
         return ExitCode::from(2);
     };
+    let mut signals = Signals {
+        interrupts,
+        terms,
+        hangups,
+    };
     let spinner = spin(locker.clone(), key.to_owned());
     let acquired = tokio::select! {
         acquired = acquire => acquired,
-        _ = interrupts.recv() => return ExitCode::from(128 + 2),
-        _ = terms.recv() => return ExitCode::from(128 + 15),
+        _ = signals.interrupts.recv() => return ExitCode::from(128 + 2),
+        _ = signals.terms.recv() => return ExitCode::from(128 + 15),
+        _ = signals.hangups.recv() => return ExitCode::from(128 + 1),
     };
     spinner.abort();
     if std::io::stderr().is_terminal() {
@@ -746,7 +756,7 @@ async fn run(locker: &Locker, job: &Job<'_>, command: &[String]) -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    let code = supervise(&guard, key, grace, command, &mut interrupts, &mut terms).await;
+    let code = supervise(&guard, key, grace, command, &mut signals).await;
     match guard.release().await {
         Ok(_) | Err(Error::Lost { .. }) => {}
         Err(e) => eprintln!("lockkit: releasing `{key}` failed (its lease will run out): {e}"),
@@ -781,6 +791,13 @@ fn spin(locker: Locker, key: String) -> tokio::task::JoinHandle<()> {
     })
 }
 
+/// The signals `lockkit run` passes on to CMD (and that end a wait).
+struct Signals {
+    interrupts: tokio::signal::unix::Signal,
+    terms: tokio::signal::unix::Signal,
+    hangups: tokio::signal::unix::Signal,
+}
+
 /// Runs the command while the guard holds. Stops it, with everything it started, if the
 /// lock is lost, and already `grace` before the lease could run out unconfirmed (so that
 /// SIGKILL, if it comes to that, lands before the lease ends), capped at a third of the
@@ -790,8 +807,7 @@ async fn supervise(
     key: &str,
     grace: Duration,
     command: &[String],
-    interrupts: &mut tokio::signal::unix::Signal,
-    terms: &mut tokio::signal::unix::Signal,
+    signals: &mut Signals,
 ) -> ExitCode {
     let program = command.first().map_or("", String::as_str);
     let env = [
@@ -824,12 +840,16 @@ async fn supervise(
                     _ => format!("the lease of `{key}` ends within {margin:?} unconfirmed"),
                 }
             }
-            _ = interrupts.recv() => {
+            _ = signals.interrupts.recv() => {
                 cmd.signal(Signal::SIGINT);
                 continue;
             }
-            _ = terms.recv() => {
+            _ = signals.terms.recv() => {
                 cmd.signal(Signal::SIGTERM);
+                continue;
+            }
+            _ = signals.hangups.recv() => {
+                cmd.signal(Signal::SIGHUP);
                 continue;
             }
         };

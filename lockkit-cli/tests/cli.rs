@@ -175,6 +175,53 @@ fn sigterm_is_passed_on_and_the_lock_released() {
     assert_eq!(String::from_utf8_lossy(&status.stdout).trim(), "k: free");
 }
 
+/// helper-43's finding: SIGHUP (a terminal closed) killed lockkit, so its lock stayed held
+/// until its lease ran out; now it is passed on to CMD, and lockkit releases the lock when
+/// CMD ends.
+#[test]
+fn sighup_is_passed_on_and_the_lock_released() {
+    let Some(redis) = lockkit_conformance::env::service_url("LOCKKIT_TEST_REDIS_URL") else {
+        return;
+    };
+    // A server-side lease (Redis), 60 s: only a release frees the key in time.
+    let url = format!("{redis}?ttl=60s");
+    let key = format!("hup-{}", std::process::id());
+    let mut child = lockkit(
+        &url,
+        &[
+            "run",
+            "--key",
+            &key,
+            "--",
+            "sh",
+            "-c",
+            "trap 'exit 4' HUP; echo ready; while :; do sleep 0.05; done",
+        ],
+    )
+    .stdout(Stdio::piped())
+    .spawn()
+    .unwrap();
+    let mut ready = String::new();
+    std::io::BufRead::read_line(
+        &mut std::io::BufReader::new(child.stdout.take().unwrap()),
+        &mut ready,
+    )
+    .unwrap();
+    assert_eq!(ready.trim(), "ready");
+    let pid = nix::unistd::Pid::from_raw(i32::try_from(child.id()).unwrap());
+    nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGHUP).unwrap();
+    assert_eq!(
+        child.wait().unwrap().code(),
+        Some(4),
+        "the command's own exit code after SIGHUP (None: lockkit was killed by it)"
+    );
+    let status = lockkit(&url, &["status", "--key", &key]).output().unwrap();
+    assert_eq!(
+        String::from_utf8_lossy(&status.stdout).trim(),
+        format!("{key}: free")
+    );
+}
+
 /// 8 concurrent shell loops x 25 runs of a read-decrement-write on a counter file, each
 /// under `lockkit run`: the counter ends exact.
 fn counter_loops(url: &str, dir: &str) {
