@@ -57,7 +57,7 @@ pub struct RedisConfig {
     /// Redlock only: how long one master may take to answer one round
     /// (`?node_timeout=`; default a twentieth of the lease, within 10..=100 ms).
     pub node_timeout: Option<Duration>,
-    /// `?keepalive=` (default 30 s, at least 2 s): a connection whose peer stops answering
+    /// `?keepalive=` (default 30 s, 2 s to about 27 hours, [`MAX_KEEPALIVE`]): a connection whose peer stops answering
     /// at the TCP level (its host gone, or a NAT or load balancer that forgot the
     /// connection, which sends nothing back) is given up after about this long and
     /// replaced. The kernel probes an idle connection (keepalive) and gives up on data
@@ -97,6 +97,11 @@ pub const DEFAULT_KEEPALIVE: Duration = Duration::from_secs(30);
 
 /// The shortest [`RedisConfig::keepalive`]: keepalive probes are counted in whole seconds.
 pub const MIN_KEEPALIVE: Duration = Duration::from_secs(2);
+
+/// The longest [`RedisConfig::keepalive`], about 27.3 hours: a connection is idle for a
+/// third of it before the first probe, and Linux takes at most 32,767 s for that
+/// (`TCP_KEEPIDLE`; a longer one fails every connection with `EINVAL`).
+pub const MAX_KEEPALIVE: Duration = Duration::from_secs(3 * 32_767);
 
 /// Every URL scheme this crate accepts: a server, a cluster or Redlock masters, each
 /// also over TLS.
@@ -255,9 +260,9 @@ impl RedisConfig {
                 )));
             }
         }
-        if self.keepalive < MIN_KEEPALIVE || self.keepalive > MAX_TIMEOUT {
+        if self.keepalive < MIN_KEEPALIVE || self.keepalive > MAX_KEEPALIVE {
             return Err(Error::Config(format!(
-                "`keepalive` of {:?} is out of range: give {MIN_KEEPALIVE:?} to {MAX_TIMEOUT:?} \
+                "`keepalive` of {:?} is out of range: give {MIN_KEEPALIVE:?} to {MAX_KEEPALIVE:?} \
                  (e.g. keepalive=30s)",
                 self.keepalive
             )));
@@ -349,6 +354,7 @@ mod tests {
             "redis://a?keepalive=1s",
             "redis://a?keepalive=0s",
             "redis://a?keepalive=600h",
+            "redis://a?keepalive=27.4h",
         ] {
             assert!(
                 matches!(RedisConfig::parse(bad), Err(Error::Config(_))),

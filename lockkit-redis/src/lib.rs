@@ -22,7 +22,9 @@ mod redlock;
 mod single;
 mod wire;
 
-pub use config::{DEFAULT_KEEPALIVE, MAX_TIMEOUT, MIN_KEEPALIVE, RedisConfig, SCHEMES, Topology};
+pub use config::{
+    DEFAULT_KEEPALIVE, MAX_KEEPALIVE, MAX_TIMEOUT, MIN_KEEPALIVE, RedisConfig, SCHEMES, Topology,
+};
 pub use redlock::RedlockBackend;
 pub use single::RedisBackend;
 pub use wire::LockNames;

@@ -164,3 +164,40 @@ async fn a_release_written_to_a_stopped_server_lands_when_it_resumes() {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
 }
+
+/// Every `?keepalive=` the URL accepts gives connections that open and work; a longer one
+/// is refused as a configuration error. Finding 2 (helper-44): a third of it is the
+/// keepalive idle time, which Linux takes up to 32,767 s only (`TCP_KEEPIDLE`): up to
+/// [`lockkit_redis::MAX_TIMEOUT`] (24.8 days) was accepted, and from `keepalive=27.4h` on
+/// every connection then failed to open with `EINVAL`, reported as a (retryable) server
+/// that cannot be reached.
+#[tokio::test]
+async fn every_keepalive_the_url_accepts_gives_working_connections() {
+    let Some(server) = OwnServer::start() else {
+        return;
+    };
+    for keepalive in ["2s", "30s", "10h", "27.3h", "27.4h", "48h", "596h"] {
+        let url = format!(
+            "redis://127.0.0.1:{}?keepalive={keepalive}&connect_timeout=2s",
+            server.port
+        );
+        let backend = match RedisBackend::connect(&url).await {
+            Ok(backend) => backend,
+            // Above the longest the kernel can do: refused up front, or working.
+            Err(lockkit_core::Error::Config(e))
+                if ["27.4h", "48h", "596h"].contains(&keepalive) =>
+            {
+                assert!(e.contains("keepalive"), "{e}");
+                continue;
+            }
+            Err(e) => panic!("keepalive={keepalive}: {e:?}"),
+        };
+        let locker = Locker::new(backend);
+        let key = LockKey::new(format!("review44/{}", Uuid::new_v4().simple())).unwrap();
+        let guard = locker.try_acquire(&key).await;
+        assert!(
+            matches!(guard, Ok(Some(_))),
+            "keepalive={keepalive}: {guard:?}"
+        );
+    }
+}
