@@ -57,12 +57,15 @@ pub struct RedisConfig {
     /// Redlock only: how long one master may take to answer one round
     /// (`?node_timeout=`; default a twentieth of the lease, within 10..=100 ms).
     pub node_timeout: Option<Duration>,
-    /// `?keepalive=` (default 30 s, 2 s to about 27 hours, [`MAX_KEEPALIVE`]): a connection whose peer stops answering
-    /// at the TCP level (its host gone, or a NAT or load balancer that forgot the
-    /// connection, which sends nothing back) is given up after about this long and
-    /// replaced. The kernel probes an idle connection (keepalive) and gives up on data
-    /// left unacknowledged this long (`TCP_USER_TIMEOUT`). A server that is only slow, or
-    /// stopped, is not affected: its kernel still acknowledges. Without it, such a
+    /// `?keepalive=` (default 30 s, 2 s to about 27 hours, [`MAX_KEEPALIVE`]): a connection
+    /// whose peer stops answering at the TCP level (its host gone, or a NAT or load balancer
+    /// that forgot the connection, which sends nothing back) is given up after about this
+    /// long and replaced. The kernel probes an idle connection (keepalive) and gives up on
+    /// data left unacknowledged this long (`TCP_USER_TIMEOUT`). A server that is only slow,
+    /// or stopped, keeps its connections while its kernel still takes the requests in; but
+    /// once requests fill its receive buffer (about 128 kB unread), the kernel gives the
+    /// line up after this long too, and the requests not yet taken in are lost (helper-44's
+    /// finding 1, open). Without it, such a
     /// connection failed every command by its response timeout for as long as the kernel
     /// kept retransmitting (about 15 minutes on Linux), and an idle subscriber never
     /// noticed: waiters heard no release.
