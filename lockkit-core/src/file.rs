@@ -1044,7 +1044,8 @@ impl FileBackend {
     /// # Errors
     /// [`Error::Config`] for any other URL: another scheme or host, a relative path, a
     /// fragment (`#...` names no directory; a `#` in the path is written `%23`), a bad or
-    /// NUL escape, an option other than `ttl`.
+    /// NUL escape, an option other than `ttl`; and a path with escapes whose literal
+    /// reading (older versions took the path as written) is an existing directory.
     pub fn from_url(url: &str) -> Result<Self> {
         Self::open(Self::dir_of_url(url)?)
     }
@@ -1962,7 +1963,23 @@ fn dir_of_url(url: &str) -> Result<PathBuf> {
             i += 1;
         }
     }
-    Ok(PathBuf::from(std::ffi::OsString::from_vec(decoded)))
+    let dir = PathBuf::from(std::ffi::OsString::from_vec(decoded));
+    // Versions before this one took the path literally (and created it): where that
+    // directory exists, processes of those versions lock there, and this one would lock
+    // in another directory, each granting the same keys.
+    let literal = Path::new(path);
+    if dir.as_path() != literal && literal.is_dir() {
+        return Err(Error::Config(format!(
+            "`{shown}` names `{}` (its path is percent-decoded), but `{}` exists, which older lockkit \
+             versions (taking a file URL's path literally) lock in for this URL: the two would \
+             each grant the same keys. Write each literal `%` as `%25` to keep using \
+             `{}`, or move it away",
+            dir.display(),
+            literal.display(),
+            literal.display()
+        )));
+    }
+    Ok(dir)
 }
 
 #[cfg(test)]
@@ -2017,6 +2034,33 @@ mod url_tests {
         assert_eq!(
             FileBackend::url_of(Path::new("/tmp/lockkit")),
             "file:///tmp/lockkit"
+        );
+    }
+
+    /// Finding 3 (helper-44): before b312e2b the path of a file URL was taken literally, and
+    /// `FileBackend::open` created it: `file:///var/my%20locks` locked in `/var/my%20locks`.
+    /// Read percent-decoded, the same URL names `/var/my locks`, a directory of its own: a
+    /// process of the older version and one of this one, configured alike (a rolling
+    /// upgrade), would each grant the same key. Where the literal directory exists, the URL
+    /// is refused, saying which directory it named before.
+    #[test]
+    fn a_url_whose_escapes_an_older_version_read_literally_is_refused_where_that_directory_exists()
+    {
+        let base = std::env::temp_dir().join(format!("lockkit-url-{}", uuid::Uuid::new_v4()));
+        let literal = base.join("my%20locks");
+        std::fs::create_dir_all(&literal).unwrap();
+        let url = format!("file://{}", literal.display());
+        let outcome = dir(&url);
+        // The URL of the directory that exists still reads back as it.
+        let escaped = dir_of_url(&FileBackend::url_of(&literal)).ok();
+        std::fs::remove_dir_all(&base).ok();
+        assert_eq!(escaped.as_deref(), Some(literal.as_path()));
+        let error = outcome.expect_err(
+            "the URL named the literal directory before (which exists) and now another one",
+        );
+        assert!(
+            error.contains("my%20locks") && error.contains("%25"),
+            "{error}"
         );
     }
 
