@@ -420,13 +420,17 @@ fn agreed_remaining(released: &[Released], quorum: usize) -> u32 {
 /// Refuses a list of masters (node URLs) that names one master twice (by `host:port`,
 /// whatever the credentials, database or letter case): it would count twice towards the
 /// quorum, so that master alone could grant while another client, listing each master once,
-/// is granted by the others. Names that differ but reach one server (`localhost` and
-/// `127.0.0.1`, two DNS names) cannot be told apart here.
+/// is granted by the others. One IP address written two ways is one master (see
+/// [`one_spelling`]); names that differ but reach one server (`localhost` and `127.0.0.1`,
+/// two DNS names) cannot be told apart here.
 ///
 /// # Errors
 /// [`Error::Config`] naming the master listed twice.
 fn refuse_masters_listed_twice(masters: &[String]) -> Result<()> {
-    let addresses: Vec<String> = masters.iter().map(|url| master_address(url)).collect();
+    let addresses: Vec<String> = masters
+        .iter()
+        .map(|url| one_spelling(&master_address(url)))
+        .collect();
     for (i, address) in addresses.iter().enumerate() {
         if addresses[..i].contains(address) {
             return Err(Error::Config(format!(
@@ -436,6 +440,23 @@ fn refuse_masters_listed_twice(masters: &[String]) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// `address` (a [`master_address`]) with an IP address in one spelling of each: `[0::1]`
+/// and `[::1]` are one master, as are an IPv4 address and its IPv4-mapped IPv6 form. Host
+/// names are left as they are.
+fn one_spelling(address: &str) -> String {
+    let Some((host, port)) = address.rsplit_once(':') else {
+        return address.to_owned();
+    };
+    let ip = host
+        .strip_prefix('[')
+        .and_then(|h| h.strip_suffix(']'))
+        .unwrap_or(host);
+    match (ip.parse::<std::net::IpAddr>(), port.parse::<u16>()) {
+        (Ok(ip), Ok(port)) => std::net::SocketAddr::new(ip.to_canonical(), port).to_string(),
+        _ => address.to_owned(),
+    }
 }
 
 /// A score of `address` for `key` (FNV-1a, then a SplitMix64 finish): stable across
@@ -1316,6 +1337,30 @@ mod tests {
         }
         assert_eq!(master_address("redis://u:p@Host-1:6379/0"), "host-1:6379");
         assert_eq!(master_address("redis://[::1]:6379"), "[::1]:6379");
+    }
+
+    /// Finding 4 (helper-44): one IP address written two ways (`[::1]` and `[0::1]`, or an
+    /// IPv4 address and its IPv4-mapped IPv6 form) is one master listed twice, which counts
+    /// twice towards the quorum (c874a02's double grant). Unlike two DNS names, these are
+    /// told apart without any I/O.
+    #[test]
+    fn one_ip_address_written_two_ways_is_a_master_listed_twice() {
+        for twice in [
+            ["[::1]:6379", "[0::1]:6379", "[::2]:6379"],
+            ["[::1]:6379", "[0:0:0:0:0:0:0:1]:6379", "[::2]:6379"],
+            ["127.0.0.1:6379", "[::ffff:127.0.0.1]:6379", "[::2]:6379"],
+            ["[2001:db8::1]:1", "[2001:DB8:0::1]:1", "[2001:db8::2]:1"],
+        ] {
+            assert!(
+                matches!(
+                    refuse_masters_listed_twice(&masters(&twice)),
+                    Err(Error::Config(_))
+                ),
+                "{twice:?}"
+            );
+        }
+        let distinct = masters(&["[::1]:6379", "[::1]:6380", "127.0.0.1:6379"]);
+        assert!(refuse_masters_listed_twice(&distinct).is_ok());
     }
 
     #[test]
