@@ -60,12 +60,15 @@ pub struct RedisConfig {
     /// `?keepalive=` (default 30 s, 2 s to about 27 hours, [`MAX_KEEPALIVE`]): a connection
     /// whose peer stops answering at the TCP level (its host gone, or a NAT or load balancer
     /// that forgot the connection, which sends nothing back) is given up after about this
-    /// long and replaced. The kernel probes an idle connection (keepalive) and gives up on
-    /// data left unacknowledged this long (`TCP_USER_TIMEOUT`). A server that is only slow,
-    /// or stopped, keeps its connections while its kernel still takes the requests in; but
-    /// once requests fill its receive buffer (about 128 kB unread), the kernel gives the
-    /// line up after this long too, and the requests not yet taken in are lost (helper-44's
-    /// finding 1, open). Without it, such a
+    /// long and replaced. The kernel probes an idle connection (keepalive); a plain-TCP
+    /// command line is given up when nothing came from the server for this long while the
+    /// kernel sends it data again for want of acknowledgements, and redis-rs's own
+    /// connections (TLS, RESP3, `wait_replicas`' grant connections, cluster, subscriber) when
+    /// data stays unacknowledged this long (`TCP_USER_TIMEOUT`). A server that is only slow,
+    /// or stopped, keeps its plain-TCP command lines, with the order of the requests on them,
+    /// even once they fill its receive buffer; on redis-rs's connections the user timeout
+    /// then gives the line up, and the requests not yet taken in are lost (helper-44's
+    /// finding 1). Without it, such a
     /// connection failed every command by its response timeout for as long as the kernel
     /// kept retransmitting (about 15 minutes on Linux), and an idle subscriber never
     /// noticed: waiters heard no release.

@@ -93,13 +93,10 @@ impl Drop for OwnServer {
 /// resumes after a few seconds. The release must then land, and the key be free, not held
 /// until its lease (60 s) ends.
 ///
-/// Finding 1 (helper-44): with `TCP_USER_TIMEOUT` (dfc2860), the kernel gives the line up
-/// once the server's zero window has lasted `keepalive`: the commands not yet in the
-/// server's buffer, the release among them, are lost with it.
+/// Finding 1 (helper-44): with `TCP_USER_TIMEOUT` on the line (dfc2860), the kernel gave
+/// the line up once the server's zero window had lasted `keepalive`: the commands not yet
+/// in the server's buffer, the release among them, were lost with it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "finding 1 (helper-44): TCP_USER_TIMEOUT also gives up a stopped server's line once \
-            its receive window is full; the commands queued on it are lost (no local fix: the \
-            kernel cannot tell a zero window from a silent peer by socket options)"]
 async fn a_release_written_to_a_stopped_server_lands_when_it_resumes() {
     let Some(server) = OwnServer::start() else {
         return;

@@ -83,7 +83,8 @@ async fn a_waiter_whose_links_went_silent_hears_the_release() {
 }
 
 /// Requests on a command line gone silent fail by their response timeout until the line is
-/// given up (the kernel's user timeout: `keepalive`), then go through on a new one.
+/// given up (nothing heard for `keepalive` while the kernel retransmits), then go through on
+/// a new one.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn requests_on_a_silent_line_go_through_again_within_the_keepalive() {
     let Some(url) = env::service_url("LOCKKIT_TEST_REDIS_URL") else {

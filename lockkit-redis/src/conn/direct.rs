@@ -163,6 +163,8 @@ struct LineState {
     broken: Option<Failure>,
     /// A [`read_for_waiters`] task runs for this line.
     reader: bool,
+    /// When the server last sent anything on the line (or the line opened).
+    heard_at: Option<std::time::Instant>,
 }
 
 struct Request {
@@ -226,7 +228,7 @@ impl LineState {
                     failure.get_or_insert_with(closed);
                     break;
                 }
-                Ok(_) => {}
+                Ok(_) => self.heard_at = Some(std::time::Instant::now()),
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
                 Err(e) => {
                     failure.get_or_insert_with(|| Failure::of(&e));
@@ -739,7 +741,47 @@ impl DirectConn {
             Ok(line.exchange(bytes, expected).await?)
         })
         .await
-        .map_err(|_| timed_out("a request", timeout))?
+        .map_err(|_| {
+            self.give_up_if_silent();
+            timed_out("a request", timeout)
+        })?
+    }
+
+    /// Gives the line in use up (the next request opens another) when its peer went silent
+    /// at the TCP level: nothing heard from the server for the client's keepalive (the
+    /// user timeout of its TCP settings), and the kernel sending unacknowledged data again,
+    /// a few times at least. A server that is only stopped still acknowledges (and then
+    /// announces a zero window, which is probed, not retransmitted to): its line is kept,
+    /// with the order of the requests on it (see `conn::tcp::apply`).
+    fn give_up_if_silent(&self) {
+        /// Retransmissions in a row before a line with nothing heard for the keepalive is
+        /// taken for silent (about 1.4 s at least: a lost packet or two is not silence).
+        const RETRANSMISSIONS: u32 = 3;
+        let Some(after) = self.shared.tcp.user_timeout() else {
+            return;
+        };
+        let line = match &*lock(&self.shared.slot) {
+            Slot::Ready(line) => line.clone(),
+            _ => return,
+        };
+        let quiet = lock(&line.state)
+            .heard_at
+            .is_none_or(|heard| heard.elapsed() >= after);
+        if !quiet
+            || crate::conn::tcp::retransmissions(&line.stream)
+                .is_none_or(|count| count < RETRANSMISSIONS)
+        {
+            return;
+        }
+        lock(&line.state).break_with(Failure::new(
+            io::ErrorKind::TimedOut,
+            format!(
+                "the server acknowledged nothing for {after:?} (keepalive): the line is given up"
+            ),
+        ));
+        // Wakes a reader task waiting on the socket, which then sees the line broken.
+        let _ =
+            redis::io::tcp::socket2::SockRef::from(&line.stream).shutdown(std::net::Shutdown::Both);
     }
 }
 
@@ -782,7 +824,10 @@ async fn open(shared: &Shared) -> Result<Arc<Line>, Failure> {
     crate::conn::tcp::apply(&stream, &shared.tcp.clone().set_nodelay(true)).map_err(io_failure)?;
     let line = Arc::new(Line {
         stream,
-        state: Mutex::new(LineState::default()),
+        state: Mutex::new(LineState {
+            heard_at: Some(std::time::Instant::now()),
+            ..LineState::default()
+        }),
         runtime: tokio::runtime::Handle::try_current().ok(),
     });
     let refused = |what: &str, kind: ErrorKind, reply: Value| -> Result<(), Failure> {
