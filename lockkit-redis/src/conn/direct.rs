@@ -165,6 +165,8 @@ struct LineState {
     reader: bool,
     /// When the server last sent anything on the line (or the line opened).
     heard_at: Option<std::time::Instant>,
+    /// When `DirectConn::give_up_if_silent` last asked the kernel about the line.
+    silence_checked_at: Option<std::time::Instant>,
 }
 
 struct Request {
@@ -764,9 +766,19 @@ impl DirectConn {
             Slot::Ready(line) => line.clone(),
             _ => return,
         };
-        let quiet = lock(&line.state)
-            .heard_at
-            .is_none_or(|heard| heard.elapsed() >= after);
+        let quiet = {
+            let mut state = lock(&line.state);
+            // Once a second at most: reading `/proc/net/tcp` costs, and a stopped server
+            // has every request time out.
+            let due = state
+                .silence_checked_at
+                .is_none_or(|checked| checked.elapsed() >= Duration::from_secs(1));
+            let quiet = due && state.heard_at.is_none_or(|heard| heard.elapsed() >= after);
+            if quiet {
+                state.silence_checked_at = Some(std::time::Instant::now());
+            }
+            quiet
+        };
         if !quiet
             || crate::conn::tcp::retransmissions(&line.stream)
                 .is_none_or(|count| count < RETRANSMISSIONS)
