@@ -2,7 +2,7 @@
 //!
 //! Some tests here run a Redis server of their own (`redis-server` on `PATH`, on a free
 //! port, stopped with `SIGSTOP` and resumed with `SIGCONT`), so that freezing it touches no
-//! shared server; they say SKIPPED and pass when `redis-server` is missing.
+//! shared server; they say SKIPPED and pass when `redis-server` is missing (in CI they fail).
 
 use std::{
     process::{Child, Command, Stdio},
@@ -41,6 +41,10 @@ impl OwnServer {
             .stderr(Stdio::null())
             .spawn();
         let Ok(child) = child else {
+            assert!(
+                !lockkit_conformance::env::in_ci(),
+                "redis-server is missing but CI=true: run `scripts/services.sh up`"
+            );
             eprintln!("lockkit: SKIPPED, `redis-server` is missing");
             return None;
         };
