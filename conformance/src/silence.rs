@@ -19,7 +19,7 @@ pub struct SilencedLinks {
 }
 
 impl SilencedLinks {
-    /// Silences every connection of this host now open to `port` on loopback (their packets
+    /// Silences every loopback connection of this host now open to `port` (their packets
     /// to `port` are dropped: no data, no acknowledgement, no keepalive reply reaches the
     /// peer); connections opened later pass. Panics if none is open, or if `nft` fails in CI.
     pub fn to_port(port: u16) -> Option<Self> {
@@ -54,7 +54,7 @@ impl SilencedLinks {
             .collect::<Vec<_>>()
             .join(", ");
         let rules = format!(
-            "table inet {table} {{\n  chain input {{\n    type filter hook input priority -10; policy accept;\n    tcp dport {port} tcp sport {{ {ports} }} drop\n  }}\n}}\n"
+            "table inet {table} {{\n  chain input {{\n    type filter hook input priority -10; policy accept;\n    iifname \"lo\" tcp dport {port} tcp sport {{ {ports} }} drop\n  }}\n}}\n"
         );
         let made = Command::new(nft)
             .args(["-f", "-"])

@@ -286,6 +286,27 @@ async fn command_in_fence(command: Vec<String>) -> std::result::Result<i32, lock
 async fn fence(url: &str, resource: &str, token: FencingToken, command: &[String]) -> ExitCode {
     let scheme = url.split_once("://").map_or("", |(scheme, _)| scheme);
     let code = |code: i32| ExitCode::from(u8::try_from(code).unwrap_or(1));
+    // The SQL fences alike: raise (and commit) the bar, then run CMD in a transaction that
+    // holds the resource's row.
+    macro_rules! sql_fence {
+        ($fence:ty) => {
+            match <$fence>::connect(url).await {
+                Ok(fence) => match fence.admit(token, resource).await {
+                    Ok(()) if command.is_empty() => Ok(0),
+                    Ok(()) => {
+                        let command = command.to_vec();
+                        fence
+                            .write(token, resource, move |_| {
+                                Box::pin(command_in_fence(command))
+                            })
+                            .await
+                    }
+                    Err(e) => Err(e),
+                },
+                Err(e) => Err(e),
+            }
+        };
+    }
     let outcome: lockkit::Result<i32> = match scheme {
         "file" => {
             let dir = match lockkit::FileBackend::dir_of_url(url) {
@@ -334,36 +355,8 @@ async fn fence(url: &str, resource: &str, token: FencingToken, command: &[String
         // raise is committed before CMD runs (`admit`), and nothing CMD does (failing half-way,
         // lockkit being killed while it runs) can take it back; then CMD runs in a second
         // transaction that holds the row, so no other fenced writer runs in between.
-        "mysql" | "mariadb" => match lockkit::fence::MysqlFence::connect(url).await {
-            Ok(fence) => match fence.admit(token, resource).await {
-                Ok(()) if command.is_empty() => Ok(0),
-                Ok(()) => {
-                    let command = command.to_vec();
-                    fence
-                        .write(token, resource, move |_| {
-                            Box::pin(command_in_fence(command))
-                        })
-                        .await
-                }
-                Err(e) => Err(e),
-            },
-            Err(e) => Err(e),
-        },
-        "postgres" | "postgresql" => match lockkit::fence::PostgresFence::connect(url).await {
-            Ok(fence) => match fence.admit(token, resource).await {
-                Ok(()) if command.is_empty() => Ok(0),
-                Ok(()) => {
-                    let command = command.to_vec();
-                    fence
-                        .write(token, resource, move |_| {
-                            Box::pin(command_in_fence(command))
-                        })
-                        .await
-                }
-                Err(e) => Err(e),
-            },
-            Err(e) => Err(e),
-        },
+        "mysql" | "mariadb" => sql_fence!(lockkit::fence::MysqlFence),
+        "postgres" | "postgresql" => sql_fence!(lockkit::fence::PostgresFence),
         _ => {
             eprintln!(
                 "lockkit: `lockkit fence` keeps its fence in file:///dir, mysql://, postgres:// or \
@@ -832,7 +825,10 @@ async fn supervise(
                 until.checked_sub(margin).unwrap_or(until)
             });
         let why = tokio::select! {
-            code = cmd.wait() => return ExitCode::from(code),
+            code = cmd.wait() => {
+                cmd.sweep(grace).await;
+                return ExitCode::from(code);
+            }
             reason = &mut lost => format!("lost `{key}` ({reason})"),
             () = tokio::time::sleep_until(stop_at) => {
                 match guard.valid_until() {
@@ -855,6 +851,7 @@ async fn supervise(
         };
         eprintln!("lockkit: {why}; stopping `{program}` and everything it started");
         cmd.stop(grace).await;
+        cmd.sweep(grace).await;
         return ExitCode::from(LOST_EXIT);
     }
 }

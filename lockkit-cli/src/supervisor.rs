@@ -20,6 +20,10 @@
 //!   supervisor when its parent dies), and a stop signals every descendant, not only the
 //!   group.
 //!
+//! - lockkit is a child subreaper too: if the supervisor alone dies (SIGKILL), CMD and what
+//!   it started are re-parented to lockkit, which stops them before releasing the lock
+//!   (`Supervised::sweep`).
+//!
 //! What no supervisor can contain: side effects already made, and (outside Linux) a
 //! process that leaves the group. Pass `LOCKKIT_TOKEN` with every write, so that storage
 //! refuses a writer whose lock is gone.
@@ -111,10 +115,10 @@ fn descendants(cmd: Pid) -> Vec<Pid> {
     found
 }
 
-/// Sends `signal` to `group` and to every process below this one; false once there is
-/// none left.
-fn signal_all(group: Pid, cmd: Pid, signal: Option<Signal>) -> bool {
-    let mut any = signal_group(group, signal);
+/// Sends `signal` to `group` (if any) and to every process below this one; false once
+/// there is none left.
+fn signal_all(group: Option<Pid>, cmd: Pid, signal: Option<Signal>) -> bool {
+    let mut any = group.is_some_and(|group| signal_group(group, signal));
     for pid in descendants(cmd) {
         any |= nix::sys::signal::kill(pid, signal).is_ok();
     }
@@ -135,7 +139,7 @@ pub fn adopt_orphans() {
 
 /// Stops what is left of CMD: its `group` and every other process below the supervisor
 /// (`cmd` is CMD's pid): SIGTERM, then SIGKILL if anything is still there after `grace`.
-pub async fn stop_group(group: Pid, cmd: Pid, grace: Duration) {
+pub async fn stop_group(group: Option<Pid>, cmd: Pid, grace: Duration) {
     if !signal_all(group, cmd, Some(Signal::SIGTERM)) {
         return;
     }
@@ -204,7 +208,7 @@ pub async fn main(grace: Duration, lockkit: u32, command: &[String]) -> ExitCode
         tokio::select! {
             status = child.wait() => {
                 // CMD is done: nothing it started may run on after the lock is released.
-                stop_group(group, group, grace).await;
+                stop_group(Some(group), group, grace).await;
                 return ExitCode::from(status.map_or(2, exit_code));
             }
             _ = orphaned.tick() => {
@@ -212,7 +216,7 @@ pub async fn main(grace: Duration, lockkit: u32, command: &[String]) -> ExitCode
                 let _ = descendants(group);
                 if std::os::unix::process::parent_id() != lockkit {
                     // lockkit is gone (even by SIGKILL): so is the lock.
-                    stop_group(group, group, grace).await;
+                    stop_group(Some(group), group, grace).await;
                     let status = child.wait().await;
                     return ExitCode::from(status.map_or(2, exit_code));
                 }
@@ -220,7 +224,7 @@ pub async fn main(grace: Duration, lockkit: u32, command: &[String]) -> ExitCode
             _ = ints.recv() => { signal_group(group, Some(Signal::SIGINT)); }
             _ = terms.recv() => { signal_group(group, Some(Signal::SIGTERM)); }
             _ = hups.recv() => { signal_group(group, Some(Signal::SIGHUP)); }
-            _ = kills.recv() => { signal_all(group, group, Some(Signal::SIGKILL)); }
+            _ = kills.recv() => { signal_all(Some(group), group, Some(Signal::SIGKILL)); }
         }
     }
 }
@@ -243,6 +247,9 @@ impl Supervised {
         grace: Duration,
         env: &[(&str, String)],
     ) -> Result<Supervised, String> {
+        // lockkit adopts what the supervisor leaves behind, should the supervisor be killed
+        // on its own: see `Supervised::sweep`.
+        adopt_orphans();
         let exe = std::env::current_exe()
             .map_err(|e| format!("cannot find the lockkit binary to supervise the command: {e}"))?;
         let supervisor = Command::new(exe)
@@ -273,6 +280,15 @@ impl Supervised {
     /// Waits for CMD's exit code (as the supervisor reports it).
     pub async fn wait(&mut self) -> u8 {
         self.supervisor.wait().await.map_or(2, exit_code)
+    }
+
+    /// Once the supervisor has exited: stops whatever still runs below lockkit (SIGTERM,
+    /// SIGKILL after `grace`). Nothing, when the supervisor ended as it should (it stops
+    /// everything of CMD's first); CMD and what it started, when the supervisor was killed
+    /// on its own (lockkit is a child subreaper, so they were re-parented to it), which
+    /// would otherwise run on without the lock.
+    pub async fn sweep(&self, grace: Duration) {
+        stop_group(None, self.pid, grace).await;
     }
 
     /// Stops CMD's whole group: SIGTERM, SIGKILL after `grace`; returns when the supervisor

@@ -139,24 +139,20 @@ async fn a_lost_lock_stops_the_command_and_exits_75() {
     );
 }
 
-#[test]
-fn sigterm_is_passed_on_and_the_lock_released() {
-    let url = format!("file://{}", dir("signal"));
-    let mut child = lockkit(
-        &url,
-        &[
-            "run",
-            "--key",
-            "k",
-            "--",
-            "sh",
-            "-c",
-            "trap 'exit 3' TERM; echo ready; while :; do sleep 0.05; done",
-        ],
-    )
-    .stdout(Stdio::piped())
-    .spawn()
-    .unwrap();
+/// `lockkit run` of a CMD that exits with `code` on `trap`: `signal` sent to lockkit is
+/// passed on to CMD, lockkit exits with CMD's code, and the lock is released.
+fn signal_is_passed_on(
+    url: &str,
+    key: &str,
+    trap: &str,
+    signal: nix::sys::signal::Signal,
+    code: i32,
+) {
+    let script = format!("trap 'exit {code}' {trap}; echo ready; while :; do sleep 0.05; done");
+    let mut child = lockkit(url, &["run", "--key", key, "--", "sh", "-c", &script])
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
     let mut ready = String::new();
     std::io::BufRead::read_line(
         &mut std::io::BufReader::new(child.stdout.take().unwrap()),
@@ -165,14 +161,23 @@ fn sigterm_is_passed_on_and_the_lock_released() {
     .unwrap();
     assert_eq!(ready.trim(), "ready");
     let pid = nix::unistd::Pid::from_raw(i32::try_from(child.id()).unwrap());
-    nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM).unwrap();
+    nix::sys::signal::kill(pid, signal).unwrap();
     assert_eq!(
         child.wait().unwrap().code(),
-        Some(3),
-        "the command's own exit code after SIGTERM"
+        Some(code),
+        "the command's own exit code after {signal} (None: lockkit was killed by it)"
     );
-    let status = lockkit(&url, &["status", "--key", "k"]).output().unwrap();
-    assert_eq!(String::from_utf8_lossy(&status.stdout).trim(), "k: free");
+    let status = lockkit(url, &["status", "--key", key]).output().unwrap();
+    assert_eq!(
+        String::from_utf8_lossy(&status.stdout).trim(),
+        format!("{key}: free")
+    );
+}
+
+#[test]
+fn sigterm_is_passed_on_and_the_lock_released() {
+    let url = format!("file://{}", dir("signal"));
+    signal_is_passed_on(&url, "k", "TERM", nix::sys::signal::Signal::SIGTERM, 3);
 }
 
 /// helper-43's finding: SIGHUP (a terminal closed) killed lockkit, so its lock stayed held
@@ -186,40 +191,7 @@ fn sighup_is_passed_on_and_the_lock_released() {
     // A server-side lease (Redis), 60 s: only a release frees the key in time.
     let url = format!("{redis}?ttl=60s");
     let key = format!("hup-{}", std::process::id());
-    let mut child = lockkit(
-        &url,
-        &[
-            "run",
-            "--key",
-            &key,
-            "--",
-            "sh",
-            "-c",
-            "trap 'exit 4' HUP; echo ready; while :; do sleep 0.05; done",
-        ],
-    )
-    .stdout(Stdio::piped())
-    .spawn()
-    .unwrap();
-    let mut ready = String::new();
-    std::io::BufRead::read_line(
-        &mut std::io::BufReader::new(child.stdout.take().unwrap()),
-        &mut ready,
-    )
-    .unwrap();
-    assert_eq!(ready.trim(), "ready");
-    let pid = nix::unistd::Pid::from_raw(i32::try_from(child.id()).unwrap());
-    nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGHUP).unwrap();
-    assert_eq!(
-        child.wait().unwrap().code(),
-        Some(4),
-        "the command's own exit code after SIGHUP (None: lockkit was killed by it)"
-    );
-    let status = lockkit(&url, &["status", "--key", &key]).output().unwrap();
-    assert_eq!(
-        String::from_utf8_lossy(&status.stdout).trim(),
-        format!("{key}: free")
-    );
+    signal_is_passed_on(&url, &key, "HUP", nix::sys::signal::Signal::SIGHUP, 4);
 }
 
 /// 8 concurrent shell loops x 25 runs of a read-decrement-write on a counter file, each
@@ -1341,6 +1313,34 @@ fn a_command_that_ends_leaves_no_setsid_grandchild_running() {
     std::fs::write(format!("{dir}/descendant.pid.go"), "").unwrap();
     assert_eq!(child.wait().unwrap().code(), Some(4), "CMD's own code");
     assert_gone_soon(grandchild, "a setsid grandchild after CMD ended");
+}
+
+/// helper-43's open item: the supervisor SIGKILLed on its own (an OOM killer's pick, a
+/// `kill -9` of the wrong pid) left CMD running, re-parented to init, while lockkit
+/// released the lock. lockkit is a child subreaper now: CMD is re-parented to it, and
+/// stopped once the supervisor is gone.
+#[test]
+fn a_supervisor_killed_on_its_own_leaves_no_command_running() {
+    let dir = dir("supervisor-killed");
+    let (mut child, descendant) = run_with_descendant(
+        &dir,
+        "sh -c 'echo $$ > $PIDFILE.tmp; mv $PIDFILE.tmp $PIDFILE; exec sleep 44' & wait",
+    );
+    let _cleanup = KillOnDrop(descendant);
+    let supervisor = *children_of(child.id())
+        .first()
+        .expect("lockkit's supervisor");
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(supervisor),
+        nix::sys::signal::Signal::SIGKILL,
+    )
+    .unwrap();
+    assert_eq!(
+        child.wait().unwrap().code(),
+        Some(128 + 9),
+        "the supervisor's end, as lockkit reports it"
+    );
+    assert_gone_soon(descendant, "CMD's process after its supervisor was killed");
 }
 
 /// The pids of the processes whose parent is `parent`, from `/proc`.

@@ -16,13 +16,10 @@ fn key() -> LockKey {
     LockKey::new(format!("silent/{}", Uuid::new_v4().simple())).unwrap()
 }
 
-/// A waiter whose links went silent while it waited still hears the release soon after it
-/// (its links are replaced within the keepalive), not at the holder's lease end.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_waiter_whose_links_went_silent_hears_the_release() {
-    let Some(url) = env::service_url("LOCKKIT_TEST_REDIS_URL") else {
-        return;
-    };
+/// The shared server's URL, a proxy to it, and a URL through the proxy with a 3 s
+/// keepalive.
+async fn through_a_proxy() -> Option<(String, FaultProxy, String)> {
+    let url = env::service_url("LOCKKIT_TEST_REDIS_URL")?;
     let upstream = url
         .trim_start_matches("redis://")
         .split(['/', '?'])
@@ -35,6 +32,16 @@ async fn a_waiter_whose_links_went_silent_hears_the_release() {
         "redis://{}?keepalive=3s&response_timeout=500ms&connect_timeout=500ms",
         proxy.local_addr()
     );
+    Some((url, proxy, via_proxy))
+}
+
+/// A waiter whose links went silent while it waited still hears the release soon after it
+/// (its links are replaced within the keepalive), not at the holder's lease end.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_waiter_whose_links_went_silent_hears_the_release() {
+    let Some((url, proxy, via_proxy)) = through_a_proxy().await else {
+        return;
+    };
     let waiting_client = Locker::new(RedisBackend::connect(&via_proxy).await.unwrap());
     let holding_client = Locker::new(RedisBackend::connect(&url).await.unwrap());
     let key = key();
@@ -87,21 +94,9 @@ async fn a_waiter_whose_links_went_silent_hears_the_release() {
 /// a new one.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn requests_on_a_silent_line_go_through_again_within_the_keepalive() {
-    let Some(url) = env::service_url("LOCKKIT_TEST_REDIS_URL") else {
+    let Some((_, proxy, via_proxy)) = through_a_proxy().await else {
         return;
     };
-    let upstream = url
-        .trim_start_matches("redis://")
-        .split(['/', '?'])
-        .next()
-        .unwrap()
-        .parse()
-        .unwrap();
-    let proxy = FaultProxy::start(upstream).await.unwrap();
-    let via_proxy = format!(
-        "redis://{}?keepalive=3s&response_timeout=500ms&connect_timeout=500ms",
-        proxy.local_addr()
-    );
     let client = Locker::new(RedisBackend::connect(&via_proxy).await.unwrap());
     let key = key();
     client.inspect(&key).await.unwrap();
