@@ -109,6 +109,25 @@ fn sql_commit_failed(backend: &'static str, resource: &str, e: sqlx::Error) -> E
     }
 }
 
+#[cfg(test)]
+thread_local! {
+    /// How many directories this thread synced (the tests' window on durability).
+    static DIR_SYNCS: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
+}
+
+/// Syncs the directory that holds `path`, so that an entry created or renamed in it
+/// survives a crash (a file's own sync does not make its name durable).
+fn sync_parent_dir(path: &Path) -> std::io::Result<()> {
+    let dir = match path.parent() {
+        Some(dir) if !dir.as_os_str().is_empty() => dir,
+        _ => Path::new("."),
+    };
+    File::open(dir)?.sync_all()?;
+    #[cfg(test)]
+    DIR_SYNCS.with(|syncs| syncs.set(syncs.get() + 1));
+    Ok(())
+}
+
 /// Whether a write with `token` may go ahead where `newest` already wrote.
 fn admitted(resource: &str, token: FencingToken, newest: Option<FencingToken>) -> Result<()> {
     match newest {
@@ -234,7 +253,14 @@ impl FileFence {
                 fence.seek(SeekFrom::Start(0))?;
                 fence.write_all(format!("{:020}", token.get()).as_bytes())?;
                 fence.set_len(20)?;
-                fence.sync_data()
+                fence.sync_data()?;
+                if newest.is_none() {
+                    // The fence may have just been created: its name must be as durable
+                    // as its token, or a crash could forget the bar while `run`'s work (or
+                    // CMD's, through `lockkit fence`) stays written.
+                    sync_parent_dir(&fence_path)?;
+                }
+                Ok(())
             };
             raise(&mut fence).map_err(|e| io_error("raising the fence", &fence_path, e))?;
         }
@@ -271,11 +297,7 @@ impl FileFence {
                 file.sync_data()?;
                 std::fs::rename(&tmp, path)?;
                 // The rename is durable only once the directory is.
-                let dir = match path.parent() {
-                    Some(dir) if !dir.as_os_str().is_empty() => dir,
-                    _ => Path::new("."),
-                };
-                File::open(dir)?.sync_all()
+                sync_parent_dir(path)
             };
             replace().map_err(|e| io_error("writing", path, e))
         })
@@ -334,6 +356,30 @@ mod tests {
             "the bar was raised to 9"
         );
         assert_eq!(std::fs::read(&path).expect("readable"), b"nine");
+    }
+
+    /// A fence made by `admit` or `run` (no rename after it, so nothing else synced its
+    /// directory) has its name synced with its first token: before, a crash could forget
+    /// the whole fence while the work it admitted stayed written, and an older token was then
+    /// admitted.
+    #[test]
+    fn a_new_fence_is_durable_by_name_before_the_work_it_admits() {
+        let scratch = Scratch::new("durable");
+        let (fence, path) = (FileFence::new(), scratch.data());
+        let syncs = || DIR_SYNCS.with(|syncs| syncs.get());
+        let before = syncs();
+        let synced_before_work = fence
+            .run(FencingToken::new(3), &path, || Ok(syncs()))
+            .expect("admitted");
+        assert_eq!(
+            synced_before_work,
+            before + 1,
+            "the new fence's directory is synced before the work runs"
+        );
+        let again = syncs();
+        fence.admit(FencingToken::new(3), &path).expect("same token");
+        fence.admit(FencingToken::new(4), &path).expect("newer");
+        assert_eq!(syncs(), again, "a fence that exists needs only its own sync");
     }
 
     /// Review 15, H2: a fence that does not read as a token refuses every write, and the
