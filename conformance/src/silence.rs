@@ -42,12 +42,13 @@ impl SilencedLinks {
             );
             return None;
         };
+        remove_tables_of_dead_processes(nft);
         let client_ports = established_to(port);
         assert!(
             !client_ports.is_empty(),
             "no connection to port {port} is open"
         );
-        let table = format!("lockkit_silence_{}_{port}", std::process::id());
+        let table = format!("{TABLE_PREFIX}{}_{port}", std::process::id());
         let ports = client_ports
             .iter()
             .map(u16::to_string)
@@ -89,6 +90,35 @@ impl Drop for SilencedLinks {
     }
 }
 
+/// The prefix of every table [`SilencedLinks`] adds (`<prefix><pid>_<port>`).
+const TABLE_PREFIX: &str = "lockkit_silence_";
+
+/// Deletes the tables that test processes no longer running left (a test SIGKILLed, or
+/// stopped by a timeout, never ran its `Drop`): a rule left behind would silence a later
+/// connection that happens to get one of the same client ports.
+fn remove_tables_of_dead_processes(nft: &str) {
+    let Ok(listed) = Command::new(nft).args(["list", "tables"]).output() else {
+        return;
+    };
+    for table in String::from_utf8_lossy(&listed.stdout)
+        .lines()
+        .filter_map(|line| line.strip_prefix("table inet "))
+    {
+        let Some(pid) = table
+            .strip_prefix(TABLE_PREFIX)
+            .and_then(|rest| rest.split_once('_'))
+            .and_then(|(pid, _)| pid.parse::<u32>().ok())
+        else {
+            continue;
+        };
+        if !std::path::Path::new(&format!("/proc/{pid}")).exists() {
+            let _ = Command::new(nft)
+                .args(["delete", "table", "inet", table])
+                .output();
+        }
+    }
+}
+
 /// The local ports of the established IPv4 and IPv6 TCP connections to `port`.
 fn established_to(port: u16) -> Vec<u16> {
     let mut ports = Vec::new();
@@ -117,4 +147,62 @@ fn established_to(port: u16) -> Vec<u16> {
     ports.sort_unstable();
     ports.dedup();
     ports
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A table left by a test process that no longer runs (SIGKILLed before its `Drop`) is
+    /// removed by the next silencing; a live process's table is kept.
+    #[test]
+    fn a_table_left_by_a_dead_test_process_is_removed() {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("a listener");
+        let port = listener.local_addr().expect("its address").port();
+        let _client = std::net::TcpStream::connect(("127.0.0.1", port)).expect("a connection");
+        let _server = listener.accept().expect("accepted");
+        // Above the kernel's largest pid (2^22): never a live process.
+        let stale = format!("{TABLE_PREFIX}4194305_{port}");
+        let nft = ["/usr/sbin/nft", "/sbin/nft"]
+            .into_iter()
+            .find(|nft| std::path::Path::new(nft).exists());
+        let Some(nft) = nft else {
+            assert!(!crate::env::in_ci(), "nft is missing but CI=true");
+            return;
+        };
+        let made = Command::new(nft)
+            .args(["add", "table", "inet", &stale])
+            .output()
+            .expect("nft runs");
+        if !made.status.success() {
+            assert!(
+                !crate::env::in_ci(),
+                "nft could not add a table in CI: {made:?}"
+            );
+            return;
+        }
+        let tables = || {
+            String::from_utf8_lossy(
+                &Command::new(nft)
+                    .args(["list", "tables"])
+                    .output()
+                    .expect("nft lists")
+                    .stdout,
+            )
+            .into_owned()
+        };
+        let silenced = SilencedLinks::to_port(port).expect("nft is there");
+        let listed = tables();
+        let _ = Command::new(nft)
+            .args(["delete", "table", "inet", &stale])
+            .output();
+        assert!(
+            !listed.contains(&stale),
+            "the dead process's table is gone: {listed}"
+        );
+        assert!(
+            listed.contains(&silenced.table),
+            "this process's own is kept: {listed}"
+        );
+    }
 }

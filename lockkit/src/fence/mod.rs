@@ -377,9 +377,15 @@ mod tests {
             "the new fence's directory is synced before the work runs"
         );
         let again = syncs();
-        fence.admit(FencingToken::new(3), &path).expect("same token");
+        fence
+            .admit(FencingToken::new(3), &path)
+            .expect("same token");
         fence.admit(FencingToken::new(4), &path).expect("newer");
-        assert_eq!(syncs(), again, "a fence that exists needs only its own sync");
+        assert_eq!(
+            syncs(),
+            again,
+            "a fence that exists needs only its own sync"
+        );
     }
 
     /// Review 15, H2: a fence that does not read as a token refuses every write, and the
