@@ -15,7 +15,7 @@ use std::{
 };
 
 use lockkit::fence::{FileFence, MysqlFence, PostgresFence, RedisFence};
-use lockkit_core::FencingToken;
+use lockkit_core::{FencingToken, FileBackend};
 use sqlx::{AssertSqlSafe, MySqlPool, PgPool};
 
 use crate::{Context, LabError};
@@ -112,8 +112,8 @@ impl FencedStore {
     /// # Errors
     /// An unknown scheme, or a server that cannot be reached.
     pub async fn open(location: &str, resource: &str) -> Result<FencedStore, LabError> {
-        let guarded = if let Some(path) = location.strip_prefix("file://") {
-            Guarded::File(PathBuf::from(path))
+        let guarded = if location.starts_with("file://") {
+            Guarded::File(FileBackend::dir_of_url(location).context("the file store's URL")?)
         } else if location.starts_with("redis://") {
             let conn = redis::Client::open(location)
                 .context("the Redis store's URL")?
@@ -409,7 +409,7 @@ mod tests {
     async fn the_file_store_refuses_older_tokens_and_keeps_accepted_values() {
         let dir = std::env::temp_dir().join(format!("lockkit-store-{}", uuid::Uuid::new_v4()));
         std::fs::create_dir_all(&dir).unwrap();
-        let location = format!("file://{}", dir.join("s").display());
+        let location = FileBackend::url_of(&dir.join("s"));
         let store = FencedStore::open(&location, "r").await.unwrap();
         assert_eq!(store.kind(), StoreKind::File);
         assert!(

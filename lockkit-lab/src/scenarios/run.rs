@@ -2,7 +2,7 @@
 
 use std::time::Duration;
 
-use lockkit_core::LockKey;
+use lockkit_core::{FileBackend, LockKey};
 use tokio::time::Instant;
 use uuid::Uuid;
 
@@ -72,9 +72,8 @@ pub(crate) async fn run(lab: &Lab, def: &ScenarioDef) -> Report {
     let (store_instance, store_location) = match def.store() {
         StoreKind::File => (
             None,
-            Ok(format!(
-                "file://{}",
-                lab.scratch().join(format!("store-{run_id}")).display()
+            Ok(FileBackend::url_of(
+                &lab.scratch().join(format!("store-{run_id}")),
             )),
         ),
         StoreKind::Redis => (
@@ -96,7 +95,7 @@ pub(crate) async fn run(lab: &Lab, def: &ScenarioDef) -> Report {
             lab.services.up(&needed).await?;
         }
         let url = match def.url.0 {
-            "file" => format!("file://{}", lab.scratch().join("file-locks").display()),
+            "file" => FileBackend::url_of(&lab.scratch().join("file-locks")),
             var => format!("{}{}", lab.url(var)?, def.url.1),
         };
         let store_location = store_location?;
@@ -234,7 +233,7 @@ mod tests {
         let dir = std::env::temp_dir().join(format!("lockkit-check-{}", Uuid::new_v4()));
         std::fs::create_dir_all(&dir).unwrap();
         let path = dir.join("s");
-        let store = FencedStore::open(&format!("file://{}", path.display()), "r")
+        let store = FencedStore::open(&FileBackend::url_of(&path), "r")
             .await
             .unwrap();
         store
