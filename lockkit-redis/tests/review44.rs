@@ -4,89 +4,23 @@
 //! port, stopped with `SIGSTOP` and resumed with `SIGCONT`), so that freezing it touches no
 //! shared server; they say SKIPPED and pass when `redis-server` is missing (in CI they fail).
 
-use std::{
-    process::{Child, Command, Stdio},
-    time::{Duration, Instant},
-};
+use std::time::{Duration, Instant};
 
+use lockkit_conformance::OwnRedis;
 use lockkit_core::{LockKey, Locker};
 use lockkit_redis::RedisBackend;
 use uuid::Uuid;
 
-/// A `redis-server` of this test's own, killed when dropped.
-struct OwnServer {
-    child: Child,
-    port: u16,
-}
-
-impl OwnServer {
-    fn start() -> Option<OwnServer> {
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .ok()?
-            .local_addr()
-            .ok()?
-            .port();
-        let child = Command::new("redis-server")
-            .args([
-                "--port",
-                &port.to_string(),
-                "--bind",
-                "127.0.0.1",
-                "--save",
-                "",
-                "--appendonly",
-                "no",
-            ])
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn();
-        let Ok(child) = child else {
-            assert!(
-                !lockkit_conformance::env::in_ci(),
-                "redis-server is missing but CI=true: run `scripts/services.sh up`"
-            );
-            eprintln!("lockkit: SKIPPED, `redis-server` is missing");
-            return None;
-        };
-        let server = OwnServer { child, port };
-        let started = Instant::now();
-        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
-            assert!(
-                started.elapsed() < Duration::from_secs(10),
-                "redis-server did not start"
-            );
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        Some(server)
-    }
-
-    fn signal(&self, signal: &str) {
-        let status = Command::new("kill")
-            .args([signal, &self.child.id().to_string()])
-            .status()
-            .unwrap();
-        assert!(status.success());
-    }
-
-    /// Keys held on the server (`EXISTS`), through a connection of its own.
-    async fn exists(&self, key: &str) -> bool {
-        let client = redis::Client::open(format!("redis://127.0.0.1:{}", self.port)).unwrap();
-        let mut conn = client.get_multiplexed_async_connection().await.unwrap();
-        redis::cmd("EXISTS")
-            .arg(key)
-            .query_async::<i64>(&mut conn)
-            .await
-            .unwrap()
-            == 1
-    }
-}
-
-impl Drop for OwnServer {
-    fn drop(&mut self) {
-        self.signal("-CONT");
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
+/// Keys held on `server` (`EXISTS`), through a connection of its own.
+async fn exists(server: &OwnRedis, key: &str) -> bool {
+    let client = redis::Client::open(server.url()).unwrap();
+    let mut conn = client.get_multiplexed_async_connection().await.unwrap();
+    redis::cmd("EXISTS")
+        .arg(key)
+        .query_async::<i64>(&mut conn)
+        .await
+        .unwrap()
+        == 1
 }
 
 /// A server that is only stopped (`SIGSTOP`, a long `DEBUG SLEEP` or script, a VM
@@ -102,7 +36,7 @@ impl Drop for OwnServer {
 /// in the server's buffer, the release among them, were lost with it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_release_written_to_a_stopped_server_lands_when_it_resumes() {
-    let Some(server) = OwnServer::start() else {
+    let Some(server) = OwnRedis::start(&[]) else {
         return;
     };
     let url = format!(
@@ -132,7 +66,7 @@ async fn a_release_written_to_a_stopped_server_lands_when_it_resumes() {
         let names = lockkit_redis::LockNames::new("", &key, false).unwrap();
         names.lock.clone()
     };
-    assert!(server.exists(&lock_key).await);
+    assert!(exists(&server, &lock_key).await);
 
     server.signal("-STOP");
     // About 1 kB each: far more than the server's receive buffer (128 kB) and this side's
@@ -155,7 +89,7 @@ async fn a_release_written_to_a_stopped_server_lands_when_it_resumes() {
         let _ = flood.await;
     }
     let deadline = Instant::now() + Duration::from_secs(10);
-    while server.exists(&lock_key).await {
+    while exists(&server, &lock_key).await {
         assert!(
             Instant::now() < deadline,
             "the release written while the server was stopped never ran: the key stays held \
@@ -174,7 +108,7 @@ async fn a_release_written_to_a_stopped_server_lands_when_it_resumes() {
 /// that cannot be reached.
 #[tokio::test]
 async fn every_keepalive_the_url_accepts_gives_working_connections() {
-    let Some(server) = OwnServer::start() else {
+    let Some(server) = OwnRedis::start(&[]) else {
         return;
     };
     for keepalive in ["2s", "30s", "10h", "27.3h", "27.4h", "48h", "596h"] {

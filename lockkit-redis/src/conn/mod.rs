@@ -5,8 +5,8 @@
 use std::{
     collections::HashMap,
     sync::{
-        Arc, Mutex, MutexGuard,
-        atomic::{AtomicU64, Ordering},
+        Arc, Mutex, MutexGuard, OnceLock,
+        atomic::{AtomicBool, AtomicU64, Ordering},
     },
     time::Duration,
 };
@@ -491,6 +491,71 @@ pub(crate) struct ReleaseMessages {
     /// The waiter's queue id, for a waiter that queues (see `wire::queue_of`): it then
     /// sleeps through releases that name other waiters, for [`NAMED_GRACE`] at most.
     queued_as: Option<u64>,
+    /// For a plain lock's wait on one server: the key's deletion, heard through keyspace
+    /// notifications while the key is held in another format (see [`ForeignWatch`]).
+    foreign: Option<Arc<ForeignWatch>>,
+    /// The subscription to the key's keyspace channel, once the wait met a foreign holder.
+    keyspace: Option<Subscription>,
+}
+
+/// A wait's view of a holder in another format: a plain string (redis-py's `Lock`,
+/// redsync, rslock), whose owner publishes nothing when it lets go. Where the server sends
+/// keyspace notifications of generic commands (`notify-keyspace-events` with `K` and `g`,
+/// or `A`), the waiter subscribes to the key's keyspace channel (`__keyspace@<db>__:<key>`)
+/// once an attempt found such a holder, and is woken when the key is deleted (`del`,
+/// `expired`, `evicted`, renamed or moved away), instead of looking again every
+/// [`FOREIGN_HOLDER_POLL`](crate::single) only. Heeded only while the last attempt found a
+/// foreign holder: a lockkit or Redisson holder's release deletes the key too, and waking
+/// every waiter on it would undo the waiter queue.
+#[derive(Debug)]
+pub(crate) struct ForeignWatch {
+    /// The key's keyspace channel.
+    channel: String,
+    /// Whether the server sends the notifications (found out once per backend, see
+    /// `RedisBackend::keyspace_events`); unset until known.
+    events_on: Arc<OnceLock<bool>>,
+    /// The wait's last attempt found the key held in another format.
+    seen: AtomicBool,
+    /// The keyspace subscription is made: a foreign holder's deletion wakes the waiter.
+    heard: AtomicBool,
+}
+
+impl ForeignWatch {
+    /// A watch of lock `name` in database `db`; `events_on` says whether the server sends
+    /// keyspace notifications, once known.
+    pub(crate) fn new(db: i64, name: &str, events_on: Arc<OnceLock<bool>>) -> Arc<Self> {
+        Arc::new(ForeignWatch {
+            channel: format!("__keyspace@{db}__:{name}"),
+            events_on,
+            seen: AtomicBool::new(false),
+            heard: AtomicBool::new(false),
+        })
+    }
+
+    /// Records what the wait's last attempt found: a holder in another format or not.
+    pub(crate) fn saw_foreign_holder(&self, foreign: bool) {
+        self.seen.store(foreign, Ordering::Release);
+    }
+
+    /// Whether the key's deletion wakes the waiter (so it need not poll often).
+    pub(crate) fn hears_deletion(&self) -> bool {
+        self.heard.load(Ordering::Acquire)
+    }
+}
+
+/// Whether a message on a keyspace channel says the key is gone: deleted (`DEL` and
+/// `UNLINK` both say `del`), expired, evicted, renamed or moved away.
+fn keyspace_says_gone(payload: &[u8]) -> bool {
+    matches!(
+        payload,
+        b"del" | b"expired" | b"evicted" | b"rename_from" | b"move_from"
+    )
+}
+
+/// Whether `channel` is a keyspace notification channel (never a lock's release channel,
+/// which starts with Redisson's `redisson_lock__channel`).
+fn is_keyspace_channel(channel: &[u8]) -> bool {
+    channel.starts_with(b"__keyspace@")
 }
 
 impl ReleaseMessages {
@@ -506,6 +571,39 @@ impl ReleaseMessages {
             subscriptions: Vec::new(),
             tried: false,
             queued_as: None,
+            foreign: None,
+            keyspace: None,
+        }
+    }
+
+    /// Also hears the key's deletion through `watch` while the key is held in another
+    /// format (see [`ForeignWatch`]).
+    pub(crate) fn watching(mut self, watch: Arc<ForeignWatch>) -> Self {
+        self.foreign = Some(watch);
+        self
+    }
+
+    /// Subscribes to the key's keyspace channel once an attempt found a foreign holder and
+    /// the server is known to send the notifications. A failure leaves the wait polling
+    /// that holder as before.
+    async fn watch_keyspace(&mut self) {
+        let Some(watch) = &self.foreign else {
+            return;
+        };
+        if self.keyspace.is_some()
+            || !watch.seen.load(Ordering::Acquire)
+            || watch.events_on.get() != Some(&true)
+        {
+            return;
+        }
+        match self.wakeups.subscribe(&watch.channel).await {
+            Ok(subscription) => {
+                self.keyspace = Some(subscription);
+                watch.heard.store(true, Ordering::Release);
+            }
+            Err(error) => {
+                tracing::debug!(%error, "no keyspace notifications; polling the foreign holder");
+            }
         }
     }
 
@@ -521,6 +619,29 @@ impl ReleaseMessages {
 #[async_trait]
 impl Wake for ReleaseMessages {
     async fn ready(&mut self) -> bool {
+        let ready = self.ready_for_releases().await;
+        if ready {
+            self.watch_keyspace().await;
+        }
+        ready
+    }
+
+    fn arm(&self) -> Armed<'_> {
+        let releases = self.arm_for_releases();
+        match (&self.keyspace, &self.foreign) {
+            (Some(keyspace), Some(watch)) if watch.seen.load(Ordering::Acquire) => {
+                let deleted = armed(&keyspace.channel.notify);
+                Box::pin(async move {
+                    futures_util::future::select(releases, deleted).await;
+                })
+            }
+            _ => releases,
+        }
+    }
+}
+
+impl ReleaseMessages {
+    async fn ready_for_releases(&mut self) -> bool {
         if !std::mem::replace(&mut self.tried, true) {
             for name in &self.names {
                 match self.wakeups.subscribe(name).await {
@@ -547,7 +668,7 @@ impl Wake for ReleaseMessages {
         }
     }
 
-    fn arm(&self) -> Armed<'_> {
+    fn arm_for_releases(&self) -> Armed<'_> {
         match self.subscriptions.as_slice() {
             [] => never(),
             [one] => match self.queued_as {
@@ -733,9 +854,14 @@ impl Wakeups {
         let shared = self.shared.clone();
         tokio::spawn(async move {
             while let Some(message) = stream.next().await {
-                let channel = shared.channels().get(message.get_channel_name()).cloned();
+                let name = message.get_channel_name();
+                let channel = shared.channels().get(name).cloned();
+                let payload = message.get_payload_bytes();
+                // A keyspace channel says more than deletions (a holder's `expire`, a
+                // lockkit grant's `hset`): only a deletion wakes.
                 if let Some(channel) = channel
-                    && channel.heard(message.get_payload_bytes(), generation)
+                    && (!is_keyspace_channel(name.as_bytes()) || keyspace_says_gone(payload))
+                    && channel.heard(payload, generation)
                 {
                     channel.notify.notify_waiters();
                 }

@@ -29,13 +29,17 @@ use tokio::time::Instant;
 
 use crate::{
     RedisConfig, Topology,
-    conn::{Conn, GrantConns, ReleaseMessages, Wakeups, backend_error},
+    conn::{Conn, ForeignWatch, GrantConns, ReleaseMessages, Wakeups, backend_error},
     wire::{self, LockNames},
 };
 
 /// How long a waiter behind a holder in a foreign format (no release notification) sleeps
 /// between attempts at most.
 const FOREIGN_HOLDER_POLL: Duration = Duration::from_millis(100);
+
+/// The same, while the key's deletion wakes the waiter through keyspace notifications
+/// (see [`ForeignWatch`]): a safety net for notifications turned off at the server since.
+const FOREIGN_HOLDER_POLL_NOTIFIED: Duration = Duration::from_secs(1);
 
 /// How a waiter paces its retries: without a live subscription (or after an error) it
 /// polls every 50 ms, backing off to 160–240 ms; with one it sleeps until the holder's
@@ -69,6 +73,9 @@ pub(crate) struct QueueTurn {
     /// and popped, and that then found the key taken by a newcomer, queues again at this
     /// place rather than at the back (see [`wire::ACQUIRE`]).
     pub(crate) place_score: Arc<AtomicU64>,
+    /// Where the attempt tells the wait whether the key is held in another format (one
+    /// server's plain-lock waits; see [`ForeignWatch`]).
+    pub(crate) foreign: Option<Arc<ForeignWatch>>,
 }
 
 impl QueueTurn {
@@ -78,6 +85,15 @@ impl QueueTurn {
             id,
             may_be_queued,
             place_score,
+            foreign: None,
+        }
+    }
+
+    /// The same, telling `watch` what the attempt finds.
+    fn watching(self, watch: Option<Arc<ForeignWatch>>) -> Self {
+        Self {
+            foreign: watch,
+            ..self
         }
     }
 }
@@ -115,6 +131,13 @@ struct Inner {
     config: RedisConfig,
     cluster: bool,
     target: String,
+    /// The database of a single server's keys (keyspace channels name it).
+    db: i64,
+    /// Whether the server sends keyspace notifications of generic commands, once asked
+    /// (see [`RedisBackend::probe_keyspace_events`]).
+    keyspace_events: Arc<std::sync::OnceLock<bool>>,
+    /// The question is out.
+    keyspace_probing: AtomicBool,
 }
 
 /// A Redis lock service on one server or one Redis Cluster.
@@ -248,8 +271,12 @@ impl RedisBackend {
                 ));
             }
         };
+        let db = subscriber.get_connection_info().redis_settings().db();
         Ok(RedisBackend {
             inner: Arc::new(Inner {
+                db,
+                keyspace_events: Arc::default(),
+                keyspace_probing: AtomicBool::new(false),
                 conn,
                 grant_conns,
                 wakeups: Wakeups::new(
@@ -262,6 +289,47 @@ impl RedisBackend {
                 target,
             }),
         })
+    }
+
+    /// Asks the server once, in the background, whether it sends keyspace notifications
+    /// of generic commands (`CONFIG GET notify-keyspace-events` has `K` and `g`, or `K` and
+    /// `A`), for waits behind holders in another format (see [`ForeignWatch`]). A server
+    /// that refuses `CONFIG` (an ACL, a managed service) or does not answer counts as
+    /// sending none; the answer is kept for the backend's life (a server's setting changed
+    /// later is seen by backends made after).
+    fn probe_keyspace_events(&self) {
+        if self.inner.keyspace_events.get().is_some()
+            || self.inner.keyspace_probing.swap(true, Ordering::AcqRel)
+        {
+            return;
+        }
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            self.inner.keyspace_probing.store(false, Ordering::Release);
+            return;
+        };
+        let this = self.clone();
+        runtime.spawn(async move {
+            let mut conn = this.conn();
+            let asked = tokio::time::timeout(
+                this.inner.config.response_timeout,
+                redis::cmd("CONFIG")
+                    .arg("GET")
+                    .arg("notify-keyspace-events")
+                    .query_async::<Vec<String>>(&mut conn),
+            )
+            .await;
+            let on = match asked {
+                Ok(Ok(reply)) => reply.get(1).is_some_and(|flags| {
+                    flags.contains('K') && (flags.contains('g') || flags.contains('A'))
+                }),
+                Ok(Err(error)) => {
+                    tracing::debug!(%error, "CONFIG GET notify-keyspace-events refused; polling foreign holders");
+                    false
+                }
+                Err(_) => false,
+            };
+            let _ = this.inner.keyspace_events.set(on);
+        });
     }
 
     /// The configuration in force.
@@ -419,12 +487,25 @@ impl RedisBackend {
                 asked: req.kind,
             });
         }
+        let watch = turn.as_ref().and_then(|turn| turn.foreign.as_ref());
+        if let Some(watch) = watch {
+            watch.saw_foreign_holder(granted == 0 && depth == 1);
+        }
         if granted != 1 {
             let mut left = u64::try_from(value).ok().map(Duration::from_millis);
             if depth == 1 {
                 // A holder in another format (redis-py, redsync: a plain string) publishes
-                // nothing when it lets go: look again soon instead of sleeping out its TTL.
-                left = Some(left.map_or(FOREIGN_HOLDER_POLL, |l| l.min(FOREIGN_HOLDER_POLL)));
+                // nothing when it lets go: look again soon instead of sleeping out its TTL,
+                // or, once its deletion wakes the waiter, now and then (a safety net).
+                let poll = match watch {
+                    Some(watch) if watch.hears_deletion() => FOREIGN_HOLDER_POLL_NOTIFIED,
+                    Some(_) => {
+                        self.probe_keyspace_events();
+                        FOREIGN_HOLDER_POLL
+                    }
+                    None => FOREIGN_HOLDER_POLL,
+                };
+                left = Some(left.map_or(poll, |l| l.min(poll)));
             }
             if depth == wire::BUSY_MARKED {
                 // Marked as a waiting writer: come back before the marker runs out.
@@ -544,14 +625,26 @@ impl RedisBackend {
             id,
             may_be_queued: AtomicBool::new(false),
         });
+        // Keyspace notifications are node-local in a cluster: one server's waits only.
+        let watch = (!self.inner.cluster).then(|| {
+            ForeignWatch::new(
+                self.inner.db,
+                &names.lock,
+                self.inner.keyspace_events.clone(),
+            )
+        });
         let mut messages = ReleaseMessages::queued(self.inner.wakeups.clone(), names.channel, id);
+        if let Some(watch) = &watch {
+            messages = messages.watching(watch.clone());
+        }
         let place_score = Arc::new(AtomicU64::new(0));
         let outcome = wait_for_grant(&req.key, wait, wait_policy(), &mut messages, || {
             let turn = QueueTurn::new(
                 id,
                 place.may_be_queued.swap(true, Ordering::AcqRel),
                 place_score.clone(),
-            );
+            )
+            .watching(watch.clone());
             self.attempt_marking(req, Some(share.clone()), Some((turn, place.clone())))
         })
         .await;
