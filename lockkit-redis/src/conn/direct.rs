@@ -754,7 +754,9 @@ impl DirectConn {
     /// user timeout of its TCP settings), and the kernel sending unacknowledged data again,
     /// a few times at least. A server that is only stopped still acknowledges (and then
     /// announces a zero window, which is probed, not retransmitted to): its line is kept,
-    /// with the order of the requests on it (see `conn::tcp::apply`).
+    /// with the order of the requests on it (see `conn::tcp::apply`). A line given up is
+    /// aborted: what it still held for the server is never sent, also once the link comes
+    /// back (helper-45's finding 1).
     fn give_up_if_silent(&self) {
         /// Retransmissions in a row before a line with nothing heard for the keepalive is
         /// taken for silent (about 1.4 s at least: a lost packet or two is not silence).
@@ -791,9 +793,18 @@ impl DirectConn {
                 "the server acknowledged nothing for {after:?} (keepalive): the line is given up"
             ),
         ));
+        // The requests the kernel still holds for the server are dropped with the line, not
+        // sent when the link comes back: their callers were told they failed, and the
+        // requests they send next go on another line, which must not run before them. So
+        // the kernel gives the line up at its next retransmission, without sending (a user
+        // timeout long passed), and its close resets it (no linger). Only the reading side
+        // is shut down: shutting the writing side down would queue a FIN and push the
+        // output out with it.
+        let socket = redis::io::tcp::socket2::SockRef::from(&line.stream);
+        let _ = socket.set_tcp_user_timeout(Some(Duration::from_millis(1)));
+        let _ = socket.set_linger(Some(Duration::ZERO));
         // Wakes a reader task waiting on the socket, which then sees the line broken.
-        let _ =
-            redis::io::tcp::socket2::SockRef::from(&line.stream).shutdown(std::net::Shutdown::Both);
+        let _ = socket.shutdown(std::net::Shutdown::Read);
     }
 }
 
