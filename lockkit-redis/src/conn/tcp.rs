@@ -54,29 +54,32 @@ pub(crate) fn apply(stream: &tokio::net::TcpStream, settings: &TcpSettings) -> i
 /// acknowledged; a peer that announces a zero window, as a stopped server's kernel does once
 /// its buffer is full, is probed, not retransmitted to), or when it cannot be told (not
 /// Linux). Read from `/proc/net/tcp` (and `tcp6`): the retransmission timer (`tr` 1) and
-/// `retrnsmt`.
+/// `retrnsmt` of the row whose inode is `stream`'s socket's. Not by its ports: another
+/// connection may have the same two ports (the same local port towards another address),
+/// and its row may come first (helper-45's finding 2).
 pub(crate) fn retransmissions(stream: &tokio::net::TcpStream) -> Option<u32> {
-    let local = stream.local_addr().ok()?.port();
-    let remote = stream.peer_addr().ok()?.port();
-    let port_is = |address: &str, port: u16| {
-        address
-            .rsplit_once(':')
-            .and_then(|(_, p)| u16::from_str_radix(p, 16).ok())
-            == Some(port)
-    };
+    use std::os::fd::AsRawFd;
+    // `socket:[<inode>]`
+    let link = std::fs::read_link(format!("/proc/self/fd/{}", stream.as_raw_fd())).ok()?;
+    let inode = link
+        .to_str()?
+        .strip_prefix("socket:[")?
+        .strip_suffix(']')?
+        .to_owned();
     for table in ["/proc/net/tcp", "/proc/net/tcp6"] {
         let Ok(text) = std::fs::read_to_string(table) else {
             continue;
         };
         for line in text.lines().skip(1) {
-            // sl local_address rem_address st tx_queue:rx_queue tr:tm->when retrnsmt ...
+            // sl local_address rem_address st tx_queue:rx_queue tr:tm->when retrnsmt uid
+            // timeout inode ...
             let fields: Vec<&str> = line.split_whitespace().collect();
-            let (Some(from), Some(to), Some(timer), Some(count)) =
-                (fields.get(1), fields.get(2), fields.get(5), fields.get(6))
+            let (Some(timer), Some(count), Some(row_inode)) =
+                (fields.get(5), fields.get(6), fields.get(9))
             else {
                 continue;
             };
-            if port_is(from, local) && port_is(to, remote) {
+            if *row_inode == inode {
                 let retransmitting = timer.split(':').next() == Some("01");
                 let count = u32::from_str_radix(count, 16).ok()?;
                 return (retransmitting && count > 0).then_some(count);
@@ -117,6 +120,90 @@ mod tests {
         assert_eq!(
             socket.tcp_keepalive_interval().unwrap(),
             Duration::from_secs(1)
+        );
+    }
+
+    /// Two connections may share both ports: one local port (connections to different
+    /// addresses may be given the same one, as Redlock's masters on one port of several
+    /// hosts may be) and the server's port. Only the silent one is retransmitting; the other
+    /// must not be taken for it (given up although it answers), nor hide it (a silent line
+    /// kept until the kernel gives it up, about 15 minutes).
+    ///
+    /// Finding 2 (helper-45): `retransmissions` matched the rows of `/proc/net/tcp` by the
+    /// two ports only and read the first such row, whichever connection it was.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn only_the_silent_one_of_two_lines_with_the_same_ports_retransmits() {
+        use std::process::Command;
+        let nft = "/usr/sbin/nft";
+        if !Command::new(nft)
+            .arg("--version")
+            .output()
+            .is_ok_and(|o| o.status.success())
+        {
+            assert!(
+                std::env::var("CI").is_err(),
+                "nft is missing but CI is set: run `scripts/services.sh up`"
+            );
+            eprintln!("lockkit: SKIPPED, `nft` is missing (Debian nftables; run as root)");
+            return;
+        }
+        let listener = std::net::TcpListener::bind("0.0.0.0:0").unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let connect = |local: std::net::SocketAddr, to: &str| {
+            let socket = socket2::Socket::new(
+                socket2::Domain::IPV4,
+                socket2::Type::STREAM,
+                Some(socket2::Protocol::TCP),
+            )
+            .unwrap();
+            socket.set_reuse_address(true).unwrap();
+            socket.bind(&local.into()).unwrap();
+            let to: std::net::SocketAddr = format!("{to}:{port}").parse().unwrap();
+            socket.connect(&to.into()).unwrap();
+            let stream = std::net::TcpStream::from(socket);
+            stream.set_nonblocking(true).unwrap();
+            tokio::net::TcpStream::from_std(stream).unwrap()
+        };
+        let answering = connect("127.0.0.1:0".parse().unwrap(), "127.0.0.1");
+        let silent = connect(answering.local_addr().unwrap(), "127.0.0.2");
+        assert_eq!(
+            silent.local_addr().unwrap(),
+            answering.local_addr().unwrap()
+        );
+        let table = format!("lockkit_review45_{}_{port}", std::process::id());
+        let rules = format!(
+            "table inet {table} {{\n  chain input {{\n    type filter hook input priority -10; \
+             policy accept;\n    iifname \"lo\" ip daddr 127.0.0.2 tcp dport {port} drop\n  }}\n}}\n"
+        );
+        let added = Command::new(nft)
+            .args(["-f", "-"])
+            .stdin(std::process::Stdio::piped())
+            .spawn()
+            .and_then(|mut child| {
+                use std::io::Write;
+                child.stdin.take().unwrap().write_all(rules.as_bytes())?;
+                child.wait_with_output()
+            })
+            .unwrap();
+        assert!(added.status.success(), "{added:?}");
+        struct Table(String);
+        impl Drop for Table {
+            fn drop(&mut self) {
+                let _ = std::process::Command::new("/usr/sbin/nft")
+                    .args(["delete", "table", "inet", &self.0])
+                    .output();
+            }
+        }
+        let _table = Table(table);
+        silent.try_write(b"PING\r\n").unwrap();
+        answering.try_write(b"PING\r\n").unwrap();
+        // Past the first retransmissions (200 ms, then 400 ms).
+        tokio::time::sleep(Duration::from_millis(1_500)).await;
+        assert_eq!(retransmissions(&answering), None, "everything acknowledged");
+        assert!(
+            retransmissions(&silent).is_some_and(|count| count >= 2),
+            "{:?}",
+            retransmissions(&silent)
         );
     }
 }
