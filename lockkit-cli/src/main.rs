@@ -707,10 +707,12 @@ async fn run(locker: &Locker, job: &Job<'_>, command: &[String]) -> ExitCode {
     // one while CMD runs is passed on to it.
     // SIGHUP too: a closed terminal must not kill lockkit (its lock would stay held until
     // its lease ran out); it is passed on to CMD like the others.
-    let (Ok(interrupts), Ok(terms), Ok(hangups)) = (
+    // SIGCONT: lockkit ran again after being stopped (see `supervise`).
+    let (Ok(interrupts), Ok(terms), Ok(hangups), Ok(continues)) = (
         tokio::signal::unix::signal(SignalKind::interrupt()),
         tokio::signal::unix::signal(SignalKind::terminate()),
         tokio::signal::unix::signal(SignalKind::hangup()),
+        tokio::signal::unix::signal(SignalKind::from_raw(Signal::SIGCONT as i32)),
     ) else {
         eprintln!("lockkit: cannot listen for signals");
         return ExitCode::from(2);
@@ -719,6 +721,7 @@ async fn run(locker: &Locker, job: &Job<'_>, command: &[String]) -> ExitCode {
         interrupts,
         terms,
         hangups,
+        continues,
     };
     let spinner = spin(locker.clone(), key.to_owned());
     let acquired = tokio::select! {
@@ -789,12 +792,16 @@ struct Signals {
     interrupts: tokio::signal::unix::Signal,
     terms: tokio::signal::unix::Signal,
     hangups: tokio::signal::unix::Signal,
+    /// lockkit ran again after it was stopped.
+    continues: tokio::signal::unix::Signal,
 }
 
 /// Runs the command while the guard holds. Stops it, with everything it started, if the
 /// lock is lost, and already `grace` before the lease could run out unconfirmed (so that
 /// SIGKILL, if it comes to that, lands before the lease ends), capped at a third of the
-/// lease so a healthy watchdog never triggers it.
+/// lease so a healthy watchdog never triggers it. While lockkit is stopped its supervisor
+/// stops CMD too; when lockkit runs again, CMD continues only if the lock still holds past
+/// that margin (else it is stopped for good, as for a lost lock).
 async fn supervise(
     guard: &LockGuard,
     key: &str,
@@ -846,6 +853,18 @@ async fn supervise(
             }
             _ = signals.hangups.recv() => {
                 cmd.signal(Signal::SIGHUP);
+                continue;
+            }
+            _ = signals.continues.recv() => {
+                let holds = guard.valid_until().is_some_and(|until| {
+                    until
+                        .checked_sub(margin)
+                        .is_some_and(|s| s > tokio::time::Instant::now())
+                });
+                if holds {
+                    cmd.signal(Signal::SIGUSR2);
+                }
+                // Otherwise the deadline (or the loss) stops CMD on the next turn.
                 continue;
             }
         };

@@ -20,6 +20,12 @@
 //!   supervisor when its parent dies), and a stop signals every descendant, not only the
 //!   group.
 //!
+//! - If lockkit is stopped (Ctrl-Z in a terminal stops lockkit alone, CMD being outside the
+//!   terminal's foreground group; `kill -STOP`; a debugger), it renews nothing, and its
+//!   lease may run out and the lock go to another client: the supervisor stops CMD and
+//!   every process below it (SIGSTOP) within 100 ms, and continues them (SIGCONT) only when
+//!   lockkit, running again, finds its lock still held (and says so with SIGUSR2);
+//!   otherwise lockkit stops them for good.
 //! - lockkit is a child subreaper too: if the supervisor alone dies (SIGKILL), CMD and what
 //!   it started are re-parented to lockkit, which stops them before releasing the lock
 //!   (`Supervised::sweep`).
@@ -137,12 +143,26 @@ pub fn adopt_orphans() {
     }
 }
 
+/// Whether process `pid` is stopped (by a signal or a tracer), from `/proc` (Linux; false
+/// where it cannot be told).
+fn is_stopped(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|stat| {
+        // `pid (comm) state ...`: comm may hold anything, so read after its last `)`.
+        stat.rsplit_once(')')
+            .and_then(|(_, rest)| rest.split_whitespace().next())
+            .is_some_and(|state| state == "T" || state == "t")
+    })
+}
+
 /// Stops what is left of CMD: its `group` and every other process below the supervisor
 /// (`cmd` is CMD's pid): SIGTERM, then SIGKILL if anything is still there after `grace`.
+/// Processes that were stopped (see [`main`]) are continued after the SIGTERM, so that
+/// they can act on it.
 pub async fn stop_group(group: Option<Pid>, cmd: Pid, grace: Duration) {
     if !signal_all(group, cmd, Some(Signal::SIGTERM)) {
         return;
     }
+    signal_all(group, cmd, Some(Signal::SIGCONT));
     let deadline = tokio::time::Instant::now() + grace;
     while tokio::time::Instant::now() < deadline {
         tokio::time::sleep(Duration::from_millis(20)).await;
@@ -163,8 +183,9 @@ pub async fn stop_group(group: Option<Pid>, cmd: Pid, grace: Duration) {
 /// The supervisor: starts CMD in a new process group, passes lockkit's signals on to the
 /// whole group (SIGUSR1 means SIGKILL, to every process below the supervisor), and stops
 /// the group and every other process below it when CMD exits or when lockkit goes away
-/// (the supervisor is re-parented). Exits with CMD's exit code (128 + n for a
-/// signal).
+/// (the supervisor is re-parented). While lockkit is stopped, every process below the
+/// supervisor is stopped too (SIGSTOP), until lockkit says its lock still holds (SIGUSR2:
+/// SIGCONT to them). Exits with CMD's exit code (128 + n for a signal).
 ///
 /// `lockkit` is the pid of the lockkit that started it, passed on its command line: read
 /// from the supervisor's own parent instead, a lockkit killed before that read would go
@@ -172,11 +193,12 @@ pub async fn stop_group(group: Option<Pid>, cmd: Pid, grace: Duration) {
 pub async fn main(grace: Duration, lockkit: u32, command: &[String]) -> ExitCode {
     // Handlers replace the default actions, so these never end the supervisor itself.
     let listen = |kind: SignalKind| tokio::signal::unix::signal(kind);
-    let (Ok(mut ints), Ok(mut terms), Ok(mut hups), Ok(mut kills)) = (
+    let (Ok(mut ints), Ok(mut terms), Ok(mut hups), Ok(mut kills), Ok(mut resumes)) = (
         listen(SignalKind::interrupt()),
         listen(SignalKind::terminate()),
         listen(SignalKind::hangup()),
         listen(SignalKind::user_defined1()),
+        listen(SignalKind::user_defined2()),
     ) else {
         eprintln!("lockkit: the supervisor cannot handle signals");
         return ExitCode::from(2);
@@ -204,6 +226,8 @@ pub async fn main(grace: Duration, lockkit: u32, command: &[String]) -> ExitCode
         return ExitCode::from(2);
     };
     let mut orphaned = tokio::time::interval(Duration::from_millis(100));
+    // CMD's processes were stopped because lockkit was.
+    let mut paused = false;
     loop {
         tokio::select! {
             status = child.wait() => {
@@ -219,6 +243,18 @@ pub async fn main(grace: Duration, lockkit: u32, command: &[String]) -> ExitCode
                     stop_group(Some(group), group, grace).await;
                     let status = child.wait().await;
                     return ExitCode::from(status.map_or(2, exit_code));
+                }
+                if !paused && is_stopped(lockkit) {
+                    // lockkit renews nothing while stopped: its lock may go to another
+                    // client. CMD waits for lockkit to find it still held.
+                    signal_all(Some(group), group, Some(Signal::SIGSTOP));
+                    paused = true;
+                }
+            }
+            _ = resumes.recv() => {
+                if paused {
+                    signal_all(Some(group), group, Some(Signal::SIGCONT));
+                    paused = false;
                 }
             }
             _ = ints.recv() => { signal_group(group, Some(Signal::SIGINT)); }
@@ -272,7 +308,8 @@ impl Supervised {
         Ok(Supervised { supervisor, pid })
     }
 
-    /// Passes `signal` on to CMD's whole group.
+    /// Passes `signal` on to CMD's whole group (SIGUSR2: CMD, stopped while lockkit was,
+    /// may run again).
     pub fn signal(&self, signal: Signal) {
         let _ = nix::sys::signal::kill(self.pid, signal);
     }

@@ -1435,3 +1435,105 @@ fn lockkit_killed_while_the_supervisor_starts_leaves_no_command_running() {
         }
     }
 }
+
+/// helper-45, finding 3: lockkit stopped (Ctrl-Z in a terminal stops lockkit alone: CMD and
+/// its supervisor are in process groups of their own, outside the terminal's foreground
+/// group; or `kill -STOP`, a debugger) renews nothing, so its lease runs out and another
+/// client takes the lock, while CMD ran on. CMD must not run while lockkit is stopped;
+/// when lockkit resumes without its lock, CMD is stopped and lockkit exits 75.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stopped_lockkit_does_not_leave_its_command_running() {
+    let Some(redis) = lockkit_conformance::env::service_url("LOCKKIT_TEST_REDIS_URL") else {
+        return;
+    };
+    let dir = dir("stopped");
+    let output = format!("{dir}/ticks");
+    let _ = std::fs::remove_file(&output);
+    let key = format!("stopped-{}", std::process::id());
+    let script = format!("echo ready; while :; do echo x >> {output}; sleep 0.02; done");
+    let mut child = lockkit(
+        &redis,
+        &[
+            "run", "--key", &key, "--ttl", "1s", "--grace", "1s", "--", "sh", "-c", &script,
+        ],
+    )
+    .stdout(Stdio::piped())
+    .spawn()
+    .unwrap();
+    let mut ready = String::new();
+    std::io::BufRead::read_line(
+        &mut std::io::BufReader::new(child.stdout.take().unwrap()),
+        &mut ready,
+    )
+    .unwrap();
+    assert_eq!(ready.trim(), "ready");
+    let lockkit_pid = nix::unistd::Pid::from_raw(i32::try_from(child.id()).unwrap());
+    nix::sys::signal::kill(lockkit_pid, nix::sys::signal::Signal::SIGSTOP).unwrap();
+    // Past the 1 s lease: another client takes the lock.
+    tokio::time::sleep(Duration::from_millis(1_500)).await;
+    let other = lockkit::connect(&redis).await.unwrap();
+    let held = other
+        .acquire(key.as_str())
+        .wait(Duration::from_secs(5))
+        .await
+        .expect("the stopped lockkit's lease ran out");
+    let ticks = || std::fs::metadata(&output).map_or(0, |m| m.len());
+    let before = ticks();
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let after = ticks();
+    nix::sys::signal::kill(lockkit_pid, nix::sys::signal::Signal::SIGCONT).unwrap();
+    let status = child.wait().unwrap();
+    held.release().await.unwrap();
+    assert_eq!(
+        before, after,
+        "CMD ran on while lockkit was stopped and another client held the lock"
+    );
+    assert_eq!(status.code(), Some(75), "lockkit resumed without its lock");
+    let last = ticks();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(last, ticks(), "CMD runs on after lockkit exited");
+}
+
+/// helper-45, finding 3 (the other side): lockkit stopped briefly, its lock still held when
+/// it resumes (Ctrl-Z, then `fg`), lets CMD continue, and releases the lock at CMD's end.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lockkit_stopped_briefly_lets_its_command_continue() {
+    let Some(redis) = lockkit_conformance::env::service_url("LOCKKIT_TEST_REDIS_URL") else {
+        return;
+    };
+    let dir = dir("stopped-briefly");
+    let output = format!("{dir}/ticks");
+    let _ = std::fs::remove_file(&output);
+    let key = format!("stopped-briefly-{}", std::process::id());
+    let script =
+        format!("echo ready; for i in $(seq 100); do echo x >> {output}; sleep 0.02; done");
+    let mut child = lockkit(
+        &redis,
+        &[
+            "run", "--key", &key, "--ttl", "6s", "--grace", "1s", "--", "sh", "-c", &script,
+        ],
+    )
+    .stdout(Stdio::piped())
+    .spawn()
+    .unwrap();
+    let mut ready = String::new();
+    std::io::BufRead::read_line(
+        &mut std::io::BufReader::new(child.stdout.take().unwrap()),
+        &mut ready,
+    )
+    .unwrap();
+    let lockkit_pid = nix::unistd::Pid::from_raw(i32::try_from(child.id()).unwrap());
+    nix::sys::signal::kill(lockkit_pid, nix::sys::signal::Signal::SIGSTOP).unwrap();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    nix::sys::signal::kill(lockkit_pid, nix::sys::signal::Signal::SIGCONT).unwrap();
+    let status = child.wait().unwrap();
+    assert_eq!(status.code(), Some(0), "CMD ran to its end");
+    assert_eq!(std::fs::metadata(&output).unwrap().len(), 200, "every tick");
+    let status = lockkit(&redis, &["status", "--key", &key])
+        .output()
+        .unwrap();
+    assert_eq!(
+        String::from_utf8_lossy(&status.stdout).trim(),
+        format!("{key}: free")
+    );
+}
