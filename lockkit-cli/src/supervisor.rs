@@ -258,7 +258,14 @@ pub async fn main(grace: Duration, lockkit: u32, command: &[String]) -> ExitCode
                 }
             }
             _ = ints.recv() => { signal_group(group, Some(Signal::SIGINT)); }
-            _ = terms.recv() => { signal_group(group, Some(Signal::SIGTERM)); }
+            _ = terms.recv() => {
+                signal_group(group, Some(Signal::SIGTERM));
+                if paused {
+                    // lockkit stops CMD for good (its lock is gone): let it act on that.
+                    signal_all(Some(group), group, Some(Signal::SIGCONT));
+                    paused = false;
+                }
+            }
             _ = hups.recv() => { signal_group(group, Some(Signal::SIGHUP)); }
             _ = kills.recv() => { signal_all(Some(group), group, Some(Signal::SIGKILL)); }
         }
@@ -329,14 +336,26 @@ impl Supervised {
     }
 
     /// Stops CMD's whole group: SIGTERM, SIGKILL after `grace`; returns when the supervisor
-    /// has exited.
+    /// has exited. A supervisor that does not act on that at once (stopped, or held by a
+    /// debugger) is killed: what ran below it is re-parented to lockkit, for
+    /// [`Self::sweep`] to stop. Before, lockkit waited for such a supervisor forever, with
+    /// CMD running on without the lock (helper-45's finding 4).
     pub async fn stop(&mut self, grace: Duration) {
+        /// How long a running supervisor takes at most to kill what runs below it.
+        const ANSWER: Duration = Duration::from_millis(200);
         self.signal(Signal::SIGTERM);
         if tokio::time::timeout(grace, self.supervisor.wait())
             .await
+            .is_ok()
+        {
+            return;
+        }
+        self.signal(Signal::SIGUSR1);
+        if tokio::time::timeout(ANSWER, self.supervisor.wait())
+            .await
             .is_err()
         {
-            self.signal(Signal::SIGUSR1);
+            self.signal(Signal::SIGKILL);
             let _ = self.supervisor.wait().await;
         }
     }

@@ -1537,3 +1537,39 @@ async fn a_lockkit_stopped_briefly_lets_its_command_continue() {
         format!("{key}: free")
     );
 }
+
+/// helper-45, finding 4: a supervisor stopped (`kill -STOP` of its process group, a
+/// debugger) cannot pass lockkit's SIGTERM and SIGUSR1 on. When the lock was lost, lockkit
+/// waited for that supervisor forever, so CMD ran on without the lock for as long as the
+/// supervisor stayed stopped.
+#[tokio::test]
+async fn a_lost_lock_stops_the_command_of_a_stopped_supervisor() {
+    let dir = dir("stopped-supervisor");
+    let (mut child, descendant) = run_with_descendant(
+        &dir,
+        "sh -c 'echo $$ > $PIDFILE.tmp; mv $PIDFILE.tmp $PIDFILE; exec sleep 45' & wait",
+    );
+    let _cleanup = KillOnDrop(descendant);
+    let supervisor = *children_of(child.id())
+        .first()
+        .expect("lockkit's supervisor");
+    let _continue_it = KillOnDrop(supervisor);
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(supervisor),
+        nix::sys::signal::Signal::SIGSTOP,
+    )
+    .unwrap();
+    let started = take_away_when_held(&dir).await;
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status;
+        }
+        if started.elapsed() > Duration::from_secs(20) {
+            let _ = child.kill();
+            panic!("lockkit still waits for its stopped supervisor after 20 s; CMD runs on");
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert_eq!(status.code(), Some(75));
+    assert_gone_soon(descendant, "CMD's process after the lock was lost");
+}
