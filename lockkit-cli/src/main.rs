@@ -802,6 +802,11 @@ struct Signals {
 /// lease so a healthy watchdog never triggers it. While lockkit is stopped its supervisor
 /// stops CMD too; when lockkit runs again, CMD continues only if the lock still holds past
 /// that margin (else it is stopped for good, as for a lost lock).
+/// How often `lockkit run` tells its supervisor that the lock still holds (see
+/// [`supervise`]): the longest a CMD stopped while lockkit was held by a debugger stays
+/// stopped after lockkit runs again.
+const AFFIRM_EVERY: Duration = Duration::from_millis(250);
+
 async fn supervise(
     guard: &LockGuard,
     key: &str,
@@ -824,6 +829,18 @@ async fn supervise(
     let margin = grace.min(guard.grant().ttl / 3);
     let lost = guard.lost();
     tokio::pin!(lost);
+    let holds = || {
+        guard.valid_until().is_some_and(|until| {
+            until
+                .checked_sub(margin)
+                .is_some_and(|s| s > tokio::time::Instant::now())
+        })
+    };
+    // While the lock holds, lockkit says so to the supervisor now and then (SIGUSR2), not
+    // only at SIGCONT: a lockkit held by a debugger or `strace` (a tracing stop) runs again
+    // without one, and CMD, stopped meanwhile, would stay stopped for good.
+    let mut affirm = tokio::time::interval(AFFIRM_EVERY);
+    affirm.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         // Re-read every turn: each renewal moves the deadline.
         let stop_at = guard
@@ -856,15 +873,16 @@ async fn supervise(
                 continue;
             }
             _ = signals.continues.recv() => {
-                let holds = guard.valid_until().is_some_and(|until| {
-                    until
-                        .checked_sub(margin)
-                        .is_some_and(|s| s > tokio::time::Instant::now())
-                });
-                if holds {
-                    cmd.signal(Signal::SIGUSR2);
+                if holds() {
+                    cmd.affirm();
                 }
                 // Otherwise the deadline (or the loss) stops CMD on the next turn.
+                continue;
+            }
+            _ = affirm.tick() => {
+                if holds() {
+                    cmd.affirm();
+                }
                 continue;
             }
         };

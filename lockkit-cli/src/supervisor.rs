@@ -143,6 +143,19 @@ pub fn adopt_orphans() {
     }
 }
 
+/// Whether process `pid` has a handler for `signal` (`SigCgt` in `/proc/<pid>/status`;
+/// false where it cannot be told).
+fn catches(pid: Pid, signal: Signal) -> bool {
+    let bit = 1u64 << (signal as i32 - 1);
+    std::fs::read_to_string(format!("/proc/{pid}/status")).is_ok_and(|status| {
+        status
+            .lines()
+            .find_map(|line| line.strip_prefix("SigCgt:"))
+            .and_then(|mask| u64::from_str_radix(mask.trim(), 16).ok())
+            .is_some_and(|mask| mask & bit != 0)
+    })
+}
+
 /// Whether process `pid` is stopped (by a signal or a tracer), from `/proc` (Linux; false
 /// where it cannot be told).
 fn is_stopped(pid: u32) -> bool {
@@ -184,8 +197,10 @@ pub async fn stop_group(group: Option<Pid>, cmd: Pid, grace: Duration) {
 /// whole group (SIGUSR1 means SIGKILL, to every process below the supervisor), and stops
 /// the group and every other process below it when CMD exits or when lockkit goes away
 /// (the supervisor is re-parented). While lockkit is stopped, every process below the
-/// supervisor is stopped too (SIGSTOP), until lockkit says its lock still holds (SIGUSR2:
-/// SIGCONT to them). Exits with CMD's exit code (128 + n for a signal).
+/// supervisor is stopped too (SIGSTOP), until lockkit, running again, says its lock still
+/// holds (SIGUSR2, which lockkit sends every 250 ms while it holds, since a tracing stop
+/// ends without SIGCONT; SIGCONT to them). Exits with CMD's exit code (128 + n for a
+/// signal).
 ///
 /// `lockkit` is the pid of the lockkit that started it, passed on its command line: read
 /// from the supervisor's own parent instead, a lockkit killed before that read would go
@@ -252,7 +267,8 @@ pub async fn main(grace: Duration, lockkit: u32, command: &[String]) -> ExitCode
                 }
             }
             _ = resumes.recv() => {
-                if paused {
+                // One sent just before lockkit was stopped again must not wake CMD.
+                if paused && !is_stopped(lockkit) {
                     signal_all(Some(group), group, Some(Signal::SIGCONT));
                     paused = false;
                 }
@@ -315,10 +331,18 @@ impl Supervised {
         Ok(Supervised { supervisor, pid })
     }
 
-    /// Passes `signal` on to CMD's whole group (SIGUSR2: CMD, stopped while lockkit was,
-    /// may run again).
+    /// Passes `signal` on to CMD's whole group.
     pub fn signal(&self, signal: Signal) {
         let _ = nix::sys::signal::kill(self.pid, signal);
+    }
+
+    /// Tells the supervisor that lockkit's lock still holds (SIGUSR2: CMD, stopped while
+    /// lockkit was, may run again), once the supervisor catches that signal: sent earlier,
+    /// while it starts, the signal's default action would end it.
+    pub fn affirm(&self) {
+        if catches(self.pid, Signal::SIGUSR2) {
+            self.signal(Signal::SIGUSR2);
+        }
     }
 
     /// Waits for CMD's exit code (as the supervisor reports it).

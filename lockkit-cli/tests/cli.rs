@@ -1573,3 +1573,58 @@ async fn a_lost_lock_stops_the_command_of_a_stopped_supervisor() {
     assert_eq!(status.code(), Some(75));
     assert_gone_soon(descendant, "CMD's process after the lock was lost");
 }
+
+/// A lockkit held by a debugger (a tracing stop: gdb attached, a breakpoint, `strace`) is
+/// taken for stopped, and its supervisor stops CMD; but a tracing stop ends without
+/// SIGCONT, so lockkit, running again with its lock held, never said so, and CMD stayed
+/// stopped for good (the second look at helper-45's finding 3). Here lockkit is attached
+/// with `ptrace` for half a second, then let go: CMD must run again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_command_stopped_while_lockkit_was_traced_runs_again() {
+    use nix::sys::{ptrace, wait};
+    let dir = dir("traced");
+    let output = format!("{dir}/ticks");
+    let _ = std::fs::remove_file(&output);
+    let script = format!("echo ready; while :; do echo x >> {output}; sleep 0.02; done");
+    let url = format!("file://{dir}");
+    let mut child = lockkit(
+        &url,
+        &[
+            "run", "--key", "k", "--ttl", "30s", "--grace", "1s", "--", "sh", "-c", &script,
+        ],
+    )
+    .stdout(Stdio::piped())
+    .spawn()
+    .unwrap();
+    let mut ready = String::new();
+    std::io::BufRead::read_line(
+        &mut std::io::BufReader::new(child.stdout.take().unwrap()),
+        &mut ready,
+    )
+    .unwrap();
+    assert_eq!(ready.trim(), "ready");
+    let lockkit_pid = nix::unistd::Pid::from_raw(i32::try_from(child.id()).unwrap());
+    let ticks = || std::fs::metadata(&output).map_or(0, |m| m.len());
+    ptrace::attach(lockkit_pid).expect("ptrace attaches lockkit (root)");
+    wait::waitpid(lockkit_pid, Some(wait::WaitPidFlag::__WALL)).expect("lockkit stops");
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let paused = ticks();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let still_paused = ticks();
+    ptrace::detach(lockkit_pid, None).expect("let go");
+    // Wide: lockkit says its lock holds every 250 ms.
+    let started = Instant::now();
+    while ticks() == still_paused && started.elapsed() < Duration::from_secs(10) {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let ran_again = ticks() > still_paused;
+    let _ = child.kill();
+    let _ = child.wait();
+    // Stop whatever CMD left (lockkit was killed: its supervisor stops CMD).
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(paused, still_paused, "CMD ran while lockkit was held");
+    assert!(
+        ran_again,
+        "CMD was still stopped 10 s after lockkit ran again with its lock held"
+    );
+}
