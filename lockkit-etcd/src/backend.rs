@@ -199,7 +199,11 @@ impl EtcdBackend {
             member_clients.push(client.clone());
         }
         let (limit, try_time) = (request_limit_of(&config), per_try_of(&config));
-        let member_clients = Arc::new(Members::new(member_clients, try_time));
+        let member_clients = Arc::new(Members::new(
+            member_clients,
+            config.endpoints.clone(),
+            try_time,
+        ));
         // The client connects lazily: a lease grant proves a member answers and the
         // cluster has a leader, and says which TTL the cluster grants. Asked of the members
         // in turn: one of them down or frozen does not fail the connection.

@@ -214,6 +214,9 @@ enum Stopped {
     Over,
     /// The stream failed: open another.
     Failed,
+    /// The stream left a keep-alive unanswered for a whole interval: open another, on a new
+    /// connection (see [`Members::unanswered`]).
+    Silent,
 }
 
 /// Keeps `lease` alive every sixth of its TTL until it is lost or its contender ends, then
@@ -223,7 +226,9 @@ enum Stopped {
 /// A stream that leaves a keep-alive unanswered for a sixth of the TTL (its member frozen,
 /// its connection dead without a word, or the member stuck forwarding it to a frozen
 /// leader) is opened afresh on another member (one not tried since the last confirmed
-/// keep-alive, and not passed over if there is such a one; see [`Members`]): the silence
+/// keep-alive, and not passed over if there is such a one; see [`Members`]), and the silent
+/// member is given a new connection (see [`Members::unanswered`]: a connection can go
+/// silent while its member is fine; with one member, the next stream goes there): the silence
 /// is noticed at most a third of the TTL after the last confirmed keep-alive was sent,
 /// which leaves another third before the loss deadline for the next member (or the one
 /// after it) to answer.
@@ -250,8 +255,12 @@ async fn keep_alive(lease: Arc<Lease>) {
         let confirmed = lease.alive_until();
         match keep_one_stream(&lease, member).await {
             Stopped::Over => break,
-            Stopped::Failed => {
-                lease.members.failed(member);
+            stopped => {
+                if let Stopped::Silent = stopped {
+                    lease.members.unanswered(member);
+                } else {
+                    lease.members.failed(member);
+                }
                 if lease.alive_until() > confirmed {
                     // The stream worked for a while: this is a fresh failure.
                     backoff = retry_backoff();
@@ -285,7 +294,7 @@ async fn sleep_until_some(at: Option<Instant>) {
 }
 
 /// Opens one keep-alive stream through `member` and keeps the lease alive through it
-/// while it works: a keep-alive every sixth of the TTL; [`Stopped::Failed`] as soon as the
+/// while it works: a keep-alive every sixth of the TTL; [`Stopped::Silent`] as soon as the
 /// oldest unanswered one has waited a whole interval (exactly then, not at the next tick: a
 /// tick that comes a hair early would let the silence run a second interval).
 async fn keep_one_stream(lease: &Lease, member: usize) -> Stopped {
@@ -296,7 +305,7 @@ async fn keep_one_stream(lease: &Lease, member: usize) -> Stopped {
     // A stream opened on a frozen member never answers: try another after one interval.
     let opened = tokio::select! {
         opened = client.lease_keep_alive(lease.id) => opened,
-        () = tokio::time::sleep(every) => return Stopped::Failed,
+        () = tokio::time::sleep(every) => return Stopped::Silent,
         () = tokio::time::sleep_until(lease.alive_until()) => {
             lease.lose(LostReason::SessionLost);
             return Stopped::Over;
@@ -327,7 +336,7 @@ async fn keep_one_stream(lease: &Lease, member: usize) -> Stopped {
                 // connection dead without a word, or the member stuck forwarding the
                 // keep-alive to a frozen leader (etcd answers the stream's requests in
                 // order, so nothing behind it gets through either); open a stream afresh.
-                return Stopped::Failed;
+                return Stopped::Silent;
             }
             _ = ticks.tick() => {
                 let sent = Instant::now();

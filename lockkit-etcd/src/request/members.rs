@@ -26,6 +26,26 @@ struct Mark {
     since: Option<Instant>,
 }
 
+/// A member's client that can be told to open a new connection.
+pub(crate) trait Reconnect {
+    /// From now on, sends new requests and streams to `endpoint` through a new connection
+    /// (the old one goes once the streams still on it end).
+    fn reconnect(&self, endpoint: &str);
+}
+
+impl Reconnect for Client {
+    /// etcd-client's channel replaces its connection to an endpoint added again with the
+    /// new one once that is ready.
+    fn reconnect(&self, endpoint: &str) {
+        let (client, endpoint) = (self.clone(), endpoint.to_owned());
+        tokio::spawn(async move {
+            if let Err(error) = client.add_endpoint(&endpoint).await {
+                tracing::debug!(endpoint, %error, "could not open a new connection");
+            }
+        });
+    }
+}
+
 /// The cluster's members, a client of each, and which one a request goes to first.
 ///
 /// etcd-client's own client spreads requests over the members at random (tonic's
@@ -40,6 +60,10 @@ struct Mark {
 /// tried yet is passed over, the one heard of least recently goes first.
 pub(crate) struct Members<C = Client> {
     clients: Box<[C]>,
+    /// The endpoint of each client (`http://host:port`), to open a new connection to.
+    endpoints: Box<[String]>,
+    /// When each member was last given a new connection.
+    reconnected: Box<[Mutex<Option<Instant>>]>,
     /// Where the next request starts (round robin).
     next: AtomicUsize,
     marks: Box<[Mutex<Mark>]>,
@@ -48,11 +72,14 @@ pub(crate) struct Members<C = Client> {
 }
 
 impl<C> Members<C> {
-    /// One client per member (at least one), whose tries may stay unanswered `per_try`.
-    pub(crate) fn new(clients: Vec<C>, per_try: Duration) -> Self {
+    /// One client per member (at least one), of the endpoint at the same place in
+    /// `endpoints`, whose tries may stay unanswered `per_try`.
+    pub(crate) fn new(clients: Vec<C>, endpoints: Vec<String>, per_try: Duration) -> Self {
         let marks = clients.iter().map(|_| Mutex::default()).collect();
         Members {
+            reconnected: clients.iter().map(|_| Mutex::default()).collect(),
             clients: clients.into(),
+            endpoints: endpoints.into(),
             next: AtomicUsize::new(0),
             marks,
             per_try,
@@ -139,6 +166,35 @@ impl<C> Members<C> {
         }
     }
 
+    /// `member` left a try or a keep-alive unanswered for a whole try's time: passed over
+    /// (see [`Members::failed`]), and given a new connection (at most once a try's time).
+    ///
+    /// A connection can go silent while its member is fine and new connections reach it (a
+    /// NAT or load balancer on the way forgot it: nothing is acknowledged, nothing comes
+    /// back). Nothing fails on it until HTTP/2's ping gives up (6 s, and `connect_timeout`
+    /// more), past the loss deadline of a 10 s etcd lease (2/3 of it): with one member, every
+    /// keep-alive went to the silent connection until the hold was lost.
+    pub(crate) fn unanswered(&self, member: usize)
+    where
+        C: Reconnect,
+    {
+        self.failed(member);
+        let member = member % self.clients.len();
+        let now = Instant::now();
+        {
+            let mut last = self.reconnected[member]
+                .lock()
+                .unwrap_or_else(|e| e.into_inner());
+            if last.is_some_and(|at| now < at + self.per_try) {
+                return;
+            }
+            *last = Some(now);
+        }
+        if let Some(endpoint) = self.endpoints.get(member) {
+            self.clients[member].reconnect(endpoint);
+        }
+    }
+
     /// `member` answered: no longer passed over.
     pub(crate) fn answered(&self, member: usize) {
         let mut mark = self.mark(member);
@@ -152,8 +208,13 @@ impl<C> Members<C> {
 mod tests {
     use super::*;
 
+    impl Reconnect for &str {
+        fn reconnect(&self, _: &str) {}
+    }
+
     fn three() -> Members<&'static str> {
-        Members::new(vec!["a", "b", "c"], Duration::from_millis(500))
+        let endpoints = ["a", "b", "c"].map(String::from).to_vec();
+        Members::new(vec!["a", "b", "c"], endpoints, Duration::from_millis(500))
     }
 
     #[tokio::test(start_paused = true)]
@@ -217,7 +278,11 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn one_member_is_always_asked() {
-        let members = Members::new(vec!["only"], Duration::from_millis(500));
+        let members = Members::new(
+            vec!["only"],
+            vec!["only".into()],
+            Duration::from_millis(500),
+        );
         members.failed(0);
         let mut tried = Vec::new();
         assert_eq!(members.first(), 0);

@@ -117,7 +117,7 @@ where
                 // A try cut short by the end of the whole request says nothing of its member
                 // unless it had half a try's time.
                 if try_end - sent >= per_try / 2 {
-                    members.failed(member);
+                    members.unanswered(member);
                 }
             }
         }

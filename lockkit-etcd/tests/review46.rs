@@ -1,0 +1,317 @@
+//! Review 46 of the etcd backend: a mixed fleet with `etcdctl lock`, an operator's hand on
+//! leases and revisions, and callers that go away.
+
+use std::{
+    io::{BufRead, BufReader},
+    process::{Child, Command, Stdio},
+    time::Duration,
+};
+
+use lockkit_conformance::env;
+use lockkit_core::{LockKey, Locker, LostReason};
+use lockkit_etcd::EtcdBackend;
+use tokio::time::Instant;
+
+fn unique() -> u128 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_nanos()
+}
+
+/// `etcdctl lock /lockkit/<key> -- sh -c <script>` against `endpoints`.
+fn etcdctl_lock(endpoints: &str, key: &LockKey, script: &str) -> Child {
+    Command::new("etcdctl")
+        .env("ETCDCTL_API", "3")
+        .args([
+            &format!("--endpoints={endpoints}"),
+            "lock",
+            &format!("/lockkit/{key}"),
+            "--",
+            "sh",
+            "-c",
+            script,
+        ])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("etcdctl")
+}
+
+/// The next line `child` prints, read off the test's runtime.
+async fn next_line(child: &mut Child) -> String {
+    let stdout = child.stdout.take().unwrap();
+    let (line, stdout) = tokio::task::spawn_blocking(move || {
+        let mut reader = BufReader::new(stdout);
+        let mut line = String::new();
+        reader.read_line(&mut line).unwrap();
+        (line, reader.into_inner())
+    })
+    .await
+    .unwrap();
+    child.stdout = Some(stdout);
+    line.trim().to_owned()
+}
+
+/// A lockkit waiter behind an `etcdctl lock` holder is woken by the holder's release, not
+/// by a recheck (twice the session TTL) nor by etcdctl's lease running out (60 s).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_waiter_behind_etcdctl_is_woken_at_its_release() {
+    let Some(url) = env::service_url("LOCKKIT_TEST_ETCD_URL") else {
+        return;
+    };
+    let locker = Locker::new(EtcdBackend::connect(&url).await.unwrap());
+    let endpoints = env::host_ports(&url).join(",");
+    let key = LockKey::new(format!("review46-etcdctl-{}", unique())).unwrap();
+    // etcdctl holds, then waits for a line on stdin... it has none: it holds for 3 s.
+    let mut etcdctl = etcdctl_lock(&endpoints, &key, "echo held; sleep 3");
+    assert_eq!(next_line(&mut etcdctl).await, "held");
+    let started = Instant::now();
+    let guard = locker
+        .acquire(&key)
+        .wait(Duration::from_secs(60))
+        .await
+        .expect("granted once etcdctl let go");
+    let waited = started.elapsed();
+    let status = tokio::task::spawn_blocking(move || etcdctl.wait())
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(status.success());
+    assert!(
+        waited < Duration::from_secs(6),
+        "woken {waited:?} after etcdctl took the lock for 3 s"
+    );
+    guard.release().await.unwrap();
+}
+
+/// lockkit holder, then an etcdctl waiter, then a lockkit waiter: the lockkit waiter is
+/// woken when etcdctl (its predecessor) lets go, never granted beside it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lockkit_and_etcdctl_interleave_in_queue_order() {
+    let Some(url) = env::service_url("LOCKKIT_TEST_ETCD_URL") else {
+        return;
+    };
+    let first = Locker::new(EtcdBackend::connect(&url).await.unwrap());
+    let third = Locker::new(EtcdBackend::connect(&url).await.unwrap());
+    let endpoints = env::host_ports(&url).join(",");
+    let key = LockKey::new(format!("review46-chain-{}", unique())).unwrap();
+    let guard = first.acquire(&key).await.unwrap();
+    let mut etcdctl = etcdctl_lock(
+        &endpoints,
+        &key,
+        "echo \"held $ETCD_LOCK_REV $ETCD_LOCK_KEY\"; sleep 2",
+    );
+    // etcdctl queues behind the lockkit holder.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let waiter = {
+        let (third, key) = (third.clone(), key.clone());
+        tokio::spawn(async move {
+            let guard = third
+                .acquire(&key)
+                .wait(Duration::from_secs(60))
+                .await
+                .unwrap();
+            (guard, Instant::now())
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(
+        !waiter.is_finished(),
+        "the third was granted beside the first"
+    );
+    guard.release().await.unwrap();
+    let line = next_line(&mut etcdctl).await;
+    let etcdctl_held = Instant::now();
+    let (header_revision, etcdctl_key) = line
+        .strip_prefix("held ")
+        .and_then(|rest| rest.split_once(' '))
+        .unwrap();
+    let header_revision: u64 = header_revision.parse().unwrap();
+    let got = EtcdBackend::connect(&url)
+        .await
+        .unwrap()
+        .client()
+        .get(etcdctl_key, None)
+        .await
+        .unwrap();
+    let revision = u64::try_from(got.kvs()[0].create_revision()).unwrap();
+    assert!(
+        !waiter.is_finished(),
+        "the third was granted beside etcdctl"
+    );
+    let (guard, granted) = waiter.await.unwrap();
+    let waited = granted - etcdctl_held;
+    assert!(guard.token().get() > revision);
+    // etcdctl's $ETCD_LOCK_REV is the revision it saw the lock free at, not its key's
+    // create revision: a lockkit waiter queued before then may have a lower token (the
+    // README says so).
+    assert!(header_revision >= revision);
+    assert!(
+        waited < Duration::from_secs(5),
+        "granted {waited:?} after etcdctl took a 2 s hold"
+    );
+    let status = tokio::task::spawn_blocking(move || etcdctl.wait())
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(status.success());
+    guard.release().await.unwrap();
+}
+
+/// An operator revoking the holder's etcd lease: the holder hears of it well within the
+/// etcd lease's TTL, and the next holder's token is larger.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lease_revoked_by_an_operator_is_lost_at_once() {
+    let Some(url) = env::service_url("LOCKKIT_TEST_ETCD_URL") else {
+        return;
+    };
+    let url = format!("{url}?session_ttl=6s");
+    let backend = EtcdBackend::connect(&url).await.unwrap();
+    let mut admin = backend.client();
+    let holder = Locker::new(backend.clone());
+    let next = Locker::new(EtcdBackend::connect(&url).await.unwrap());
+    let key = LockKey::new(format!("review46-revoke-{}", unique())).unwrap();
+    let guard = holder
+        .acquire(&key)
+        .ttl(Duration::from_secs(600))
+        .await
+        .unwrap();
+    let got = admin
+        .get(
+            backend.lock_range(&key),
+            Some(etcd_client::GetOptions::new().with_prefix()),
+        )
+        .await
+        .unwrap();
+    let lease = got.kvs()[0].lease();
+    let revoked = Instant::now();
+    admin.lease_revoke(lease).await.unwrap();
+    let reason = tokio::time::timeout(Duration::from_secs(3), guard.lost())
+        .await
+        .expect("a revoked lease was not reported lost within 3 s");
+    assert!(
+        matches!(reason, LostReason::NotOurs | LostReason::SessionLost),
+        "{reason:?} after {:?}",
+        revoked.elapsed()
+    );
+    assert!(!guard.is_valid());
+    let second = next.try_acquire(&key).await.unwrap().expect("free");
+    assert!(second.token() > guard.token());
+    assert!(matches!(
+        guard.release().await,
+        Err(lockkit_core::Error::Lost { .. } | lockkit_core::Error::NotHeld { .. })
+    ));
+    second.release().await.unwrap();
+}
+
+/// A holder whose connection goes silent at the TCP level (a NAT or load balancer in front
+/// of etcd that forgot it: nothing acknowledged, nothing sent back) while the member itself
+/// is fine, and new connections pass: the hold must be kept alive through a new connection
+/// before its loss deadline (2/3 of the session TTL), not lost because every keep-alive
+/// went to the dead one until HTTP/2's ping gave up on it (6 s + `connect_timeout`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hold_outlives_a_silent_connection_to_a_healthy_single_member() {
+    let Some(url) = env::service_url("LOCKKIT_TEST_ETCD_URL") else {
+        return;
+    };
+    let upstream = env::host_ports(&url)[0].parse().unwrap();
+    let proxy = lockkit_conformance::FaultProxy::start(upstream)
+        .await
+        .unwrap();
+    let via_proxy = format!(
+        "etcd://{}?session_ttl=6s&connect_timeout=2s",
+        proxy.local_addr()
+    );
+    let holder = Locker::new(EtcdBackend::connect(&via_proxy).await.unwrap());
+    let rival = Locker::new(EtcdBackend::connect(&url).await.unwrap());
+    let key = LockKey::new(format!("review46-silent-{}", unique())).unwrap();
+    let guard = holder
+        .acquire(&key)
+        .ttl(Duration::from_secs(600))
+        .await
+        .unwrap();
+    // Keep-alive streams and the watch on the held key are open.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let Some(silenced) = lockkit_conformance::SilencedLinks::to_port(proxy.local_addr().port())
+    else {
+        return;
+    };
+    let silenced_at = Instant::now();
+    // Past the loss deadline (4 s after the last confirmed keep-alive) and past HTTP/2's
+    // ping (6 s) and its timeout (2 s).
+    let lost = tokio::time::timeout(Duration::from_secs(10), guard.lost()).await;
+    assert!(
+        lost.is_err(),
+        "the hold was lost ({lost:?}) {:?} after its connection went silent, although the \
+         member answered on a new one",
+        silenced_at.elapsed()
+    );
+    assert!(guard.is_valid());
+    assert!(
+        rival.try_acquire(&key).await.unwrap().is_none(),
+        "a rival was granted the lock"
+    );
+    guard.release().await.unwrap();
+    drop(silenced);
+}
+
+/// A waiter whose connection goes silent while it waits (the member fine, new connections
+/// passing) still hears the release soon after it: its predecessor watch is given up with
+/// the connection (HTTP/2's ping: 6 s and `connect_timeout`), not at a recheck or the
+/// holder's lease end, and its own lease is kept alive meanwhile.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_waiter_whose_connection_went_silent_hears_the_release() {
+    let Some(url) = env::service_url("LOCKKIT_TEST_ETCD_URL") else {
+        return;
+    };
+    let upstream = env::host_ports(&url)[0].parse().unwrap();
+    let proxy = lockkit_conformance::FaultProxy::start(upstream)
+        .await
+        .unwrap();
+    let options = "session_ttl=10s&connect_timeout=2s";
+    let via_proxy = format!("etcd://{}?{options}", proxy.local_addr());
+    let waiting = Locker::new(EtcdBackend::connect(&via_proxy).await.unwrap());
+    let holding = Locker::new(
+        EtcdBackend::connect(&format!("{url}?{options}"))
+            .await
+            .unwrap(),
+    );
+    let key = LockKey::new(format!("review46-silent-waiter-{}", unique())).unwrap();
+    let held = holding
+        .acquire(&key)
+        .ttl(Duration::from_secs(120))
+        .await
+        .unwrap();
+    let waiter = tokio::spawn({
+        let key = key.clone();
+        async move {
+            let granted = waiting
+                .acquire(&key)
+                .ttl(Duration::from_secs(30))
+                .wait(Duration::from_secs(90))
+                .await;
+            (granted.map(|g| g.token()), Instant::now())
+        }
+    });
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let Some(silenced) = lockkit_conformance::SilencedLinks::to_port(proxy.local_addr().port())
+    else {
+        return;
+    };
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let released_at = Instant::now();
+    held.release().await.unwrap();
+    let (granted, at) = tokio::time::timeout(Duration::from_secs(60), waiter)
+        .await
+        .expect("the waiter never heard the release")
+        .unwrap();
+    granted.expect("granted after the release");
+    let after = at.saturating_duration_since(released_at);
+    assert!(
+        after < Duration::from_secs(10),
+        "granted {after:?} after the release"
+    );
+    eprintln!("granted {after:?} after the release");
+    drop(silenced);
+}
