@@ -45,6 +45,9 @@ struct State {
     ended: bool,
     /// Its hold is being released: the deletion of its key that follows is no loss.
     releasing: bool,
+    /// The cluster said the lease is gone (the keeper's revocation, or one that found it
+    /// gone already).
+    gone: bool,
 }
 
 /// An etcd lease carrying one contender key.
@@ -167,17 +170,28 @@ impl Lease {
         self.changed.notify_waiters();
     }
 
-    /// Ends the contender and waits at most one request limit for the revocation; false
-    /// if it did not happen yet (the keeper retries it in the background).
+    /// Ends the contender and waits at most one request limit for the keeper's revocation
+    /// (one revocation: each is a Raft write); false if it did not happen yet (the keeper
+    /// retries it in the background).
     pub(crate) async fn end_and_revoke(&self) -> bool {
         self.end();
-        let revoke = |mut client: Client| async move { client.lease_revoke(self.id).await };
-        let end = Instant::now() + self.request_limit;
-        match ask(&self.members, revoke, end, self.request_limit / 2, None).await {
-            Ok((Ok(_), _)) => true,
-            Ok((Err(e), _)) => lease_not_found(&e),
-            Err(_) => false,
-        }
+        let gone = async {
+            loop {
+                let mut changed = pin!(self.changed.notified());
+                changed.as_mut().enable();
+                if lock(&self.state).gone {
+                    return;
+                }
+                changed.await;
+            }
+        };
+        tokio::time::timeout(self.request_limit, gone).await.is_ok()
+    }
+
+    /// The cluster said the lease is gone.
+    fn gone(&self) {
+        lock(&self.state).gone = true;
+        self.changed.notify_waiters();
     }
 
     /// Revokes the lease until the cluster says it is gone, or until it has surely expired
@@ -189,8 +203,8 @@ impl Lease {
             let revoke = |mut client: Client| async move { client.lease_revoke(self.id).await };
             let end = Instant::now() + self.request_limit;
             match ask(&self.members, revoke, end, self.request_limit / 2, None).await {
-                Ok((Ok(_), _)) => return,
-                Ok((Err(e), _)) if lease_not_found(&e) => return,
+                Ok((Ok(_), _)) => return self.gone(),
+                Ok((Err(e), _)) if lease_not_found(&e) => return self.gone(),
                 Ok((Err(e), _)) => {
                     tracing::debug!(lease = self.id, error = %e, "revoking a lease failed");
                 }

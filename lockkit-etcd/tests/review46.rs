@@ -315,3 +315,74 @@ async fn a_waiter_whose_connection_went_silent_hears_the_release() {
     eprintln!("granted {after:?} after the release");
     drop(silenced);
 }
+
+/// The holder's watch on its own key broken (links reset) while the key's history is
+/// compacted away: reopened from a compacted revision, it reads the key instead. A key
+/// still the hold's own is no loss; one deleted meanwhile is.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_watch_reopened_past_a_compaction_tells_loss_from_no_loss() {
+    let Some(url) = env::service_url("LOCKKIT_TEST_ETCD_URL") else {
+        return;
+    };
+    let options = "session_ttl=6s&connect_timeout=2s";
+    let admin = EtcdBackend::connect(&format!("{url}?{options}"))
+        .await
+        .unwrap();
+    let mut etcd = admin.client();
+    let (proxies, hosts) =
+        lockkit_conformance::ProxiedClients::<EtcdBackend>::start_proxies(&env::host_ports(&url))
+            .await;
+    let holder = Locker::new(
+        EtcdBackend::connect(&format!("etcd://{hosts}?{options}"))
+            .await
+            .unwrap(),
+    );
+    let key = LockKey::new(format!("review46-compact-{}", unique())).unwrap();
+    let guard = holder
+        .acquire(&key)
+        .ttl(Duration::from_secs(600))
+        .await
+        .unwrap();
+    let compact = |mut etcd: etcd_client::Client| async move {
+        // Revisions past the hold's: its watch must reopen from a compacted one.
+        for i in 0..3 {
+            etcd.put(
+                format!("/review46/filler/{}", unique()),
+                format!("{i}"),
+                None,
+            )
+            .await
+            .unwrap();
+        }
+        let now = etcd
+            .get("/", None)
+            .await
+            .unwrap()
+            .header()
+            .unwrap()
+            .revision();
+        etcd.compact(now, None).await.unwrap();
+    };
+    // A compaction alone: the key is still the hold's.
+    proxies.iter().for_each(|p| p.reset());
+    compact(etcd.clone()).await;
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    proxies.iter().for_each(|p| p.heal());
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert!(guard.is_valid(), "a compaction alone was taken for a loss");
+    // The key deleted while the watch is down, then compacted past.
+    proxies.iter().for_each(|p| p.reset());
+    etcd.delete(
+        admin.lock_range(&key),
+        Some(etcd_client::DeleteOptions::new().with_prefix()),
+    )
+    .await
+    .unwrap();
+    compact(etcd.clone()).await;
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    proxies.iter().for_each(|p| p.heal());
+    let reason = tokio::time::timeout(Duration::from_secs(10), guard.lost())
+        .await
+        .expect("a key deleted and compacted away was never reported lost");
+    assert_eq!(reason, LostReason::NotOurs);
+}
