@@ -386,3 +386,148 @@ async fn a_watch_reopened_past_a_compaction_tells_loss_from_no_loss() {
         .expect("a key deleted and compacted away was never reported lost");
     assert_eq!(reason, LostReason::NotOurs);
 }
+
+/// A creation whose first try was applied but whose answer was lost: the retry finds the
+/// key on its own lease and queues with it (its create revision the token), rather than
+/// creating a second contender or failing. Made deterministic through the spare lease,
+/// whose id is known before the contender uses it: the "first try" is put by hand.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_creation_applied_before_its_retry_queues_once() {
+    let Some(url) = env::service_url("LOCKKIT_TEST_ETCD_URL") else {
+        return;
+    };
+    let backend = EtcdBackend::connect(&format!("{url}?session_ttl=6s"))
+        .await
+        .unwrap();
+    let mut admin = backend.client();
+    let locker = Locker::new(backend.clone());
+    let rival = Locker::new(EtcdBackend::connect(&url).await.unwrap());
+    for round in 0..10 {
+        let key = LockKey::new(format!("review46-retry-{}-{round}", unique())).unwrap();
+        let range = backend.lock_range(&key);
+        // Two acquisitions close together: a spare is granted.
+        for _ in 0..2 {
+            let guard = locker.try_acquire(&key).await.unwrap().expect("free");
+            guard.release().await.unwrap();
+        }
+        let appeared = Instant::now() + Duration::from_secs(5);
+        let spare = loop {
+            if let Some(spare) = backend.spare_lease() {
+                break spare;
+            }
+            assert!(Instant::now() < appeared, "no spare lease was granted");
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        };
+        // The first try, applied: the contender key on the spare, behind a rival's hold.
+        let held = rival.acquire(&key).await.unwrap();
+        let put = admin
+            .put(
+                format!("{range}{spare:x}"),
+                "earlier-try\n",
+                Some(etcd_client::PutOptions::new().with_lease(spare)),
+            )
+            .await
+            .unwrap();
+        let revision = put.header().unwrap().revision();
+        let waiter = tokio::spawn({
+            let (locker, key) = (locker.clone(), key.clone());
+            async move { locker.acquire(&key).wait(Duration::from_secs(20)).await }
+        });
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let keys = admin
+            .get(
+                range.clone(),
+                Some(
+                    etcd_client::GetOptions::new()
+                        .with_prefix()
+                        .with_count_only(),
+                ),
+            )
+            .await
+            .unwrap()
+            .count();
+        held.release().await.unwrap();
+        let guard = waiter.await.unwrap().unwrap();
+        if backend.spares_lost() > 0 || keys != 2 {
+            // The spare went stale before it was taken: the contender made a key of its
+            // own. Try again.
+            guard.release().await.unwrap();
+            continue;
+        }
+        assert_eq!(
+            guard.token().get(),
+            u64::try_from(revision).unwrap(),
+            "round {round}: the retry did not take the key its first try made"
+        );
+        guard.release().await.unwrap();
+        let left = admin
+            .get(
+                range,
+                Some(
+                    etcd_client::GetOptions::new()
+                        .with_prefix()
+                        .with_count_only(),
+                ),
+            )
+            .await
+            .unwrap()
+            .count();
+        assert_eq!(left, 0);
+        return;
+    }
+    panic!("no round took its spare while it was fresh: the machine was too slow");
+}
+
+/// One member of the cluster unreachable without a word (its proxy stalls every
+/// connection, new ones too, as a frozen member does): new connections to it (given after
+/// each unanswered try) stall as well; holds are kept and every request is answered
+/// through the other members.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stalled_member_costs_no_hold_and_no_request() {
+    let Some(url) = env::service_url("LOCKKIT_TEST_ETCD_CLUSTER_URL") else {
+        return;
+    };
+    let (proxies, hosts) =
+        lockkit_conformance::ProxiedClients::<EtcdBackend>::start_proxies(&env::host_ports(&url))
+            .await;
+    let options = "session_ttl=3s&connect_timeout=1s";
+    let client = Locker::new(
+        EtcdBackend::connect(&format!("etcd://{hosts}?{options}"))
+            .await
+            .unwrap(),
+    );
+    let key = LockKey::new(format!("review46-stalled-{}", unique())).unwrap();
+    let other = LockKey::new(format!("review46-stalled-other-{}", unique())).unwrap();
+    let guard = client
+        .acquire(&key)
+        .ttl(Duration::from_secs(600))
+        .await
+        .unwrap();
+    for (stalled, proxy) in proxies.iter().enumerate() {
+        proxy.cut();
+        let until = Instant::now() + Duration::from_secs(6);
+        while Instant::now() < until {
+            let started = Instant::now();
+            let round = client
+                .acquire(&other)
+                .wait(Duration::from_secs(5))
+                .await
+                .unwrap_or_else(|e| panic!("member {stalled} stalled: {e}"));
+            round
+                .release()
+                .await
+                .unwrap_or_else(|e| panic!("member {stalled} stalled: release: {e}"));
+            assert!(
+                started.elapsed() < Duration::from_secs(3),
+                "member {stalled} stalled: a round took {:?}",
+                started.elapsed()
+            );
+        }
+        assert!(
+            guard.is_valid(),
+            "the hold was lost with member {stalled} stalled"
+        );
+        proxy.heal();
+    }
+    guard.release().await.unwrap();
+}
