@@ -187,3 +187,104 @@ async fn without_keyspace_notifications_a_foreign_holder_is_polled() {
         "granted {after:?} after the deletion"
     );
 }
+
+/// `total_connections_received` of the server so far.
+async fn connections_received(conn: &mut MultiplexedConnection) -> u64 {
+    let info: String = redis::cmd("INFO")
+        .arg("stats")
+        .query_async(conn)
+        .await
+        .unwrap();
+    info.lines()
+        .find_map(|line| line.strip_prefix("total_connections_received:"))
+        .map_or(0, |n| n.trim().parse().unwrap())
+}
+
+/// A user allowed `CONFIG` but only the lock release channels (an ACL with
+/// `&redisson_lock__channel:*`, Redis 7's default being no channel at all): the server
+/// refuses the keyspace subscription (`NOPERM`). The waiter behind a foreign holder then
+/// polls it as before, and the refusal costs nobody else anything: the backend's shared
+/// subscriber connection, which every other waiter's wake-ups ride on, stays up, and a
+/// waiter behind a lockkit holder on another key sleeps until that holder's release.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refused_keyspace_subscription_leaves_the_other_waiters_alone() {
+    let Some(server) = OwnRedis::start(&["--notify-keyspace-events", "Kg"]) else {
+        return;
+    };
+    let mut conn = admin(&server, 0).await;
+    let _: () = redis::cmd("ACL")
+        .arg("SETUSER")
+        .arg("app")
+        .arg("on")
+        .arg(">app-password")
+        .arg("~*")
+        .arg("resetchannels")
+        .arg("&redisson_lock__channel:*")
+        .arg("+@all")
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    let url = format!("redis://app:app-password@127.0.0.1:{}", server.port);
+    let locker = Locker::new(RedisBackend::connect(&url).await.unwrap());
+
+    // A lockkit holder of one key, and a waiter behind it that relies on its release.
+    let held = format!("held/{}", Uuid::new_v4().simple());
+    let holder = locker.acquire(held.as_str()).await.unwrap();
+    let behind_lockkit = {
+        let (locker, held) = (locker.clone(), held.clone());
+        tokio::spawn(async move {
+            let guard = locker
+                .acquire(held.as_str())
+                .wait(Duration::from_secs(60))
+                .await
+                .expect("granted at the holder's release");
+            let granted = Instant::now();
+            guard.release().await.unwrap();
+            granted
+        })
+    };
+    // A foreign holder of another key, and a waiter behind it.
+    let foreign = format!("foreign/{}", Uuid::new_v4().simple());
+    take_as_foreign(&mut conn, &foreign).await;
+    let behind_foreign = {
+        let (locker, foreign) = (locker.clone(), foreign.clone());
+        tokio::spawn(async move {
+            let guard = locker
+                .acquire(foreign.as_str())
+                .wait(Duration::from_secs(60))
+                .await
+                .expect("granted once the foreign holder lets go");
+            guard.release().await.unwrap();
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let connections = connections_received(&mut conn).await;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let reconnected = connections_received(&mut conn).await - connections;
+    let released = Instant::now();
+    holder.release().await.unwrap();
+    let granted = tokio::time::timeout(Duration::from_secs(30), behind_lockkit)
+        .await
+        .expect("the waiter behind the lockkit holder is granted")
+        .unwrap();
+    let after = granted.saturating_duration_since(released);
+    let _: i64 = redis::cmd("DEL")
+        .arg(&foreign)
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    tokio::time::timeout(Duration::from_secs(30), behind_foreign)
+        .await
+        .expect("the waiter behind the foreign holder is granted")
+        .unwrap();
+    eprintln!("connections opened in 2 s: {reconnected}; granted {after:?} after the release");
+    assert_eq!(
+        reconnected, 0,
+        "the refused keyspace subscription dropped the shared subscriber connection \
+         {reconnected} times in 2 s"
+    );
+    assert!(
+        after < Duration::from_millis(50),
+        "the waiter behind the lockkit holder was granted {after:?} after its release"
+    );
+}

@@ -496,6 +496,8 @@ pub(crate) struct ReleaseMessages {
     foreign: Option<Arc<ForeignWatch>>,
     /// The subscription to the key's keyspace channel, once the wait met a foreign holder.
     keyspace: Option<Subscription>,
+    /// The server refused the keyspace subscription: the wait polls the foreign holder.
+    keyspace_refused: bool,
 }
 
 /// A wait's view of a holder in another format: a plain string (redis-py's `Lock`,
@@ -573,6 +575,7 @@ impl ReleaseMessages {
             queued_as: None,
             foreign: None,
             keyspace: None,
+            keyspace_refused: false,
         }
     }
 
@@ -591,6 +594,7 @@ impl ReleaseMessages {
             return;
         };
         if self.keyspace.is_some()
+            || self.keyspace_refused
             || !watch.seen.load(Ordering::Acquire)
             || watch.events_on.get() != Some(&true)
         {
@@ -602,6 +606,9 @@ impl ReleaseMessages {
                 watch.heard.store(true, Ordering::Release);
             }
             Err(error) => {
+                // A refusal (an ACL without the keyspace channels) is not asked again by
+                // this wait; a lost connection is, once the connection is back.
+                self.keyspace_refused = !error.is_retryable();
                 tracing::debug!(%error, "no keyspace notifications; polling the foreign holder");
             }
         }
@@ -691,6 +698,10 @@ impl Drop for Subscription {
     fn drop(&mut self) {
         let wakeups = self.wakeups.clone();
         let name = std::mem::take(&mut self.name);
+        if name.is_empty() {
+            // Its reference was given back already (a channel the server refused).
+            return;
+        }
         if let Ok(runtime) = tokio::runtime::Handle::try_current() {
             runtime.spawn(async move { wakeups.unsubscribe(&name).await });
         }
@@ -715,7 +726,9 @@ impl Wakeups {
     }
 
     /// Subscribes to `name` and returns once the server confirmed, so a release published
-    /// after this returns cannot be missed.
+    /// after this returns cannot be missed. A channel the server refuses (an ACL's
+    /// `NOPERM`) is an error that leaves the connection, and every other subscription on
+    /// it, as it was.
     ///
     /// # Cancel safety
     /// If dropped mid-way the reference is still counted and given back by a background
@@ -744,6 +757,15 @@ impl Wakeups {
             let sink = link.sink.as_mut().ok_or_else(|| self.gone())?;
             match tokio::time::timeout(self.timeout, sink.subscribe(name)).await {
                 Ok(Ok(())) => {}
+                Ok(Err(e)) if matches!(e.kind(), redis::ErrorKind::Server(_)) => {
+                    // The server refused the channel (an ACL's `NOPERM`): the connection is
+                    // well, and stays, with every other waiter's wake-ups on it. The
+                    // reference is given back now, so no reconnection asks for the channel.
+                    let mut subscription = subscription;
+                    subscription.name.clear();
+                    self.release_ref(name);
+                    return Err(backend_error("SUBSCRIBE", &self.target, e));
+                }
                 Ok(Err(e)) => {
                     self.abandon(&mut link);
                     return Err(backend_error("SUBSCRIBE", &self.target, e));
