@@ -288,3 +288,96 @@ async fn a_refused_keyspace_subscription_leaves_the_other_waiters_alone() {
         "the waiter behind the lockkit holder was granted {after:?} after its release"
     );
 }
+
+/// The holder changes format while a waiter listens to the key's keyspace channel: a
+/// Redisson holder (a hash, whose release publishes on the lock's channel) hands the key
+/// straight to a plain-string holder. The waiter, woken by the Redisson release, finds the
+/// plain holder; when that one deletes its key soon after, the waiter hears it and is
+/// granted at once (or within the 100 ms poll), not at the once-a-second safety net.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_plain_holder_after_a_redisson_holder_is_heard_letting_go() {
+    let Some(server) = OwnRedis::start(&["--notify-keyspace-events", "Kg"]) else {
+        return;
+    };
+    let mut conn = admin(&server, 0).await;
+    let name = format!("foreign/{}", Uuid::new_v4().simple());
+    take_as_foreign(&mut conn, &name).await;
+    let locker = Locker::new(RedisBackend::connect(&server.url()).await.unwrap());
+    let waiter = {
+        let (locker, name) = (locker.clone(), name.clone());
+        tokio::spawn(async move {
+            let guard = locker
+                .acquire(name.as_str())
+                .wait(Duration::from_secs(60))
+                .await
+                .expect("granted once the plain holder lets go");
+            let granted = Instant::now();
+            guard.release().await.unwrap();
+            granted
+        })
+    };
+    // The waiter listens to the keyspace channel by now.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(
+        subscribers(&mut conn, &format!("__keyspace@0__:{name}")).await,
+        1
+    );
+    // The plain holder hands over to a Redisson holder (a 60 s hold): the waiter, woken by
+    // the deletion, finds a hash and sleeps on the lock's release channel.
+    let _: () = redis::pipe()
+        .atomic()
+        .cmd("DEL")
+        .arg(&name)
+        .ignore()
+        .cmd("HSET")
+        .arg(&name)
+        .arg("0b5a0c6e-0000-4000-8000-000000000001:1")
+        .arg(1)
+        .ignore()
+        .cmd("PEXPIRE")
+        .arg(&name)
+        .arg(60_000)
+        .ignore()
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    // Redisson releases (DEL, PUBLISH 0) and a plain holder takes the key at once.
+    let _: () = redis::pipe()
+        .atomic()
+        .cmd("DEL")
+        .arg(&name)
+        .ignore()
+        .cmd("SET")
+        .arg(&name)
+        .arg("another-foreign-token")
+        .arg("PX")
+        .arg(60_000)
+        .ignore()
+        .cmd("PUBLISH")
+        .arg(format!("redisson_lock__channel:{{{name}}}"))
+        .arg(0)
+        .ignore()
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    assert!(!waiter.is_finished(), "granted while the plain holder held");
+    let deleted = Instant::now();
+    let _: i64 = redis::cmd("DEL")
+        .arg(&name)
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    let granted = tokio::time::timeout(Duration::from_secs(30), waiter)
+        .await
+        .expect("the waiter is granted")
+        .unwrap();
+    let after = granted.saturating_duration_since(deleted);
+    eprintln!("granted {after:?} after the plain holder's deletion");
+    assert!(
+        after < Duration::from_millis(300),
+        "granted {after:?} after the plain holder's deletion: the waiter slept on to its \
+         once-a-second look"
+    );
+}

@@ -535,13 +535,14 @@ impl ForeignWatch {
     }
 
     /// Records what the wait's last attempt found: a holder in another format or not.
-    pub(crate) fn saw_foreign_holder(&self, foreign: bool) {
-        self.seen.store(foreign, Ordering::Release);
-    }
-
-    /// Whether the key's deletion wakes the waiter (so it need not poll often).
-    pub(crate) fn hears_deletion(&self) -> bool {
-        self.heard.load(Ordering::Acquire)
+    /// Answers whether the key's deletion wakes the waiter from this attempt's answer (so
+    /// it need not poll often): the keyspace subscription is made, and the wake-up armed
+    /// before this attempt heeds it, because the attempt before found a foreign holder
+    /// too. A foreign holder found after a lockkit or Redisson one (whose release woke the
+    /// waiter) is polled as before until the next attempt.
+    pub(crate) fn saw_foreign_holder(&self, foreign: bool) -> bool {
+        let heeded = self.seen.swap(foreign, Ordering::AcqRel);
+        foreign && heeded && self.heard.load(Ordering::Acquire)
     }
 }
 

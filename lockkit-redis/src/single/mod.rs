@@ -488,9 +488,8 @@ impl RedisBackend {
             });
         }
         let watch = turn.as_ref().and_then(|turn| turn.foreign.as_ref());
-        if let Some(watch) = watch {
-            watch.saw_foreign_holder(granted == 0 && depth == 1);
-        }
+        let hears_deletion =
+            watch.is_some_and(|watch| watch.saw_foreign_holder(granted == 0 && depth == 1));
         if granted != 1 {
             let mut left = u64::try_from(value).ok().map(Duration::from_millis);
             if depth == 1 {
@@ -498,7 +497,7 @@ impl RedisBackend {
                 // nothing when it lets go: look again soon instead of sleeping out its TTL,
                 // or, once its deletion wakes the waiter, now and then (a safety net).
                 let poll = match watch {
-                    Some(watch) if watch.hears_deletion() => FOREIGN_HOLDER_POLL_NOTIFIED,
+                    Some(_) if hears_deletion => FOREIGN_HOLDER_POLL_NOTIFIED,
                     Some(_) => {
                         self.probe_keyspace_events();
                         FOREIGN_HOLDER_POLL
