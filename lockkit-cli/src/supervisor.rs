@@ -169,8 +169,9 @@ fn is_stopped(pid: u32) -> bool {
 
 /// Stops what is left of CMD: its `group` and every other process below the supervisor
 /// (`cmd` is CMD's pid): SIGTERM, then SIGKILL if anything is still there after `grace`.
-/// Processes that were stopped (see [`main`]) are continued after the SIGTERM, so that
-/// they can act on it.
+/// Processes that were stopped (by their user, by job control) are continued after the
+/// SIGTERM, so that they can act on it; those stopped because lockkit was are not brought
+/// here (see [`main`]: they are killed).
 pub async fn stop_group(group: Option<Pid>, cmd: Pid, grace: Duration) {
     if !signal_all(group, cmd, Some(Signal::SIGTERM)) {
         return;
@@ -184,6 +185,13 @@ pub async fn stop_group(group: Option<Pid>, cmd: Pid, grace: Duration) {
             return;
         }
     }
+    kill_all(group, cmd).await;
+}
+
+/// Kills what is left of CMD (SIGKILL to `group` and every process below the supervisor)
+/// without letting it run again: the stop of processes stopped while lockkit was, whose
+/// lock may be gone by now.
+async fn kill_all(group: Option<Pid>, cmd: Pid) {
     // A process may still fork while dying: repeat until nothing is left.
     for _ in 0..100 {
         if !signal_all(group, cmd, Some(Signal::SIGKILL)) {
@@ -193,13 +201,26 @@ pub async fn stop_group(group: Option<Pid>, cmd: Pid, grace: Duration) {
     }
 }
 
+/// Ends what is left of CMD: as [`stop_group`] does, or, while CMD's processes are stopped
+/// because lockkit was (`paused`), by SIGKILL, so they never run again without lockkit
+/// saying its lock holds.
+async fn end_all(paused: bool, group: Pid, grace: Duration) {
+    if paused {
+        kill_all(Some(group), group).await;
+    } else {
+        stop_group(Some(group), group, grace).await;
+    }
+}
+
 /// The supervisor: starts CMD in a new process group, passes lockkit's signals on to the
 /// whole group (SIGUSR1 means SIGKILL, to every process below the supervisor), and stops
 /// the group and every other process below it when CMD exits or when lockkit goes away
 /// (the supervisor is re-parented). While lockkit is stopped, every process below the
 /// supervisor is stopped too (SIGSTOP), until lockkit, running again, says its lock still
 /// holds (SIGUSR2, which lockkit sends every 250 ms while it holds, since a tracing stop
-/// ends without SIGCONT; SIGCONT to them). Exits with CMD's exit code (128 + n for a
+/// ends without SIGCONT; SIGCONT to them). Stopped so, they never run again otherwise: a
+/// stop meanwhile (lockkit gone, or lockkit's SIGTERM and then SIGUSR1 when it ran again
+/// without its lock) kills them where they stand. Exits with CMD's exit code (128 + n for a
 /// signal).
 ///
 /// `lockkit` is the pid of the lockkit that started it, passed on its command line: read
@@ -247,7 +268,7 @@ pub async fn main(grace: Duration, lockkit: u32, command: &[String]) -> ExitCode
         tokio::select! {
             status = child.wait() => {
                 // CMD is done: nothing it started may run on after the lock is released.
-                stop_group(Some(group), group, grace).await;
+                end_all(paused, group, grace).await;
                 return ExitCode::from(status.map_or(2, exit_code));
             }
             _ = orphaned.tick() => {
@@ -255,7 +276,7 @@ pub async fn main(grace: Duration, lockkit: u32, command: &[String]) -> ExitCode
                 let _ = descendants(group);
                 if std::os::unix::process::parent_id() != lockkit {
                     // lockkit is gone (even by SIGKILL): so is the lock.
-                    stop_group(Some(group), group, grace).await;
+                    end_all(paused, group, grace).await;
                     let status = child.wait().await;
                     return ExitCode::from(status.map_or(2, exit_code));
                 }
@@ -275,12 +296,10 @@ pub async fn main(grace: Duration, lockkit: u32, command: &[String]) -> ExitCode
             }
             _ = ints.recv() => { signal_group(group, Some(Signal::SIGINT)); }
             _ = terms.recv() => {
+                // While paused, CMD acts on it only once lockkit says its lock holds
+                // (SIGUSR2); otherwise lockkit's SIGUSR1 kills it where it stands: a lock
+                // gone while lockkit was stopped may be another client's by now.
                 signal_group(group, Some(Signal::SIGTERM));
-                if paused {
-                    // lockkit stops CMD for good (its lock is gone): let it act on that.
-                    signal_all(Some(group), group, Some(Signal::SIGCONT));
-                    paused = false;
-                }
             }
             _ = hups.recv() => { signal_group(group, Some(Signal::SIGHUP)); }
             _ = kills.recv() => { signal_all(Some(group), group, Some(Signal::SIGKILL)); }

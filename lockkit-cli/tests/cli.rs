@@ -1628,3 +1628,110 @@ async fn a_command_stopped_while_lockkit_was_traced_runs_again() {
         "CMD was still stopped 10 s after lockkit ran again with its lock held"
     );
 }
+
+/// A lockkit stopped past its lease (Ctrl-Z, then `fg` minutes later) finds its lock gone
+/// when it runs again; CMD, stopped meanwhile, must stay stopped and be killed, not be
+/// continued to act on a SIGTERM: another client holds the lock by then, and a CMD that
+/// finishes its work on SIGTERM (or ignores it, as here) would run beside it for the whole
+/// grace.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_command_stopped_with_lockkit_does_not_run_again_once_the_lock_is_gone() {
+    let Some(redis) = lockkit_conformance::env::service_url("LOCKKIT_TEST_REDIS_URL") else {
+        return;
+    };
+    let dir = dir("stopped-past-lease");
+    let output = format!("{dir}/ticks");
+    let _ = std::fs::remove_file(&output);
+    let key = format!("stopped-past-lease-{}", std::process::id());
+    let script =
+        format!("trap '' TERM; echo ready; while :; do echo x >> {output}; sleep 0.02; done");
+    let mut child = lockkit(
+        &redis,
+        &[
+            "run", "--key", &key, "--ttl", "1s", "--grace", "1s", "--", "sh", "-c", &script,
+        ],
+    )
+    .stdout(Stdio::piped())
+    .spawn()
+    .unwrap();
+    let mut ready = String::new();
+    std::io::BufRead::read_line(
+        &mut std::io::BufReader::new(child.stdout.take().unwrap()),
+        &mut ready,
+    )
+    .unwrap();
+    assert_eq!(ready.trim(), "ready");
+    let lockkit_pid = nix::unistd::Pid::from_raw(i32::try_from(child.id()).unwrap());
+    nix::sys::signal::kill(lockkit_pid, nix::sys::signal::Signal::SIGSTOP).unwrap();
+    tokio::time::sleep(Duration::from_millis(1_500)).await;
+    let other = lockkit::connect(&redis).await.unwrap();
+    let held = other
+        .acquire(key.as_str())
+        .wait(Duration::from_secs(5))
+        .await
+        .expect("the stopped lockkit's lease ran out");
+    let ticks = || std::fs::metadata(&output).map_or(0, |m| m.len());
+    let stopped = ticks();
+    nix::sys::signal::kill(lockkit_pid, nix::sys::signal::Signal::SIGCONT).unwrap();
+    let status = child.wait().unwrap();
+    let after = ticks();
+    held.release().await.unwrap();
+    assert_eq!(status.code(), Some(75), "lockkit resumed without its lock");
+    assert_eq!(
+        stopped,
+        after,
+        "CMD ran {} more ticks after lockkit found its lock gone, while another client held it",
+        (after - stopped) / 2
+    );
+}
+
+/// The same when lockkit dies while stopped (Ctrl-Z, then `kill -9 %1`): its supervisor,
+/// left alone, must not continue CMD, stopped since lockkit was, to act on a SIGTERM; the
+/// lease lockkit stopped renewing may have gone to another client long ago.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_command_stopped_with_lockkit_does_not_run_again_when_lockkit_dies() {
+    let dir = dir("stopped-then-killed");
+    let output = format!("{dir}/ticks");
+    let _ = std::fs::remove_file(&output);
+    let script =
+        format!("trap '' TERM; echo ready; while :; do echo x >> {output}; sleep 0.02; done");
+    let url = format!("file://{dir}");
+    let mut child = lockkit(
+        &url,
+        &[
+            "run", "--key", "k", "--ttl", "30s", "--grace", "1s", "--", "sh", "-c", &script,
+        ],
+    )
+    .stdout(Stdio::piped())
+    .spawn()
+    .unwrap();
+    let mut ready = String::new();
+    std::io::BufRead::read_line(
+        &mut std::io::BufReader::new(child.stdout.take().unwrap()),
+        &mut ready,
+    )
+    .unwrap();
+    assert_eq!(ready.trim(), "ready");
+    let supervisor = *children_of(child.id())
+        .first()
+        .expect("lockkit's supervisor");
+    let lockkit_pid = nix::unistd::Pid::from_raw(i32::try_from(child.id()).unwrap());
+    nix::sys::signal::kill(lockkit_pid, nix::sys::signal::Signal::SIGSTOP).unwrap();
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let ticks = || std::fs::metadata(&output).map_or(0, |m| m.len());
+    let stopped = ticks();
+    child.kill().unwrap();
+    let _ = child.wait();
+    let started = Instant::now();
+    while alive(supervisor) && started.elapsed() < Duration::from_secs(20) {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(!alive(supervisor), "the supervisor outlived lockkit");
+    let after = ticks();
+    assert_eq!(
+        stopped,
+        after,
+        "CMD ran {} more ticks after lockkit, stopped, was killed",
+        (after - stopped) / 2
+    );
+}
