@@ -156,6 +156,11 @@ fn catches(pid: Pid, signal: Signal) -> bool {
     })
 }
 
+/// [`is_stopped`] of a pid as nix has it.
+fn pid_is_stopped(pid: Pid) -> bool {
+    u32::try_from(pid.as_raw()).is_ok_and(is_stopped)
+}
+
 /// Whether process `pid` is stopped (by a signal or a tracer), from `/proc` (Linux; false
 /// where it cannot be told).
 fn is_stopped(pid: u32) -> bool {
@@ -383,21 +388,36 @@ impl Supervised {
     /// debugger) is killed: what ran below it is re-parented to lockkit, for
     /// [`Self::sweep`] to stop. Before, lockkit waited for such a supervisor forever, with
     /// CMD running on without the lock (helper-45's finding 4).
+    ///
+    /// A supervisor found stopped while lockkit waits is killed at once, not after the
+    /// grace: it passes no signal on, so CMD would get its SIGTERM only from the sweep, one
+    /// grace later than the stop began, past the lease.
     pub async fn stop(&mut self, grace: Duration) {
         /// How long a running supervisor takes at most to kill what runs below it.
         const ANSWER: Duration = Duration::from_millis(200);
+        /// How often lockkit looks whether the supervisor is stopped, while it waits.
+        const LOOK: Duration = Duration::from_millis(50);
         self.signal(Signal::SIGTERM);
-        if tokio::time::timeout(grace, self.supervisor.wait())
-            .await
-            .is_ok()
-        {
-            return;
+        let deadline = tokio::time::Instant::now() + grace;
+        let pid = self.pid;
+        let mut answered = false;
+        while !pid_is_stopped(pid) {
+            let until = (tokio::time::Instant::now() + LOOK).min(deadline);
+            if tokio::time::timeout_at(until, self.supervisor.wait())
+                .await
+                .is_ok()
+            {
+                return;
+            }
+            if tokio::time::Instant::now() >= deadline {
+                self.signal(Signal::SIGUSR1);
+                answered = tokio::time::timeout(ANSWER, self.supervisor.wait())
+                    .await
+                    .is_ok();
+                break;
+            }
         }
-        self.signal(Signal::SIGUSR1);
-        if tokio::time::timeout(ANSWER, self.supervisor.wait())
-            .await
-            .is_err()
-        {
+        if !answered {
             self.signal(Signal::SIGKILL);
             let _ = self.supervisor.wait().await;
         }

@@ -1735,3 +1735,80 @@ async fn a_command_stopped_with_lockkit_does_not_run_again_when_lockkit_dies() {
         (after - stopped) / 2
     );
 }
+
+/// The grace of a stop is one `--grace`, also when the supervisor is stopped: lockkit
+/// waited the whole grace (and 200 ms more) for a stopped supervisor before killing it, and
+/// only then began the sweep's own grace, so CMD, which a stopped supervisor passes no
+/// signal to, ran on twice the grace after lockkit began to stop it: past the lease, since
+/// stopping starts at most one grace before it may run out.
+#[tokio::test]
+async fn a_stopped_supervisor_does_not_double_the_grace() {
+    let dir = dir("stopped-supervisor-grace");
+    let pidfile = format!("{dir}/descendant.pid");
+    let _ = std::fs::remove_file(&pidfile);
+    let log = format!("{dir}/lockkit.err");
+    let mut child = lockkit(
+        &format!("file://{dir}"),
+        &[
+            "run",
+            "--key",
+            "k",
+            "--ttl",
+            "3s",
+            "--grace",
+            "1s",
+            "--",
+            "sh",
+            "-c",
+            // The descendant ignores SIGTERM: only the SIGKILL after the grace ends it.
+            "trap '' TERM; echo $$ > $PIDFILE.tmp; mv $PIDFILE.tmp $PIDFILE; exec sleep 45",
+        ],
+    )
+    .env("PIDFILE", &pidfile)
+    .stderr(std::fs::File::create(&log).unwrap())
+    .spawn()
+    .unwrap();
+    let started = Instant::now();
+    let descendant = loop {
+        if let Ok(text) = std::fs::read_to_string(&pidfile)
+            && let Ok(pid) = text.trim().parse::<i32>()
+        {
+            break pid;
+        }
+        assert!(started.elapsed() < Duration::from_secs(20), "no CMD");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    let _cleanup = KillOnDrop(descendant);
+    let supervisor = *children_of(child.id())
+        .first()
+        .expect("lockkit's supervisor");
+    let _continue_it = KillOnDrop(supervisor);
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(supervisor),
+        nix::sys::signal::Signal::SIGSTOP,
+    )
+    .unwrap();
+    take_away_when_held(&dir).await;
+    // lockkit begins to stop CMD when its watchdog finds the lock gone (within a renewal):
+    // its stderr line says when.
+    let started = Instant::now();
+    let mut stopping = None;
+    while alive(descendant) && started.elapsed() < Duration::from_secs(20) {
+        if stopping.is_none()
+            && std::fs::read_to_string(&log).is_ok_and(|text| text.contains("stopping"))
+        {
+            stopping = Some(Instant::now());
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let took = stopping
+        .expect("lockkit said it was stopping CMD")
+        .elapsed();
+    let status = child.wait().unwrap();
+    eprintln!("CMD gone {took:?} after lockkit began to stop it");
+    assert_eq!(status.code(), Some(75));
+    assert!(
+        took < Duration::from_millis(1_500),
+        "CMD ran {took:?} after lockkit began to stop it, with a 1 s grace"
+    );
+}
