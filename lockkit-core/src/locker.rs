@@ -901,7 +901,8 @@ impl Drop for GiveBackOnDrop {
 /// attempt may still have taken on the server, in the background: nobody will release it,
 /// and it would keep the key for its whole lease. The release names the attempt, so it
 /// takes back only a hold this attempt added (never an outer hold of the same owner), and
-/// changes nothing where the attempt took nothing.
+/// changes nothing where the attempt took nothing; so it is sent again after a retryable
+/// failure, until the attempt's lease would have run out.
 fn give_back_attempt(
     backend: &Arc<dyn LockBackend>,
     request: &AcquireRequest,
@@ -916,9 +917,31 @@ fn give_back_attempt(
             tokio::time::Instant::now(),
         ),
     );
+    // A give-back that failed retryably (its line given up as silent, whose abort drops
+    // what it still held) is sent again until the attempt's lease would have run out: the
+    // attempt may have landed, and nobody else gives it back.
+    let until = tokio::time::Instant::now()
+        .checked_add(request.ttl)
+        .unwrap_or_else(|| tokio::time::Instant::now() + WAIT_FOREVER);
     runtime.spawn(async move {
-        if let Ok(released) = backend.release(&unknown).await {
-            tracing::debug!(key = %unknown.key, ?released, "gave back what a failed attempt took");
+        let mut backoff =
+            Backoff::new(Duration::from_millis(100), Duration::from_secs(2));
+        loop {
+            match backend.release(&unknown).await {
+                Ok(released) => {
+                    tracing::debug!(key = %unknown.key, ?released, "gave back what a failed attempt took");
+                    return;
+                }
+                Err(error) if error.is_retryable() => {
+                    let next = tokio::time::Instant::now() + backoff.next_delay();
+                    if next >= until {
+                        return;
+                    }
+                    tracing::debug!(key = %unknown.key, %error, "giving back what a failed attempt took; again");
+                    tokio::time::sleep_until(next).await;
+                }
+                Err(_) => return,
+            }
         }
     });
 }
