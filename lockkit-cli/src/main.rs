@@ -850,7 +850,7 @@ async fn supervise(
             });
         let why = tokio::select! {
             code = cmd.wait() => {
-                cmd.sweep(grace).await;
+                cmd.sweep(sweep_grace(guard, grace)).await;
                 return ExitCode::from(code);
             }
             reason = &mut lost => format!("lost `{key}` ({reason})"),
@@ -888,7 +888,17 @@ async fn supervise(
         };
         eprintln!("lockkit: {why}; stopping `{program}` and everything it started");
         cmd.stop(grace).await;
-        cmd.sweep(grace).await;
+        cmd.sweep(sweep_grace(guard, grace)).await;
         return ExitCode::from(LOST_EXIT);
     }
+}
+
+/// How long what the sweep finds below lockkit may take to stop after its SIGTERM: `grace`,
+/// but no longer than the lock still holds; `None` once it holds no more (the sweep then
+/// kills at once: processes stopped while lockkit was must not run again without the lock).
+fn sweep_grace(guard: &LockGuard, grace: Duration) -> Option<Duration> {
+    let left = guard
+        .valid_until()?
+        .checked_duration_since(tokio::time::Instant::now())?;
+    (!left.is_zero()).then(|| left.min(grace))
 }

@@ -375,12 +375,17 @@ impl Supervised {
     }
 
     /// Once the supervisor has exited: stops whatever still runs below lockkit (SIGTERM,
-    /// SIGKILL after `grace`). Nothing, when the supervisor ended as it should (it stops
-    /// everything of CMD's first); CMD and what it started, when the supervisor was killed
-    /// on its own (lockkit is a child subreaper, so they were re-parented to it), which
-    /// would otherwise run on without the lock.
-    pub async fn sweep(&self, grace: Duration) {
-        stop_group(None, self.pid, grace).await;
+    /// SIGKILL after `grace`; with no `grace`, the lock being gone, SIGKILL at once and
+    /// nothing continued: a process stopped because lockkit was must not run again). Nothing,
+    /// when the supervisor ended as it should (it stops everything of CMD's first); CMD and
+    /// what it started, when the supervisor was killed on its own (lockkit is a child
+    /// subreaper, so they were re-parented to it), which would otherwise run on without the
+    /// lock.
+    pub async fn sweep(&self, grace: Option<Duration>) {
+        match grace {
+            Some(grace) => stop_group(None, self.pid, grace).await,
+            None => kill_all(None, self.pid).await,
+        }
     }
 
     /// Stops CMD's whole group: SIGTERM, SIGKILL after `grace`; returns when the supervisor

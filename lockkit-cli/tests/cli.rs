@@ -1812,3 +1812,66 @@ async fn a_stopped_supervisor_does_not_double_the_grace() {
         "CMD ran {took:?} after lockkit began to stop it, with a 1 s grace"
     );
 }
+
+/// The supervisor alone killed (SIGKILL) while CMD is stopped because lockkit was, and
+/// lockkit running again only past its lease, with another client holding the lock: lockkit
+/// sweeps what was re-parented to it, and its sweep continued CMD (SIGCONT after SIGTERM),
+/// which ran for the whole grace beside the new holder (helper-47's open item). Now a sweep
+/// with the lock gone kills at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sweep_with_the_lock_gone_does_not_continue_a_stopped_command() {
+    let dir = dir("swept-stopped");
+    let output = format!("{dir}/ticks");
+    let _ = std::fs::remove_file(&output);
+    let script =
+        format!("trap '' TERM; echo ready; while :; do echo x >> {output}; sleep 0.02; done");
+    let url = format!("file://{dir}");
+    let mut child = lockkit(
+        &url,
+        &[
+            "run", "--key", "k", "--ttl", "1s", "--grace", "1s", "--", "sh", "-c", &script,
+        ],
+    )
+    .stdout(Stdio::piped())
+    .spawn()
+    .unwrap();
+    let mut ready = String::new();
+    std::io::BufRead::read_line(
+        &mut std::io::BufReader::new(child.stdout.take().unwrap()),
+        &mut ready,
+    )
+    .unwrap();
+    assert_eq!(ready.trim(), "ready");
+    let supervisor = *children_of(child.id())
+        .first()
+        .expect("lockkit's supervisor");
+    let lockkit_pid = nix::unistd::Pid::from_raw(i32::try_from(child.id()).unwrap());
+    nix::sys::signal::kill(lockkit_pid, nix::sys::signal::Signal::SIGSTOP).unwrap();
+    // The supervisor stops CMD within 100 ms; then it is killed on its own.
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(supervisor),
+        nix::sys::signal::Signal::SIGKILL,
+    )
+    .unwrap();
+    // Past the 1 s lease: another client takes the lock.
+    tokio::time::sleep(Duration::from_millis(1_200)).await;
+    let other = Locker::new(FileBackend::open(&dir).unwrap());
+    let held = other
+        .acquire("k")
+        .wait(Duration::from_secs(5))
+        .await
+        .expect("the stopped lockkit's lease ran out");
+    let ticks = || std::fs::metadata(&output).map_or(0, |m| m.len());
+    let stopped = ticks();
+    nix::sys::signal::kill(lockkit_pid, nix::sys::signal::Signal::SIGCONT).unwrap();
+    let _ = child.wait().unwrap();
+    let after = ticks();
+    held.release().await.unwrap();
+    assert_eq!(
+        stopped,
+        after,
+        "CMD ran {} more ticks after lockkit swept it with the lock gone",
+        (after - stopped) / 2
+    );
+}
