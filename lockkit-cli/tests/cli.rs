@@ -22,6 +22,19 @@ fn lockkit(url: &str, args: &[&str]) -> Command {
     cmd
 }
 
+/// `lockkit <args>` on `url`, returned once CMD has printed its first line, `ready`.
+fn run_until_ready(url: &str, args: &[&str]) -> std::process::Child {
+    let mut child = lockkit(url, args).stdout(Stdio::piped()).spawn().unwrap();
+    let mut ready = String::new();
+    std::io::BufRead::read_line(
+        &mut std::io::BufReader::new(child.stdout.take().unwrap()),
+        &mut ready,
+    )
+    .unwrap();
+    assert_eq!(ready.trim(), "ready");
+    child
+}
+
 /// Waits until `lockkit run` holds `k` in `dir`, then takes the lock away as an operator
 /// would; returns when the wait began.
 async fn take_away_when_held(dir: &str) -> Instant {
@@ -1451,22 +1464,12 @@ async fn a_stopped_lockkit_does_not_leave_its_command_running() {
     let _ = std::fs::remove_file(&output);
     let key = format!("stopped-{}", std::process::id());
     let script = format!("echo ready; while :; do echo x >> {output}; sleep 0.02; done");
-    let mut child = lockkit(
+    let mut child = run_until_ready(
         &redis,
         &[
             "run", "--key", &key, "--ttl", "1s", "--grace", "1s", "--", "sh", "-c", &script,
         ],
-    )
-    .stdout(Stdio::piped())
-    .spawn()
-    .unwrap();
-    let mut ready = String::new();
-    std::io::BufRead::read_line(
-        &mut std::io::BufReader::new(child.stdout.take().unwrap()),
-        &mut ready,
-    )
-    .unwrap();
-    assert_eq!(ready.trim(), "ready");
+    );
     let lockkit_pid = nix::unistd::Pid::from_raw(i32::try_from(child.id()).unwrap());
     nix::sys::signal::kill(lockkit_pid, nix::sys::signal::Signal::SIGSTOP).unwrap();
     // Past the 1 s lease: another client takes the lock.
@@ -1507,21 +1510,12 @@ async fn a_lockkit_stopped_briefly_lets_its_command_continue() {
     let key = format!("stopped-briefly-{}", std::process::id());
     let script =
         format!("echo ready; for i in $(seq 100); do echo x >> {output}; sleep 0.02; done");
-    let mut child = lockkit(
+    let mut child = run_until_ready(
         &redis,
         &[
             "run", "--key", &key, "--ttl", "6s", "--grace", "1s", "--", "sh", "-c", &script,
         ],
-    )
-    .stdout(Stdio::piped())
-    .spawn()
-    .unwrap();
-    let mut ready = String::new();
-    std::io::BufRead::read_line(
-        &mut std::io::BufReader::new(child.stdout.take().unwrap()),
-        &mut ready,
-    )
-    .unwrap();
+    );
     let lockkit_pid = nix::unistd::Pid::from_raw(i32::try_from(child.id()).unwrap());
     nix::sys::signal::kill(lockkit_pid, nix::sys::signal::Signal::SIGSTOP).unwrap();
     tokio::time::sleep(Duration::from_millis(300)).await;
@@ -1587,22 +1581,12 @@ async fn a_command_stopped_while_lockkit_was_traced_runs_again() {
     let _ = std::fs::remove_file(&output);
     let script = format!("echo ready; while :; do echo x >> {output}; sleep 0.02; done");
     let url = format!("file://{dir}");
-    let mut child = lockkit(
+    let mut child = run_until_ready(
         &url,
         &[
             "run", "--key", "k", "--ttl", "30s", "--grace", "1s", "--", "sh", "-c", &script,
         ],
-    )
-    .stdout(Stdio::piped())
-    .spawn()
-    .unwrap();
-    let mut ready = String::new();
-    std::io::BufRead::read_line(
-        &mut std::io::BufReader::new(child.stdout.take().unwrap()),
-        &mut ready,
-    )
-    .unwrap();
-    assert_eq!(ready.trim(), "ready");
+    );
     let lockkit_pid = nix::unistd::Pid::from_raw(i32::try_from(child.id()).unwrap());
     let ticks = || std::fs::metadata(&output).map_or(0, |m| m.len());
     ptrace::attach(lockkit_pid).expect("ptrace attaches lockkit (root)");
@@ -1645,22 +1629,12 @@ async fn a_command_stopped_with_lockkit_does_not_run_again_once_the_lock_is_gone
     let key = format!("stopped-past-lease-{}", std::process::id());
     let script =
         format!("trap '' TERM; echo ready; while :; do echo x >> {output}; sleep 0.02; done");
-    let mut child = lockkit(
+    let mut child = run_until_ready(
         &redis,
         &[
             "run", "--key", &key, "--ttl", "1s", "--grace", "1s", "--", "sh", "-c", &script,
         ],
-    )
-    .stdout(Stdio::piped())
-    .spawn()
-    .unwrap();
-    let mut ready = String::new();
-    std::io::BufRead::read_line(
-        &mut std::io::BufReader::new(child.stdout.take().unwrap()),
-        &mut ready,
-    )
-    .unwrap();
-    assert_eq!(ready.trim(), "ready");
+    );
     let lockkit_pid = nix::unistd::Pid::from_raw(i32::try_from(child.id()).unwrap());
     nix::sys::signal::kill(lockkit_pid, nix::sys::signal::Signal::SIGSTOP).unwrap();
     tokio::time::sleep(Duration::from_millis(1_500)).await;
@@ -1696,22 +1670,12 @@ async fn a_command_stopped_with_lockkit_does_not_run_again_when_lockkit_dies() {
     let script =
         format!("trap '' TERM; echo ready; while :; do echo x >> {output}; sleep 0.02; done");
     let url = format!("file://{dir}");
-    let mut child = lockkit(
+    let mut child = run_until_ready(
         &url,
         &[
             "run", "--key", "k", "--ttl", "30s", "--grace", "1s", "--", "sh", "-c", &script,
         ],
-    )
-    .stdout(Stdio::piped())
-    .spawn()
-    .unwrap();
-    let mut ready = String::new();
-    std::io::BufRead::read_line(
-        &mut std::io::BufReader::new(child.stdout.take().unwrap()),
-        &mut ready,
-    )
-    .unwrap();
-    assert_eq!(ready.trim(), "ready");
+    );
     let supervisor = *children_of(child.id())
         .first()
         .expect("lockkit's supervisor");
@@ -1826,22 +1790,12 @@ async fn a_sweep_with_the_lock_gone_does_not_continue_a_stopped_command() {
     let script =
         format!("trap '' TERM; echo ready; while :; do echo x >> {output}; sleep 0.02; done");
     let url = format!("file://{dir}");
-    let mut child = lockkit(
+    let mut child = run_until_ready(
         &url,
         &[
             "run", "--key", "k", "--ttl", "1s", "--grace", "1s", "--", "sh", "-c", &script,
         ],
-    )
-    .stdout(Stdio::piped())
-    .spawn()
-    .unwrap();
-    let mut ready = String::new();
-    std::io::BufRead::read_line(
-        &mut std::io::BufReader::new(child.stdout.take().unwrap()),
-        &mut ready,
-    )
-    .unwrap();
-    assert_eq!(ready.trim(), "ready");
+    );
     let supervisor = *children_of(child.id())
         .first()
         .expect("lockkit's supervisor");
