@@ -59,6 +59,26 @@ async fn take_as_foreign(conn: &mut MultiplexedConnection, name: &str) {
     assert_eq!(set.as_deref(), Some("OK"));
 }
 
+/// A task that waits (60 s at most) for `name` through `locker`, releases it at once, and
+/// answers when it was granted; `why` says what the grant means.
+fn spawn_waiter(
+    locker: &Locker,
+    name: &str,
+    why: &'static str,
+) -> tokio::task::JoinHandle<Instant> {
+    let (locker, name) = (locker.clone(), name.to_owned());
+    tokio::spawn(async move {
+        let guard = locker
+            .acquire(name.as_str())
+            .wait(Duration::from_secs(60))
+            .await
+            .expect(why);
+        let granted = Instant::now();
+        guard.release().await.unwrap();
+        granted
+    })
+}
+
 /// Waits behind a foreign holder for `hold`, then deletes its key; answers the keyspace
 /// channel's subscribers seen during the hold, the acquire scripts run during it, and how
 /// long after the deletion the waiter was granted.
@@ -73,19 +93,7 @@ async fn wait_behind_a_foreign_holder(
     let channel = format!("__keyspace@{db}__:{name}");
     take_as_foreign(&mut conn, &name).await;
     let locker = Locker::new(RedisBackend::connect(&format!("{url}/{db}")).await.unwrap());
-    let waiter = {
-        let (locker, name) = (locker.clone(), name.clone());
-        tokio::spawn(async move {
-            let guard = locker
-                .acquire(name.as_str())
-                .wait(Duration::from_secs(60))
-                .await
-                .expect("granted once the foreign holder lets go");
-            let granted = Instant::now();
-            guard.release().await.unwrap();
-            granted
-        })
-    };
+    let waiter = spawn_waiter(&locker, &name, "granted once the foreign holder lets go");
     // The first attempts (and, where the server sends them, the keyspace subscription).
     tokio::time::sleep(Duration::from_millis(500)).await;
     let listening = subscribers(&mut conn, &channel).await;
@@ -303,19 +311,7 @@ async fn a_plain_holder_after_a_redisson_holder_is_heard_letting_go() {
     let name = format!("foreign/{}", Uuid::new_v4().simple());
     take_as_foreign(&mut conn, &name).await;
     let locker = Locker::new(RedisBackend::connect(&server.url()).await.unwrap());
-    let waiter = {
-        let (locker, name) = (locker.clone(), name.clone());
-        tokio::spawn(async move {
-            let guard = locker
-                .acquire(name.as_str())
-                .wait(Duration::from_secs(60))
-                .await
-                .expect("granted once the plain holder lets go");
-            let granted = Instant::now();
-            guard.release().await.unwrap();
-            granted
-        })
-    };
+    let waiter = spawn_waiter(&locker, &name, "granted once the plain holder lets go");
     // The waiter listens to the keyspace channel by now.
     tokio::time::sleep(Duration::from_millis(500)).await;
     assert_eq!(
