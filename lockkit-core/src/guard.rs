@@ -31,10 +31,51 @@ fn retry_delay(period: Duration) -> Duration {
 struct Lease {
     /// The TTL used for renewals (changed by `extend`).
     ttl: Duration,
-    /// Local deadline: past it, the hold counts as lost.
+    /// Local deadline on the monotonic clock, as of `suspended_at`: past [`Lease::until`],
+    /// the hold counts as lost.
     valid_until: Instant,
+    /// The machine's suspended time ([`crate::suspend::suspended`]) when `valid_until` was
+    /// counted: the monotonic clock stands still while the machine is suspended, the
+    /// server's lease does not.
+    suspended_at: Duration,
     /// The backend reported the lock fully released.
     released: bool,
+}
+
+impl Lease {
+    /// The local deadline, moved earlier by the time the machine spent suspended since it
+    /// was counted.
+    fn until(&self) -> Instant {
+        self.until_as_of(crate::suspend::suspended())
+    }
+
+    /// The local deadline as it stands when the machine's suspended time is `suspended`.
+    fn until_as_of(&self, suspended: Duration) -> Instant {
+        let slept = suspended.saturating_sub(self.suspended_at);
+        if slept.is_zero() {
+            return self.valid_until;
+        }
+        // Past the clock's earliest instant: long over.
+        self.valid_until
+            .checked_sub(slept)
+            .unwrap_or_else(|| self.valid_until.min(Instant::now()))
+    }
+
+    /// Moves the deadline to `until`, counted when the machine's suspended time was
+    /// `suspended_at`, unless what is left of the current one is later: a renewal or a
+    /// re-entry never shortens the lease.
+    fn extend_to(&mut self, until: Instant, suspended_at: Duration) {
+        let current = self.until_as_of(suspended_at);
+        self.valid_until = current.max(until);
+        self.suspended_at = suspended_at;
+    }
+
+    /// Sets the deadline to `until`, counted when the machine's suspended time was
+    /// `suspended_at` (an extension, which may shorten it).
+    fn set(&mut self, until: Instant, suspended_at: Duration) {
+        self.valid_until = until;
+        self.suspended_at = suspended_at;
+    }
 }
 
 /// What all guards of one owner's hold on one key share: the lease, the loss signal and
@@ -127,8 +168,8 @@ impl HoldShared {
     /// backend last heard from the server ([`LockBackend::validity_bound`]).
     fn believed_until(&self, lease: &Lease) -> Instant {
         match self.backend.validity_bound(&self.grant) {
-            Some(bound) => lease.valid_until.min(bound),
-            None => lease.valid_until,
+            Some(bound) => lease.until().min(bound),
+            None => lease.until(),
         }
     }
 
@@ -177,9 +218,12 @@ impl Hold {
         options: LockOptions,
         runtime: &tokio::runtime::Handle,
     ) -> Arc<Hold> {
+        // The suspended time now, not at `lease_start`: a suspend during the acquisition's
+        // round trip is not counted (the next renewal counts from its own start).
         let lease = Lease {
             ttl: grant.ttl,
             valid_until: grant.lease_start + local_validity(grant.ttl),
+            suspended_at: crate::suspend::suspended(),
             released: false,
         };
         let scheme = backend.info().scheme;
@@ -235,9 +279,7 @@ impl Hold {
         self.shared.asked_for(grant.ttl);
         let mut lease = self.shared.lease();
         let reentrant_until = grant.lease_start + local_validity(grant.ttl);
-        if reentrant_until > lease.valid_until {
-            lease.valid_until = reentrant_until;
-        }
+        lease.extend_to(reentrant_until, crate::suspend::suspended());
     }
 
     /// Whether no guard is on this hold any more (all released or dropped, or their
@@ -263,7 +305,7 @@ fn defer_keeper(shared: &Arc<HoldShared>, runtime: &tokio::runtime::Handle) -> b
         return false;
     }
     // What the keeper first waits for, as `keep` computes it.
-    let valid_until = shared.lease().valid_until;
+    let valid_until = shared.lease().until();
     let due = if shared.options.watchdog {
         (shared.grant.lease_start + shared.options.renew_period()).min(valid_until)
     } else {
@@ -323,7 +365,7 @@ async fn keep(shared: Arc<HoldShared>) {
     loop {
         let (valid_until, released) = {
             let lease = shared.lease();
-            (lease.valid_until, lease.released)
+            (lease.until(), lease.released)
         };
         if released {
             return;
@@ -349,7 +391,7 @@ async fn keep(shared: Arc<HoldShared>) {
             _ = tokio::time::sleep_until(wake) => {}
         }
         let now = Instant::now();
-        if now >= shared.lease().valid_until {
+        if now >= shared.lease().until() {
             shared.loss.fire(LostReason::LeaseExpired);
             report_loss(&shared);
             return;
@@ -367,7 +409,7 @@ async fn keep(shared: Arc<HoldShared>) {
         // slow server, or a release future its caller polled once and keeps without polling.
         // The hold cannot be said held past its local lease meanwhile, so the wait for
         // `op` ends there, with the loss signal.
-        let valid_until = shared.lease().valid_until;
+        let valid_until = shared.lease().until();
         let _op = tokio::select! {
             biased;
             op = shared.op.lock() => op,
@@ -384,6 +426,7 @@ async fn keep(shared: Arc<HoldShared>) {
             return;
         }
         let start = Instant::now();
+        let suspended_at_start = crate::suspend::suspended();
         // The lease's TTL as it is now, under `op`: an `extend` that held `op` while this
         // renewal fell due set a new one, and renewing with the TTL read before it cut the
         // extended lease short (helper-35's review).
@@ -396,7 +439,7 @@ async fn keep(shared: Arc<HoldShared>) {
             next_renew = None;
             continue;
         }
-        let budget = shared.lease().valid_until.saturating_duration_since(start);
+        let budget = shared.lease().until().saturating_duration_since(start);
         let span = tracing::debug_span!(
             "lockkit.renew",
             key = %shared.grant.key,
@@ -421,7 +464,7 @@ async fn keep(shared: Arc<HoldShared>) {
             Ok(Ok(())) => {
                 let mut lease = shared.lease();
                 // Never earlier than it was: a renewal never shortens the server's lease.
-                lease.valid_until = lease.valid_until.max(start + local_validity(renew_ttl));
+                lease.extend_to(start + local_validity(renew_ttl), suspended_at_start);
                 next_renew = if renew_ttl < ttl {
                     None // capped by max_hold: this was the last renewal
                 } else {
@@ -445,7 +488,7 @@ async fn keep(shared: Arc<HoldShared>) {
                 // came after a shorter extended lease had run out (helper-35's review).
                 let (ttl, valid_until) = {
                     let lease = shared.lease();
-                    (lease.ttl, lease.valid_until)
+                    (lease.ttl, lease.until())
                 };
                 let now = Instant::now();
                 let left = valid_until.saturating_duration_since(now);
@@ -674,7 +717,7 @@ impl LockGuard {
     /// 2/3 of its timeout).
     pub fn valid_until(&self) -> Option<Instant> {
         if self.is_valid() {
-            Some(self.shared().lease().valid_until)
+            Some(self.shared().lease().until())
         } else {
             None
         }
@@ -701,6 +744,7 @@ impl LockGuard {
             return Err(shared.lost_error(reason));
         }
         let start = Instant::now();
+        let suspended_at_start = crate::suspend::suspended();
         // Before the request: once sent, the server may keep the hold this long.
         shared.asked_for(ttl);
         let extended = crate::backend::answered_within(
@@ -713,7 +757,7 @@ impl LockGuard {
             Ok(()) => {
                 let mut lease = shared.lease();
                 lease.ttl = ttl;
-                lease.valid_until = start + local_validity(ttl);
+                lease.set(start + local_validity(ttl), suspended_at_start);
                 drop(lease);
                 // The keeper must count its next renewal from this TTL: start it now if it
                 // was waiting for the old one.
@@ -870,5 +914,64 @@ impl Drop for LockGuard {
 impl From<&LockGuard> for FencingToken {
     fn from(guard: &LockGuard) -> Self {
         guard.token()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{Locker, MemoryBackend};
+
+    /// A machine suspended past a hold's lease (a laptop's lid closed, a VM suspended): the
+    /// monotonic clock stood still meanwhile, the server's lease did not. Before, the guard
+    /// still called itself valid, for as long as it had left before the suspend; now it is
+    /// invalid at once, and its deadline is in the past.
+    #[tokio::test]
+    async fn a_suspend_past_the_lease_ends_the_guards_belief() {
+        let locker = Locker::new(MemoryBackend::new());
+        let guard = locker
+            .acquire("suspend")
+            .ttl(Duration::from_secs(30))
+            .await
+            .expect("granted");
+        assert!(guard.is_valid());
+        crate::suspend::pretend_suspended(Duration::from_secs(40));
+        assert!(
+            !guard.is_valid(),
+            "the guard still calls itself valid after a 40 s suspend with a 30 s lease"
+        );
+        assert_eq!(guard.valid_until(), None);
+        assert!(guard.lost_at().is_some());
+    }
+
+    /// A shorter suspend moves the deadline earlier by the time suspended, and a renewal
+    /// (here an extension) counts afresh from its own start.
+    #[tokio::test]
+    async fn a_short_suspend_shortens_what_is_left_and_a_renewal_counts_afresh() {
+        let locker = Locker::new(MemoryBackend::new());
+        let guard = locker
+            .acquire("suspend-short")
+            .ttl(Duration::from_secs(30))
+            .await
+            .expect("granted");
+        let before = guard.valid_until().expect("valid");
+        crate::suspend::pretend_suspended(Duration::from_secs(10));
+        let after = guard.valid_until().expect("still valid");
+        let moved = before.saturating_duration_since(after);
+        assert!(
+            // The two readings of the clocks differ by their jitter (microseconds).
+            moved > Duration::from_millis(9_900) && moved < Duration::from_millis(10_100),
+            "moved by {moved:?}"
+        );
+        guard
+            .extend(Duration::from_secs(30))
+            .await
+            .expect("extended");
+        let renewed = guard.valid_until().expect("valid");
+        assert!(
+            renewed.saturating_duration_since(Instant::now()) > Duration::from_secs(25),
+            "the extension counts from its own start"
+        );
+        guard.release().await.expect("released");
     }
 }

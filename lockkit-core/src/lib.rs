@@ -41,6 +41,7 @@ mod owner;
 mod recent_loss;
 mod rules;
 pub mod spi;
+mod suspend;
 pub mod telemetry;
 mod wait;
 

@@ -1,0 +1,83 @@
+//! Time the machine spent suspended, which the monotonic clock does not count.
+//!
+//! Leases are timed on the monotonic clock (`tokio::time::Instant`, `CLOCK_MONOTONIC` on
+//! Linux), which stands still while the machine is suspended (a laptop's lid closed, a VM
+//! suspended to disk), while the server's lease runs on: after the resume a guard would call
+//! itself valid for as long as it had left before, its server-side lease long gone.
+//! `CLOCK_BOOTTIME` goes on counting through a suspend; the difference between the two
+//! clocks grows by exactly the time suspended, and each lease deadline is moved earlier by
+//! the growth since it was set.
+
+use std::time::Duration;
+
+/// How long the machine has spent suspended since it booted: `CLOCK_BOOTTIME` minus
+/// `CLOCK_MONOTONIC` (Linux and Android); zero where that cannot be told. Only its growth
+/// means anything.
+pub(crate) fn suspended() -> Duration {
+    let measured = measure();
+    #[cfg(test)]
+    let measured = measured + PRETENDED.with(std::cell::Cell::get);
+    measured
+}
+
+#[cfg(any(target_os = "linux", target_os = "android"))]
+fn measure() -> Duration {
+    use rustix::time::{ClockId, clock_gettime};
+    let read = |id| {
+        let t = clock_gettime(id);
+        Duration::new(
+            u64::try_from(t.tv_sec).unwrap_or(0),
+            u32::try_from(t.tv_nsec).unwrap_or(0),
+        )
+    };
+    // The two readings are a few hundred nanoseconds apart, or more when the thread is
+    // preempted between them: read until a pair brackets the boot-time reading closely,
+    // so the difference does not grow by a preemption.
+    let mut best: Option<(Duration, Duration)> = None;
+    for _ in 0..4 {
+        let before = read(ClockId::Monotonic);
+        let boot = read(ClockId::Boottime);
+        let after = read(ClockId::Monotonic);
+        let spread = after.saturating_sub(before);
+        let gap = boot.saturating_sub(before);
+        if best.is_none_or(|(best_spread, _)| spread < best_spread) {
+            best = Some((spread, gap));
+        }
+        if spread < Duration::from_micros(50) {
+            break;
+        }
+    }
+    best.map_or(Duration::ZERO, |(_, gap)| gap)
+}
+
+#[cfg(not(any(target_os = "linux", target_os = "android")))]
+fn measure() -> Duration {
+    Duration::ZERO
+}
+
+#[cfg(test)]
+thread_local! {
+    /// Suspended time the tests pretend (per thread: a current-thread runtime's guards
+    /// and keepers run on the test's own thread).
+    static PRETENDED: std::cell::Cell<Duration> = const { std::cell::Cell::new(Duration::ZERO) };
+}
+
+/// Pretends, on this thread, that the machine was suspended for `time` more (tests).
+#[cfg(test)]
+pub(crate) fn pretend_suspended(time: Duration) {
+    PRETENDED.with(|pretended| pretended.set(pretended.get() + time));
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_suspended_time_does_not_grow_while_the_machine_runs() {
+        let first = suspended();
+        std::thread::sleep(Duration::from_millis(50));
+        let grown = suspended().saturating_sub(first);
+        // The readings' jitter only (a preempted read at worst), never the 50 ms slept.
+        assert!(grown < Duration::from_millis(20), "grew by {grown:?}");
+    }
+}
