@@ -51,23 +51,20 @@ impl Lease {
 
     /// The local deadline as it stands when the machine's suspended time is `suspended`.
     fn until_as_of(&self, suspended: Duration) -> Instant {
-        let slept = suspended.saturating_sub(self.suspended_at);
-        if slept.is_zero() {
-            return self.valid_until;
-        }
-        // Past the clock's earliest instant: long over.
-        self.valid_until
-            .checked_sub(slept)
-            .unwrap_or_else(|| self.valid_until.min(Instant::now()))
+        moved_by_suspend(self.valid_until, self.suspended_at, suspended)
     }
 
     /// Moves the deadline to `until`, counted when the machine's suspended time was
     /// `suspended_at`, unless what is left of the current one is later: a renewal or a
-    /// re-entry never shortens the lease.
+    /// re-entry never shortens the lease. Both are compared as of the later of the two
+    /// counts, so a renewal that began before a suspend (and counts it) does not take it off
+    /// a deadline counted after the resume again.
     fn extend_to(&mut self, until: Instant, suspended_at: Duration) {
-        let current = self.until_as_of(suspended_at);
-        self.valid_until = current.max(until);
-        self.suspended_at = suspended_at;
+        let as_of = self.suspended_at.max(suspended_at);
+        let current = self.until_as_of(as_of);
+        let new = moved_by_suspend(until, suspended_at, as_of);
+        self.valid_until = current.max(new);
+        self.suspended_at = as_of;
     }
 
     /// Sets the deadline to `until`, counted when the machine's suspended time was
@@ -76,6 +73,20 @@ impl Lease {
         self.valid_until = until;
         self.suspended_at = suspended_at;
     }
+}
+
+/// `deadline`, counted when the machine's suspended time was `counted_at`, as it stands
+/// when it is `now_at`: earlier by the time suspended in between (never later, whatever
+/// order the two readings come in).
+fn moved_by_suspend(deadline: Instant, counted_at: Duration, now_at: Duration) -> Instant {
+    let slept = now_at.saturating_sub(counted_at);
+    if slept.is_zero() {
+        return deadline;
+    }
+    // Past the clock's earliest instant: long over.
+    deadline
+        .checked_sub(slept)
+        .unwrap_or_else(|| deadline.min(Instant::now()))
 }
 
 /// What all guards of one owner's hold on one key share: the lease, the loss signal and
@@ -942,6 +953,34 @@ mod tests {
         );
         assert_eq!(guard.valid_until(), None);
         assert!(guard.lost_at().is_some());
+    }
+
+    /// A renewal that began before a suspend and was answered after it, while a re-entry
+    /// counted after the resume had moved the deadline: the renewal's deadline is the older
+    /// count, and must not take the suspend off the re-entry's again.
+    #[test]
+    fn a_renewal_counted_before_a_suspend_does_not_shorten_a_later_count() {
+        let now = Instant::now();
+        let mut lease = Lease {
+            ttl: Duration::from_secs(30),
+            // The re-entry's deadline, counted after a 20 s suspend (baseline 50 s).
+            valid_until: now + Duration::from_secs(30),
+            suspended_at: Duration::from_secs(50),
+            released: false,
+        };
+        // The renewal began at baseline 30 s, before the suspend: its deadline has had
+        // the 20 s taken off since, and is earlier than what is left.
+        lease.extend_to(now + Duration::from_secs(5), Duration::from_secs(30));
+        assert_eq!(
+            lease.until_as_of(Duration::from_secs(50)),
+            now + Duration::from_secs(30),
+            "the renewal shortened what was left"
+        );
+        // A suspend after both still counts once.
+        assert_eq!(
+            lease.until_as_of(Duration::from_secs(52)),
+            now + Duration::from_secs(28)
+        );
     }
 
     /// A shorter suspend moves the deadline earlier by the time suspended, and a renewal
