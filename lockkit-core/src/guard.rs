@@ -983,6 +983,63 @@ mod tests {
         );
     }
 
+    /// A backend whose holds live as long as a session it last heard from at `heard`, as
+    /// ZooKeeper's and etcd's do: it bounds them at 2/3 of the session's timeout after that.
+    #[derive(Debug)]
+    struct SessionBound {
+        inner: MemoryBackend,
+        heard: crate::spi::Stamp,
+        session: Duration,
+    }
+
+    #[async_trait::async_trait]
+    impl LockBackend for SessionBound {
+        fn info(&self) -> crate::BackendInfo {
+            self.inner.info()
+        }
+        async fn try_acquire(&self, req: &AcquireRequest) -> Result<Option<Grant>> {
+            self.inner.try_acquire(req).await
+        }
+        async fn acquire(&self, req: &AcquireRequest, wait: Duration) -> Result<Grant> {
+            self.inner.acquire(req, wait).await
+        }
+        async fn renew(&self, grant: &Grant, ttl: Duration) -> Result<()> {
+            self.inner.renew(grant, ttl).await
+        }
+        async fn release(&self, grant: &Grant) -> Result<Released> {
+            self.inner.release(grant).await
+        }
+        async fn inspect(&self, key: &LockKey) -> Result<Option<crate::HolderInfo>> {
+            self.inner.inspect(key).await
+        }
+        fn validity_bound(&self, _grant: &Grant) -> Option<Instant> {
+            Some(self.heard.deadline(self.session * 2 / 3))
+        }
+    }
+
+    /// A suspend longer than the session's timeout ends the session on the server while
+    /// the hold's own lease (a longer TTL) would outlast it: the backend's bound, heard
+    /// before the suspend, must end the guard's belief.
+    #[tokio::test]
+    async fn a_session_heard_before_a_suspend_past_its_timeout_ends_the_guards_belief() {
+        let locker = Locker::new(SessionBound {
+            inner: MemoryBackend::new(),
+            heard: crate::spi::Stamp::new(Instant::now()),
+            session: Duration::from_secs(10),
+        });
+        let guard = locker
+            .acquire("session")
+            .ttl(Duration::from_secs(60))
+            .await
+            .expect("granted");
+        assert!(guard.is_valid());
+        crate::suspend::pretend_suspended(Duration::from_secs(20));
+        assert!(
+            !guard.is_valid(),
+            "still valid after a 20 s suspend, past a 10 s session heard just before"
+        );
+    }
+
     /// A shorter suspend moves the deadline earlier by the time suspended, and a renewal
     /// (here an extension) counts afresh from its own start.
     #[tokio::test]

@@ -15,6 +15,7 @@ pub use crate::kept::{KeptConnections, Lent, NoConnection, sweep_while};
 pub use crate::local_hold::{CountRelease, HoldCount, LocalHolds};
 pub use crate::options::{lease_end, validate_ttl};
 pub use crate::recent_loss::RecentLoss;
+pub use crate::suspend::Stamp;
 pub use crate::wait::{
     Armed, Attempt, Backoff, Polling, WaitPolicy, Wake, armed, never, wait_for_grant,
 };

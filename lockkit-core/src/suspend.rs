@@ -20,6 +20,49 @@ pub(crate) fn suspended() -> Duration {
     measured
 }
 
+/// An instant on the monotonic clock, stamped with the machine's suspended time when it was
+/// taken: for a deadline a backend counts from what it last heard from a server
+/// ([`crate::LockBackend::validity_bound`]: a ZooKeeper session, an etcd lease kept alive),
+/// which runs on on the server while the machine is suspended and the monotonic clock
+/// stands still.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Stamp {
+    at: tokio::time::Instant,
+    suspended: Duration,
+}
+
+impl Stamp {
+    /// `at` (an instant read just before: a request's sending), stamped with the suspended
+    /// time now. A suspend between `at` and now is not counted.
+    pub fn new(at: tokio::time::Instant) -> Self {
+        Stamp {
+            at,
+            suspended: suspended(),
+        }
+    }
+
+    /// The instant, as it was read (not moved by a suspend since).
+    pub fn instant(&self) -> tokio::time::Instant {
+        self.at
+    }
+
+    /// `after` past the instant, on the monotonic clock as it stands now: earlier by the
+    /// time the machine has spent suspended since the stamp. Two calls may differ by the
+    /// measure's jitter (nanoseconds, more for a preempted reading): compare it with the
+    /// clock, not with an earlier result.
+    pub fn deadline(&self, after: Duration) -> tokio::time::Instant {
+        let deadline = self.at + after;
+        let slept = suspended().saturating_sub(self.suspended);
+        if slept.is_zero() {
+            return deadline;
+        }
+        // Past the clock's earliest instant: long over.
+        deadline
+            .checked_sub(slept)
+            .unwrap_or_else(|| deadline.min(tokio::time::Instant::now()))
+    }
+}
+
 #[cfg(any(target_os = "linux", target_os = "android"))]
 fn measure() -> Duration {
     use rustix::time::{ClockId, clock_gettime};
@@ -79,5 +122,21 @@ mod tests {
         let grown = suspended().saturating_sub(first);
         // The readings' jitter only (a preempted read at worst), never the 50 ms slept.
         assert!(grown < Duration::from_millis(20), "grew by {grown:?}");
+    }
+
+    /// A deadline a backend counts from what it last heard is moved earlier by a suspend
+    /// since, as a guard's lease deadline is.
+    #[test]
+    fn a_stamped_deadline_moves_earlier_by_a_suspend_since() {
+        let heard = Stamp::new(tokio::time::Instant::now());
+        let bound = heard.deadline(Duration::from_secs(20));
+        assert!(bound >= heard.instant() + Duration::from_millis(19_900));
+        pretend_suspended(Duration::from_secs(30));
+        let after = heard.deadline(Duration::from_secs(20));
+        assert!(
+            after <= tokio::time::Instant::now(),
+            "still {:?} ahead after a 30 s suspend",
+            after.saturating_duration_since(tokio::time::Instant::now())
+        );
     }
 }

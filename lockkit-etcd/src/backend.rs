@@ -1121,12 +1121,13 @@ impl LockBackend for EtcdBackend {
 
     /// Without a confirmed keep-alive for 2/3 of the etcd lease's TTL the cluster may
     /// expire it, and the key with it: no hold is believed past that, whatever its TTL.
-    /// A downgraded read also relies on its owner's write key (and lease).
+    /// A downgraded read also relies on its owner's write key (and lease). The time the
+    /// machine spent suspended since counts (the cluster's clock ran on).
     fn validity_bound(&self, grant: &Grant) -> Option<Instant> {
         let held = self.held_of(grant).ok()?;
-        let own = held.lease.alive_until();
+        let own = held.lease.believed_until();
         Some(match &held.downgrade {
-            Some(downgrade) => own.min(downgrade.write.lease.alive_until()),
+            Some(downgrade) => own.min(downgrade.write.lease.believed_until()),
             None => own,
         })
     }

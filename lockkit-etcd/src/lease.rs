@@ -9,7 +9,10 @@ use std::{
 };
 
 use etcd_client::Client;
-use lockkit_core::{LossSignal, LostReason, spi::Backoff};
+use lockkit_core::{
+    LossSignal, LostReason,
+    spi::{Backoff, Stamp},
+};
 
 pub(crate) mod spare;
 
@@ -60,8 +63,9 @@ pub(crate) struct Lease {
     /// revocations go to them in turn.
     members: Arc<Members>,
     /// When the last keep-alive the server confirmed (or the grant) was sent: the cluster
-    /// cannot expire the lease before this plus the TTL.
-    confirmed: Mutex<Instant>,
+    /// cannot expire the lease before this plus the TTL (on its clock, which runs on while
+    /// the machine is suspended: stamped with the suspended time when it was confirmed).
+    confirmed: Mutex<Stamp>,
     /// When the last keep-alive was sent, confirmed or not: the cluster may keep the lease
     /// until this plus the TTL (and longer after a leader change).
     last_sent: Mutex<Instant>,
@@ -85,7 +89,7 @@ impl Lease {
             id,
             ttl,
             members,
-            confirmed: Mutex::new(sent),
+            confirmed: Mutex::new(Stamp::new(sent)),
             last_sent: Mutex::new(sent),
             state: Mutex::new(State::default()),
             changed: Notify::new(),
@@ -99,13 +103,20 @@ impl Lease {
     /// spare for clock-rate differences and the time the loss signal takes to act: two
     /// thirds of the TTL after the last confirmed keep-alive was sent.
     pub(crate) fn alive_until(&self) -> Instant {
-        *lock(&self.confirmed) + self.ttl * 2 / 3
+        lock(&self.confirmed).instant() + self.ttl * 2 / 3
+    }
+
+    /// [`Lease::alive_until`] moved earlier by the time the machine spent suspended since
+    /// the keep-alive was confirmed (the cluster's clock ran on): what a hold is believed
+    /// until. Not for comparing with an earlier result (the suspended time jitters).
+    pub(crate) fn believed_until(&self) -> Instant {
+        lock(&self.confirmed).deadline(self.ttl * 2 / 3)
     }
 
     fn confirm(&self, sent: Instant) {
         let mut confirmed = lock(&self.confirmed);
-        if sent > *confirmed {
-            *confirmed = sent;
+        if sent > confirmed.instant() {
+            *confirmed = Stamp::new(sent);
         }
     }
 

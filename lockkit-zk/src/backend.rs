@@ -12,7 +12,8 @@ use std::{
 use async_trait::async_trait;
 use lockkit_core::spi::{
     AcquireRequest, Backoff, CountRelease, Grant, HoldCount, Interrupt, LocalHolds, Released,
-    contender_record, deadline_after, detached_acquire, granted_or_timeout, parse_contender_record,
+    Stamp, contender_record, deadline_after, detached_acquire, granted_or_timeout,
+    parse_contender_record,
 };
 use lockkit_core::{
     BackendInfo, Capabilities, Consistency, Error, FencingToken, HolderInfo, LockBackend, LockKey,
@@ -174,8 +175,10 @@ impl std::fmt::Debug for Held {
 /// One ZooKeeper session and the holds that live and die with it.
 pub(crate) struct Session {
     client: Client,
-    /// When the last request that the server answered was sent (monotonic clock).
-    last_contact: Mutex<Instant>,
+    /// When the last request that the server answered was sent (monotonic clock), stamped
+    /// with the machine's suspended time when the answer came: the session's timeout runs
+    /// on on the servers while the machine is suspended.
+    last_contact: Mutex<Stamp>,
     holds: Mutex<Vec<Weak<Held>>>,
     dead: AtomicBool,
 }
@@ -229,8 +232,8 @@ impl Drop for DeleteOnDrop {
 impl Session {
     fn touch(&self, sent: Instant) {
         let mut last = lock(&self.last_contact);
-        if sent > *last {
-            *last = sent;
+        if sent > last.instant() {
+            *last = Stamp::new(sent);
         }
     }
 
@@ -2113,7 +2116,7 @@ async fn open_session(config: &ZkConfig) -> Result<Arc<Session>> {
     }
     let session = Arc::new(Session {
         client,
-        last_contact: Mutex::new(sent),
+        last_contact: Mutex::new(Stamp::new(sent)),
         holds: Mutex::new(Vec::new()),
         dead: AtomicBool::new(false),
     });
@@ -2135,7 +2138,10 @@ async fn monitor(session: Weak<Session>, timeout: Duration) {
     let mut given_up: Option<Instant> = None;
     loop {
         let deadline = match session.upgrade() {
-            Some(s) => *lock(&s.last_contact) + timeout * 2 / 3,
+            // Not moved by a suspend: compared with the deadline given up for, it must
+            // not change between two readings (the suspended time jitters). A suspend is
+            // reported by `validity_bound` at once.
+            Some(s) => lock(&s.last_contact).instant() + timeout * 2 / 3,
             None => return,
         };
         let armed = !connected && given_up != Some(deadline);
@@ -2246,11 +2252,12 @@ impl LockBackend for ZkBackend {
     }
 
     /// After 2/3 of the session timeout without an answer the session may be gone on the
-    /// servers, and the node with it: no hold is believed past that, whatever its TTL.
+    /// servers, and the node with it: no hold is believed past that, whatever its TTL. The
+    /// time the machine spent suspended since counts (the servers' clocks ran on).
     fn validity_bound(&self, grant: &Grant) -> Option<Instant> {
         let held = self.held_of(grant).ok()?;
         let heard = *lock(&held.session.last_contact);
-        Some(heard + self.inner.config.session_timeout * 2 / 3)
+        Some(heard.deadline(self.inner.config.session_timeout * 2 / 3))
     }
 
     async fn renew(&self, grant: &Grant, ttl: Duration) -> Result<()> {
