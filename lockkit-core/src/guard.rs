@@ -400,6 +400,8 @@ async fn keep(shared: Arc<HoldShared>) {
                 continue;
             }
             _ = tokio::time::sleep_until(wake) => {}
+            // The lease may have run out in a suspend the monotonic clock did not count.
+            () = crate::suspend::resumed() => {}
         }
         let now = Instant::now();
         if now >= shared.lease().until() {
@@ -1037,6 +1039,29 @@ mod tests {
         assert!(
             !guard.is_valid(),
             "still valid after a 20 s suspend, past a 10 s session heard just before"
+        );
+    }
+
+    /// After a resume past the lease, `lost()` resolves when the resume is noticed, not at
+    /// the keeper's next renewal (a third of the TTL later on the monotonic clock).
+    #[tokio::test]
+    async fn a_resume_past_the_lease_resolves_lost_at_once() {
+        let locker = Locker::new(MemoryBackend::new());
+        let guard = locker
+            .acquire("resume")
+            .ttl(Duration::from_secs(30))
+            .await
+            .expect("granted");
+        let lost = guard.lost();
+        // The keeper waits for its first renewal.
+        tokio::task::yield_now().await;
+        crate::suspend::pretend_suspended(Duration::from_secs(40));
+        crate::suspend::pretend_resumed();
+        let reason = tokio::time::timeout(Duration::from_secs(2), lost).await;
+        assert_eq!(
+            reason.ok(),
+            Some(LostReason::LeaseExpired),
+            "lost() did not resolve within 2 s of a resume after a 40 s suspend (30 s lease)"
         );
     }
 

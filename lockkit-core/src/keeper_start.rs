@@ -110,6 +110,22 @@ pub(crate) fn forget(key: EntryKey) {
     timers().entries.remove(&key);
 }
 
+/// Starts every waiting hold's keeper now (after a resume: their due times, on the monotonic
+/// clock, did not count the suspend, and their leases may have run out in it).
+pub(crate) fn start_all() {
+    let holds = std::mem::take(&mut timers().entries);
+    WAKE.notify_one();
+    for hold in holds.into_values() {
+        if let Some(hold) = hold.upgrade() {
+            let started =
+                std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| hold.start_keeper()));
+            if started.is_err() {
+                tracing::error!("a hold's keeper could not be started (a panic)");
+            }
+        }
+    }
+}
+
 /// The timer thread: starts each hold's keeper when it is due.
 fn run() {
     let mut timers = timers();

@@ -63,6 +63,43 @@ impl Stamp {
     }
 }
 
+/// Wakes the keepers when a resume is noticed.
+static RESUMED: tokio::sync::Notify = tokio::sync::Notify::const_new();
+
+/// Resolves when the machine is noticed to have been suspended (for more than 100 ms), at
+/// most a second after it resumes: keepers' timers sleep on the monotonic clock, which
+/// does not count the suspend, and would fire the loss signal of a hold whose lease ran
+/// out meanwhile only at their next wake. The first call starts the thread that watches
+/// (`lockkit-resume`, one per process, waking once a second); if it cannot start, this
+/// never resolves.
+pub(crate) fn resumed() -> tokio::sync::futures::Notified<'static> {
+    static WATCHING: std::sync::Once = std::sync::Once::new();
+    WATCHING.call_once(|| {
+        let started = std::thread::Builder::new()
+            .name("lockkit-resume".into())
+            .spawn(watch);
+        if let Err(error) = started {
+            tracing::warn!(%error, "could not start the thread that notices resumes; a hold lost in a suspend is reported at its keeper's next wake");
+        }
+    });
+    RESUMED.notified()
+}
+
+/// Polls the suspended time once a second and wakes the keepers when it grew by more than
+/// the measure's jitter.
+fn watch() {
+    let mut last = suspended();
+    loop {
+        std::thread::sleep(Duration::from_secs(1));
+        let now = suspended();
+        if now.saturating_sub(last) > Duration::from_millis(100) {
+            RESUMED.notify_waiters();
+            crate::keeper_start::start_all();
+        }
+        last = last.max(now);
+    }
+}
+
 #[cfg(any(target_os = "linux", target_os = "android"))]
 fn measure() -> Duration {
     use rustix::time::{ClockId, clock_gettime};
@@ -103,6 +140,12 @@ thread_local! {
     /// Suspended time the tests pretend (per thread: a current-thread runtime's guards
     /// and keepers run on the test's own thread).
     static PRETENDED: std::cell::Cell<Duration> = const { std::cell::Cell::new(Duration::ZERO) };
+}
+
+/// Pretends a resume was noticed: wakes every keeper waiting in [`resumed`] (tests).
+#[cfg(test)]
+pub(crate) fn pretend_resumed() {
+    RESUMED.notify_waiters();
 }
 
 /// Pretends, on this thread, that the machine was suspended for `time` more (tests).
