@@ -796,17 +796,17 @@ struct Signals {
     continues: tokio::signal::unix::Signal,
 }
 
+/// How often `lockkit run` tells its supervisor that the lock still holds (see
+/// [`supervise`]): the longest a CMD stopped while lockkit was held by a debugger stays
+/// stopped after lockkit runs again.
+const AFFIRM_EVERY: Duration = Duration::from_millis(250);
+
 /// Runs the command while the guard holds. Stops it, with everything it started, if the
 /// lock is lost, and already `grace` before the lease could run out unconfirmed (so that
 /// SIGKILL, if it comes to that, lands before the lease ends), capped at a third of the
 /// lease so a healthy watchdog never triggers it. While lockkit is stopped its supervisor
 /// stops CMD too; when lockkit runs again, CMD continues only if the lock still holds past
 /// that margin (else it is stopped for good, as for a lost lock).
-/// How often `lockkit run` tells its supervisor that the lock still holds (see
-/// [`supervise`]): the longest a CMD stopped while lockkit was held by a debugger stays
-/// stopped after lockkit runs again.
-const AFFIRM_EVERY: Duration = Duration::from_millis(250);
-
 async fn supervise(
     guard: &LockGuard,
     key: &str,
