@@ -919,14 +919,16 @@ fn give_back_attempt(
     );
     // A give-back that failed retryably (its line given up as silent, whose abort drops
     // what it still held) is sent again until the attempt's lease would have run out: the
-    // attempt may have landed, and nobody else gives it back.
+    // attempt may have landed, and nobody else gives it back. At most
+    // [`GIVE_BACK_TRIES`] times: during an outage every failed acquisition starts one of
+    // these, and a caller retrying in a loop must not pile up a lease's worth of them.
     let until = tokio::time::Instant::now()
         .checked_add(request.ttl)
         .unwrap_or_else(|| tokio::time::Instant::now() + WAIT_FOREVER);
     runtime.spawn(async move {
         let mut backoff =
             Backoff::new(Duration::from_millis(100), Duration::from_secs(2));
-        loop {
+        for _ in 0..GIVE_BACK_TRIES {
             match backend.release(&unknown).await {
                 Ok(released) => {
                     tracing::debug!(key = %unknown.key, ?released, "gave back what a failed attempt took");
@@ -943,8 +945,13 @@ fn give_back_attempt(
                 Err(_) => return,
             }
         }
+        tracing::debug!(key = %unknown.key, "gave up giving back what a failed attempt took; its lease ends it");
     });
 }
+
+/// How many times the give-back of an unanswered acquisition is sent at most (about 10 s
+/// of tries, backing off from 100 ms to 2 s, each also bounded by its own answer's time).
+const GIVE_BACK_TRIES: u32 = 8;
 
 impl Owner {
     /// Whether a record of a hold of this owner on `key` may be on the server, of any kind:
