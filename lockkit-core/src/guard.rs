@@ -422,12 +422,11 @@ async fn keep(shared: Arc<HoldShared>) {
         // slow server, or a release future its caller polled once and keeps without polling.
         // The hold cannot be said held past its local lease meanwhile, so the wait for
         // `op` ends there, with the loss signal.
-        let valid_until = shared.lease().until();
         let _op = tokio::select! {
             biased;
             op = shared.op.lock() => op,
             _ = shared.stop.cancelled() => return,
-            _ = tokio::time::sleep_until(valid_until) => {
+            () = lease_runs_out(&shared) => {
                 if !shared.lease().released && !shared.stop.is_cancelled() {
                     shared.loss.fire(LostReason::LeaseExpired);
                     report_loss(&shared);
@@ -452,7 +451,6 @@ async fn keep(shared: Arc<HoldShared>) {
             next_renew = None;
             continue;
         }
-        let budget = shared.lease().until().saturating_duration_since(start);
         let span = tracing::debug_span!(
             "lockkit.renew",
             key = %shared.grant.key,
@@ -461,20 +459,26 @@ async fn keep(shared: Arc<HoldShared>) {
             ttl_ms = u64::try_from(renew_ttl.as_millis()).unwrap_or(u64::MAX),
             outcome = tracing::field::Empty,
         );
-        let renewal = tokio::time::timeout(budget, shared.backend.renew(&shared.grant, renew_ttl))
-            .instrument(span.clone())
-            .await;
+        // Answered within what is left of the lease, or it counts as lost: `None`.
+        let renewal = tokio::select! {
+            biased;
+            renewed = shared
+                .backend
+                .renew(&shared.grant, renew_ttl)
+                .instrument(span.clone()) => Some(renewed),
+            () = lease_runs_out(&shared) => None,
+        };
         let label = match &renewal {
-            Ok(Ok(())) => "renewed",
-            Ok(Err(Error::NotHeld { .. } | Error::Lost { .. })) => "not held",
-            Ok(Err(_)) => "failed",
-            Err(_) => "unanswered",
+            Some(Ok(())) => "renewed",
+            Some(Err(Error::NotHeld { .. } | Error::Lost { .. })) => "not held",
+            Some(Err(_)) => "failed",
+            None => "unanswered",
         };
         span.record("outcome", label);
         crate::telemetry::renewal(shared.backend.info().scheme, &shared.grant.key, label);
         drop(span);
         match renewal {
-            Ok(Ok(())) => {
+            Some(Ok(())) => {
                 let mut lease = shared.lease();
                 // Never earlier than it was: a renewal never shortens the server's lease.
                 lease.extend_to(start + local_validity(renew_ttl), suspended_at_start);
@@ -484,12 +488,12 @@ async fn keep(shared: Arc<HoldShared>) {
                     Some(start + shared.options.renew_period_for(lease.ttl))
                 };
             }
-            Ok(Err(Error::NotHeld { .. } | Error::Lost { .. })) => {
+            Some(Err(Error::NotHeld { .. } | Error::Lost { .. })) => {
                 shared.loss.fire(LostReason::NotOurs);
                 report_loss(&shared);
                 return;
             }
-            Ok(Err(error)) => {
+            Some(Err(error)) => {
                 tracing::warn!(
                     key = %shared.grant.key,
                     backend = shared.backend.info().scheme,
@@ -508,11 +512,28 @@ async fn keep(shared: Arc<HoldShared>) {
                 let delay = retry_delay(shared.options.renew_period_for(ttl)).min(left / 2);
                 next_renew = Some(now + delay);
             }
-            Err(_elapsed) => {
+            None => {
                 shared.loss.fire(LostReason::LeaseExpired);
                 report_loss(&shared);
                 return;
             }
+        }
+    }
+}
+
+/// Resolves once the hold's local lease has run out: at its deadline on the monotonic clock,
+/// or when a resume past it is noticed (that clock did not count the suspend, and a wait
+/// counted on it before the suspend would end only as long after the resume as it had
+/// left before).
+async fn lease_runs_out(shared: &HoldShared) {
+    loop {
+        let until = shared.lease().until();
+        if Instant::now() >= until {
+            return;
+        }
+        tokio::select! {
+            _ = tokio::time::sleep_until(until) => {}
+            () = crate::suspend::resumed() => {}
         }
     }
 }
@@ -1062,6 +1083,68 @@ mod tests {
             reason.ok(),
             Some(LostReason::LeaseExpired),
             "lost() did not resolve within 2 s of a resume after a 40 s suspend (30 s lease)"
+        );
+    }
+
+    /// A backend whose renewals are never answered (a network gone after a resume); it says
+    /// when one is under way.
+    #[derive(Debug)]
+    struct RenewalUnanswered {
+        inner: MemoryBackend,
+        renewing: Arc<Notify>,
+    }
+
+    #[async_trait::async_trait]
+    impl LockBackend for RenewalUnanswered {
+        fn info(&self) -> crate::BackendInfo {
+            self.inner.info()
+        }
+        async fn try_acquire(&self, req: &AcquireRequest) -> Result<Option<Grant>> {
+            self.inner.try_acquire(req).await
+        }
+        async fn acquire(&self, req: &AcquireRequest, wait: Duration) -> Result<Grant> {
+            self.inner.acquire(req, wait).await
+        }
+        async fn renew(&self, _grant: &Grant, _ttl: Duration) -> Result<()> {
+            self.renewing.notify_one();
+            std::future::pending().await
+        }
+        async fn release(&self, grant: &Grant) -> Result<Released> {
+            self.inner.release(grant).await
+        }
+        async fn inspect(&self, key: &LockKey) -> Result<Option<crate::HolderInfo>> {
+            self.inner.inspect(key).await
+        }
+    }
+
+    /// A renewal sent before a suspend and unanswered after it: the keeper waits for its
+    /// answer, and must still notice the resume past the lease then, not only when the wait
+    /// it counted on the monotonic clock before the suspend runs out.
+    #[tokio::test]
+    async fn a_resume_during_an_unanswered_renewal_resolves_lost_at_once() {
+        let renewing = Arc::new(Notify::new());
+        let locker = Locker::new(RenewalUnanswered {
+            inner: MemoryBackend::new(),
+            renewing: renewing.clone(),
+        });
+        let guard = locker
+            .acquire("resume-renewing")
+            .ttl(Duration::from_secs(6))
+            .await
+            .expect("granted");
+        let lost = guard.lost();
+        // The first renewal goes out after 2 s and has about 4 s left to be answered.
+        tokio::time::timeout(Duration::from_secs(5), renewing.notified())
+            .await
+            .expect("the renewal went out");
+        crate::suspend::pretend_suspended(Duration::from_secs(40));
+        crate::suspend::pretend_resumed();
+        let reason = tokio::time::timeout(Duration::from_secs(2), lost).await;
+        assert_eq!(
+            reason.ok(),
+            Some(LostReason::LeaseExpired),
+            "lost() did not resolve within 2 s of a resume after a 40 s suspend (6 s lease) \
+             while a renewal was unanswered"
         );
     }
 
