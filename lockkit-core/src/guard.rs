@@ -400,8 +400,15 @@ async fn keep(shared: Arc<HoldShared>) {
                 continue;
             }
             _ = tokio::time::sleep_until(wake) => {}
-            // The lease may have run out in a suspend the monotonic clock did not count.
-            () = crate::suspend::resumed() => {}
+            // The lease may have run out in a suspend the monotonic clock did not count, or
+            // the backend's bound ([`LockBackend::validity_bound`]: a session heard from
+            // before it): the hold is lost when `is_valid()` would say so.
+            () = crate::suspend::resumed() => {
+                if shared.check_lost().is_some() {
+                    report_loss(&shared);
+                    return;
+                }
+            }
         }
         let now = Instant::now();
         if now >= shared.lease().until() {
@@ -522,9 +529,9 @@ async fn keep(shared: Arc<HoldShared>) {
 }
 
 /// Resolves once the hold's local lease has run out: at its deadline on the monotonic clock,
-/// or when a resume past it is noticed (that clock did not count the suspend, and a wait
-/// counted on it before the suspend would end only as long after the resume as it had
-/// left before).
+/// or when a resume is noticed past it or past the backend's bound (that clock did not
+/// count the suspend, and a wait counted on it before the suspend would end only as long
+/// after the resume as it had left before). Also resolves once the hold is lost.
 async fn lease_runs_out(shared: &HoldShared) {
     loop {
         let until = shared.lease().until();
@@ -533,7 +540,11 @@ async fn lease_runs_out(shared: &HoldShared) {
         }
         tokio::select! {
             _ = tokio::time::sleep_until(until) => {}
-            () = crate::suspend::resumed() => {}
+            () = crate::suspend::resumed() => {
+                if shared.check_lost().is_some() {
+                    return;
+                }
+            }
         }
     }
 }
@@ -1145,6 +1156,35 @@ mod tests {
             Some(LostReason::LeaseExpired),
             "lost() did not resolve within 2 s of a resume after a 40 s suspend (6 s lease) \
              while a renewal was unanswered"
+        );
+    }
+
+    /// A suspend past a backend's session bound (ZooKeeper's, etcd's), the hold's own lease
+    /// longer: `lost()` resolves at the resume, as `is_valid()` turns false, without anyone
+    /// asking `is_valid()`.
+    #[tokio::test]
+    async fn a_resume_past_the_session_bound_resolves_lost_at_once() {
+        let locker = Locker::new(SessionBound {
+            inner: MemoryBackend::new(),
+            heard: crate::spi::Stamp::new(Instant::now()),
+            session: Duration::from_secs(10),
+        });
+        let guard = locker
+            .acquire("resume-session")
+            .ttl(Duration::from_secs(60))
+            .await
+            .expect("granted");
+        let lost = guard.lost();
+        // The keeper waits for its first renewal.
+        tokio::task::yield_now().await;
+        crate::suspend::pretend_suspended(Duration::from_secs(20));
+        crate::suspend::pretend_resumed();
+        let reason = tokio::time::timeout(Duration::from_secs(2), lost).await;
+        assert_eq!(
+            reason.ok(),
+            Some(LostReason::LeaseExpired),
+            "lost() did not resolve within 2 s of a resume after a 20 s suspend, past a 10 s \
+             session heard just before (60 s lease)"
         );
     }
 
