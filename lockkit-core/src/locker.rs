@@ -902,7 +902,8 @@ impl Drop for GiveBackOnDrop {
 /// and it would keep the key for its whole lease. The release names the attempt, so it
 /// takes back only a hold this attempt added (never an outer hold of the same owner), and
 /// changes nothing where the attempt took nothing; so it is sent again after a retryable
-/// failure, until the attempt's lease would have run out.
+/// failure, until the attempt's lease would have run out, [`GIVE_BACK_TRIES`] times at
+/// most; the task ends with the last try.
 fn give_back_attempt(
     backend: &Arc<dyn LockBackend>,
     request: &AcquireRequest,
@@ -928,13 +929,16 @@ fn give_back_attempt(
     runtime.spawn(async move {
         let mut backoff =
             Backoff::new(Duration::from_millis(100), Duration::from_secs(2));
-        for _ in 0..GIVE_BACK_TRIES {
+        for tried in 1..=GIVE_BACK_TRIES {
             match backend.release(&unknown).await {
                 Ok(released) => {
                     tracing::debug!(key = %unknown.key, ?released, "gave back what a failed attempt took");
                     return;
                 }
                 Err(error) if error.is_retryable() => {
+                    if tried == GIVE_BACK_TRIES {
+                        break;
+                    }
                     let next = tokio::time::Instant::now() + backoff.next_delay();
                     if next >= until {
                         return;
@@ -949,8 +953,9 @@ fn give_back_attempt(
     });
 }
 
-/// How many times the give-back of an unanswered acquisition is sent at most (about 10 s
-/// of tries, backing off from 100 ms to 2 s, each also bounded by its own answer's time).
+/// How many times the give-back of an unanswered acquisition is sent at most: seven backoff
+/// steps between the tries, from 100 ms to 2 s with up to half a step of jitter (7 to 10 s
+/// in all), each try also bounded by its own answer's time.
 const GIVE_BACK_TRIES: u32 = 8;
 
 impl Owner {

@@ -320,3 +320,88 @@ async fn an_owner_joining_a_hold_whose_release_was_given_up_on_keeps_it_renewed(
     second.release().await.unwrap();
     assert!(locker.inspect(&key).await.unwrap().is_none());
 }
+
+/// A backend whose acquisitions are never answered and whose releases always fail
+/// retryably (an outage); it notes when it is dropped.
+#[derive(Debug)]
+struct Outage {
+    memory: MemoryBackend,
+    releases: Arc<std::sync::Mutex<Vec<tokio::time::Instant>>>,
+    dropped: Arc<std::sync::Mutex<Option<tokio::time::Instant>>>,
+}
+
+impl Drop for Outage {
+    fn drop(&mut self) {
+        if let Ok(mut dropped) = self.dropped.lock() {
+            *dropped = Some(tokio::time::Instant::now());
+        }
+    }
+}
+
+#[async_trait]
+impl LockBackend for Outage {
+    fn info(&self) -> BackendInfo {
+        self.memory.info()
+    }
+    fn response_bound(&self) -> Duration {
+        BOUND
+    }
+    async fn try_acquire(&self, _: &AcquireRequest) -> Result<Option<Grant>> {
+        std::future::pending().await
+    }
+    async fn acquire(&self, _: &AcquireRequest, _: Duration) -> Result<Grant> {
+        std::future::pending().await
+    }
+    async fn renew(&self, grant: &Grant, ttl: Duration) -> Result<()> {
+        self.memory.renew(grant, ttl).await
+    }
+    async fn release(&self, _: &Grant) -> Result<Released> {
+        self.releases
+            .lock()
+            .expect("not poisoned")
+            .push(tokio::time::Instant::now());
+        Err(Error::backend("outage", true, "connection refused"))
+    }
+    async fn inspect(&self, key: &LockKey) -> Result<Option<HolderInfo>> {
+        self.memory.inspect(key).await
+    }
+}
+
+/// The give-back of an unanswered acquisition, failing throughout an outage, ends with
+/// its last try: it does not sleep a backoff step after it for nothing (holding the
+/// backend, and saying "again").
+#[tokio::test(start_paused = true)]
+async fn a_give_back_that_keeps_failing_ends_at_its_last_try() {
+    let releases = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let dropped = Arc::new(std::sync::Mutex::new(None));
+    let locker = Locker::new(Outage {
+        memory: MemoryBackend::new(),
+        releases: releases.clone(),
+        dropped: dropped.clone(),
+    });
+    let key = LockKey::new("outage").unwrap();
+    let outcome = locker
+        .acquire(&key)
+        .ttl(Duration::from_secs(60))
+        .wait(Duration::ZERO)
+        .await;
+    assert!(outcome.is_err(), "an unanswered acquisition fails");
+    drop(locker);
+    let mut ended = None;
+    for _ in 0..600 {
+        ended = *dropped.lock().expect("not poisoned");
+        if ended.is_some() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let ended = ended.expect("the give-back ended within a minute");
+    let tries = releases.lock().expect("not poisoned").clone();
+    assert_eq!(tries.len(), 8, "tries: {tries:?}");
+    let last = *tries.last().expect("tried");
+    let after = ended.saturating_duration_since(last);
+    assert!(
+        after < Duration::from_millis(150),
+        "the give-back ended {after:?} after its last try"
+    );
+}
