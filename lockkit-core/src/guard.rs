@@ -315,8 +315,11 @@ fn defer_keeper(shared: &Arc<HoldShared>, runtime: &tokio::runtime::Handle) -> b
     if !crate::keeper_start::defers_on(runtime) {
         return false;
     }
-    // What the keeper first waits for, as `keep` computes it.
-    let valid_until = shared.lease().until();
+    // What the keeper first waits for, as `keep` computes it. The deadline was counted just
+    // now (`Hold::start`, the only caller): no suspend to take off, and the suspended time
+    // is not read again on the acquisition's path (a resume starts the keeper anyway:
+    // `keeper_start::start_all`).
+    let valid_until = shared.lease().valid_until;
     let due = if shared.options.watchdog {
         (shared.grant.lease_start + shared.options.renew_period()).min(valid_until)
     } else {
@@ -1186,6 +1189,21 @@ mod tests {
             "lost() did not resolve within 2 s of a resume after a 20 s suspend, past a 10 s \
              session heard just before (60 s lease)"
         );
+    }
+
+    /// An uncontended acquisition on a multi-thread runtime (its keeper put off) reads the
+    /// suspended time once: three or more `clock_gettime` calls a reading, on the hot path.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 1)]
+    async fn an_acquisition_reads_the_suspended_time_once() {
+        let locker = Locker::new(MemoryBackend::new());
+        let before = crate::suspend::readings();
+        let guard = locker.acquire("readings").await.expect("granted");
+        let read = crate::suspend::readings() - before;
+        assert_eq!(
+            read, 1,
+            "the acquisition read the suspended time {read} times"
+        );
+        guard.release().await.expect("released");
     }
 
     /// A shorter suspend moves the deadline earlier by the time suspended, and a renewal

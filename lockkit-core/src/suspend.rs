@@ -16,6 +16,8 @@ use std::time::Duration;
 pub(crate) fn suspended() -> Duration {
     let measured = measure();
     #[cfg(test)]
+    READINGS.with(|readings| readings.set(readings.get() + 1));
+    #[cfg(test)]
     let measured = measured + PRETENDED.with(std::cell::Cell::get);
     measured
 }
@@ -140,6 +142,18 @@ thread_local! {
     /// Suspended time the tests pretend (per thread: a current-thread runtime's guards
     /// and keepers run on the test's own thread).
     static PRETENDED: std::cell::Cell<Duration> = const { std::cell::Cell::new(Duration::ZERO) };
+}
+
+#[cfg(test)]
+thread_local! {
+    /// How many times this thread read the suspended time (tests: its cost is counted).
+    static READINGS: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+}
+
+/// How many times this thread has read the suspended time (tests).
+#[cfg(test)]
+pub(crate) fn readings() -> u64 {
+    READINGS.with(std::cell::Cell::get)
 }
 
 /// Pretends a resume was noticed: wakes every keeper waiting in [`resumed`] (tests).
