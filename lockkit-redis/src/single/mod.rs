@@ -682,23 +682,40 @@ impl Drop for QueuePlace {
 }
 
 /// Takes waiter `id` out of `queue` on `backend`'s server, in the background (nothing when
-/// no runtime runs): the place of a wait that ended without a grant from that server.
+/// no runtime runs): the place of a wait that ended without a grant from that server. A
+/// removal that fails (the link cut at that moment) is tried again, [`LEAVE_TRIES`] times at
+/// most, backing off from 100 ms to 2 s: a place left behind is named at a later release
+/// while nobody waits for it, and every waiter that hears the name sleeps through
+/// [`crate::conn::NAMED_GRACE`] (until the queue's 60 s life ends). Removing it again is
+/// harmless: a wait of the same owner that queued meanwhile queues again at its next busy
+/// answer, at the place it had.
 pub(crate) fn leave_queue_later(backend: &RedisBackend, queue: String, id: u64) {
     let Ok(runtime) = tokio::runtime::Handle::try_current() else {
         return;
     };
     let mut conn = backend.conn();
     runtime.spawn(async move {
-        let left: std::result::Result<i64, _> = redis::cmd("ZREM")
-            .arg(&queue)
-            .arg(id)
-            .query_async(&mut conn)
-            .await;
-        if let Err(error) = left {
-            tracing::debug!(%error, "could not leave the waiter queue; the first release to name this waiter pops it");
+        let mut backoff = Backoff::new(Duration::from_millis(100), Duration::from_secs(2));
+        for tried in 1..=LEAVE_TRIES {
+            let left: std::result::Result<i64, _> = redis::cmd("ZREM")
+                .arg(&queue)
+                .arg(id)
+                .query_async(&mut conn)
+                .await;
+            match left {
+                Ok(_) => return,
+                Err(error) if tried == LEAVE_TRIES => {
+                    tracing::debug!(%error, "could not leave the waiter queue; the first release to name this waiter pops it");
+                }
+                Err(_) => tokio::time::sleep(backoff.next_delay()).await,
+            }
         }
     });
 }
+
+/// How many times a wait's place in the waiter queue is asked to go at most (see
+/// [`leave_queue_later`]).
+const LEAVE_TRIES: u32 = 8;
 
 #[async_trait]
 impl LockBackend for RedisBackend {
