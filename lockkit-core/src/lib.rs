@@ -42,7 +42,6 @@ mod recent_loss;
 mod rules;
 pub mod spi;
 mod suspend;
-#[cfg(test)]
 mod suspend_tests;
 pub mod telemetry;
 mod wait;
