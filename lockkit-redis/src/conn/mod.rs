@@ -518,8 +518,12 @@ pub(crate) struct ForeignWatch {
     events_on: Arc<OnceLock<bool>>,
     /// The wait's last attempt found the key held in another format.
     seen: AtomicBool,
-    /// The keyspace subscription is made: a foreign holder's deletion wakes the waiter.
+    /// The keyspace subscription is made (and its connection alive, as far as known): a
+    /// foreign holder's deletion wakes the waiter.
     heard: AtomicBool,
+    /// The last attempt's answer: a foreign holder whose deletion the armed wake-up hears
+    /// (what [`ForeignWatch::saw_foreign_holder`] answered last).
+    hears: AtomicBool,
 }
 
 impl ForeignWatch {
@@ -531,7 +535,35 @@ impl ForeignWatch {
             events_on,
             seen: AtomicBool::new(false),
             heard: AtomicBool::new(false),
+            hears: AtomicBool::new(false),
         })
+    }
+
+    /// The key's keyspace channel.
+    pub(crate) fn channel(&self) -> &str {
+        &self.channel
+    }
+
+    /// Whether the wait's last attempt found the key held in another format.
+    pub(crate) fn seen(&self) -> bool {
+        self.seen.load(Ordering::Acquire)
+    }
+
+    /// What the last [`ForeignWatch::saw_foreign_holder`] answered: the key is held in
+    /// another format, and its deletion wakes the waiter.
+    pub(crate) fn hears(&self) -> bool {
+        self.hears.load(Ordering::Acquire)
+    }
+
+    /// Whether a keyspace subscription should be made for this watch now: the last attempt
+    /// found a foreign holder and the server is known to send the notifications.
+    pub(crate) fn wants_keyspace(&self) -> bool {
+        self.seen() && self.events_on.get() == Some(&true)
+    }
+
+    /// Records whether the keyspace subscription is made and alive.
+    pub(crate) fn set_heard(&self, heard: bool) {
+        self.heard.store(heard, Ordering::Release);
     }
 
     /// Records what the wait's last attempt found: a holder in another format or not.
@@ -542,7 +574,9 @@ impl ForeignWatch {
     /// waiter) is polled as before until the next attempt.
     pub(crate) fn saw_foreign_holder(&self, foreign: bool) -> bool {
         let heeded = self.seen.swap(foreign, Ordering::AcqRel);
-        foreign && heeded && self.heard.load(Ordering::Acquire)
+        let hears = foreign && heeded && self.heard.load(Ordering::Acquire);
+        self.hears.store(hears, Ordering::Release);
+        hears
     }
 }
 
@@ -594,17 +628,13 @@ impl ReleaseMessages {
         let Some(watch) = &self.foreign else {
             return;
         };
-        if self.keyspace.is_some()
-            || self.keyspace_refused
-            || !watch.seen.load(Ordering::Acquire)
-            || watch.events_on.get() != Some(&true)
-        {
+        if self.keyspace.is_some() || self.keyspace_refused || !watch.wants_keyspace() {
             return;
         }
         match self.wakeups.subscribe(&watch.channel).await {
             Ok(subscription) => {
                 self.keyspace = Some(subscription);
-                watch.heard.store(true, Ordering::Release);
+                watch.set_heard(true);
             }
             Err(error) => {
                 // A refusal (an ACL without the keyspace channels) is not asked again by

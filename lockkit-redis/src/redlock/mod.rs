@@ -1,5 +1,6 @@
 //! `RedlockBackend`: a lock over N independent Redis masters, granted by a majority.
 
+mod foreign;
 mod kinds;
 
 use std::{
@@ -11,7 +12,7 @@ use std::{
 };
 
 use async_trait::async_trait;
-use futures_util::future::{join_all, select_all};
+use futures_util::future::{join_all, select, select_all};
 use lockkit_core::spi::{
     AcquireRequest, Armed, Attempt, Backoff, Grant, Released, WaitPolicy, Wake, armed,
     local_validity, never, wait_for_grant,
@@ -22,6 +23,7 @@ use lockkit_core::{
 };
 use tokio::time::Instant;
 
+use self::foreign::ForeignHolders;
 use crate::{
     RedisBackend, RedisConfig, Topology,
     conn::{Subscription, armed_for_turn},
@@ -138,6 +140,107 @@ struct MastersMessages<'a> {
     /// leader's messages then wake the waiter only when they name it or nobody (see
     /// `conn::armed_for_turn`).
     queued_at_leader: Option<(usize, u64)>,
+    /// For a plain lock: the masters' answers about holders in another format, whose
+    /// deletions (heard through keyspace notifications) wake the waiter once enough masters
+    /// let go (see [`ForeignHolders`]).
+    foreign: Option<Arc<ForeignHolders>>,
+    /// The keyspace subscriptions made, each with its master's index.
+    keyspace: Vec<(usize, Subscription)>,
+    /// Masters (bits by index) that refused a keyspace subscription (an ACL): not asked
+    /// again by this wait.
+    keyspace_refused: u64,
+}
+
+impl MastersMessages<'_> {
+    /// Subscribes, on every master whose last answer was a holder in another format and
+    /// that sends keyspace notifications, to the key's keyspace channel there (each bounded
+    /// by `bound`), and records in each watch whether its master's deletions are heard.
+    async fn watch_keyspace(&mut self, bound: Instant) {
+        let Some(foreign) = self.foreign.clone() else {
+            return;
+        };
+        let (subscribed, refused, deaf) = (&self.keyspace, self.keyspace_refused, self.deaf);
+        let subscribing = self
+            .backend
+            .nodes
+            .iter()
+            .enumerate()
+            .filter(|(index, _)| {
+                let bit = master_bit(*index);
+                (refused | deaf) & bit == 0 && !subscribed.iter().any(|(i, _)| i == index)
+            })
+            .filter_map(|(index, master)| {
+                let watch = foreign.made(index)?.clone();
+                Some((index, master.connected()?, watch))
+            })
+            .filter(|(_, _, watch)| watch.wants_keyspace())
+            .map(|(index, node, watch)| async move {
+                let subscribed = tokio::time::timeout_at(bound, node.subscribe(watch.channel()))
+                    .await
+                    .unwrap_or_else(|_| {
+                        Err(Error::backend(
+                            BACKEND,
+                            true,
+                            "keyspace subscription timed out",
+                        ))
+                    });
+                (index, subscribed)
+            });
+        for (index, subscribed) in join_all(subscribing).await {
+            match subscribed {
+                Ok(subscription) => self.keyspace.push((index, subscription)),
+                Err(error) => {
+                    if !error.is_retryable() {
+                        self.keyspace_refused |= master_bit(index);
+                    }
+                    tracing::debug!(%error, master = index, "no keyspace notifications; polling the foreign holder");
+                }
+            }
+        }
+        for index in 0..self.backend.nodes.len() {
+            if let Some(watch) = foreign.made(index) {
+                let heard = self.deaf & master_bit(index) == 0
+                    && self.keyspace.iter().any(|(i, _)| *i == index);
+                watch.set_heard(heard);
+            }
+        }
+    }
+
+    /// Wakes once the keyspace notifications of enough masters whose last answer was a
+    /// holder in another format said the key is gone there (see [`ForeignHolders`]); a
+    /// master's message counts if its answer still is that when the message comes.
+    fn arm_for_deletions(&self) -> Armed<'_> {
+        let Some(foreign) = self.foreign.as_deref() else {
+            return never();
+        };
+        let mut waits: Vec<(usize, Armed<'_>)> = self
+            .keyspace
+            .iter()
+            .map(|(index, s)| (*index, armed(&s.channel.notify)))
+            .collect();
+        if waits.is_empty() {
+            return never();
+        }
+        Box::pin(async move {
+            let mut gone = 0_u64;
+            loop {
+                if waits.is_empty() {
+                    never().await;
+                }
+                let (mut indices, armed): (Vec<usize>, Vec<Armed<'_>>) = waits.into_iter().unzip();
+                let ((), fired, rest) = select_all(armed).await;
+                // `select_all` moves the last future into the place of the one that fired.
+                let from = indices.swap_remove(fired);
+                waits = indices.into_iter().zip(rest).collect();
+                if foreign.seen_at(from) {
+                    gone |= master_bit(from);
+                    if gone.count_ones() as usize >= foreign.needed() {
+                        return;
+                    }
+                }
+            }
+        })
+    }
 }
 
 /// A Redlock wait's place in the leader master's waiter queue: left (in the background)
@@ -240,14 +343,30 @@ impl Wake for MastersMessages<'_> {
             let subscribed = join_all(subscribing).await.into_iter().flatten().collect();
             self.subscriptions = Some(subscribed);
         }
+        self.watch_keyspace(bound).await;
         self.subscriptions.as_ref().is_some_and(|s| !s.is_empty())
     }
 
     /// Any master's message wakes the waiter, except that after a plain lock's round that
     /// found the key busy (the mask is read when a message comes, so after the round armed
     /// here) only the masters that answered busy do, as long as the waiter hears them all
-    /// (else every message wakes it).
+    /// (else every message wakes it). Deletions heard on masters held in another format
+    /// wake it too (see [`MastersMessages::arm_for_deletions`]).
     fn arm(&self) -> Armed<'_> {
+        let releases = self.arm_for_releases();
+        if self.keyspace.is_empty() {
+            return releases;
+        }
+        let deletions = self.arm_for_deletions();
+        Box::pin(async move {
+            select(releases, deletions).await;
+        })
+    }
+}
+
+impl MastersMessages<'_> {
+    /// [`Wake::arm`] for the key's release channels.
+    fn arm_for_releases(&self) -> Armed<'_> {
         match self.subscriptions.as_deref() {
             Some(subscriptions) if !subscriptions.is_empty() => {
                 let mut armed: Vec<(usize, Armed<'_>)> = subscriptions
@@ -333,6 +452,9 @@ struct Contended {
     /// busy leader queues it, and the release of the hold it waits behind names it there.
     /// The other masters are asked without one.
     turn: QueueTurn,
+    /// What each master's answer says of a holder in another format, for the wait's
+    /// wake-ups (see [`ForeignHolders`]).
+    foreign: Arc<ForeignHolders>,
     /// The wait's place there; the round records in it, from the leader's answer, whether
     /// the waiter may be queued there after the round, and keeps it until the round ends.
     place: Arc<LeaderQueuePlace>,
@@ -656,11 +778,15 @@ impl RedlockBackend {
         let turn = contended
             .filter(|_| req.kind == LockKind::Exclusive && self.nodes.len() > 1)
             .map(|contended| contended.turn.clone());
+        let foreign = contended
+            .filter(|_| req.kind == LockKind::Exclusive)
+            .map(|contended| &contended.foreign);
         let ask = |index: usize, node: RedisBackend| {
             let req = req.clone();
             let turn = turn.clone().filter(|_| index == leader);
+            let watch = foreign.and_then(|foreign| foreign.watch(index, &node));
             async move {
-                node.run_acquire_marking(&req, None, marker, Some(proposed), turn)
+                node.run_acquire_marking(&req, None, marker, Some(proposed), turn, watch.as_deref())
                     .await
             }
         };
@@ -674,7 +800,15 @@ impl RedlockBackend {
                     .into_iter()
                     .map(|answer| answer.map(Vote::from))
                     .collect();
-                if let Some(Some(Vote::Busy(lease_left))) = votes.get(leader) {
+                // A leader held in another format (rslock's Redlock, whose holds no lockkit
+                // waiter queues behind) may be one of a minority still held: once the
+                // masters' deletions wake the waiter (only when a quorum let go), the
+                // others are asked as in a plain round. A waiter that polls such a holder
+                // asks the leader alone, as before.
+                let woken_by_deletions = contended.foreign.hears_at(leader);
+                if let Some(Some(Vote::Busy(lease_left))) = votes.get(leader)
+                    && !woken_by_deletions
+                {
                     contended.place.queued.store(true, Ordering::Release);
                     contended
                         .busy_masters
@@ -684,7 +818,7 @@ impl RedlockBackend {
                         lease_left.map_or(FULL_ROUND_EVERY, |left| left.min(FULL_ROUND_EVERY));
                     return (
                         Ok(Attempt::Busy {
-                            lease_left: Some(lease_left),
+                            lease_left: contended.foreign.pace(Some(lease_left)),
                         }),
                         false,
                     );
@@ -728,7 +862,11 @@ impl RedlockBackend {
             }
         }
         let everywhere = votes.iter().all(|v| matches!(v, Vote::Granted(_)));
-        let some_granted = votes.iter().any(|v| matches!(v, Vote::Granted(_)));
+        let granted_by = votes
+            .iter()
+            .filter(|v| matches!(v, Vote::Granted(_)))
+            .count();
+        let some_granted = granted_by > 0;
         let busy_masters = if self.nodes.len() <= 64 {
             votes
                 .iter()
@@ -756,6 +894,8 @@ impl RedlockBackend {
                     .busy_masters
                     .store(busy_masters, Ordering::Release);
             }
+            contended.foreign.round_granted(granted_by, self.quorum());
+            *lease_left = contended.foreign.pace(*lease_left);
             if some_granted {
                 // Split, or a quorum held without a master that granted: what was granted
                 // was given back. Redlock's random delay keeps contenders from meeting in
@@ -1041,6 +1181,7 @@ impl LockBackend for RedlockBackend {
         let share = marker.as_ref().map(WriterMarker::share);
         let plain = req.kind == LockKind::Exclusive;
         let busy_masters = Arc::new(AtomicU64::new(0));
+        let foreign = ForeignHolders::new(names.clone(), self.nodes.len(), self.quorum());
         let leader = self.leader_of(&req.key);
         let place = Arc::new(LeaderQueuePlace {
             backend: self.clone(),
@@ -1060,6 +1201,9 @@ impl LockBackend for RedlockBackend {
             deaf: 0,
             heeded: plain.then(|| busy_masters.clone()),
             queued_at_leader: queues.then_some((leader, place.id)),
+            foreign: plain.then(|| foreign.clone()),
+            keyspace: Vec::new(),
+            keyspace_refused: 0,
         };
         // Contenders woken by one release must not split the masters between them. A plain
         // lock's rounds after the first meet at the key's leader master (see
@@ -1093,6 +1237,7 @@ impl LockBackend for RedlockBackend {
                     place_score.clone(),
                 ),
                 place: place.clone(),
+                foreign: foreign.clone(),
             });
             self.attempt(req, share.clone(), contended)
         })

@@ -362,7 +362,7 @@ impl RedisBackend {
         let mut messages = ReleaseMessages::on(self.inner.wakeups.clone(), channels);
         let share = marker.as_ref().map(WriterMarker::share);
         let outcome = wait_for_grant(&req.key, wait, super::wait_policy(), &mut messages, || {
-            self.attempt_marking(req, share.clone(), None)
+            self.attempt_marking(req, share.clone(), None, None)
         })
         .await;
         if let (Some(marker), Ok(_)) = (&marker, &outcome) {

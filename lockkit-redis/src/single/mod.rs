@@ -35,7 +35,7 @@ use crate::{
 
 /// How long a waiter behind a holder in a foreign format (no release notification) sleeps
 /// between attempts at most.
-const FOREIGN_HOLDER_POLL: Duration = Duration::from_millis(100);
+pub(crate) const FOREIGN_HOLDER_POLL: Duration = Duration::from_millis(100);
 
 /// The same, while the key's deletion wakes the waiter through keyspace notifications
 /// (see [`ForeignWatch`]): a safety net for notifications turned off at the server since.
@@ -73,9 +73,6 @@ pub(crate) struct QueueTurn {
     /// and popped, and that then found the key taken by a newcomer, queues again at this
     /// place rather than at the back (see [`wire::ACQUIRE`]).
     pub(crate) place_score: Arc<AtomicU64>,
-    /// Where the attempt tells the wait whether the key is held in another format (one
-    /// server's plain-lock waits; see [`ForeignWatch`]).
-    pub(crate) foreign: Option<Arc<ForeignWatch>>,
 }
 
 impl QueueTurn {
@@ -85,15 +82,6 @@ impl QueueTurn {
             id,
             may_be_queued,
             place_score,
-            foreign: None,
-        }
-    }
-
-    /// The same, telling `watch` what the attempt finds.
-    fn watching(self, watch: Option<Arc<ForeignWatch>>) -> Self {
-        Self {
-            foreign: watch,
-            ..self
         }
     }
 }
@@ -291,6 +279,18 @@ impl RedisBackend {
         })
     }
 
+    /// A plain-lock wait's watch of `names`' key in another format (see [`ForeignWatch`]);
+    /// none in a cluster, where keyspace notifications are node-local.
+    pub(crate) fn foreign_watch(&self, names: &LockNames) -> Option<Arc<ForeignWatch>> {
+        (!self.inner.cluster).then(|| {
+            ForeignWatch::new(
+                self.inner.db,
+                &names.lock,
+                self.inner.keyspace_events.clone(),
+            )
+        })
+    }
+
     /// Asks the server once, in the background, whether it sends keyspace notifications
     /// of generic commands (`CONFIG GET notify-keyspace-events` has `K` and `g`, or `K` and
     /// `A`), for waits behind holders in another format (see [`ForeignWatch`]). A server
@@ -376,7 +376,9 @@ impl RedisBackend {
     /// see that the marker is forgotten when its wait ends without a grant.
     ///
     /// `proposed_token` (Redlock's, for a plain lock only) raises a new holder's token to
-    /// at least that value (see [`wire::ACQUIRE`]); read and write holds ignore it.
+    /// at least that value (see [`wire::ACQUIRE`]); read and write holds ignore it. With
+    /// `foreign`, the attempt tells that watch whether the key is held in another format
+    /// (a plain lock's wait; see [`ForeignWatch`]).
     pub(crate) async fn run_acquire_marking(
         &self,
         req: &AcquireRequest,
@@ -384,6 +386,7 @@ impl RedisBackend {
         marker: bool,
         proposed_token: Option<u64>,
         turn: Option<QueueTurn>,
+        foreign: Option<&ForeignWatch>,
     ) -> Result<Attempt> {
         if req.kind != LockKind::Exclusive {
             return self.run_kind_acquire(req, interrupt, marker).await;
@@ -487,7 +490,7 @@ impl RedisBackend {
                 asked: req.kind,
             });
         }
-        let watch = turn.as_ref().and_then(|turn| turn.foreign.as_ref());
+        let watch = foreign;
         let hears_deletion =
             watch.is_some_and(|watch| watch.saw_foreign_holder(granted == 0 && depth == 1));
         if granted != 1 {
@@ -554,7 +557,7 @@ impl RedisBackend {
     /// One cancel-safe acquire attempt: the script runs in its own task, and if the caller
     /// goes away before the answer arrives, a grant that arrives anyway is given back.
     pub(crate) async fn attempt(&self, req: &AcquireRequest) -> Result<Attempt> {
-        self.attempt_marking(req, None, None).await
+        self.attempt_marking(req, None, None, None).await
     }
 
     /// [`Self::attempt`]; with `marker`, a write or plain lock that finds the key busy also registers
@@ -567,6 +570,7 @@ impl RedisBackend {
         req: &AcquireRequest,
         marker: Option<std::sync::Arc<MarkShare>>,
         turn: Option<(QueueTurn, Arc<QueuePlace>)>,
+        foreign: Option<Arc<ForeignWatch>>,
     ) -> Result<Attempt> {
         let (turn, place) = turn.unzip();
         let (this, request, giver) = (self.clone(), req.clone(), self.clone());
@@ -586,6 +590,7 @@ impl RedisBackend {
                             marker.is_some(),
                             None,
                             turn,
+                            foreign.as_deref(),
                         )
                         .await;
                     if marker.as_ref().is_some_and(|share| share.finish()) {
@@ -624,14 +629,7 @@ impl RedisBackend {
             id,
             may_be_queued: AtomicBool::new(false),
         });
-        // Keyspace notifications are node-local in a cluster: one server's waits only.
-        let watch = (!self.inner.cluster).then(|| {
-            ForeignWatch::new(
-                self.inner.db,
-                &names.lock,
-                self.inner.keyspace_events.clone(),
-            )
-        });
+        let watch = self.foreign_watch(&names);
         let mut messages = ReleaseMessages::queued(self.inner.wakeups.clone(), names.channel, id);
         if let Some(watch) = &watch {
             messages = messages.watching(watch.clone());
@@ -642,9 +640,13 @@ impl RedisBackend {
                 id,
                 place.may_be_queued.swap(true, Ordering::AcqRel),
                 place_score.clone(),
+            );
+            self.attempt_marking(
+                req,
+                Some(share.clone()),
+                Some((turn, place.clone())),
+                watch.clone(),
             )
-            .watching(watch.clone());
-            self.attempt_marking(req, Some(share.clone()), Some((turn, place.clone())))
         })
         .await;
         if outcome.is_ok() {
