@@ -41,7 +41,7 @@ impl ForeignHolders {
     pub(super) fn watch(&self, index: usize, node: &RedisBackend) -> Option<Arc<ForeignWatch>> {
         self.watches
             .get(index)?
-            .get_or_init(|| node.foreign_watch(&self.names))
+            .get_or_init(|| node.foreign_watch(&self.names.lock))
             .clone()
     }
 

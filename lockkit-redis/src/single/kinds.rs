@@ -9,9 +9,9 @@ use lockkit_core::{Error, FencingToken, HolderIdentity, HolderInfo, LockKey, Loc
 use redis::{Script, Value};
 use tokio::time::Instant;
 
-use super::{FOREIGN_HOLDER_POLL, RedisBackend, attempt_field, number, text, ttl_millis};
+use super::{RedisBackend, attempt_field, number, text, ttl_millis};
 use crate::{
-    conn::ReleaseMessages,
+    conn::{ForeignWatch, ReleaseMessages},
     wire::{self, KindNames},
 };
 
@@ -238,6 +238,7 @@ impl RedisBackend {
         req: &AcquireRequest,
         interrupt: Option<&Interrupt>,
         marker: bool,
+        foreign: Option<&ForeignWatch>,
     ) -> Result<Attempt> {
         let names = self.kind_names(&req.key)?;
         let owner = req.owner.to_string();
@@ -304,6 +305,9 @@ impl RedisBackend {
         };
         let start = Instant::now();
         let ((code, value, extra), confirmed) = self.eval_grant(call, interrupt).await?;
+        let hears_deletion = foreign.is_some_and(|watch| {
+            watch.saw_foreign_holder(code == 0 && extra == wire::BUSY_FOREIGN)
+        });
         match code {
             1 => {
                 let grant = Grant::new(
@@ -323,7 +327,9 @@ impl RedisBackend {
                     ms => u64::try_from(ms).ok().map(Duration::from_millis),
                 };
                 if extra == wire::BUSY_FOREIGN {
-                    left = Some(left.map_or(FOREIGN_HOLDER_POLL, |l| l.min(FOREIGN_HOLDER_POLL)));
+                    // A holder in another format publishes nothing when it lets go.
+                    let poll = self.foreign_holder_poll(foreign.is_some(), hears_deletion);
+                    left = Some(left.map_or(poll, |l| l.min(poll)));
                 }
                 if marker && req.kind == LockKind::Write {
                     left = Some(left.map_or(MARKER_REFRESH, |l| l.min(MARKER_REFRESH)));
@@ -360,9 +366,14 @@ impl RedisBackend {
         let writer = req.kind == LockKind::Write;
         let marker = writer.then(|| WriterMarker::new(self.clone(), req.clone()));
         let mut messages = ReleaseMessages::on(self.inner.wakeups.clone(), channels);
+        // Heard letting go when held in another format (see `ForeignWatch`).
+        let watch = self.foreign_watch(&names.lock);
+        if let Some(watch) = &watch {
+            messages = messages.watching(watch.clone());
+        }
         let share = marker.as_ref().map(WriterMarker::share);
         let outcome = wait_for_grant(&req.key, wait, super::wait_policy(), &mut messages, || {
-            self.attempt_marking(req, share.clone(), None, None)
+            self.attempt_marking(req, share.clone(), None, watch.clone())
         })
         .await;
         if let (Some(marker), Ok(_)) = (&marker, &outcome) {

@@ -279,16 +279,26 @@ impl RedisBackend {
         })
     }
 
-    /// A plain-lock wait's watch of `names`' key in another format (see [`ForeignWatch`]);
-    /// none in a cluster, where keyspace notifications are node-local.
-    pub(crate) fn foreign_watch(&self, names: &LockNames) -> Option<Arc<ForeignWatch>> {
-        (!self.inner.cluster).then(|| {
-            ForeignWatch::new(
-                self.inner.db,
-                &names.lock,
-                self.inner.keyspace_events.clone(),
-            )
-        })
+    /// A wait's watch of the key named `lock` held in another format (see
+    /// [`ForeignWatch`]); none in a cluster, where keyspace notifications are node-local.
+    pub(crate) fn foreign_watch(&self, lock: &str) -> Option<Arc<ForeignWatch>> {
+        (!self.inner.cluster)
+            .then(|| ForeignWatch::new(self.inner.db, lock, self.inner.keyspace_events.clone()))
+    }
+
+    /// How long a wait behind a holder in another format sleeps at most: a second while the
+    /// holder's deletion wakes it (`hears_deletion`, see [`ForeignWatch`]), else
+    /// [`FOREIGN_HOLDER_POLL`] (and, for a wait that watches, the server is asked once
+    /// whether it sends keyspace notifications).
+    pub(crate) fn foreign_holder_poll(&self, watched: bool, hears_deletion: bool) -> Duration {
+        if hears_deletion {
+            FOREIGN_HOLDER_POLL_NOTIFIED
+        } else {
+            if watched {
+                self.probe_keyspace_events();
+            }
+            FOREIGN_HOLDER_POLL
+        }
     }
 
     /// Asks the server once, in the background, whether it sends keyspace notifications
@@ -389,7 +399,7 @@ impl RedisBackend {
         foreign: Option<&ForeignWatch>,
     ) -> Result<Attempt> {
         if req.kind != LockKind::Exclusive {
-            return self.run_kind_acquire(req, interrupt, marker).await;
+            return self.run_kind_acquire(req, interrupt, marker, foreign).await;
         }
         let names = self.names(&req.key)?;
         let waiting_writers = wire::waiting_writers_of(&names);
@@ -499,14 +509,7 @@ impl RedisBackend {
                 // A holder in another format (redis-py, redsync: a plain string) publishes
                 // nothing when it lets go: look again soon instead of sleeping out its TTL,
                 // or, once its deletion wakes the waiter, now and then (a safety net).
-                let poll = match watch {
-                    Some(_) if hears_deletion => FOREIGN_HOLDER_POLL_NOTIFIED,
-                    Some(_) => {
-                        self.probe_keyspace_events();
-                        FOREIGN_HOLDER_POLL
-                    }
-                    None => FOREIGN_HOLDER_POLL,
-                };
+                let poll = self.foreign_holder_poll(watch.is_some(), hears_deletion);
                 left = Some(left.map_or(poll, |l| l.min(poll)));
             }
             if depth == wire::BUSY_MARKED {
@@ -629,7 +632,7 @@ impl RedisBackend {
             id,
             may_be_queued: AtomicBool::new(false),
         });
-        let watch = self.foreign_watch(&names);
+        let watch = self.foreign_watch(&names.lock);
         let mut messages = ReleaseMessages::queued(self.inner.wakeups.clone(), names.channel, id);
         if let Some(watch) = &watch {
             messages = messages.watching(watch.clone());
