@@ -26,6 +26,7 @@ pub mod holder;
 mod memory_harness;
 mod own_redis;
 pub mod proxy;
+pub mod rng;
 pub mod silence;
 mod support;
 
@@ -45,6 +46,7 @@ pub use lockkit_core;
 pub use memory_harness::MemoryHarness;
 pub use own_redis::OwnRedis;
 pub use proxy::{FaultProxy, LinkState, ProxiedClients};
+pub use rng::{Rng, torture_seed};
 pub use silence::SilencedLinks;
 pub use support::{Check, Space};
 

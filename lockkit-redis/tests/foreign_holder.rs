@@ -13,37 +13,8 @@ use lockkit_redis::RedisBackend;
 use redis::aio::MultiplexedConnection;
 use uuid::Uuid;
 
-async fn admin(server: &OwnRedis, db: u8) -> MultiplexedConnection {
-    redis::Client::open(format!("{}/{db}", server.url()))
-        .unwrap()
-        .get_multiplexed_async_connection()
-        .await
-        .unwrap()
-}
-
-/// `EVALSHA` calls the server has run so far (lockkit's acquire attempts, among others).
-async fn evalsha_calls(conn: &mut MultiplexedConnection) -> u64 {
-    let info: String = redis::cmd("INFO")
-        .arg("commandstats")
-        .query_async(conn)
-        .await
-        .unwrap();
-    info.lines()
-        .find_map(|line| line.strip_prefix("cmdstat_evalsha:calls="))
-        .and_then(|rest| rest.split(',').next())
-        .map_or(0, |calls| calls.parse().unwrap())
-}
-
-/// Subscribers of `channel` (`PUBSUB NUMSUB`).
-async fn subscribers(conn: &mut MultiplexedConnection, channel: &str) -> i64 {
-    let (_, count): (String, i64) = redis::cmd("PUBSUB")
-        .arg("NUMSUB")
-        .arg(channel)
-        .query_async(conn)
-        .await
-        .unwrap();
-    count
-}
+mod support;
+use support::{admin, evalsha_calls, spawn_waiter, subscribers};
 
 /// Takes `name` as a foreign client does: a plain string, set if absent, with a lease.
 async fn take_as_foreign(conn: &mut MultiplexedConnection, name: &str) {
@@ -57,26 +28,6 @@ async fn take_as_foreign(conn: &mut MultiplexedConnection, name: &str) {
         .await
         .unwrap();
     assert_eq!(set.as_deref(), Some("OK"));
-}
-
-/// A task that waits (60 s at most) for `name` through `locker`, releases it at once, and
-/// answers when it was granted; `why` says what the grant means.
-fn spawn_waiter(
-    locker: &Locker,
-    name: &str,
-    why: &'static str,
-) -> tokio::task::JoinHandle<Instant> {
-    let (locker, name) = (locker.clone(), name.to_owned());
-    tokio::spawn(async move {
-        let guard = locker
-            .acquire(name.as_str())
-            .wait(Duration::from_secs(60))
-            .await
-            .expect(why);
-        let granted = Instant::now();
-        guard.release().await.unwrap();
-        granted
-    })
 }
 
 /// Waits behind a foreign holder for `hold`, then deletes its key; answers the keyspace

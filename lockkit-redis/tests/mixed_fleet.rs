@@ -17,7 +17,7 @@ use std::{
     time::Duration,
 };
 
-use lockkit_conformance::OwnRedis;
+use lockkit_conformance::{OwnRedis, Rng, torture_seed};
 use lockkit_core::{LockBackend, Locker};
 use lockkit_redis::{RedisBackend, RedlockBackend};
 use tokio::time::Instant;
@@ -28,34 +28,6 @@ const TASKS_PER_LOCKKIT_CLIENT: usize = 3;
 const RSLOCK_TASKS: usize = 2;
 /// Far longer than any wait needs: every hold lasts 30 ms at most.
 const WAIT: Duration = Duration::from_secs(30);
-
-/// SplitMix64.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n
-    }
-}
-
-fn seed() -> u64 {
-    std::env::var("LOCKKIT_TORTURE_SEED")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or_else(|| {
-            std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .map_or(1, |d| d.as_nanos() as u64)
-        })
-}
 
 /// Who is inside each key's critical section: +1 on a grant, -1 before the release.
 struct Inside {
@@ -167,7 +139,7 @@ where
     F: Fn() -> Fut,
     Fut: std::future::Future<Output = B>,
 {
-    let seed = seed();
+    let seed = torture_seed();
     eprintln!(
         "mixed fleet on {} server(s): LOCKKIT_TORTURE_SEED={seed}",
         urls.len()
@@ -193,7 +165,7 @@ where
                 locker.clone(),
                 names.clone(),
                 inside.clone(),
-                rng.next(),
+                rng.next_u64(),
                 until,
             )));
         }
@@ -203,7 +175,7 @@ where
             urls.clone(),
             names.clone(),
             inside.clone(),
-            rng.next(),
+            rng.next_u64(),
             until,
         )));
     }

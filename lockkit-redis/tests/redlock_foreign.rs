@@ -14,6 +14,9 @@ use lockkit_redis::RedlockBackend;
 use redis::aio::MultiplexedConnection;
 use uuid::Uuid;
 
+mod support;
+use support::{admin, evalsha_calls, spawn_waiter, subscribers};
+
 /// Five masters of the test's own started with `args`; `None` when `redis-server` is
 /// missing outside CI.
 fn five_masters(args: &[&str]) -> Option<Vec<OwnRedis>> {
@@ -28,62 +31,23 @@ fn redlock_url(masters: &[OwnRedis]) -> String {
     format!("redlock://{}", hosts.join(","))
 }
 
-async fn admin(master: &OwnRedis) -> MultiplexedConnection {
-    redis::Client::open(master.url())
-        .unwrap()
-        .get_multiplexed_async_connection()
-        .await
-        .unwrap()
-}
-
 /// `EVALSHA` calls the masters have run so far, summed (lockkit's acquire rounds, among
 /// others).
-async fn evalsha_calls(admins: &mut [MultiplexedConnection]) -> u64 {
+async fn evalsha_calls_on(admins: &mut [MultiplexedConnection]) -> u64 {
     let mut calls = 0;
     for conn in admins {
-        let info: String = redis::cmd("INFO")
-            .arg("commandstats")
-            .query_async(conn)
-            .await
-            .unwrap();
-        calls += info
-            .lines()
-            .find_map(|line| line.strip_prefix("cmdstat_evalsha:calls="))
-            .and_then(|rest| rest.split(',').next())
-            .map_or(0, |calls| calls.parse::<u64>().unwrap());
+        calls += evalsha_calls(conn).await;
     }
     calls
 }
 
 /// Subscribers of `channel` on each master (`PUBSUB NUMSUB`).
-async fn subscribers(admins: &mut [MultiplexedConnection], channel: &str) -> Vec<i64> {
+async fn subscribers_on(admins: &mut [MultiplexedConnection], channel: &str) -> Vec<i64> {
     let mut counts = Vec::new();
     for conn in admins {
-        let (_, count): (String, i64) = redis::cmd("PUBSUB")
-            .arg("NUMSUB")
-            .arg(channel)
-            .query_async(conn)
-            .await
-            .unwrap();
-        counts.push(count);
+        counts.push(subscribers(conn, channel).await);
     }
     counts
-}
-
-/// A task that waits (60 s at most) for `name` through `locker`, releases it at once, and
-/// answers when it was granted.
-fn spawn_waiter(locker: &Locker, name: &str) -> tokio::task::JoinHandle<Instant> {
-    let (locker, name) = (locker.clone(), name.to_owned());
-    tokio::spawn(async move {
-        let guard = locker
-            .acquire(name.as_str())
-            .wait(Duration::from_secs(60))
-            .await
-            .expect("granted once the rslock holder lets go");
-        let granted = Instant::now();
-        guard.release().await.unwrap();
-        granted
-    })
 }
 
 /// What a wait behind rslock's Redlock showed: the keyspace channel's subscribers on each
@@ -100,7 +64,7 @@ struct Behind {
 async fn wait_behind_rslock(masters: &[OwnRedis], hold: Duration) -> Behind {
     let mut admins = Vec::new();
     for master in masters {
-        admins.push(admin(master).await);
+        admins.push(admin(master, 0).await);
     }
     let urls: Vec<String> = masters.iter().map(OwnRedis::url).collect();
     let rslock = rslock::LockManager::new(urls);
@@ -114,13 +78,13 @@ async fn wait_behind_rslock(masters: &[OwnRedis], hold: Duration) -> Behind {
             .await
             .unwrap(),
     );
-    let waiter = spawn_waiter(&locker, &name);
+    let waiter = spawn_waiter(&locker, &name, "granted once the rslock holder lets go");
     // The first rounds (and, where the masters send them, the keyspace subscriptions).
     tokio::time::sleep(Duration::from_millis(500)).await;
-    let listening = subscribers(&mut admins, &format!("__keyspace@0__:{name}")).await;
-    let before = evalsha_calls(&mut admins).await;
+    let listening = subscribers_on(&mut admins, &format!("__keyspace@0__:{name}")).await;
+    let before = evalsha_calls_on(&mut admins).await;
     tokio::time::sleep(hold).await;
-    let attempts = evalsha_calls(&mut admins).await - before;
+    let attempts = evalsha_calls_on(&mut admins).await - before;
     assert!(!waiter.is_finished(), "granted while rslock held");
     rslock.unlock(&held).await;
     let unlocked = Instant::now();
@@ -204,7 +168,7 @@ async fn a_redlock_waiter_wakes_when_a_quorum_of_masters_let_go() {
     };
     let mut admins = Vec::new();
     for master in &masters {
-        admins.push(admin(master).await);
+        admins.push(admin(master, 0).await);
     }
     let name = format!("foreign/{}", Uuid::new_v4().simple());
     for conn in &mut admins {
@@ -226,10 +190,10 @@ async fn a_redlock_waiter_wakes_when_a_quorum_of_masters_let_go() {
     let leader = backend.leader_master(&LockKey::new(name.as_str()).unwrap());
     let let_go: Vec<usize> = (0..5).filter(|index| *index != leader).collect();
     let locker = Locker::new(backend);
-    let waiter = spawn_waiter(&locker, &name);
+    let waiter = spawn_waiter(&locker, &name, "granted once the rslock holder lets go");
     tokio::time::sleep(Duration::from_millis(500)).await;
     assert_eq!(
-        subscribers(&mut admins, &format!("__keyspace@0__:{name}")).await,
+        subscribers_on(&mut admins, &format!("__keyspace@0__:{name}")).await,
         vec![1; 5]
     );
     let delete = |conn: &mut MultiplexedConnection| {

@@ -21,42 +21,15 @@ use lockkit_core::{Error, LockGuard, LockKey, Locker, Owner};
 use tokio::time::Instant;
 
 use super::{assert_free, generous_wait};
-use crate::{Check, Harness, HookError, Outcome, Space, history::OpenHold};
+use crate::{
+    Check, Harness, HookError, Outcome, Space,
+    history::OpenHold,
+    rng::{Rng, env_u64, torture_seed},
+};
 
 const CLIENTS: usize = 3;
 const OWNERS_PER_CLIENT: usize = 2;
 const KEYS: usize = 3;
-
-/// SplitMix64: small, seedable, good enough to pick operations.
-#[derive(Debug, Clone)]
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n.max(1)
-    }
-
-    fn pick<T: Copy>(&mut self, items: &[T]) -> T {
-        items[self.below(items.len() as u64) as usize]
-    }
-
-    fn duration(&mut self, max: Duration) -> Duration {
-        let max_us = u64::try_from(max.as_micros()).unwrap_or(u64::MAX);
-        Duration::from_micros(self.below(max_us + 1))
-    }
-}
-
-fn env_u64(name: &str) -> Option<u64> {
-    std::env::var(name).ok()?.trim().parse().ok()
-}
 
 /// One owner's hold on one key: its guards (one per depth) and its open history record.
 struct Held {
@@ -290,12 +263,7 @@ async fn chaos<H: Harness>(
 /// and nothing stays held at the end.
 pub async fn histories_stay_linear<H: Harness>(h: &H) -> Outcome {
     let space = Space::new("histories_stay_linear");
-    let seed = env_u64("LOCKKIT_TORTURE_SEED").unwrap_or_else(|| {
-        let t = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.as_nanos() as u64);
-        t ^ u64::from(std::process::id())
-    });
+    let seed = torture_seed();
     let budget = Duration::from_secs(env_u64("LOCKKIT_TORTURE_SECS").unwrap_or(8));
     let short = h.short_ttl();
     let world = Arc::new(World {
@@ -328,7 +296,7 @@ pub async fn histories_stay_linear<H: Harness>(h: &H) -> Outcome {
                     holder: format!("c{c}o{o}"),
                     owner: owner.clone(),
                     held: HashMap::new(),
-                    rng: Rng(rng.next()),
+                    rng: Rng(rng.next_u64()),
                 });
             }
         }
@@ -339,7 +307,7 @@ pub async fn histories_stay_linear<H: Harness>(h: &H) -> Outcome {
     let run = async {
         let chaos_runs = clients
             .iter()
-            .map(|client| chaos(h, client, Rng(rng.next()), short, &stop));
+            .map(|client| chaos(h, client, Rng(rng.next_u64()), short, &stop));
         let actor_runs = actors.into_iter().map(|mut actor| {
             let world = world.clone();
             async move {

@@ -1,0 +1,63 @@
+//! What the tests of waits behind other clients' holders share: an admin connection to a
+//! server of the test's own, the server's counters, and a waiter task.
+
+#![allow(dead_code)] // each test file uses some of these
+
+use std::time::{Duration, Instant};
+
+use lockkit_conformance::OwnRedis;
+use lockkit_core::Locker;
+use redis::aio::MultiplexedConnection;
+
+/// A plain connection to `server`'s database `db`.
+pub async fn admin(server: &OwnRedis, db: u8) -> MultiplexedConnection {
+    redis::Client::open(format!("{}/{db}", server.url()))
+        .unwrap()
+        .get_multiplexed_async_connection()
+        .await
+        .unwrap()
+}
+
+/// `EVALSHA` calls the server has run so far (lockkit's acquire attempts, among others).
+pub async fn evalsha_calls(conn: &mut MultiplexedConnection) -> u64 {
+    let info: String = redis::cmd("INFO")
+        .arg("commandstats")
+        .query_async(conn)
+        .await
+        .unwrap();
+    info.lines()
+        .find_map(|line| line.strip_prefix("cmdstat_evalsha:calls="))
+        .and_then(|rest| rest.split(',').next())
+        .map_or(0, |calls| calls.parse().unwrap())
+}
+
+/// Subscribers of `channel` (`PUBSUB NUMSUB`).
+pub async fn subscribers(conn: &mut MultiplexedConnection, channel: &str) -> i64 {
+    let (_, count): (String, i64) = redis::cmd("PUBSUB")
+        .arg("NUMSUB")
+        .arg(channel)
+        .query_async(conn)
+        .await
+        .unwrap();
+    count
+}
+
+/// A task that waits (60 s at most) for `name` through `locker`, releases it at once, and
+/// answers when it was granted; `why` says what the grant means.
+pub fn spawn_waiter(
+    locker: &Locker,
+    name: &str,
+    why: &'static str,
+) -> tokio::task::JoinHandle<Instant> {
+    let (locker, name) = (locker.clone(), name.to_owned());
+    tokio::spawn(async move {
+        let guard = locker
+            .acquire(name.as_str())
+            .wait(Duration::from_secs(60))
+            .await
+            .expect(why);
+        let granted = Instant::now();
+        guard.release().await.unwrap();
+        granted
+    })
+}
