@@ -14,21 +14,7 @@ use redis::aio::MultiplexedConnection;
 use uuid::Uuid;
 
 mod support;
-use support::{admin, evalsha_calls, spawn_waiter, subscribers};
-
-/// Takes `name` as a foreign client does: a plain string, set if absent, with a lease.
-async fn take_as_foreign(conn: &mut MultiplexedConnection, name: &str) {
-    let set: Option<String> = redis::cmd("SET")
-        .arg(name)
-        .arg("a-foreign-token")
-        .arg("NX")
-        .arg("PX")
-        .arg(60_000)
-        .query_async(conn)
-        .await
-        .unwrap();
-    assert_eq!(set.as_deref(), Some("OK"));
-}
+use support::{admin, evalsha_calls, spawn_waiter, subscribers, take_as_foreign};
 
 /// Waits behind a foreign holder for `hold`, then deletes its key; answers the keyspace
 /// channel's subscribers seen during the hold, the acquire scripts run during it, and how

@@ -15,7 +15,7 @@ use redis::aio::MultiplexedConnection;
 use uuid::Uuid;
 
 mod support;
-use support::{admin, evalsha_calls, spawn_waiter, subscribers};
+use support::{admin, evalsha_calls, spawn_waiter, subscribers, take_as_foreign};
 
 /// Five masters of the test's own started with `args`; `None` when `redis-server` is
 /// missing outside CI.
@@ -172,16 +172,7 @@ async fn a_redlock_waiter_wakes_when_a_quorum_of_masters_let_go() {
     }
     let name = format!("foreign/{}", Uuid::new_v4().simple());
     for conn in &mut admins {
-        let set: Option<String> = redis::cmd("SET")
-            .arg(&name)
-            .arg("a-foreign-token")
-            .arg("NX")
-            .arg("PX")
-            .arg(60_000)
-            .query_async(conn)
-            .await
-            .unwrap();
-        assert_eq!(set.as_deref(), Some("OK"));
+        take_as_foreign(conn, &name).await;
     }
     let backend = RedlockBackend::connect(&redlock_url(&masters))
         .await

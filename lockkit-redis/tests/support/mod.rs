@@ -61,3 +61,17 @@ pub fn spawn_waiter(
         granted
     })
 }
+
+/// Takes `name` as a foreign client does: a plain string, set if absent, with a lease.
+pub async fn take_as_foreign(conn: &mut MultiplexedConnection, name: &str) {
+    let set: Option<String> = redis::cmd("SET")
+        .arg(name)
+        .arg("a-foreign-token")
+        .arg("NX")
+        .arg("PX")
+        .arg(60_000)
+        .query_async(conn)
+        .await
+        .unwrap();
+    assert_eq!(set.as_deref(), Some("OK"));
+}
