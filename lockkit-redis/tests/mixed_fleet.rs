@@ -1,139 +1,111 @@
-//! A randomized history of a mixed fleet: lockkit clients and rslock clients contend for
-//! the same few keys, on one Redis server and on five Redlock masters (where three send
-//! keyspace notifications and two do not), with lockkit waits that give up or are dropped
-//! mid-way. rslock holds a key as a plain `SET NX PX` string and publishes nothing when it
-//! lets go, so lockkit's waiters behind it hear its deletion through keyspace notifications
-//! (or poll). The case fails on two holders of one key at once (whoever they are), on a
-//! waiter that was never granted within a wait far longer than every hold, on a key left
-//! held at the end, and on a keyspace or release subscription left behind.
+//! A randomized history of a mixed fleet: lockkit clients (tries, waits, and waits dropped
+//! mid-way), rslock clients and, on one server, redis-py `Lock` processes contend for the
+//! same two keys, on one Redis server and on five Redlock masters (where three send keyspace
+//! notifications and two do not). rslock and redis-py hold a key as a plain `SET NX PX`
+//! string and publish nothing when they let go, so lockkit's waiters behind them hear the
+//! deletion through keyspace notifications (or poll). Every holder writes its critical
+//! sections into a shared ledger (`lockkit_conformance::Ledger`); the case fails on two
+//! holders of one key at once, on a wait never granted within 30 s, on a key left held at
+//! the end, and on a keyspace or release subscription left behind. redis-py needs
+//! `$LOCKKIT_TEST_PYTHON` (scripts/services.sh installs it); without it (outside CI) the
+//! single-server fleet runs without redis-py.
 //!
-//! Seeded: `LOCKKIT_TORTURE_SEED=<n>` replays a run (the seed is printed).
+//! Seeded: `LOCKKIT_TORTURE_SEED=<n>` replays the in-process side of a run.
 
 use std::{
-    sync::{
-        Arc,
-        atomic::{AtomicU32, AtomicUsize, Ordering},
-    },
+    process::{Child, Command, Stdio},
+    sync::Arc,
     time::Duration,
 };
 
-use lockkit_conformance::{OwnRedis, Rng, torture_seed};
+use lockkit_conformance::{Ledger, OwnRedis, Rng, env, fleet, torture_seed};
 use lockkit_core::{LockBackend, Locker};
 use lockkit_redis::{RedisBackend, RedlockBackend};
 use tokio::time::Instant;
 
-const KEYS: usize = 2;
 const LOCKKIT_CLIENTS: usize = 2;
 const TASKS_PER_LOCKKIT_CLIENT: usize = 3;
 const RSLOCK_TASKS: usize = 2;
-/// Far longer than any wait needs: every hold lasts 30 ms at most.
-const WAIT: Duration = Duration::from_secs(30);
+const REDIS_PY_PROCESSES: usize = 1;
+const SECONDS: u64 = 6;
 
-/// Who is inside each key's critical section: +1 on a grant, -1 before the release.
-struct Inside {
-    keys: Vec<AtomicUsize>,
-    holds: AtomicU32,
-    rslock_holds: AtomicU32,
-}
+/// One redis-py process of the fleet: `Lock`s on the names given (polling every 5 ms,
+/// waiting up to 30 s), each held up to 30 ms with its sections in the ledger; prints its
+/// holds.
+const REDIS_PY_HOLDER: &str = r#"
+import os, random, sys, time
+import redis
+url, ledger, seconds, seed = sys.argv[1:5]
+names = sys.argv[5:]
+random.seed(int(seed))
+fd = os.open(ledger, os.O_WRONLY | os.O_APPEND)
+r = redis.Redis.from_url(url)
+locks = [r.lock(name, timeout=10, sleep=0.005, blocking_timeout=30) for name in names]
+me = "redispy-%d" % os.getpid()
+end, holds = time.monotonic() + float(seconds), 0
+while time.monotonic() < end:
+    i = random.randrange(len(names))
+    if not locks[i].acquire():
+        print("redis-py never got key %d in 30 s" % i, flush=True)
+        sys.exit(1)
+    os.write(fd, ("enter %d %s\n" % (i, me)).encode())
+    time.sleep(random.random() * 0.03)
+    os.write(fd, ("exit %d %s\n" % (i, me)).encode())
+    locks[i].release()
+    holds += 1
+print(holds, flush=True)
+"#;
 
-impl Inside {
-    fn enter(&self, key: usize, who: &str) {
-        let before = self.keys[key].fetch_add(1, Ordering::SeqCst);
-        assert_eq!(
-            before, 0,
-            "{who} was granted key {key} while another held it"
-        );
-        self.holds.fetch_add(1, Ordering::Relaxed);
-    }
-
-    fn leave(&self, key: usize) {
-        self.keys[key].fetch_sub(1, Ordering::SeqCst);
-    }
-}
-
-async fn lockkit_task(
-    locker: Locker,
-    names: Vec<String>,
-    inside: Arc<Inside>,
-    seed: u64,
-    until: Instant,
-) {
-    let mut rng = Rng(seed);
-    while Instant::now() < until {
-        let key = rng.below(KEYS as u64) as usize;
-        let name = names[key].as_str();
-        let who = format!("lockkit task {seed:x}");
-        let guard = match rng.below(10) {
-            // A try, which may find the key busy.
-            0 => match locker.acquire(name).try_now().await {
-                Ok(Some(guard)) => guard,
-                Ok(None) => continue,
-                Err(error) => panic!("{who}: try failed: {error}"),
-            },
-            // A wait dropped mid-way (cancellation safety: nothing may stay held).
-            1 | 2 => {
-                let cut = Duration::from_millis(rng.below(40));
-                match tokio::time::timeout(cut, locker.acquire(name).wait(WAIT)).await {
-                    Ok(Ok(guard)) => guard,
-                    Ok(Err(error)) => panic!("{who}: wait failed: {error}"),
-                    Err(_) => continue,
-                }
-            }
-            _ => locker
-                .acquire(name)
-                .wait(WAIT)
-                .await
-                .unwrap_or_else(|error| panic!("{who}: not granted within {WAIT:?}: {error}")),
-        };
-        inside.enter(key, &who);
-        tokio::time::sleep(Duration::from_millis(rng.below(30))).await;
-        inside.leave(key);
-        guard
-            .release()
-            .await
-            .unwrap_or_else(|error| panic!("{who}: release failed: {error}"));
-    }
-}
-
-async fn rslock_task(
+/// rslock on `urls` (Redlock when several), named `who`, until `until`: one round per try,
+/// retried every 1-20 ms until granted, each hold up to 30 ms. Answers its holds.
+async fn rslock_holder(
     urls: Vec<String>,
     names: Vec<String>,
-    inside: Arc<Inside>,
+    ledger: Arc<Ledger>,
+    who: String,
     seed: u64,
     until: Instant,
-) {
+) -> usize {
     let mut manager = rslock::LockManager::new(urls);
-    // Its own retries are ours: one round per call.
     manager.set_retry(1, Duration::from_millis(1));
     let mut rng = Rng(seed);
+    let mut holds = 0;
     while Instant::now() < until {
-        let key = rng.below(KEYS as u64) as usize;
+        let index = rng.below(names.len() as u64) as usize;
         let started = Instant::now();
         let held = loop {
             match manager
-                .lock(names[key].as_bytes(), Duration::from_secs(10))
+                .lock(names[index].as_bytes(), Duration::from_secs(10))
                 .await
             {
                 Ok(held) => break held,
                 Err(_) => {
                     assert!(
-                        started.elapsed() < WAIT,
-                        "rslock never got key {key} in {WAIT:?}"
+                        started.elapsed() < fleet::FLEET_WAIT,
+                        "{who} never got key {index} in {:?}",
+                        fleet::FLEET_WAIT
                     );
                     tokio::time::sleep(Duration::from_millis(1 + rng.below(20))).await;
                 }
             }
         };
-        inside.enter(key, "rslock");
-        inside.rslock_holds.fetch_add(1, Ordering::Relaxed);
-        tokio::time::sleep(Duration::from_millis(rng.below(30))).await;
-        inside.leave(key);
+        ledger.enter(&index.to_string(), &who).unwrap();
+        tokio::time::sleep(rng.duration(fleet::HOLD_AT_MOST)).await;
+        ledger.exit(&index.to_string(), &who).unwrap();
         manager.unlock(&held).await;
+        holds += 1;
     }
+    holds
 }
 
-/// Runs the fleet for `secs` seconds: lockkit clients made by `connect`, rslock on `urls`.
-async fn run_fleet<B, F, Fut>(urls: Vec<String>, connect: F, secs: u64)
+/// Runs the fleet for [`SECONDS`]: lockkit clients made by `connect`, rslock on `urls`,
+/// and redis-py processes on `redis_py` (a server's URL) with `python`. Answers the lockkit
+/// backends, for checks after.
+async fn run_fleet<B, F, Fut>(
+    urls: Vec<String>,
+    connect: F,
+    redis_py: Option<(String, String)>,
+) -> Vec<B>
 where
     B: LockBackend + Clone + 'static,
     F: Fn() -> Fut,
@@ -144,37 +116,49 @@ where
         "mixed fleet on {} server(s): LOCKKIT_TORTURE_SEED={seed}",
         urls.len()
     );
-    let names: Vec<String> = (0..KEYS)
-        .map(|key| format!("mixed/{seed:x}/{key}"))
-        .collect();
-    let inside = Arc::new(Inside {
-        keys: (0..KEYS).map(|_| AtomicUsize::new(0)).collect(),
-        holds: AtomicU32::new(0),
-        rslock_holds: AtomicU32::new(0),
-    });
-    let until = Instant::now() + Duration::from_secs(secs);
+    let names: Vec<String> = (0..2).map(|key| format!("mixed/{seed:x}/{key}")).collect();
+    let ledger = Arc::new(Ledger::new().unwrap());
+    let mut children: Vec<Child> = Vec::new();
+    if let Some((python, url)) = &redis_py {
+        for n in 0..REDIS_PY_PROCESSES {
+            children.push(
+                Command::new(python)
+                    .args(["-c", REDIS_PY_HOLDER, url])
+                    .arg(ledger.path())
+                    .arg(SECONDS.to_string())
+                    .arg((seed ^ n as u64).to_string())
+                    .args(&names)
+                    .stdout(Stdio::piped())
+                    .spawn()
+                    .unwrap(),
+            );
+        }
+    }
+    let until = Instant::now() + Duration::from_secs(SECONDS);
     let mut backends = Vec::new();
     let mut tasks = Vec::new();
     let mut rng = Rng(seed);
-    for _ in 0..LOCKKIT_CLIENTS {
+    for client in 0..LOCKKIT_CLIENTS {
         let backend = connect().await;
         let locker = Locker::new(backend.clone());
         backends.push(backend);
-        for _ in 0..TASKS_PER_LOCKKIT_CLIENT {
-            tasks.push(tokio::spawn(lockkit_task(
+        for task in 0..TASKS_PER_LOCKKIT_CLIENT {
+            tasks.push(tokio::spawn(fleet::lockkit_holder(
                 locker.clone(),
                 names.clone(),
-                inside.clone(),
+                ledger.clone(),
+                format!("lockkit-{client}.{task}"),
                 rng.next_u64(),
                 until,
             )));
         }
     }
-    for _ in 0..RSLOCK_TASKS {
-        tasks.push(tokio::spawn(rslock_task(
+    for n in 0..RSLOCK_TASKS {
+        tasks.push(tokio::spawn(rslock_holder(
             urls.clone(),
             names.clone(),
-            inside.clone(),
+            ledger.clone(),
+            format!("rslock-{n}"),
             rng.next_u64(),
             until,
         )));
@@ -183,15 +167,35 @@ where
         task.await
             .expect("a fleet task failed (its message is above)");
     }
-    let (holds, rslock_holds) = (
-        inside.holds.load(Ordering::Relaxed),
-        inside.rslock_holds.load(Ordering::Relaxed),
-    );
-    eprintln!("{holds} holds, {rslock_holds} of them rslock's");
+    let said: Vec<String> = tokio::task::spawn_blocking(move || {
+        children
+            .into_iter()
+            .map(|child| {
+                let out = child.wait_with_output().unwrap();
+                let said = String::from_utf8_lossy(&out.stdout).trim().to_owned();
+                assert!(out.status.success(), "a redis-py holder failed: {said}");
+                said
+            })
+            .collect()
+    })
+    .await
+    .unwrap();
+    let summary = ledger
+        .check()
+        .unwrap_or_else(|violation| panic!("{violation}"));
+    eprintln!("holds: {:?} (redis-py said {said:?})", summary.holds);
     assert!(
-        rslock_holds > 0 && holds > rslock_holds,
-        "both kinds of client must have held: {holds} holds, {rslock_holds} rslock's"
+        summary.of("lockkit") > 0 && summary.of("rslock") > 0,
+        "both lockkit and rslock must have held: {:?}",
+        summary.holds
     );
+    if redis_py.is_some() {
+        assert!(
+            summary.of("redispy") > 0,
+            "redis-py never held: {:?}",
+            summary.holds
+        );
+    }
     // Nothing left held: a fresh lockkit client takes every key at once.
     let check = Locker::new(connect().await);
     for name in &names {
@@ -203,7 +207,7 @@ where
             .unwrap_or_else(|| panic!("{name} is still held after the fleet stopped"));
         guard.release().await.expect("the check's release");
     }
-    drop(backends);
+    backends
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -212,30 +216,26 @@ async fn a_mixed_fleet_on_one_server_never_holds_a_key_twice() {
         return;
     };
     let url = server.url();
-    let backends: Arc<std::sync::Mutex<Vec<RedisBackend>>> = Arc::default();
-    let made = backends.clone();
-    run_fleet(
+    let python = std::env::var("LOCKKIT_TEST_PYTHON")
+        .ok()
+        .filter(|p| !p.is_empty());
+    if python.is_none() {
+        // In CI it must be there: this fails there.
+        env::service_url("LOCKKIT_TEST_PYTHON");
+    }
+    let backends = run_fleet(
         vec![url.clone()],
         || {
-            let (url, made) = (url.clone(), made.clone());
-            async move {
-                let backend = RedisBackend::connect(&url).await.unwrap();
-                made.lock().unwrap().push(backend.clone());
-                backend
-            }
+            let url = url.clone();
+            async move { RedisBackend::connect(&url).await.unwrap() }
         },
-        6,
+        python.map(|python| (python, url.clone())),
     )
     .await;
     // Every wait ended: no subscription of any of them is left.
     let deadline = Instant::now() + Duration::from_secs(10);
     loop {
-        let left: usize = backends
-            .lock()
-            .unwrap()
-            .iter()
-            .map(RedisBackend::subscribed_channels)
-            .sum();
+        let left: usize = backends.iter().map(RedisBackend::subscribed_channels).sum();
         if left == 0 {
             break;
         }
@@ -276,7 +276,7 @@ async fn a_mixed_fleet_on_redlock_masters_never_holds_a_key_twice() {
             let redlock = redlock.clone();
             async move { RedlockBackend::connect(&redlock).await.unwrap() }
         },
-        6,
+        None,
     )
     .await;
 }
