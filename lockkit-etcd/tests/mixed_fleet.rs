@@ -9,14 +9,15 @@
 
 use std::{
     process::{Command, Stdio},
-    sync::Arc,
     time::Duration,
 };
 
-use lockkit_conformance::{Ledger, Rng, env, fleet, torture_seed};
+use lockkit_conformance::{
+    env,
+    fleet::{Fleet, Peer},
+};
 use lockkit_core::Locker;
 use lockkit_etcd::EtcdBackend;
-use tokio::time::Instant;
 
 /// One `etcdctl lock` loop: until its end, locks one of the two names at random and, while
 /// holding it, writes its section (up to 30 ms) into the ledger; prints its holds.
@@ -46,82 +47,29 @@ async fn lockkit_and_etcdctl_never_hold_a_lock_twice() {
     let Some(url) = env::service_url("LOCKKIT_TEST_ETCD_URL") else {
         return;
     };
-    let seed = torture_seed();
-    eprintln!("etcd mixed fleet: LOCKKIT_TORTURE_SEED={seed}");
-    let run = format!("{seed:x}");
-    let keys: Vec<String> = (0..2).map(|i| format!("mixed-{run}-{i}")).collect();
-    let ledger = Arc::new(Ledger::new().unwrap());
+    let fleet = Fleet::new("etcd mixed fleet", 2, Duration::from_secs(SECONDS));
     let endpoints = env::host_ports(&url).join(",");
     let loops: Vec<_> = (0..ETCDCTL_LOOPS)
         .map(|n| {
             Command::new("bash")
                 .args(["-c", ETCDCTL_HOLDER, "etcdctl-holder", &endpoints])
-                .arg(ledger.path())
+                .arg(fleet.ledger.path())
                 .arg(SECONDS.to_string())
-                .arg(((seed ^ n as u64) % 32_768).to_string())
-                .args(keys.iter().map(|key| format!("/lockkit/{key}")))
+                .arg(((fleet.seed ^ n as u64) % 32_768).to_string())
+                .args(fleet.keys.iter().map(|key| format!("/lockkit/{key}")))
                 .stdout(Stdio::piped())
                 .spawn()
+                .map(Peer::Process)
                 .expect("bash")
         })
         .collect();
-    let until = Instant::now() + Duration::from_secs(SECONDS);
-    let mut rng = Rng(seed);
-    let mut tasks = Vec::new();
-    for client in 0..LOCKKIT_CLIENTS {
-        let locker = Locker::new(EtcdBackend::connect(&url).await.unwrap());
-        for task in 0..TASKS_PER_CLIENT {
-            tasks.push(tokio::spawn(fleet::lockkit_holder(
-                locker.clone(),
-                keys.clone(),
-                ledger.clone(),
-                format!("lockkit-{client}.{task}"),
-                rng.next_u64(),
-                until,
-            )));
-        }
+    let mut lockers = Vec::new();
+    for _ in 0..LOCKKIT_CLIENTS {
+        lockers.push(Locker::new(EtcdBackend::connect(&url).await.unwrap()));
     }
-    let mut lockkit_holds = 0;
-    for task in tasks {
-        lockkit_holds += task
-            .await
-            .expect("a lockkit task failed (its message is above)");
-    }
-    let said: Vec<String> = tokio::task::spawn_blocking(move || {
-        loops
-            .into_iter()
-            .map(|holder| {
-                let out = holder.wait_with_output().unwrap();
-                let said = String::from_utf8_lossy(&out.stdout).trim().to_owned();
-                assert!(out.status.success(), "an etcdctl loop failed: {said}");
-                said
-            })
-            .collect()
-    })
-    .await
-    .unwrap();
-    let summary = ledger
-        .check()
-        .unwrap_or_else(|violation| panic!("{violation}"));
-    eprintln!(
-        "lockkit holds {lockkit_holds}, etcdctl loops said {said:?}; ledger: {:?}",
-        summary.holds
-    );
-    assert_eq!(summary.of("lockkit"), lockkit_holds);
-    assert!(
-        summary.of("lockkit") > 0 && summary.of("etcdctl") > 0,
-        "both kinds of client must have held: {:?}",
-        summary.holds
-    );
-    // Nothing left held: a fresh lockkit client takes every lock at once.
+    fleet
+        .run_beside_peers(&lockers, TASKS_PER_CLIENT, loops, "etcdctl")
+        .await;
     let check = Locker::new(EtcdBackend::connect(&url).await.unwrap());
-    for key in &keys {
-        let guard = check
-            .acquire(key.as_str())
-            .try_now()
-            .await
-            .unwrap()
-            .unwrap_or_else(|| panic!("{key} is still held after the fleet stopped"));
-        guard.release().await.unwrap();
-    }
+    fleet.assert_all_free(&check).await;
 }

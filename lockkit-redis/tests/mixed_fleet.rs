@@ -13,12 +13,15 @@
 //! Seeded: `LOCKKIT_TORTURE_SEED=<n>` replays the in-process side of a run.
 
 use std::{
-    process::{Child, Command, Stdio},
+    process::{Command, Stdio},
     sync::Arc,
     time::Duration,
 };
 
-use lockkit_conformance::{Ledger, OwnRedis, Rng, env, fleet, torture_seed};
+use lockkit_conformance::{
+    Ledger, OwnRedis, Rng, env,
+    fleet::{self, Fleet, Peer},
+};
 use lockkit_core::{LockBackend, Locker};
 use lockkit_redis::{RedisBackend, RedlockBackend};
 use tokio::time::Instant;
@@ -111,84 +114,45 @@ where
     F: Fn() -> Fut,
     Fut: std::future::Future<Output = B>,
 {
-    let seed = torture_seed();
-    eprintln!(
-        "mixed fleet on {} server(s): LOCKKIT_TORTURE_SEED={seed}",
-        urls.len()
+    let fleet = Fleet::new(
+        &format!("mixed fleet on {} server(s)", urls.len()),
+        2,
+        Duration::from_secs(SECONDS),
     );
-    let names: Vec<String> = (0..2).map(|key| format!("mixed/{seed:x}/{key}")).collect();
-    let ledger = Arc::new(Ledger::new().unwrap());
-    let mut children: Vec<Child> = Vec::new();
+    let mut peers = Vec::new();
     if let Some((python, url)) = &redis_py {
         for n in 0..REDIS_PY_PROCESSES {
-            children.push(
-                Command::new(python)
-                    .args(["-c", REDIS_PY_HOLDER, url])
-                    .arg(ledger.path())
-                    .arg(SECONDS.to_string())
-                    .arg((seed ^ n as u64).to_string())
-                    .args(&names)
-                    .stdout(Stdio::piped())
-                    .spawn()
-                    .unwrap(),
-            );
+            let child = Command::new(python)
+                .args(["-c", REDIS_PY_HOLDER, url])
+                .arg(fleet.ledger.path())
+                .arg(SECONDS.to_string())
+                .arg((fleet.seed ^ n as u64).to_string())
+                .args(&fleet.keys)
+                .stdout(Stdio::piped())
+                .spawn()
+                .unwrap();
+            peers.push(Peer::Process(child));
         }
     }
-    let until = Instant::now() + Duration::from_secs(SECONDS);
-    let mut backends = Vec::new();
-    let mut tasks = Vec::new();
-    let mut rng = Rng(seed);
-    for client in 0..LOCKKIT_CLIENTS {
-        let backend = connect().await;
-        let locker = Locker::new(backend.clone());
-        backends.push(backend);
-        for task in 0..TASKS_PER_LOCKKIT_CLIENT {
-            tasks.push(tokio::spawn(fleet::lockkit_holder(
-                locker.clone(),
-                names.clone(),
-                ledger.clone(),
-                format!("lockkit-{client}.{task}"),
-                rng.next_u64(),
-                until,
-            )));
-        }
-    }
+    let mut rng = Rng(!fleet.seed);
     for n in 0..RSLOCK_TASKS {
-        tasks.push(tokio::spawn(rslock_holder(
+        peers.push(Peer::Task(tokio::spawn(rslock_holder(
             urls.clone(),
-            names.clone(),
-            ledger.clone(),
+            fleet.keys.clone(),
+            fleet.ledger.clone(),
             format!("rslock-{n}"),
             rng.next_u64(),
-            until,
-        )));
+            fleet.until,
+        ))));
     }
-    for task in tasks {
-        task.await
-            .expect("a fleet task failed (its message is above)");
+    let mut backends = Vec::new();
+    for _ in 0..LOCKKIT_CLIENTS {
+        backends.push(connect().await);
     }
-    let said: Vec<String> = tokio::task::spawn_blocking(move || {
-        children
-            .into_iter()
-            .map(|child| {
-                let out = child.wait_with_output().unwrap();
-                let said = String::from_utf8_lossy(&out.stdout).trim().to_owned();
-                assert!(out.status.success(), "a redis-py holder failed: {said}");
-                said
-            })
-            .collect()
-    })
-    .await
-    .unwrap();
-    let summary = ledger
-        .check()
-        .unwrap_or_else(|violation| panic!("{violation}"));
-    eprintln!("holds: {:?} (redis-py said {said:?})", summary.holds);
-    assert!(
-        summary.of("lockkit") > 0 && summary.of("rslock") > 0,
-        "both lockkit and rslock must have held: {:?}",
-        summary.holds
-    );
+    let lockers: Vec<Locker> = backends.iter().cloned().map(Locker::new).collect();
+    let summary = fleet
+        .run_beside_peers(&lockers, TASKS_PER_LOCKKIT_CLIENT, peers, "rslock")
+        .await;
     if redis_py.is_some() {
         assert!(
             summary.of("redispy") > 0,
@@ -196,17 +160,7 @@ where
             summary.holds
         );
     }
-    // Nothing left held: a fresh lockkit client takes every key at once.
-    let check = Locker::new(connect().await);
-    for name in &names {
-        let guard = check
-            .acquire(name.as_str())
-            .try_now()
-            .await
-            .expect("the check's try")
-            .unwrap_or_else(|| panic!("{name} is still held after the fleet stopped"));
-        guard.release().await.expect("the check's release");
-    }
+    fleet.assert_all_free(&Locker::new(connect().await)).await;
     backends
 }
 

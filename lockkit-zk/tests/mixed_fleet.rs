@@ -10,15 +10,15 @@
 
 use std::{
     process::{Command, Stdio},
-    sync::Arc,
     time::Duration,
 };
 
-use lockkit_conformance::{Ledger, Rng, env, fleet, torture_seed};
+use lockkit_conformance::{
+    env,
+    fleet::{Fleet, Peer},
+};
 use lockkit_core::{LockKey, Locker};
 use lockkit_zk::ZkBackend;
-use tokio::time::Instant;
-use uuid::Uuid;
 
 /// One kazoo process of the fleet: `Lock`s on the paths given, taken at random (waiting up
 /// to 30 s), each held up to 30 ms with its sections in the ledger; prints its holds.
@@ -61,94 +61,43 @@ async fn run_fleet(layout: &str, kazoo_kind: &str) {
     let Some(python) = env::service_url("LOCKKIT_TEST_PYTHON") else {
         return;
     };
-    let seed = torture_seed();
-    eprintln!("ZooKeeper mixed fleet, layout={layout}: LOCKKIT_TORTURE_SEED={seed}");
     let url = format!("{url}?layout={layout}");
-    let run = Uuid::new_v4().simple().to_string();
-    let keys: Vec<String> = (0..2).map(|i| format!("mixed/{run}/{i}")).collect();
-    let ledger = Arc::new(Ledger::new().unwrap());
-    let first = ZkBackend::connect(&url).await.unwrap();
-    let paths: Vec<String> = keys
-        .iter()
-        .map(|key| first.lock_dir(&LockKey::new(key.as_str()).unwrap()))
-        .collect();
+    let fleet = Fleet::new(
+        &format!("ZooKeeper mixed fleet, layout={layout}"),
+        2,
+        Duration::from_secs(SECONDS),
+    );
+    let mut lockers = Vec::new();
+    let mut paths = Vec::new();
+    for _ in 0..LOCKKIT_CLIENTS {
+        let backend = ZkBackend::connect(&url).await.unwrap();
+        paths = fleet
+            .keys
+            .iter()
+            .map(|key| backend.lock_dir(&LockKey::new(key.as_str()).unwrap()))
+            .collect();
+        lockers.push(Locker::new(backend));
+    }
     let kazoos: Vec<_> = (0..KAZOO_PROCESSES)
         .map(|n| {
             Command::new(&python)
                 .args(["-c", KAZOO_HOLDER, &env::host_ports(&url).join(",")])
-                .arg(ledger.path())
+                .arg(fleet.ledger.path())
                 .arg(SECONDS.to_string())
-                .arg((seed ^ n as u64).to_string())
+                .arg((fleet.seed ^ n as u64).to_string())
                 .arg(kazoo_kind)
                 .args(&paths)
                 .stdout(Stdio::piped())
                 .spawn()
+                .map(Peer::Process)
                 .unwrap()
         })
         .collect();
-    let until = Instant::now() + Duration::from_secs(SECONDS);
-    let mut rng = Rng(seed);
-    let mut tasks = Vec::new();
-    let mut backends = vec![first];
-    while backends.len() < LOCKKIT_CLIENTS {
-        backends.push(ZkBackend::connect(&url).await.unwrap());
-    }
-    for (client, backend) in backends.iter().enumerate() {
-        let locker = Locker::new(backend.clone());
-        for task in 0..TASKS_PER_CLIENT {
-            tasks.push(tokio::spawn(fleet::lockkit_holder(
-                locker.clone(),
-                keys.clone(),
-                ledger.clone(),
-                format!("lockkit-{client}.{task}"),
-                rng.next_u64(),
-                until,
-            )));
-        }
-    }
-    let mut lockkit_holds = 0;
-    for task in tasks {
-        lockkit_holds += task
-            .await
-            .expect("a lockkit task failed (its message is above)");
-    }
-    let kazoo_holds: Vec<String> = tokio::task::spawn_blocking(move || {
-        kazoos
-            .into_iter()
-            .map(|kazoo| {
-                let out = kazoo.wait_with_output().unwrap();
-                let said = String::from_utf8_lossy(&out.stdout).trim().to_owned();
-                assert!(out.status.success(), "a kazoo holder failed: {said}");
-                said
-            })
-            .collect()
-    })
-    .await
-    .unwrap();
-    let summary = ledger
-        .check()
-        .unwrap_or_else(|violation| panic!("{violation}"));
-    eprintln!(
-        "lockkit holds {lockkit_holds}, kazoo holds {kazoo_holds:?}; ledger: {:?}",
-        summary.holds
-    );
-    assert_eq!(summary.of("lockkit"), lockkit_holds);
-    assert!(
-        summary.of("lockkit") > 0 && summary.of("kazoo") > 0,
-        "both kinds of client must have held: {:?}",
-        summary.holds
-    );
-    // Nothing left held: a fresh lockkit client takes every path at once.
+    fleet
+        .run_beside_peers(&lockers, TASKS_PER_CLIENT, kazoos, "kazoo")
+        .await;
     let check = Locker::new(ZkBackend::connect(&url).await.unwrap());
-    for key in &keys {
-        let guard = check
-            .acquire(key.as_str())
-            .try_now()
-            .await
-            .unwrap()
-            .unwrap_or_else(|| panic!("{key} is still held after the fleet stopped"));
-        guard.release().await.unwrap();
-    }
+    fleet.assert_all_free(&check).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
