@@ -40,7 +40,7 @@ echo "$holds"
 const LOCKKIT_CLIENTS: usize = 2;
 const TASKS_PER_CLIENT: usize = 3;
 const ETCDCTL_LOOPS: usize = 2;
-const SECONDS: u64 = 6;
+const SECONDS: u64 = 5;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn lockkit_and_etcdctl_never_hold_a_lock_twice() {

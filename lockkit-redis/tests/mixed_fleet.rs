@@ -30,7 +30,7 @@ const LOCKKIT_CLIENTS: usize = 2;
 const TASKS_PER_LOCKKIT_CLIENT: usize = 3;
 const RSLOCK_TASKS: usize = 2;
 const REDIS_PY_PROCESSES: usize = 1;
-const SECONDS: u64 = 6;
+const SECONDS: u64 = 5;
 
 /// One redis-py process of the fleet: `Lock`s on the names given (polling every 5 ms,
 /// waiting up to 30 s), each held up to 30 ms with its sections in the ledger; prints its
