@@ -310,9 +310,11 @@ impl Wake for MastersMessages<'_> {
                 .response_timeout
                 .min(Duration::from_millis(500));
         if let Some(subscriptions) = &self.subscriptions {
-            // One subscriber connection per master, whatever the channels.
+            // One subscriber connection per master, whatever the channels; a master heard
+            // only through its keyspace channel (its release channel's subscription failed
+            // when the wait began) is made again and counted deaf as well.
             let mut masters: Vec<(usize, &Subscription)> = Vec::new();
-            for (index, subscription) in subscriptions {
+            for (index, subscription) in subscriptions.iter().chain(&self.keyspace) {
                 if !masters.iter().any(|(seen, _)| seen == index) {
                     masters.push((*index, subscription));
                 }
