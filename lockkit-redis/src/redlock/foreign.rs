@@ -25,6 +25,10 @@ pub(super) struct ForeignHolders {
     /// with the masters that granted in the last full round (and gave it back), a quorum;
     /// at least one.
     needed: AtomicUsize,
+    /// The masters that answered the last full round busy with a holder in lockkit's or
+    /// Redisson's format: its release is published there, and wakes the waiter (or names
+    /// it at the leader), so they need no polling.
+    published: AtomicUsize,
 }
 
 impl ForeignHolders {
@@ -34,6 +38,7 @@ impl ForeignHolders {
             names,
             watches: (0..masters).map(|_| OnceLock::new()).collect(),
             needed: AtomicUsize::new(quorum.max(1)),
+            published: AtomicUsize::new(0),
         })
     }
 
@@ -66,20 +71,24 @@ impl ForeignHolders {
         self.needed.load(Ordering::Acquire)
     }
 
-    /// Records a full round's answer: `granted` masters granted (and gave it back).
-    pub(super) fn round_granted(&self, granted: usize, quorum: usize) {
+    /// Records a full round's answer: `granted` masters granted (and gave it back), and
+    /// `published` answered busy with a holder in lockkit's or Redisson's format.
+    pub(super) fn round_granted(&self, granted: usize, published: usize, quorum: usize) {
         self.needed
             .store(quorum.saturating_sub(granted).max(1), Ordering::Release);
+        self.published.store(published, Ordering::Release);
     }
 
     /// How long a busy round's waiter may sleep, from `lease_left`: while a master's last
     /// answer was a holder in another format and fewer masters than
-    /// [`ForeignHolders::needed`] are heard letting go, it looks again within
-    /// [`FOREIGN_HOLDER_POLL`], as a wait without notifications does.
+    /// [`ForeignHolders::needed`] are heard letting go (by their keyspace notifications,
+    /// or by the release messages of a holder in lockkit's or Redisson's format there), it
+    /// looks again within [`FOREIGN_HOLDER_POLL`], as a wait without notifications does.
     pub(super) fn pace(&self, lease_left: Option<Duration>) -> Option<Duration> {
         let made = || self.watches.iter().filter_map(|w| w.get()?.as_ref());
         let foreign = made().any(|watch| watch.seen());
-        let hearing = made().filter(|watch| watch.hears()).count();
+        let hearing =
+            made().filter(|watch| watch.hears()).count() + self.published.load(Ordering::Acquire);
         if foreign && hearing < self.needed() {
             Some(lease_left.map_or(FOREIGN_HOLDER_POLL, |left| left.min(FOREIGN_HOLDER_POLL)))
         } else {

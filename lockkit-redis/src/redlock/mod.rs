@@ -869,6 +869,16 @@ impl RedlockBackend {
             .filter(|v| matches!(v, Vote::Granted(_)))
             .count();
         let some_granted = granted_by > 0;
+        // Busy masters whose holder publishes its release (not one in another format).
+        let published_by = contended.map_or(0, |contended| {
+            votes
+                .iter()
+                .enumerate()
+                .filter(|(index, v)| {
+                    matches!(v, Vote::Busy(_)) && !contended.foreign.seen_at(*index)
+                })
+                .count()
+        });
         let busy_masters = if self.nodes.len() <= 64 {
             votes
                 .iter()
@@ -883,7 +893,11 @@ impl RedlockBackend {
             && let Ok(Attempt::Busy { lease_left }) = &mut outcome
         {
             let leader_bit = master_bit(leader);
-            if turn.is_some() && !some_granted && busy_masters & leader_bit != 0 {
+            // A leader held in another format names nobody when it lets go: the other
+            // masters' releases are heeded then.
+            let foreign_leader = contended.foreign.seen_at(leader);
+            if turn.is_some() && !some_granted && busy_masters & leader_bit != 0 && !foreign_leader
+            {
                 // Queued at the leader behind the hold it found: the leader's release names
                 // the next waiter, and the other masters' messages would only wake every
                 // waiter at once (as after a leader-first round). A stale record on the
@@ -896,7 +910,9 @@ impl RedlockBackend {
                     .busy_masters
                     .store(busy_masters, Ordering::Release);
             }
-            contended.foreign.round_granted(granted_by, self.quorum());
+            contended
+                .foreign
+                .round_granted(granted_by, published_by, self.quorum());
             *lease_left = contended.foreign.pace(*lease_left);
             if some_granted {
                 // Split, or a quorum held without a master that granted: what was granted
