@@ -66,6 +66,15 @@ impl ForeignHolders {
         self.made(index).is_some_and(|watch| watch.hears())
     }
 
+    /// Records that master `index` did not answer the round (down, frozen, too slow): its
+    /// last answer no longer says a holder in another format is there, nor that the
+    /// waiter hears it let go, until it answers again.
+    pub(super) fn unanswered(&self, index: usize) {
+        if let Some(watch) = self.made(index) {
+            watch.saw_foreign_holder(false);
+        }
+    }
+
     /// How many masters' deletions wake the waiter (see [`ForeignHolders::needed`]).
     pub(super) fn needed(&self) -> usize {
         self.needed.load(Ordering::Acquire)

@@ -846,6 +846,13 @@ impl RedlockBackend {
                     .unwrap_or_else(|| Vote::Failed(Error::backend(BACKEND, true, "not asked"))),
             })
             .collect();
+        if let Some(contended) = contended {
+            for (index, vote) in votes.iter().enumerate() {
+                if matches!(vote, Vote::Failed(_)) {
+                    contended.foreign.unanswered(index);
+                }
+            }
+        }
         if let (Some(contended), Some(turn), Some(vote)) =
             (contended, turn.as_ref(), votes.get(leader))
         {
