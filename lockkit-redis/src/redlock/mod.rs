@@ -900,11 +900,9 @@ impl RedlockBackend {
             && let Ok(Attempt::Busy { lease_left }) = &mut outcome
         {
             let leader_bit = master_bit(leader);
-            // A leader held in another format names nobody when it lets go: the other
-            // masters' releases are heeded then.
-            let foreign_leader = contended.foreign.seen_at(leader);
-            if turn.is_some() && !some_granted && busy_masters & leader_bit != 0 && !foreign_leader
-            {
+            let queued_at_leader =
+                turn.is_some() && !some_granted && busy_masters & leader_bit != 0;
+            if queued_at_leader {
                 // Queued at the leader behind the hold it found: the leader's release names
                 // the next waiter, and the other masters' messages would only wake every
                 // waiter at once (as after a leader-first round). A stale record on the
@@ -917,9 +915,17 @@ impl RedlockBackend {
                     .busy_masters
                     .store(busy_masters, Ordering::Release);
             }
+            // The busy masters whose holders publish their releases are heard, unless only
+            // the leader's messages wake the waiter and the leader is held in another
+            // format (it names nobody when it lets go).
+            let published = if queued_at_leader && contended.foreign.seen_at(leader) {
+                0
+            } else {
+                published_by
+            };
             contended
                 .foreign
-                .round_granted(granted_by, published_by, self.quorum());
+                .round_granted(granted_by, published, self.quorum());
             *lease_left = contended.foreign.pace(*lease_left);
             if some_granted {
                 // Split, or a quorum held without a master that granted: what was granted
