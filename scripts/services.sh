@@ -53,6 +53,9 @@ done < "$INSTANCE_TABLE"
 unset _name _kind _port _var _form _extra
 
 ZK_HEAP="${LOCKKIT_ZK_HEAP:-256m}"
+# How often the ZooKeeper servers delete empty container nodes (their default is 60 s): a
+# test that waits out a sweep (`LOCKKIT_TEST_ZK_CONTAINER_SWEEP_MS`) then waits seconds.
+ZK_CONTAINER_SWEEP_MS=2000
 MYSQL_DB=lockkit
 MYSQL_USER=lockkit
 MYSQL_PASSWORD=lockkit
@@ -479,6 +482,7 @@ start_zk() {
   launch "$name" "$d/zookeeper.log" "$(find_bin java)" \
     -Xms32m "-Xmx$ZK_HEAP" -XX:+UseSerialGC -Djava.net.preferIPv4Stack=true \
     -Dzookeeper.admin.enableServer=false -Dzookeeper.jmx.log4j.disable=true \
+    "-Dznode.container.checkIntervalMs=$ZK_CONTAINER_SWEEP_MS" \
     -Dorg.slf4j.simpleLogger.defaultLogLevel=info \
     -Dorg.slf4j.simpleLogger.log.org.apache.zookeeper.server.NIOServerCnxn=warn \
     -Dorg.slf4j.simpleLogger.log.org.apache.zookeeper.server.command.FourLetterCommands=warn \
@@ -967,6 +971,7 @@ cmd_env() {
     echo "export $var=${form//\{hosts\}/$addrs}"
   done
   printf 'export LOCKKIT_TEST_PYTHON=%q\n' "$PY_VENV/bin/python"
+  echo "export LOCKKIT_TEST_ZK_CONTAINER_SWEEP_MS=$ZK_CONTAINER_SWEEP_MS"
 }
 
 # pause | resume | kill: one signal to each named instance started by this script

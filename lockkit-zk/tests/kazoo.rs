@@ -757,12 +757,24 @@ async fn semaphore_releases_wake_the_other_sides_waiter() {
     permit.release().await.unwrap();
 }
 
+/// Long enough for two sweeps of the server's empty container nodes, and a margin.
+fn container_sweeps() -> Duration {
+    std::env::var("LOCKKIT_TEST_ZK_CONTAINER_SWEEP_MS")
+        .ok()
+        .and_then(|ms| ms.parse::<u64>().ok())
+        .map_or(Duration::from_secs(75), |ms| {
+            Duration::from_millis(2 * ms) + Duration::from_secs(5)
+        })
+}
+
 /// A key whose lock was given back (its container node lingers until the server's next
 /// container sweep) can become a kazoo-layout semaphore: lockkit makes its node the
 /// persistent node kazoo expects, with the count as its data. A container would be removed
 /// by the server once its last lease went (the sweep runs every 60 s by default), and a
 /// kazoo client that had made sure of the path would then fail with `NoNodeError`. The
-/// server hides containers in `Stat`, so this waits out one sweep (and a wide margin).
+/// server hides containers in `Stat`, so this waits out two sweeps and a margin: 75 s on a
+/// server with the default interval, 9 s on the test servers of `scripts/services.sh`
+/// (`LOCKKIT_TEST_ZK_CONTAINER_SWEEP_MS`, 2 s).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_lingering_lock_container_becomes_kazoos_persistent_semaphore_node() {
     let Some(s) = setup_layout("kazoo").await else {
@@ -784,7 +796,7 @@ async fn a_lingering_lock_container_becomes_kazoos_persistent_semaphore_node() {
     assert_eq!(data, b"2");
     assert_eq!(kazoo_try(&s, &["sem-2", "try"]), "got");
     permit.release().await.unwrap();
-    let sweeps = tokio::time::Instant::now() + Duration::from_secs(75);
+    let sweeps = tokio::time::Instant::now() + container_sweeps();
     while tokio::time::Instant::now() < sweeps {
         let node = client.get_data(&dir).await;
         assert!(

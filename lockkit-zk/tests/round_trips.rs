@@ -214,27 +214,47 @@ fn key(case: &str) -> LockKey {
     LockKey::new(format!("zk-rt/{case}/{}", Uuid::new_v4().simple())).unwrap()
 }
 
-/// The fewest round trips of three pairs (a loaded machine only adds time).
+/// The fewest round trips of three pairs (a loaded machine only adds time). The requests
+/// of the pairs must agree, but for one thing: the server deletes an empty container (the
+/// key's directory) at its sweep (every 2 s on the test servers of `scripts/services.sh`),
+/// and a pair that finds it gone makes it again (a create that found no parent, the
+/// directory, the contender and its listing again). Such a pair is not the one answered.
 async fn fewest(
     proxy: &DelayProxy,
     locker: &Locker,
     mut next_key: impl FnMut() -> LockKey,
 ) -> (BTreeMap<i32, u64>, f64) {
-    let mut best: Option<(BTreeMap<i32, u64>, f64)> = None;
+    let mut pairs: Vec<(BTreeMap<i32, u64>, f64)> = Vec::new();
     for _ in 0..3 {
-        let (ops, trips) = one_pair(proxy, locker, &next_key()).await;
-        if let Some((best_ops, _)) = &best {
-            assert_eq!(
-                describe(&ops),
-                describe(best_ops),
-                "the requests of one pair changed between pairs"
-            );
-        }
-        if best.as_ref().is_none_or(|(_, t)| trips < *t) {
-            best = Some((ops, trips));
-        }
+        pairs.push(one_pair(proxy, locker, &next_key()).await);
     }
-    best.unwrap()
+    let requests = |ops: &BTreeMap<i32, u64>| ops.values().sum::<u64>();
+    let fewest_requests = pairs.iter().map(|(ops, _)| requests(ops)).min().unwrap();
+    let (plain, remade): (Vec<_>, Vec<_>) = pairs
+        .into_iter()
+        .partition(|(ops, _)| requests(ops) == fewest_requests);
+    for (ops, _) in &remade {
+        let mut made_again = plain[0].0.clone();
+        *made_again.entry(CREATE_CONTAINER).or_default() += 1;
+        *made_again.entry(CREATE2).or_default() += 1;
+        *made_again.entry(GET_CHILDREN2).or_default() += 1;
+        assert_eq!(
+            describe(ops),
+            describe(&made_again),
+            "the requests of one pair changed between pairs, and not by a directory made again"
+        );
+    }
+    for (ops, _) in &plain {
+        assert_eq!(
+            describe(ops),
+            describe(&plain[0].0),
+            "the requests of one pair changed between pairs"
+        );
+    }
+    plain
+        .into_iter()
+        .min_by(|(_, a), (_, b)| a.total_cmp(b))
+        .unwrap()
 }
 
 async fn same_and_new_key(layout: &str) {
