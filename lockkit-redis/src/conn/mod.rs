@@ -449,6 +449,9 @@ pub(crate) struct Wakeups {
     /// other waiter, for longer.
     timeout: Duration,
     shared: Arc<Shared>,
+    /// The generation of the connection in use, 0 for none: what [`Link`] says, readable
+    /// without its lock (see [`Wakeups::check_connected`]).
+    live_generation: AtomicU64,
     /// Serialises SUBSCRIBE/UNSUBSCRIBE so their order on the wire matches the refcounts.
     link: tokio::sync::Mutex<Link>,
 }
@@ -470,13 +473,14 @@ pub(crate) struct Subscription {
 }
 
 impl Subscription {
-    /// Makes the subscriber connection this subscription rides on again (resubscribing
-    /// every channel with waiters) if it died; cheap when it is alive.
+    /// Whether the subscriber connection this subscription rides on is alive, without
+    /// waiting: a dead one is made again in the background (see
+    /// [`Wakeups::check_connected`]).
     ///
     /// # Errors
-    /// When the server cannot be reached: the messages of this subscription stay lost.
-    pub(crate) async fn ensure_connected(&self) -> Result<()> {
-        self.wakeups.ensure_connected().await
+    /// While the connection is dead.
+    pub(crate) fn check_connected(&self) -> Result<()> {
+        self.wakeups.check_connected()
     }
 }
 
@@ -747,6 +751,7 @@ impl Wakeups {
             target,
             timeout,
             shared: Arc::default(),
+            live_generation: AtomicU64::new(0),
             link: tokio::sync::Mutex::new(Link {
                 generation: 0,
                 sink: None,
@@ -815,6 +820,7 @@ impl Wakeups {
     /// and resubscribe instead of sleeping on a subscription that no longer hears anything.
     fn abandon(&self, link: &mut Link) {
         link.sink = None;
+        self.live_generation.store(0, Ordering::SeqCst);
         if let Some(reader) = link.reader.take() {
             reader.abort();
             self.shared
@@ -865,6 +871,8 @@ impl Wakeups {
                 link.failed_at = None;
                 link.generation += 1;
                 link.sink = Some(sink.0);
+                self.live_generation
+                    .store(link.generation, Ordering::SeqCst);
                 link.reader = Some(self.spawn_reader(sink.1, link.generation));
                 Ok(())
             }
@@ -981,6 +989,37 @@ impl Wakeups {
             self.connect(&mut link).await?;
         }
         Ok(())
+    }
+
+    /// [`Wakeups::ensure_connected`] for a waiter that must not wait on this server (a
+    /// Redlock master, of which a minority may be frozen): answers at once whether the
+    /// connection is alive. A dead one is made again by a task of its own, which records
+    /// its failure (so the next ones fail fast for [`RECONNECT_PAUSE`]); a caller that
+    /// waited for it would wait on a frozen server every time, and, dropped at its bound,
+    /// would record nothing, so that the next caller waited again.
+    ///
+    /// # Errors
+    /// While the connection is dead (or being made again): the caller counts this
+    /// server's messages as unheard for now.
+    pub(crate) fn check_connected(self: &Arc<Self>) -> Result<()> {
+        let live = self.live_generation.load(Ordering::SeqCst);
+        if live != 0 && self.shared.dead_generation.load(Ordering::SeqCst) != live {
+            return Ok(());
+        }
+        // Dead: made again by a task of its own, unless an exchange (maybe that task) is
+        // under way.
+        if self.link.try_lock().is_err() {
+            return Err(self.gone());
+        }
+        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            let wakeups = self.clone();
+            runtime.spawn(async move {
+                if let Err(error) = wakeups.ensure_connected().await {
+                    tracing::debug!(%error, "subscriber connection still down");
+                }
+            });
+        }
+        Err(self.gone())
     }
 
     /// Channels with local subscribers (for leak checks).

@@ -300,8 +300,9 @@ impl Wake for MastersMessages<'_> {
     /// Subscribes on every master at once, each bounded by the response timeout (at most
     /// 500 ms): a frozen master (a minority Redlock tolerates) must not hold the waiter or
     /// the subscriptions on the others up; without its messages the waiter still polls.
-    /// Later calls make a dead subscriber connection again (resubscribing), within the same
-    /// bound; the masters where that fails are deaf until a later call succeeds.
+    /// Later calls count the masters whose subscriber connection died as deaf, at once,
+    /// and have it made again (resubscribing) in the background: deaf until a later call
+    /// finds it alive.
     async fn ready(&mut self) -> bool {
         let backend = self.backend;
         let bound = Instant::now()
@@ -319,14 +320,12 @@ impl Wake for MastersMessages<'_> {
                     masters.push((*index, subscription));
                 }
             }
-            let reconnecting = masters.into_iter().map(|(index, subscription)| async move {
-                let alive = tokio::time::timeout_at(bound, subscription.ensure_connected()).await;
-                (index, matches!(alive, Ok(Ok(()))))
-            });
-            self.deaf = join_all(reconnecting)
-                .await
+            // Without waiting: a master frozen while its connection is made again (or while
+            // a subscription there waits for its answer) would hold every wake-up back by
+            // the bound. A dead connection is made again in the background.
+            self.deaf = masters
                 .into_iter()
-                .filter(|(_, alive)| !alive)
+                .filter(|(_, subscription)| subscription.check_connected().is_err())
                 .fold(0, |deaf, (index, _)| deaf | master_bit(index));
         } else {
             let channels = &self.channels;
