@@ -204,3 +204,27 @@ impl Fleet {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A peer that says it held more often than the ledger shows held without writing
+    /// some of its critical sections down: those could have overlapped anyone's unseen.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    #[should_panic(expected = "the peers said they held")]
+    async fn a_peer_that_held_without_recording_fails_the_fleet() {
+        let fleet = Fleet::new("review 52", 1, Duration::from_millis(200));
+        let locker = Locker::new(lockkit_core::MemoryBackend::new());
+        let ledger = fleet.ledger.clone();
+        let peer = Peer::Task(tokio::spawn(async move {
+            // One hold written down, two more not.
+            ledger.enter("0", "other-1").unwrap();
+            ledger.exit("0", "other-1").unwrap();
+            3
+        }));
+        fleet
+            .run_beside_peers(&[locker], 1, vec![peer], "other")
+            .await;
+    }
+}
