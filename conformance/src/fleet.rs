@@ -177,6 +177,23 @@ impl Fleet {
             summary.holds
         );
         assert_eq!(summary.of("lockkit"), lockkit_holds);
+        // Each peer says how often it held (the last line a process prints): every one of
+        // those holds must be in the ledger, or some went unchecked.
+        let peers_held: usize = said
+            .iter()
+            .map(|said| {
+                said.lines()
+                    .last()
+                    .and_then(|last| last.trim().parse::<usize>().ok())
+                    .unwrap_or_else(|| panic!("a peer did not say how often it held: {said:?}"))
+            })
+            .sum();
+        let recorded: usize = summary.holds.values().sum::<usize>() - lockkit_holds;
+        assert_eq!(
+            peers_held, recorded,
+            "the peers said they held {peers_held} times, the ledger shows {recorded}: {:?}",
+            summary.holds
+        );
         assert!(
             summary.of("lockkit") > 0 && summary.of(peer_kind) > 0,
             "both lockkit and {peer_kind} must have held: {:?}",
