@@ -1014,6 +1014,11 @@ impl Wakeups {
         if let Ok(runtime) = tokio::runtime::Handle::try_current() {
             let wakeups = self.clone();
             runtime.spawn(async move {
+                // Not for nobody: the waiters may all have gone by now (and the backend
+                // with them), and a connection made then would subscribe to nothing.
+                if wakeups.shared.channels().is_empty() {
+                    return;
+                }
                 if let Err(error) = wakeups.ensure_connected().await {
                     tracing::debug!(%error, "subscriber connection still down");
                 }
