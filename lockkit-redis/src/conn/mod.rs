@@ -464,6 +464,17 @@ impl std::fmt::Debug for Wakeups {
     }
 }
 
+impl Drop for Wakeups {
+    /// The backend, its waits and their background work have all gone: the reader of the
+    /// connection in use stops, closing that connection, which would else stay open (and
+    /// the task with it) for as long as the server keeps it.
+    fn drop(&mut self) {
+        if let Some(reader) = self.link.get_mut().reader.take() {
+            reader.abort();
+        }
+    }
+}
+
 /// One waiter's subscription; unsubscribes (in the background) when the last local
 /// waiter on the channel goes.
 pub(crate) struct Subscription {
