@@ -396,6 +396,18 @@ impl ZkBackend {
         self.inner.wakeups.load(Ordering::SeqCst)
     }
 
+    /// How a key's directory is made: a container (as Curator makes it; the server removes
+    /// it once empty) in Curator's layout; persistent in kazoo's, as kazoo's
+    /// `ensure_path` makes it, since a kazoo `Lock` checks its path once and then relies on
+    /// it: a container removed while the key was idle made kazoo's next acquisition fail
+    /// with `NoNodeError`.
+    fn lock_dir_mode(&self) -> CreateMode {
+        match self.inner.config.layout {
+            ZkLayout::Kazoo => CreateMode::Persistent,
+            _ => CreateMode::Container,
+        }
+    }
+
     /// The container node under which `key`'s contenders queue.
     pub fn lock_dir(&self, key: &LockKey) -> String {
         format!("{}/{}", self.inner.config.root, encode(key))
@@ -640,7 +652,7 @@ impl ZkBackend {
         let data = contender_record(&req.owner.to_string(), 1, &req.identity.encode());
         let acls = Acls::anyone_all();
         let ephemeral = CreateMode::EphemeralSequential.with_acls(acls);
-        let container = CreateMode::Container.with_acls(acls);
+        let container = self.lock_dir_mode().with_acls(acls);
         // Once a create is sent, its outcome is unknown until answered: a request left
         // unanswered (the caller gone, or its bound passed) leaves a node to sweep.
         let unanswered_create = |why: Unanswered| {

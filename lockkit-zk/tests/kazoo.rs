@@ -767,6 +767,33 @@ fn container_sweeps() -> Duration {
         })
 }
 
+/// In kazoo's layout a key's directory is persistent, as kazoo's `ensure_path` makes it: a
+/// kazoo `Lock` checks its path once and relies on it after, and a container the server
+/// removed while the key was idle made its next acquisition fail with `NoNodeError` (found
+/// by the mixed fleet of `tests/mixed_fleet.rs` against servers that sweep every 2 s).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn in_kazoos_layout_an_idle_keys_directory_stays_for_kazoo() {
+    let Some(s) = setup_layout("kazoo").await else {
+        return;
+    };
+    let locker = Locker::new(s.backend.clone());
+    let client = s.backend.client().await.unwrap();
+    let dir = s.backend.lock_dir(&s.key);
+    locker
+        .acquire(&s.key)
+        .await
+        .unwrap()
+        .release()
+        .await
+        .unwrap();
+    tokio::time::sleep(container_sweeps()).await;
+    assert!(
+        client.get_data(&dir).await.is_ok(),
+        "the idle key's directory {dir} was removed (a container), under kazoo's feet"
+    );
+    assert_eq!(kazoo_try(&s, &["stock-lock", "try"]), "got");
+}
+
 /// A key whose lock was given back (its container node lingers until the server's next
 /// container sweep) can become a kazoo-layout semaphore: lockkit makes its node the
 /// persistent node kazoo expects, with the count as its data. A container would be removed
