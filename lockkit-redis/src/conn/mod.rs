@@ -885,6 +885,14 @@ impl Wakeups {
                 self.live_generation
                     .store(link.generation, Ordering::SeqCst);
                 link.reader = Some(self.spawn_reader(sink.1, link.generation));
+                if link.generation > 1 {
+                    // Made again: a release published while no connection was subscribed
+                    // was heard by nobody. Every waiter asleep on this backend (a Redlock
+                    // waiter's round does not wait for the background remaking) tries
+                    // once more; one being made ready now is armed after this and
+                    // unaffected.
+                    self.shared.wake_all();
+                }
                 Ok(())
             }
             Err(e) => {
