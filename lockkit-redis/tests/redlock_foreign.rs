@@ -15,40 +15,10 @@ use redis::aio::MultiplexedConnection;
 use uuid::Uuid;
 
 mod support;
-use support::{admin, evalsha_calls, spawn_waiter, subscribers, take_as_foreign};
-
-/// Five masters of the test's own started with `args`; `None` when `redis-server` is
-/// missing outside CI.
-fn five_masters(args: &[&str]) -> Option<Vec<OwnRedis>> {
-    (0..5).map(|_| OwnRedis::start(args)).collect()
-}
-
-fn redlock_url(masters: &[OwnRedis]) -> String {
-    let hosts: Vec<String> = masters
-        .iter()
-        .map(|m| format!("127.0.0.1:{}", m.port))
-        .collect();
-    format!("redlock://{}", hosts.join(","))
-}
-
-/// `EVALSHA` calls the masters have run so far, summed (lockkit's acquire rounds, among
-/// others).
-async fn evalsha_calls_on(admins: &mut [MultiplexedConnection]) -> u64 {
-    let mut calls = 0;
-    for conn in admins {
-        calls += evalsha_calls(conn).await;
-    }
-    calls
-}
-
-/// Subscribers of `channel` on each master (`PUBSUB NUMSUB`).
-async fn subscribers_on(admins: &mut [MultiplexedConnection], channel: &str) -> Vec<i64> {
-    let mut counts = Vec::new();
-    for conn in admins {
-        counts.push(subscribers(conn, channel).await);
-    }
-    counts
-}
+use support::{
+    admin, evalsha_calls_on, five_masters, redlock_url, spawn_waiter, subscribers_on,
+    take_as_foreign,
+};
 
 /// What a wait behind rslock's Redlock showed: the keyspace channel's subscribers on each
 /// master during the hold, the acquire scripts run on all masters in `hold`, and how long

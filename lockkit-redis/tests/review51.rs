@@ -3,65 +3,13 @@
 
 use std::time::{Duration, Instant};
 
-use lockkit_conformance::OwnRedis;
 use lockkit_core::{LockKey, Locker};
 use lockkit_redis::RedlockBackend;
 use redis::aio::MultiplexedConnection;
 use uuid::Uuid;
 
-fn five_masters(args: &[&str]) -> Option<Vec<OwnRedis>> {
-    (0..5).map(|_| OwnRedis::start(args)).collect()
-}
-
-fn redlock_url(masters: &[OwnRedis]) -> String {
-    let hosts: Vec<String> = masters
-        .iter()
-        .map(|m| format!("127.0.0.1:{}", m.port))
-        .collect();
-    format!("redlock://{}", hosts.join(","))
-}
-
-async fn admin(master: &OwnRedis) -> MultiplexedConnection {
-    redis::Client::open(master.url())
-        .unwrap()
-        .get_multiplexed_async_connection()
-        .await
-        .unwrap()
-}
-
-async fn evalsha_calls(admins: &mut [MultiplexedConnection]) -> u64 {
-    let mut calls = 0;
-    for conn in admins {
-        let info: String = redis::cmd("INFO")
-            .arg("commandstats")
-            .query_async(conn)
-            .await
-            .unwrap();
-        calls += info
-            .lines()
-            .find_map(|line| line.strip_prefix("cmdstat_evalsha:calls="))
-            .and_then(|rest| rest.split(',').next())
-            .map_or(0, |calls| calls.parse::<u64>().unwrap());
-    }
-    calls
-}
-
-async fn set_foreign(conn: &mut MultiplexedConnection, name: &str) {
-    let set: Option<String> = redis::cmd("SET")
-        .arg(name)
-        .arg("a-foreign-token")
-        .arg("NX")
-        .arg("PX")
-        .arg(60_000)
-        .query_async(conn)
-        .await
-        .unwrap();
-    assert_eq!(set.as_deref(), Some("OK"));
-}
-
-async fn delete(conn: &mut MultiplexedConnection, name: &str) {
-    let _: i64 = redis::cmd("DEL").arg(name).query_async(conn).await.unwrap();
-}
+mod support;
+use support::{admin, delete, evalsha_calls_on, five_masters, redlock_url, take_as_foreign};
 
 /// Checked sound: many waiters behind a plain string on every master, woken together when
 /// the four masters other than the key's leader let go (the leader stays held), then each
@@ -74,11 +22,11 @@ async fn many_waiters_behind_a_foreign_leader() {
     };
     let mut admins = Vec::new();
     for master in &masters {
-        admins.push(admin(master).await);
+        admins.push(admin(master, 0).await);
     }
     let name = format!("foreign/{}", Uuid::new_v4().simple());
     for conn in &mut admins {
-        set_foreign(conn, &name).await;
+        take_as_foreign(conn, &name).await;
     }
     let backend = RedlockBackend::connect(&redlock_url(&masters))
         .await
@@ -101,7 +49,7 @@ async fn many_waiters_behind_a_foreign_leader() {
         })
         .collect();
     tokio::time::sleep(Duration::from_millis(1500)).await;
-    let before = evalsha_calls(&mut admins).await;
+    let before = evalsha_calls_on(&mut admins).await;
     let freed = Instant::now();
     for (index, conn) in admins.iter_mut().enumerate() {
         if index != leader {
@@ -116,7 +64,7 @@ async fn many_waiters_behind_a_foreign_leader() {
             .unwrap();
         last = last.max(at);
     }
-    let scripts = evalsha_calls(&mut admins).await - before;
+    let scripts = evalsha_calls_on(&mut admins).await - before;
     eprintln!(
         "10 waiters granted within {:?} of four masters letting go; {scripts} scripts",
         last - freed
@@ -154,7 +102,7 @@ async fn a_keyspace_subscription_whose_connection_died_is_made_again() {
     };
     let mut admins = Vec::new();
     for master in &masters {
-        admins.push(admin(master).await);
+        admins.push(admin(master, 0).await);
     }
     let name = format!("foreign/{}", Uuid::new_v4().simple());
     let backend = RedlockBackend::connect(&redlock_url(&masters))
@@ -175,7 +123,7 @@ async fn a_keyspace_subscription_whose_connection_died_is_made_again() {
             .unwrap();
     }
     for conn in &mut admins {
-        set_foreign(conn, &name).await;
+        take_as_foreign(conn, &name).await;
     }
     masters[frozen].signal("-STOP");
     let locker = Locker::new(backend);
@@ -253,11 +201,11 @@ async fn ended_waits_leave_no_keyspace_subscription() {
     };
     let mut admins = Vec::new();
     for master in &masters {
-        admins.push(admin(master).await);
+        admins.push(admin(master, 0).await);
     }
     let name = format!("foreign/{}", Uuid::new_v4().simple());
     for conn in &mut admins {
-        set_foreign(conn, &name).await;
+        take_as_foreign(conn, &name).await;
     }
     let locker = Locker::new(
         RedlockBackend::connect(&redlock_url(&masters))
@@ -340,7 +288,7 @@ async fn masters_that_refuse_the_keyspace_channel_are_polled() {
     };
     let mut admins = Vec::new();
     for master in &masters {
-        admins.push(admin(master).await);
+        admins.push(admin(master, 0).await);
     }
     for conn in admins.iter_mut().take(3) {
         let _: () = redis::cmd("ACL")
@@ -354,7 +302,7 @@ async fn masters_that_refuse_the_keyspace_channel_are_polled() {
     }
     let name = format!("foreign/{}", Uuid::new_v4().simple());
     for conn in &mut admins {
-        set_foreign(conn, &name).await;
+        take_as_foreign(conn, &name).await;
     }
     let locker = Locker::new(
         RedlockBackend::connect(&redlock_url(&masters))
@@ -407,7 +355,7 @@ async fn a_foreign_minority_beside_a_lockkit_quorum() {
     };
     let mut admins = Vec::new();
     for master in &masters {
-        admins.push(admin(master).await);
+        admins.push(admin(master, 0).await);
     }
     let name = format!("foreign/{}", Uuid::new_v4().simple());
     let holder = Locker::new(
@@ -426,7 +374,7 @@ async fn a_foreign_minority_beside_a_lockkit_quorum() {
     let leader = backend.leader_master(&LockKey::new(name.as_str()).unwrap());
     let other = (leader + 1) % 5;
     delete(&mut admins[other], &name).await;
-    set_foreign(&mut admins[other], &name).await;
+    take_as_foreign(&mut admins[other], &name).await;
     let locker = Locker::new(backend);
     let waiter = {
         let (locker, name) = (locker.clone(), name.clone());
@@ -442,9 +390,9 @@ async fn a_foreign_minority_beside_a_lockkit_quorum() {
         })
     };
     tokio::time::sleep(Duration::from_millis(1500)).await;
-    let before = evalsha_calls(&mut admins).await;
+    let before = evalsha_calls_on(&mut admins).await;
     tokio::time::sleep(Duration::from_secs(3)).await;
-    let scripts = evalsha_calls(&mut admins).await - before;
+    let scripts = evalsha_calls_on(&mut admins).await - before;
     let released = Instant::now();
     guard.release().await.unwrap();
     let granted = tokio::time::timeout(Duration::from_secs(30), waiter)
@@ -473,7 +421,7 @@ async fn a_master_that_stops_answering_is_not_counted_as_heard() {
     };
     let mut admins = Vec::new();
     for master in &masters {
-        admins.push(admin(master).await);
+        admins.push(admin(master, 0).await);
     }
     let backend = RedlockBackend::connect(&redlock_url(&masters))
         .await
@@ -498,7 +446,7 @@ async fn a_master_that_stops_answering_is_not_counted_as_heard() {
     }
     for conn in &mut admins {
         for name in &names {
-            set_foreign(conn, name).await;
+            take_as_foreign(conn, name).await;
         }
     }
     let locker = Locker::new(backend);
@@ -528,9 +476,9 @@ async fn a_master_that_stops_answering_is_not_counted_as_heard() {
         .filter(|(index, _)| *index != frozen)
         .map(|(_, conn)| conn.clone())
         .collect();
-    let before = evalsha_calls(&mut answering).await;
+    let before = evalsha_calls_on(&mut answering).await;
     tokio::time::sleep(Duration::from_secs(2)).await;
-    let scripts = evalsha_calls(&mut answering).await - before;
+    let scripts = evalsha_calls_on(&mut answering).await - before;
     let freed = Instant::now();
     for conn in &mut answering {
         for name in &names {

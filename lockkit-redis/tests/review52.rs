@@ -9,37 +9,8 @@ use lockkit_redis::RedlockBackend;
 use redis::aio::MultiplexedConnection;
 use uuid::Uuid;
 
-fn five_masters(args: &[&str]) -> Option<Vec<OwnRedis>> {
-    (0..5).map(|_| OwnRedis::start(args)).collect()
-}
-
-fn redlock_url(masters: &[OwnRedis]) -> String {
-    let hosts: Vec<String> = masters
-        .iter()
-        .map(|m| format!("127.0.0.1:{}", m.port))
-        .collect();
-    format!("redlock://{}", hosts.join(","))
-}
-
-async fn admin(master: &OwnRedis) -> MultiplexedConnection {
-    redis::Client::open(master.url())
-        .unwrap()
-        .get_multiplexed_async_connection()
-        .await
-        .unwrap()
-}
-
-async fn evalsha_calls(conn: &mut MultiplexedConnection) -> u64 {
-    let info: String = redis::cmd("INFO")
-        .arg("commandstats")
-        .query_async(conn)
-        .await
-        .unwrap();
-    info.lines()
-        .find_map(|line| line.strip_prefix("cmdstat_evalsha:calls="))
-        .and_then(|rest| rest.split(',').next())
-        .map_or(0, |calls| calls.parse::<u64>().unwrap())
-}
+mod support;
+use support::{admin, evalsha_calls, five_masters, redlock_url};
 
 /// Replaces whatever holds `name` by a plain string (rslock's Redlock taking the key), and
 /// with `publish` says on the key's release channel that it was let go (`0`, as a Redisson
@@ -75,7 +46,7 @@ async fn a_leader_taken_by_a_foreign_holder_after_a_lockkit_one_is_polled() {
     };
     let mut admins = Vec::new();
     for master in &masters {
-        admins.push(admin(master).await);
+        admins.push(admin(master, 0).await);
     }
     let mut afters = Vec::new();
     for _ in 0..3 {
@@ -176,7 +147,7 @@ async fn kinds_behind_a_busy_foreign_holder_through_a_freeze() {
     let Some(server) = OwnRedis::start(&["--notify-keyspace-events", "Kg"]) else {
         return;
     };
-    let mut conn = admin(&server).await;
+    let mut conn = admin(&server, 0).await;
     let backend = lockkit_redis::RedisBackend::connect(&server.url())
         .await
         .unwrap();

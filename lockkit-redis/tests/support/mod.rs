@@ -75,3 +75,41 @@ pub async fn take_as_foreign(conn: &mut MultiplexedConnection, name: &str) {
         .unwrap();
     assert_eq!(set.as_deref(), Some("OK"));
 }
+
+/// Five Redis masters of the test's own started with `args`; `None` when `redis-server` is
+/// missing outside CI.
+pub fn five_masters(args: &[&str]) -> Option<Vec<OwnRedis>> {
+    (0..5).map(|_| OwnRedis::start(args)).collect()
+}
+
+/// The `redlock://` URL of `masters`.
+pub fn redlock_url(masters: &[OwnRedis]) -> String {
+    let hosts: Vec<String> = masters
+        .iter()
+        .map(|m| format!("127.0.0.1:{}", m.port))
+        .collect();
+    format!("redlock://{}", hosts.join(","))
+}
+
+/// `EVALSHA` calls the servers behind `admins` have run so far, summed.
+pub async fn evalsha_calls_on(admins: &mut [MultiplexedConnection]) -> u64 {
+    let mut calls = 0;
+    for conn in admins {
+        calls += evalsha_calls(conn).await;
+    }
+    calls
+}
+
+/// Subscribers of `channel` on each server behind `admins` (`PUBSUB NUMSUB`).
+pub async fn subscribers_on(admins: &mut [MultiplexedConnection], channel: &str) -> Vec<i64> {
+    let mut counts = Vec::new();
+    for conn in admins {
+        counts.push(subscribers(conn, channel).await);
+    }
+    counts
+}
+
+/// Deletes `name` (whatever holds it).
+pub async fn delete(conn: &mut MultiplexedConnection, name: &str) {
+    let _: i64 = redis::cmd("DEL").arg(name).query_async(conn).await.unwrap();
+}
