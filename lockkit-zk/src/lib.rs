@@ -20,7 +20,9 @@
 //!   (`<uuid hex>__lock__<seq>` for plain and write locks, `<uuid hex>__rlock__<seq>` for
 //!   reads) and permits use kazoo's `Semaphore` layout (a persistent `<key>` node whose data
 //!   is the count, one ephemeral lease `<key>/<uuid hex>` per permit, taken under a kazoo
-//!   lock at `<key>-__lock__`), so stock kazoo clients see lockkit's holds.
+//!   lock at `<key>-__lock__`), so stock kazoo clients see lockkit's holds. A key's
+//!   directory is then persistent, as kazoo's `ensure_path` makes it (a kazoo `Lock` relies
+//!   on its path once it checked it), where Curator's layout makes a container.
 //! - The fencing token is the holder node's `czxid` (a reader's, a lease's).
 //! - Leases: a hold whose lease runs out unrenewed is given up (its node deleted); a dead,
 //!   paused or cut-off holder's node goes with its session, so leases are at least the
