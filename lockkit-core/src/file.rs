@@ -2218,6 +2218,30 @@ mod tests {
         std::env::temp_dir().join(format!("lockkit-file-unit-{name}-{}", uuid::Uuid::new_v4()))
     }
 
+    /// A test's lock directory, removed when dropped (before, every run of these tests left
+    /// its directories behind: over 1,800 of them in this machine's `/tmp`).
+    struct Scratch(PathBuf);
+
+    impl Scratch {
+        fn new(name: &str) -> Self {
+            Scratch(temp_dir(name))
+        }
+    }
+
+    impl Drop for Scratch {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
+
+    /// A backend on a scratch directory of its own; the directory goes with the
+    /// [`Scratch`] (bind it before the backend, so the backend is dropped first).
+    fn scratch_backend(name: &str) -> (Scratch, FileBackend) {
+        let scratch = Scratch::new(name);
+        let backend = FileBackend::open(&scratch.0).unwrap();
+        (scratch, backend)
+    }
+
     fn request(key: &LockKey, ttl: Duration) -> AcquireRequest {
         AcquireRequest::new(
             key.clone(),
@@ -2229,7 +2253,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_lease_written_before_a_reboot_is_over() {
-        let backend = FileBackend::open(temp_dir("boot")).unwrap();
+        let (_scratch, backend) = scratch_backend("boot");
         let key = LockKey::new("k").unwrap();
         let far = host_now() + nanos(Duration::from_secs(3600));
         let owner = OwnerId::random();
@@ -2295,7 +2319,7 @@ mod tests {
     /// text it pads, and a file far longer than its text is still cut down to it.
     #[tokio::test]
     async fn a_release_pads_the_file_rather_than_truncating_it() {
-        let backend = FileBackend::open(temp_dir("pad")).unwrap();
+        let (_scratch, backend) = scratch_backend("pad");
         let key = LockKey::new("k").unwrap();
         let path = backend.path(&key);
         let first = grant_once(&backend, &key).await;
@@ -2351,7 +2375,7 @@ mod tests {
 
     #[tokio::test]
     async fn uncontended_grants_sync_once_per_reserve() {
-        let backend = FileBackend::open(temp_dir("reserve")).unwrap();
+        let (_scratch, backend) = scratch_backend("reserve");
         let key = LockKey::new("k").unwrap();
         // A new key's tokens start from the wall clock (µs); then one by one.
         let first = grant_once(&backend, &key).await;
@@ -2382,7 +2406,7 @@ mod tests {
     /// above every token handed out before, whichever it kept.
     #[tokio::test]
     async fn a_power_loss_never_hands_out_a_token_twice() {
-        let backend = FileBackend::open(temp_dir("power")).unwrap();
+        let (_scratch, backend) = scratch_backend("power");
         let key = LockKey::new("k").unwrap();
         let path = backend.path(&key);
         let mut highest = 0;
@@ -2434,7 +2458,7 @@ mod tests {
     /// may not be on the disk: the next grant in this boot syncs again rather than trust it.
     #[tokio::test]
     async fn a_ceiling_that_may_not_be_synced_is_not_relied_on() {
-        let backend = FileBackend::open(temp_dir("unsynced")).unwrap();
+        let (_scratch, backend) = scratch_backend("unsynced");
         let key = LockKey::new("k").unwrap();
         let path = backend.path(&key);
         let first = grant_once(&backend, &key).await;
@@ -2463,7 +2487,7 @@ mod tests {
     /// retry's token is under a synced ceiling.
     #[tokio::test]
     async fn a_failed_sync_grants_nothing_a_retry_could_find() {
-        let backend = FileBackend::open(temp_dir("failsync")).unwrap();
+        let (_scratch, backend) = scratch_backend("failsync");
         let key = LockKey::new("k").unwrap();
         let path = backend.path(&key);
         grant_once(&backend, &key).await;
@@ -2538,7 +2562,7 @@ mod tests {
     /// either, also after a power loss.
     #[tokio::test]
     async fn older_and_newer_versions_on_one_key_never_repeat_a_token() {
-        let backend = FileBackend::open(temp_dir("mixed")).unwrap();
+        let (_scratch, backend) = scratch_backend("mixed");
         let key = LockKey::new("k").unwrap();
         let path = backend.path(&key);
         let mut highest = 0;
@@ -2580,7 +2604,7 @@ mod tests {
     /// back (the key is free again), and the file's `flock` is let go.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_grant_dropped_during_its_sync_is_given_back() {
-        let backend = FileBackend::open(temp_dir("dropped")).unwrap();
+        let (_scratch, backend) = scratch_backend("dropped");
         let mut cut_short = 0;
         for i in 0..20 {
             let key = LockKey::new(format!("k{i}")).unwrap();
@@ -2622,7 +2646,7 @@ mod tests {
     /// the caller's runtime (here a single thread) goes on meanwhile.
     #[tokio::test]
     async fn a_taken_flock_is_waited_for_off_the_runtime() {
-        let backend = FileBackend::open(temp_dir("flock")).unwrap();
+        let (_scratch, backend) = scratch_backend("flock");
         let key = LockKey::new("k").unwrap();
         let first = grant_once(&backend, &key).await;
         let other = Locked::open(&backend.path(&key)).unwrap();
@@ -2660,7 +2684,7 @@ mod tests {
             .build()
             .unwrap();
         rt.block_on(async {
-            let backend = FileBackend::open(temp_dir("parked")).unwrap();
+            let (_scratch, backend) = scratch_backend("parked");
             let k2 = LockKey::new("k2").unwrap();
             let paused = Locked::open(&backend.path(&k2)).unwrap();
             paused.lock().unwrap();
@@ -2703,7 +2727,7 @@ mod tests {
                 .build()
                 .unwrap();
             let deadlocked = rt.block_on(async {
-                let backend = FileBackend::open(temp_dir("deadlock")).unwrap();
+                let (_scratch, backend) = scratch_backend("deadlock");
                 let k = LockKey::new("k").unwrap();
                 let other_process = Locked::open(&backend.path(&k)).unwrap();
                 other_process.lock().unwrap();
@@ -2735,7 +2759,7 @@ mod tests {
     /// threads for a taken flock or a sync), whether or not it would have needed them.
     #[test]
     fn outside_a_runtime_operations_fail_with_a_clear_error() {
-        let backend = FileBackend::open(temp_dir("noruntime")).unwrap();
+        let (_scratch, backend) = scratch_backend("noruntime");
         let key = LockKey::new("k").unwrap();
         let req = request(&key, Duration::from_secs(30));
         let mut attempt = Box::pin(backend.try_acquire(&req));
@@ -2753,7 +2777,7 @@ mod tests {
     /// ceiling near the end is cut short there.
     #[tokio::test]
     async fn used_up_tokens_refuse_new_holds() {
-        let backend = FileBackend::open(temp_dir("overflow")).unwrap();
+        let (_scratch, backend) = scratch_backend("overflow");
         let key = LockKey::new("k").unwrap();
         let path = backend.path(&key);
         let max = MAX_TOKEN;
@@ -2781,7 +2805,7 @@ mod tests {
     /// from the same reserve sync nothing.
     #[tokio::test]
     async fn a_new_keys_directory_entry_is_synced_before_its_first_token() {
-        let backend = FileBackend::open(temp_dir("direntry")).unwrap();
+        let (_scratch, backend) = scratch_backend("direntry");
         let key = LockKey::new("k").unwrap();
         let path = backend.path(&key);
         assert_eq!(dir_sync_count(&path), 0);
@@ -2798,7 +2822,7 @@ mod tests {
     /// (here a taken `flock` on a single-threaded runtime: a timer still fires meanwhile).
     #[tokio::test]
     async fn on_a_network_file_system_operations_run_off_the_runtime() {
-        let mut backend = FileBackend::open(temp_dir("remote")).unwrap();
+        let (_scratch, mut backend) = scratch_backend("remote");
         backend.fs = FsKind::Remote;
         let key = LockKey::new("k").unwrap();
         let first = grant_once(&backend, &key).await;
@@ -2843,7 +2867,7 @@ mod tests {
     /// would then hear every write in the directory) and no waiter's entry.
     #[tokio::test]
     async fn an_uncontended_acquire_sets_up_no_wait() {
-        let backend = FileBackend::open(temp_dir("fast")).unwrap();
+        let (_scratch, backend) = scratch_backend("fast");
         let key = LockKey::new("k").unwrap();
         for _ in 0..3 {
             let grant = backend
@@ -2861,7 +2885,7 @@ mod tests {
 
     #[tokio::test]
     async fn waiters_leave_no_entry_behind() {
-        let backend = FileBackend::open(temp_dir("wakers")).unwrap();
+        let (_scratch, backend) = scratch_backend("wakers");
         for i in 0..20 {
             let key = LockKey::new(format!("k{i}")).unwrap();
             let held = backend
@@ -2901,7 +2925,8 @@ mod tests {
     async fn another_process_changing_a_key_wakes_its_waiters_here() {
         // Two backends on one directory share no wakers map, as two processes do not: only
         // the directory watch can carry B's release to A's waiter.
-        let dir = temp_dir("watch");
+        let scratch = Scratch::new("watch");
+        let dir = scratch.0.clone();
         let (here, there) = (
             FileBackend::open(&dir).unwrap(),
             FileBackend::open(&dir).unwrap(),
@@ -2938,7 +2963,7 @@ mod tests {
     async fn a_waiting_writers_polls_do_not_rewrite_its_marker_each_time() {
         // Every write to a key's file wakes its waiters: a writer that rewrote its marker on
         // every poll would wake itself at once, for ever.
-        let backend = FileBackend::open(temp_dir("marker")).unwrap();
+        let (_scratch, backend) = scratch_backend("marker");
         let key = LockKey::new("marked").unwrap();
         let read = backend
             .try_acquire(&request(&key, Duration::from_secs(30)).with_kind(LockKind::Read))
@@ -3025,7 +3050,7 @@ mod tests {
             .build()
             .unwrap();
         rt.block_on(async {
-            let mut backend = FileBackend::open(temp_dir("probe")).unwrap();
+            let (_scratch, mut backend) = scratch_backend("probe");
             backend.fs = fs;
             let key = LockKey::new("k").unwrap();
             grant_once(&backend, &key).await;
