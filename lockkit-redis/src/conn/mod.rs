@@ -216,6 +216,8 @@ struct Turns {
     events: std::collections::VecDeque<(u64, Event)>,
     /// The sequence number of the next event.
     next_event: u64,
+    /// When the last release that named a waiter was heard (see [`Channel::round_gate`]).
+    last_named_at: Option<tokio::time::Instant>,
     /// The last message named a waiter, heard on the subscriber connection of this
     /// generation: the `0` right after it on that connection is the same release. (A
     /// reader of a connection given up may still hand over a name after the reset: its
@@ -247,7 +249,7 @@ pub(crate) const NAMED_GRACE: Duration = Duration::from_millis(50);
 /// Where a waiter stood at [`Channel::mark`]: the releases after it decide whether it
 /// tries.
 #[derive(Debug, Clone, Copy)]
-struct Mark {
+pub(crate) struct Mark {
     open: u64,
     next_event: u64,
 }
@@ -309,6 +311,9 @@ impl Channel {
                     turns.events.pop_front();
                 }
                 turns.zero_follows = matches!(event, Event::Named(_)).then_some(generation);
+                if matches!(event, Event::Named(_)) {
+                    turns.last_named_at = Some(tokio::time::Instant::now());
+                }
                 true
             }
             None if payload == b"0" && turns.zero_follows.take() == Some(generation) => false,
@@ -327,7 +332,7 @@ impl Channel {
         turns.open += 1;
     }
 
-    fn mark(&self) -> Mark {
+    pub(crate) fn mark(&self) -> Mark {
         let turns = self.turns();
         Mark {
             open: turns.open,
@@ -364,6 +369,44 @@ impl Channel {
         }
         turn
     }
+
+    /// Whether a round of queued waiter `me` that no message of this channel called for
+    /// (its timer, another server's message) goes to the server now, from what this
+    /// channel heard since `mark` (taken when its last round began). A release that named
+    /// another waiter, not yet heard taking the key, holds the round back until
+    /// [`NAMED_GRACE`] after that release at most; a queued waiter heard taking the key
+    /// since makes the round needless: the holder is fresh, and its lease (when known) is
+    /// what the waiter waits for. A round called for (a release named `me` or nobody) and a
+    /// round after nothing was heard go at once.
+    pub(crate) fn round_gate(&self, mark: Mark, me: u64) -> RoundGate {
+        let now = tokio::time::Instant::now();
+        let heard_nothing = self.turns().next_event == mark.next_event;
+        match self.turn_since(mark, me) {
+            Turn::Try => RoundGate::Go,
+            Turn::Nothing(_) if heard_nothing => RoundGate::Go,
+            Turn::Nothing(Some(lease_end)) if lease_end <= now => RoundGate::Go,
+            Turn::Nothing(lease_end) => RoundGate::Skip(lease_end),
+            Turn::Others => match self.turns().last_named_at {
+                Some(named) if named + NAMED_GRACE > now => {
+                    RoundGate::HoldUntil(named + NAMED_GRACE)
+                }
+                _ => RoundGate::Go,
+            },
+        }
+    }
+}
+
+/// What [`Channel::round_gate`] tells a queued waiter's round.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum RoundGate {
+    /// Ask the server now.
+    Go,
+    /// Another waiter was named: ask once it is heard taking the key or this instant
+    /// passes (the channel's `notify` says when it heard something).
+    HoldUntil(tokio::time::Instant),
+    /// A queued waiter took the key since: no round; sleep until its lease ends (`None`:
+    /// not heard yet), or a message wakes the waiter.
+    Skip(Option<tokio::time::Instant>),
 }
 
 /// Resolves when waiter `me` (see `wire::queue_of`) is to try again on `channel`: a release
@@ -484,6 +527,11 @@ pub(crate) struct Subscription {
 }
 
 impl Subscription {
+    /// The channel's name.
+    pub(crate) fn name(&self) -> &str {
+        &self.name
+    }
+
     /// Whether the subscriber connection this subscription rides on is alive, without
     /// waiting: a dead one is made again in the background (see
     /// [`Wakeups::check_connected`]).

@@ -2,6 +2,7 @@
 
 mod foreign;
 mod kinds;
+mod turns;
 
 use std::{
     sync::{
@@ -12,7 +13,7 @@ use std::{
 };
 
 use async_trait::async_trait;
-use futures_util::future::{join_all, select, select_all};
+use futures_util::future::{Either, join_all, select, select_all};
 use lockkit_core::spi::{
     AcquireRequest, Armed, Attempt, Backoff, Grant, Released, WaitPolicy, Wake, armed,
     local_validity, never, wait_for_grant,
@@ -23,10 +24,10 @@ use lockkit_core::{
 };
 use tokio::time::Instant;
 
-use self::foreign::ForeignHolders;
+use self::{foreign::ForeignHolders, turns::LeaderTurns};
 use crate::{
     RedisBackend, RedisConfig, Topology,
-    conn::{Subscription, armed_for_turn},
+    conn::{RoundGate, Subscription, armed_for_turn},
     single::{ForgetWriter, MarkShare, QueueTurn, WriterMarker, leave_queue_later, queue_id},
     wire,
 };
@@ -140,6 +141,9 @@ struct MastersMessages<'a> {
     /// leader's messages then wake the waiter only when they name it or nobody (see
     /// `conn::armed_for_turn`).
     queued_at_leader: Option<(usize, u64)>,
+    /// For a waiter queued at the leader: what its rounds that no message called for heard
+    /// on the leader's release channel (see [`LeaderTurns`]); given the channel here.
+    leader_turns: Option<Arc<LeaderTurns>>,
     /// For a plain lock: the masters' answers about holders in another format, whose
     /// deletions (heard through keyspace notifications) wake the waiter once enough masters
     /// let go (see [`ForeignHolders`]).
@@ -341,7 +345,18 @@ impl Wake for MastersMessages<'_> {
                     let subscribed = tokio::time::timeout_at(bound, node.subscribe(channel)).await;
                     Some((index, subscribed.ok()?.ok()?))
                 });
-            let subscribed = join_all(subscribing).await.into_iter().flatten().collect();
+            let subscribed: Vec<(usize, Subscription)> =
+                join_all(subscribing).await.into_iter().flatten().collect();
+            if let (Some(turns), Some((leader, _)), Some(mutex_channel)) = (
+                &self.leader_turns,
+                self.queued_at_leader,
+                self.channels.first(),
+            ) && let Some((_, subscription)) = subscribed
+                .iter()
+                .find(|(index, s)| *index == leader && s.name() == mutex_channel)
+            {
+                turns.listen(subscription.channel.clone());
+            }
             self.subscriptions = Some(subscribed);
         }
         self.watch_keyspace(bound).await;
@@ -459,6 +474,19 @@ struct Contended {
     /// The wait's place there; the round records in it, from the leader's answer, whether
     /// the waiter may be queued there after the round, and keeps it until the round ends.
     place: Arc<LeaderQueuePlace>,
+}
+
+/// What a round not made answers (see [`LeaderTurns`]): busy, until the lease of the queued
+/// waiter that took the key ends (`lease_end`; `None`: not heard), within the next full
+/// round's time.
+fn skipped_round(lease_end: Option<Instant>) -> Attempt {
+    let lease_left = lease_end.map_or(FULL_ROUND_EVERY, |end| {
+        end.saturating_duration_since(Instant::now())
+            .min(FULL_ROUND_EVERY)
+    });
+    Attempt::Busy {
+        lease_left: Some(lease_left),
+    }
 }
 
 /// How often at least a waiting plain lock asks every master rather than the leader alone:
@@ -895,6 +923,7 @@ impl RedlockBackend {
             0
         };
         let mut outcome = self.decide(req, start, votes).await;
+
         if let Some(contended) = contended
             && let Ok(Attempt::Busy { lease_left }) = &mut outcome
         {
@@ -1224,6 +1253,7 @@ impl LockBackend for RedlockBackend {
         });
         // A plain lock waits in the leader's queue (with one master there is no leader).
         let queues = plain && self.nodes.len() > 1;
+        let leader_turns = queues.then(|| LeaderTurns::new(place.id));
         let mut messages = MastersMessages {
             backend: self,
             channels,
@@ -1231,6 +1261,7 @@ impl LockBackend for RedlockBackend {
             deaf: 0,
             heeded: plain.then(|| busy_masters.clone()),
             queued_at_leader: queues.then_some((leader, place.id)),
+            leader_turns: leader_turns.clone(),
             foreign: plain.then(|| foreign.clone()),
             keyspace: Vec::new(),
             keyspace_refused: 0,
@@ -1253,6 +1284,14 @@ impl LockBackend for RedlockBackend {
         let mut last_full_round = Instant::now();
         let place_score = Arc::new(AtomicU64::new(0));
         let outcome = wait_for_grant(&req.key, wait, policy, &mut messages, || {
+            // A round that would land between a release naming another waiter and that
+            // waiter's grant waits for the grant; one after it is not made (see
+            // `LeaderTurns`).
+            let gate = leader_turns.as_ref().map_or(RoundGate::Go, |t| t.gate());
+            if let (RoundGate::Skip(lease_end), Some(turns)) = (gate, &leader_turns) {
+                turns.round_begins();
+                return Either::Left(std::future::ready(Ok(skipped_round(lease_end))));
+            }
             let leader_first = !first_round && last_full_round.elapsed() < FULL_ROUND_EVERY;
             first_round = false;
             if !leader_first {
@@ -1269,7 +1308,19 @@ impl LockBackend for RedlockBackend {
                 place: place.clone(),
                 foreign: foreign.clone(),
             });
-            self.attempt(req, share.clone(), contended)
+            let (share, turns) = (share.clone(), leader_turns.clone());
+            Either::Right(async move {
+                if let (RoundGate::HoldUntil(until), Some(turns)) = (gate, &turns)
+                    && let RoundGate::Skip(lease_end) = turns.hold(until).await
+                {
+                    turns.round_begins();
+                    return Ok(skipped_round(lease_end));
+                }
+                if let Some(turns) = &turns {
+                    turns.round_begins();
+                }
+                self.attempt(req, share, contended).await
+            })
         })
         .await;
         // A grant leaves the place to the rounds' account of the leader's answers.
