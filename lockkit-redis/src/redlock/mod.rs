@@ -13,7 +13,11 @@ use std::{
 };
 
 use async_trait::async_trait;
-use futures_util::future::{Either, join_all, select, select_all};
+use futures_util::{
+    StreamExt,
+    future::{Either, join_all, select, select_all},
+    stream::FuturesUnordered,
+};
 use lockkit_core::spi::{
     AcquireRequest, Armed, Attempt, Backoff, Grant, Released, WaitPolicy, Wake, armed,
     local_validity, never, wait_for_grant,
@@ -83,17 +87,66 @@ pub struct RedlockBackend {
 
 /// One master: its configuration and, once it answered, its client. A master that was
 /// down when the backend connected is tried again by every operation.
+///
+/// Its connection is made again once, at once, when it is lost (no retries with backoff:
+/// a request waits for that one attempt, and a master that is down then fails at once
+/// rather than holding every round for the per-master timeout and every release for
+/// longer). A master whose request failed is asked in the background (see
+/// [`Master::revive_later`]) until it answers, so that one back is connected again before
+/// the next round needs it.
 struct Master {
     config: RedisConfig,
     node: tokio::sync::OnceCell<RedisBackend>,
+    /// A background task is asking this master until it answers.
+    reviving: AtomicBool,
 }
+
+/// How often a master whose request failed is asked again in the background.
+const REVIVE_EVERY: Duration = Duration::from_millis(200);
 
 impl Master {
     fn new(config: RedisConfig) -> Self {
         Master {
             config,
             node: tokio::sync::OnceCell::new(),
+            reviving: AtomicBool::new(false),
         }
+    }
+
+    /// After a request to master `index` of `nodes` failed: asks it (`PING`, connecting
+    /// first if it never answered) every [`REVIVE_EVERY`] in a task of its own until it
+    /// answers (each ask makes its lost connection again) or the backend is dropped. One
+    /// such task per master at most.
+    fn revive_later(nodes: &Arc<Vec<Master>>, index: usize) {
+        let Some(master) = nodes.get(index) else {
+            return;
+        };
+        if master.reviving.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            master.reviving.store(false, Ordering::Release);
+            return;
+        };
+        let nodes = Arc::downgrade(nodes);
+        runtime.spawn(async move {
+            loop {
+                tokio::time::sleep(REVIVE_EVERY).await;
+                let Some(nodes) = nodes.upgrade() else {
+                    return;
+                };
+                let Some(master) = nodes.get(index) else {
+                    return;
+                };
+                let timeout = master.config.response_timeout;
+                let answered =
+                    tokio::time::timeout(timeout, async { master.get().await?.ping().await }).await;
+                if matches!(answered, Ok(Ok(()))) {
+                    master.reviving.store(false, Ordering::Release);
+                    return;
+                }
+            }
+        });
     }
 
     /// The client, if this master has answered once.
@@ -289,6 +342,33 @@ impl Drop for LeaderQueuePlace {
             leave_queue_later(leader, std::mem::take(&mut self.queue), self.id);
         }
     }
+}
+
+/// Sends `request` now and lets it finish in the background, within `timeout`: its first
+/// poll, here, puts a Redis command on its connection, ahead of this client's later
+/// commands there.
+fn send_then_detach(
+    request: impl std::future::Future<Output = ()> + Send + 'static,
+    timeout: Duration,
+) {
+    let mut request = Box::pin(async move {
+        let _ = tokio::time::timeout(timeout, request).await;
+    });
+    let mut context = std::task::Context::from_waker(futures_util::task::noop_waker_ref());
+    if request.as_mut().poll(&mut context).is_pending()
+        && let Ok(runtime) = tokio::runtime::Handle::try_current()
+    {
+        runtime.spawn(request);
+    }
+}
+
+/// A master's answer that did not come within `timeout`.
+fn unanswered(timeout: Duration) -> Error {
+    Error::backend(
+        BACKEND,
+        true,
+        format!("a master did not answer within {timeout:?}"),
+    )
 }
 
 /// The bit of master `index` in a mask of masters; none past the 64th.
@@ -745,20 +825,72 @@ impl RedlockBackend {
                 if !picked {
                     return None;
                 }
-                Some(
-                    tokio::time::timeout(timeout, call)
-                        .await
-                        .unwrap_or_else(|_| {
-                            Err(Error::backend(
-                                BACKEND,
-                                true,
-                                format!("a master did not answer within {timeout:?}"),
-                            ))
-                        }),
-                )
+                let answer = tokio::time::timeout(timeout, call)
+                    .await
+                    .unwrap_or_else(|_| Err(unanswered(timeout)));
+                if answer.as_ref().is_err_and(Error::is_retryable) {
+                    Master::revive_later(&self.nodes, index);
+                }
+                Some(answer)
             }
         });
         join_all(calls).await
+    }
+
+    /// Releases `grant` on every master, each within the response timeout: once a quorum
+    /// released, the others are waited for a per-master timeout (see
+    /// [`Self::node_timeout`]) more at most, and those still out finish in a task of their
+    /// own (a frozen master would otherwise hold every release for the whole response
+    /// timeout, though a quorum's answers already decide it). The answers, in the masters'
+    /// order; an error for each master not waited for.
+    async fn release_on_masters(&self, grant: &Grant) -> Vec<Result<Released>> {
+        type Answer = std::pin::Pin<
+            Box<dyn std::future::Future<Output = (usize, Result<Released>)> + Send + 'static>,
+        >;
+        let timeout = self.config.response_timeout;
+        let mut pending: FuturesUnordered<Answer> = (0..self.nodes.len())
+            .map(|index| {
+                let (nodes, grant) = (self.nodes.clone(), grant.clone());
+                Box::pin(async move {
+                    let release = async {
+                        let master = nodes
+                            .get(index)
+                            .ok_or_else(|| Error::backend(BACKEND, false, "no such master"))?;
+                        master.get().await?.release(&grant).await
+                    };
+                    let answer = tokio::time::timeout(timeout, release)
+                        .await
+                        .unwrap_or_else(|_| Err(unanswered(timeout)));
+                    if answer.as_ref().is_err_and(Error::is_retryable) {
+                        Master::revive_later(&nodes, index);
+                    }
+                    (index, answer)
+                }) as Answer
+            })
+            .collect();
+        let mut answers: Vec<Option<Result<Released>>> =
+            (0..self.nodes.len()).map(|_| None).collect();
+        let mut until = Instant::now() + timeout;
+        let mut quorum_released = false;
+        while let Ok(Some((index, answer))) = tokio::time::timeout_at(until, pending.next()).await {
+            if let Some(slot) = answers.get_mut(index) {
+                *slot = Some(answer);
+            }
+            let released = answers.iter().filter(|a| matches!(a, Some(Ok(_)))).count();
+            if !quorum_released && released >= self.quorum() {
+                quorum_released = true;
+                until = until.min(Instant::now() + self.node_timeout(grant.ttl));
+            }
+        }
+        if !pending.is_empty()
+            && let Ok(runtime) = tokio::runtime::Handle::try_current()
+        {
+            runtime.spawn(async move { while pending.next().await.is_some() {} });
+        }
+        answers
+            .into_iter()
+            .map(|answer| answer.unwrap_or_else(|| Err(unanswered(timeout))))
+            .collect()
     }
 
     /// The index (in the URL's order) of the master that waiting plain locks of `key` ask
@@ -1132,31 +1264,44 @@ impl RedlockBackend {
 
     /// Gives back a failed round's grants on every master that granted or did not answer.
     ///
-    /// Waits for the answers no longer than a round may take (the per-master timeout):
-    /// each release is on its master's connection by then, ahead of any later command of
-    /// this client there, so a slow or frozen master still applies it before this owner's
-    /// next round; and a release carries the acquisition's attempt marker, so it can only
-    /// take back what this acquisition added, never an outer hold of the same owner. Waiting out the full response timeout instead made every
-    /// busy round behind a frozen minority master cost that long, and waiters overran their
-    /// deadlines by it.
+    /// Waits for the masters that granted no longer than a round may take (the per-master
+    /// timeout), and not for those that did not answer: their give-backs are sent at once
+    /// and finish in the background. Each release is on its master's connection before
+    /// this returns, ahead of any later command of this client there, so a slow or frozen
+    /// master still applies it before this owner's next round; and a release carries the
+    /// acquisition's attempt marker, so it can only take back what this acquisition added,
+    /// never an outer hold of the same owner. Waiting out the full response timeout made
+    /// every busy round behind a frozen minority master cost that long, and waiting for a
+    /// master that did not answer cost each such round the per-master timeout once more.
     async fn give_back(&self, req: &AcquireRequest, votes: &[Vote]) {
-        let releases = self
-            .nodes
-            .iter()
-            .zip(votes)
-            .filter(|(_, v)| !matches!(v, Vote::Busy(_) | Vote::Refused(_)))
-            .filter_map(|(master, vote)| master.connected().map(|node| (node, vote)))
-            .map(|(node, vote)| {
-                let grant = match vote {
-                    Vote::Granted(g) => g.clone(),
-                    _ => Grant::new(req, FencingToken::new(0), 1, Instant::now()),
-                };
-                let node = node.clone();
-                async move {
-                    let _ = node.release(&grant).await;
+        let mut granted = Vec::new();
+        for (master, vote) in self.nodes.iter().zip(votes) {
+            let Some(node) = master.connected().cloned() else {
+                continue;
+            };
+            match vote {
+                Vote::Busy(_) | Vote::Refused(_) => {}
+                Vote::Granted(grant) => {
+                    let grant = grant.clone();
+                    granted.push(async move {
+                        let _ = node.release(&grant).await;
+                    });
                 }
-            });
-        let _ = tokio::time::timeout(self.node_timeout(req.ttl), join_all(releases)).await;
+                // No answer (down, frozen, too slow): its grant may land late. The give-back
+                // is sent now and finishes in the background (within the response timeout):
+                // a master that does not answer costs the round nothing more.
+                Vote::Failed(_) => {
+                    let grant = Grant::new(req, FencingToken::new(0), 1, Instant::now());
+                    send_then_detach(
+                        async move {
+                            let _ = node.release(&grant).await;
+                        },
+                        self.config.response_timeout,
+                    );
+                }
+            }
+        }
+        let _ = tokio::time::timeout(self.node_timeout(req.ttl), join_all(granted)).await;
     }
 
     /// A cancel-safe round: it runs in its own task, and a grant nobody waits for any more
@@ -1369,12 +1514,7 @@ impl LockBackend for RedlockBackend {
     /// may still hold it on masters that did not answer: never a loss).
     async fn release(&self, grant: &Grant) -> Result<Released> {
         kinds::refuse_permits(grant.kind)?;
-        let results = self
-            .on_all(self.config.response_timeout, |node| {
-                let grant = grant.clone();
-                async move { node.release(&grant).await }
-            })
-            .await;
+        let results = self.release_on_masters(grant).await;
         let released: Vec<Released> = results
             .iter()
             .filter_map(|r| r.as_ref().ok().copied())

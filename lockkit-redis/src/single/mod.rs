@@ -211,7 +211,7 @@ impl RedisBackend {
                     )
                 } else {
                     Conn::Single(
-                        manager(config.response_timeout, 2)
+                        manager(config.response_timeout, if direct { 2 } else { 0 })
                             .await
                             .map_err(|e| backend_error("connecting", url, e))?,
                     )
