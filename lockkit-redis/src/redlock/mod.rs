@@ -1427,6 +1427,8 @@ impl LockBackend for RedlockBackend {
         .settle(settle);
         let mut first_round = true;
         let mut last_full_round = Instant::now();
+        // A round held back for another waiter's turn is held up to the wait's end at most.
+        let deadline = last_full_round.checked_add(wait);
         let place_score = Arc::new(AtomicU64::new(0));
         let outcome = wait_for_grant(&req.key, wait, policy, &mut messages, || {
             // A round that would land between a release naming another waiter and that
@@ -1455,11 +1457,22 @@ impl LockBackend for RedlockBackend {
             });
             let (share, turns) = (share.clone(), leader_turns.clone());
             Either::Right(async move {
-                if let (RoundGate::HoldUntil(until), Some(turns)) = (gate, &turns)
-                    && let RoundGate::Skip(lease_end) = turns.hold(until).await
-                {
-                    turns.round_begins();
-                    return Ok(skipped_round(lease_end));
+                if let (RoundGate::HoldUntil(until), Some(turns)) = (gate, &turns) {
+                    let bound = deadline.map_or(until, |deadline| until.min(deadline));
+                    match turns.hold(bound).await {
+                        RoundGate::Skip(lease_end) => {
+                            turns.round_begins();
+                            return Ok(skipped_round(lease_end));
+                        }
+                        // Held to the end of the wait while the named waiter's grace still
+                        // runs: the wait ends as busy (timed out) instead of taking its
+                        // turn a grace past its end.
+                        _ if bound < until && matches!(turns.gate(), RoundGate::HoldUntil(_)) => {
+                            turns.round_begins();
+                            return Ok(Attempt::Busy { lease_left: None });
+                        }
+                        _ => {}
+                    }
                 }
                 if let Some(turns) = &turns {
                     turns.round_begins();
