@@ -1239,6 +1239,64 @@ mod tests {
         assert_eq!(channel.turn_since(mark, ME), Turn::Try);
     }
 
+    /// Helper-54's review of the round gate: what each thing heard since a waiter's last
+    /// round means for a round no message called for.
+    #[tokio::test(start_paused = true)]
+    async fn the_round_gate_holds_for_a_name_and_skips_after_a_grant() {
+        let channel = Channel::default();
+        // Nothing heard: the round goes (a stale record on the leader is covered).
+        let mark = channel.mark();
+        assert_eq!(channel.round_gate(mark, ME), RoundGate::Go);
+        // Another waiter named: held until the grace after that release at most.
+        said(&channel, &OTHER.to_string());
+        said(&channel, "0");
+        let named = tokio::time::Instant::now();
+        assert_eq!(
+            channel.round_gate(mark, ME),
+            RoundGate::HoldUntil(named + NAMED_GRACE)
+        );
+        assert_eq!(
+            channel.round_gate(mark, OTHER),
+            RoundGate::Go,
+            "the named waiter's own round goes"
+        );
+        tokio::time::advance(NAMED_GRACE).await;
+        assert_eq!(
+            channel.round_gate(mark, ME),
+            RoundGate::Go,
+            "a named waiter that never came holds nobody past the grace"
+        );
+        // Heard taking the key: skipped until its lease (once heard), then it goes.
+        said(&channel, &format!("-{OTHER}"));
+        assert_eq!(channel.round_gate(mark, ME), RoundGate::Skip(None));
+        assert_eq!(
+            channel.round_gate(mark, OTHER),
+            RoundGate::Go,
+            "a wait of the owner that took the key re-enters"
+        );
+        said(&channel, &lease_message(300));
+        let RoundGate::Skip(Some(ends)) = channel.round_gate(mark, ME) else {
+            panic!("{:?}", channel.round_gate(mark, ME));
+        };
+        tokio::time::advance(Duration::from_millis(301)).await;
+        assert!(tokio::time::Instant::now() >= ends);
+        assert_eq!(channel.round_gate(mark, ME), RoundGate::Go);
+        // A skip counts as a round: the same grant never skips two rounds.
+        let mark = channel.mark();
+        assert_eq!(channel.round_gate(mark, ME), RoundGate::Go);
+        // A release naming this waiter, or nobody, or a lost connection: it goes.
+        said(&channel, &ME.to_string());
+        assert_eq!(channel.round_gate(mark, ME), RoundGate::Go);
+        let mark = channel.mark();
+        said(&channel, &OTHER.to_string());
+        channel.open_up();
+        assert_eq!(channel.round_gate(mark, ME), RoundGate::Go);
+        let mark = channel.mark();
+        said(&channel, &format!("-{OTHER}"));
+        said(&channel, "0");
+        assert_eq!(channel.round_gate(mark, ME), RoundGate::Go);
+    }
+
     #[test]
     fn a_waiter_that_lost_track_tries() {
         let channel = Channel::default();
