@@ -107,7 +107,9 @@ async fn main() {
     let mut frozen = live.clone();
     frozen.push(format!("redis://127.0.0.1:{}", frozen_port().await));
     cases.push(("the fifth is frozen", frozen));
-    println!("| masters | lockkit acquire+release, p50 / p99 µs | rslock lock+unlock, p50 / p99 µs |");
+    println!(
+        "| masters | lockkit acquire+release, p50 / p99 µs | rslock lock+unlock, p50 / p99 µs |"
+    );
     println!("|---|---|---|");
     for (label, masters) in cases {
         let tag = label.replace(' ', "-");
