@@ -99,6 +99,9 @@ struct Master {
     node: tokio::sync::OnceCell<RedisBackend>,
     /// A background task is asking this master until it answers.
     reviving: AtomicBool,
+    /// Give-backs still out in the background (see [`RedlockBackend::give_back`]), each
+    /// with its acquisition's attempt; the sender side is dropped when it is over.
+    giving_back: std::sync::Mutex<Vec<(uuid::Uuid, tokio::sync::watch::Receiver<()>)>>,
 }
 
 /// How often a master whose request failed is asked again in the background.
@@ -110,6 +113,36 @@ impl Master {
             config,
             node: tokio::sync::OnceCell::new(),
             reviving: AtomicBool::new(false),
+            giving_back: std::sync::Mutex::new(Vec::new()),
+        }
+    }
+
+    /// Records a give-back of `attempt` out in the background until `over` closes.
+    fn giving_back(&self, attempt: uuid::Uuid, over: tokio::sync::watch::Receiver<()>) {
+        let mut out = self
+            .giving_back
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        out.retain(|(_, over)| over.has_changed().is_ok());
+        out.push((attempt, over));
+    }
+
+    /// Waits until no give-back of `attempt` is out here any more. A request of the same
+    /// attempt sent before one is over could reach the master before it (the give-back
+    /// waiting for a connection being made again, or sent again after `NOSCRIPT`), and the
+    /// give-back would then take back what that request was granted.
+    async fn given_back(&self, attempt: uuid::Uuid) {
+        let out: Vec<tokio::sync::watch::Receiver<()>> = self
+            .giving_back
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .iter()
+            .filter(|(of, _)| *of == attempt)
+            .map(|(_, over)| over.clone())
+            .collect();
+        for mut over in out {
+            // Only ever closed, never sent to.
+            let _ = over.changed().await;
         }
     }
 
@@ -345,8 +378,9 @@ impl Drop for LeaderQueuePlace {
 }
 
 /// Sends `request` now and lets it finish in the background, within `timeout`: its first
-/// poll, here, puts a Redis command on its connection, ahead of this client's later
-/// commands there.
+/// poll, here, puts a Redis command on its connection when the connection is up, ahead of
+/// this client's later commands there (not while the connection is being made again, nor
+/// a script sent again after `NOSCRIPT`: see [`Master::given_back`]).
 fn send_then_detach(
     request: impl std::future::Future<Output = ()> + Send + 'static,
     timeout: Duration,
@@ -946,7 +980,13 @@ impl RedlockBackend {
             let req = req.clone();
             let turn = turn.clone().filter(|_| index == leader);
             let watch = foreign.and_then(|foreign| foreign.watch(index, &node));
+            let nodes = self.nodes.clone();
             async move {
+                // An earlier round's give-back of this attempt still out at this master goes
+                // first (within this round's per-master timeout).
+                if let Some(master) = nodes.get(index) {
+                    master.given_back(req.attempt).await;
+                }
                 node.run_acquire_marking(&req, None, marker, Some(proposed), turn, watch.as_deref())
                     .await
             }
@@ -1266,9 +1306,12 @@ impl RedlockBackend {
     ///
     /// Waits for the masters that granted no longer than a round may take (the per-master
     /// timeout), and not for those that did not answer: their give-backs are sent at once
-    /// and finish in the background. Each release is on its master's connection before
-    /// this returns, ahead of any later command of this client there, so a slow or frozen
-    /// master still applies it before this owner's next round; and a release carries the
+    /// and finish in the background, and the next round's request of this acquisition to
+    /// such a master waits until its give-back there is over (see [`Master::given_back`]):
+    /// a give-back's first poll does not always put it on the connection (one being made
+    /// again), and one answered `NOSCRIPT` is sent again later, so it could otherwise land
+    /// after that round's grant there and, carrying the same attempt marker, take it back.
+    /// So a slow or frozen master still applies it before this owner's next round; and a release carries the
     /// acquisition's attempt marker, so it can only take back what this acquisition added,
     /// never an outer hold of the same owner. Waiting out the full response timeout made
     /// every busy round behind a frozen minority master cost that long, and waiting for a
@@ -1290,11 +1333,18 @@ impl RedlockBackend {
                 // No answer (down, frozen, too slow): its grant may land late. The give-back
                 // is sent now and finishes in the background (within the response timeout):
                 // a master that does not answer costs the round nothing more.
+                // The next round's request of this attempt to this master waits until this
+                // is over (see `Master::given_back`): being sent first is not enough, as it
+                // may wait for a connection being made again, or be sent again after
+                // `NOSCRIPT`, and would then take back that round's grant there.
                 Vote::Failed(_) => {
                     let grant = Grant::new(req, FencingToken::new(0), 1, Instant::now());
+                    let (over, waited) = tokio::sync::watch::channel(());
+                    master.giving_back(req.attempt, waited);
                     send_then_detach(
                         async move {
                             let _ = node.release(&grant).await;
+                            drop(over);
                         },
                         self.config.response_timeout,
                     );
