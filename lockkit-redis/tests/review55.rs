@@ -265,3 +265,40 @@ async fn a_give_back_answered_noscript_does_not_take_back_the_next_rounds_grant(
     );
     guard.release().await.unwrap();
 }
+
+/// A re-entry of a hold that lapsed on masters 3 and 4 (they grant it afresh) is released
+/// while master 2 is slow, though well within the response timeout: masters 0 and 1 answer
+/// one hold left, 3 and 4 none. The quorum that holds the
+/// outer hold (0, 1, 2) still holds it: the release must read partial, and the outer guard
+/// stay valid. A release that stops waiting a per-master timeout after a quorum released
+/// counts [1, 1, 0, 0]: the hold reads fully released, and the outer guard is told lost.
+#[tokio::test]
+async fn a_slow_master_of_the_quorum_that_holds_an_outer_hold_is_waited_for() {
+    let Some(masters) = masters() else { return };
+    let (proxies, hosts): (Vec<FaultProxy>, String) =
+        ProxiedClients::<RedlockBackend>::start_proxies(&masters).await;
+    let locker = Locker::new(
+        RedlockBackend::connect(&format!("redlock://{hosts}"))
+            .await
+            .unwrap(),
+    );
+    let key = LockKey::new(format!("review55/{}", Uuid::new_v4().simple())).unwrap();
+    let owner = locker.owner();
+    let outer = owner.acquire(&key).ttl(TTL).await.unwrap();
+    // The outer hold lapses on masters 3 and 4; the re-entry takes them afresh there.
+    for master in &masters[3..] {
+        let _: i64 = admin(master).await.del(names(&key).lock).await.unwrap();
+    }
+    let inner = owner.acquire(&key).ttl(TTL).await.unwrap();
+    assert_eq!(inner.depth(), 2);
+    proxies[2].set_delay(Duration::from_millis(250));
+    let released = inner.release().await.unwrap();
+    proxies[2].set_delay(Duration::ZERO);
+    assert_eq!(
+        released,
+        lockkit_core::spi::Released::Partially { remaining: 1 },
+        "masters 0, 1, 2 still hold the outer hold"
+    );
+    assert!(outer.is_valid(), "the outer guard was told lost");
+    outer.release().await.unwrap();
+}

@@ -682,6 +682,22 @@ fn agreed_remaining(released: &[Released], quorum: usize) -> u32 {
     }
 }
 
+/// Whether the answers still out (`missing`) can no longer change what
+/// [`agreed_remaining`] makes of `released` (the answers in): the holds a quorum reports
+/// can only rise, and only when the answers above them now, with every missing one, would
+/// make a quorum. A re-entry granted afresh where the outer hold had lapsed answers none
+/// left there while the quorum that holds the outer hold answers one: a release that
+/// stopped waiting for one of that quorum would read fully released, and the outer guard
+/// would be told lost.
+fn holds_left_decided(released: &[Released], missing: usize, quorum: usize) -> bool {
+    let left = |r: &Released| match r {
+        Released::Fully => 0,
+        Released::Partially { remaining } => *remaining,
+    };
+    let agreed = agreed_remaining(released, quorum);
+    released.iter().filter(|r| left(r) > agreed).count() + missing < quorum
+}
+
 /// Refuses a list of masters (node URLs) that names one master twice (by `host:port`,
 /// whatever the credentials, database or letter case): it would count twice towards the
 /// quorum, so that master alone could grant while another client, listing each master once,
@@ -872,7 +888,8 @@ impl RedlockBackend {
     }
 
     /// Releases `grant` on every master, each within the response timeout: once a quorum
-    /// released, the others are waited for a per-master timeout (see
+    /// released and the answers still out cannot change the holds left (see
+    /// [`holds_left_decided`]), the others are waited for a per-master timeout (see
     /// [`Self::node_timeout`]) more at most, and those still out finish in a task of their
     /// own (a frozen master would otherwise hold every release for the whole response
     /// timeout, though a quorum's answers already decide it). The answers, in the masters'
@@ -910,8 +927,18 @@ impl RedlockBackend {
             if let Some(slot) = answers.get_mut(index) {
                 *slot = Some(answer);
             }
-            let released = answers.iter().filter(|a| matches!(a, Some(Ok(_)))).count();
-            if !quorum_released && released >= self.quorum() {
+            let released: Vec<Released> = answers
+                .iter()
+                .filter_map(|a| match a {
+                    Some(Ok(released)) => Some(*released),
+                    _ => None,
+                })
+                .collect();
+            let missing = answers.iter().filter(|a| a.is_none()).count();
+            if !quorum_released
+                && released.len() >= self.quorum()
+                && holds_left_decided(&released, missing, self.quorum())
+            {
                 quorum_released = true;
                 until = until.min(Instant::now() + self.node_timeout(grant.ttl));
             }
@@ -1811,6 +1838,27 @@ mod tests {
         // Fewer than a quorum answered: the highest, to be safe.
         assert_eq!(agreed_remaining(&[partially(1)], 3), 1);
         assert_eq!(agreed_remaining(&[], 3), 0);
+    }
+
+    #[test]
+    fn the_holds_left_are_decided_once_the_answers_out_cannot_change_them() {
+        let partially = |remaining| Released::Partially { remaining };
+        let full = Released::Fully;
+        // Every answer in agrees: nothing out can change it.
+        assert!(holds_left_decided(&[full, full, full], 2, 3));
+        assert!(holds_left_decided(&[partially(1); 3], 2, 3));
+        // Two of the quorum that still holds an outer hold answered, the third is out.
+        assert!(!holds_left_decided(
+            &[partially(1), partially(1), full, full],
+            1,
+            3
+        ));
+        // All in.
+        assert!(holds_left_decided(
+            &[partially(1), partially(1), full, full, full],
+            0,
+            3
+        ));
     }
 
     #[test]
