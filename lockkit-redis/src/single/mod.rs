@@ -176,6 +176,9 @@ impl RedisBackend {
     /// 2-core machine, five masters' rounds gained no latency from it (the masters' own CPU
     /// bounds them there) and lost 30-45% of their throughput over 1,000 keys x 32 tasks
     /// (each request its own write, where the multiplexed connection batches concurrent ones).
+    /// Without `direct` (Redlock's masters), a lost connection is also made again once, at
+    /// once, without redis-rs's retries and backoff: a master that is down must fail at once
+    /// rather than hold every round and release while they run (see `redlock::Master`).
     pub(crate) async fn connect_as(config: RedisConfig, direct: bool) -> Result<Self> {
         // A config built in code has not been through `RedisConfig::parse`.
         config.check_timeouts()?;
@@ -185,6 +188,8 @@ impl RedisBackend {
         let grant_timeout = config
             .response_timeout
             .saturating_add(config.wait_replicas_timeout);
+        // Redlock's masters (not `direct`) are made again once, at once (see above).
+        let connect_retries = if direct { 2 } else { 0 };
         let (conn, grant_conns, subscriber, target, cluster) = match &config.topology {
             Topology::Single(url) => {
                 let client = crate::conn::tcp::client(url, config.keepalive).map_err(bad_url)?;
@@ -211,7 +216,7 @@ impl RedisBackend {
                     )
                 } else {
                     Conn::Single(
-                        manager(config.response_timeout, if direct { 2 } else { 0 })
+                        manager(config.response_timeout, connect_retries)
                             .await
                             .map_err(|e| backend_error("connecting", url, e))?,
                     )
