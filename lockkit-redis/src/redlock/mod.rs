@@ -856,7 +856,11 @@ impl RedlockBackend {
     }
 
     /// Runs `op` at once on every master whose index `which` picks, each bounded by
-    /// `timeout`; one entry per master, `None` for those not picked.
+    /// `timeout`; one entry per master, `None` for those not picked. A master whose last
+    /// request failed and that has not answered since (see [`Master::revive_later`]) is
+    /// asked too, but not waited for once every other master picked answered: its answer
+    /// is then an error (a frozen master would otherwise cost every round the whole
+    /// `timeout`). With no other master picked, it is waited for.
     async fn on_masters<T, F, Fut>(
         &self,
         timeout: Duration,
@@ -868,29 +872,64 @@ impl RedlockBackend {
         Fut: std::future::Future<Output = Result<T>>,
     {
         let op = &op;
-        let calls = self.nodes.iter().enumerate().map(|(index, master)| {
-            let picked = which(index);
-            let call = async move { op(index, master.get().await?).await };
-            async move {
-                if !picked {
-                    return None;
-                }
+        let picked: Vec<usize> = (0..self.nodes.len()).filter(|i| which(*i)).collect();
+        let was_failing = self.failing_masters();
+        let mut healthy_left = picked
+            .iter()
+            .filter(|i| !was_failing.get(**i).copied().unwrap_or(false))
+            .count();
+        let wait_for_all = healthy_left == 0;
+        let mut calls: FuturesUnordered<_> = picked
+            .iter()
+            .filter_map(|index| Some((*index, self.nodes.get(*index)?)))
+            .map(|(index, master)| async move {
+                let call = async { op(index, master.get().await?).await };
                 let answer = tokio::time::timeout(timeout, call)
                     .await
                     .unwrap_or_else(|_| Err(unanswered(timeout)));
                 if answer.as_ref().is_err_and(Error::is_retryable) {
                     Master::revive_later(&self.nodes, index);
                 }
-                Some(answer)
+                (index, answer)
+            })
+            .collect();
+        let mut answers: Vec<Option<Result<T>>> = (0..self.nodes.len()).map(|_| None).collect();
+        while let Some((index, answer)) = calls.next().await {
+            if !was_failing.get(index).copied().unwrap_or(false) {
+                healthy_left = healthy_left.saturating_sub(1);
             }
-        });
-        join_all(calls).await
+            if let Some(slot) = answers.get_mut(index) {
+                *slot = Some(answer);
+            }
+            if !wait_for_all && healthy_left == 0 {
+                break;
+            }
+        }
+        for index in picked {
+            if let Some(slot @ None) = answers.get_mut(index) {
+                *slot = Some(Err(Error::backend(
+                    BACKEND,
+                    true,
+                    "a master whose last request failed was not waited for once the others answered",
+                )));
+            }
+        }
+        answers
+    }
+
+    /// Whether each master's last request failed and it has not answered since.
+    fn failing_masters(&self) -> Vec<bool> {
+        self.nodes
+            .iter()
+            .map(|master| master.reviving.load(Ordering::Acquire))
+            .collect()
     }
 
     /// Releases `grant` on every master, each within the response timeout: once a quorum
     /// released and the answers still out cannot change the holds left (see
     /// [`holds_left_decided`]), the others are waited for a per-master timeout (see
-    /// [`Self::node_timeout`]) more at most, and those still out finish in a task of their
+    /// [`Self::node_timeout`]) more at most (a master whose last request failed and that
+    /// has not answered since, not at all), and those still out finish in a task of their
     /// own (a frozen master would otherwise hold every release for the whole response
     /// timeout, though a quorum's answers already decide it). The answers, in the masters'
     /// order; an error for each master not waited for.
@@ -923,6 +962,7 @@ impl RedlockBackend {
             (0..self.nodes.len()).map(|_| None).collect();
         let mut until = Instant::now() + timeout;
         let mut quorum_released = false;
+        let was_failing = self.failing_masters();
         while let Ok(Some((index, answer))) = tokio::time::timeout_at(until, pending.next()).await {
             if let Some(slot) = answers.get_mut(index) {
                 *slot = Some(answer);
@@ -941,6 +981,14 @@ impl RedlockBackend {
             {
                 quorum_released = true;
                 until = until.min(Instant::now() + self.node_timeout(grant.ttl));
+            }
+            // Past a quorum, a master whose last request failed is not waited for.
+            let healthy_out = answers
+                .iter()
+                .zip(&was_failing)
+                .any(|(answer, failing)| answer.is_none() && !failing);
+            if quorum_released && !healthy_out {
+                break;
             }
         }
         if !pending.is_empty()
