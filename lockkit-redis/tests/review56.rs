@@ -38,7 +38,8 @@ fn a_master_marked_failing_on_a_runtime_that_ended_still_counts_once_it_answers(
     assert_eq!(masters.len(), 5, "five masters");
     // The proxies live on a runtime of their own, for the whole test.
     let proxy_rt = runtime();
-    let (proxies, hosts) = proxy_rt.block_on(ProxiedClients::<RedlockBackend>::start_proxies(&masters));
+    let (proxies, hosts) =
+        proxy_rt.block_on(ProxiedClients::<RedlockBackend>::start_proxies(&masters));
     let url = format!("redlock://{hosts}");
 
     // First runtime: the backend connects, then a request to master 4 fails.
@@ -47,7 +48,7 @@ fn a_master_marked_failing_on_a_runtime_that_ended_still_counts_once_it_answers(
         let locker = Locker::new(RedlockBackend::connect(&url).await.unwrap());
         proxies[4].reset();
         let guard = locker
-            .try_acquire(&key())
+            .try_acquire(key())
             .await
             .unwrap()
             .expect("four of five masters are a quorum");
@@ -66,14 +67,14 @@ fn a_master_marked_failing_on_a_runtime_that_ended_still_counts_once_it_answers(
         proxies[1].reset();
         // The lines made on the first runtime broke with it: the first round here may find
         // them broken (each then made again). Its masters are asked again in the background.
-        if let Ok(Some(guard)) = locker.try_acquire(&key()).await {
+        if let Ok(Some(guard)) = locker.try_acquire(key()).await {
             guard.release().await.unwrap();
         }
         tokio::time::sleep(Duration::from_secs(1)).await;
         let (mut granted, mut failed, mut errors) = (0, 0, Vec::new());
         let until = std::time::Instant::now() + Duration::from_secs(3);
         while std::time::Instant::now() < until {
-            match locker.try_acquire(&key()).await {
+            match locker.try_acquire(key()).await {
                 Ok(Some(guard)) => {
                     granted += 1;
                     guard.release().await.unwrap();
@@ -91,7 +92,8 @@ fn a_master_marked_failing_on_a_runtime_that_ended_still_counts_once_it_answers(
         (granted, failed, errors)
     });
     assert_eq!(
-        failed, 0,
+        failed,
+        0,
         "masters 2, 3 and 4 answer, yet {failed} of {} rounds found no quorum ({granted} granted): {errors:?}",
         granted + failed
     );

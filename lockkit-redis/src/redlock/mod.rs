@@ -107,6 +107,23 @@ struct Master {
 /// How often a master whose request failed is asked again in the background.
 const REVIVE_EVERY: Duration = Duration::from_millis(200);
 
+/// Clears a master's `reviving` mark when its revive task ends (see
+/// [`Master::revive_later`]).
+struct Unmark {
+    nodes: std::sync::Weak<Vec<Master>>,
+    index: usize,
+}
+
+impl Drop for Unmark {
+    fn drop(&mut self) {
+        if let Some(nodes) = self.nodes.upgrade()
+            && let Some(master) = nodes.get(self.index)
+        {
+            master.reviving.store(false, Ordering::Release);
+        }
+    }
+}
+
 impl Master {
     fn new(config: RedisConfig) -> Self {
         Master {
@@ -162,7 +179,16 @@ impl Master {
             return;
         };
         let nodes = Arc::downgrade(nodes);
+        // Dropped with the task however it ends, also unfinished with its runtime (a backend
+        // may outlive the runtime it was used on): the master is then not left marked as
+        // failing for good, never waited for again (see `RedlockBackend::on_masters`), and
+        // its next failed request starts another such task.
+        let unmark = Unmark {
+            nodes: nodes.clone(),
+            index,
+        };
         runtime.spawn(async move {
+            let _unmark = unmark;
             loop {
                 tokio::time::sleep(REVIVE_EVERY).await;
                 let Some(nodes) = nodes.upgrade() else {
