@@ -874,7 +874,7 @@ impl RedlockBackend {
         F: Fn(RedisBackend) -> Fut,
         Fut: std::future::Future<Output = Result<T>>,
     {
-        self.on_masters(timeout, |_| true, |_, node| op(node))
+        self.on_masters(timeout, |_| true, |_, node| op(node), |_| true)
             .await
             .into_iter()
             .flatten()
@@ -886,12 +886,14 @@ impl RedlockBackend {
     /// request failed and that has not answered since (see [`Master::revive_later`]) is
     /// asked too, but not waited for once every other master picked answered: its answer
     /// is then an error (a frozen master would otherwise cost every round the whole
-    /// `timeout`). With no other master picked, it is waited for.
+    /// `timeout`). With no other master picked, it is waited for, and so it is while
+    /// `settled` says the answers in hand do not decide (see [`RedlockBackend::run_acquire`]).
     async fn on_masters<T, F, Fut>(
         &self,
         timeout: Duration,
         which: impl Fn(usize) -> bool,
         op: F,
+        settled: impl Fn(&[Option<Result<T>>]) -> bool,
     ) -> Vec<Option<Result<T>>>
     where
         F: Fn(usize, RedisBackend) -> Fut,
@@ -927,7 +929,7 @@ impl RedlockBackend {
             if let Some(slot) = answers.get_mut(index) {
                 *slot = Some(answer);
             }
-            if !wait_for_all && healthy_left == 0 {
+            if !wait_for_all && healthy_left == 0 && settled(&answers) {
                 break;
             }
         }
@@ -1097,7 +1099,7 @@ impl RedlockBackend {
             contended.busy_masters.store(0, Ordering::Release);
             if contended.leader_first && req.kind == LockKind::Exclusive && self.nodes.len() > 1 {
                 votes = self
-                    .on_masters(timeout, |index| index == leader, ask)
+                    .on_masters(timeout, |index| index == leader, ask, |_| true)
                     .await
                     .into_iter()
                     .map(|answer| answer.map(Vote::from))
@@ -1128,11 +1130,30 @@ impl RedlockBackend {
             }
         }
         let asked: Vec<bool> = votes.iter().map(Option::is_some).collect();
+        // A re-entry (a master answers this owner's hold there already) is a continuation,
+        // keeping the hold's token, only if a quorum answers so (see `Self::decide`): a
+        // master whose last request failed is then waited for (within the per-master
+        // timeout) while some such answers are in but short of a quorum, or a re-entry of
+        // a hold its bare quorum still holds would read as a new hold, and the hold lost.
+        let quorum = self.quorum();
+        let continuing_before = votes
+            .iter()
+            .filter(|v| matches!(v, Some(Vote::Granted(g)) if g.depth > 1))
+            .count();
+        let settled = |answers: &[Option<Result<Attempt>>]| {
+            let continuing = continuing_before
+                + answers
+                    .iter()
+                    .filter(|a| matches!(a, Some(Ok(Attempt::Granted(g))) if g.depth > 1))
+                    .count();
+            continuing == 0 || continuing >= quorum
+        };
         let rest = self
             .on_masters(
                 timeout,
                 |index| !asked.get(index).copied().unwrap_or(false),
                 ask,
+                settled,
             )
             .await;
         let votes: Vec<Vote> = rest
