@@ -887,7 +887,8 @@ impl RedlockBackend {
     /// asked too, but not waited for once every other master picked answered: its answer
     /// is then an error (a frozen master would otherwise cost every round the whole
     /// `timeout`). With no other master picked, it is waited for, and so it is while
-    /// `settled` says the answers in hand do not decide (see [`RedlockBackend::run_acquire`]).
+    /// `settled` says the answers in hand do not decide (see [`RedlockBackend::run_acquire`]
+    /// and [`LockBackend::renew`]).
     async fn on_masters<T, F, Fut>(
         &self,
         timeout: Duration,
@@ -1663,12 +1664,33 @@ impl LockBackend for RedlockBackend {
 
     async fn renew(&self, grant: &Grant, ttl: Duration) -> Result<()> {
         kinds::refuse_permits(grant.kind)?;
-        let results = self
-            .on_all(self.node_timeout(ttl), |node| {
-                let grant = grant.clone();
-                async move { node.renew(&grant, ttl).await }
-            })
-            .await;
+        // A master whose last request failed is waited for (within the per-master timeout)
+        // while the renewals in hand are short of a quorum that the answers still out could
+        // complete: a hold granted on a bare quorum (the other masters down) needs every one
+        // of its masters, and one of them marked while it answers (a request of another
+        // lock's shorter per-master timeout failed there, or its link was reset once) would
+        // fail every renewal while the mark lasts, until the lease ran out and the hold was
+        // reported lost while its quorum held it.
+        let quorum = self.quorum();
+        let settled = |answers: &[Option<Result<()>>]| {
+            let renewed = answers.iter().filter(|a| matches!(a, Some(Ok(())))).count();
+            let out = answers.iter().filter(|a| a.is_none()).count();
+            renewed >= quorum || renewed + out < quorum
+        };
+        let results: Vec<Result<()>> = self
+            .on_masters(
+                self.node_timeout(ttl),
+                |_| true,
+                |_, node| {
+                    let grant = grant.clone();
+                    async move { node.renew(&grant, ttl).await }
+                },
+                settled,
+            )
+            .await
+            .into_iter()
+            .flatten()
+            .collect();
         let renewed = results.iter().filter(|r| r.is_ok()).count();
         let refused = results
             .iter()
