@@ -1131,23 +1131,43 @@ impl RedlockBackend {
             }
         }
         let asked: Vec<bool> = votes.iter().map(Option::is_some).collect();
-        // A re-entry (a master answers this owner's hold there already) is a continuation,
-        // keeping the hold's token, only if a quorum answers so (see `Self::decide`): a
-        // master whose last request failed is then waited for (within the per-master
-        // timeout) while some such answers are in but short of a quorum, or a re-entry of
-        // a hold its bare quorum still holds would read as a new hold, and the hold lost.
+        // A master whose last request failed is waited for (within the per-master timeout)
+        // while the answers in hand do not decide what its answer could change:
+        // - grants short of a quorum that the answers still out could complete: a key whose
+        //   quorum needs that master (the others down) would be refused for as long as its
+        //   mark lasts, and a master kept marked (another lock's shorter per-master timeout
+        //   failing there) made such a key unobtainable while a quorum answered;
+        // - a re-entry (a master answers this owner's hold there already) is a
+        //   continuation, keeping the hold's token, only if a quorum answers so (see
+        //   `Self::decide`): with some such answers in but short of a quorum, a re-entry of
+        //   a hold its bare quorum still holds would read as a new hold, and the hold lost.
         let quorum = self.quorum();
+        let granted_before = votes
+            .iter()
+            .filter(|v| matches!(v, Some(Vote::Granted(_))))
+            .count();
         let continuing_before = votes
             .iter()
             .filter(|v| matches!(v, Some(Vote::Granted(g)) if g.depth > 1))
             .count();
         let settled = |answers: &[Option<Result<Attempt>>]| {
+            let granted = granted_before
+                + answers
+                    .iter()
+                    .filter(|a| matches!(a, Some(Ok(Attempt::Granted(_)))))
+                    .count();
+            let out = answers
+                .iter()
+                .enumerate()
+                .filter(|(index, a)| a.is_none() && !asked.get(*index).copied().unwrap_or(false))
+                .count();
             let continuing = continuing_before
                 + answers
                     .iter()
                     .filter(|a| matches!(a, Some(Ok(Attempt::Granted(g))) if g.depth > 1))
                     .count();
-            continuing == 0 || continuing >= quorum
+            (granted >= quorum || granted + out < quorum)
+                && (continuing == 0 || continuing >= quorum)
         };
         let rest = self
             .on_masters(
