@@ -1477,10 +1477,16 @@ async fn a_grant_by_the_others_leaves_no_place_in_the_leaders_queue() {
 /// the timer covers a stale record on the leader) and found every master busy. They still
 /// wait for their turn at the leader: the other masters' messages at the release would wake
 /// them all at once (each then asked the leader: the herd the queue is there to stop).
+///
+/// A herd shows as at least `WAITERS` requests at the leader after the release; without
+/// one it sees the release and the named waiter's grant, and under load perhaps a waiter's
+/// timer round already on its way, or a background `PING` to a master whose request timed
+/// out: two more are allowed (with 4 waiters and no slack, the test failed 4 of 16 runs on
+/// a loaded machine, seeing 4 requests).
 #[tokio::test]
 async fn waiters_behind_a_long_hold_still_wait_for_their_turn() {
     let Some(masters) = masters() else { return };
-    const WAITERS: usize = 4;
+    const WAITERS: usize = 8;
     let (proxies, clients) = clients_sharing_proxies(&masters, WAITERS + 1).await;
     let key = key();
     let leader = clients[0].0.leader_master(&key);
@@ -1506,7 +1512,7 @@ async fn waiters_behind_a_long_hold_still_wait_for_their_turn() {
     // The release, and the named waiter's grant; the others sleep (all asked before).
     let asked = proxies[leader].requests_seen() - before;
     assert!(
-        asked <= 3,
+        asked <= 4 && asked < WAITERS as u64,
         "the leader (master {leader}) saw {asked} requests after one release with {WAITERS} waiters"
     );
     for _ in 0..WAITERS {
