@@ -656,14 +656,18 @@ impl From<Result<Attempt>> for Vote {
         match answer {
             Ok(Attempt::Granted(grant)) => Vote::Granted(grant),
             Ok(Attempt::Busy { lease_left }) => Vote::Busy(lease_left),
-            Err(
-                e @ (Error::WouldDeadlock { .. }
-                | Error::KindMismatch { .. }
-                | Error::Unsupported { .. }),
-            ) => Vote::Refused(e),
+            Err(e) if refusal(&e) => Vote::Refused(e),
             Err(e) => Vote::Failed(e),
         }
     }
+}
+
+/// Whether a master's answer to an acquire attempt is a [`Vote::Refused`].
+fn refusal(e: &Error) -> bool {
+    matches!(
+        e,
+        Error::WouldDeadlock { .. } | Error::KindMismatch { .. } | Error::Unsupported { .. }
+    )
 }
 
 /// The index of the master of `masters` (node URLs) whose address scores highest for
@@ -1150,6 +1154,15 @@ impl RedlockBackend {
             .iter()
             .filter(|v| matches!(v, Some(Vote::Granted(g)) if g.depth > 1))
             .count();
+        let refused_before = votes
+            .iter()
+            .filter(|v| matches!(v, Some(Vote::Refused(_))))
+            .count();
+        let failed_before = votes
+            .iter()
+            .filter(|v| matches!(v, Some(Vote::Failed(_))))
+            .count();
+        let masters = self.master_count();
         let settled = |answers: &[Option<Result<Attempt>>]| {
             let granted = granted_before
                 + answers
@@ -1166,8 +1179,26 @@ impl RedlockBackend {
                     .iter()
                     .filter(|a| matches!(a, Some(Ok(Attempt::Granted(g))) if g.depth > 1))
                     .count();
-            (granted >= quorum || granted + out < quorum)
-                && (continuing == 0 || continuing >= quorum)
+            // Short of a quorum for good, the round is refused, failed or busy (see
+            // `Self::decide`), and a master not waited for counts as failed: the answers
+            // still out must not be able to change which (a busy key would read as too few
+            // masters answering, an upgrade that a quorum refuses as one to wait for).
+            let decided_short = granted + out < quorum && {
+                let refused = refused_before
+                    + answers
+                        .iter()
+                        .filter(|a| matches!(a, Some(Err(e)) if refusal(e)))
+                        .count();
+                let failed = failed_before
+                    + answers
+                        .iter()
+                        .filter(|a| matches!(a, Some(Err(e)) if !refusal(e)))
+                        .count();
+                refused > masters.saturating_sub(quorum)
+                    || (refused + out <= masters.saturating_sub(quorum)
+                        && masters.saturating_sub(failed + out) >= quorum)
+            };
+            (granted >= quorum || decided_short) && (continuing == 0 || continuing >= quorum)
         };
         let rest = self
             .on_masters(
@@ -1691,11 +1722,23 @@ impl LockBackend for RedlockBackend {
         // lock's shorter per-master timeout failed there, or its link was reset once) would
         // fail every renewal while the mark lasts, until the lease ran out and the hold was
         // reported lost while its quorum held it.
-        let quorum = self.quorum();
+        // Short of a quorum for good, the answers still out must not be able to change
+        // whether so many masters disown the hold that no quorum can hold it (`NotHeld`,
+        // reported lost at once) or not (retryable): a master not waited for counts as one
+        // that may hold it, and a hold its answering masters disown would otherwise stay
+        // valid for the rest of its lease while another owner can take the key.
+        let (quorum, masters) = (self.quorum(), self.master_count());
         let settled = |answers: &[Option<Result<()>>]| {
             let renewed = answers.iter().filter(|a| matches!(a, Some(Ok(())))).count();
             let out = answers.iter().filter(|a| a.is_none()).count();
-            renewed >= quorum || renewed + out < quorum
+            let refused = answers
+                .iter()
+                .filter(|a| matches!(a, Some(Err(Error::NotHeld { .. }))))
+                .count();
+            renewed >= quorum
+                || (renewed + out < quorum
+                    && (masters.saturating_sub(refused) < quorum
+                        || masters.saturating_sub(refused + out) >= quorum))
         };
         let results: Vec<Result<()>> = self
             .on_masters(
