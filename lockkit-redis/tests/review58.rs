@@ -208,7 +208,10 @@ async fn a_frozen_master_costs_busy_rounds_and_renewals_nothing_once_it_failed()
             "busy on four masters: {:?}",
             tried.map(|g| g.map(|g| g.token))
         );
-        backend.renew(&grant, TTL).await.expect("four masters renew");
+        backend
+            .renew(&grant, TTL)
+            .await
+            .expect("four masters renew");
     }
     let took = started.elapsed();
     proxies[1].heal();
@@ -216,5 +219,43 @@ async fn a_frozen_master_costs_busy_rounds_and_renewals_nothing_once_it_failed()
     assert!(
         took < Duration::from_secs(1),
         "ten busy rounds and ten renewals with one master frozen took {took:?}"
+    );
+}
+
+/// A health check (`ping`) and an inspection ask every master and need a quorum of answers.
+/// With masters 3 and 4 down and master 2 marked while it answers (20 ms), masters 0, 1 and
+/// 2 are a quorum that answers; not waiting for master 2 once 0 and 1 answered said "only
+/// 2 masters answered PING" (and "only 2 masters answered" to an inspection) while the mark
+/// lasted.
+#[tokio::test]
+async fn a_ping_and_an_inspection_count_a_marked_master_that_answers() {
+    let Some(masters) = masters() else { return };
+    assert_eq!(masters.len(), 5, "five masters");
+    let (proxies, locker) = client(&masters).await;
+    let backend = locker.backend();
+    proxies[3].reset();
+    proxies[4].reset();
+    let key = key();
+    let request = AcquireRequest::new(key.clone(), OwnerId::random(), TTL, LossSignal::new());
+    let grant = backend
+        .try_acquire(&request)
+        .await
+        .unwrap()
+        .expect("masters 0, 1 and 2 are a quorum");
+    let failed_at = mark_master_2(&proxies, backend.as_ref(), &grant).await;
+    let pinged = backend.ping().await;
+    conclusive(failed_at);
+    let failed_at = mark_master_2(&proxies, backend.as_ref(), &grant).await;
+    let inspected = backend.inspect(&key).await;
+    conclusive(failed_at);
+    assert!(
+        pinged.is_ok(),
+        "masters 0, 1 and 2 answer (master 2 in 20 ms), yet with master 2 marked the health \
+         check said: {pinged:?}"
+    );
+    assert!(
+        inspected.is_ok(),
+        "masters 0, 1 and 2 answer (master 2 in 20 ms), yet with master 2 marked the \
+         inspection said: {inspected:?}"
     );
 }

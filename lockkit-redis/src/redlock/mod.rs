@@ -872,13 +872,23 @@ impl RedlockBackend {
         })
     }
 
-    /// Runs `op` on every master at once, each bounded by `timeout`.
+    /// Runs `op` on every master at once, each bounded by `timeout`, for a caller that needs
+    /// a quorum of answers (a health check, an inspection): a master whose last request
+    /// failed is waited for while the answers in hand are short of a quorum that the
+    /// answers still out could complete (with the others down, a bare quorum that answers
+    /// would otherwise read as too few while its mark lasts).
     async fn on_all<T, F, Fut>(&self, timeout: Duration, op: F) -> Vec<Result<T>>
     where
         F: Fn(RedisBackend) -> Fut,
         Fut: std::future::Future<Output = Result<T>>,
     {
-        self.on_masters(timeout, |_| true, |_, node| op(node), |_| true)
+        let quorum = self.quorum();
+        let settled = |answers: &[Option<Result<T>>]| {
+            let answered = answers.iter().filter(|a| matches!(a, Some(Ok(_)))).count();
+            let out = answers.iter().filter(|a| a.is_none()).count();
+            answered >= quorum || answered + out < quorum
+        };
+        self.on_masters(timeout, |_| true, |_, node| op(node), settled)
             .await
             .into_iter()
             .flatten()
