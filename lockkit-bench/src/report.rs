@@ -17,7 +17,10 @@ pub struct Measured {
     new: Vec<Micros>,
     wake: Vec<Micros>,
     handoff: Vec<Micros>,
+    /// The median of the throughput runs (see [`Measured::add_rate`]).
     pub per_second: Option<f64>,
+    /// Every throughput run's rate, in the order run.
+    rates: Vec<f64>,
 }
 
 impl Measured {
@@ -31,7 +34,34 @@ impl Measured {
             wake: Vec::new(),
             handoff: Vec::new(),
             per_second: None,
+            rates: Vec::new(),
         }
+    }
+
+    /// Takes in one throughput run's rate; [`Measured::per_second`] becomes the median of
+    /// the runs so far (the lower middle one of an even count).
+    pub fn add_rate(&mut self, rate: f64) {
+        self.rates.push(rate);
+        let mut sorted = self.rates.clone();
+        sorted.sort_by(f64::total_cmp);
+        self.per_second = sorted.get((sorted.len() - 1) / 2).copied();
+    }
+
+    /// The throughput cell: the median, and the range of the runs when there were several.
+    fn rate_cell(&self, rate: f64, unit: &str) -> String {
+        let low = self.rates.iter().copied().fold(f64::INFINITY, f64::min);
+        let high = self.rates.iter().copied().fold(0.0, f64::max);
+        let range = if self.rates.len() > 1 {
+            format!(
+                " ({}–{} in {} runs)",
+                thousands(low),
+                thousands(high),
+                self.rates.len()
+            )
+        } else {
+            String::new()
+        };
+        format!("{}{unit}{range}", thousands(rate))
     }
 
     pub fn add(&mut self, scenario: Scenario, samples: Vec<Micros>) {
@@ -314,11 +344,11 @@ pub fn markdown(sections: &[Section], notes: &[String], quick: bool) -> String {
                 m.cell(Scenario::Handoff),
                 m.per_second.map_or("—".into(), |r| {
                     if m.label.starts_with("floor: `PING`") {
-                        format!("{} (`SET`s)", thousands(r))
+                        m.rate_cell(r, " `SET`s")
                     } else if m.floor {
-                        format!("{} (pairs)", thousands(r))
+                        m.rate_cell(r, " pairs")
                     } else {
-                        thousands(r)
+                        m.rate_cell(r, "")
                     }
                 })
             );
