@@ -40,6 +40,25 @@ async fn client(masters: &[String]) -> (Vec<FaultProxy>, Locker) {
     (proxies, locker)
 }
 
+/// A client through proxies with masters 3 and 4 down: masters 0, 1 and 2 are a bare
+/// quorum of the five.
+async fn bare_quorum(masters: &[String]) -> (Vec<FaultProxy>, Locker) {
+    assert_eq!(masters.len(), 5, "five masters");
+    let (proxies, locker) = client(masters).await;
+    proxies[3].reset();
+    proxies[4].reset();
+    (proxies, locker)
+}
+
+/// Grants `request` on masters 0, 1 and 2 (3 and 4 down, see [`bare_quorum`]).
+async fn on_masters_0_1_2(backend: &dyn LockBackend, request: &AcquireRequest) -> Grant {
+    backend
+        .try_acquire(request)
+        .await
+        .unwrap()
+        .expect("masters 0, 1 and 2 are a quorum")
+}
+
 const TTL: Duration = Duration::from_secs(10);
 
 /// Marks master 2: its link is cut for one renewal of `grant` (which fails there), then it
@@ -114,18 +133,11 @@ fn keep_master_2_marked(
 #[tokio::test]
 async fn a_renewal_that_no_quorum_can_hold_is_not_held_while_one_of_its_masters_is_marked() {
     let Some(masters) = masters() else { return };
-    assert_eq!(masters.len(), 5, "five masters");
-    let (proxies, locker) = client(&masters).await;
+    let (proxies, locker) = bare_quorum(&masters).await;
     let backend = locker.backend();
-    proxies[3].reset();
-    proxies[4].reset();
     let key = key();
     let request = AcquireRequest::new(key.clone(), OwnerId::random(), TTL, LossSignal::new());
-    let grant = backend
-        .try_acquire(&request)
-        .await
-        .unwrap()
-        .expect("masters 0, 1 and 2 are a quorum");
+    let grant = on_masters_0_1_2(backend.as_ref(), &request).await;
     let name = LockNames::new("", &key, false).unwrap().lock;
     for master in &masters[..3] {
         let mut admin = redis::Client::open(format!("redis://{master}"))
@@ -159,18 +171,11 @@ async fn a_renewal_that_no_quorum_can_hold_is_not_held_while_one_of_its_masters_
 #[tokio::test]
 async fn a_busy_key_is_busy_while_one_of_its_holders_masters_is_marked() {
     let Some(masters) = masters() else { return };
-    assert_eq!(masters.len(), 5, "five masters");
-    let (proxies, locker) = client(&masters).await;
+    let (proxies, locker) = bare_quorum(&masters).await;
     let backend = locker.backend();
-    proxies[3].reset();
-    proxies[4].reset();
     let key = key();
     let holder = AcquireRequest::new(key.clone(), OwnerId::random(), TTL, LossSignal::new());
-    let grant = backend
-        .try_acquire(&holder)
-        .await
-        .unwrap()
-        .expect("masters 0, 1 and 2 are a quorum");
+    let grant = on_masters_0_1_2(backend.as_ref(), &holder).await;
     let failed_at = mark_master_2(&proxies, backend.as_ref(), &grant).await;
     let other = AcquireRequest::new(key.clone(), OwnerId::random(), TTL, LossSignal::new());
     let tried = backend.try_acquire(&other).await;
@@ -193,19 +198,12 @@ async fn a_busy_key_is_busy_while_one_of_its_holders_masters_is_marked() {
 #[tokio::test]
 async fn an_upgrade_is_refused_while_one_of_the_read_holds_masters_is_marked() {
     let Some(masters) = masters() else { return };
-    assert_eq!(masters.len(), 5, "five masters");
-    let (proxies, locker) = client(&masters).await;
+    let (proxies, locker) = bare_quorum(&masters).await;
     let backend = locker.backend();
-    proxies[3].reset();
-    proxies[4].reset();
     let (key, owner) = (key(), OwnerId::random());
     let read =
         AcquireRequest::new(key.clone(), owner, TTL, LossSignal::new()).with_kind(LockKind::Read);
-    let grant = backend
-        .try_acquire(&read)
-        .await
-        .unwrap()
-        .expect("masters 0, 1 and 2 are a quorum");
+    let grant = on_masters_0_1_2(backend.as_ref(), &read).await;
     let failed_at = mark_master_2(&proxies, backend.as_ref(), &grant).await;
     let write =
         AcquireRequest::new(key.clone(), owner, TTL, LossSignal::new()).with_kind(LockKind::Write);
@@ -272,18 +270,11 @@ async fn a_frozen_master_costs_busy_rounds_and_renewals_nothing_once_it_failed()
 #[tokio::test]
 async fn a_ping_and_an_inspection_count_a_marked_master_that_answers() {
     let Some(masters) = masters() else { return };
-    assert_eq!(masters.len(), 5, "five masters");
-    let (proxies, locker) = client(&masters).await;
+    let (proxies, locker) = bare_quorum(&masters).await;
     let backend = locker.backend();
-    proxies[3].reset();
-    proxies[4].reset();
     let key = key();
     let request = AcquireRequest::new(key.clone(), OwnerId::random(), TTL, LossSignal::new());
-    let grant = backend
-        .try_acquire(&request)
-        .await
-        .unwrap()
-        .expect("masters 0, 1 and 2 are a quorum");
+    let grant = on_masters_0_1_2(backend.as_ref(), &request).await;
     let failed_at = mark_master_2(&proxies, backend.as_ref(), &grant).await;
     let pinged = backend.ping().await;
     conclusive(failed_at);
@@ -313,18 +304,11 @@ async fn a_ping_and_an_inspection_count_a_marked_master_that_answers() {
 #[tokio::test]
 async fn a_renewal_waits_for_a_marked_master_while_the_answers_in_hand_are_short_of_a_quorum() {
     let Some(masters) = masters() else { return };
-    assert_eq!(masters.len(), 5, "five masters");
-    let (proxies, locker) = client(&masters).await;
+    let (proxies, locker) = bare_quorum(&masters).await;
     let backend = locker.backend();
-    proxies[3].reset();
-    proxies[4].reset();
     let ttl = Duration::from_secs(10);
     let request = AcquireRequest::new(key(), OwnerId::random(), ttl, LossSignal::new());
-    let grant = backend
-        .try_acquire(&request)
-        .await
-        .unwrap()
-        .expect("masters 0, 1 and 2 are a quorum");
+    let grant = on_masters_0_1_2(backend.as_ref(), &request).await;
     // Masters 3 and 4 failed once already (at the acquisition): marked, and down.
     backend.renew(&grant, ttl).await.expect("0, 1, 2 renew");
 
@@ -367,10 +351,7 @@ async fn a_renewal_waits_for_a_marked_master_while_the_answers_in_hand_are_short
 #[tokio::test]
 async fn a_hold_on_a_bare_quorum_is_not_lost_while_one_of_its_masters_is_kept_marked() {
     let Some(masters) = masters() else { return };
-    assert_eq!(masters.len(), 5, "five masters");
-    let (proxies, locker) = client(&masters).await;
-    proxies[3].reset();
-    proxies[4].reset();
+    let (proxies, locker) = bare_quorum(&masters).await;
     let held = key();
     let guard = locker
         .try_acquire(&held)
@@ -407,10 +388,7 @@ async fn a_hold_on_a_bare_quorum_is_not_lost_while_one_of_its_masters_is_kept_ma
 #[tokio::test]
 async fn a_key_whose_quorum_needs_a_marked_master_is_granted_while_it_answers() {
     let Some(masters) = masters() else { return };
-    assert_eq!(masters.len(), 5, "five masters");
-    let (proxies, locker) = client(&masters).await;
-    proxies[3].reset();
-    proxies[4].reset();
+    let (proxies, locker) = bare_quorum(&masters).await;
     proxies[2].set_delay(Duration::from_millis(25));
     let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
     let short_rounds = keep_master_2_marked(&locker, &stop);
