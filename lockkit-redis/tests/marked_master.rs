@@ -279,8 +279,8 @@ async fn a_ping_and_an_inspection_count_a_marked_master_that_answers() {
     let pinged = backend.ping().await;
     conclusive(failed_at);
     let failed_at = mark_master_2(&proxies, backend.as_ref(), &grant).await;
-    let inspected = backend.inspect(&key).await;
     conclusive(failed_at);
+    let inspected = backend.inspect(&key).await;
     assert!(
         pinged.is_ok(),
         "masters 0, 1 and 2 answer (master 2 in 20 ms), yet with master 2 marked the health \
@@ -425,5 +425,60 @@ async fn a_key_whose_quorum_needs_a_marked_master_is_granted_while_it_answers() 
          waiting 3 s said {:?} after {took:?}",
         granted + failed,
         waited.map(|_| ())
+    );
+}
+
+/// An inspection's answer depends on which masters list a holder, not only on how many
+/// answered (helper-59's review of a72f7f2): all five masters up, the hold on masters 0, 1
+/// and 2 only (its key deleted on 3 and 4, as a restart without persistence leaves it),
+/// master 2 marked while it answers (20 ms). An inspection that stopped once 0, 1, 3 and 4
+/// answered counted the holder listed by 2 and master 2 silent, and said "may be held"
+/// (retryable), where master 2's answer makes the holder agreed; `holders` alike.
+#[tokio::test]
+async fn an_inspection_waits_for_a_marked_master_that_lists_the_holder() {
+    let Some(masters) = masters() else { return };
+    assert_eq!(masters.len(), 5, "five masters");
+    let (proxies, locker) = client(&masters).await;
+    let backend = locker.backend();
+    let key = key();
+    let request = AcquireRequest::new(key.clone(), OwnerId::random(), TTL, LossSignal::new());
+    let grant = backend
+        .try_acquire(&request)
+        .await
+        .unwrap()
+        .expect("five masters grant");
+    let name = LockNames::new("", &key, false).unwrap().lock;
+    for master in &masters[3..] {
+        let mut admin = redis::Client::open(format!("redis://{master}"))
+            .unwrap()
+            .get_multiplexed_async_connection()
+            .await
+            .unwrap();
+        let _: i64 = admin.del(&name).await.unwrap();
+    }
+    // Each call begins while the mark is set (it reads the marks when it begins; it may
+    // then wait for master 2 past the time the mark could be cleared).
+    let failed_at = mark_master_2(&proxies, backend.as_ref(), &grant).await;
+    conclusive(failed_at);
+    let inspected = backend.inspect(&key).await;
+    let failed_at = mark_master_2(&proxies, backend.as_ref(), &grant).await;
+    conclusive(failed_at);
+    let holders = backend.holders(&key).await;
+    proxies[2].set_delay(Duration::ZERO);
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    let unmarked = backend.inspect(&key).await;
+    let _ = backend.release(&grant).await;
+    assert!(
+        matches!(&unmarked, Ok(Some(_))),
+        "control: with master 2 unmarked the inspection said {unmarked:?}"
+    );
+    assert!(
+        matches!(&inspected, Ok(Some(_))),
+        "masters 0, 1 and 2 hold the key and all five answer (master 2 in 20 ms), yet with \
+         master 2 marked the inspection said: {inspected:?}"
+    );
+    assert!(
+        matches!(&holders, Ok(list) if list.len() == 1),
+        "with master 2 marked, holders said: {holders:?}"
     );
 }

@@ -873,10 +873,10 @@ impl RedlockBackend {
     }
 
     /// Runs `op` on every master at once, each bounded by `timeout`, for a caller that needs
-    /// a quorum of answers (a health check, an inspection): a master whose last request
-    /// failed is waited for while the answers in hand are short of a quorum that the
-    /// answers still out could complete (with the others down, a bare quorum that answers
-    /// would otherwise read as too few while its mark lasts).
+    /// a quorum of answers and nothing else from them (a health check): a master whose last
+    /// request failed is waited for while the answers in hand are short of a quorum that
+    /// the answers still out could complete (with the others down, a bare quorum that
+    /// answers would otherwise read as too few while its mark lasts).
     async fn on_all<T, F, Fut>(&self, timeout: Duration, op: F) -> Vec<Result<T>>
     where
         F: Fn(RedisBackend) -> Fut,
@@ -1921,17 +1921,31 @@ impl RedlockBackend {
         }
     }
 
-    /// Asks every master about `key`; the answers of those that answered, if a quorum did.
+    /// Asks every master about `key` and waits for each (within the response timeout); the
+    /// answers of those that answered, if a quorum did.
     async fn each_master<T, F, Fut>(&self, key: &LockKey, ask: F) -> Result<Vec<T>>
     where
         F: Fn(RedisBackend, LockKey) -> Fut,
         Fut: std::future::Future<Output = Result<T>>,
     {
         let ask = &ask;
+        // Every master is waited for (within the response timeout), a marked one too: which
+        // masters list a holder decides the answer, not how many answered. With a quorum
+        // in hand a marked master's list could still make a holder agreed, or the key
+        // free, or add a reader (helper-59's review).
         let results = self
-            .on_all(self.config.response_timeout, |node| ask(node, key.clone()))
+            .on_masters(
+                self.config.response_timeout,
+                |_| true,
+                |_, node| ask(node, key.clone()),
+                |_| false,
+            )
             .await;
-        let answered: Vec<T> = results.into_iter().filter_map(Result::ok).collect();
+        let answered: Vec<T> = results
+            .into_iter()
+            .flatten()
+            .filter_map(Result::ok)
+            .collect();
         if answered.len() < self.quorum() {
             return Err(Error::backend(
                 BACKEND,
