@@ -246,6 +246,63 @@ async fn tokens_never_fall_behind_the_server_clock_even_after_the_counter_is_los
     second.release().await.unwrap();
 }
 
+/// A new holder's token is the counter plus one when the counter is at or past the clock
+/// (an operator's or a peer's counter far ahead), and the counter follows it; a counter that
+/// is not an integer, or not a string, refuses the grant and is left as it was (as `INCR`
+/// refuses it), with no lock taken.
+#[tokio::test]
+async fn a_counter_ahead_of_the_clock_or_not_a_number_is_respected() {
+    let Some(mut s) = setup("").await else {
+        return;
+    };
+    let counter = format!("redisson_lock_token:{{{}}}", s.name);
+    let ahead: u64 = 4_000_000_000_000_000; // year 2096 in µs: past any clock here
+    let _: () = s.admin.set(&counter, ahead).await.unwrap();
+    let guard = s.locker.acquire(s.name.as_str()).await.unwrap();
+    assert_eq!(
+        guard.token().get(),
+        ahead + 1,
+        "the counter ahead was not counted on"
+    );
+    let counted: u64 = s.admin.get(&counter).await.unwrap();
+    assert_eq!(
+        counted,
+        ahead + 1,
+        "the counter must hold the token handed out"
+    );
+    guard.release().await.unwrap();
+
+    for (what, bad) in [("not an integer", "12abc"), ("a fraction", "1.5")] {
+        let _: () = s.admin.set(&counter, bad).await.unwrap();
+        let refused = s.locker.try_acquire(s.name.as_str()).await;
+        assert!(refused.is_err(), "a counter {what} gave {refused:?}");
+        let kept: String = s.admin.get(&counter).await.unwrap();
+        assert_eq!(kept, bad, "a counter {what} was overwritten");
+        let exists: bool = s.admin.exists(&s.name).await.unwrap();
+        assert!(!exists, "a refused grant left a lock behind ({what})");
+    }
+
+    let _: () = s.admin.del(&counter).await.unwrap();
+    let _: () = s.admin.hset(&counter, "f", "v").await.unwrap();
+    let refused = s.locker.try_acquire(s.name.as_str()).await;
+    assert!(
+        refused.is_err(),
+        "a counter of another type gave {refused:?}"
+    );
+    let kind: String = redis::cmd("TYPE")
+        .arg(&counter)
+        .query_async(&mut s.admin)
+        .await
+        .unwrap();
+    assert_eq!(kind, "hash");
+    let exists: bool = s.admin.exists(&s.name).await.unwrap();
+    assert!(
+        !exists,
+        "a refused grant left a lock behind (a hash counter)"
+    );
+    let _: () = s.admin.del(&counter).await.unwrap();
+}
+
 /// Drives the backend SPI directly, as a client library's retry would.
 fn request(
     name: &str,

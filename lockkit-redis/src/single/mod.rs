@@ -421,7 +421,25 @@ impl RedisBackend {
             ),
             None => (String::new(), "", String::new()),
         };
-        let marker_ms = if marker { wire::WRITER_MARKER_MS } else { 0 };
+        let marker_ms = if marker {
+            wire::WRITER_MARKER_MS.to_string()
+        } else {
+            String::new()
+        };
+        // The script reads an absent argument as an empty one, so the empty ones at the end
+        // (a `try_acquire`'s every one) are not sent: each costs the server an object and a
+        // Lua string per call.
+        let optional = [
+            marker_ms.as_str(),
+            &proposed,
+            &queue_id,
+            may_be_queued,
+            &place_score,
+        ];
+        let optional = &optional[..optional
+            .iter()
+            .rposition(|arg| !arg.is_empty())
+            .map_or(0, |last| last + 1)];
         let config = &self.inner.config;
         let within = config
             .response_timeout
@@ -441,11 +459,7 @@ impl RedisBackend {
                 .arg(req.owner.to_string())
                 .arg(attempt_field(req.attempt))
                 .arg(req.identity.encode())
-                .arg(marker_ms)
-                .arg(&proposed)
-                .arg(&queue_id)
-                .arg(may_be_queued)
-                .arg(&place_score);
+                .arg(optional);
             let outcome: Vec<i64> = script
                 .invoke_async(&mut conn)
                 .await
@@ -467,11 +481,7 @@ impl RedisBackend {
                 .arg(req.owner.to_string())
                 .arg(attempt_field(req.attempt))
                 .arg(req.identity.encode())
-                .arg(marker_ms)
-                .arg(&proposed)
-                .arg(&queue_id)
-                .arg(may_be_queued)
-                .arg(&place_score)
+                .arg(optional)
                 .cmd("WAIT")
                 .arg(wanted)
                 .arg(ttl_millis(self.inner.config.wait_replicas_timeout));

@@ -154,11 +154,12 @@ pub(crate) const MAX_TTL_MS: u64 = 1_000_000_000_000;
 
 /// KEYS: lock, token, waiting writers (`S(n):lockkit_wwait`, see [`KindNames`]), waiter
 /// queue ([`queue_of`]), release channel. ARGV: ttl ms, owner field, attempt field (`''`: none), the holder's
-/// identity (`''`: none; stored in [`HOLDER_FIELD`] by a new holder only), marker ms (`0`:
-/// do not mark), a proposed token (decimal, below 2^53; `''` or absent: none), the waiter's
+/// identity (`''`: none; stored in [`HOLDER_FIELD`] by a new holder only), marker ms (`0`,
+/// `''` or absent: do not mark), a proposed token (decimal, below 2^53; `''` or absent: none), the waiter's
 /// queue id (`''` or absent: does not queue; else decimal, at least [`NAMED_WAITER_MIN`]),
 /// `1` when an earlier attempt of the same wait may have queued it (its grant then
 /// leaves the queue), and the score of the place the wait had (`''` or absent: none).
+/// ARGV[1] is the TTL in canonical decimal (no sign, no leading zero, no exponent).
 ///
 /// A waiter that finds the key held by others in Redisson's layout queues (keeping its
 /// place if it is queued already, see [`queue_of`]) and flags the hold ([`QUEUE_FIELD`]),
@@ -210,7 +211,7 @@ pub(crate) static ACQUIRE: LazyLock<Script> = LazyLock::new(|| Script::new(ACQUI
 /// write for `WAIT` to count even when nothing else changes.
 pub(crate) const ACQUIRE_LUA: &str = r"
 local ttl = tonumber(ARGV[1])
-if not ttl or ttl < 1 or ttl > 1000000000000 then
+if not ttl or ttl < 1 or ttl > 1000000000000 or not string.match(ARGV[1], '^[1-9]%d*$') then
   return redis.error_reply('ERR lockkit: lease of ' .. tostring(ARGV[1]) .. ' ms is out of range')
 end
 local t = redis.call('type', KEYS[1]).ok
@@ -235,26 +236,43 @@ if t == 'none' then
       floor = proposed
     end
   end
-  local token = redis.call('incr', KEYS[2])
-  if token < tonumber(floor) then
-    redis.call('set', KEYS[2], floor)
-    token = tonumber(floor)
+  local token = tonumber(floor)
+  local before = redis.pcall('set', KEYS[2], floor, 'GET')
+  if type(before) == 'table' and before.err then
+    token = redis.call('incr', KEYS[2])
+    if token < tonumber(floor) then
+      redis.call('set', KEYS[2], floor)
+      token = tonumber(floor)
+    else
+      floor = string.format('%.0f', token)
+    end
+  elseif before then
+    local last = string.match(before, '^%-?%d+$') and tonumber(before)
+    if not last then
+      redis.call('set', KEYS[2], before)
+      return redis.error_reply('ERR value is not an integer or out of range')
+    end
+    if last >= token then
+      token = last + 1
+      floor = string.format('%.0f', token)
+      redis.call('set', KEYS[2], floor)
+    end
   end
-  local fields = {'hset', KEYS[1], ARGV[2], 1, 'lockkit-token', 't' .. string.format('%.0f', token)}
+  local fields = {'hset', KEYS[1], ARGV[2], '1', 'lockkit-token', 't' .. floor}
   if others_queued then
     fields[#fields + 1] = 'lockkit-queue'
     fields[#fields + 1] = 'q'
   end
   if ARGV[3] ~= '' then
     fields[#fields + 1] = ARGV[3]
-    fields[#fields + 1] = 1
+    fields[#fields + 1] = '1'
   end
   if ARGV[4] and ARGV[4] ~= '' then
     fields[#fields + 1] = 'lockkit-holder'
     fields[#fields + 1] = ARGV[4]
   end
   redis.call(unpack(fields))
-  redis.call('pexpire', KEYS[1], ttl)
+  redis.call('pexpire', KEYS[1], ARGV[1])
   return {1, token, 1}
 end
 if t == 'hash' and redis.call('hexists', KEYS[1], 'mode') == 1 then
@@ -371,7 +389,7 @@ if found[4] then
   local next = redis.pcall('zpopmin', KEYS[3])
   if type(next) == 'table' and next[1] then redis.call('publish', KEYS[2], next[1]) end
 end
-redis.call('publish', KEYS[2], 0)
+redis.call('publish', KEYS[2], '0')
 return 0
 ",
     )
