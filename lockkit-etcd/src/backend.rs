@@ -878,6 +878,9 @@ impl EtcdBackend {
             .held
             .forget(held.owner, &held.key, held.slot, held);
         let lost = held.loss.is_fired();
+        // The mark is put again by a retried try: a try that failed on the way leaves the
+        // key (and so the compare) as it was. A compare that fails found the key gone or
+        // re-created (the `or_else` branch reads it).
         let mark = Txn::new()
             .when([Compare::create_revision(
                 held.name.clone(),
@@ -888,30 +891,87 @@ impl EtcdBackend {
                 format!("{}{DOWNGRADED}", held.name),
                 "",
                 Some(PutOptions::new().with_lease(held.lease.id)),
+            )])
+            .or_else([TxnOp::get(
+                held.name.clone(),
+                Some(GetOptions::new().with_keys_only()),
             )]);
-        let tries = std::sync::atomic::AtomicU32::new(0);
         let send = |mut client: Client| {
             let mark = mark.clone();
-            tries.fetch_add(1, Ordering::SeqCst);
             async move { client.txn(mark).await }
         };
         let marked = self
             .ask_within_limit(send, "marking the write key as kept for a downgraded read")
             .await;
-        let retried = tries.load(Ordering::SeqCst) > 1;
         // The read may have ended meanwhile and taken the key and its lease with it (the
         // mark then finds no key, or no lease): no loss either.
         let read_took_it = held.lease.lost().is_none() && held.lease.is_over();
-        match marked {
-            Ok(answer) if (answer.succeeded() || retried || read_took_it) && !lost => {
-                Ok(Released::Fully)
-            }
-            Err(_) if read_took_it && !lost => Ok(Released::Fully),
-            Err(e) => Err(e),
-            Ok(_) => Err(Error::NotHeld {
+        let lasted = match marked {
+            Ok(answer) if answer.succeeded() => true,
+            Ok(answer) if read_took_it => self.revoked_for_read(held, &answer).await?,
+            Ok(_) => false,
+            Err(_) if read_took_it => true,
+            Err(e) => return Err(e),
+        };
+        if lasted && !lost {
+            Ok(Released::Fully)
+        } else {
+            Err(Error::NotHeld {
                 key: grant.key.clone(),
-            }),
+            })
         }
+    }
+
+    /// For a write let go while a downgraded read relied on it, whose mark found the key
+    /// not `held`'s (`answer`, the `or_else` branch: the key as read then) after the read
+    /// ended and so ended the write's lease: whether that lease's revocation took the key.
+    ///
+    /// Not when the key was re-created under another create revision, nor while the lease
+    /// is still alive on the cluster (the key went without it: deleted by someone else).
+    /// A lease gone is taken as this client's revocation; an expiry or an operator's
+    /// revocation just before it is not told apart (reported as released), nor is a key
+    /// deleted without its lease just before the revocation.
+    async fn revoked_for_read(&self, held: &Held, answer: &TxnResponse) -> Result<bool> {
+        if !range_of(answer, 0).is_empty() {
+            return Ok(false);
+        }
+        Ok(!self.lease_alive(held.lease.id).await?)
+    }
+
+    /// Whether etcd lease `id` is alive on the cluster (its `LeaseTimeToLive`); the
+    /// error when no member answers within the request limit.
+    async fn lease_alive(&self, id: i64) -> Result<bool> {
+        let read = |mut client: Client| async move { client.lease_time_to_live(id, None).await };
+        let left = self.ask_within_limit(read, "reading a lease").await?;
+        // A lease the cluster no longer knows answers -1; 0 is about to expire (taken as
+        // gone: the holder's keep-alives have gone unconfirmed for its whole TTL).
+        Ok(left.ttl() > 0)
+    }
+
+    /// For a release whose deletion of `held`'s key was sent more than once and whose
+    /// answered try found the key not `held`'s (`answer`, the `or_else` branch: the key as
+    /// read then): whether an earlier try, whose answer was lost, deleted it while it was
+    /// still `held`'s.
+    ///
+    /// Only when the key is gone and its lease is still alive on the cluster: the key
+    /// lives on that lease, and this client revokes the lease only after the release (the
+    /// keeper keeps it alive meanwhile; [`Lease::lose`] is a no-op once releasing), so a
+    /// key that went with its lease (expired, or revoked by an operator) was lost before
+    /// the deletion. A key found again under another create revision (deleted and
+    /// re-created by someone else) is a loss too. Without an answer about the lease, the
+    /// error: no claim either way.
+    ///
+    /// What no evidence here tells apart (reported as released): the key deleted without
+    /// its lease (`etcdctl del`, an operator's delete) after the watch on the hold's own key
+    /// last told this client, and before the retried try, when the first try failed on the
+    /// way. A deletion the holder heard of before the release began fired its loss signal,
+    /// and is reported as a loss.
+    async fn took_it_before(&self, held: &Held, answer: &TxnResponse) -> Result<bool> {
+        if !range_of(answer, 0).is_empty() {
+            // Another key of the same name: ours was deleted, by someone else.
+            return Ok(false);
+        }
+        self.lease_alive(held.lease.id).await
     }
 
     /// What is left of etcd lease `lease` (`None`: no lease, gone, or no answer).
@@ -1195,15 +1255,20 @@ impl LockBackend for EtcdBackend {
         let _end = EndOnDrop(&held.lease);
         let lost = held.loss.is_fired();
         // Delete the key if it is still ours (saying whether the hold lasted), then revoke
-        // the lease in the background (it carries nothing after that). A try that failed
-        // on the way may have deleted it: a later try that finds it gone is no loss.
+        // the lease in the background (it carries nothing after that). Otherwise read the
+        // key: a try that failed on the way may have deleted it (see
+        // [`Self::took_it_before`]).
         let delete = Txn::new()
             .when([Compare::create_revision(
                 held.name.clone(),
                 CompareOp::Equal,
                 held.revision,
             )])
-            .and_then([TxnOp::delete(held.name.clone(), None)]);
+            .and_then([TxnOp::delete(held.name.clone(), None)])
+            .or_else([TxnOp::get(
+                held.name.clone(),
+                Some(GetOptions::new().with_keys_only()),
+            )]);
         let tries = std::sync::atomic::AtomicU32::new(0);
         let send = |mut client: Client| {
             let delete = delete.clone();
@@ -1221,11 +1286,15 @@ impl LockBackend for EtcdBackend {
             // Waiters behind the write key may enter once this returns.
             Self::give_up(&write.lease).await;
         }
-        match deleted? {
-            answer if (answer.succeeded() || retried) && !lost => Ok(Released::Fully),
-            _ => Err(Error::NotHeld {
+        let answer = deleted?;
+        let lasted = !lost
+            && (answer.succeeded() || (retried && self.took_it_before(&held, &answer).await?));
+        if lasted {
+            Ok(Released::Fully)
+        } else {
+            Err(Error::NotHeld {
                 key: grant.key.clone(),
-            }),
+            })
         }
     }
 
