@@ -211,6 +211,16 @@ async fn release_with_first_answer_lost(
     (outcome, sent)
 }
 
+/// `setup`'s key held with a lease that outlives the test.
+async fn hold(setup: &Setup) -> lockkit_core::LockGuard {
+    setup
+        .holder
+        .acquire(&setup.key)
+        .ttl(Duration::from_secs(600))
+        .await
+        .unwrap()
+}
+
 /// The honest case: the first try deleted the key, its answer was lost, the retry finds the
 /// key gone. The hold lasted until then: released fully.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -218,12 +228,7 @@ async fn a_release_whose_first_answer_was_lost_is_still_full() {
     let Some(mut setup) = setup("release-retry-honest").await else {
         return;
     };
-    let guard = setup
-        .holder
-        .acquire(&setup.key)
-        .ttl(Duration::from_secs(600))
-        .await
-        .unwrap();
+    let guard = hold(&setup).await;
     let (name, _, _) = the_key(&mut setup.admin, &setup.range).await.unwrap();
     let (outcome, sent) = release_with_first_answer_lost(&mut setup, guard, async |_, _| {}).await;
     assert!(sent >= 2, "{sent} reads from the holder: no retry");
@@ -242,12 +247,7 @@ async fn a_retried_release_of_a_hold_whose_lease_was_revoked_reports_the_loss() 
     let Some(mut setup) = setup("release-retry-revoked").await else {
         return;
     };
-    let guard = setup
-        .holder
-        .acquire(&setup.key)
-        .ttl(Duration::from_secs(600))
-        .await
-        .unwrap();
+    let guard = hold(&setup).await;
     let (outcome, sent) =
         release_with_first_answer_lost(&mut setup, guard, async |admin, range| {
             let (_, lease, _) = the_key(admin, range).await.unwrap();
@@ -270,12 +270,7 @@ async fn a_retried_release_of_a_hold_whose_key_was_recreated_reports_the_loss() 
     let Some(mut setup) = setup("release-retry-recreated").await else {
         return;
     };
-    let guard = setup
-        .holder
-        .acquire(&setup.key)
-        .ttl(Duration::from_secs(600))
-        .await
-        .unwrap();
+    let guard = hold(&setup).await;
     let (outcome, sent) =
         release_with_first_answer_lost(&mut setup, guard, async |admin, range| {
             let (name, lease, revision) = the_key(admin, range).await.unwrap();
