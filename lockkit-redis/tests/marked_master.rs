@@ -18,7 +18,7 @@ use lockkit_conformance::{FaultProxy, ProxiedClients, env};
 use lockkit_core::LockBackend;
 use lockkit_core::spi::{AcquireRequest, Grant};
 use lockkit_core::{Error, LockKey, LockKind, Locker, LossSignal, OwnerId};
-use lockkit_redis::{LockNames, RedlockBackend};
+use lockkit_redis::{LockNames, RedisBackend, RedlockBackend};
 use redis::AsyncCommands;
 use uuid::Uuid;
 
@@ -482,5 +482,60 @@ async fn an_inspection_waits_for_a_marked_master_that_lists_the_holder() {
     assert!(
         matches!(&holders, Ok(list) if list.len() == 1),
         "with master 2 marked, holders said: {holders:?}"
+    );
+}
+
+/// One owner never holds a key under two tokens (the fresh-clone CI's finding on a6550e6 in
+/// `redlock::histories_stay_linear`): another attempt of the owner took the key first on
+/// master 2 under a higher token (stood in for by a hold taken on master 2 alone, its
+/// counter 10 s ahead), so this owner's round is a re-entry there, answering that token,
+/// and fresh grants on masters 0, 1, 3 and 4. With master 2 marked (50 ms each way, within
+/// a 1 s per-master timeout), a round that stopped on the quorum of fresh grants kept its
+/// own lower token; one that waits for master 2 takes the highest of all.
+#[tokio::test]
+async fn a_round_that_may_be_granted_waits_for_a_marked_masters_higher_token() {
+    let Some(masters) = masters() else { return };
+    assert_eq!(masters.len(), 5, "five masters");
+    let (proxies, hosts) = ProxiedClients::<RedlockBackend>::start_proxies(&masters).await;
+    let backend = RedlockBackend::connect(&format!("redlock://{hosts}?node_timeout=1s"))
+        .await
+        .unwrap();
+    let (key, owner) = (key(), OwnerId::random());
+    let mut admin = redis::Client::open(format!("redis://{}", masters[2]))
+        .unwrap()
+        .get_multiplexed_async_connection()
+        .await
+        .unwrap();
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH);
+    let ahead = now.unwrap().as_micros() + 10_000_000;
+    let token_name = LockNames::new("", &key, false).unwrap().token;
+    let () = admin.set(&token_name, ahead.to_string()).await.unwrap();
+    let first = AcquireRequest::new(key.clone(), owner, TTL, LossSignal::new());
+    let on_2 = RedisBackend::connect(&format!("redis://{}", masters[2]))
+        .await
+        .unwrap()
+        .try_acquire(&first)
+        .await
+        .unwrap()
+        .expect("master 2 is free");
+    let failed_at = mark_master_2(&proxies, &backend, &on_2).await;
+    proxies[2].set_delay(Duration::from_millis(50));
+    let began = failed_at.elapsed();
+    let second = AcquireRequest::new(key.clone(), owner, TTL, LossSignal::new());
+    let granted = backend.try_acquire(&second).await;
+    proxies[2].set_delay(Duration::ZERO);
+    assert!(
+        began < Duration::from_millis(150),
+        "inconclusive: the round began {began:?} after master 2 failed"
+    );
+    let granted = granted.unwrap().expect("five masters grant");
+    let _ = backend.release(&granted).await;
+    assert!(
+        granted.token >= on_2.token,
+        "owner {owner} holds the key under token {} on master 2, yet its round with master \
+         2 marked was granted token {} (depth {}): two tokens for one owner",
+        on_2.token,
+        granted.token,
+        granted.depth
     );
 }
