@@ -6,7 +6,7 @@
 //! quorum without it) and helper-58's (outcomes it could still change: not held, busy,
 //! refused), and the health check and inspection after them.
 //!
-//! Master 2 is marked by one failed request (its link cut), then answers again, 20-25 ms
+//! Master 2 is marked by one failed request (its link cut), then answers again, 5-12 ms
 //! each way (well within the 100 ms per-master timeout of a lease of seconds). An operation
 //! under test comes well within the 200 ms before the background PING can clear the mark,
 //! or the test says it is inconclusive; or short rounds of a 100 ms lease (a 10 ms
@@ -51,15 +51,27 @@ async fn bare_quorum(masters: &[String]) -> (Vec<FaultProxy>, Locker) {
 }
 
 /// Grants `request` on masters 0, 1 and 2 (3 and 4 down, see [`bare_quorum`]).
+/// A round that missed a master's 100 ms on a loaded machine (each of the three is needed)
+/// gives its grants back and is tried again, five times at most.
 async fn on_masters_0_1_2(backend: &dyn LockBackend, request: &AcquireRequest) -> Grant {
-    backend
-        .try_acquire(request)
-        .await
-        .unwrap()
-        .expect("masters 0, 1 and 2 are a quorum")
+    let mut tries = Vec::new();
+    for _ in 0..5 {
+        match backend.try_acquire(request).await {
+            Ok(Some(grant)) => return grant,
+            other => tries.push(format!("{:?}", other.map(|g| g.map(|g| g.token)))),
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    panic!("masters 0, 1 and 2 are a quorum, yet five rounds said: {tries:?}")
 }
 
 const TTL: Duration = Duration::from_secs(10);
+
+/// Master 2's delay each way while [`keep_master_2_marked`] runs: a round trip past the
+/// 10 ms per-master timeout of a 100 ms lease, so those rounds fail there, and far within
+/// the 100 ms of a lease of seconds, also when a loaded CI machine and the proxy's queue of
+/// the short rounds' chunks add to it (25 ms each way missed it there now and then).
+const SLOWER_THAN_SHORT_ROUNDS: Duration = Duration::from_millis(12);
 
 /// Marks master 2: its link is cut for one renewal of `grant` (which fails there), then it
 /// answers again, 5 ms each way: after masters 0 and 1, and well within the 100 ms
@@ -105,7 +117,8 @@ async fn leases(masters: &[String], key: &LockKey) -> Vec<Option<Duration>> {
 }
 
 /// Takes locks of a 100 ms lease (a 10 ms per-master timeout) on fresh keys every 5 ms
-/// until `stop`: with master 2 25 ms each way, each round fails there and keeps it marked.
+/// until `stop`: with master 2 [`SLOWER_THAN_SHORT_ROUNDS`] each way, each round fails there
+/// and keeps it marked.
 /// Answers how many rounds it made.
 fn keep_master_2_marked(
     locker: &Locker,
@@ -342,7 +355,7 @@ async fn a_renewal_waits_for_a_marked_master_while_the_answers_in_hand_are_short
 
 /// The watchdog's view of the same state, kept up: a hold of a 3 s lease granted on masters
 /// 0, 1, 2 (3 and 4 stay down) while the same backend also takes locks of a 100 ms lease
-/// elsewhere. Master 2's proxy delays each way by 25 ms: within the 100 ms per-master
+/// elsewhere. Master 2's proxy delays each way by 12 ms: within the 100 ms per-master
 /// timeout of the long lease, past the 10 ms one of the short leases, whose rounds
 /// therefore fail there and keep master 2 marked (each mark cleared by a PING 200 ms later,
 /// and set again by the next short round). Masters 0, 1 and 2 hold the long hold and renew
@@ -361,7 +374,7 @@ async fn a_hold_on_a_bare_quorum_is_not_lost_while_one_of_its_masters_is_kept_ma
         .await
         .unwrap()
         .expect("masters 0, 1 and 2 are a quorum");
-    proxies[2].set_delay(Duration::from_millis(25));
+    proxies[2].set_delay(SLOWER_THAN_SHORT_ROUNDS);
     let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
     let short_rounds = keep_master_2_marked(&locker, &stop);
     let watched = Duration::from_secs(10);
@@ -380,7 +393,7 @@ async fn a_hold_on_a_bare_quorum_is_not_lost_while_one_of_its_masters_is_kept_ma
     guard.release().await.unwrap();
 }
 
-/// Acquisitions in the state of the test above: masters 0, 1, 2 answer (master 2 25 ms each
+/// Acquisitions in the state of the test above: masters 0, 1, 2 answer (master 2 12 ms each
 /// way, within the 100 ms per-master timeout of a 3 s lease), 3 and 4 are down, and master
 /// 2 is kept marked "last request failed" by the rounds of a 100 ms lease. A round that does
 /// not wait for master 2 once 0 and 1 granted is short of a quorum: with the renewal fix
@@ -391,7 +404,7 @@ async fn a_hold_on_a_bare_quorum_is_not_lost_while_one_of_its_masters_is_kept_ma
 async fn a_key_whose_quorum_needs_a_marked_master_is_granted_while_it_answers() {
     let Some(masters) = masters() else { return };
     let (proxies, locker) = bare_quorum(&masters).await;
-    proxies[2].set_delay(Duration::from_millis(25));
+    proxies[2].set_delay(SLOWER_THAN_SHORT_ROUNDS);
     let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
     let short_rounds = keep_master_2_marked(&locker, &stop);
     tokio::time::sleep(Duration::from_millis(500)).await;
