@@ -272,12 +272,39 @@ async fn a_counter_ahead_of_the_clock_or_not_a_number_is_respected() {
     );
     guard.release().await.unwrap();
 
-    for (what, bad) in [("not an integer", "12abc"), ("a fraction", "1.5")] {
+    // Past 2^53 the script cannot count in Lua's doubles: `INCR` counts, exactly, and the
+    // counter never goes back, also between grants and a Redisson client's `INCR`s
+    // (helper-62's review: the first cut set it back from 2^53 + 1 to 2^53).
+    let near: u64 = (1 << 53) - 1;
+    let _: () = s.admin.set(&counter, near).await.unwrap();
+    let mut last = near;
+    for _ in 0..2 {
+        let guard = s.locker.acquire(s.name.as_str()).await.unwrap();
+        guard.release().await.unwrap();
+        let counted: u64 = s.admin.get(&counter).await.unwrap();
+        assert_eq!(counted, last + 1, "a grant past 2^53 did not count by one");
+        let redisson: u64 = s.admin.incr(&counter, 1).await.unwrap();
+        assert_eq!(redisson, last + 2);
+        last += 2;
+    }
+
+    // What `INCR` refuses (not an integer, leading zeros, past 2^63 - 1) is refused, and
+    // left as it was, its TTL with it.
+    for (what, bad) in [
+        ("not an integer", "12abc"),
+        ("a fraction", "1.5"),
+        ("with leading zeros", "007"),
+        ("at 2^63 - 1", "9223372036854775807"),
+        ("past 2^64", "99999999999999999999"),
+    ] {
         let _: () = s.admin.set(&counter, bad).await.unwrap();
+        let _: () = s.admin.pexpire(&counter, 600_000).await.unwrap();
         let refused = s.locker.try_acquire(s.name.as_str()).await;
         assert!(refused.is_err(), "a counter {what} gave {refused:?}");
         let kept: String = s.admin.get(&counter).await.unwrap();
         assert_eq!(kept, bad, "a counter {what} was overwritten");
+        let ttl: i64 = s.admin.pttl(&counter).await.unwrap();
+        assert!(ttl > 0, "a counter {what} lost its TTL");
         let exists: bool = s.admin.exists(&s.name).await.unwrap();
         assert!(!exists, "a refused grant left a lock behind ({what})");
     }

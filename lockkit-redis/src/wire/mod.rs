@@ -198,6 +198,14 @@ pub(crate) const MAX_TTL_MS: u64 = 1_000_000_000_000;
 /// before, unless clocks stepped back by more than the time since those grants; and the
 /// counter still only grows. Values stay below 2^53, so the Lua arithmetic is exact.
 ///
+/// The counter is raised with one `SET … KEEPTTL GET` (the floor), whose answer (the old
+/// counter) decides: at or past the floor, a second `SET` writes the counter plus one. An
+/// old counter that this cannot count exactly (not the canonical decimal of an integer from
+/// 0 to 2^53 - 2: negative, leading zeros, past 2^53, not a number) is put back as it was,
+/// and `INCR` counts it as before (or refuses it, as before); so does a server before
+/// Redis 6.2, which refuses the `GET` option without writing. The counter's TTL, if anyone
+/// set one, is kept on this path (the clock-raising `SET` of `INCR`'s path drops it).
+///
 /// A new holder's token is also kept in the hash ([`TOKEN_FIELD`]); a re-entry reports the
 /// counter, or that token when the counter is behind it (and raises the counter to it).
 ///
@@ -237,8 +245,12 @@ if t == 'none' then
     end
   end
   local token = tonumber(floor)
-  local before = redis.pcall('set', KEYS[2], floor, 'GET')
-  if type(before) == 'table' and before.err then
+  local before = redis.pcall('set', KEYS[2], floor, 'KEEPTTL', 'GET')
+  local exact = before == false or before == '0' or (type(before) == 'string'
+    and string.match(before, '^[1-9]%d*$') ~= nil
+    and (#before < 16 or (#before == 16 and before <= '9007199254740990')))
+  if not exact then
+    if type(before) == 'string' then redis.call('set', KEYS[2], before, 'KEEPTTL') end
     token = redis.call('incr', KEYS[2])
     if token < tonumber(floor) then
       redis.call('set', KEYS[2], floor)
@@ -247,15 +259,11 @@ if t == 'none' then
       floor = string.format('%.0f', token)
     end
   elseif before then
-    local last = string.match(before, '^%-?%d+$') and tonumber(before)
-    if not last then
-      redis.call('set', KEYS[2], before)
-      return redis.error_reply('ERR value is not an integer or out of range')
-    end
+    local last = tonumber(before)
     if last >= token then
       token = last + 1
       floor = string.format('%.0f', token)
-      redis.call('set', KEYS[2], floor)
+      redis.call('set', KEYS[2], floor, 'KEEPTTL')
     end
   end
   local fields = {'hset', KEYS[1], ARGV[2], '1', 'lockkit-token', 't' .. floor}
