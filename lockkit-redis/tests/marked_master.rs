@@ -99,6 +99,20 @@ fn conclusive(failed_at: Instant) {
     );
 }
 
+/// Deletes `key`'s lock on `masters` (asked directly, not through a proxy), as a restart
+/// without persistence would.
+async fn forget_on(masters: &[String], key: &LockKey) {
+    let name = LockNames::new("", key, false).unwrap().lock;
+    for master in masters {
+        let mut admin = redis::Client::open(format!("redis://{master}"))
+            .unwrap()
+            .get_multiplexed_async_connection()
+            .await
+            .unwrap();
+        let _: i64 = admin.del(&name).await.unwrap();
+    }
+}
+
 /// The lease left of `key`'s hold on each master (asked directly, not through a proxy);
 /// `None` where it is not held.
 async fn leases(masters: &[String], key: &LockKey) -> Vec<Option<Duration>> {
@@ -153,15 +167,7 @@ async fn a_renewal_that_no_quorum_can_hold_is_not_held_while_one_of_its_masters_
     let key = key();
     let request = AcquireRequest::new(key.clone(), OwnerId::random(), TTL, LossSignal::new());
     let grant = on_masters_0_1_2(backend.as_ref(), &request).await;
-    let name = LockNames::new("", &key, false).unwrap().lock;
-    for master in &masters[..3] {
-        let mut admin = redis::Client::open(format!("redis://{master}"))
-            .unwrap()
-            .get_multiplexed_async_connection()
-            .await
-            .unwrap();
-        let _: i64 = admin.del(&name).await.unwrap();
-    }
+    forget_on(&masters[..3], &key).await;
     let failed_at = mark_master_2(&proxies, backend.as_ref(), &grant).await;
     let renewed = backend.renew(&grant, TTL).await;
     conclusive(failed_at);
@@ -462,15 +468,7 @@ async fn an_inspection_waits_for_a_marked_master_that_lists_the_holder() {
         .await
         .unwrap()
         .expect("five masters grant");
-    let name = LockNames::new("", &key, false).unwrap().lock;
-    for master in &masters[3..] {
-        let mut admin = redis::Client::open(format!("redis://{master}"))
-            .unwrap()
-            .get_multiplexed_async_connection()
-            .await
-            .unwrap();
-        let _: i64 = admin.del(&name).await.unwrap();
-    }
+    forget_on(&masters[3..], &key).await;
     // Each call begins while the mark is set (it reads the marks when it begins; it may
     // then wait for master 2 past the time the mark could be cleared).
     let failed_at = mark_master_2(&proxies, backend.as_ref(), &grant).await;
