@@ -244,29 +244,25 @@ if t == 'none' then
       floor = proposed
     end
   end
-  local token = tonumber(floor)
+  local token, token_text = tonumber(floor), floor
   local before = redis.pcall('set', KEYS[2], floor, 'KEEPTTL', 'GET')
   local exact = before == false or before == '0' or (type(before) == 'string'
     and string.match(before, '^[1-9]%d*$') ~= nil
     and (#before < 16 or (#before == 16 and before <= '9007199254740990')))
   if not exact then
     if type(before) == 'string' then redis.call('set', KEYS[2], before, 'KEEPTTL') end
-    token = redis.call('incr', KEYS[2])
-    if token < tonumber(floor) then
+    local counted = redis.call('incr', KEYS[2])
+    if counted < token then
       redis.call('set', KEYS[2], floor)
-      token = tonumber(floor)
     else
-      floor = string.format('%.0f', token)
+      token, token_text = counted, string.format('%.0f', counted)
     end
-  elseif before then
-    local last = tonumber(before)
-    if last >= token then
-      token = last + 1
-      floor = string.format('%.0f', token)
-      redis.call('set', KEYS[2], floor, 'KEEPTTL')
-    end
+  elseif before and tonumber(before) >= token then
+    token = tonumber(before) + 1
+    token_text = string.format('%.0f', token)
+    redis.call('set', KEYS[2], token_text, 'KEEPTTL')
   end
-  local fields = {'hset', KEYS[1], ARGV[2], '1', 'lockkit-token', 't' .. floor}
+  local fields = {'hset', KEYS[1], ARGV[2], '1', 'lockkit-token', 't' .. token_text}
   if others_queued then
     fields[#fields + 1] = 'lockkit-queue'
     fields[#fields + 1] = 'q'
