@@ -99,16 +99,21 @@ fn conclusive(failed_at: Instant) {
     );
 }
 
+/// A connection straight to `master`, not through a proxy.
+async fn admin(master: &str) -> redis::aio::MultiplexedConnection {
+    redis::Client::open(format!("redis://{master}"))
+        .unwrap()
+        .get_multiplexed_async_connection()
+        .await
+        .unwrap()
+}
+
 /// Deletes `key`'s lock on `masters` (asked directly, not through a proxy), as a restart
 /// without persistence would.
 async fn forget_on(masters: &[String], key: &LockKey) {
     let name = LockNames::new("", key, false).unwrap().lock;
     for master in masters {
-        let mut admin = redis::Client::open(format!("redis://{master}"))
-            .unwrap()
-            .get_multiplexed_async_connection()
-            .await
-            .unwrap();
+        let mut admin = admin(master).await;
         let _: i64 = admin.del(&name).await.unwrap();
     }
 }
@@ -119,11 +124,7 @@ async fn leases(masters: &[String], key: &LockKey) -> Vec<Option<Duration>> {
     let name = LockNames::new("", key, false).unwrap().lock;
     let mut leases = Vec::new();
     for master in masters {
-        let mut admin = redis::Client::open(format!("redis://{master}"))
-            .unwrap()
-            .get_multiplexed_async_connection()
-            .await
-            .unwrap();
+        let mut admin = admin(master).await;
         let left: i64 = admin.pttl(&name).await.unwrap();
         leases.push(u64::try_from(left).ok().map(Duration::from_millis));
     }
@@ -512,11 +513,7 @@ async fn a_round_that_may_be_granted_waits_for_a_marked_masters_higher_token() {
         .await
         .unwrap();
     let (key, owner) = (key(), OwnerId::random());
-    let mut admin = redis::Client::open(format!("redis://{}", masters[2]))
-        .unwrap()
-        .get_multiplexed_async_connection()
-        .await
-        .unwrap();
+    let mut admin = admin(&masters[2]).await;
     let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH);
     let ahead = now.unwrap().as_micros() + 10_000_000;
     let token_name = LockNames::new("", &key, false).unwrap().token;
